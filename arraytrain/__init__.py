@@ -1,0 +1,57 @@
+"""arraytrain: a framework-agnostic training engine on flat NumPy buffers.
+
+Parameters, gradients and optimizer state live in flat 1-D buffers; each
+parameter is a named view. Gradients arrive as arrays from any framework and
+one fused numba kernel per stage does the rest of the training step.
+"""
+
+from . import optim
+from .accumulate import AccumulationConfig, AccumulationStats, GradientAccumulator
+from .buffer import FlatBuffer
+from .engine import Engine, StepReport
+from .errors import (
+    AccumulationError,
+    AccumulatorFullError,
+    AliasingError,
+    ArrayTrainError,
+    BackendError,
+    BackendUnavailableError,
+    DTypeError,
+    HyperparameterError,
+    LayoutError,
+    MissingGradientError,
+    NoGradientsError,
+    ReadOnlyError,
+    ShapeMismatchError,
+    StateDictError,
+    UnknownParameterError,
+)
+from .layout import Layout
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AccumulationConfig",
+    "AccumulationError",
+    "AccumulationStats",
+    "AccumulatorFullError",
+    "AliasingError",
+    "ArrayTrainError",
+    "BackendError",
+    "BackendUnavailableError",
+    "DTypeError",
+    "Engine",
+    "FlatBuffer",
+    "GradientAccumulator",
+    "HyperparameterError",
+    "Layout",
+    "LayoutError",
+    "MissingGradientError",
+    "NoGradientsError",
+    "ReadOnlyError",
+    "ShapeMismatchError",
+    "StateDictError",
+    "StepReport",
+    "UnknownParameterError",
+    "optim",
+]

@@ -1,0 +1,195 @@
+"""GradientAccumulator: the semantics of tensorlogic-train's accumulator, on a flat buffer.
+
+Each registered parameter keeps its own count of micro-batches seen (and the
+sum of their weights); ``get_gradients`` divides each parameter's sum by its
+own total weight, so a parameter that skipped a micro-batch is averaged over
+the micro-batches it took part in. The sums live in one flat buffer and are
+written by the same numba kernels the Engine uses.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import _intake
+from .backend import kernels_for
+from .buffer import FlatBuffer
+from .errors import (
+    AccumulatorFullError,
+    HyperparameterError,
+    NoGradientsError,
+    ShapeMismatchError,
+    UnknownParameterError,
+)
+from .layout import Layout, _check_shape
+from .ops import clip_coef, norm_pass
+
+
+@dataclass(frozen=True)
+class AccumulationConfig:
+    """How many micro-batches make one update, whether to average, and clipping."""
+
+    accumulation_steps: int = 4
+    normalize: bool = True
+    max_grad_norm: float | None = None
+
+    def __post_init__(self):
+        k = self.accumulation_steps
+        if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 1:
+            raise HyperparameterError(f"accumulation_steps: expected an int >= 1, got {k!r}")
+        if not isinstance(self.normalize, bool):
+            raise HyperparameterError(f"normalize: expected a bool, got {self.normalize!r}")
+        m = self.max_grad_norm
+        if m is not None and (isinstance(m, bool) or not isinstance(m, numbers.Real)
+                              or not math.isfinite(m) or m <= 0):
+            raise HyperparameterError(f"max_grad_norm: expected None or a finite number > 0, got {m!r}")
+
+    def effective_batch_size(self, micro_batch_size: int) -> int:
+        """Samples per update: ``micro_batch_size * accumulation_steps``."""
+        if isinstance(micro_batch_size, bool) or not isinstance(micro_batch_size, numbers.Integral) \
+                or micro_batch_size < 0:
+            raise HyperparameterError(f"micro_batch_size: expected an int >= 0, got {micro_batch_size!r}")
+        return int(micro_batch_size) * self.accumulation_steps
+
+
+@dataclass(frozen=True)
+class AccumulationStats:
+    total_micro_batches: int
+    total_updates: int
+    accumulation_steps: int
+    registered_params: int
+    total_param_elements: int
+
+    def effective_batch_multiplier(self) -> int:
+        return self.accumulation_steps
+
+
+class GradientAccumulator:
+    """Sum gradients of k micro-batches per parameter; hand back their mean (or sum).
+
+    ``accumulate(name, grad, weight=n)`` adds ``n * grad`` and ``n`` to the
+    parameter's total weight, so ``get_gradients`` returns the weighted mean
+    (e.g. token-weighted for variable-length batches); without weights it is
+    the plain mean over the micro-batches seen. Sums are kept in ``dtype``
+    (float64 by default; float32 halves the memory).
+    """
+
+    def __init__(self, config: AccumulationConfig | None = None, dtype=np.float64):
+        self.config = AccumulationConfig() if config is None else config
+        if not isinstance(self.config, AccumulationConfig):
+            raise TypeError(f"config: expected an AccumulationConfig, got {type(config).__name__}")
+        self._buf = FlatBuffer.zeros(Layout({}), dtype)
+        self._counts = np.zeros(0, dtype=np.int64)
+        self._weights = np.zeros(0, dtype=np.float64)
+        self._kernels = kernels_for(self._buf.flat)
+        self.total_micro_batches = 0
+        self.total_updates = 0
+
+    # -- registration -----------------------------------------------------------------
+    def register(self, name: str, shape) -> None:
+        """Add a parameter. Registering a name again with the same shape is a no-op."""
+        if name in self._buf:
+            expected = self._buf.layout.shape(name)
+            if _check_shape(name, shape) != expected:
+                raise ShapeMismatchError(name, expected, tuple(shape), what="registered")
+            return
+        shapes = dict(zip(self._buf.layout.names, self._buf.layout.shapes))
+        shapes[name] = shape
+        grown = FlatBuffer.zeros(Layout(shapes), self._buf.dtype)
+        grown.assign(self._buf.as_dict())
+        self._buf = grown
+        self._counts = np.append(self._counts, 0)
+        self._weights = np.append(self._weights, 0.0)
+
+    # -- accumulation -------------------------------------------------------------------
+    def _check_weight(self, weight) -> float:
+        if weight is None:
+            return 1.0
+        if isinstance(weight, bool) or not isinstance(weight, numbers.Real) \
+                or not math.isfinite(weight) or weight <= 0:
+            raise HyperparameterError(f"weight: expected a finite number > 0, got {weight!r}")
+        return float(weight)
+
+    def _check_room(self, names) -> list[int]:
+        idx = [self._buf.layout.index(n) for n in names]
+        for i, n in zip(idx, names):
+            if self._counts[i] >= self.config.accumulation_steps:
+                raise AccumulatorFullError(
+                    f"{n!r}: already holds {self.config.accumulation_steps} micro-batches; call reset() first"
+                )
+        return idx
+
+    def _add(self, items: dict, w: float) -> None:
+        idx = self._check_room(items)
+        _intake.write_grads(self._kernels, self._buf, items, w, overwrite=False)
+        self._counts[idx] += 1
+        self._weights[idx] += w
+
+    def accumulate(self, name: str, grad, weight: float | None = None) -> None:
+        """Add one micro-batch's gradient for ``name`` (times ``weight``, default 1)."""
+        if name not in self._buf:
+            raise UnknownParameterError(f"{name!r}: not registered; call register(name, shape) first")
+        w = self._check_weight(weight)
+        self._add(_intake.check_grads({name: grad}, self._buf, protect=(self._buf.flat,)), w)
+
+    def step(self, gradients, weight: float | None = None) -> bool:
+        """Accumulate a whole micro-batch; returns whether an update is due.
+
+        Every gradient is validated (names, shapes, dtypes, room left) before
+        any is added, so a refused micro-batch changes nothing.
+        """
+        w = self._check_weight(weight)
+        items = _intake.check_grads(gradients, self._buf, protect=(self._buf.flat,))
+        self._add(items, w)
+        self.total_micro_batches += 1
+        return self.should_update()
+
+    def should_update(self) -> bool:
+        """True once any parameter holds ``accumulation_steps`` micro-batches."""
+        return bool((self._counts >= self.config.accumulation_steps).any())
+
+    # -- results ---------------------------------------------------------------------------
+    def get_gradients(self) -> dict[str, np.ndarray]:
+        """``{name: gradient}``: each parameter's weighted mean (or sum), then clipped.
+
+        Clipping scales all gradients together when their global L2 norm
+        exceeds ``max_grad_norm``. The result is a fresh copy per parameter.
+        Parameters that received no gradient since the last reset are zeros.
+        """
+        if len(self._buf) == 0 or not self._counts.any():
+            raise NoGradientsError("no gradients accumulated" if len(self._buf) else "no parameters registered")
+        out = self._buf.copy()
+        if self.config.normalize:
+            for name, i in zip(out.names, range(len(out))):
+                if self._weights[i] > 0 and out.layout.sizes[i]:
+                    self._kernels.scale(out.flat[out.layout.slice(name)], 1.0 / self._weights[i])
+        if self.config.max_grad_norm is not None:
+            found = norm_pass(self._kernels, out.flat, out.layout)
+            coef = clip_coef(found.norm, self.config.max_grad_norm, eps=0.0)
+            if coef < 1.0:
+                self._kernels.scale(out.flat, coef)
+        return out.as_dict()
+
+    def global_norm(self) -> float:
+        """L2 norm of the raw accumulated sums (before normalisation and clipping)."""
+        return norm_pass(self._kernels, self._buf.flat, self._buf.layout).norm
+
+    def reset(self) -> None:
+        """Zero the sums and counts, and count one update."""
+        self._buf.flat.fill(0)
+        self._counts[:] = 0
+        self._weights[:] = 0.0
+        self.total_updates += 1
+
+    def stats(self) -> AccumulationStats:
+        return AccumulationStats(
+            total_micro_batches=self.total_micro_batches,
+            total_updates=self.total_updates,
+            accumulation_steps=self.config.accumulation_steps,
+            registered_params=len(self._buf),
+            total_param_elements=self._buf.layout.num_elements,
+        )

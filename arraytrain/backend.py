@@ -1,0 +1,119 @@
+"""Array intake and backend dispatch.
+
+Gradients arrive from any framework. :func:`as_array` reads NumPy arrays,
+objects with ``__dlpack__`` (torch, JAX, CuPy, ...), ``__array_interface__`` or
+the buffer protocol (``memoryview``) without importing their framework, and
+returns a NumPy array on the CPU or a CuPy array on a CUDA device. Nothing is
+ever copied between host and device behind the caller's back: a CUDA array
+handed to a CPU engine is an error, and so is the other way round.
+
+:func:`kernels_for` picks the kernel module for a buffer: ``cpu`` (numba) for
+NumPy, ``cuda`` (CuPy) for CuPy, or ``reference`` (pure NumPy, the test
+oracle) on request.
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+import numpy as np
+
+from .errors import BackendError, BackendUnavailableError, DTypeError
+
+NUMPY, CUPY = "numpy", "cupy"
+KERNEL_IMPLS = ("numba", "reference")
+
+# DLPack device types (dlpack.h): CPU, CUDA, CUDA host-pinned, CUDA managed, ROCm.
+_DL_CPU, _DL_CUDA, _DL_CUDA_HOST, _DL_CUDA_MANAGED, _DL_ROCM = 1, 2, 3, 13, 10
+
+
+def backend_of(x: object) -> str:
+    """``"numpy"`` or ``"cupy"`` from the type alone; never imports CuPy."""
+    if isinstance(x, np.ndarray):
+        return NUMPY
+    if type(x).__module__.partition(".")[0] == "cupy":
+        return CUPY
+    raise BackendError(f"expected a NumPy or CuPy array, got {type(x).__name__}")
+
+
+def _cupy(name: str) -> ModuleType:
+    try:
+        return importlib.import_module("cupy")
+    except ImportError:
+        raise BackendUnavailableError(
+            f"{name!r}: a CUDA array was given but CuPy is not installed "
+            "(pip install 'arraytrain[cuda12]' or 'arraytrain[cuda13]')"
+        ) from None
+
+
+def as_array(x: object, name: str = "array"):
+    """Return ``x`` as a NumPy or CuPy array without copying where possible.
+
+    Raises :class:`BackendError` for objects that are not arrays and
+    :class:`DTypeError` for non-floating dtypes; ``name`` is used in messages.
+    """
+    if isinstance(x, np.ndarray) or type(x).__module__.partition(".")[0] == "cupy":
+        arr = x
+    elif hasattr(x, "__dlpack_device__") and hasattr(x, "__dlpack__"):
+        try:
+            device = int(x.__dlpack_device__()[0])
+        except Exception as exc:  # a broken exporter
+            raise BackendError(f"{name!r}: __dlpack_device__ failed: {exc}") from None
+        if device in (_DL_CPU, _DL_CUDA_HOST):
+            reader = np.from_dlpack
+        elif device in (_DL_CUDA, _DL_CUDA_MANAGED, _DL_ROCM):
+            reader = _cupy(name).from_dlpack
+        else:
+            raise BackendError(f"{name!r}: unsupported DLPack device type {device}")
+        try:
+            arr = reader(x)
+        except (RuntimeError, BufferError, TypeError, ValueError) as exc:
+            # e.g. torch refuses to export a tensor that requires grad
+            raise BackendError(f"{name!r}: could not read {type(x).__name__} via DLPack: {exc}") from None
+    elif hasattr(x, "__cuda_array_interface__"):
+        arr = _cupy(name).asarray(x)
+    else:
+        try:
+            arr = np.asarray(x)
+        except Exception as exc:
+            raise BackendError(f"{name!r}: not an array: {type(x).__name__} ({exc})") from None
+        if arr.dtype == object:
+            raise BackendError(f"{name!r}: not an array of numbers: {type(x).__name__}")
+    check_float_dtype(arr.dtype, name)
+    return arr
+
+
+def check_float_dtype(dtype, name: str) -> None:
+    dtype = np.dtype(dtype)
+    if dtype.kind != "f":
+        raise DTypeError(f"{name!r}: expected a floating dtype (float16/32/64), got {dtype}")
+
+
+def same_backend(arr, expected: str, name: str) -> None:
+    got = backend_of(arr)
+    if got != expected:
+        raise BackendError(
+            f"{name!r}: a {got} array was given to a {expected} buffer; "
+            "arraytrain never moves data between host and device implicitly"
+        )
+
+
+def kernels_for(flat, impl: str = "numba") -> ModuleType:
+    """The kernel module for a flat buffer: ``cpu``/``cuda``, or ``reference``."""
+    if impl not in KERNEL_IMPLS:
+        raise ValueError(f"kernels must be one of {KERNEL_IMPLS}, got {impl!r}")
+    backend = backend_of(flat)
+    if impl == "reference":
+        if backend != NUMPY:
+            raise BackendUnavailableError("the reference kernels run on NumPy arrays only")
+        from .kernels import reference
+
+        return reference
+    if backend == NUMPY:
+        from .kernels import cpu
+
+        return cpu
+    from .kernels import cuda
+
+    return cuda

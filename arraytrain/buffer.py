@@ -1,0 +1,148 @@
+"""FlatBuffer: one contiguous 1-D array of one dtype, addressed by parameter name."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+
+import numpy as np
+
+from .backend import NUMPY, as_array, backend_of, check_float_dtype, same_backend
+from .errors import LayoutError, ReadOnlyError, ShapeMismatchError, UnknownParameterError
+from .layout import DEFAULT_ALIGN, Layout
+
+
+def _xp(flat):
+    if backend_of(flat) == NUMPY:
+        return np
+    import cupy  # only reached when a CuPy array is already in hand
+
+    return cupy
+
+
+class FlatBuffer:
+    """A :class:`Layout` plus one contiguous 1-D array holding every parameter.
+
+    ``buf[name]`` is a writable, reshaped view into ``buf.flat``; writing to it
+    writes the buffer. Padding between segments is zero and stays zero.
+    """
+
+    __slots__ = ("layout", "flat", "_views")
+
+    def __init__(self, layout: Layout, flat):
+        if not isinstance(layout, Layout):
+            raise TypeError(f"layout must be a Layout, got {type(layout).__name__}")
+        backend_of(flat)
+        check_float_dtype(flat.dtype, "flat")
+        if flat.ndim != 1 or flat.shape[0] != layout.size:
+            raise LayoutError(f"flat: expected a 1-D array of {layout.size} elements, got shape {flat.shape}")
+        if not flat.flags.c_contiguous:
+            raise LayoutError("flat: the buffer must be contiguous")
+        if not flat.flags.writeable:
+            raise ReadOnlyError("flat: the buffer must be writable")
+        self.layout = layout
+        self.flat = flat
+        self._views = {
+            name: flat[off : off + size].reshape(shape)
+            for name, off, size, shape in zip(layout.names, layout.offsets, layout.sizes, layout.shapes)
+        }
+
+    # -- construction -----------------------------------------------------------
+    @classmethod
+    def zeros(cls, layout: Layout, dtype=np.float32, xp=np) -> "FlatBuffer":
+        check_float_dtype(dtype, "dtype")
+        return cls(layout, xp.zeros(layout.size, dtype=dtype))
+
+    @classmethod
+    def from_arrays(cls, arrays: Mapping[str, object], dtype=None, align: int = DEFAULT_ALIGN) -> "FlatBuffer":
+        """Copy a mapping of arrays into a new buffer (in the mapping's order).
+
+        ``dtype=None`` takes the common floating dtype of the inputs. All inputs
+        must live on one backend (NumPy or CuPy); the buffer is created there.
+        """
+        if not isinstance(arrays, Mapping):
+            raise TypeError(f"arrays must be a mapping name -> array, got {type(arrays).__name__}")
+        arrs = {name: as_array(a, name) for name, a in arrays.items()}
+        backend = backend_of(next(iter(arrs.values()))) if arrs else NUMPY
+        for name, a in arrs.items():
+            same_backend(a, backend, name)
+        if dtype is None:
+            dtype = np.result_type(*(a.dtype for a in arrs.values())) if arrs else np.float32
+        check_float_dtype(dtype, "dtype")
+        layout = Layout({name: a.shape for name, a in arrs.items()}, align=align)
+        out = cls.zeros(layout, dtype, _xp(next(iter(arrs.values()))) if arrs else np)
+        for name, a in arrs.items():
+            out._views[name][...] = a
+        return out
+
+    def zeros_like(self, dtype=None) -> "FlatBuffer":
+        """A zero buffer of the same layout (for gradients and optimizer state)."""
+        return FlatBuffer.zeros(self.layout, dtype or self.flat.dtype, _xp(self.flat))
+
+    def copy(self) -> "FlatBuffer":
+        return FlatBuffer(self.layout, self.flat.copy())
+
+    # -- mapping interface -------------------------------------------------------
+    def __getitem__(self, name: str):
+        try:
+            return self._views[name]
+        except KeyError:
+            raise UnknownParameterError(f"{name!r}: no such parameter; known: {list(self.layout.names)}") from None
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.layout.names)
+
+    def __len__(self) -> int:
+        return len(self.layout)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._views
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return self.layout.names
+
+    @property
+    def dtype(self):
+        return self.flat.dtype
+
+    def items(self):
+        return self._views.items()
+
+    def as_dict(self, copy: bool = False) -> dict:
+        """``{name: view}``, or independent copies with ``copy=True``."""
+        return {k: (v.copy() if copy else v) for k, v in self._views.items()}
+
+    def load(self, arrays: Mapping[str, object], *, strict: bool = True) -> None:
+        """Copy ``arrays`` into the buffer by name, validating everything first.
+
+        With ``strict`` every name of the layout must be present. Floating
+        inputs of another precision are cast; shapes must match exactly.
+        """
+        self.assign(self.check(arrays, strict=strict))
+
+    def check(self, arrays: Mapping[str, object], *, strict: bool = True) -> dict:
+        """Validate ``arrays`` for :meth:`load` without writing; returns the arrays to assign."""
+        if not isinstance(arrays, Mapping):
+            raise TypeError(f"expected a mapping name -> array, got {type(arrays).__name__}")
+        checked = {}
+        for name, a in arrays.items():
+            if name not in self._views:
+                raise UnknownParameterError(f"{name!r}: no such parameter; known: {list(self.layout.names)}")
+            arr = as_array(a, name)
+            same_backend(arr, backend_of(self.flat), name)
+            if tuple(arr.shape) != self.layout.shape(name):
+                raise ShapeMismatchError(name, self.layout.shape(name), arr.shape, what="array")
+            checked[name] = arr
+        if strict:
+            missing = [n for n in self.layout.names if n not in checked]
+            if missing:
+                raise LayoutError(f"missing arrays for {missing}")
+        return checked
+
+    def assign(self, checked: dict) -> None:
+        """Write arrays already validated by :meth:`check`."""
+        for name, arr in checked.items():
+            self._views[name][...] = arr
+
+    def __repr__(self) -> str:
+        return f"FlatBuffer({len(self)} params, {self.layout.num_elements} elements, dtype={self.flat.dtype})"

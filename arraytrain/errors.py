@@ -1,0 +1,78 @@
+"""The error hierarchy.
+
+Every error is an :class:`ArrayTrainError` and also the builtin a caller would
+naturally catch (``ValueError``, ``KeyError``, ``TypeError``, ``ImportError``).
+Messages name the parameter and say what was expected and what was got.
+"""
+
+from __future__ import annotations
+
+
+class ArrayTrainError(Exception):
+    """Root of every error arraytrain raises on purpose."""
+
+
+class _PlainKeyError(KeyError):
+    # KeyError.__str__ repr-quotes its message; ours are sentences.
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+class HyperparameterError(ArrayTrainError, ValueError):
+    """A hyperparameter is out of its valid range (raised at construction)."""
+
+
+class DTypeError(ArrayTrainError, TypeError):
+    """An array has a dtype that cannot be used (integer, bool, complex, ...)."""
+
+
+class BackendError(ArrayTrainError, TypeError):
+    """An object is not an array arraytrain can read, or backends are mixed."""
+
+
+class BackendUnavailableError(ArrayTrainError, ImportError):
+    """The array library or kernels needed for an array are not installed/built."""
+
+
+class ReadOnlyError(ArrayTrainError, ValueError):
+    """An array arraytrain must write into is read-only."""
+
+
+class AliasingError(ArrayTrainError, ValueError):
+    """An input array shares memory with a buffer it must not overlap."""
+
+
+class LayoutError(ArrayTrainError, ValueError):
+    """Names, shapes or buffer sizes do not fit a layout."""
+
+
+class StateDictError(ArrayTrainError, ValueError):
+    """A state dict does not match the object it is loaded into."""
+
+
+class AccumulationError(ArrayTrainError):
+    """Base class of the errors raised while accumulating gradients."""
+
+
+class ShapeMismatchError(AccumulationError, ValueError):
+    """A gradient's shape differs from its parameter's registered shape."""
+
+    def __init__(self, name: str, expected: tuple, got: tuple, what: str = "grad"):
+        self.name, self.expected, self.got = name, tuple(expected), tuple(got)
+        super().__init__(f"{name!r}: {what} shape {self.got} != param shape {self.expected}")
+
+
+class UnknownParameterError(AccumulationError, _PlainKeyError):
+    """A gradient was given for a name that is not registered."""
+
+
+class MissingGradientError(AccumulationError, _PlainKeyError):
+    """A micro-batch lacks gradients for registered names (policy ``missing='error'``)."""
+
+
+class NoGradientsError(AccumulationError, ValueError):
+    """Gradients were requested but nothing is registered or accumulated."""
+
+
+class AccumulatorFullError(AccumulationError, RuntimeError):
+    """More micro-batches were accumulated than configured before a reset."""

@@ -1,0 +1,56 @@
+"""Host-side compositions of kernels: the norm pass and the clip factor."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from .layout import Layout
+
+
+@dataclass(frozen=True)
+class NormPass:
+    """What one read-only pass over a gradient buffer found.
+
+    ``norm`` and ``segment_norms`` are L2 norms of the buffer as stored (before
+    any scale the caller folds in later); ``nonfinite`` is True when an element
+    is NaN or Inf (the norms are then meaningless).
+    """
+
+    norm: float
+    segment_norms: np.ndarray
+    nonfinite: bool
+
+
+def norm_pass(kernels, flat, layout: Layout) -> NormPass:
+    """Global and per-parameter L2 norms and the non-finite flag, in one pass.
+
+    The finite check is folded into the float64 sum of squares: a NaN/Inf
+    element makes it non-finite, and squares being >= 0 nothing can cancel it.
+    Only a float64 buffer can also overflow from finite values (|x| > 1e154);
+    that rare case takes two more passes (a finite check, then the sum of
+    ``(x / max|x|)^2``) so that huge finite gradients still get a finite norm.
+    """
+    total, per_seg = kernels.sumsq(flat, layout.pieces, len(layout))
+    if math.isfinite(total):
+        return NormPass(math.sqrt(total), np.sqrt(per_seg), False)
+    if flat.dtype.itemsize < 8 or not kernels.all_finite(flat):
+        return NormPass(math.nan, np.full(len(layout), np.nan), True)
+    peak = kernels.max_abs(flat, layout.pieces)
+    total, per_seg = kernels.sumsq_scaled(flat, layout.pieces, len(layout), 1.0 / peak)
+    return NormPass(peak * math.sqrt(total), peak * np.sqrt(per_seg), False)
+
+
+def clip_coef(norm: float, max_norm: float | None, eps: float = 1e-6) -> float:
+    """Global-norm clip factor ``min(1, max_norm / (norm + eps))``.
+
+    ``eps=1e-6`` is torch.nn.utils.clip_grad_norm_'s rule; ``eps=0`` scales to
+    exactly ``max_norm`` (tensorlogic-train's rule).
+    """
+    if max_norm is None:
+        return 1.0
+    if eps == 0.0:
+        return 1.0 if norm <= max_norm else max_norm / norm
+    return min(1.0, max_norm / (norm + eps))

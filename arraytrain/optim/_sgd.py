@@ -1,0 +1,45 @@
+from __future__ import annotations
+
+from ..errors import HyperparameterError
+from ._base import Optimizer, check_number
+
+
+class SGD(Optimizer):
+    r"""Stochastic gradient descent with momentum (torch.optim.SGD semantics).
+
+    With :math:`d_t = g_t + \lambda p_{t-1}` (L2 weight decay):
+
+    .. math::
+        b_1 = d_1, \quad b_t = \mu b_{t-1} + (1 - \tau) d_t, \qquad
+        p_t = p_{t-1} - \eta \,(d_t + \mu b_t \text{ if Nesterov else } b_t)
+
+    Sutskever et al. 2013 for the Nesterov form. With ``momentum=0`` there is
+    no state and the update is ``p -= lr * d``.
+    """
+
+    def __init__(self, lr: float = 1e-3, momentum: float = 0.0, dampening: float = 0.0,
+                 weight_decay: float = 0.0, nesterov: bool = False):
+        self.lr = check_number("lr", lr, 0.0)
+        self.momentum = check_number("momentum", momentum, 0.0)
+        self.dampening = check_number("dampening", dampening, 0.0, 1.0)
+        self.weight_decay = check_number("weight_decay", weight_decay, 0.0)
+        if not isinstance(nesterov, bool):
+            raise HyperparameterError(f"nesterov: expected a bool, got {nesterov!r}")
+        if nesterov and (self.momentum <= 0 or self.dampening != 0):
+            raise HyperparameterError("nesterov: requires momentum > 0 and dampening == 0")
+        self.nesterov = nesterov
+
+    @property
+    def slot_names(self) -> tuple[str, ...]:
+        return ("momentum_buffer",) if self.momentum != 0 else ()
+
+    def hyperparameters(self) -> dict:
+        return {"lr": self.lr, "momentum": self.momentum, "dampening": self.dampening,
+                "weight_decay": self.weight_decay, "nesterov": self.nesterov}
+
+    def update(self, kernels, params, grads, state, *, gscale=1.0, lr=None, zero_grad=False):
+        buf = state.slots["momentum_buffer"].flat if self.momentum != 0 else params.flat[:0]
+        kernels.sgd_step(params.flat, grads.flat, buf, gscale, self.lr if lr is None else lr,
+                         self.weight_decay, self.momentum, self.dampening, self.nesterov,
+                         state.step == 0, zero_grad)
+        state.step += 1
