@@ -5,6 +5,10 @@ Every kernel is one pass over a flat 1-D buffer, split into fixed blocks of
 ``SERIAL_BELOW`` elements run a serial twin of the same code: a parallel launch
 costs more than it saves there, and a small step leaves the cores to BLAS.
 
+Loop shape: each block works on slices (``pb = p[lo:hi]``) indexed from 0,
+so numba can drop its negative-index wraparound check and LLVM vectorises
+the inner loop (sqrt and division included).
+
 Floating-point rules: ``fastmath`` is restricted to flags that keep NaN/Inf
 semantics (no ``nnan``/``ninf``), so non-finite detection stays exact. Scalars
 arrive already cast to the storage dtype by the caller, so float32 buffers get
@@ -22,6 +26,9 @@ import numpy as np
 from numba import njit, prange
 
 FASTMATH = {"nsz", "arcp", "contract", "afn", "reassoc"}
+# error_model="numpy": IEEE division (x/0 -> inf) instead of Python's
+# ZeroDivisionError check, whose branch stops LLVM from vectorising the loops.
+JIT = dict(fastmath=FASTMATH, error_model="numpy", cache=True)
 BLOCK = 1 << 14
 SERIAL_BELOW = 1 << 16
 
@@ -33,10 +40,10 @@ def _twins(fn):
     as ``range``. ``fn.__qualname__`` differs per twin so their on-disk caches
     do not collide.
     """
-    par = njit(parallel=True, fastmath=FASTMATH, cache=True)(fn)
+    par = njit(parallel=True, **JIT)(fn)
     ser_fn = type(fn)(fn.__code__, fn.__globals__, fn.__name__ + "_serial", fn.__defaults__, fn.__closure__)
     ser_fn.__qualname__ = fn.__qualname__ + "_serial"
-    ser = njit(parallel=False, fastmath=FASTMATH, cache=True)(ser_fn)
+    ser = njit(parallel=False, **JIT)(ser_fn)
     return par, ser
 
 
@@ -52,12 +59,13 @@ def _accumulate(acc, g, w, overwrite):
     for b in prange((n + BLOCK - 1) // BLOCK):
         lo = b * BLOCK
         hi = min(lo + BLOCK, n)
+        ab, gb = acc[lo:hi], g[lo:hi]
         if overwrite:
-            for i in range(lo, hi):
-                acc[i] = w * g[i]
+            for i in range(ab.size):
+                ab[i] = w * gb[i]
         else:
-            for i in range(lo, hi):
-                acc[i] += w * g[i]
+            for i in range(ab.size):
+                ab[i] += w * gb[i]
 
 
 _ACCUMULATE = _twins(_accumulate)
@@ -71,8 +79,9 @@ def accumulate(acc, g, w, overwrite):
 def _scale(x, s):
     n = x.size
     for b in prange((n + BLOCK - 1) // BLOCK):
-        for i in range(b * BLOCK, min(b * BLOCK + BLOCK, n)):
-            x[i] *= s
+        xb = x[b * BLOCK : min(b * BLOCK + BLOCK, n)]
+        for i in range(xb.size):
+            xb[i] *= s
 
 
 _SCALE = _twins(_scale)
@@ -91,10 +100,11 @@ def _all_finite(x):
     nb = (n + BLOCK - 1) // BLOCK
     ok = np.zeros(nb, dtype=np.int64)
     for b in prange(nb):
+        xb = x[b * BLOCK : min(b * BLOCK + BLOCK, n)]
         c = 0
-        for i in range(b * BLOCK, min(b * BLOCK + BLOCK, n)):
+        for i in range(xb.size):
             # an explicit comparison: false for NaN and +-Inf, never folded away
-            c += abs(np.float64(x[i])) <= 1.7976931348623157e308
+            c += abs(np.float64(xb[i])) <= 1.7976931348623157e308
         ok[b] = c
     return ok.sum() == n
 
@@ -111,9 +121,10 @@ def _sumsq(x, pieces, nseg):
     npieces = pieces.shape[0]
     part = np.empty(npieces, dtype=np.float64)
     for j in prange(npieces):
+        xb = x[pieces[j, 0] : pieces[j, 1]]
         s = 0.0
-        for i in range(pieces[j, 0], pieces[j, 1]):
-            xi = np.float64(x[i])
+        for i in range(xb.size):
+            xi = np.float64(xb[i])
             s += xi * xi
         part[j] = s
     per_seg = np.zeros(nseg, dtype=np.float64)
@@ -143,9 +154,10 @@ def _max_abs(x, pieces):
     npieces = pieces.shape[0]
     part = np.zeros(npieces, dtype=np.float64)
     for j in prange(npieces):
+        xb = x[pieces[j, 0] : pieces[j, 1]]
         best = 0.0
-        for i in range(pieces[j, 0], pieces[j, 1]):
-            best = max(best, abs(np.float64(x[i])))
+        for i in range(xb.size):
+            best = max(best, abs(np.float64(xb[i])))
         part[j] = best
     best = 0.0
     for j in range(npieces):
@@ -165,9 +177,10 @@ def _sumsq_scaled(x, pieces, nseg, inv):
     npieces = pieces.shape[0]
     part = np.empty(npieces, dtype=np.float64)
     for j in prange(npieces):
+        xb = x[pieces[j, 0] : pieces[j, 1]]
         s = 0.0
-        for i in range(pieces[j, 0], pieces[j, 1]):
-            xi = np.float64(x[i]) * inv
+        for i in range(xb.size):
+            xi = np.float64(xb[i]) * inv
             s += xi * xi
         part[j] = s
     per_seg = np.zeros(nseg, dtype=np.float64)
@@ -192,17 +205,22 @@ def sumsq_scaled(x, pieces, nseg, inv):
 
 def _sgd(p, g, buf, gscale, lr, wd, momentum, damp_c, nesterov, first, zero_grad):
     n = p.size
+    has_buf = momentum != 0
     for b in prange((n + BLOCK - 1) // BLOCK):
-        for i in range(b * BLOCK, min(b * BLOCK + BLOCK, n)):
-            pi = p[i]
-            d = gscale * g[i] + wd * pi
-            if momentum != 0:
-                bi = d if first else momentum * buf[i] + damp_c * d
-                buf[i] = bi
+        lo = b * BLOCK
+        hi = min(lo + BLOCK, n)
+        pb, gb = p[lo:hi], g[lo:hi]
+        bb = buf[lo:hi] if has_buf else buf
+        for i in range(pb.size):
+            pi = pb[i]
+            d = gscale * gb[i] + wd * pi
+            if has_buf:
+                bi = d if first else momentum * bb[i] + damp_c * d
+                bb[i] = bi
                 d = d + momentum * bi if nesterov else bi
-            p[i] = pi - lr * d
+            pb[i] = pi - lr * d
             if zero_grad:
-                g[i] = 0
+                gb[i] = 0
 
 
 _SGD = _twins(_sgd)
@@ -220,20 +238,24 @@ def sgd_step(p, g, buf, gscale, lr, weight_decay, momentum, dampening, nesterov,
 def _adam(p, g, m, v, vmax, gscale, step_size, beta1c, beta2, beta2c, eps, inv_bc2, l2, decay, amsgrad, zero_grad):
     n = p.size
     for b in prange((n + BLOCK - 1) // BLOCK):
-        for i in range(b * BLOCK, min(b * BLOCK + BLOCK, n)):
-            pi = p[i]
-            d = gscale * g[i] + l2 * pi
-            mi = m[i]
+        lo = b * BLOCK
+        hi = min(lo + BLOCK, n)
+        pb, gb, mb, vb = p[lo:hi], g[lo:hi], m[lo:hi], v[lo:hi]
+        xb = vmax[lo:hi] if amsgrad else vmax
+        for i in range(pb.size):
+            pi = pb[i]
+            d = gscale * gb[i] + l2 * pi
+            mi = mb[i]
             mi = mi + beta1c * (d - mi)
-            vi = beta2 * v[i] + beta2c * d * d
-            m[i] = mi
-            v[i] = vi
+            vi = beta2 * vb[i] + beta2c * d * d
+            mb[i] = mi
+            vb[i] = vi
             if amsgrad:
-                vi = max(vmax[i], vi)
-                vmax[i] = vi
-            p[i] = pi * decay - step_size * mi / (np.sqrt(vi) * inv_bc2 + eps)
+                vi = max(xb[i], vi)
+                xb[i] = vi
+            pb[i] = pi * decay - step_size * mi / (np.sqrt(vi) * inv_bc2 + eps)
             if zero_grad:
-                g[i] = 0
+                gb[i] = 0
 
 
 _ADAM = _twins(_adam)
