@@ -1,9 +1,10 @@
 """Validation and copy-in of ``{name: grad}`` mappings, shared by Engine and GradientAccumulator.
 
 Everything is checked before anything is written, so a refused call changes
-nothing. Gradients of another floating precision are accepted and cast when
-they are written; non-contiguous gradients are accepted and read through a
-contiguous copy.
+nothing. Gradients of another floating precision are accepted and cast:
+float32/float64 inside the kernel, float16 (which numba cannot read) by a
+copy made during validation. Non-contiguous gradients are accepted and read
+through a contiguous copy.
 """
 
 from __future__ import annotations
@@ -12,9 +13,9 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from .backend import as_array, backend_of, same_backend
+from .backend import KERNEL_DTYPES, as_array, backend_of, same_backend
 from .buffer import FlatBuffer
-from .errors import AliasingError, ShapeMismatchError, UnknownParameterError
+from .errors import AliasingError, ArgumentTypeError, ShapeMismatchError, UnknownParameterError
 
 
 def check_grads(grads: Mapping, buf: FlatBuffer, protect: tuple = ()) -> dict:
@@ -24,7 +25,7 @@ def check_grads(grads: Mapping, buf: FlatBuffer, protect: tuple = ()) -> dict:
     (the parameter buffer, the gradient buffer itself).
     """
     if not isinstance(grads, Mapping):
-        raise TypeError(f"grads must be a mapping name -> array, got {type(grads).__name__}")
+        raise ArgumentTypeError(f"grads must be a mapping name -> array, got {type(grads).__name__}")
     backend = backend_of(buf.flat)
     out = {}
     for name, g in grads.items():
@@ -41,6 +42,8 @@ def check_grads(grads: Mapping, buf: FlatBuffer, protect: tuple = ()) -> dict:
                     f"{name!r}: the gradient shares memory with an engine buffer; to hand gradients "
                     "over in place write them into engine.grads and call step() with no argument"
                 )
+        if arr.dtype not in KERNEL_DTYPES:  # e.g. float16: cast here, before anything is written
+            arr = arr.astype(buf.dtype)
         out[name] = arr.reshape(-1)
     return out
 

@@ -19,6 +19,7 @@ from . import _intake
 from .backend import kernels_for
 from .buffer import FlatBuffer
 from .errors import (
+    ArgumentTypeError,
     AccumulatorFullError,
     HyperparameterError,
     NoGradientsError,
@@ -81,7 +82,7 @@ class GradientAccumulator:
     def __init__(self, config: AccumulationConfig | None = None, dtype=np.float64):
         self.config = AccumulationConfig() if config is None else config
         if not isinstance(self.config, AccumulationConfig):
-            raise TypeError(f"config: expected an AccumulationConfig, got {type(config).__name__}")
+            raise ArgumentTypeError(f"config: expected an AccumulationConfig, got {type(config).__name__}")
         self._buf = FlatBuffer.zeros(Layout({}), dtype)
         self._counts = np.zeros(0, dtype=np.int64)
         self._weights = np.zeros(0, dtype=np.float64)

@@ -23,6 +23,7 @@ from .errors import BackendError, BackendUnavailableError, DTypeError
 
 NUMPY, CUPY = "numpy", "cupy"
 KERNEL_IMPLS = ("numba", "reference")
+KERNEL_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 
 # DLPack device types (dlpack.h): CPU, CUDA, CUDA host-pinned, CUDA managed, ROCm.
 _DL_CPU, _DL_CUDA, _DL_CUDA_HOST, _DL_CUDA_MANAGED, _DL_ROCM = 1, 2, 3, 13, 10
@@ -104,6 +105,11 @@ def kernels_for(flat, impl: str = "numba") -> ModuleType:
     if impl not in KERNEL_IMPLS:
         raise ValueError(f"kernels must be one of {KERNEL_IMPLS}, got {impl!r}")
     backend = backend_of(flat)
+    if flat.dtype not in KERNEL_DTYPES:
+        raise DTypeError(
+            f"buffer dtype {flat.dtype}: the kernels run on float32 or float64 buffers "
+            "(float16 gradients are accepted and cast on intake)"
+        )
     if impl == "reference":
         if backend != NUMPY:
             raise BackendUnavailableError("the reference kernels run on NumPy arrays only")

@@ -7,7 +7,7 @@ from collections.abc import Iterator, Mapping
 import numpy as np
 
 from .backend import NUMPY, as_array, backend_of, check_float_dtype, same_backend
-from .errors import LayoutError, ReadOnlyError, ShapeMismatchError, UnknownParameterError
+from .errors import ArgumentTypeError, LayoutError, ReadOnlyError, ShapeMismatchError, UnknownParameterError
 from .layout import DEFAULT_ALIGN, Layout
 
 
@@ -30,7 +30,7 @@ class FlatBuffer:
 
     def __init__(self, layout: Layout, flat):
         if not isinstance(layout, Layout):
-            raise TypeError(f"layout must be a Layout, got {type(layout).__name__}")
+            raise ArgumentTypeError(f"layout must be a Layout, got {type(layout).__name__}")
         backend_of(flat)
         check_float_dtype(flat.dtype, "flat")
         if flat.ndim != 1 or flat.shape[0] != layout.size:
@@ -60,7 +60,7 @@ class FlatBuffer:
         must live on one backend (NumPy or CuPy); the buffer is created there.
         """
         if not isinstance(arrays, Mapping):
-            raise TypeError(f"arrays must be a mapping name -> array, got {type(arrays).__name__}")
+            raise ArgumentTypeError(f"arrays must be a mapping name -> array, got {type(arrays).__name__}")
         arrs = {name: as_array(a, name) for name, a in arrays.items()}
         backend = backend_of(next(iter(arrs.values()))) if arrs else NUMPY
         for name, a in arrs.items():
@@ -123,7 +123,7 @@ class FlatBuffer:
     def check(self, arrays: Mapping[str, object], *, strict: bool = True) -> dict:
         """Validate ``arrays`` for :meth:`load` without writing; returns the arrays to assign."""
         if not isinstance(arrays, Mapping):
-            raise TypeError(f"expected a mapping name -> array, got {type(arrays).__name__}")
+            raise ArgumentTypeError(f"expected a mapping name -> array, got {type(arrays).__name__}")
         checked = {}
         for name, a in arrays.items():
             if name not in self._views:

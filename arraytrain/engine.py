@@ -13,6 +13,7 @@ from . import _intake
 from .backend import backend_of, kernels_for
 from .buffer import FlatBuffer
 from .errors import (
+    ArgumentTypeError,
     HyperparameterError,
     LayoutError,
     MissingGradientError,
@@ -105,7 +106,7 @@ class Engine:
                  max_grad_norm: float | None = None, reduction: str = "mean", missing: str = "error",
                  zero_grad_on_step: bool = True, dtype=None, kernels: str = "numba"):
         if not isinstance(optimizer, Optimizer):
-            raise TypeError(f"optimizer: expected an arraytrain.optim.Optimizer, got {type(optimizer).__name__}")
+            raise ArgumentTypeError(f"optimizer: expected an arraytrain.optim.Optimizer, got {type(optimizer).__name__}")
         if isinstance(accumulation_steps, bool) or not isinstance(accumulation_steps, numbers.Integral) \
                 or accumulation_steps < 1:
             raise HyperparameterError(f"accumulation_steps: expected an int >= 1, got {accumulation_steps!r}")
@@ -122,7 +123,7 @@ class Engine:
         elif isinstance(params, Mapping):
             self.params = FlatBuffer.from_arrays(params, dtype=dtype)
         else:
-            raise TypeError(f"params: expected a mapping name -> array or a FlatBuffer, got {type(params).__name__}")
+            raise ArgumentTypeError(f"params: expected a mapping name -> array or a FlatBuffer, got {type(params).__name__}")
         self._kernels = kernels_for(self.params.flat, kernels)
         self.optimizer = optimizer
         self.accumulation_steps = int(accumulation_steps)
@@ -238,7 +239,7 @@ class Engine:
         if isinstance(micro, bool) or not isinstance(micro, numbers.Integral) \
                 or not 0 <= micro < self.accumulation_steps:
             raise StateDictError(f"micro_batches: expected an int in [0, {self.accumulation_steps}), got {micro!r}")
-        if not isinstance(wsum, numbers.Real) or not math.isfinite(wsum) or wsum < 0:
+        if isinstance(wsum, bool) or not isinstance(wsum, numbers.Real) or not math.isfinite(wsum) or wsum < 0:
             raise StateDictError(f"weight_sum: expected a finite number >= 0, got {wsum!r}")
         try:
             checked = [(self.params, self.params.check(params))]

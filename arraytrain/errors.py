@@ -22,6 +22,10 @@ class HyperparameterError(ArrayTrainError, ValueError):
     """A hyperparameter is out of its valid range (raised at construction)."""
 
 
+class ArgumentTypeError(ArrayTrainError, TypeError):
+    """An argument is not of the kind expected (a mapping, a Layout, an Optimizer, ...)."""
+
+
 class DTypeError(ArrayTrainError, TypeError):
     """An array has a dtype that cannot be used (integer, bool, complex, ...)."""
 

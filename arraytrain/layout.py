@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Iterator, Mapping
 from functools import cached_property
 
@@ -25,9 +26,12 @@ def _check_name(name: object) -> str:
 
 def _check_shape(name: str, shape: object) -> tuple[int, ...]:
     try:
-        dims = tuple(int(d) for d in shape)  # type: ignore[union-attr]
+        dims = tuple(shape)  # type: ignore[arg-type]
     except TypeError:
         raise LayoutError(f"{name!r}: shape must be a sequence of ints, got {shape!r}") from None
+    if not all(isinstance(d, numbers.Integral) and not isinstance(d, bool) for d in dims):
+        raise LayoutError(f"{name!r}: shape must be a sequence of ints, got {shape!r}")
+    dims = tuple(int(d) for d in dims)
     if any(d < 0 for d in dims):
         raise LayoutError(f"{name!r}: negative dimension in shape {dims}")
     return dims
@@ -44,7 +48,7 @@ class Layout:
     """
 
     def __init__(self, shapes: Mapping[str, object], align: int = DEFAULT_ALIGN):
-        if not isinstance(align, int) or align < 1:
+        if isinstance(align, bool) or not isinstance(align, int) or align < 1:
             raise LayoutError(f"align must be a positive int, got {align!r}")
         names, dims, offsets, sizes = [], [], [], []
         offset = 0

@@ -1,0 +1,1 @@
+"""Benchmarks runnable without asv: ``python -m arraytrain.bench``."""

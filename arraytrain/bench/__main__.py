@@ -1,0 +1,180 @@
+"""``python -m arraytrain.bench``: the fused AdamW step against torch, side by side.
+
+Prints one markdown table from one run:
+
+* the machine's streaming bandwidth, a numba triad ``a = b + s*c`` (12 B/element);
+* arraytrain's AdamW step with global-norm clipping through ``engine.step()``
+  on the zero-copy path (one read-only norm pass + one fused kernel);
+* torch: ``clip_grad_norm_`` + ``AdamW(fused=True)`` on the same number of
+  parameters split into 100 tensors (skipped when torch is missing);
+* the cold (empty numba cache) and warm first-step times in fresh processes.
+
+Every contestant is timed in alternation (A B A B ...) with warm-up calls
+excluded; min and median are reported. "GB/s" counts the 32 bytes/parameter
+a fused clip+AdamW step cannot avoid (read g for the norm; read p, g, m, v and
+write p, m, v for the update), for every contestant alike, so GB/s is
+proportional to speed and "% triad" says how close a step gets to the
+machine's bandwidth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+STEP_BYTES = 32  # per float32 parameter: 4 (norm pass) + 28 (AdamW read p,g,m,v; write p,m,v)
+N_TENSORS = 100
+
+
+def _timeit(fn, reps):
+    out = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def triad_gbs(n: int = 50_000_000, reps: int = 10) -> float:
+    """Best-of-``reps`` numba triad bandwidth in GB/s (12 bytes per element)."""
+    from numba import njit, prange
+
+    @njit(parallel=True, cache=False)
+    def triad(a, b, c, s):
+        for i in prange(a.size):
+            a[i] = b[i] + s * c[i]
+
+    a = np.zeros(n, np.float32)
+    b = np.ones(n, np.float32)
+    c = np.ones(n, np.float32)
+    triad(a, b, c, np.float32(3.0))
+    return 12 * n / min(_timeit(lambda: triad(a, b, c, np.float32(3.0)), reps)) / 1e9
+
+
+def _split(n: int, parts: int) -> list[int]:
+    base, extra = divmod(n, parts)
+    return [base + (i < extra) for i in range(parts)]
+
+
+def make_arraytrain(n: int, zero_grad: bool, seed: int = 0):
+    import arraytrain as at
+
+    rng = np.random.default_rng(seed)
+    params = {f"p{i}": rng.standard_normal(k, dtype=np.float32) for i, k in enumerate(_split(n, N_TENSORS))}
+    engine = at.Engine(params, at.optim.AdamW(lr=1e-3), max_grad_norm=1.0, zero_grad_on_step=zero_grad)
+    engine.grads.flat[:] = rng.standard_normal(engine.grads.flat.size, dtype=np.float32)
+    engine.step()  # compile / warm up
+    return engine.step
+
+
+def make_torch(n: int, zero_grad: bool, seed: int = 0):
+    import torch
+
+    rng = np.random.default_rng(seed)
+    params = [torch.nn.Parameter(torch.from_numpy(rng.standard_normal(k, dtype=np.float32)))
+              for k in _split(n, N_TENSORS)]
+    for p in params:
+        p.grad = torch.from_numpy(rng.standard_normal(p.numel(), dtype=np.float32))
+    opt = torch.optim.AdamW(params, lr=1e-3, fused=True)
+
+    def step():
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        if zero_grad:
+            opt.zero_grad(set_to_none=False)
+
+    step()
+    return step
+
+
+def first_step_seconds(cache_dir: str) -> float:
+    """Seconds from interpreter start to the end of the first ``engine.step`` in a fresh process."""
+    code = (
+        "import time; t0 = time.perf_counter()\n"
+        "import numpy as np, arraytrain as at\n"
+        "e = at.Engine({'w': np.ones((256, 256), np.float32)}, at.optim.AdamW(), max_grad_norm=1.0)\n"
+        "e.step({'w': np.ones((256, 256), np.float32)})\n"
+        "print(time.perf_counter() - t0)\n"
+    )
+    env = dict(os.environ, NUMBA_CACHE_DIR=cache_dir)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+def run(sizes, reps, with_torch=True, zero_grad=False):
+    rows = []
+    for n in sizes:
+        contestants = {"arraytrain engine.step": make_arraytrain(n, zero_grad)}
+        if with_torch:
+            try:
+                contestants["torch clip_grad_norm_ + AdamW(fused)"] = make_torch(n, zero_grad)
+            except ImportError:
+                pass
+        times = {k: [] for k in contestants}
+        r = reps if n < 50_000_000 else max(3, reps // 3)
+        for _ in range(r):  # alternate, so drift hits everyone alike
+            for name, fn in contestants.items():
+                times[name] += _timeit(fn, 1)
+        rows.append({"n": n, "times": times})
+        contestants.clear()
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m arraytrain.bench", description=__doc__.splitlines()[0])
+    ap.add_argument("--sizes", default="1e6,1e7,1e8", help="comma-separated parameter counts")
+    ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--zero-grad", action="store_true",
+                    help="also zero the gradients each step (arraytrain in-kernel, torch zero_grad)")
+    ap.add_argument("--no-torch", action="store_true")
+    ap.add_argument("--no-startup", action="store_true", help="skip the cold/warm first-step timing")
+    ap.add_argument("--json", metavar="FILE", help="also write the raw figures as JSON")
+    args = ap.parse_args(argv)
+    sizes = [int(float(s)) for s in args.sizes.split(",")]
+
+    from arraytrain import threads
+
+    policy = threads.describe()
+    tri = triad_gbs()
+    rows = run(sizes, args.reps, with_torch=not args.no_torch, zero_grad=args.zero_grad)
+
+    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores; "
+          f"python {platform.python_version()}, numpy {np.__version__}; threads: {policy}")
+    print(f"numba triad bandwidth: {tri:.1f} GB/s\n")
+    print("| params | contestant | min ms | median ms | GB/s | % triad | speedup vs torch |")
+    print("|---:|---|---:|---:|---:|---:|---:|")
+    for row in rows:
+        n, times = row["n"], row["times"]
+        best = {k: min(v) for k, v in times.items()}
+        torch_best = next((v for k, v in best.items() if k.startswith("torch")), None)
+        for name, ts in times.items():
+            gbs = STEP_BYTES * n / best[name] / 1e9
+            speed = f"{torch_best / best[name]:.2f}x" if torch_best else "-"
+            print(f"| {n:.0e} | {name} | {best[name] * 1e3:.2f} | {statistics.median(ts) * 1e3:.2f} | "
+                  f"{gbs:.1f} | {gbs / tri:.0%} | {speed} |")
+    startup = None
+    if not args.no_startup:
+        with tempfile.TemporaryDirectory() as cache:
+            cold = first_step_seconds(cache)
+            warm = first_step_seconds(cache)
+        startup = {"cold_s": cold, "warm_s": warm}
+        print(f"\nfirst engine.step in a fresh process (import + compile/load + step): "
+              f"cold cache {cold:.2f} s, warm cache {warm:.2f} s")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"triad_gbs": tri, "threads": policy, "step_bytes": STEP_BYTES, "rows": rows,
+                       "startup": startup, "zero_grad": args.zero_grad}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
