@@ -169,7 +169,7 @@ _MAX_ABS = _twins(_max_abs)
 
 
 def max_abs(x, pieces):
-    """Largest |element| over the pieces (used to rescale a norm that overflowed)."""
+    """Largest |element| over the pieces, for finite input (rescales a norm that overflowed)."""
     return float(_pick(_MAX_ABS, x.size)(x, pieces))
 
 

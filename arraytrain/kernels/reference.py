@@ -45,7 +45,7 @@ def sumsq(x, pieces, nseg):
 
 
 def max_abs(x, pieces):
-    """Largest |element| over the pieces (used to rescale a norm that overflowed)."""
+    """Largest |element| over the pieces, for finite input (rescales a norm that overflowed)."""
     best = 0.0
     for start, stop, _ in pieces:
         if stop > start:

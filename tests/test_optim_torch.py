@@ -1,0 +1,182 @@
+"""arraytrain optimizers through the Engine against torch.optim (foreach=False).
+
+One table drives every comparison: a row is (name, arraytrain optimizer
+factory, torch optimizer factory); add a row to test a new optimizer. Both
+sides start from identical parameters and receive identical large gradients;
+parameters are compared after every step.
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+
+import arraytrain
+from arraytrain import Engine, HyperparameterError, optim
+from conftest import OPTIMIZER_CONFIGS, assert_close, tol
+
+torch = pytest.importorskip("torch")
+
+STEPS = 50
+GRAD_SCALE = 1e3
+SHAPES = {"w": (7, 5), "empty": (0,), "b": (5,), "scalar": (), "conv": (3, 2, 2, 2), "tail_empty": (2, 0)}
+DTYPES = {"float32": (np.float32, torch.float32), "float64": (np.float64, torch.float64)}
+
+
+def _row(name, cls_name, kwargs):
+    at_cls, torch_cls = getattr(optim, cls_name), getattr(torch.optim, cls_name)
+    return (
+        name,
+        lambda: at_cls(**kwargs),
+        lambda params: torch_cls(params, foreach=False, **kwargs),
+    )
+
+
+# (name, arraytrain factory, torch factory). Rows built from the shared configs,
+# plus any optimizer whose construction differs between the two libraries.
+OPTIMIZERS = [_row(*cfg) for cfg in OPTIMIZER_CONFIGS] + [
+    ("adamw_default_wd", lambda: optim.AdamW(lr=1e-2), lambda ps: torch.optim.AdamW(ps, lr=1e-2, foreach=False)),
+    ("adam_lr0", lambda: optim.Adam(lr=0.0), lambda ps: torch.optim.Adam(ps, lr=0.0, foreach=False)),
+]
+optimizers = pytest.mark.parametrize("name, make_at, make_torch", OPTIMIZERS, ids=[r[0] for r in OPTIMIZERS])
+dtypes = pytest.mark.parametrize("dtype_name", list(DTYPES))
+
+
+def _run_both(make_at, make_torch, dtype_name, max_grad_norm=None, seed=0):
+    np_dtype, torch_dtype = DTYPES[dtype_name]
+    rng = np.random.default_rng(seed)
+    init = {k: np.asarray(rng.standard_normal(s), dtype=np_dtype) for k, s in SHAPES.items()}
+    engine = Engine(init, make_at(), max_grad_norm=max_grad_norm)
+    assert engine.params.dtype == np_dtype
+    tparams = {k: torch.tensor(v.copy(), dtype=torch_dtype, requires_grad=True) for k, v in init.items()}
+    topt = make_torch(list(tparams.values()))
+    clipped = 0
+    for t in range(1, STEPS + 1):
+        # a varying overall scale, so that clipping is active on some steps only
+        scale = GRAD_SCALE * rng.uniform(0.1, 3.0)
+        grads = {k: np.asarray(rng.standard_normal(s) * scale, dtype=np_dtype) for k, s in SHAPES.items()}
+        report = engine.step(grads)
+        for k, p in tparams.items():
+            p.grad = torch.from_numpy(grads[k].copy())
+        if max_grad_norm is not None:
+            tnorm = float(torch.nn.utils.clip_grad_norm_(list(tparams.values()), max_grad_norm, foreach=False))
+            assert_close(report.grad_norm, tnorm, np_dtype, err_msg=f"grad norm, step {t}")
+            clipped += report.clip_coef < 1.0
+        topt.step()
+        assert report.applied and not report.skipped and report.step == t
+        for k, p in tparams.items():
+            expected = p.detach().numpy()
+            assert engine.params[k].shape == expected.shape
+            assert_close(engine.params[k], expected, np_dtype, err_msg=f"{k!r}, step {t}")
+    return engine, topt, tparams, clipped, init
+
+
+def _compare_state(engine, topt, tparams, np_dtype):
+    """Every arraytrain slot against torch's state of the same name (torch's key names)."""
+    for k, p in tparams.items():
+        tstate = topt.state[p]
+        for slot, buf in engine.state.slots.items():
+            if slot == "momentum_buffer" and tstate.get(slot) is None:
+                continue
+            # the slots scale with the gradients (~1e3, their squares ~1e6): elements that cancelled to
+            # near zero keep rounding errors of the slot's magnitude, hence a normwise absolute tolerance
+            desired = tstate[slot].numpy()
+            t = tol(np_dtype)
+            atol = t["atol"] + t["rtol"] * float(np.max(np.abs(desired), initial=0.0))
+            np.testing.assert_allclose(buf[k], desired, rtol=t["rtol"], atol=atol, err_msg=f"{slot}[{k!r}]")
+        if "step" in tstate:
+            assert int(tstate["step"]) == engine.state.step
+
+
+@optimizers
+@dtypes
+def test_matches_torch(name, make_at, make_torch, dtype_name):
+    engine, topt, tparams, _, init = _run_both(make_at, make_torch, dtype_name)
+    _compare_state(engine, topt, tparams, DTYPES[dtype_name][0])
+    moved = max(float(np.max(np.abs(engine.params[k] - v), initial=0.0)) for k, v in init.items())
+    if engine.optimizer.lr > 0:  # the comparison is not vacuous: the parameters really moved
+        assert moved > 0.1
+    else:
+        assert moved == 0.0
+
+
+@optimizers
+@dtypes
+def test_matches_torch_with_clipping(name, make_at, make_torch, dtype_name):
+    # gradient norms range over ~[0.1, 3] * 1e3 * sqrt(82): clipping at 1e4 is active on some steps only
+    engine, topt, tparams, clipped, _ = _run_both(make_at, make_torch, dtype_name, max_grad_norm=1e4)
+    assert 0 < clipped < STEPS
+    _compare_state(engine, topt, tparams, DTYPES[dtype_name][0])
+
+
+def test_table_covers_every_optimizer_class():
+    classes = {type(make_at()) for _, make_at, _ in OPTIMIZERS}
+    assert classes == {optim.SGD, optim.Adam, optim.AdamW}
+    for _, make_at, make_torch in OPTIMIZERS:
+        assert type(make_torch([torch.zeros(1, requires_grad=True)])).__name__ == type(make_at()).__name__
+
+
+# -- hyperparameter validation -------------------------------------------------------------
+
+INVALID = [
+    ("lr", lambda: optim.SGD(lr=-1e-3)),
+    ("lr", lambda: optim.Adam(lr=-1.0)),
+    ("lr", lambda: optim.AdamW(lr=float("nan"))),
+    ("lr", lambda: optim.SGD(lr=float("inf"))),
+    ("lr", lambda: optim.SGD(lr="0.1")),
+    ("lr", lambda: optim.Adam(lr=None)),
+    ("lr", lambda: optim.SGD(lr=True)),
+    ("lr", lambda: optim.Adam(lr=np.bool_(True))),
+    ("betas[0]", lambda: optim.Adam(betas=(1.0, 0.999))),
+    ("betas[0]", lambda: optim.Adam(betas=(-0.1, 0.999))),
+    ("betas[1]", lambda: optim.Adam(betas=(0.9, 1.0))),
+    ("betas[1]", lambda: optim.AdamW(betas=(0.9, 1.5))),
+    ("betas[1]", lambda: optim.AdamW(betas=(0.9, "0.99"))),
+    ("betas[0]", lambda: optim.Adam(betas=(False, 0.99))),
+    ("betas", lambda: optim.Adam(betas=0.9)),
+    ("betas", lambda: optim.Adam(betas=(0.9, 0.99, 0.999))),
+    ("eps", lambda: optim.Adam(eps=0.0)),
+    ("eps", lambda: optim.AdamW(eps=-1e-8)),
+    ("eps", lambda: optim.Adam(eps="1e-8")),
+    ("momentum", lambda: optim.SGD(momentum=-0.1)),
+    ("momentum", lambda: optim.SGD(momentum=[0.9])),
+    ("dampening", lambda: optim.SGD(momentum=0.9, dampening=-0.5)),
+    ("weight_decay", lambda: optim.SGD(weight_decay=-1e-4)),
+    ("weight_decay", lambda: optim.Adam(weight_decay=-1e-4)),
+    ("weight_decay", lambda: optim.AdamW(weight_decay=-0.01)),
+    ("weight_decay", lambda: optim.AdamW(weight_decay=True)),
+    ("nesterov", lambda: optim.SGD(lr=0.1, nesterov=True)),
+    ("nesterov", lambda: optim.SGD(lr=0.1, momentum=0.9, dampening=0.1, nesterov=True)),
+    ("nesterov", lambda: optim.SGD(lr=0.1, momentum=0.9, nesterov=1)),
+    ("amsgrad", lambda: optim.Adam(amsgrad=1)),
+    ("amsgrad", lambda: optim.AdamW(amsgrad="yes")),
+    ("max_grad_norm", lambda: Engine({"a": np.zeros(3)}, optim.SGD(), max_grad_norm=0.0)),
+    ("max_grad_norm", lambda: Engine({"a": np.zeros(3)}, optim.SGD(), max_grad_norm=-1.0)),
+    ("max_grad_norm", lambda: Engine({"a": np.zeros(3)}, optim.SGD(), max_grad_norm=True)),
+    ("accumulation_steps", lambda: Engine({"a": np.zeros(3)}, optim.SGD(), accumulation_steps=0)),
+]
+
+
+@pytest.mark.parametrize("param, make", INVALID, ids=[f"{p}-{i}" for i, (p, _) in enumerate(INVALID)])
+def test_invalid_hyperparameters_raise(param, make):
+    with pytest.raises(HyperparameterError, match=re.escape(param)) as info:
+        make()
+    assert isinstance(info.value, ValueError)
+    assert isinstance(info.value, arraytrain.ArrayTrainError)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: optim.SGD(lr=0.0),
+    lambda: optim.SGD(lr=1, momentum=0.9, dampening=1.0),
+    lambda: optim.SGD(lr=np.float32(0.1), momentum=0.9, nesterov=True, weight_decay=0),
+    lambda: optim.Adam(lr=0.0, betas=(0.0, 0.0), eps=1e-30, weight_decay=0.0),
+    lambda: optim.AdamW(betas=[0.5, 0.9], amsgrad=True),
+], ids=["lr0", "dampening1", "numpy_scalar", "betas0", "betas_list"])
+def test_boundary_hyperparameters_are_accepted(make):
+    opt = make()
+    hp = opt.hyperparameters()
+    for value in hp.values():
+        assert not isinstance(value, np.generic)  # stored as plain Python numbers
+    assert type(opt).__name__ in repr(opt)
