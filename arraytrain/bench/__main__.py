@@ -1,4 +1,6 @@
-"""``python -m arraytrain.bench``: the fused AdamW step against torch, side by side.
+"""``python -m arraytrain.bench [step|threads]``: the fused AdamW step against torch, side by side.
+
+``threads`` measures the threading policy instead (see ``arraytrain.bench.threads``).
 
 Prints one markdown table from one run:
 
@@ -130,6 +132,13 @@ def run(sizes, reps, with_torch=True, zero_grad=False):
 
 
 def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["threads"]:
+        from .threads import main as threads_main
+
+        return threads_main(argv[1:])
+    if argv[:1] == ["step"]:
+        argv = argv[1:]
     ap = argparse.ArgumentParser(prog="python -m arraytrain.bench", description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", default="1e6,1e7,1e8", help="comma-separated parameter counts")
     ap.add_argument("--reps", type=int, default=15)

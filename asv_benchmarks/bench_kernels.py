@@ -1,0 +1,72 @@
+"""The single-pass kernels: accumulate, scale, sum of squares, finite check."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from arraytrain.backend import kernels_for
+from arraytrain.layout import Layout
+
+from .common import DTYPES, SIZES, _Bandwidth, split
+
+
+class _Kernel(_Bandwidth):
+    params = [SIZES, DTYPES]
+    param_names = ["size", "dtype"]
+
+    def setup(self, n, dtype):
+        rng = np.random.default_rng(0)
+        self.layout = Layout({f"p{i}": (k,) for i, k in enumerate(split(n))})
+        self.x = np.zeros(self.layout.size, dtype)
+        self.x[:] = rng.standard_normal(self.layout.size)
+        self.g = rng.standard_normal(self.layout.size).astype(dtype)
+        self.k = kernels_for(self.x)
+        self.item = np.dtype(dtype).itemsize
+        self._call()  # compile outside the timed region
+
+    def time_kernel(self, n, dtype):
+        self._call()
+
+
+class Accumulate(_Kernel):
+    """``acc += w * g`` over the flat buffer (read acc, g; write acc)."""
+
+    def _call(self):
+        self.k.accumulate(self.x, self.g, 0.5, False)
+
+    @property
+    def _bytes(self):
+        return 3 * self.item * self.x.size
+
+
+class Scale(_Kernel):
+    """``x *= s`` (read and write x)."""
+
+    def _call(self):
+        self.k.scale(self.x, 1.0)
+
+    @property
+    def _bytes(self):
+        return 2 * self.item * self.x.size
+
+
+class SumOfSquares(_Kernel):
+    """The norm pass: global and per-parameter sums of squares in float64, one read."""
+
+    def _call(self):
+        self.k.sumsq(self.g, self.layout.pieces, len(self.layout))
+
+    @property
+    def _bytes(self):
+        return self.item * self.layout.num_elements
+
+
+class AllFinite(_Kernel):
+    """Stand-alone NaN/Inf detection (one read)."""
+
+    def _call(self):
+        self.k.all_finite(self.g)
+
+    @property
+    def _bytes(self):
+        return self.item * self.g.size
