@@ -5,11 +5,7 @@ parameter is a named view. Gradients arrive as arrays from any framework and
 one fused numba kernel per stage does the rest of the training step.
 """
 
-from . import threads
-
-threads.apply_policy()  # before any numba kernel launches; see arraytrain.threads
-
-from . import optim  # noqa: E402
+from . import optim, threads
 from .accumulate import AccumulationConfig, AccumulationStats, GradientAccumulator
 from .buffer import FlatBuffer
 from .engine import Engine, StepReport

@@ -1,72 +1,106 @@
 """The threading policy: numba's kernels and the BLAS behind NumPy share the cores.
 
-What was measured (2-core machine, numba 0.68 OpenMP layer, OpenBLAS 0.3.31,
-each configuration in a fresh process, a hand-written NumPy MLP of ~1.07M
-parameters whose update is one parallel numba kernel): with OpenMP's default
-*active* wait policy, numba's idle workers keep spinning after every kernel
-and steal the cores OpenBLAS needs for the next matmul: ~60 steps/s at batch
-128, against ~130 with idle workers that sleep. One numba thread avoids the
-fight too, but then a large update runs on one core.
+What was measured (2-core machine, numba 0.68, OpenBLAS 0.3.31, each
+configuration in a fresh process, a hand-written NumPy MLP of ~1.07M
+parameters whose update is one parallel numba kernel; ``python -m
+arraytrain.bench threads``): with numba's default OpenMP layer, its idle
+workers spin after every kernel and steal the cores OpenBLAS needs for the
+next matmul, and the MLP runs several times slower than with workers that
+sleep. One numba thread avoids the fight too, but then a large update runs on
+one core.
 
-The policy, applied once when arraytrain is imported:
+Two fixes were measured and rejected: ``OMP_WAIT_POLICY=PASSIVE`` cures the
+MLP, but numba's system libgomp and torch's bundled one share a SONAME, so
+the setting reached torch too and made ``torch.optim`` on 100 tensors ~4x
+slower; numba's ``workqueue`` layer also cures it, but aborts the process
+when two threads launch parallel kernels at once.
 
-1. ``OMP_WAIT_POLICY=PASSIVE`` unless the environment already sets it or
-   numba's threading layer has already started (then it is too late and
-   nothing is changed). Idle OpenMP workers sleep; numba keeps every core for
-   large kernels and BLAS gets the cores back between them. The variable is
-   read by each OpenMP runtime when it loads, so an OpenMP library loaded
-   later in the same process (e.g. torch's) sees it too.
-2. numba's default layer and thread count; kernels on buffers smaller than
+The policy, applied when arraytrain's kernels first run in parallel:
+
+1. numba's **TBB** threading layer (the ``tbb`` wheel is a dependency on
+   x86-64 Linux): idle TBB workers do not keep the cores from BLAS, the
+   layer is thread-safe, and nothing outside numba is touched. The wheel puts
+   ``libtbb.so.12`` in ``<prefix>/lib``, off the loader's path in a
+   virtualenv, so it is loaded by its full path first. Where TBB cannot load,
+   numba's own default is kept and :func:`describe` says so.
+2. A layer the user chose (``NUMBA_THREADING_LAYER``) is respected, and so
+   are numba threads already started by other code (then it is too late to
+   choose); ``ARRAYTRAIN_THREAD_POLICY=off`` leaves numba's default.
+3. numba's thread count is left alone; kernels on buffers smaller than
    ``arraytrain.kernels.cpu.SERIAL_BELOW`` run serial, where a parallel
-   launch would cost more than it saves.
-3. BLAS keeps its own thread count.
-
-``ARRAYTRAIN_THREAD_POLICY=off`` leaves the environment untouched.
+   launch costs more than it saves. BLAS keeps its own thread count.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 
-WAIT_POLICY = "OMP_WAIT_POLICY"
+LAYER = "tbb"
 OPT_OUT = "ARRAYTRAIN_THREAD_POLICY"
 
+_lock = threading.Lock()
 _applied: str | None = None
 
 
-def _numba_layer_started() -> bool:
+def _preload_tbb() -> bool:
+    """Load the ``tbb`` wheel's libtbb globally so numba's tbbpool finds it."""
+    import ctypes
+    import importlib.metadata
+
     try:
-        from numba.np.ufunc import parallel
-    except ImportError:  # numba moved it: assume started, change nothing
-        return True
-    return bool(getattr(parallel, "_is_initialized", True))
+        files = importlib.metadata.files("tbb") or []
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    for f in files:
+        if f.name.startswith("libtbb.so.12") or f.name == "tbb12.dll":
+            try:
+                ctypes.CDLL(str(f.locate()), mode=ctypes.RTLD_GLOBAL)
+                return True
+            except OSError:
+                continue
+    return False
 
 
-def apply_policy() -> str:
-    """Apply the policy (idempotent); returns what was done, for :func:`describe`."""
+def start_numba_threads() -> str:
+    """Start numba's thread pool under the policy (idempotent); returns what was done."""
     global _applied
-    if _applied is None:
-        if os.environ.get(OPT_OUT, "").lower() == "off":
+    if _applied is not None:
+        return _applied
+    with _lock:
+        if _applied is not None:
+            return _applied
+        import numba
+        from numba.np.ufunc import parallel
+
+        if getattr(parallel, "_is_initialized", True):
+            _applied = "numba's threads were started before arraytrain's: layer not chosen"
+        elif os.environ.get(OPT_OUT, "").lower() == "off":
+            parallel._launch_threads()
             _applied = f"policy off ({OPT_OUT}=off)"
-        elif WAIT_POLICY in os.environ:
-            _applied = f"{WAIT_POLICY}={os.environ[WAIT_POLICY]} (from the environment)"
-        elif _numba_layer_started():
-            _applied = "numba's threads had already started: environment unchanged"
+        elif os.environ.get("NUMBA_THREADING_LAYER"):
+            parallel._launch_threads()
+            _applied = "layer from NUMBA_THREADING_LAYER"
         else:
-            os.environ[WAIT_POLICY] = "PASSIVE"
-            _applied = f"{WAIT_POLICY}=PASSIVE (set by arraytrain)"
-    return _applied
+            before = numba.config.THREADING_LAYER
+            _preload_tbb()
+            numba.config.THREADING_LAYER = LAYER
+            try:
+                parallel._launch_threads()
+                _applied = f"{LAYER} layer chosen by arraytrain"
+            except ValueError:  # TBB missing or incompatible: numba's default instead
+                numba.config.THREADING_LAYER = before
+                parallel._launch_threads()
+                _applied = f"{LAYER} unavailable: numba's default layer"
+        return _applied
 
 
 def describe() -> str:
-    """One line: numba layer and threads, the wait policy, BLAS threads."""
+    """One line: numba layer and threads, how it was chosen, BLAS threads."""
     import numba
 
-    try:
-        layer = numba.threading_layer()
-    except ValueError:  # not started yet
-        layer = f"{numba.config.THREADING_LAYER} (not started)"
-    parts = [f"numba layer {layer}, {numba.get_num_threads()} threads", apply_policy()]
+    policy = start_numba_threads()
+    parts = [f"numba layer {numba.threading_layer()}, {numba.get_num_threads()} threads", policy]
     try:
         from threadpoolctl import threadpool_info
 

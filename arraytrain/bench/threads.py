@@ -5,8 +5,10 @@ matmuls) whose gradients go zero-copy into ``engine.grads`` and whose update
 is ``engine.step()`` (AdamW + clipping: parallel numba kernels), run in a fresh
 process per configuration, configurations alternated over several rounds:
 
-* ``policy``: arraytrain's default (``OMP_WAIT_POLICY=PASSIVE``);
-* ``omp-active``: the policy switched off (OpenMP's default spinning workers);
+* ``policy``: arraytrain's choice, numba's TBB layer;
+* ``omp``: the policy switched off, numba's default OpenMP layer (spinning workers);
+* ``omp-passive``: OpenMP with ``OMP_WAIT_POLICY=PASSIVE`` (process-wide: torch shares it);
+* ``workqueue``: numba's own pool (not thread-safe);
 * ``numba-1-thread``: ``NUMBA_NUM_THREADS=1`` (no fight, but serial kernels).
 """
 
@@ -19,9 +21,12 @@ import sys
 
 CONFIGS = {
     "policy": {},
-    "omp-active": {"ARRAYTRAIN_THREAD_POLICY": "off"},
+    "omp": {"ARRAYTRAIN_THREAD_POLICY": "off"},
+    "omp-passive": {"ARRAYTRAIN_THREAD_POLICY": "off", "OMP_WAIT_POLICY": "PASSIVE"},
+    "workqueue": {"NUMBA_THREADING_LAYER": "workqueue"},
     "numba-1-thread": {"NUMBA_NUM_THREADS": "1"},
 }
+CLEARED = ("OMP_WAIT_POLICY", "ARRAYTRAIN_THREAD_POLICY", "NUMBA_THREADING_LAYER", "NUMBA_NUM_THREADS")
 
 WORKLOAD = r"""
 import sys, time
@@ -60,20 +65,23 @@ for _ in range(5):
 t0 = time.perf_counter()
 for _ in range(steps):
     step()
-print(steps / (time.perf_counter() - t0))
+print(steps / (time.perf_counter() - t0), at.threads.describe().split(";")[0].replace(" ", "_"))
 """
 
 
 def measure(batch: int, steps: int, rounds: int) -> dict:
     out = {k: [] for k in CONFIGS}
+    layers = {}
     for _ in range(rounds):
         for name, env in CONFIGS.items():
-            full = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", *CONFIGS["omp-active"])}
+            full = {k: v for k, v in os.environ.items() if k not in CLEARED}
             full.update(env)
             res = subprocess.run([sys.executable, "-c", WORKLOAD, str(batch), str(steps)], env=full,
                                  capture_output=True, text=True, check=True)
-            out[name].append(float(res.stdout.split()[-1]))
-    return out
+            rate, layer = res.stdout.split()[-2:]
+            out[name].append(float(rate))
+            layers[name] = layer.replace("_", " ")
+    return out, layers
 
 
 def main(argv=None) -> int:
@@ -84,12 +92,13 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args(argv)
-    print("| batch | configuration | steps/s median | min | max | vs policy |")
-    print("|---:|---|---:|---:|---:|---:|")
+    print("| batch | configuration | numba | steps/s median | min | max | vs policy |")
+    print("|---:|---|---|---:|---:|---:|---:|")
     for batch in (int(b) for b in args.batches.split(",")):
-        res = measure(batch, args.steps, args.rounds)
+        res, layers = measure(batch, args.steps, args.rounds)
         base = statistics.median(res["policy"])
         for name, v in res.items():
             med = statistics.median(v)
-            print(f"| {batch} | {name} | {med:.1f} | {min(v):.1f} | {max(v):.1f} | {med / base:.2f} |")
+            print(f"| {batch} | {name} | {layers[name]} | {med:.1f} | {min(v):.1f} | {max(v):.1f} | "
+                  f"{med / base:.2f} |")
     return 0

@@ -25,6 +25,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
+from ..threads import start_numba_threads
+
 FASTMATH = {"nsz", "arcp", "contract", "afn", "reassoc"}
 # error_model="numpy": IEEE division (x/0 -> inf) instead of Python's
 # ZeroDivisionError check, whose branch stops LLVM from vectorising the loops.
@@ -47,8 +49,17 @@ def _twins(fn):
     return par, ser
 
 
+_threads_started = False
+
+
 def _pick(pair, n):
-    return pair[1] if n < SERIAL_BELOW else pair[0]
+    global _threads_started
+    if n < SERIAL_BELOW:
+        return pair[1]
+    if not _threads_started:  # numba's pool starts under arraytrain's policy (see arraytrain.threads)
+        start_numba_threads()
+        _threads_started = True
+    return pair[0]
 
 
 # -- accumulate / scale ----------------------------------------------------------------
