@@ -110,3 +110,24 @@ OPTIMIZER_CONFIGS = [
 @pytest.fixture
 def rng() -> np.random.Generator:
     return np.random.default_rng(20240611)
+
+
+def engine_snapshot(engine) -> dict:
+    """Everything a refused call must leave unchanged, bit for bit (dtype included).
+
+    Two snapshots compare equal exactly when params, grads, every optimizer
+    slot, the step count and the accumulation window are bitwise equal.
+    """
+
+    def bits(a):
+        return a.dtype.str.encode() + a.tobytes()
+
+    return {
+        "params": bits(engine.params.flat),
+        "grads": bits(engine.grads.flat),
+        "slots": {k: bits(b.flat) for k, b in engine.state.slots.items()},
+        "step": engine.state.step,
+        "micro": engine.micro_batches,
+        "wsum": engine._weight_sum,
+        "layout": engine.layout,
+    }

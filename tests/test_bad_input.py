@@ -35,6 +35,8 @@ from arraytrain import (
     StateDictError,
     UnknownParameterError,
 )
+from conftest import engine_snapshot
+
 from arraytrain.optim import SGD, Adam, AdamW
 
 SHAPES = {"W": (2, 3), "z": (0,), "b": (3,)}
@@ -246,16 +248,7 @@ def _make_engine() -> Engine:
 
 
 def _snapshot(e: Engine) -> dict:
-    return {
-        "params": e.params.flat.tobytes(),
-        "grads": e.grads.flat.tobytes(),
-        "slots": {k: b.flat.tobytes() for k, b in e.state.slots.items()},
-        "step": e.state.step,
-        "micro": e.micro_batches,
-        "wsum": e._weight_sum,
-        "layout": e.layout,
-        "buffers": (id(e.params.flat), id(e.grads.flat)),
-    }
+    return {**engine_snapshot(e), "buffers": (id(e.params.flat), id(e.grads.flat))}
 
 
 def test_case_count():

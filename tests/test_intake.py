@@ -14,6 +14,8 @@ from arraytrain import (
     GradientAccumulator,
 )
 from arraytrain.backend import as_array
+from conftest import engine_snapshot
+
 from arraytrain.optim import SGD
 
 SHAPE = (3, 4)
@@ -82,16 +84,6 @@ SOURCES = {
 def _engine(**kw):
     # accumulation_steps=2 keeps the first micro-batch visible in engine.grads
     return Engine({"w": np.zeros(SHAPE), "b": np.zeros(4)}, SGD(lr=0.1), accumulation_steps=2, **kw)
-
-
-def _snapshot(engine):
-    return (engine.params.flat.copy(), engine.grads.flat.copy(), engine.state.step, engine.micro_batches)
-
-
-def _assert_unchanged(engine, snap):
-    np.testing.assert_array_equal(engine.params.flat, snap[0])
-    np.testing.assert_array_equal(engine.grads.flat, snap[1])
-    assert (engine.state.step, engine.micro_batches) == snap[2:]
 
 
 @pytest.mark.parametrize("source", list(SOURCES))
@@ -179,12 +171,12 @@ def test_non_contiguous_into_flatbuffer():
 def test_cuda_dlpack_refused_and_nothing_changes():
     engine = _engine()
     engine.step({"w": G, "b": np.ones(4)})
-    snap = _snapshot(engine)
+    snap = engine_snapshot(engine)
     fake = CudaDLPack()
     with pytest.raises((BackendError, BackendUnavailableError), match="'w'"):
         engine.step({"b": np.ones(4), "w": fake})
     assert not fake.exported
-    _assert_unchanged(engine, snap)
+    assert engine_snapshot(engine) == snap
 
 
 def test_cuda_dlpack_without_cupy_is_backend_unavailable():
@@ -223,22 +215,22 @@ class OddDevice(CudaDLPack):
                          ids=["broken-device", "odd-device", "object", "dict"])
 def test_unreadable_objects_are_backend_errors(obj, match):
     engine = _engine()
-    snap = _snapshot(engine)
+    snap = engine_snapshot(engine)
     with pytest.raises(BackendError, match=match):
         engine.step({"w": obj, "b": np.ones(4)})
-    _assert_unchanged(engine, snap)
+    assert engine_snapshot(engine) == snap
 
 
 def test_torch_tensor_requiring_grad_refused():
     torch = pytest.importorskip("torch")
     engine = _engine()
     engine.step({"w": G, "b": np.ones(4)})
-    snap = _snapshot(engine)
+    snap = engine_snapshot(engine)
     t = torch.ones(4, dtype=torch.float64, requires_grad=True)
     with pytest.raises(BackendError, match="'b'") as info:
         engine.step({"w": G, "b": t})
     assert "detach" in str(info.value)
-    _assert_unchanged(engine, snap)
+    assert engine_snapshot(engine) == snap
     # detached, it is accepted
     engine.step({"w": G, "b": t.detach()})
     assert engine.state.step == 1
@@ -249,10 +241,10 @@ def test_torch_non_float_tensor_refused(dtype):
     torch = pytest.importorskip("torch")
     t = torch.zeros(4, dtype=getattr(torch, dtype))
     engine = _engine()
-    snap = _snapshot(engine)
+    snap = engine_snapshot(engine)
     with pytest.raises((DTypeError, BackendError), match="'b'"):
         engine.step({"w": G, "b": t})
-    _assert_unchanged(engine, snap)
+    assert engine_snapshot(engine) == snap
 
 
 def test_torch_zero_copy_reads_live_memory():
