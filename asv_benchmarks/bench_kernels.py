@@ -1,4 +1,4 @@
-"""The single-pass kernels: accumulate, scale, sum of squares, finite check."""
+"""The single-pass kernels: accumulate, scale, the clipping norm pass, finite check."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import numpy as np
 
 from arraytrain.backend import kernels_for
 from arraytrain.layout import Layout
+from arraytrain.ops import clip_coef, norm_pass
 
 from .common import DTYPES, SIZES, _Bandwidth, split
 
@@ -50,11 +51,12 @@ class Scale(_Kernel):
         return 2 * self.item * self.x.size
 
 
-class SumOfSquares(_Kernel):
-    """The norm pass: global and per-parameter sums of squares in float64, one read."""
+class ClipGlobalNorm(_Kernel):
+    """Clipping's whole cost: the norm pass (global and per-parameter norms, non-finite
+    check; one read) and the clip factor. The scaling itself is folded into the optimizer."""
 
     def _call(self):
-        self.k.sumsq(self.g, self.layout.pieces, len(self.layout))
+        clip_coef(norm_pass(self.k, self.g, self.layout).norm, 1.0)
 
     @property
     def _bytes(self):

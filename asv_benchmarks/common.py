@@ -1,7 +1,8 @@
 """Shared pieces of the asv suite: sizes, data, bandwidth figures.
 
 Sizes: 1e4 .. 1e7 elements by default; ``ARRAYTRAIN_BENCH_HUGE=1`` adds 1e8,
-``ARRAYTRAIN_BENCH_QUICK=1`` keeps 1e4 and 1e5 only (CI's smoke run).
+``ARRAYTRAIN_BENCH_QUICK=1`` keeps 1e4 and 1e5, float32 and a small triad
+(CI's smoke run: every benchmark runs, none for long).
 """
 
 from __future__ import annotations
@@ -12,13 +13,13 @@ import time
 
 import numpy as np
 
-if os.environ.get("ARRAYTRAIN_BENCH_QUICK"):
-    SIZES = [10_000, 100_000]
+QUICK = bool(os.environ.get("ARRAYTRAIN_BENCH_QUICK"))
+if QUICK:
+    SIZES, DTYPES = [10_000, 100_000], ["float32"]
 else:
-    SIZES = [10_000, 100_000, 1_000_000, 10_000_000]
+    SIZES, DTYPES = [10_000, 100_000, 1_000_000, 10_000_000], ["float32", "float64"]
     if os.environ.get("ARRAYTRAIN_BENCH_HUGE"):
         SIZES.append(100_000_000)
-DTYPES = ["float32", "float64"]
 N_TENSORS = 100
 
 
@@ -52,7 +53,7 @@ def triad_gbs() -> float:
         for i in prange(a.size):
             a[i] = b[i] + s * c[i]
 
-    n = 20_000_000  # 240 MB: far beyond any cache
+    n = 2_000_000 if QUICK else 20_000_000  # 240 MB: far beyond any cache
     a, b, c = np.zeros(n, np.float32), np.ones(n, np.float32), np.ones(n, np.float32)
     triad(a, b, c, np.float32(2.0))
     return 12 * n / best_seconds(lambda: triad(a, b, c, np.float32(2.0)), 10) / 1e9
