@@ -56,4 +56,5 @@ __all__ = [
     "StepReport",
     "UnknownParameterError",
     "optim",
+    "threads",
 ]

@@ -9,13 +9,12 @@ written by the same numba kernels the Engine uses.
 
 from __future__ import annotations
 
-import math
-import numbers
 from dataclasses import dataclass
 
 import numpy as np
 
 from . import _intake
+from ._checks import check_int, check_positive
 from .backend import kernels_for
 from .buffer import FlatBuffer
 from .errors import (
@@ -39,22 +38,15 @@ class AccumulationConfig:
     max_grad_norm: float | None = None
 
     def __post_init__(self):
-        k = self.accumulation_steps
-        if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 1:
-            raise HyperparameterError(f"accumulation_steps: expected an int >= 1, got {k!r}")
+        check_int("accumulation_steps", self.accumulation_steps, 1)
         if not isinstance(self.normalize, bool):
             raise HyperparameterError(f"normalize: expected a bool, got {self.normalize!r}")
-        m = self.max_grad_norm
-        if m is not None and (isinstance(m, bool) or not isinstance(m, numbers.Real)
-                              or not math.isfinite(m) or m <= 0):
-            raise HyperparameterError(f"max_grad_norm: expected None or a finite number > 0, got {m!r}")
+        if self.max_grad_norm is not None:
+            check_positive("max_grad_norm", self.max_grad_norm)
 
     def effective_batch_size(self, micro_batch_size: int) -> int:
         """Samples per update: ``micro_batch_size * accumulation_steps``."""
-        if isinstance(micro_batch_size, bool) or not isinstance(micro_batch_size, numbers.Integral) \
-                or micro_batch_size < 0:
-            raise HyperparameterError(f"micro_batch_size: expected an int >= 0, got {micro_batch_size!r}")
-        return int(micro_batch_size) * self.accumulation_steps
+        return check_int("micro_batch_size", micro_batch_size, 0) * self.accumulation_steps
 
 
 @dataclass(frozen=True)
@@ -107,14 +99,6 @@ class GradientAccumulator:
         self._weights = np.append(self._weights, 0.0)
 
     # -- accumulation -------------------------------------------------------------------
-    def _check_weight(self, weight) -> float:
-        if weight is None:
-            return 1.0
-        if isinstance(weight, bool) or not isinstance(weight, numbers.Real) \
-                or not math.isfinite(weight) or weight <= 0:
-            raise HyperparameterError(f"weight: expected a finite number > 0, got {weight!r}")
-        return float(weight)
-
     def _check_room(self, names) -> list[int]:
         idx = [self._buf.layout.index(n) for n in names]
         for i, n in zip(idx, names):
@@ -134,7 +118,7 @@ class GradientAccumulator:
         """Add one micro-batch's gradient for ``name`` (times ``weight``, default 1)."""
         if name not in self._buf:
             raise UnknownParameterError(f"{name!r}: not registered; call register(name, shape) first")
-        w = self._check_weight(weight)
+        w = 1.0 if weight is None else check_positive("weight", weight)
         self._add(_intake.check_grads({name: grad}, self._buf, protect=(self._buf.flat,)), w)
 
     def step(self, gradients, weight: float | None = None) -> bool:
@@ -143,7 +127,7 @@ class GradientAccumulator:
         Every gradient is validated (names, shapes, dtypes, room left) before
         any is added, so a refused micro-batch changes nothing.
         """
-        w = self._check_weight(weight)
+        w = 1.0 if weight is None else check_positive("weight", weight)
         items = _intake.check_grads(gradients, self._buf, protect=(self._buf.flat,))
         self._add(items, w)
         self.total_micro_batches += 1
@@ -165,7 +149,7 @@ class GradientAccumulator:
             raise NoGradientsError("no gradients accumulated" if len(self._buf) else "no parameters registered")
         out = self._buf.copy()
         if self.config.normalize:
-            for name, i in zip(out.names, range(len(out))):
+            for i, name in enumerate(out.names):
                 if self._weights[i] > 0 and out.layout.sizes[i]:
                     self._kernels.scale(out.flat[out.layout.slice(name)], 1.0 / self._weights[i])
         if self.config.max_grad_norm is not None:

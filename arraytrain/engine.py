@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import math
-import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from . import _intake
+from ._checks import check_int, check_number, check_positive
 from .backend import backend_of, kernels_for
 from .buffer import FlatBuffer
 from .errors import (
@@ -60,12 +60,6 @@ class StepReport:
         return {n: float(x) for n, x in zip(self._names, self._segment_norms)}
 
 
-def _positive_number(name: str, value) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not (math.isfinite(value) and value > 0):
-        raise HyperparameterError(f"{name}: expected a finite number > 0, got {value!r}")
-    return float(value)
-
-
 class Engine:
     """Training step on flat buffers: ``engine.step(grads) -> StepReport``.
 
@@ -107,11 +101,9 @@ class Engine:
                  zero_grad_on_step: bool = True, dtype=None, kernels: str = "numba"):
         if not isinstance(optimizer, Optimizer):
             raise ArgumentTypeError(f"optimizer: expected an arraytrain.optim.Optimizer, got {type(optimizer).__name__}")
-        if isinstance(accumulation_steps, bool) or not isinstance(accumulation_steps, numbers.Integral) \
-                or accumulation_steps < 1:
-            raise HyperparameterError(f"accumulation_steps: expected an int >= 1, got {accumulation_steps!r}")
+        accumulation_steps = check_int("accumulation_steps", accumulation_steps, 1)
         if max_grad_norm is not None:
-            max_grad_norm = _positive_number("max_grad_norm", max_grad_norm)
+            max_grad_norm = check_positive("max_grad_norm", max_grad_norm)
         if reduction not in REDUCTIONS:
             raise HyperparameterError(f"reduction: expected one of {REDUCTIONS}, got {reduction!r}")
         if missing not in MISSING:
@@ -154,7 +146,7 @@ class Engine:
         are already in ``engine.grads`` (the zero-copy path). The whole input
         is validated before anything is written: a refused call changes nothing.
         """
-        w = 1.0 if weight is None else _positive_number("weight", weight)
+        w = 1.0 if weight is None else check_positive("weight", weight)
         if grads is not None:
             items = _intake.check_grads(grads, self.grads, protect=(self.params.flat, self.grads.flat))
             absent = [n for n in self.layout.names if n not in items]
@@ -234,13 +226,9 @@ class Engine:
             raise StateDictError(f"optimizer: state is for {opt.get('type')!r}, engine has {type(self.optimizer).__name__!r}")
         if set(slots) != set(self.state.slots):
             raise StateDictError(f"optimizer slots: expected {sorted(self.state.slots)}, got {sorted(slots)}")
-        if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:
-            raise StateDictError(f"optimizer step: expected an int >= 0, got {step!r}")
-        if isinstance(micro, bool) or not isinstance(micro, numbers.Integral) \
-                or not 0 <= micro < self.accumulation_steps:
-            raise StateDictError(f"micro_batches: expected an int in [0, {self.accumulation_steps}), got {micro!r}")
-        if isinstance(wsum, bool) or not isinstance(wsum, numbers.Real) or not math.isfinite(wsum) or wsum < 0:
-            raise StateDictError(f"weight_sum: expected a finite number >= 0, got {wsum!r}")
+        check_int("optimizer step", step, 0, error=StateDictError)
+        check_int("micro_batches", micro, 0, self.accumulation_steps - 1, error=StateDictError)
+        check_number("weight_sum", wsum, 0.0, error=StateDictError)
         try:
             checked = [(self.params, self.params.check(params))]
             checked += [(self.state.slots[k], self.state.slots[k].check(v)) for k, v in slots.items()]

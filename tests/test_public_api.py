@@ -38,6 +38,7 @@ ARRAYTRAIN_ALL = [
     "StepReport",
     "UnknownParameterError",
     "optim",
+    "threads",
 ]
 
 OPTIM_ALL = ["Adam", "AdamW", "OptState", "Optimizer", "SGD"]

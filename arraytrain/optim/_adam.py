@@ -3,7 +3,8 @@ from __future__ import annotations
 import math
 
 from ..errors import HyperparameterError
-from ._base import Optimizer, check_number
+from .._checks import check_number
+from ._base import Optimizer
 
 
 class Adam(Optimizer):

@@ -2,27 +2,10 @@
 
 from __future__ import annotations
 
-import math
-import numbers
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
 from ..buffer import FlatBuffer
-from ..errors import HyperparameterError
-
-
-def check_number(name: str, value, lo: float = -math.inf, hi: float = math.inf, *,
-                 lo_open: bool = False, hi_open: bool = False) -> float:
-    """``value`` as a float if it is a real number in the interval, else a HyperparameterError."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
-        raise HyperparameterError(f"{name}: expected a finite real number, got {value!r}")
-    value = float(value)
-    below = value <= lo if lo_open else value < lo
-    above = value >= hi if hi_open else value > hi
-    if below or above:
-        lb, rb = "(" if lo_open else "[", ")" if hi_open else "]"
-        raise HyperparameterError(f"{name}: expected a value in {lb}{lo}, {hi}{rb}, got {value!r}")
-    return value
 
 
 @dataclass

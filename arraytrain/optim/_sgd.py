@@ -1,7 +1,8 @@
 from __future__ import annotations
 
 from ..errors import HyperparameterError
-from ._base import Optimizer, check_number
+from .._checks import check_number
+from ._base import Optimizer
 
 
 class SGD(Optimizer):
