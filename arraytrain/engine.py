@@ -118,7 +118,7 @@ class Engine:
             raise ArgumentTypeError(f"params: expected a mapping name -> array or a FlatBuffer, got {type(params).__name__}")
         self._kernels = kernels_for(self.params.flat, kernels)
         self.optimizer = optimizer
-        self.accumulation_steps = int(accumulation_steps)
+        self.accumulation_steps = accumulation_steps
         self.max_grad_norm = max_grad_norm
         self.reduction = reduction
         self.missing = missing
