@@ -142,14 +142,6 @@ class Layout:
 
     # -- arrays the kernels consume ----------------------------------------
     @cached_property
-    def segment_bounds(self) -> np.ndarray:
-        """``(len(self), 2)`` int64 array of ``[start, stop)`` per parameter."""
-        out = np.empty((len(self._names), 2), dtype=np.int64)
-        out[:, 0] = self._offsets
-        out[:, 1] = np.add(self._offsets, self._sizes)
-        return out
-
-    @cached_property
     def pieces(self) -> np.ndarray:
         """``(P, 3)`` int64 rows ``[start, stop, segment]`` for chunked reductions.
 

@@ -49,16 +49,10 @@ def _twins(fn):
     return par, ser
 
 
-_threads_started = False
-
-
 def _pick(pair, n):
-    global _threads_started
     if n < SERIAL_BELOW:
         return pair[1]
-    if not _threads_started:  # numba's pool starts under arraytrain's policy (see arraytrain.threads)
-        start_numba_threads()
-        _threads_started = True
+    start_numba_threads()  # idempotent: numba's pool starts under arraytrain's policy (arraytrain.threads)
     return pair[0]
 
 
