@@ -17,6 +17,7 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
+import ml_dtypes
 import numpy as np
 
 from .errors import BackendError, BackendUnavailableError, DTypeError
@@ -85,10 +86,21 @@ def as_array(x: object, name: str = "array"):
     return arr
 
 
+BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
+# Kinds of low-precision working copies, as the optimizer kernels take them (uint16 bits).
+LP_NONE, LP_BF16, LP_F16 = 0, 1, 2
+
+
+def is_float_dtype(dtype) -> bool:
+    """float16/32/64, or ml_dtypes' bfloat16 (NumPy has none of its own)."""
+    dtype = np.dtype(dtype)
+    return dtype.kind == "f" or dtype == BFLOAT16
+
+
 def check_float_dtype(dtype, name: str) -> None:
     dtype = np.dtype(dtype)
-    if dtype.kind != "f":
-        raise DTypeError(f"{name!r}: expected a floating dtype (float16/32/64), got {dtype}")
+    if not is_float_dtype(dtype):
+        raise DTypeError(f"{name!r}: expected a floating dtype (float16/32/64 or ml_dtypes.bfloat16), got {dtype}")
 
 
 def same_backend(arr, expected: str, name: str) -> None:

@@ -6,7 +6,7 @@ from collections.abc import Iterator, Mapping
 
 import numpy as np
 
-from .backend import NUMPY, as_array, backend_of, check_float_dtype, same_backend
+from .backend import BFLOAT16, NUMPY, as_array, backend_of, check_float_dtype, same_backend
 from .errors import ArgumentTypeError, LayoutError, ReadOnlyError, ShapeMismatchError, UnknownParameterError
 from .layout import DEFAULT_ALIGN, Layout
 
@@ -17,6 +17,11 @@ def _xp(flat):
     import cupy  # only reached when a CuPy array is already in hand
 
     return cupy
+
+
+def kernel_view(flat):
+    """What a kernel reads: the array itself, or its uint16 bits for bfloat16 storage."""
+    return flat.view(np.uint16) if flat.dtype == BFLOAT16 else flat
 
 
 class FlatBuffer:

@@ -10,8 +10,9 @@ import numpy as np
 
 from . import _intake
 from ._checks import check_int, check_number, check_positive
+from .amp import LossScaler, NonFiniteError, working_spec
 from .backend import backend_of, kernels_for
-from .buffer import FlatBuffer
+from .buffer import FlatBuffer, kernel_view
 from .errors import (
     ArgumentTypeError,
     HyperparameterError,
@@ -22,7 +23,7 @@ from .errors import (
 from .ops import clip_coef, norm_pass
 from .optim import Optimizer
 
-STATE_FORMAT = 1
+STATE_FORMAT = 2
 REDUCTIONS = ("mean", "sum")
 MISSING = ("error", "zero")
 
@@ -33,9 +34,13 @@ class StepReport:
 
     ``applied``: the optimizer ran. ``skipped``: the accumulation boundary was
     reached with a NaN/Inf gradient, so nothing changed and the window was
-    dropped. Neither: the micro-batch was accumulated. ``grad_norm`` is the
-    global L2 norm of the reduced (mean or sum) gradient before clipping, and
-    ``clip_coef`` the factor applied to it; both are None between boundaries.
+    dropped. ``perturbed``: (SAM) the boundary moved the weights to the
+    ascent point; the next window's gradient, taken there, makes the update.
+    None of these: the micro-batch was accumulated. ``grad_norm`` is the
+    global L2 norm of the reduced (mean or sum), unscaled gradient before
+    clipping, and ``clip_coef`` the factor applied to it; both are None between
+    boundaries. ``lr`` is the scheduled learning rate of parameters without
+    an ``lr`` override; ``loss_scale`` the scale to multiply the next loss by.
     """
 
     applied: bool
@@ -45,12 +50,14 @@ class StepReport:
     lr: float
     grad_norm: float | None = None
     clip_coef: float | None = None
+    loss_scale: float = 1.0
+    perturbed: bool = False
     _segment_norms: np.ndarray | None = field(default=None, repr=False)
     _names: tuple = field(default=(), repr=False)
 
     @property
     def accumulated(self) -> bool:
-        return not (self.applied or self.skipped)
+        return not (self.applied or self.skipped or self.perturbed)
 
     @property
     def grad_norms(self) -> dict[str, float] | None:
@@ -88,6 +95,20 @@ class Engine:
         caller overwrites the gradients every window: saves 4 bytes/element.
     kernels : "numba" or "reference"
         The fused kernels, or their slow reference twins.
+    schedule : a schedule from :mod:`arraytrain.schedules`, or None
+        ``lr = schedule(step, base_lr)`` per parameter at every applied step,
+        ``step`` counting applied steps only: a skipped step does not advance
+        the schedule.
+    loss_scaler : LossScaler or None
+        Dynamic loss scaling: multiply the loss by ``engine.loss_scale``; the
+        engine unscales inside the norm pass and the optimizer kernel, skips
+        non-finite steps and adjusts the scale.
+    working_dtype : "bfloat16", "float16" or None
+        Keep ``engine.working``, a low-precision copy of the float32 weights
+        for the forward pass, rewritten by the optimizer kernel itself.
+    max_consecutive_skips : int or None
+        After this many boundaries in a row with NaN/Inf gradients raise
+        :class:`NonFiniteError` instead of skipping forever (None: never).
 
     The zero-copy path: ``engine.params[name]`` and ``engine.grads[name]``
     are views into the flat buffers. Write (or let a framework accumulate)
@@ -98,7 +119,9 @@ class Engine:
 
     def __init__(self, params, optimizer: Optimizer, *, accumulation_steps: int = 1,
                  max_grad_norm: float | None = None, reduction: str = "mean", missing: str = "error",
-                 zero_grad_on_step: bool = True, dtype=None, kernels: str = "numba"):
+                 zero_grad_on_step: bool = True, dtype=None, kernels: str = "numba", schedule=None,
+                 loss_scaler: LossScaler | None = None, working_dtype: str | None = None,
+                 max_consecutive_skips: int | None = 50):
         if not isinstance(optimizer, Optimizer):
             raise ArgumentTypeError(f"optimizer: expected an arraytrain.optim.Optimizer, got {type(optimizer).__name__}")
         accumulation_steps = check_int("accumulation_steps", accumulation_steps, 1)
@@ -108,6 +131,13 @@ class Engine:
             raise HyperparameterError(f"reduction: expected one of {REDUCTIONS}, got {reduction!r}")
         if missing not in MISSING:
             raise HyperparameterError(f"missing: expected one of {MISSING}, got {missing!r}")
+        if schedule is not None and not callable(getattr(schedule, "state_dict", None)):
+            raise ArgumentTypeError(f"schedule: expected a schedule from arraytrain.schedules, got {type(schedule).__name__}")
+        if loss_scaler is not None and not isinstance(loss_scaler, LossScaler):
+            raise ArgumentTypeError(f"loss_scaler: expected an arraytrain.LossScaler, got {type(loss_scaler).__name__}")
+        if max_consecutive_skips is not None:
+            max_consecutive_skips = check_int("max_consecutive_skips", max_consecutive_skips, 1)
+        wspec = None if working_dtype is None else working_spec(working_dtype)
         if isinstance(params, FlatBuffer):
             if dtype is not None and np.dtype(dtype) != params.dtype:
                 raise LayoutError(f"dtype: the FlatBuffer holds {params.dtype}, got dtype={np.dtype(dtype)}")
@@ -116,7 +146,10 @@ class Engine:
             self.params = FlatBuffer.from_arrays(params, dtype=dtype)
         else:
             raise ArgumentTypeError(f"params: expected a mapping name -> array or a FlatBuffer, got {type(params).__name__}")
+        if wspec is not None and self.params.dtype != np.float32:
+            raise HyperparameterError(f"working_dtype: working copies need float32 parameters, got {self.params.dtype}")
         self._kernels = kernels_for(self.params.flat, kernels)
+        self.state = optimizer.init(self.params)  # validates overrides against the names
         self.optimizer = optimizer
         self.accumulation_steps = accumulation_steps
         self.max_grad_norm = max_grad_norm
@@ -124,9 +157,22 @@ class Engine:
         self.missing = missing
         self.zero_grad_on_step = bool(zero_grad_on_step)
         self.grads = self.params.zeros_like()
-        self.state = optimizer.init(self.params)
+        self.schedule = schedule
+        self.loss_scaler = loss_scaler
+        self.max_consecutive_skips = max_consecutive_skips
+        self.consecutive_skips = 0
         self._micro = 0
         self._weight_sum = 0.0
+        # SAM (an optimizer with ``perturb``) takes two windows per step; between
+        # them the weights sit at the ascent point
+        self._two_windows = callable(getattr(optimizer, "perturb", None))
+        self._perturbed = False
+        self.working = None
+        self._working_kind = 0
+        if wspec is not None:
+            self.working = self.params.zeros_like(wspec[0])
+            self._working_kind = wspec[1]
+            self._refresh_working()
 
     @property
     def layout(self):
@@ -136,6 +182,33 @@ class Engine:
     def micro_batches(self) -> int:
         """Micro-batches accumulated in the current window."""
         return self._micro
+
+    @property
+    def loss_scale(self) -> float:
+        """The factor to multiply the loss by (1.0 without a loss scaler)."""
+        return 1.0 if self.loss_scaler is None else self.loss_scaler.scale
+
+    @property
+    def perturbed(self) -> bool:
+        """SAM: True between the ascent boundary and the update boundary."""
+        return self._perturbed
+
+    @property
+    def lr(self) -> float:
+        """The learning rate the next applied step uses (parameters without an lr override)."""
+        base = self.optimizer.lr
+        return base if self.schedule is None else float(self.schedule(self.state.step, base))
+
+    def _working_args(self):
+        if self.working is None:
+            return None
+        return (self.working.flat.view(np.uint16), self._working_kind)
+
+    def _refresh_working(self) -> None:
+        """Rebuild the working copy from the master weights (after a load or a SAM move)."""
+        if self.working is not None:
+            w, kind = self._working_args()
+            self._kernels.cast_working(w, self.params.flat, self.layout.pieces, kind)
 
     # -- the step ---------------------------------------------------------------------
     def step(self, grads: Mapping | None = None, *, weight: float | None = None) -> StepReport:
@@ -161,24 +234,66 @@ class Engine:
             _intake.write_grads(self._kernels, self.grads, items, w, overwrite)
         self._micro += 1
         self._weight_sum += w
-        lr = self.optimizer.lr
         if self._micro < self.accumulation_steps:
-            return StepReport(False, False, self.state.step, self._micro, lr)
-        return self._boundary(lr)
+            return StepReport(False, False, self.state.step, self._micro, self.lr, loss_scale=self.loss_scale)
+        return self._boundary()
 
-    def _boundary(self, lr: float) -> StepReport:
-        denom = self._weight_sum if self.reduction == "mean" else 1.0
+    def _boundary(self) -> StepReport:
+        # the gradient buffer holds sum(w * g) of the scaled loss: the mean
+        # gradient is flat * gscale with gscale = 1 / (weight sum * loss scale)
+        unscale = (self._weight_sum if self.reduction == "mean" else 1.0) * self.loss_scale
         found = norm_pass(self._kernels, self.grads.flat, self.layout)
         self._micro, self._weight_sum = 0, 0.0
+        step, lr = self.state.step, self.lr
         if found.nonfinite:
-            self.grads.flat.fill(0)
-            return StepReport(False, True, self.state.step, 0, lr, math.nan, None)
-        norm = found.norm / denom
+            return self._skip(step, lr)
+        self.consecutive_skips = 0
+        norm = found.norm / unscale
         coef = clip_coef(norm, self.max_grad_norm)
-        self.optimizer.update(self._kernels, self.params, self.grads, self.state,
-                              gscale=coef / denom, lr=lr, zero_grad=self.zero_grad_on_step)
-        return StepReport(True, False, self.state.step, 0, lr, norm, coef,
-                          found.segment_norms / denom, self.layout.names)
+        norms = found.segment_norms / unscale
+        if self._two_windows and not self._perturbed:
+            self.optimizer.perturb(self._kernels, self.params, self.grads, self.state, gscale=1.0 / unscale,
+                                   grad_norm=norm, zero_grad=self.zero_grad_on_step)
+            self._perturbed = True
+            self._refresh_working()
+            return StepReport(False, False, step, 0, lr, norm, coef, self.loss_scale, True, norms, self.layout.names)
+        lrs = None if self.schedule is None else self.schedule(step, self.optimizer.per_param(self.state, "lr"))
+        self.optimizer.update(self._kernels, self.params, self.grads, self.state, gscale=coef / unscale, lr=lrs,
+                              zero_grad=self.zero_grad_on_step, working=self._working_args())
+        self._perturbed = False
+        if self.loss_scaler is not None:
+            self.loss_scaler.update(found_inf=False)
+        return StepReport(True, False, self.state.step, 0, lr, norm, coef, self.loss_scale, False,
+                          norms, self.layout.names)
+
+    def _skip(self, step: int, lr: float) -> StepReport:
+        """A NaN/Inf boundary: drop the window; params, state, step and schedule stay."""
+        self.grads.flat.fill(0)
+        if self._perturbed:  # SAM: back from the ascent point; the pair starts again
+            self.optimizer.restore(self._kernels, self.params, self.state)
+            self._perturbed = False
+            self._refresh_working()
+        if self.loss_scaler is not None:
+            self.loss_scaler.update(found_inf=True)
+        self.consecutive_skips += 1
+        if self.max_consecutive_skips is not None and self.consecutive_skips >= self.max_consecutive_skips:
+            raise NonFiniteError(
+                f"{self.consecutive_skips} consecutive steps had NaN/Inf gradients and were skipped "
+                f"(max_consecutive_skips={self.max_consecutive_skips}, loss scale {self.loss_scale:g}); "
+                "parameters and state are those of the last finite step"
+            )
+        return StepReport(False, True, step, 0, lr, math.nan, None, self.loss_scale)
+
+    def update_hessian(self, hessian: Mapping) -> None:
+        """Feed a diagonal Hessian estimate by name (Sophia); validated before anything changes."""
+        feed = getattr(self.optimizer, "update_hessian", None)
+        if feed is None:
+            raise ArgumentTypeError(f"update_hessian: {type(self.optimizer).__name__} takes no Hessian estimates")
+        items = _intake.check_grads(hessian, self.grads, protect=(self.params.flat, self.grads.flat))
+        absent = [n for n in self.layout.names if n not in items and self.layout.shape(n) != (0,)]
+        if absent:
+            raise MissingGradientError(f"update_hessian: no estimate for {absent}")
+        feed(self._kernels, self.state, items, self.layout)
 
     def zero_grad(self) -> None:
         """Zero ``engine.grads`` and drop a partly accumulated window."""
@@ -186,22 +301,30 @@ class Engine:
         self._micro, self._weight_sum = 0, 0.0
 
     # -- state ----------------------------------------------------------------------------
-    def state_dict(self) -> dict:
-        """Name-keyed copies of everything a bitwise-exact resume needs, plus scalars."""
+    def state_dict(self, copy: bool = True) -> dict:
+        """Name-keyed arrays of everything a bitwise-exact resume needs, plus scalars.
+
+        ``copy=False`` returns views into the live buffers (for a writer that
+        serialises them at once, e.g. :func:`arraytrain.save`).
+        """
         return {
             "format": STATE_FORMAT,
-            "params": self.params.as_dict(copy=True),
+            "params": self.params.as_dict(copy=copy),
             "optimizer": {
                 "type": type(self.optimizer).__name__,
                 "hyperparameters": self.optimizer.hyperparameters(),
                 "step": self.state.step,
-                "slots": {k: buf.as_dict(copy=True) for k, buf in self.state.slots.items()},
+                "slots": {k: buf.as_dict(copy=copy) for k, buf in self.state.slots.items()},
             },
             "accumulation": {
                 "micro_batches": self._micro,
                 "weight_sum": self._weight_sum,
-                "grads": self.grads.as_dict(copy=True),
+                "grads": self.grads.as_dict(copy=copy),
             },
+            "schedule": None if self.schedule is None else self.schedule.state_dict(),
+            "loss_scaler": None if self.loss_scaler is None else self.loss_scaler.state_dict(),
+            "consecutive_skips": self.consecutive_skips,
+            "perturbed": self._perturbed,
         }
 
     def load_state_dict(self, state: Mapping) -> None:
@@ -209,6 +332,8 @@ class Engine:
 
         The optimizer type and slots must match; the optimizer's current
         hyperparameters are kept (so a resumed run may change, e.g., its lr).
+        The schedule's and loss scaler's states are restored into the engine's
+        own schedule and scaler, which must be present exactly when the state has them.
         """
         try:
             fmt = state["format"]
@@ -218,6 +343,8 @@ class Engine:
             slots = opt["slots"]
             step, micro, wsum = opt["step"], acc["micro_batches"], acc["weight_sum"]
             grads = acc["grads"]
+            sched, scaler = state["schedule"], state["loss_scaler"]
+            skips, perturbed = state["consecutive_skips"], state["perturbed"]
         except (KeyError, TypeError) as exc:
             raise StateDictError(f"state dict lacks {exc}") from None
         if fmt != STATE_FORMAT:
@@ -229,6 +356,24 @@ class Engine:
         check_int("optimizer step", step, 0, error=StateDictError)
         check_int("micro_batches", micro, 0, self.accumulation_steps - 1, error=StateDictError)
         check_number("weight_sum", wsum, 0.0, error=StateDictError)
+        check_int("consecutive_skips", skips, 0, error=StateDictError)
+        if not isinstance(perturbed, bool) or (perturbed and not self._two_windows):
+            raise StateDictError(f"perturbed: expected a bool (True only for SAM), got {perturbed!r}")
+        if (sched is None) != (self.schedule is None):
+            raise StateDictError(f"schedule: the state has {'none' if sched is None else 'one'}, "
+                                 f"the engine has {'none' if self.schedule is None else 'one'}")
+        if (scaler is None) != (self.loss_scaler is None):
+            raise StateDictError(f"loss_scaler: the state has {'none' if scaler is None else 'one'}, "
+                                 f"the engine has {'none' if self.loss_scaler is None else 'one'}")
+        if sched is not None:
+            from .schedules import from_state_dict
+
+            try:
+                from_state_dict(sched)  # validates; nothing is changed yet
+            except (ValueError, TypeError, KeyError) as exc:
+                raise StateDictError(f"schedule: {exc}") from exc
+        if scaler is not None:
+            self.loss_scaler.check_state(scaler)
         try:
             checked = [(self.params, self.params.check(params))]
             checked += [(self.state.slots[k], self.state.slots[k].check(v)) for k, v in slots.items()]
@@ -239,6 +384,12 @@ class Engine:
             buf.assign(arrays)
         self.state.step = int(step)
         self._micro, self._weight_sum = int(micro), float(wsum)
+        self.consecutive_skips, self._perturbed = int(skips), perturbed
+        if sched is not None:
+            self.schedule.load_state_dict(sched)
+        if scaler is not None:
+            self.loss_scaler.load_state_dict(scaler)
+        self._refresh_working()
 
     def __repr__(self) -> str:
         return (f"Engine({self.params!r}, {self.optimizer!r}, accumulation_steps={self.accumulation_steps}, "

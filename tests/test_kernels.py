@@ -29,7 +29,8 @@ from conftest import (
     random_flat,
 )
 
-KERNEL_NAMES = ("accumulate", "scale", "all_finite", "sumsq", "max_abs", "sumsq_scaled", "sgd_step", "adam_step")
+KERNEL_NAMES = ("accumulate", "scale", "all_finite", "sumsq", "max_abs", "sumsq_scaled", "sgd_step", "adam_step",
+                "cast_working")
 NONFINITE = (np.nan, np.inf, -np.inf)
 # the reference's first pass overflows on purpose in the huge-gradient tests
 overflow_expected = pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
@@ -240,6 +241,11 @@ SGD_CONFIGS = [
 ]
 
 
+def _per_seg(layout, value):
+    """A per-segment hyperparameter array that differs between parameters."""
+    return value * (1.0 + 0.25 * np.arange(len(layout)))
+
+
 def _sgd_id(cfg):
     return "mom{momentum}-damp{dampening}-wd{weight_decay}-nest{nesterov:d}".format(**cfg)
 
@@ -268,8 +274,9 @@ def test_sgd_step_matches_reference(n, dtype, cfg, rng):
         g0 = random_flat(layout, dtype, rng)
         for k, kernels in (("cpu", cpu), ("ref", ref)):
             g = g0.copy()
-            kernels.sgd_step(p[k], g, buf[k], gscale, lr, cfg["weight_decay"], cfg["momentum"],
-                             cfg["dampening"], cfg["nesterov"], t == 0, zero_grad)
+            kernels.sgd_step(p[k], g, buf[k], layout.pieces, gscale, _per_seg(layout, lr),
+                             _per_seg(layout, cfg["weight_decay"]), cfg["momentum"],
+                             cfg["dampening"], cfg["nesterov"], t == 0, None, 0, zero_grad)
             _check_grad_after_step(g, g0, zero_grad, layout)
         assert_close(p["cpu"], p["ref"], err_msg=f"params, step {t}")
         assert_padding_zero(p["cpu"], layout, "params")
@@ -293,7 +300,9 @@ def test_sgd_first_step_semantics(kernels, n, dtype, rng):
     g1 = random_flat(layout, dtype, rng)
     p0 = p.astype(np.float64)
     d1 = gscale * g1.astype(np.float64) + wd * p0
-    kernels.sgd_step(p, g1.copy(), buf, gscale, lr, wd, mom, damp, False, True, False)
+    one = np.ones(len(layout))
+    kernels.sgd_step(p, g1.copy(), buf, layout.pieces, gscale, lr * one, wd * one, mom, damp, False, True,
+                     None, 0, False)
     assert_close(buf, d1, dtype, err_msg="first step: buf must equal d")
     assert_close(p, p0 - lr * d1, dtype)
     # second step: b = momentum*b + (1 - dampening)*d
@@ -301,7 +310,8 @@ def test_sgd_first_step_semantics(kernels, n, dtype, rng):
     p1, b1 = p.astype(np.float64), buf.astype(np.float64)
     d2 = gscale * g2.astype(np.float64) + wd * p1
     b2 = mom * b1 + (1 - damp) * d2
-    kernels.sgd_step(p, g2.copy(), buf, gscale, lr, wd, mom, damp, False, False, False)
+    kernels.sgd_step(p, g2.copy(), buf, layout.pieces, gscale, lr * one, wd * one, mom, damp, False, False,
+                     None, 0, False)
     assert_close(buf, b2, dtype)
     assert_close(p, p1 - lr * b2, dtype)
 
@@ -313,14 +323,17 @@ def test_sgd_nesterov_formula(kernels, rng):
     g = random_flat(layout, np.float64, rng)
     buf = np.zeros(layout.size)
     p0 = p.copy()
-    kernels.sgd_step(p, g, buf, 1.0, 0.1, 0.0, 0.9, 0.0, True, True, False)
+    one = np.ones(len(layout))
+    kernels.sgd_step(p, g, buf, layout.pieces, 1.0, 0.1 * one, 0.0 * one, 0.9, 0.0, True, True, None, 0, False)
     # first step: b = g, update d = g + 0.9 * b = 1.9 g
     assert_close(p, p0 - 0.1 * 1.9 * g)
 
 
-def _adam_scalars(t, lr, betas, wd, decoupled):
+def _adam_scalars(t, lr, betas, wd, decoupled, layout):
+    """Host-side Adam scalars; lr and wd differ per parameter (as name-pattern overrides make them)."""
     b1, b2 = betas
-    l2, decay = (0.0, 1.0 - lr * wd) if decoupled else (wd, 1.0)
+    lr, wd = _per_seg(layout, lr), _per_seg(layout, wd)
+    l2, decay = (0.0 * wd, 1.0 - lr * wd) if decoupled else (wd, 1.0 + 0.0 * wd)
     return dict(step_size=lr / (1 - b1**t), beta1=b1, beta2=b2, bc2_sqrt=math.sqrt(1 - b2**t), l2=l2, decay=decay)
 
 
@@ -342,11 +355,12 @@ def test_adam_step_matches_reference(n, dtype, amsgrad, decoupled, rng):
         zero_grad = t % 2 == 0
         # the gradient scale varies so that AMSGrad's running max matters
         g0 = random_flat(layout, dtype, rng, scale=[1.0, 5.0, 0.1][t % 3])
-        sc = _adam_scalars(t, lr, betas, wd, decoupled)
+        sc = _adam_scalars(t, lr, betas, wd, decoupled, layout)
         for k, kernels in (("cpu", cpu), ("ref", ref)):
             s, g = states[k], g0.copy()
-            kernels.adam_step(s["p"], g, s["m"], s["v"], s["vmax_arg"], gscale, sc["step_size"], sc["beta1"],
-                              sc["beta2"], eps, sc["bc2_sqrt"], sc["l2"], sc["decay"], amsgrad, zero_grad)
+            kernels.adam_step(s["p"], g, s["m"], s["v"], s["vmax_arg"], layout.pieces, gscale, sc["step_size"],
+                              sc["beta1"], sc["beta2"], eps, sc["bc2_sqrt"], sc["l2"], sc["decay"], amsgrad,
+                              None, 0, zero_grad)
             _check_grad_after_step(g, g0, zero_grad, layout)
         slots = ("p", "m", "v", "vmax") if amsgrad else ("p", "m", "v")
         for slot in slots:
@@ -365,9 +379,10 @@ def test_adam_first_step_formula(kernels, rng):
     p0 = p.copy()
     m, v = np.zeros_like(p), np.zeros_like(p)
     lr, eps = 1e-3, 1e-8
-    sc = _adam_scalars(1, lr, (0.9, 0.999), 0.0, False)
-    kernels.adam_step(p, g, m, v, p[:0], 1.0, sc["step_size"], 0.9, 0.999, eps, sc["bc2_sqrt"],
-                      0.0, 1.0, False, False)
+    sc = _adam_scalars(1, lr, (0.9, 0.999), 0.0, False, layout)
+    one = np.ones(len(layout))
+    kernels.adam_step(p, g, m, v, p[:0], layout.pieces, 1.0, lr / (1 - 0.9) * one, 0.9, 0.999, eps, sc["bc2_sqrt"],
+                      0.0 * one, one, False, None, 0, False)
     live = live_mask(layout)
     expected = p0[live] - lr * g[live] / (np.abs(g[live]) + eps)
     np.testing.assert_allclose(p[live], expected, rtol=1e-12, atol=1e-12)
@@ -417,11 +432,12 @@ def test_identical_runs_are_bitwise_equal(kernel, dtype, rng):
                 out.append((total, per_seg.tobytes()))
                 continue
             if kernel == "sgd_step":
-                cpu.sgd_step(p, g.copy(), m, 0.9, 0.1, 0.01, 0.9, 0.0, True, t == 1, True)
+                cpu.sgd_step(p, g.copy(), m, layout.pieces, 0.9, _per_seg(layout, 0.1), _per_seg(layout, 0.01),
+                             0.9, 0.0, True, t == 1, None, 0, True)
             else:
-                sc = _adam_scalars(t, 1e-2, (0.9, 0.999), 0.0, False)
-                cpu.adam_step(p, g.copy(), m, v, v, 0.9, sc["step_size"], 0.9, 0.999, 1e-8, sc["bc2_sqrt"],
-                              0.0, 1.0, True, True)
+                sc = _adam_scalars(t, 1e-2, (0.9, 0.999), 0.0, False, layout)
+                cpu.adam_step(p, g.copy(), m, v, v, layout.pieces, 0.9, sc["step_size"], 0.9, 0.999, 1e-8,
+                              sc["bc2_sqrt"], sc["l2"], sc["decay"], True, None, 0, True)
             out.append((p.tobytes(), m.tobytes(), v.tobytes()))
         return out
 

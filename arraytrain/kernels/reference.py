@@ -8,11 +8,44 @@ kernels are compared against the most accurate value of the same formula.
 
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
+
+from ..backend import LP_BF16, LP_F16, LP_NONE  # noqa: F401  (re-exported)
+
+_LP_DTYPES = {LP_BF16: np.dtype(ml_dtypes.bfloat16), LP_F16: np.dtype(np.float16)}
 
 
 def _f64(x):
-    return np.asarray(x, dtype=np.float64)
+    """float64 values of a float array, or of a uint16 array of bfloat16 bits."""
+    x = np.asarray(x)
+    if x.dtype == np.uint16:
+        return x.view(ml_dtypes.bfloat16).astype(np.float64)
+    return x.astype(np.float64)
+
+
+def _store(dst, values):
+    """Round ``values`` once to ``dst``'s storage (bfloat16 bits for uint16) and return what was stored."""
+    if dst.dtype == np.uint16:
+        # float64 -> float32 -> bfloat16: the fast kernels do float32 math, so their
+        # input to the bfloat16 rounding is a float32
+        dst[...] = np.asarray(values, np.float32).astype(ml_dtypes.bfloat16).view(np.uint16)
+    else:
+        dst[...] = values
+    return _f64(dst)
+
+
+def _segments(pieces, n):
+    """Segment index of every element covered by ``pieces`` (and the covered positions)."""
+    idx = np.concatenate([np.arange(a, b) for a, b, _ in pieces]) if len(pieces) else np.zeros(0, np.int64)
+    seg = np.concatenate([np.full(b - a, s) for a, b, s in pieces]) if len(pieces) else np.zeros(0, np.int64)
+    return idx.astype(np.int64), seg.astype(np.int64)
+
+
+def cast_working(w, p, pieces, kind):
+    """``w = lowp(p)``: a low-precision working copy (uint16 bits) of float32 params."""
+    idx, _ = _segments(pieces, p.size)
+    w[idx] = np.asarray(p[idx], np.float32).astype(_LP_DTYPES[kind]).view(np.uint16)
 
 
 def accumulate(acc, g, w, overwrite):
@@ -62,44 +95,61 @@ def sumsq_scaled(x, pieces, nseg, inv):
     return float(per_seg.sum()), per_seg
 
 
-def sgd_step(p, g, buf, gscale, lr, weight_decay, momentum, dampening, nesterov, first, zero_grad):
+def sgd_step(p, g, buf, pieces, gscale, lr, weight_decay, momentum, dampening, nesterov, first, w, wkind, zero_grad):
     """SGD with momentum, dampening, Nesterov and L2 weight decay (torch.optim.SGD).
 
-    ``d = gscale*g + weight_decay*p``; with momentum ``b = d`` on the first step,
-    else ``b = momentum*b + (1 - dampening)*d``; ``d = d + momentum*b`` (Nesterov)
-    or ``d = b``; then ``p -= lr*d``. ``buf`` is ignored when momentum is 0.
+    Per element of segment ``s``: ``d = gscale*g + weight_decay[s]*p``; with momentum
+    ``b = d`` on the first step, else ``b = momentum*b + (1 - dampening)*d``;
+    ``d = d + momentum*b`` (Nesterov) or ``d = b``; then ``p -= lr[s]*d``. ``buf`` is
+    ignored when momentum is 0. Only the elements covered by ``pieces`` are touched.
+    ``w`` (uint16, or None): low-precision working copy of the new ``p`` (``wkind``).
     """
-    pp = _f64(p)
-    d = gscale * _f64(g) + weight_decay * pp
+    i, s = _segments(pieces, p.size)
+    lr, wd = np.asarray(lr, np.float64)[s], np.asarray(weight_decay, np.float64)[s]
+    pp = _f64(p[i])
+    d = gscale * _f64(g[i]) + wd * pp
     if momentum != 0.0:
-        b = d if first else momentum * _f64(buf) + (1.0 - dampening) * d
+        b = d if first else momentum * _f64(buf[i]) + (1.0 - dampening) * d
         d = d + momentum * b if nesterov else b
-        buf[...] = b
-    p[...] = pp - lr * d
+        buf[i] = b
+    p[i] = pp - lr * d
+    _finish(p, g, w, wkind, pieces, i, zero_grad)
+
+
+def _finish(p, g, w, wkind, pieces, i, zero_grad):
+    if w is not None:
+        cast_working(w, p, pieces, wkind)
     if zero_grad:
-        g[...] = 0
+        g[i] = 0
 
 
-def adam_step(p, g, m, v, vmax, gscale, step_size, beta1, beta2, eps, bc2_sqrt, l2, decay, amsgrad, zero_grad):
+def adam_step(p, g, m, v, vmax, pieces, gscale, step_size, beta1, beta2, eps, bc2_sqrt, l2, decay, amsgrad,
+              w, wkind, zero_grad):
     """Adam / AdamW (Kingma & Ba 2015; Loshchilov & Hutter 2019), torch's form.
 
-    ``d = gscale*g + l2*p``; ``p *= decay`` (decoupled: ``1 - lr*wd``);
-    ``m += (1 - beta1)*(d - m)``; ``v = beta2*v + (1 - beta2)*d^2``;
+    Per element of segment ``s``: ``d = gscale*g + l2[s]*p``; ``p *= decay[s]``
+    (decoupled: ``1 - lr*wd``); ``m += (1 - beta1)*(d - m)``; ``v = beta2*v + (1 - beta2)*d^2``;
     AMSGrad: ``vmax = max(vmax, v)`` replaces ``v`` below;
-    ``p -= step_size * m / (sqrt(v)/bc2_sqrt + eps)`` with
-    ``step_size = lr/(1 - beta1^t)`` and ``bc2_sqrt = sqrt(1 - beta2^t)``.
+    ``p -= step_size[s] * m / (sqrt(v)/bc2_sqrt + eps)`` with ``step_size = lr/(1 - beta1^t)``
+    and ``bc2_sqrt = sqrt(1 - beta2^t)``. ``m``, ``v``, ``vmax`` may be uint16 arrays of
+    bfloat16 bits (low-precision state): the update then continues from the rounded values.
     """
-    pp = _f64(p)
-    d = gscale * _f64(g) + l2 * pp
-    mm = _f64(m) + (1.0 - beta1) * (d - _f64(m))
-    vv = beta2 * _f64(v) + (1.0 - beta2) * d * d
-    m[...] = mm
-    v[...] = vv
-    vv = _f64(v)  # continue from the stored (rounded) values, as the fast kernels do
+    i, s = _segments(pieces, p.size)
+    pp = _f64(p[i])
+    d = gscale * _f64(g[i]) + np.asarray(l2, np.float64)[s] * pp
+    mm = _f64(m[i])
+    mm = _store_at(m, i, mm + (1.0 - beta1) * (d - mm))
+    vv = _store_at(v, i, beta2 * _f64(v[i]) + (1.0 - beta2) * d * d)
     if amsgrad:
-        vmax[...] = np.maximum(_f64(vmax), vv)
-        vv = _f64(vmax)
+        vv = _store_at(vmax, i, np.maximum(_f64(vmax[i]), vv))
     denom = np.sqrt(vv) / bc2_sqrt + eps
-    p[...] = pp * decay - step_size * _f64(m) / denom
-    if zero_grad:
-        g[...] = 0
+    p[i] = pp * np.asarray(decay, np.float64)[s] - np.asarray(step_size, np.float64)[s] * mm / denom
+    _finish(p, g, w, wkind, pieces, i, zero_grad)
+
+
+def _store_at(dst, i, values):
+    """``dst[i] = values`` rounded to the storage; returns the stored values as float64."""
+    out = np.empty(len(i), dst.dtype)
+    stored = _store(out, values)
+    dst[i] = out
+    return stored

@@ -2,18 +2,34 @@
 
 from __future__ import annotations
 
+import fnmatch
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+import numpy as np
+
+from .._checks import check_number
 from ..buffer import FlatBuffer
+from ..errors import HyperparameterError
+from ..layout import Layout
 
 
 @dataclass
 class OptState:
-    """Optimizer state: a step count and named flat buffers of the parameters' layout."""
+    """Optimizer state: a step count, named flat buffers, and per-parameter hyperparameters.
+
+    ``slots`` usually share the parameters' layout; an optimizer may keep slots of
+    another layout with the same names (Adafactor's row/column statistics).
+    ``hp`` maps each per-parameter hyperparameter (``lr``, ``weight_decay``) to a
+    float64 array with one value per parameter resolved from the optimizer's
+    name-pattern ``overrides``, NaN where the optimizer's own (possibly changed
+    since) value applies; it is derived, not saved.
+    """
 
     step: int = 0
     slots: dict[str, FlatBuffer] = field(default_factory=dict)
+    hp: dict[str, np.ndarray] = field(default_factory=dict)
 
 
 class Optimizer(ABC):
@@ -22,9 +38,21 @@ class Optimizer(ABC):
     ``update`` runs one fused kernel over the whole flat buffer. ``gscale``
     multiplies the gradient inside that kernel (clip factor, accumulation mean,
     loss-scale unscale), so no pass is spent rescaling the gradient buffer.
+
+    Per-parameter hyperparameters: ``overrides`` maps glob patterns (matched
+    with :func:`fnmatch.fnmatchcase` against parameter names) to values of the
+    hyperparameters in ``PER_PARAM``, e.g. ``{"*.bias": {"weight_decay": 0.0},
+    "head.*": {"lr": 1e-2}}``. Every matching pattern applies, in order, so a
+    later pattern wins. They become arrays indexed by parameter that the kernel
+    reads once per piece: the step stays one launch. A pattern that matches no
+    parameter is an error when the optimizer meets the parameters (a typo would
+    otherwise silently change nothing).
     """
 
+    PER_PARAM = ("lr", "weight_decay")
     lr: float
+    weight_decay: float
+    overrides: dict
 
     @property
     @abstractmethod
@@ -35,17 +63,69 @@ class Optimizer(ABC):
     def hyperparameters(self) -> dict:
         """The constructor arguments, for repr and checkpoints."""
 
+    def _set_overrides(self, overrides) -> None:
+        """Validate ``overrides`` (see the class docstring) at construction."""
+        if overrides is None:
+            overrides = {}
+        if not isinstance(overrides, Mapping):
+            raise HyperparameterError(f"overrides: expected a mapping pattern -> {{hyperparameter: value}}, got {overrides!r}")
+        checked = {}
+        for pattern, values in overrides.items():
+            if not isinstance(pattern, str) or not pattern:
+                raise HyperparameterError(f"overrides: patterns must be non-empty strings, got {pattern!r}")
+            if not isinstance(values, Mapping):
+                raise HyperparameterError(f"overrides[{pattern!r}]: expected a mapping hyperparameter -> value, got {values!r}")
+            entry = {}
+            for key, value in values.items():
+                if key not in self.PER_PARAM:
+                    raise HyperparameterError(
+                        f"overrides[{pattern!r}]: {key!r} cannot differ per parameter; "
+                        f"{type(self).__name__} allows {list(self.PER_PARAM)}"
+                    )
+                entry[key] = check_number(f"overrides[{pattern!r}][{key!r}]", value, 0.0)
+            checked[pattern] = entry
+        self.overrides = checked
+
+    def resolve(self, layout: Layout) -> dict[str, np.ndarray]:
+        """Per-parameter overrides of every ``PER_PARAM`` hyperparameter (NaN: not overridden)."""
+        hp = {key: np.full(len(layout), np.nan) for key in self.PER_PARAM}
+        for pattern, values in self.overrides.items():
+            hits = [i for i, name in enumerate(layout.names) if fnmatch.fnmatchcase(name, pattern)]
+            if not hits:
+                raise HyperparameterError(f"overrides[{pattern!r}]: matches no parameter; names: {list(layout.names)}")
+            for key, value in values.items():
+                hp[key][hits] = value
+        return hp
+
     def init(self, params: FlatBuffer) -> OptState:
-        return OptState(0, {name: params.zeros_like() for name in self.slot_names})
+        return OptState(0, {name: params.zeros_like() for name in self.slot_names}, self.resolve(params.layout))
 
     @abstractmethod
     def update(self, kernels, params: FlatBuffer, grads: FlatBuffer, state: OptState, *,
-               gscale: float = 1.0, lr: float | None = None, zero_grad: bool = False) -> None:
+               gscale: float = 1.0, lr=None, zero_grad: bool = False, working=None) -> None:
         """One step in place: params and every slot, then ``state.step += 1``.
 
-        ``zero_grad`` also zeroes the gradient buffer inside the same kernel.
+        ``lr``: per-parameter learning rates for this step (the schedule's
+        output), or None for the base values. ``zero_grad`` also zeroes the
+        gradient buffer inside the same kernel. ``working``: ``(bits, kind)``
+        of a low-precision working copy the kernel writes too, or None.
         """
+
+    def per_param(self, state: OptState, key: str) -> np.ndarray:
+        """Per-parameter values of hyperparameter ``key`` now: overrides, else the optimizer's value."""
+        over = state.hp[key]
+        return np.where(np.isnan(over), float(getattr(self, key)), over)
+
+    def _lr(self, state: OptState, lr) -> np.ndarray:
+        if lr is None:
+            return self.per_param(state, "lr")
+        return np.broadcast_to(np.asarray(lr, np.float64), state.hp["lr"].shape)
 
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in self.hyperparameters().items())
         return f"{type(self).__name__}({args})"
+
+
+def working_args(working) -> tuple:
+    """``(w, wkind)`` kernel arguments for an optional working copy."""
+    return (None, 0) if working is None else working

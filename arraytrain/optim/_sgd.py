@@ -2,7 +2,7 @@ from __future__ import annotations
 
 from ..errors import HyperparameterError
 from .._checks import check_number
-from ._base import Optimizer
+from ._base import Optimizer, working_args
 
 
 class SGD(Optimizer):
@@ -15,11 +15,12 @@ class SGD(Optimizer):
         p_t = p_{t-1} - \eta \,(d_t + \mu b_t \text{ if Nesterov else } b_t)
 
     Sutskever et al. 2013 for the Nesterov form. With ``momentum=0`` there is
-    no state and the update is ``p -= lr * d``.
+    no state and the update is ``p -= lr * d``. ``lr`` and ``weight_decay`` may
+    differ per parameter through ``overrides`` (see :class:`Optimizer`).
     """
 
     def __init__(self, lr: float = 1e-3, momentum: float = 0.0, dampening: float = 0.0,
-                 weight_decay: float = 0.0, nesterov: bool = False):
+                 weight_decay: float = 0.0, nesterov: bool = False, overrides=None):
         self.lr = check_number("lr", lr, 0.0)
         self.momentum = check_number("momentum", momentum, 0.0)
         self.dampening = check_number("dampening", dampening, 0.0, 1.0)
@@ -29,6 +30,7 @@ class SGD(Optimizer):
         if nesterov and (self.momentum <= 0 or self.dampening != 0):
             raise HyperparameterError("nesterov: requires momentum > 0 and dampening == 0")
         self.nesterov = nesterov
+        self._set_overrides(overrides)
 
     @property
     def slot_names(self) -> tuple[str, ...]:
@@ -36,11 +38,11 @@ class SGD(Optimizer):
 
     def hyperparameters(self) -> dict:
         return {"lr": self.lr, "momentum": self.momentum, "dampening": self.dampening,
-                "weight_decay": self.weight_decay, "nesterov": self.nesterov}
+                "weight_decay": self.weight_decay, "nesterov": self.nesterov, "overrides": self.overrides}
 
-    def update(self, kernels, params, grads, state, *, gscale=1.0, lr=None, zero_grad=False):
+    def update(self, kernels, params, grads, state, *, gscale=1.0, lr=None, zero_grad=False, working=None):
         buf = state.slots["momentum_buffer"].flat if self.momentum != 0 else params.flat[:0]
-        kernels.sgd_step(params.flat, grads.flat, buf, gscale, self.lr if lr is None else lr,
-                         self.weight_decay, self.momentum, self.dampening, self.nesterov,
-                         state.step == 0, zero_grad)
+        kernels.sgd_step(params.flat, grads.flat, buf, params.layout.pieces, gscale, self._lr(state, lr),
+                         self.per_param(state, "weight_decay"), self.momentum, self.dampening, self.nesterov,
+                         state.step == 0, *working_args(working), zero_grad)
         state.step += 1
