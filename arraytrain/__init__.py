@@ -5,9 +5,11 @@ parameter is a named view. Gradients arrive as arrays from any framework and
 one fused numba kernel per stage does the rest of the training step.
 """
 
-from . import optim, threads
+from . import nn, optim, schedules, threads
 from .accumulate import AccumulationConfig, AccumulationStats, GradientAccumulator
+from .amp import LossScaler
 from .buffer import FlatBuffer
+from .checkpoint import load, save
 from .engine import Engine, StepReport
 from .errors import (
     AccumulationError,
@@ -17,11 +19,15 @@ from .errors import (
     ArrayTrainError,
     BackendError,
     BackendUnavailableError,
+    CheckpointError,
+    DataError,
     DTypeError,
     HyperparameterError,
     LayoutError,
+    MissingDependencyError,
     MissingGradientError,
     NoGradientsError,
+    NonFiniteError,
     ReadOnlyError,
     ShapeMismatchError,
     StateDictError,
@@ -41,20 +47,29 @@ __all__ = [
     "ArrayTrainError",
     "BackendError",
     "BackendUnavailableError",
+    "CheckpointError",
     "DTypeError",
+    "DataError",
     "Engine",
     "FlatBuffer",
     "GradientAccumulator",
     "HyperparameterError",
     "Layout",
     "LayoutError",
+    "LossScaler",
+    "MissingDependencyError",
     "MissingGradientError",
     "NoGradientsError",
+    "NonFiniteError",
     "ReadOnlyError",
     "ShapeMismatchError",
     "StateDictError",
     "StepReport",
     "UnknownParameterError",
+    "load",
+    "nn",
     "optim",
+    "save",
+    "schedules",
     "threads",
 ]

@@ -10,7 +10,7 @@ import numpy as np
 
 from . import _intake
 from ._checks import check_int, check_number, check_positive
-from .amp import LossScaler, NonFiniteError, working_spec
+from .amp import LossScaler, working_spec
 from .backend import backend_of, kernels_for
 from .buffer import FlatBuffer, kernel_view
 from .errors import (
@@ -18,10 +18,12 @@ from .errors import (
     HyperparameterError,
     LayoutError,
     MissingGradientError,
+    NonFiniteError,
     StateDictError,
 )
 from .ops import clip_coef, norm_pass
 from .optim import Optimizer
+from .schedules import Schedule, from_state_dict
 
 STATE_FORMAT = 2
 REDUCTIONS = ("mean", "sum")
@@ -131,7 +133,7 @@ class Engine:
             raise HyperparameterError(f"reduction: expected one of {REDUCTIONS}, got {reduction!r}")
         if missing not in MISSING:
             raise HyperparameterError(f"missing: expected one of {MISSING}, got {missing!r}")
-        if schedule is not None and not callable(getattr(schedule, "state_dict", None)):
+        if schedule is not None and not isinstance(schedule, Schedule):
             raise ArgumentTypeError(f"schedule: expected a schedule from arraytrain.schedules, got {type(schedule).__name__}")
         if loss_scaler is not None and not isinstance(loss_scaler, LossScaler):
             raise ArgumentTypeError(f"loss_scaler: expected an arraytrain.LossScaler, got {type(loss_scaler).__name__}")
@@ -284,6 +286,12 @@ class Engine:
             )
         return StepReport(False, True, step, 0, lr, math.nan, None, self.loss_scale)
 
+    def observe(self, metric: float) -> None:
+        """Feed a validation metric to the schedule (reduce-on-plateau); no-op for closed forms."""
+        if self.schedule is None:
+            raise ArgumentTypeError("observe: the engine has no schedule")
+        self.schedule.observe(metric, step=self.state.step)
+
     def update_hessian(self, hessian: Mapping) -> None:
         """Feed a diagonal Hessian estimate by name (Sophia); validated before anything changes."""
         feed = getattr(self.optimizer, "update_hessian", None)
@@ -366,8 +374,6 @@ class Engine:
             raise StateDictError(f"loss_scaler: the state has {'none' if scaler is None else 'one'}, "
                                  f"the engine has {'none' if self.loss_scaler is None else 'one'}")
         if sched is not None:
-            from .schedules import from_state_dict
-
             try:
                 from_state_dict(sched)  # validates; nothing is changed yet
             except (ValueError, TypeError, KeyError) as exc:

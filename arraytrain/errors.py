@@ -54,6 +54,10 @@ class StateDictError(ArrayTrainError, ValueError):
     """A state dict does not match the object it is loaded into."""
 
 
+class CheckpointError(StateDictError):
+    """A checkpoint file is unreadable, not an arraytrain checkpoint, or does not match the engine."""
+
+
 class AccumulationError(ArrayTrainError):
     """Base class of the errors raised while accumulating gradients."""
 
@@ -80,3 +84,15 @@ class NoGradientsError(AccumulationError, ValueError):
 
 class AccumulatorFullError(AccumulationError, RuntimeError):
     """More micro-batches were accumulated than configured before a reset."""
+
+
+class NonFiniteError(ArrayTrainError, FloatingPointError):
+    """Too many consecutive steps were skipped for NaN/Inf gradients."""
+
+
+class DataError(ArrayTrainError, ValueError):
+    """A data set or data file is unusable (missing arrays, wrong shapes, non-finite values...)."""
+
+
+class MissingDependencyError(ArrayTrainError, ImportError):
+    """An optional dependency (an extra such as ``arraytrain[train]``) is not installed."""

@@ -1,10 +1,12 @@
-"""``python -m arraytrain.bench [compare|threads] ...``
+"""``python -m arraytrain.bench [compare|threads|mlp] ...``
 
 ``compare`` (the default): one clipped optimizer step, arraytrain beside
 torch.optim (foreach and fused), hand-written NumPy and optax, with the
 machine's triad bandwidth; see :mod:`arraytrain.bench.compare`.
 ``threads``: the threading policy measured on a NumPy MLP; see
 :mod:`arraytrain.bench.threads`.
+``mlp``: MLP training throughput, arraytrain beside torch, with the BLAS
+matmul roof; see :mod:`arraytrain.bench.mlp`.
 """
 
 from __future__ import annotations
@@ -14,9 +16,11 @@ import sys
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    command = argv.pop(0) if argv and argv[0] in ("compare", "threads") else "compare"
+    command = argv.pop(0) if argv and argv[0] in ("compare", "threads", "mlp") else "compare"
     if command == "threads":
         from .threads import main as run
+    elif command == "mlp":
+        from .mlp import main as run
     else:
         from .compare import main as run
     return run(argv)

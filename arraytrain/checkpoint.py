@@ -1,0 +1,564 @@
+"""Checkpoints on disk: an engine's whole state in one safetensors file, never pickle.
+
+:func:`save` writes ``engine.state_dict()`` and a caller's ``extra`` dict (an
+epoch number, a data-loader position); :func:`load` reads and validates the
+file against the engine and only then calls ``engine.load_state_dict``. The
+state tree is serialised generically: new kinds of state (schedules, loss
+scalers, error-feedback residuals, other optimizers' slots) need no change here.
+
+File format, version 1
+----------------------
+A safetensors file (https://github.com/huggingface/safetensors): an 8-byte
+little-endian header length, a JSON header with every tensor's dtype, shape and
+byte range and a ``__metadata__`` map of strings, then the raw little-endian
+tensor bytes. Every array leaf of the state tree is one tensor. ``__metadata__``:
+
+======================  =============================================================
+``format``              ``"arraytrain.checkpoint"``
+``format_version``      ``"1"``
+``arraytrain_version``  the writer's ``arraytrain.__version__``
+``summary``             one line for people: optimizer(hyperparameters), step, sizes
+``tree``                the state tree as JSON (encoding below), arrays as references
+``extra``               the caller's ``extra`` dict, same encoding, no arrays
+======================  =============================================================
+
+Tree encoding
+-------------
+======================  =============================================================
+Python value            JSON
+======================  =============================================================
+None, bool, int, str    null, true/false, integer, string
+finite float            number, written with ``float.__repr__``: the shortest text that
+                        reads back to the same 64 bits (``-0.0`` keeps its sign)
+inf, -inf               ``{"$float": "inf"}``, ``{"$float": "-inf"}``
+NaN                     ``{"$float": "nan"}`` for the default quiet NaN (bits
+                        ``0x7ff8000000000000``), otherwise ``{"$float": "nan:0x<16 hex>"}``
+                        with its IEEE-754 binary64 bits (sign and payload kept)
+list                    array
+tuple                   ``{"$tuple": [...]}``
+mapping (str keys)      object in the mapping's order; a key that starts with ``$``
+                        is written with one more ``$`` in front
+NumPy array             ``{"$tensor": "<tensor key>"}``
+NumPy scalar            the Python bool, int or float of the same value
+======================  =============================================================
+
+An object with a single key that starts with exactly one ``$`` is a tag; a
+mapping's own keys never do because of the escape, so the encoding is
+unambiguous. The reference in the tree, not the tensor key's text, says where a
+tensor belongs, so parameter names may hold any character. Tensor keys are
+``"<n>:<path>"``: ``n`` numbers the arrays in tree order (which makes keys
+unique), ``path`` is there for people looking at the file with other tools.
+Array dtypes: bool, (u)int8-64, float16/32/64, bfloat16 (``ml_dtypes``), complex64.
+
+Writing is atomic: a temporary file ``.<name>.<hex>.tmp`` in the target's
+directory is written, re-opened to check that its header covers the whole file,
+``fsync``-ed, renamed over the target with ``os.replace`` and the directory
+``fsync``-ed. On any exception the temporary file is removed and an existing
+checkpoint is left as it was; a process killed before the rename leaves the old
+checkpoint behind, next to a stray temporary file (``.<name>.<hex>.tmp``, or
+safetensors' own ``.tmpXXXXXX`` if killed inside its writer). A new file's mode
+follows the umask. Arrays are written straight from the engine's buffers
+(safetensors reads them by pointer), without an in-memory copy of the state.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import secrets
+import stat
+import struct
+from collections.abc import Mapping
+
+import numpy as np
+import safetensors
+from safetensors import numpy as _st_numpy
+
+from .errors import ArgumentTypeError, CheckpointError, StateDictError
+
+__all__ = ["FORMAT", "FORMAT_VERSION", "CheckpointError", "load", "save"]
+
+FORMAT = "arraytrain.checkpoint"
+FORMAT_VERSION = 1
+
+_TAGS = ("$tensor", "$tuple", "$float")
+_QUIET_NAN_BITS = 0x7FF8000000000000
+
+# NumPy dtype name -> safetensors dtype code, for the dtypes that round-trip
+# through safetensors' NumPy API (bfloat16 comes from ml_dtypes).
+_DTYPE_CODES = {
+    "bool": "BOOL", "int8": "I8", "uint8": "U8", "int16": "I16", "uint16": "U16",
+    "int32": "I32", "uint32": "U32", "int64": "I64", "uint64": "U64",
+    "float16": "F16", "float32": "F32", "float64": "F64", "bfloat16": "BF16", "complex64": "C64",
+}
+_DTYPE_NAMES = {code: name for name, code in _DTYPE_CODES.items()}
+
+
+# -- public API -------------------------------------------------------------------------------------
+def save(path, engine, *, extra: Mapping | None = None) -> None:
+    """Write ``engine``'s state and ``extra`` to ``path`` (a ``.safetensors`` file), atomically.
+
+    ``extra`` is a mapping of JSON-like values (None, bool, int, float incl.
+    inf/NaN, str, lists, tuples, str-keyed mappings) that :func:`load` returns.
+    Raises :class:`CheckpointError` if the state holds something that cannot be
+    stored, :class:`~arraytrain.errors.ArgumentTypeError` for a bad ``path``,
+    ``engine`` or ``extra``, and ``OSError`` from the file system; in every case
+    an existing file at ``path`` is left unchanged.
+    """
+    where = _fspath(path)
+    _check_engine(engine)
+    _save_tree(where, engine.state_dict(copy=False), extra)
+
+
+def load(path, engine) -> dict:
+    """Load the checkpoint at ``path`` into ``engine``; return the ``extra`` dict saved with it.
+
+    Everything is validated before the engine is touched: the file is a
+    complete safetensors file, its metadata names this format and version, the
+    tree decodes and every tensor it references is present (and none is
+    unreferenced); the tree has the structure of ``engine.state_dict()``
+    wherever that holds arrays, with every array of the same shape and dtype
+    (no silent casts); then ``engine.load_state_dict`` runs its own checks
+    before it writes. Subtrees without arrays (hyperparameters, counters) are
+    values for the engine to check; it keeps its own hyperparameters. A
+    refused file raises :class:`CheckpointError` (a ``StateDictError`` and ``ValueError``) naming the
+    file and the first mismatching path, and leaves the engine unchanged. A
+    missing or unreadable file raises the ``OSError`` of the file system.
+    """
+    where = _fspath(path)
+    _check_engine(engine)
+    template = engine.state_dict(copy=False)
+    tree, extra = _read(where, template)
+    try:
+        engine.load_state_dict(tree)
+    except StateDictError as exc:
+        raise CheckpointError(f"{where}: {exc}") from exc
+    return extra
+
+
+# -- writing --------------------------------------------------------------------------------------
+def _save_tree(where: str, tree, extra: Mapping | None) -> None:
+    """Encode ``tree`` and ``extra`` completely, then write the file atomically."""
+    state = _Encoder(CheckpointError, tensors=True)
+    tree_json = _dumps(state.encode(tree, ()))
+    if extra is None:
+        extra = {}
+    if not isinstance(extra, Mapping):
+        raise ArgumentTypeError(f"extra: expected a mapping of JSON-like values or None, got {type(extra).__name__}")
+    extra_json = _dumps(_Encoder(ArgumentTypeError, tensors=False).encode(extra, ("extra",)))
+    from . import __version__
+
+    metadata = {
+        "format": FORMAT,
+        "format_version": str(FORMAT_VERSION),
+        "arraytrain_version": __version__,
+        "summary": _summary(tree, state.tensors),
+        "tree": tree_json,
+        "extra": extra_json,
+    }
+    _write_atomic(where, state.tensors, metadata)
+
+
+class _Encoder:
+    """Tree -> JSON-able object; arrays are collected in ``tensors`` (no copies of contiguous arrays)."""
+
+    def __init__(self, error, tensors: bool):
+        self.error = error
+        self.allow_tensors = tensors
+        self.tensors: dict[str, np.ndarray] = {}
+
+    def encode(self, node, path: tuple):
+        if node is None:
+            return None
+        if isinstance(node, str):
+            return str(node)
+        if isinstance(node, (bool, np.bool_)):
+            return bool(node)
+        if isinstance(node, (int, np.integer)):
+            return int(node)
+        if isinstance(node, (float, np.floating)):
+            x = float(node)  # float16/32 widen exactly
+            return x if math.isfinite(x) else {"$float": _float_text(x)}
+        if isinstance(node, np.ndarray):
+            return {"$tensor": self._tensor(node, path)}
+        if isinstance(node, tuple):
+            return {"$tuple": [self.encode(v, path + (i,)) for i, v in enumerate(node)]}
+        if isinstance(node, list):
+            return [self.encode(v, path + (i,)) for i, v in enumerate(node)]
+        if isinstance(node, Mapping):
+            out = {}
+            for k, v in node.items():
+                if not isinstance(k, str):
+                    raise self.error(f"{_show(path)}: keys must be str, got {type(k).__name__} {k!r}")
+                out["$" + k if k.startswith("$") else k] = self.encode(v, path + (k,))
+            return out
+        if _is_cupy(node):
+            raise self.error(f"{_show(path)}: a CuPy array; checkpoints hold NumPy arrays only (no CUDA backend yet)")
+        raise self.error(f"{_show(path)}: cannot store a {type(node).__name__} (expected an array, None, bool, "
+                         "int, float, str, list, tuple or str-keyed mapping)")
+
+    def _tensor(self, a: np.ndarray, path: tuple) -> str:
+        if not self.allow_tensors:
+            raise self.error(f"{_show(path)}: arrays cannot be stored here (only JSON-like values)")
+        if a.dtype.name not in _DTYPE_CODES:
+            raise self.error(f"{_show(path)}: dtype {a.dtype} cannot be stored; supported: {sorted(_DTYPE_CODES)}")
+        key = f"{len(self.tensors)}:{_show(path)}"
+        # safetensors reads the memory behind data_ptr: it must be one dense block
+        self.tensors[key] = a if a.flags.c_contiguous else np.ascontiguousarray(a)
+        return key
+
+
+def _float_text(x: float) -> str:
+    if math.isinf(x):
+        return "inf" if x > 0 else "-inf"
+    bits = struct.unpack("<Q", struct.pack("<d", x))[0]
+    return "nan" if bits == _QUIET_NAN_BITS else f"nan:0x{bits:016x}"
+
+
+def _dumps(obj) -> str:
+    return json.dumps(obj, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+
+
+def _summary(tree, tensors: dict) -> str:
+    """One line for people, from the tree: ``Adam(lr=..., ...), step 5; 3 parameters, ...``."""
+    parts = []
+    opt = tree.get("optimizer") if isinstance(tree, Mapping) else None
+    if isinstance(opt, Mapping) and "type" in opt:
+        hp = opt.get("hyperparameters")
+        args = ", ".join(f"{k}={v!r}" for k, v in hp.items()) if isinstance(hp, Mapping) else ""
+        parts.append(f"{opt['type']}({args})" + (f", step {opt['step']}" if "step" in opt else ""))
+    params = tree.get("params") if isinstance(tree, Mapping) else None
+    if isinstance(params, Mapping):
+        arrays = [a for a in params.values() if isinstance(a, np.ndarray)]
+        dtypes = ", ".join(sorted({str(a.dtype) for a in arrays}))
+        size = f"{len(params)} parameters, {sum(a.size for a in arrays)} elements"
+        parts.append(size + (f", {dtypes}" if dtypes else ""))
+    parts.append(f"{len(tensors)} tensors, {sum(a.nbytes for a in tensors.values())} bytes")
+    return "; ".join(parts)
+
+
+def _write_atomic(where: str, tensors: dict, metadata: dict) -> None:
+    directory, base = os.path.split(os.path.abspath(where))
+    tmp = os.path.join(directory, f".{base[:200]}.{secrets.token_hex(8)}.tmp")
+    # O_EXCL: the name is ours. Created with 0o666, the file gets the umask's mode, as any new
+    # file would; safetensors replaces it with a 0o600 file of its own, so the mode is restored.
+    os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+    try:
+        mode = stat.S_IMODE(os.stat(tmp).st_mode)
+        _st_numpy.save_file(tensors, tmp, metadata=metadata)
+        os.chmod(tmp, mode)
+        fd = os.open(tmp, os.O_RDWR)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        # the header must cover the whole file: catches a short write before it replaces anything
+        try:
+            with safetensors.safe_open(tmp, framework="numpy"):
+                pass
+        except safetensors.SafetensorError as exc:
+            raise CheckpointError(f"{where}: the file just written does not read back: {exc}") from None
+        os.replace(tmp, where)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    _fsync_dir(directory)
+
+
+def _fsync_dir(directory: str) -> None:
+    """Make the rename durable (POSIX; other systems cannot open a directory)."""
+    if os.name != "posix":
+        return
+    fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# -- reading --------------------------------------------------------------------------------------
+class _Ref:
+    """A tensor reference in a decoded tree, replaced by the array once everything is validated."""
+
+    __slots__ = ("key",)
+
+    def __init__(self, key: str):
+        self.key = key
+
+
+def _read(where: str, template) -> tuple:
+    """The validated tree (arrays read) and extra of the checkpoint at ``where``."""
+    st = os.stat(where)  # a missing or unreadable file: the OSError says so
+    if not stat.S_ISREG(st.st_mode):
+        raise CheckpointError(f"{where}: not a regular file")
+    if st.st_size == 0:
+        raise CheckpointError(f"{where}: empty file (0 bytes), not a checkpoint")
+    try:
+        handle = safetensors.safe_open(where, framework="numpy")
+    except safetensors.SafetensorError as exc:
+        raise CheckpointError(f"{where}: not a valid safetensors file{_sniff(where)}: {exc}") from None
+    with handle as f:
+        tree, refs, extra = _decode_metadata(where, f.metadata())
+        specs = _tensor_specs(where, f, refs)
+        _check_optimizer_type(where, tree, template)
+        checks: list = []
+        _match(where, (), tree, template, specs, checks)
+        arrays = {}
+        for key, want in checks:
+            arrays[key] = a = _guard(where, f.get_tensor, key)
+            if a.shape != want.shape or a.dtype != want.dtype:  # agrees with the header, checked above
+                raise CheckpointError(f"{where}: tensor {key!r} reads back as {a.dtype}{a.shape}, "
+                                      f"expected {want.dtype}{want.shape}")
+    return _fill(tree, arrays), extra
+
+
+def _guard(where: str, fn, *args):
+    try:
+        return fn(*args)
+    except safetensors.SafetensorError as exc:
+        raise CheckpointError(f"{where}: cannot read the file: {exc}") from None
+
+
+def _sniff(where: str) -> str:
+    """A hint at what a non-safetensors file is."""
+    try:
+        with open(where, "rb") as fh:
+            head = fh.read(4)
+    except OSError:
+        return ""
+    if len(head) >= 2 and head[0] == 0x80 and 2 <= head[1] <= 5:
+        return " (it looks like a pickle file, which is never loaded)"
+    if head == b"PK\x03\x04":
+        return " (it looks like a zip archive, e.g. from torch.save)"
+    return ""
+
+
+def _decode_metadata(where: str, meta) -> tuple:
+    if not meta or meta.get("format") != FORMAT:
+        got = None if not meta else meta.get("format")
+        raise CheckpointError(f"{where}: not an arraytrain checkpoint (safetensors metadata format={got!r}, "
+                              f"expected {FORMAT!r})")
+    version = meta.get("format_version")
+    if version != str(FORMAT_VERSION):
+        newer = isinstance(version, str) and version.isdigit() and int(version) > FORMAT_VERSION
+        raise CheckpointError(f"{where}: format_version {version!r} is "
+                              + (f"newer than this arraytrain reads ({FORMAT_VERSION}); written by arraytrain "
+                                 f"{meta.get('arraytrain_version')!r}" if newer else f"not {FORMAT_VERSION!r}"))
+    refs: list = []
+    tree = _decode(where, _loads(where, meta, "tree"), (), refs)
+    extra = _decode(where, _loads(where, meta, "extra"), ("extra",), None)
+    if not isinstance(extra, dict):
+        raise CheckpointError(f"{where}: metadata 'extra' is a {type(extra).__name__}, expected a mapping")
+    return tree, refs, extra
+
+
+def _loads(where: str, meta: dict, field: str):
+    if field not in meta:
+        raise CheckpointError(f"{where}: metadata lacks {field!r}")
+
+    def constant(name):  # the writer never emits NaN/Infinity literals
+        raise ValueError(f"non-standard JSON constant {name}")
+
+    def pairs(items):
+        obj = dict(items)
+        if len(obj) != len(items):
+            raise ValueError("duplicate key in an object")
+        return obj
+
+    try:
+        return json.loads(meta[field], parse_constant=constant, object_pairs_hook=pairs)
+    except (ValueError, RecursionError) as exc:
+        raise CheckpointError(f"{where}: metadata {field!r} is not valid JSON: {exc}") from None
+
+
+def _decode(where: str, obj, path: tuple, refs: list | None):
+    """JSON object -> tree with :class:`_Ref` leaves (``refs is None``: no tensors allowed)."""
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    if isinstance(obj, list):
+        return [_decode(where, v, path + (i,), refs) for i, v in enumerate(obj)]
+    if not isinstance(obj, dict):
+        raise CheckpointError(f"{where}: {_show(path)}: unexpected JSON value {obj!r}")
+    tags = [k for k in obj if k.startswith("$") and not k.startswith("$$")]
+    if not tags:
+        out = {}
+        for k, v in obj.items():
+            name = k[1:] if k.startswith("$") else k  # "$$x" -> "$x"
+            out[name] = _decode(where, v, path + (name,), refs)
+        return out
+    tag = tags[0]
+    if len(obj) != 1 or tag not in _TAGS:
+        raise CheckpointError(f"{where}: {_show(path)}: malformed tagged value {obj!r} (tags: {', '.join(_TAGS)})")
+    value = obj[tag]
+    if tag == "$tuple" and isinstance(value, list):
+        return tuple(_decode(where, v, path + (i,), refs) for i, v in enumerate(value))
+    if tag == "$float" and isinstance(value, str):
+        x = _parse_float(value)
+        if x is not None:
+            return x
+    if tag == "$tensor" and isinstance(value, str):
+        if refs is None:
+            raise CheckpointError(f"{where}: {_show(path)}: a tensor reference where only JSON values may be")
+        ref = _Ref(value)
+        refs.append(ref)
+        return ref
+    raise CheckpointError(f"{where}: {_show(path)}: malformed tagged value {obj!r}")
+
+
+def _parse_float(text: str) -> float | None:
+    if text == "inf":
+        return math.inf
+    if text == "-inf":
+        return -math.inf
+    if text == "nan":
+        bits = _QUIET_NAN_BITS
+    elif len(text) == 22 and text.startswith("nan:0x") and all(c in "0123456789abcdef" for c in text[6:]):
+        bits = int(text[6:], 16)
+    else:
+        return None
+    x = struct.unpack("<d", struct.pack("<Q", bits))[0]
+    return x if math.isnan(x) else None
+
+
+def _tensor_specs(where: str, f, refs: list) -> dict:
+    """``key -> (shape, safetensors dtype code)`` from the header; every tensor referenced exactly once."""
+    keys = _guard(where, f.keys)
+    present = set(keys)
+    seen = set()
+    for ref in refs:
+        if ref.key not in present:
+            raise CheckpointError(f"{where}: the tree references tensor {ref.key!r}, which the file lacks")
+        if ref.key in seen:
+            raise CheckpointError(f"{where}: tensor {ref.key!r} is referenced twice")
+        seen.add(ref.key)
+    stray = [k for k in keys if k not in seen]
+    if stray:
+        raise CheckpointError(f"{where}: the file holds tensors the tree does not reference: {stray[:5]}")
+    specs = {}
+    for key in keys:
+        view = _guard(where, f.get_slice, key)
+        specs[key] = (tuple(_guard(where, view.get_shape)), _guard(where, view.get_dtype))
+    return specs
+
+
+def _check_optimizer_type(where: str, tree, template) -> None:
+    """A checkpoint of another optimizer says so, rather than which slot key differs first."""
+
+    def kind(t):
+        opt = t.get("optimizer") if isinstance(t, Mapping) else None
+        return opt.get("type") if isinstance(opt, Mapping) else None
+
+    got, want = kind(tree), kind(template)
+    if got is not None and want is not None and got != want:
+        raise CheckpointError(f"{where}: optimizer: the checkpoint is for {got!r}, the engine has {want!r}")
+
+
+def _what(x) -> str:
+    if isinstance(x, (_Ref, np.ndarray)):
+        return "an array"
+    if isinstance(x, Mapping):
+        return "a mapping"
+    if isinstance(x, (list, tuple)):
+        return f"a {type(x).__name__} of {len(x)}"
+    return f"the scalar {x!r}"
+
+
+def _has_arrays(node) -> bool:
+    if isinstance(node, (np.ndarray, _Ref)) or _is_cupy(node):
+        return True
+    if isinstance(node, Mapping):
+        return any(_has_arrays(v) for v in node.values())
+    if isinstance(node, (list, tuple)):
+        return any(_has_arrays(v) for v in node)
+    return False
+
+
+def _match(where: str, path: tuple, got, want, specs: dict, checks: list) -> None:
+    """Check the decoded tree ``got`` against the engine's ``want``; collect (key, template array).
+
+    Structure is compared wherever the engine's tree holds arrays: mapping keys,
+    sequence lengths (a list matches a tuple), array shapes and dtypes. A subtree
+    without arrays (hyperparameters, counters, schedule values) is a value: the
+    engine's ``load_state_dict`` checks it and keeps its own hyperparameters.
+    """
+
+    def fail(msg):
+        raise CheckpointError(f"{where}: {_show(path)}: {msg}")
+
+    if not _has_arrays(want):
+        if _has_arrays(got):
+            fail(f"the checkpoint holds arrays where the engine holds {_what(want)}")
+    elif isinstance(want, np.ndarray):
+        if not isinstance(got, _Ref):
+            fail(f"the engine holds an array, the checkpoint {_what(got)}")
+        shape, code = specs[got.key]
+        if shape != want.shape:
+            fail(f"shape {shape} != engine shape {want.shape}")
+        if code != _DTYPE_CODES.get(want.dtype.name):
+            fail(f"dtype {_DTYPE_NAMES.get(code, code)} != engine dtype {want.dtype}")
+        checks.append((got.key, want))
+    elif isinstance(want, Mapping):
+        if not isinstance(got, dict):
+            fail(f"the engine holds a mapping, the checkpoint {_what(got)}")
+        missing = [k for k in want if k not in got]
+        unexpected = [k for k in got if k not in want]
+        if missing or unexpected:
+            fail("; ".join(([f"the checkpoint lacks {missing}"] if missing else [])
+                           + ([f"the checkpoint has unexpected {unexpected}"] if unexpected else [])))
+        for k, v in want.items():
+            _match(where, path + (k,), got[k], v, specs, checks)
+    elif isinstance(want, (list, tuple)):
+        if not isinstance(got, (list, tuple)):
+            fail(f"the engine holds {_what(want)}, the checkpoint {_what(got)}")
+        if len(got) != len(want):
+            fail(f"{len(got)} items != engine's {len(want)}")
+        for i, (g, w) in enumerate(zip(got, want)):
+            _match(where, path + (i,), g, w, specs, checks)
+    elif _is_cupy(want):
+        fail("the engine holds a CuPy array; checkpoints load into NumPy engines only (no CUDA backend yet)")
+    else:
+        fail(f"the engine's state holds a {type(want).__name__}, which checkpoints do not store")
+
+
+def _fill(node, arrays: dict):
+    if isinstance(node, _Ref):
+        return arrays[node.key]
+    if isinstance(node, dict):
+        return {k: _fill(v, arrays) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_fill(v, arrays) for v in node]
+    if isinstance(node, tuple):
+        return tuple(_fill(v, arrays) for v in node)
+    return node
+
+
+# -- helpers --------------------------------------------------------------------------------------
+def _show(path: tuple) -> str:
+    """``params['fc.weight']``, ``optimizer['hyperparameters']['betas'][0]``; the root is ``state``."""
+    if not path:
+        return "state"
+    head, *rest = path
+    return (head if isinstance(head, str) else f"[{head}]") + "".join(f"[{p!r}]" for p in rest)
+
+
+def _is_cupy(x) -> bool:
+    return type(x).__module__.partition(".")[0] == "cupy"
+
+
+def _fspath(path) -> str:
+    try:
+        where = os.fspath(path)
+    except TypeError:
+        raise ArgumentTypeError(f"path: expected a str or os.PathLike, got {type(path).__name__}") from None
+    if not isinstance(where, str):
+        raise ArgumentTypeError(f"path: expected a str path, got {type(where).__name__}")
+    return where
+
+
+def _check_engine(engine) -> None:
+    if not (callable(getattr(engine, "state_dict", None)) and callable(getattr(engine, "load_state_dict", None))):
+        raise ArgumentTypeError(f"engine: expected an arraytrain.Engine, got {type(engine).__name__}")

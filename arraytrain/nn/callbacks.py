@@ -1,0 +1,278 @@
+"""Callbacks of the training loop.
+
+A callback overrides any of the hooks; each receives the :class:`Trainer`
+(``trainer.model``, ``trainer.engine``, ``trainer.history``...). ``logs`` of
+``on_epoch_end`` is the epoch's dict (``loss``, ``accuracy``..., ``val_loss``,
+``val_accuracy``...); a callback may add entries to it. Setting
+``trainer.stop_training = True`` ends :meth:`Trainer.fit` after the epoch.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+
+from .._checks import check_int, check_number
+from ..errors import ArgumentTypeError, HyperparameterError
+from .data import MissingDependencyError, require
+
+
+class Callback:
+    """Base class: every hook does nothing."""
+
+    def on_train_begin(self, trainer) -> None:
+        pass
+
+    def on_epoch_begin(self, trainer, epoch: int) -> None:
+        pass
+
+    def on_batch_end(self, trainer, step: int, logs: dict) -> None:
+        """``logs``: ``loss`` (float), ``report`` (the engine's StepReport), ``size`` (rows)."""
+
+    def on_epoch_end(self, trainer, epoch: int, logs: dict) -> None:
+        pass
+
+    def on_train_end(self, trainer) -> None:
+        pass
+
+
+class LambdaCallback(Callback):
+    """A callback from plain functions, e.g. ``LambdaCallback(on_epoch_end=print_line)``."""
+
+    def __init__(self, **hooks):
+        for name, fn in hooks.items():
+            if not hasattr(Callback, name) or not name.startswith("on_"):
+                raise HyperparameterError(f"{name}: not a callback hook")
+            if not callable(fn):
+                raise ArgumentTypeError(f"{name}: expected a callable, got {type(fn).__name__}")
+            setattr(self, name, fn)
+
+
+def _monitored(name: str, logs: dict, monitor: str) -> float:
+    if monitor not in logs:
+        keys = sorted(k for k, v in logs.items() if isinstance(v, float))
+        raise HyperparameterError(f"{name}: monitor {monitor!r} is not in the epoch logs "
+                                  f"(no validation data?); available: {keys}")
+    return float(logs[monitor])
+
+
+def _mode(monitor: str, mode: str) -> str:
+    if mode == "auto":
+        return "min" if "loss" in monitor else "max"
+    if mode not in ("min", "max"):
+        raise HyperparameterError(f"mode: expected 'auto', 'min' or 'max', got {mode!r}")
+    return mode
+
+
+class EarlyStopping(Callback):
+    """Stop when ``monitor`` has not improved by more than ``min_delta`` for ``patience`` epochs.
+
+    ``mode="auto"`` minimises a metric whose name contains "loss" and maximises
+    the others. ``restore_best`` copies the parameters of the best epoch back into
+    the engine at the end (optimizer state is not rewound). After training:
+    ``best``, ``best_epoch``, ``stopped_epoch`` (None if it never stopped).
+    """
+
+    def __init__(self, monitor: str = "val_loss", patience: int = 5, min_delta: float = 0.0,
+                 mode: str = "auto", restore_best: bool = False):
+        self.monitor = monitor
+        self.patience = check_int("patience", patience, 0)
+        self.min_delta = check_number("min_delta", min_delta, 0.0)
+        self.mode = _mode(monitor, mode)
+        self.restore_best = bool(restore_best)
+
+    def on_train_begin(self, trainer) -> None:
+        self.best = math.inf if self.mode == "min" else -math.inf
+        self.best_epoch = self.stopped_epoch = None
+        self.wait = 0
+        self._best_params = None
+
+    def on_epoch_end(self, trainer, epoch, logs) -> None:
+        value = _monitored("EarlyStopping", logs, self.monitor)
+        better = value < self.best - self.min_delta if self.mode == "min" else value > self.best + self.min_delta
+        if better:
+            self.best, self.best_epoch, self.wait = value, epoch, 0
+            if self.restore_best:
+                self._best_params = trainer.engine.params.flat.copy()
+        else:
+            self.wait += 1
+            if self.wait >= self.patience:
+                trainer.stop_training = True
+                self.stopped_epoch = epoch
+
+    def on_train_end(self, trainer) -> None:
+        if self.restore_best and self._best_params is not None and self.best_epoch != trainer.epoch:
+            trainer.engine.params.flat[...] = self._best_params
+
+
+def _checkpoint_io():
+    import arraytrain
+
+    save, load = getattr(arraytrain, "save", None), getattr(arraytrain, "load", None)
+    if save is None or load is None:
+        raise MissingDependencyError("checkpoints need arraytrain.save / arraytrain.load, "
+                                     "which this build of arraytrain does not have")
+    return save, load
+
+
+class Checkpoint(Callback):
+    """Save the engine with :func:`arraytrain.save` every ``every`` epochs (and after the last).
+
+    ``path`` may hold ``{epoch}`` to keep one file per epoch; otherwise each save
+    replaces the previous one. The epoch number is stored in the checkpoint's
+    ``extra`` (with anything given in ``extra``), for a resume.
+    """
+
+    def __init__(self, path, every: int = 1, extra: dict | None = None):
+        self.save, _ = _checkpoint_io()
+        self.path = os.fspath(path)
+        self.every = check_int("every", every, 1)
+        self.extra = dict(extra or {})
+        self.saved: list[str] = []
+
+    def _write(self, trainer, epoch) -> None:
+        path = self.path.format(epoch=epoch)
+        self.save(path, trainer.engine, extra={**self.extra, "epoch": epoch})
+        self.saved.append(path)
+
+    def on_epoch_end(self, trainer, epoch, logs) -> None:
+        if epoch % self.every == 0:
+            self._write(trainer, epoch)
+
+    def on_train_end(self, trainer) -> None:
+        if trainer.epoch and trainer.epoch % self.every != 0:
+            self._write(trainer, trainer.epoch)
+
+
+class ReduceLROnPlateau(Callback):
+    """Feed ``monitor`` to the engine's reduce-on-plateau schedule after every epoch.
+
+    The engine must have been built with
+    ``schedule=arraytrain.schedules.ReduceOnPlateau(...)`` (or a schedule holding
+    one, e.g. inside a ``Warmup``); that schedule holds the mode, factor,
+    patience and threshold, and decides when to cut the lr (its patience counts
+    epochs, as it is fed once per epoch). The metric goes in with the number of
+    optimizer steps applied so far, which routes it to the active segment.
+    """
+
+    def __init__(self, monitor: str = "val_loss"):
+        self.monitor = monitor
+
+    def on_train_begin(self, trainer) -> None:
+        try:
+            from ..schedules import ReduceOnPlateau, Schedule
+        except ImportError:
+            raise MissingDependencyError("ReduceLROnPlateau needs arraytrain.schedules, "
+                                         "which this build of arraytrain does not have") from None
+        sched = getattr(trainer.engine, "schedule", None)
+        if not isinstance(sched, Schedule) or not sched.stateful:
+            raise ArgumentTypeError("ReduceLROnPlateau: the engine's schedule must be an "
+                                    f"arraytrain.schedules.{ReduceOnPlateau.__name__} (Engine(..., schedule=...)) "
+                                    f"or hold one, got {type(sched).__name__}")
+        self.schedule = sched
+
+    def on_epoch_end(self, trainer, epoch, logs) -> None:
+        self.schedule.observe(_monitored("ReduceLROnPlateau", logs, self.monitor), trainer.engine.state.step)
+
+
+def layer_of(name: str) -> str:
+    """The layer a parameter belongs to: the name up to its last dot ("fc1.weight" -> "fc1")."""
+    return name.rpartition(".")[0] or name
+
+
+class GradientMonitor(Callback):
+    """Per-layer L2 norms of the gradient the optimizer applied, every step.
+
+    Reads the per-parameter norms the engine computes in its one norm pass
+    (``StepReport.grad_norms``: the reduced gradient before clipping) and
+    combines them per layer, :math:`\\|g_{layer}\\| = \\sqrt{\\sum_p \\|g_p\\|^2}`.
+    Per epoch it adds ``grad_norms`` (layer -> mean over the epoch's steps) and
+    ``grad_norm_max`` (layer -> max) to the logs; ``history`` keeps them.
+    """
+
+    def on_train_begin(self, trainer) -> None:
+        self.history: list[dict] = []
+        self._sums, self._maxes, self._count = {}, {}, 0
+
+    def on_epoch_begin(self, trainer, epoch) -> None:
+        self._sums, self._maxes, self._count = {}, {}, 0
+
+    def on_batch_end(self, trainer, step, logs) -> None:
+        norms = logs["report"].grad_norms
+        if norms is None:  # accumulated or skipped: nothing was applied
+            return
+        sq = {}
+        for name, v in norms.items():
+            layer = layer_of(name)
+            sq[layer] = sq.get(layer, 0.0) + v * v
+        for layer, s in sq.items():
+            n = math.sqrt(s)
+            self._sums[layer] = self._sums.get(layer, 0.0) + n
+            self._maxes[layer] = max(self._maxes.get(layer, 0.0), n)
+        self._count += 1
+
+    def on_epoch_end(self, trainer, epoch, logs) -> None:
+        c = max(self._count, 1)
+        entry = {"epoch": epoch, "steps": self._count,
+                 "mean": {k: v / c for k, v in self._sums.items()}, "max": dict(self._maxes)}
+        self.history.append(entry)
+        logs["grad_norms"] = entry["mean"]
+        logs["grad_norm_max"] = entry["max"]
+
+
+class Profiler(Callback):
+    """The step time split into data, forward (with the loss), backward, optimizer
+    (``engine.step``), callbacks, metrics and evaluation, per epoch.
+
+    Adds ``time_split`` (phase -> seconds in this epoch) to the logs and keeps
+    the list in ``epochs``; :meth:`summary` gives the whole run's seconds and
+    fractions. The trainer times every phase anyway; this callback reports it.
+    """
+
+    def on_train_begin(self, trainer) -> None:
+        self.epochs: list[dict] = []
+        self._start = dict(trainer.timings)
+
+    def on_epoch_begin(self, trainer, epoch) -> None:
+        self._mark = dict(trainer.timings)
+
+    def on_epoch_end(self, trainer, epoch, logs) -> None:
+        split = {k: trainer.timings[k] - self._mark.get(k, 0.0) for k in trainer.timings}
+        self.epochs.append(split)
+        logs["time_split"] = split
+
+    def summary(self, trainer) -> dict:
+        seconds = {k: trainer.timings[k] - self._start.get(k, 0.0) for k in trainer.timings}
+        total = sum(seconds.values())
+        return {"seconds": seconds, "fraction": {k: (v / total if total else 0.0) for k, v in seconds.items()}}
+
+
+class ProgressBar(Callback):
+    """A tqdm bar per epoch (needs ``pip install 'arraytrain[train]'``), showing the running loss."""
+
+    def __init__(self, file=None, leave: bool = False, every: int = 10):
+        self._tqdm = require("tqdm", "train", "the progress bar").tqdm
+        self.file, self.leave = file, bool(leave)
+        self.every = check_int("every", every, 1)
+        self.bar = None
+
+    def on_epoch_begin(self, trainer, epoch) -> None:
+        self.bar = self._tqdm(total=len(trainer.batches), desc=f"epoch {epoch}/{trainer.epochs}",
+                              unit="batch", leave=self.leave, file=self.file or sys.stderr,
+                              dynamic_ncols=True)
+        self._loss, self._n, self._i = 0.0, 0, 0
+
+    def on_batch_end(self, trainer, step, logs) -> None:
+        self._loss += logs["loss"] * logs["size"]
+        self._n += logs["size"]
+        self._i += 1
+        if self._i % self.every == 0:
+            self.bar.set_postfix(loss=f"{self._loss / self._n:.4f}", refresh=False)
+        self.bar.update(1)
+
+    def on_epoch_end(self, trainer, epoch, logs) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+

@@ -1,0 +1,217 @@
+"""The training loop: batches through an MLP, gradients into the engine, metrics per epoch.
+
+One optimizer-facing call per batch: ``engine.step()``. Gradient accumulation,
+clipping, the schedule and the optimizer are the engine's (its
+``accumulation_steps``, ``max_grad_norm``, ``schedule``); the model's backward
+writes the gradients straight into ``engine.grads``. Every batch is one
+micro-batch; an accumulation window left open at the end of an epoch carries
+over into the next.
+
+Determinism: the initial weights come from the model's seed, the batch order of
+epoch ``e`` from ``default_rng([seed, e])``, and the engine's kernels reduce in a
+fixed order, so two runs with the same seeds are bitwise equal on one machine.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from .._checks import check_int
+from ..engine import Engine
+from ..errors import ArgumentTypeError, HyperparameterError
+from ._array import array_namespace, to_numpy
+from .callbacks import Callback
+from .data import Batches
+from .layers import MLP
+from .losses import CLASSIFICATION_LOSSES, LOSSES
+from .metrics import classification_report
+
+PHASES = ("data", "forward", "backward", "optimizer", "callbacks", "metrics", "evaluation")
+
+
+class Trainer:
+    """Fit an :class:`MLP` bound to an :class:`~arraytrain.Engine`.
+
+    Parameters
+    ----------
+    model, engine
+        The model is bound to the engine here if it is not already.
+    loss : str or callable
+        A name in :data:`arraytrain.nn.losses.LOSSES` (``"cross_entropy"``,
+        ``"focal"``, ``"poly1"``, ``"dice"``, ``"mse"``, ``"binary_cross_entropy"``)
+        or ``f(outputs, targets) -> (loss, doutputs)``.
+    batch_size, shuffle, seed, drop_last
+        Batching (see :class:`~arraytrain.nn.data.Batches`).
+    callbacks : sequence of :class:`~arraytrain.nn.callbacks.Callback`
+    num_classes : int or None
+        Turns on classification metrics (accuracy, macro precision / recall /
+        F1, confusion matrix); the default is the model's output width for the
+        classification losses and off for the others.
+
+    After :meth:`fit`: ``history`` (one dict per epoch), ``timings`` (seconds per
+    phase: data, forward (with the loss), backward, optimizer (``engine.step``),
+    callbacks, metrics, evaluation), :attr:`samples_per_second`.
+    """
+
+    def __init__(self, model: MLP, engine: Engine, *, loss: str | Callable = "cross_entropy",
+                 batch_size: int = 32, shuffle: bool = True, seed: int = 0, drop_last: bool = False,
+                 callbacks: Sequence[Callback] = (), num_classes: int | None = None,
+                 eval_batch_size: int = 1024):
+        if not isinstance(model, MLP):
+            raise ArgumentTypeError(f"model: expected an arraytrain.nn.MLP, got {type(model).__name__}")
+        if not isinstance(engine, Engine):
+            raise ArgumentTypeError(f"engine: expected an arraytrain.Engine, got {type(engine).__name__}")
+        if callable(loss):
+            self.loss_fn, self.loss_name = loss, getattr(loss, "__name__", "loss")
+        elif loss in LOSSES:
+            self.loss_fn, self.loss_name = LOSSES[loss], loss
+        else:
+            raise HyperparameterError(f"loss: expected one of {tuple(LOSSES)} or a callable, got {loss!r}")
+        callbacks = list(callbacks)
+        for i, cb in enumerate(callbacks):
+            if not isinstance(cb, Callback):
+                raise ArgumentTypeError(f"callbacks[{i}]: expected an arraytrain.nn.Callback, got {type(cb).__name__}")
+        if num_classes is None and loss in CLASSIFICATION_LOSSES:
+            num_classes = model.sizes[-1]
+        self.num_classes = None if num_classes is None else check_int("num_classes", num_classes, 2)
+        self.batch_size = check_int("batch_size", batch_size, 1)
+        self.eval_batch_size = check_int("eval_batch_size", eval_batch_size, 1)
+        self.seed = check_int("seed", seed, 0)
+        self.shuffle, self.drop_last = bool(shuffle), bool(drop_last)
+        self.model, self.engine, self.callbacks = model, engine, callbacks
+        if model._engine is not engine:
+            model.bind(engine)
+        self.history: list[dict] = []
+        self.timings = dict.fromkeys(PHASES, 0.0)
+        self.stop_training = False
+        self.epoch = 0           # epochs completed
+        self.epochs = 0          # target of the current fit()
+        self.batches: Batches | None = None
+        self.steps = 0           # micro-batches seen
+        self._timed_samples = 0
+        self._timed_seconds = 0.0
+
+    # -- throughput ------------------------------------------------------------------------
+    @property
+    def samples_per_second(self) -> float:
+        """Training samples per second over every step after the first (JIT compile excluded).
+
+        A step is fetching the batch, forward and loss, backward, ``engine.step()``
+        and the per-batch callbacks; evaluation between epochs is not in it.
+        """
+        return self._timed_samples / self._timed_seconds if self._timed_seconds > 0 else 0.0
+
+    def time_split(self) -> dict:
+        """Fraction of the measured time per phase."""
+        total = sum(self.timings.values())
+        return {k: (v / total if total else 0.0) for k, v in self.timings.items()}
+
+    # -- callbacks ---------------------------------------------------------------------
+    def _call(self, hook: str, *args) -> None:
+        t = time.perf_counter()
+        for cb in self.callbacks:
+            getattr(cb, hook)(self, *args)
+        self.timings["callbacks"] += time.perf_counter() - t
+
+    # -- the loop ------------------------------------------------------------------------
+    def fit(self, x, y, *, epochs: int, validation: tuple | None = None, initial_epoch: int = 0) -> list[dict]:
+        """Train until epoch ``epochs`` (1-based, counting ``initial_epoch`` completed ones).
+
+        ``validation=(x_val, y_val)`` adds ``val_*`` entries to each epoch's logs.
+        Returns :attr:`history`.
+        """
+        epochs = check_int("epochs", epochs, 0)
+        initial_epoch = check_int("initial_epoch", initial_epoch, 0, epochs)
+        array_namespace(x, y)
+        self.batches = Batches(x, y, self.batch_size, shuffle=self.shuffle, seed=self.seed,
+                               drop_last=self.drop_last)
+        if len(self.batches) == 0:
+            raise HyperparameterError(f"batch_size: {self.batch_size} with drop_last leaves no batch "
+                                      f"of {self.batches.n} samples")
+        self.epochs, self.epoch, self.stop_training = epochs, initial_epoch, False
+        self._call("on_train_begin")
+        for e in range(initial_epoch, epochs):
+            logs = self._train_epoch(e)
+            if validation is not None:
+                t = time.perf_counter()
+                for k, v in self.evaluate(*validation).items():
+                    logs[f"val_{k}"] = v
+                self.timings["evaluation"] += time.perf_counter() - t
+            self.epoch = e + 1
+            self._call("on_epoch_end", e + 1, logs)
+            self.history.append(logs)
+            if self.stop_training:
+                break
+        self._call("on_train_end")
+        return self.history
+
+    def _train_epoch(self, e: int) -> dict:
+        model, engine, loss_fn, timings = self.model, self.engine, self.loss_fn, self.timings
+        self._call("on_epoch_begin", e + 1)
+        t_epoch = time.perf_counter()
+        loss_sum, seen, report = 0.0, 0, None
+        preds, labels = [], []
+        it = self.batches.epoch(e)
+        while True:
+            t0 = time.perf_counter()
+            try:
+                xb, yb = next(it)
+            except StopIteration:
+                break
+            t1 = time.perf_counter()
+            out = model.forward(xb)
+            loss, dout = loss_fn(out, yb)
+            t2 = time.perf_counter()
+            model.backward(dout)
+            t3 = time.perf_counter()
+            report = engine.step()
+            t4 = time.perf_counter()
+            n = xb.shape[0]
+            loss_sum += loss * n
+            seen += n
+            if self.num_classes is not None:
+                preds.append(to_numpy(array_namespace(out).argmax(out, axis=1)))
+                labels.append(to_numpy(yb))
+            t5 = time.perf_counter()
+            for cb in self.callbacks:
+                cb.on_batch_end(self, self.steps, {"loss": loss, "report": report, "size": n})
+            t6 = time.perf_counter()
+            timings["data"] += t1 - t0
+            timings["forward"] += t2 - t1
+            timings["backward"] += t3 - t2
+            timings["optimizer"] += t4 - t3
+            timings["metrics"] += t5 - t4
+            timings["callbacks"] += t6 - t5
+            if self.steps > 0:  # the first step compiles the kernels
+                self._timed_samples += n
+                self._timed_seconds += t6 - t0
+            self.steps += 1
+        logs = {"epoch": e + 1, "loss": loss_sum / max(seen, 1),
+                "lr": report.lr if report is not None else engine.optimizer.lr,
+                "steps": engine.state.step}
+        if self.num_classes is not None:
+            t = time.perf_counter()
+            logs.update(classification_report(np.concatenate(labels), np.concatenate(preds), self.num_classes))
+            self.timings["metrics"] += time.perf_counter() - t
+        logs["time"] = time.perf_counter() - t_epoch
+        return logs
+
+    def evaluate(self, x, y) -> dict:
+        """Loss (mean over samples) and, for classification, the metrics, without training."""
+        batches = Batches(x, y, self.eval_batch_size, shuffle=False)
+        loss_sum, seen, preds = 0.0, 0, []
+        for xb, yb in batches.epoch(0):
+            out = self.model.predict(xb)
+            loss, _ = self.loss_fn(out, yb)
+            loss_sum += loss * xb.shape[0]
+            seen += xb.shape[0]
+            if self.num_classes is not None:
+                preds.append(to_numpy(array_namespace(out).argmax(out, axis=1)))
+        logs = {"loss": loss_sum / max(seen, 1)}
+        if self.num_classes is not None:
+            pred = np.concatenate(preds) if preds else np.zeros(0, np.int64)
+            logs.update(classification_report(to_numpy(y), pred, self.num_classes))
+        return logs
