@@ -26,10 +26,13 @@ def test_readme_block_runs(index):
     exec(compile(code, f"README.md[python block {index}]", "exec"), {"__name__": "__readme__"})
 
 
-def test_ci_runs_the_readme_test_command():
+def test_ci_runs_the_readme_commands():
     commands = re.findall(r"```bash\n(.*?)\n```", README, flags=re.S)
+    ci = (ROOT / ".ci" / "run").read_text()
     test_command = next(c for c in commands if "pytest" in c)
-    assert test_command in (ROOT / ".ci" / "run").read_text()
+    main_job = next(c for c in commands if "arraytrain train" in c)
+    assert test_command in ci and main_job in ci
+    assert ci.rstrip().endswith(test_command)
 
 
 def test_quickstart_example_trains():
