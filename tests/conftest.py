@@ -7,6 +7,7 @@ directory on ``sys.path``); fixtures are picked up automatically.
 from __future__ import annotations
 
 import functools
+from typing import Callable, NamedTuple
 
 import numpy as np
 import pytest
@@ -89,7 +90,10 @@ def assert_padding_zero(flat: np.ndarray, layout: Layout, what: str = "buffer") 
 # of scale ~1e3; weight decays, eps and the AMSGrad rows' short beta2 are
 # chosen so that each option changes the trajectory beyond the comparison
 # tolerance (with beta2=0.999 the running max would not matter in 50 steps).
-# Add a row to test a new configuration everywhere.
+# Add a row to test a new configuration everywhere. Each row's independent
+# oracle (torch.optim, optax, or none) is given by ``oracle(row)`` below:
+# test_optim_torch.py runs TORCH_CONFIGS, test_optim_table.py OPTAX_CONFIGS,
+# test_convergence.py every row.
 OPTIMIZER_CONFIGS = [
     ("sgd", "SGD", {"lr": 1e-4}),
     ("sgd_wd", "SGD", {"lr": 1e-4, "weight_decay": 10.0}),
@@ -104,7 +108,77 @@ OPTIMIZER_CONFIGS = [
     ("adam_wd_amsgrad", "Adam", {"lr": 1e-2, "betas": (0.9, 0.9), "weight_decay": 10.0, "amsgrad": True}),
     ("adamw", "AdamW", {"lr": 1e-2, "weight_decay": 0.5}),
     ("adamw_amsgrad", "AdamW", {"lr": 1e-2, "betas": (0.9, 0.9), "weight_decay": 0.5, "amsgrad": True}),
+    # Adagrad / RMSprop: torch's names; the eps and initial-accumulator values are of the
+    # gradients' scale (sqrt of the accumulated squares ~1e3), so that they change the trajectory
+    ("adagrad", "Adagrad", {"lr": 5e-2}),
+    ("adagrad_lr_decay", "Adagrad", {"lr": 5e-2, "lr_decay": 0.1}),
+    ("adagrad_init_acc_eps", "Adagrad", {"lr": 0.1, "initial_accumulator_value": 1e6, "eps": 300.0}),
+    ("adagrad_wd", "Adagrad", {"lr": 5e-2, "lr_decay": 0.05, "weight_decay": 10.0}),
+    ("rmsprop", "RMSprop", {"lr": 3e-3}),
+    ("rmsprop_alpha_eps", "RMSprop", {"lr": 1e-2, "alpha": 0.9, "eps": 100.0}),
+    ("rmsprop_momentum", "RMSprop", {"lr": 3e-4, "momentum": 0.9}),
+    ("rmsprop_centered", "RMSprop", {"lr": 3e-3, "centered": True}),
+    ("rmsprop_centered_momentum_wd", "RMSprop", {"lr": 1e-3, "momentum": 0.5, "centered": True, "weight_decay": 10.0}),
+    # Lion / LAMB: optax's names (torch has neither); LAMB's step is lr * ||p|| per parameter
+    ("lion", "Lion", {"lr": 2e-2, "weight_decay": 0.0}),
+    ("lion_betas_wd", "Lion", {"lr": 5e-3, "b1": 0.5, "b2": 0.95, "weight_decay": 2.0}),
+    ("lamb", "LAMB", {"lr": 0.1}),
+    ("lamb_wd_eps", "LAMB", {"lr": 0.1, "b1": 0.8, "b2": 0.99, "eps": 1e-2, "eps_root": 1e-4, "weight_decay": 0.3}),
+    # Adafactor / Sophia: compared with torch (zero-size parameters excluded) in test_adafactor.py
+    # and with the reference in test_sophia.py; SAM takes two windows a step (test_sam.py)
+    ("adafactor", "Adafactor", {"lr": 0.3}),
+    ("adafactor_wd", "Adafactor", {"lr": 0.3, "weight_decay": 0.1, "d": 2.0}),
+    ("sophia", "Sophia", {"lr": 2e-2, "betas": (0.5, 0.99), "weight_decay": 0.0}),
 ]
+
+
+class Oracle(NamedTuple):
+    """The independent implementation a row of OPTIMIZER_CONFIGS is compared with.
+
+    ``kind``: "torch" (``torch.optim.<class name>(params, foreach=False, **kwargs)``,
+    slots compared under torch's state keys), "optax" (``make(**kwargs)`` builds the
+    optax transformation from the row's hyperparameters, ``slots(opt_state)`` maps
+    arraytrain slot names to optax's state trees, ``count(opt_state)`` is its step), or
+    "none".
+    """
+
+    kind: str
+    make: Callable | None = None
+    slots: Callable | None = None
+    count: Callable | None = None
+
+
+def _optax_lion(lr, b1=0.9, b2=0.99, weight_decay=1e-3):
+    import optax
+
+    return optax.lion(learning_rate=lr, b1=b1, b2=b2, weight_decay=weight_decay)
+
+
+def _optax_lamb(lr, b1=0.9, b2=0.999, eps=1e-6, eps_root=0.0, weight_decay=0.0):
+    import optax
+
+    return optax.lamb(learning_rate=lr, b1=b1, b2=b2, eps=eps, eps_root=eps_root, weight_decay=weight_decay)
+
+
+TORCH = Oracle("torch")
+# per optimizer class; a row's entry in ORACLE_BY_ROW wins
+ORACLE_BY_CLASS = {
+    "Lion": Oracle("optax", _optax_lion, lambda st: {"exp_avg": st[0].mu}, lambda st: int(st[0].count)),
+    "LAMB": Oracle("optax", _optax_lamb, lambda st: {"exp_avg": st[0].mu, "exp_avg_sq": st[0].nu},
+                   lambda st: int(st[0].count)),
+}
+ORACLE_BY_ROW: dict[str, Oracle] = {}
+ORACLE_BY_CLASS.update({"Adafactor": Oracle("none"), "Sophia": Oracle("none")})
+
+
+def oracle(row) -> Oracle:
+    """The oracle of a row ``(name, class name, kwargs)`` of OPTIMIZER_CONFIGS (default: torch)."""
+    name, cls_name, _ = row
+    return ORACLE_BY_ROW.get(name, ORACLE_BY_CLASS.get(cls_name, TORCH))
+
+
+TORCH_CONFIGS = [row for row in OPTIMIZER_CONFIGS if oracle(row).kind == "torch"]
+OPTAX_CONFIGS = [row for row in OPTIMIZER_CONFIGS if oracle(row).kind == "optax"]
 
 
 @pytest.fixture

@@ -37,7 +37,8 @@ from arraytrain import (
 )
 from conftest import engine_snapshot
 
-from arraytrain.optim import SGD, Adam, AdamW
+from arraytrain.optim import LAMB, SGD, Adagrad, Adam, AdamW, Lion, RMSprop
+from arraytrain.optim import SAM, Adafactor, Sophia
 
 SHAPES = {"W": (2, 3), "z": (0,), "b": (3,)}
 
@@ -193,6 +194,41 @@ CASES: list[Case] = [
     Case("sgd-momentum-negative", lambda e: SGD(momentum=-0.5), HyperparameterError, "momentum"),
     Case("sgd-dampening-above-one", lambda e: SGD(dampening=1.5), HyperparameterError, "dampening"),
     Case("sgd-nesterov-without-momentum", lambda e: SGD(nesterov=True), HyperparameterError, "nesterov"),
+    Case("adagrad-lr-negative", lambda e: Adagrad(lr=-0.1), HyperparameterError, "lr"),
+    Case("adagrad-lr-decay-negative", lambda e: Adagrad(lr_decay=-1e-3), HyperparameterError, "lr_decay"),
+    Case("adagrad-weight-decay-negative", lambda e: Adagrad(weight_decay=-1.0), HyperparameterError, "weight_decay"),
+    Case("adagrad-initial-accumulator-negative", lambda e: Adagrad(initial_accumulator_value=-0.1),
+         HyperparameterError, "initial_accumulator_value"),
+    Case("adagrad-eps-zero", lambda e: Adagrad(eps=0.0), HyperparameterError, "eps"),
+    Case("rmsprop-lr-nan", lambda e: RMSprop(lr=NAN), HyperparameterError, "lr"),
+    Case("rmsprop-alpha-one", lambda e: RMSprop(alpha=1.0), HyperparameterError, "alpha"),
+    Case("rmsprop-alpha-negative", lambda e: RMSprop(alpha=-0.5), HyperparameterError, "alpha"),
+    Case("rmsprop-eps-negative", lambda e: RMSprop(eps=-1e-8), HyperparameterError, "eps"),
+    Case("rmsprop-momentum-negative", lambda e: RMSprop(momentum=-0.9), HyperparameterError, "momentum"),
+    Case("rmsprop-weight-decay-inf", lambda e: RMSprop(weight_decay=INF), HyperparameterError, "weight_decay"),
+    Case("rmsprop-centered-not-bool", lambda e: RMSprop(centered=1), HyperparameterError, "centered"),
+    Case("lion-lr-negative", lambda e: Lion(lr=-1e-4), HyperparameterError, "lr"),
+    Case("lion-b1-one", lambda e: Lion(b1=1.0), HyperparameterError, "b1"),
+    Case("lion-b2-negative", lambda e: Lion(b2=-0.1), HyperparameterError, "b2"),
+    Case("lion-weight-decay-negative", lambda e: Lion(weight_decay=-1e-3), HyperparameterError, "weight_decay"),
+    Case("lamb-lr-inf", lambda e: LAMB(lr=INF), HyperparameterError, "lr"),
+    Case("lamb-b1-above", lambda e: LAMB(b1=1.5), HyperparameterError, "b1"),
+    Case("lamb-b2-one", lambda e: LAMB(b2=1.0), HyperparameterError, "b2"),
+    Case("lamb-eps-zero", lambda e: LAMB(eps=0.0), HyperparameterError, "eps"),
+    Case("lamb-eps-root-negative", lambda e: LAMB(eps_root=-1e-8), HyperparameterError, "eps_root"),
+    Case("lamb-weight-decay-str", lambda e: LAMB(weight_decay="0.01"), HyperparameterError, "weight_decay"),
+    Case("lamb-overrides-unknown-key", lambda e: LAMB(overrides={"*.bias": {"b1": 0.5}}), HyperparameterError,
+         ("overrides", "'b1'")),
+    Case("adafactor-lr-negative", lambda e: Adafactor(lr=-0.1), HyperparameterError, "lr"),
+    Case("adafactor-beta2-decay-positive", lambda e: Adafactor(beta2_decay=0.5), HyperparameterError, "beta2_decay"),
+    Case("adafactor-eps1-negative", lambda e: Adafactor(eps=(-1e-30, 1e-3)), HyperparameterError, "eps[0]"),
+    Case("adafactor-eps-not-pair", lambda e: Adafactor(eps=1e-3), HyperparameterError, "eps"),
+    Case("adafactor-d-below-one", lambda e: Adafactor(d=0.5), HyperparameterError, "d:"),
+    Case("sophia-rho-zero", lambda e: Sophia(rho=0.0), HyperparameterError, "rho"),
+    Case("sophia-beta2-one", lambda e: Sophia(betas=(0.9, 1.0)), HyperparameterError, "betas[1]"),
+    Case("sophia-bs-negative", lambda e: Sophia(bs=-1.0), HyperparameterError, "bs"),
+    Case("sam-rho-negative", lambda e: SAM(SGD(), rho=-0.05), HyperparameterError, "rho"),
+    Case("sam-base-not-optimizer", lambda e: SAM("sgd"), HyperparameterError, "base"),
     Case("engine-accumulation-steps-0", _engine_with(accumulation_steps=0), HyperparameterError,
          "accumulation_steps"),
     Case("engine-accumulation-steps-float", _engine_with(accumulation_steps=2.0), HyperparameterError,

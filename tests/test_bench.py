@@ -10,24 +10,59 @@ import pytest
 from arraytrain.bench import compare
 
 
-@pytest.mark.parametrize("opt", sorted(compare.SLOTS))
-@pytest.mark.parametrize("name", [c for c in compare.CONTESTANTS if c != "arraytrain"])
-def test_contestant_matches_arraytrain(opt, name):
-    ours = compare.make_arraytrain(opt, 2000)
+PAIRS = [(name, opt) for opt in compare.OPTIMIZERS for name in compare.CONTESTANTS
+         if name != "arraytrain" and (name, opt) not in compare.NOT_AVAILABLE]
+
+
+@pytest.mark.parametrize("name,opt", PAIRS, ids=[f"{n}-{o}" for n, o in PAIRS])
+def test_contestant_matches_arraytrain(name, opt):
+    """4 clipped steps (the factories take one) of 100 tensors: the same parameters.
+
+    rtol 1e-4 covers float32 rounding and the clip factor's form (torch and the
+    others: max_norm / (norm + 1e-6); optax: max_norm / norm).
+    """
+    n = 3000 if opt == "adafactor" else 2000  # 30-element tensors: 5 x 6 matrices
+    ours = compare.make_arraytrain(opt, n)
     try:
-        theirs = compare.CONTESTANTS[name](opt, 2000)
+        theirs = compare.CONTESTANTS[name](opt, n)
     except ImportError as exc:
         pytest.skip(f"{name}: {exc}")
     for _ in range(3):  # the factories took one step already
         ours()
         theirs()
-    for a, b in zip(ours.params(), theirs.params()):
+    start, _ = compare._data(n, opt=opt)
+    for a, b, a0 in zip(ours.params(), theirs.params(), start, strict=True):
+        assert a.shape == b.shape
         np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-6)
+        # the displacements too: clipped steps are small next to the parameters, so the
+        # check above alone would pass a contestant that barely moved
+        np.testing.assert_allclose(b - a0, a - a0, rtol=2e-3, atol=1e-6)
+
+
+def test_every_optimizer_has_an_outside_contestant():
+    for opt in compare.OPTIMIZERS:
+        outside = [c for c in compare.CONTESTANTS if c != "arraytrain" and (c, opt) not in compare.NOT_AVAILABLE]
+        assert outside, opt
+    assert len(PAIRS) == 28  # every (contestant, optimizer) pair that the matching test checks
+
+
+@pytest.mark.parametrize("name,opt", sorted(compare.NOT_AVAILABLE))
+def test_unavailable_pairs_say_why(name, opt):
+    with pytest.raises(compare.NotAvailable, match=r"\w"):
+        compare.CONTESTANTS[name](opt, 100)
+
+
+def test_adafactor_contestants_get_matrices():
+    params, _ = compare._data(3000, opt="adafactor")
+    assert len(params) == 100 and all(p.ndim == 2 for p in params)
+    assert sum(p.size for p in params) == 3000
 
 
 def test_step_bytes():
     assert compare.step_bytes("adamw") == 32  # norm read 4 + read p,g,m,v 16 + write p,m,v 12
     assert compare.step_bytes("sgd") == 24
+    assert compare.step_bytes("lamb") == 44  # norm 4 + (read p,g,m,v; write m,v) 24 + (read p,m,v; write p) 16
+    assert compare.step_bytes("adafactor") == 28  # norm 4 + read g 4 + read p,g 8 + read p,g, write p 12
 
 
 def _doc(seconds, triad):
@@ -58,4 +93,16 @@ def test_cli_writes_json_and_flags_baseline(tmp_path, capsys):
 
 def test_cli_rejects_unknown_names():
     with pytest.raises(SystemExit):
-        compare.main(["--optimizers", "lion"])
+        compare.main(["--optimizers", "sophia"])
+    with pytest.raises(SystemExit):
+        compare.main(["--contestants", "jax"])
+
+
+def test_cli_lists_unavailable_pairs(tmp_path, capsys):
+    out = tmp_path / "run.json"
+    rc = compare.main(["--optimizers", "lion", "--sizes", "1000", "--contestants", "arraytrain,torch-fused",
+                       "--reps", "3", "--json", str(out)])
+    assert rc == 0
+    doc = json.loads(out.read_text())
+    assert doc["unavailable"] == {"torch-fused/lion": "torch.optim has no Lion"}
+    assert "not available: torch-fused/lion: torch.optim has no Lion" in capsys.readouterr().out

@@ -50,7 +50,7 @@ ARRAYTRAIN_ALL = [
     "threads",
 ]
 
-OPTIM_ALL = ["Adam", "AdamW", "OptState", "Optimizer", "SGD"]
+OPTIM_ALL = ["Adafactor", "Adagrad", "Adam", "AdamW", "LAMB", "Lion", "OptState", "Optimizer", "RMSprop", "SAM", "SGD", "Sophia"]
 
 # every error class and the builtin a caller would naturally catch it as
 ERRORS = {

@@ -1,14 +1,25 @@
 """``python -m arraytrain.bench compare``: one clipped optimizer step, side by side.
 
-Per optimizer (AdamW, Adam, SGD with momentum) and parameter count, in one run:
+Per optimizer and parameter count, in one run. The default optimizers are
+AdamW, Adam and SGD with momentum; ``--optimizers`` adds Adagrad, RMSprop
+(momentum 0.9, centered), Adafactor (2-D parameters, so its second moments are
+factored), Lion and LAMB. Contestants:
 
 * ``arraytrain``: ``engine.step()`` on the zero-copy path: one read-only norm
-  pass, one fused kernel;
+  pass, then the optimizer's fused kernel (LAMB and Adafactor take more passes,
+  see :data:`OPTIMIZERS`);
 * ``torch-foreach`` / ``torch-fused``: ``clip_grad_norm_(foreach=True)`` then
-  the optimizer with ``foreach=True`` / ``fused=True`` (torch 2.x's fast paths);
-* ``numpy``: the same math written by hand with in-place NumPy per tensor;
+  the optimizer with ``foreach=True`` / ``fused=True`` (torch 2.x's fast paths;
+  torch has fused kernels for AdamW, Adam, SGD and Adagrad only, and no Lion or
+  LAMB); ``torch-forloop`` (not in the default set): ``foreach=False``, torch's
+  per-tensor path;
+* ``numpy``: the same math written by hand with in-place NumPy per tensor
+  (not for Adafactor: factored statistics and two RMS reductions per tensor are
+  no simple in-place loop);
 * ``optax``: ``clip_by_global_norm`` chained with the optimizer, ``jax.jit``
-  with donated buffers, on the CPU;
+  with donated buffers, on the CPU (AdamW, Adam, SGD, Lion, LAMB: optax's
+  Adagrad, RMSprop and Adafactor are other variants of those methods, see
+  :data:`NOT_AVAILABLE`);
 * the machine's streaming bandwidth: a numba triad ``a = b + s*c`` over 5e7
   float32 elements (12 B/element), timed in every round beside the others.
 
@@ -19,9 +30,10 @@ alternating blocks (A A A B B B ... A A A), each block after one untimed call,
 so nobody pays for another's thread pool winding down; warm-up and JIT
 compilation are excluded; min and median are reported. "GB/s" counts the bytes
 a fused clipped step cannot avoid (a read of the gradients for the norm, then
-read p, g and every state slot, write p and every slot), the same for every
-contestant, so it is proportional to speed; "% triad" compares that to the
-triad. ``--json`` writes every figure; ``--baseline OLD.json`` flags
+read p, g and every state slot, write p and every slot; per optimizer in
+:data:`OPTIMIZERS`), the same for every contestant, so it is proportional to
+speed; "% triad" compares that to the triad. A contestant without an
+implementation of an optimizer is listed under the table with the reason. ``--json`` writes every figure; ``--baseline OLD.json`` flags
 arraytrain slowdowns against an earlier run (see :func:`regressions`).
 """
 
@@ -41,12 +53,60 @@ import numpy as np
 BLOCK = 3  # timed calls per contestant per round
 N_TENSORS = 100
 LR, BETAS, EPS, WD, MOMENTUM, MAX_NORM = 1e-3, (0.9, 0.999), 1e-8, 1e-2, 0.9, 1.0
-SLOTS = {"adamw": 2, "adam": 2, "sgd": 1}
+# the other optimizers' own settings, identical for every contestant
+ADAGRAD = {"lr": 1e-2, "eps": 1e-10, "weight_decay": WD}  # L2 decay, torch's form
+RMSPROP = {"lr": LR, "alpha": 0.99, "eps": EPS, "momentum": MOMENTUM, "centered": True}
+ADAFACTOR = {"lr": 1e-2, "beta2_decay": -0.8, "eps": (None, 1e-3), "d": 1.0, "weight_decay": WD}
+LION = {"lr": 1e-4, "b1": 0.9, "b2": 0.99, "weight_decay": WD}
+# eps after the square root of the bias-corrected v, eps_root inside it (0): optax.lamb's
+# form, which arraytrain.optim.LAMB follows, so both sides are configured alike
+LAMB = {"lr": LR, "b1": BETAS[0], "b2": BETAS[1], "eps": 1e-6, "eps_root": 0.0, "weight_decay": WD}
+
+# Element accesses per parameter of one clipped step after the norm pass's read of g:
+# reads and writes of parameter-sized arrays that the method cannot avoid.
+OPTIMIZERS = {
+    "adamw": 7,      # read p, g, m, v; write p, m, v
+    "adam": 7,
+    "sgd": 5,        # read p, g, momentum; write p, momentum
+    "adagrad": 5,    # read p, g, sum; write p, sum
+    "rmsprop": 9,    # read p, g, square_avg, grad_avg, momentum; write all but g
+    "lion": 5,       # read p, g, m; write p, m
+    # the trust ratio needs ||p|| and ||u|| before any p moves: read p, g, m, v, write m, v;
+    # then read p, m, v, write p
+    "lamb": 10,
+    # factored statistics (O(rows + cols)) left out; the step size needs the update's RMS,
+    # which needs the row/column sums of all of g: read g; read p, g; read p, g, write p
+    "adafactor": 6,
+}
+DEFAULT_OPTIMIZERS = ("adamw", "adam", "sgd")
+
+# (contestant, optimizer) pairs without an implementation, and why
+NOT_AVAILABLE = {
+    **{(c, o): f"torch.optim has no {title}" for c in ("torch-foreach", "torch-fused", "torch-forloop")
+       for o, title in (("lion", "Lion"), ("lamb", "LAMB"))},
+    ("torch-fused", "rmsprop"): "torch.optim.RMSprop has no fused implementation",
+    ("torch-fused", "adafactor"): "torch.optim.Adafactor has no fused implementation",
+    ("numpy", "adafactor"): "no hand-written NumPy Adafactor (factored statistics and two RMS reductions)",
+    ("optax", "adagrad"): "optax.adagrad puts eps inside the square root (another variant than torch's)",
+    ("optax", "rmsprop"): "optax.rmsprop applies momentum after the learning rate; not configured here",
+    ("optax", "adafactor"): "optax.adafactor is the paper's variant (update clipping, parameter scale, "
+                            "factoring from 128 rows), not torch's",
+}
+
+
+class NotAvailable(Exception):
+    """A contestant has no implementation of this optimizer (see :data:`NOT_AVAILABLE`)."""
+
+
+def _check_available(name: str, opt: str) -> None:
+    why = NOT_AVAILABLE.get((name, opt))
+    if why is not None:
+        raise NotAvailable(why)
 
 
 def step_bytes(opt: str, itemsize: int = 4) -> int:
-    """Bytes per parameter of a fused clipped step: norm read + (2 + slots) reads + (1 + slots) writes."""
-    return itemsize * (1 + (2 + SLOTS[opt]) + (1 + SLOTS[opt]))
+    """Bytes per parameter of a clipped step: the norm pass's read of g + :data:`OPTIMIZERS` accesses."""
+    return itemsize * (1 + OPTIMIZERS[opt])
 
 
 def _timeit(fn, reps):
@@ -63,11 +123,20 @@ def _split(n: int, parts: int = N_TENSORS) -> list[int]:
     return [base + (i < extra) for i in range(parts)]
 
 
-def _data(n: int, seed: int = 0):
+def _matrix(k: int) -> tuple[int, int]:
+    """``k`` elements as a 2-D shape, rows <= columns, as square as ``k``'s divisors allow."""
+    r = max(int(np.sqrt(k)), 1)
+    while r > 1 and k % r:
+        r -= 1
+    return (r, k // r)
+
+
+def _data(n: int, seed: int = 0, opt: str = ""):
+    """100 parameters and gradients of ``n`` elements in all; matrices for Adafactor (so it factors)."""
     rng = np.random.default_rng(seed)
-    sizes = _split(n)
-    params = [rng.standard_normal(k, dtype=np.float32) for k in sizes]
-    grads = [rng.standard_normal(k, dtype=np.float32) for k in sizes]
+    shapes = [_matrix(k) if opt == "adafactor" else (k,) for k in _split(n)]
+    params = [rng.standard_normal(s, dtype=np.float32) for s in shapes]
+    grads = [rng.standard_normal(s, dtype=np.float32) for s in shapes]
     return params, grads
 
 
@@ -92,10 +161,15 @@ def make_triad(n: int = 50_000_000):
 def make_arraytrain(opt: str, n: int, zero_grad: bool = False):
     import arraytrain as at
 
-    params, grads = _data(n)
+    params, grads = _data(n, opt=opt)
     optimizer = {"adamw": lambda: at.optim.AdamW(LR, BETAS, EPS, WD),
                  "adam": lambda: at.optim.Adam(LR, BETAS, EPS),
-                 "sgd": lambda: at.optim.SGD(LR, momentum=MOMENTUM)}[opt]()
+                 "sgd": lambda: at.optim.SGD(LR, momentum=MOMENTUM),
+                 "adagrad": lambda: at.optim.Adagrad(**ADAGRAD),
+                 "rmsprop": lambda: at.optim.RMSprop(**RMSPROP),
+                 "adafactor": lambda: at.optim.Adafactor(**ADAFACTOR),
+                 "lion": lambda: at.optim.Lion(**LION),
+                 "lamb": lambda: at.optim.LAMB(**LAMB)}[opt]()
     engine = at.Engine({f"p{i}": p for i, p in enumerate(params)}, optimizer, max_grad_norm=MAX_NORM,
                        zero_grad_on_step=zero_grad)
     engine.grads.load({f"p{i}": g for i, g in enumerate(grads)})
@@ -109,16 +183,20 @@ def make_arraytrain(opt: str, n: int, zero_grad: bool = False):
 
 
 def _make_torch(opt: str, n: int, mode: str, zero_grad: bool = False):
+    _check_available(f"torch-{mode}", opt)
     import torch
 
-    params, grads = _data(n)
+    params, grads = _data(n, opt=opt)
     ps = [torch.nn.Parameter(torch.from_numpy(p)) for p in params]
     for p, g in zip(ps, grads):
         p.grad = torch.from_numpy(g)
-    flag = {mode: True}
+    flag = {"foreach": False} if mode == "forloop" else {mode: True}
     optimizer = {"adamw": lambda: torch.optim.AdamW(ps, LR, BETAS, EPS, WD, **flag),
                  "adam": lambda: torch.optim.Adam(ps, LR, BETAS, EPS, **flag),
-                 "sgd": lambda: torch.optim.SGD(ps, LR, momentum=MOMENTUM, **flag)}[opt]()
+                 "sgd": lambda: torch.optim.SGD(ps, LR, momentum=MOMENTUM, **flag),
+                 "adagrad": lambda: torch.optim.Adagrad(ps, **ADAGRAD, **flag),
+                 "rmsprop": lambda: torch.optim.RMSprop(ps, **RMSPROP, **flag),
+                 "adafactor": lambda: torch.optim.Adafactor(ps, **ADAFACTOR, **flag)}[opt]()
 
     def step():
         torch.nn.utils.clip_grad_norm_(ps, MAX_NORM, foreach=True)
@@ -139,8 +217,15 @@ def make_torch_fused(opt, n, zero_grad=False):
     return _make_torch(opt, n, "fused", zero_grad)
 
 
+def make_torch_forloop(opt, n, zero_grad=False):
+    return _make_torch(opt, n, "forloop", zero_grad)
+
+
 def make_numpy(opt: str, n: int, zero_grad: bool = False):
     """The same clipped step written by hand: in-place NumPy per tensor, one scratch buffer."""
+    _check_available("numpy", opt)
+    if opt in _NUMPY_STEPS:
+        return _make_numpy_other(opt, n, zero_grad)
     params, grads = _data(n)
     m = [np.zeros_like(p) for p in params]
     v = [np.zeros_like(p) for p in params] if opt != "sgd" else None
@@ -187,15 +272,126 @@ def make_numpy(opt: str, n: int, zero_grad: bool = False):
     return step
 
 
+def _np_adagrad(p, g, slots, t, d, tmp):
+    # d = g + wd p;  sum += d^2;  p -= lr d / (sqrt(sum) + eps)   (lr_decay 0)
+    (acc,) = slots
+    np.multiply(p, ADAGRAD["weight_decay"], out=d)
+    d += g
+    np.multiply(d, d, out=tmp)
+    acc += tmp
+    np.sqrt(acc, out=tmp)
+    tmp += ADAGRAD["eps"]
+    np.divide(d, tmp, out=d)
+    d *= -ADAGRAD["lr"]
+    p += d
+
+
+def _np_rmsprop(p, g, slots, t, d, tmp):
+    # centered, with momentum, no weight decay:
+    # v = a v + (1-a) g^2;  gbar = a gbar + (1-a) g;  b = mu b + g / (sqrt(v - gbar^2) + eps);  p -= lr b
+    v, gbar, buf = slots
+    a = RMSPROP["alpha"]
+    np.multiply(g, g, out=tmp)
+    tmp *= 1 - a
+    v *= a
+    v += tmp
+    np.multiply(g, 1 - a, out=tmp)
+    gbar *= a
+    gbar += tmp
+    np.multiply(gbar, gbar, out=tmp)
+    np.subtract(v, tmp, out=tmp)
+    np.sqrt(tmp, out=tmp)
+    tmp += RMSPROP["eps"]
+    np.divide(g, tmp, out=tmp)
+    buf *= RMSPROP["momentum"]
+    buf += tmp
+    np.multiply(buf, RMSPROP["lr"], out=tmp)
+    p -= tmp
+
+
+def _np_lion(p, g, slots, t, d, tmp):
+    # c = sign(b1 m + (1-b1) g);  m = b2 m + (1-b2) g;  p = p (1 - lr wd) - lr c
+    (m,) = slots
+    b1, b2, lr = LION["b1"], LION["b2"], LION["lr"]
+    np.multiply(m, b1, out=d)
+    np.multiply(g, 1 - b1, out=tmp)
+    d += tmp
+    np.sign(d, out=d)
+    m *= b2
+    np.multiply(g, 1 - b2, out=tmp)
+    m += tmp
+    p *= 1 - lr * LION["weight_decay"]
+    d *= lr
+    p -= d
+
+
+def _np_lamb(p, g, slots, t, d, tmp):
+    # u = m_hat / (sqrt(v_hat + eps_root) + eps) + wd p;  p -= lr (||p|| / ||u||) u  (ratio 1 if a norm is 0)
+    m, v = slots
+    b1, b2 = LAMB["b1"], LAMB["b2"]
+    np.multiply(g, 1 - b1, out=tmp)
+    m *= b1
+    m += tmp
+    np.multiply(g, g, out=tmp)
+    tmp *= 1 - b2
+    v *= b2
+    v += tmp
+    np.multiply(v, 1 / (1 - b2**t), out=tmp)
+    tmp += LAMB["eps_root"]
+    np.sqrt(tmp, out=tmp)
+    tmp += LAMB["eps"]
+    np.divide(m, tmp, out=d)
+    d *= 1 / (1 - b1**t)
+    np.multiply(p, LAMB["weight_decay"], out=tmp)
+    d += tmp
+    pn, un = np.sqrt(float(np.dot(p, p))), np.sqrt(float(np.dot(d, d)))
+    ratio = 1.0 if pn == 0 or un == 0 else pn / un
+    d *= -LAMB["lr"] * ratio
+    p += d
+
+
+# optimizer -> (per-tensor in-place step, number of state slots)
+_NUMPY_STEPS = {"adagrad": (_np_adagrad, 1), "rmsprop": (_np_rmsprop, 3), "lion": (_np_lion, 1),
+                "lamb": (_np_lamb, 2)}
+
+
+def _make_numpy_other(opt: str, n: int, zero_grad: bool):
+    """Adagrad, RMSprop, Lion, LAMB by hand: clip in place, then one in-place update per tensor."""
+    params, grads = _data(n, opt=opt)
+    update, nslots = _NUMPY_STEPS[opt]
+    slots = [[np.zeros_like(p) for _ in range(nslots)] for p in params]
+    big = max(p.size for p in params)
+    d, tmp = np.empty(big, np.float32), np.empty(big, np.float32)
+    t = [0]
+
+    def step():
+        norm = np.sqrt(sum(float(np.dot(g, g)) for g in grads))
+        coef = min(1.0, MAX_NORM / (norm + 1e-6))
+        t[0] += 1
+        for p, g, s in zip(params, grads, slots):
+            g *= coef
+            update(p, g, s, t[0], d[: p.size], tmp[: p.size])
+            if zero_grad:
+                g[...] = 0
+
+    step.params = lambda: params
+    step()
+    return step
+
+
 def make_optax(opt: str, n: int, zero_grad: bool = False):
+    _check_available("optax", opt)
     import jax
     import jax.numpy as jnp
     import optax
 
-    params, grads = _data(n)
+    params, grads = _data(n, opt=opt)
     inner = {"adamw": lambda: optax.adamw(LR, *BETAS, EPS, weight_decay=WD),
              "adam": lambda: optax.adam(LR, *BETAS, EPS),
-             "sgd": lambda: optax.sgd(LR, momentum=MOMENTUM)}[opt]()
+             "sgd": lambda: optax.sgd(LR, momentum=MOMENTUM),
+             "lion": lambda: optax.lion(LION["lr"], LION["b1"], LION["b2"], weight_decay=LION["weight_decay"]),
+             "lamb": lambda: optax.lamb(LAMB["lr"], LAMB["b1"], LAMB["b2"], LAMB["eps"], LAMB["eps_root"],
+                                        LAMB["weight_decay"])}[opt]()
     tx = optax.chain(optax.clip_by_global_norm(MAX_NORM), inner)
     p = [jnp.asarray(x) for x in params]
     g = [jnp.asarray(x) for x in grads]
@@ -223,16 +419,23 @@ CONTESTANTS = {
     "torch-fused": make_torch_fused,
     "numpy": make_numpy,
     "optax": make_optax,
+    "torch-forloop": make_torch_forloop,
 }
+DEFAULT_CONTESTANTS = ("arraytrain", "torch-foreach", "torch-fused", "numpy", "optax")
 
 
 # -- running and reporting --------------------------------------------------------------
 
 
-def run(optimizers, sizes, reps, names=tuple(CONTESTANTS), zero_grad=False, log=print):
-    """Time every contestant per (optimizer, size); returns the rows and the best triad GB/s."""
+def run(optimizers, sizes, reps, names=DEFAULT_CONTESTANTS, zero_grad=False, log=print):
+    """Time every contestant per (optimizer, size).
+
+    Returns the rows, the best triad GB/s, the contestants whose library is
+    missing (name -> error) and the pairs without an implementation
+    (``"contestant/optimizer"`` -> reason).
+    """
     triad, triad_bytes = make_triad()
-    triad_times, rows, missing = [], [], {}
+    triad_times, rows, missing, unavailable = [], [], {}, {}
     for opt in optimizers:
         for n in sizes:
             contestants = {}
@@ -241,6 +444,8 @@ def run(optimizers, sizes, reps, names=tuple(CONTESTANTS), zero_grad=False, log=
                     contestants[name] = CONTESTANTS[name](opt, n, zero_grad)
                 except ImportError as exc:
                     missing[name] = str(exc)
+                except NotAvailable as exc:
+                    unavailable[f"{name}/{opt}"] = str(exc)
             contestants["triad"] = triad
             times = {k: [] for k in contestants}
             rounds = max(3, (reps if n < 50_000_000 else max(3, reps // 3)) // BLOCK)
@@ -254,7 +459,7 @@ def run(optimizers, sizes, reps, names=tuple(CONTESTANTS), zero_grad=False, log=
             contestants.clear()
     for name, why in missing.items():
         log(f"  skipped {name}: {why}")
-    return rows, triad_bytes / min(triad_times) / 1e9, missing
+    return rows, triad_bytes / min(triad_times) / 1e9, missing, unavailable
 
 
 def table(rows, triad_gbs) -> str:
@@ -309,9 +514,11 @@ def first_step_seconds(cache_dir: str) -> float:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m arraytrain.bench compare", description=__doc__.splitlines()[0])
-    ap.add_argument("--optimizers", default="adamw,adam,sgd", help="comma-separated: adamw, adam, sgd")
+    ap.add_argument("--optimizers", default=",".join(DEFAULT_OPTIMIZERS),
+                    help="comma-separated, from: " + ", ".join(OPTIMIZERS))
     ap.add_argument("--sizes", default="1e6,1e7", help="comma-separated parameter counts (1e8 needs ~4 GB)")
-    ap.add_argument("--contestants", default=",".join(CONTESTANTS))
+    ap.add_argument("--contestants", default=",".join(DEFAULT_CONTESTANTS),
+                    help="comma-separated, from: " + ", ".join(CONTESTANTS))
     ap.add_argument("--reps", type=int, default=15, help="timed calls per contestant (in blocks of 3)")
     ap.add_argument("--zero-grad", action="store_true", help="also zero the gradients every step")
     ap.add_argument("--startup", action="store_true", help="also time the first step with a cold/warm cache")
@@ -323,8 +530,8 @@ def main(argv=None) -> int:
     optimizers = [o.strip() for o in args.optimizers.split(",")]
     names = [c.strip() for c in args.contestants.split(",")]
     for o in optimizers:
-        if o not in SLOTS:
-            ap.error(f"--optimizers: unknown {o!r}; choose from {sorted(SLOTS)}")
+        if o not in OPTIMIZERS:
+            ap.error(f"--optimizers: unknown {o!r}; choose from {list(OPTIMIZERS)}")
     for c in names:
         if c not in CONTESTANTS:
             ap.error(f"--contestants: unknown {c!r}; choose from {list(CONTESTANTS)}")
@@ -333,14 +540,16 @@ def main(argv=None) -> int:
     from arraytrain import threads
 
     policy = threads.describe()
-    rows, tri, missing = run(optimizers, sizes, args.reps, names, args.zero_grad,
-                             log=lambda s: print(s, file=sys.stderr))
+    rows, tri, missing, unavailable = run(optimizers, sizes, args.reps, names, args.zero_grad,
+                                          log=lambda s: print(s, file=sys.stderr))
     print(f"machine: {platform.machine()}, {os.cpu_count()} cores; python {platform.python_version()}, "
           f"numpy {np.__version__}; {policy}")
     print(f"numba triad bandwidth (best over the run, timed in the same rotation): {tri:.1f} GB/s\n")
     print(table(rows, tri))
-    doc = {"triad_gbs": tri, "threads": policy, "rows": rows, "missing": missing, "zero_grad": args.zero_grad,
-           "machine": platform.machine(), "cpus": os.cpu_count()}
+    if unavailable:
+        print("\nnot available: " + "; ".join(f"{k}: {v}" for k, v in unavailable.items()))
+    doc = {"triad_gbs": tri, "threads": policy, "rows": rows, "missing": missing, "unavailable": unavailable,
+           "zero_grad": args.zero_grad, "machine": platform.machine(), "cpus": os.cpu_count()}
     if args.startup:
         with tempfile.TemporaryDirectory() as cache:
             doc["startup"] = {"cold_s": first_step_seconds(cache), "warm_s": first_step_seconds(cache)}

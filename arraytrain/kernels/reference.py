@@ -153,3 +153,176 @@ def _store_at(dst, i, values):
     stored = _store(out, values)
     dst[i] = out
     return stored
+
+
+# -- adagrad, rmsprop, lion, lamb ---------------------------------------------------------
+
+
+def adagrad_step(p, g, sum_sq, pieces, gscale, clr, weight_decay, eps, w, wkind, zero_grad):
+    """Adagrad (Duchi, Hazan & Singer 2011), torch.optim.Adagrad's form.
+
+    Per element of segment ``s``: ``d = gscale*g + weight_decay[s]*p``;
+    ``sum_sq += d^2``; ``p -= clr[s] * d / (sqrt(sum_sq) + eps)`` with the decayed
+    rate ``clr = lr / (1 + (t - 1)*lr_decay)`` computed by the caller.
+    """
+    i, s = _segments(pieces, p.size)
+    pp = _f64(p[i])
+    d = gscale * _f64(g[i]) + np.asarray(weight_decay, np.float64)[s] * pp
+    ss = _store_at(sum_sq, i, _f64(sum_sq[i]) + d * d)
+    p[i] = pp - np.asarray(clr, np.float64)[s] * (d / (np.sqrt(ss) + eps))
+    _finish(p, g, w, wkind, pieces, i, zero_grad)
+
+
+def rmsprop_step(p, g, square_avg, grad_avg, momentum_buffer, pieces, gscale, lr, weight_decay, alpha, eps,
+                 momentum, centered, w, wkind, zero_grad):
+    """RMSprop (Hinton, Coursera lecture 6e, 2012; centered: Graves 2013), torch.optim.RMSprop's form.
+
+    Per element of segment ``s``: ``d = gscale*g + weight_decay[s]*p``;
+    ``square_avg = alpha*square_avg + (1 - alpha)*d^2``; centered:
+    ``grad_avg += (1 - alpha)*(d - grad_avg)`` and ``q = square_avg - grad_avg^2``, else
+    ``q = square_avg``; ``u = d / (sqrt(q) + eps)``; with ``momentum > 0``:
+    ``buf = momentum*buf + u``, ``u = buf``; then ``p -= lr[s]*u``. ``grad_avg``
+    (not centered) and ``momentum_buffer`` (momentum 0) are ignored.
+    """
+    i, s = _segments(pieces, p.size)
+    pp = _f64(p[i])
+    d = gscale * _f64(g[i]) + np.asarray(weight_decay, np.float64)[s] * pp
+    q = _store_at(square_avg, i, alpha * _f64(square_avg[i]) + (1.0 - alpha) * d * d)
+    if centered:
+        a = _f64(grad_avg[i])
+        a = _store_at(grad_avg, i, a + (1.0 - alpha) * (d - a))
+        q = q - a * a
+    u = d / (np.sqrt(q) + eps)
+    if momentum > 0:
+        u = _store_at(momentum_buffer, i, momentum * _f64(momentum_buffer[i]) + u)
+    p[i] = pp - np.asarray(lr, np.float64)[s] * u
+    _finish(p, g, w, wkind, pieces, i, zero_grad)
+
+
+def lion_step(p, g, m, pieces, gscale, lr, weight_decay, b1, b2, w, wkind, zero_grad):
+    """Lion (Chen et al. 2023, "Symbolic Discovery of Optimization Algorithms"), optax.lion's form.
+
+    Per element of segment ``s``: ``d = gscale*g``; ``c = sign(b1*m + (1 - b1)*d)``;
+    ``p -= lr[s]*(c + weight_decay[s]*p)`` (decoupled decay, scaled by the lr);
+    ``m = b2*m + (1 - b2)*d``. ``sign`` keeps NaN.
+    """
+    i, s = _segments(pieces, p.size)
+    pp, mm, d = _f64(p[i]), _f64(m[i]), gscale * _f64(g[i])
+    c = np.sign(b1 * mm + (1.0 - b1) * d)
+    _store_at(m, i, b2 * mm + (1.0 - b2) * d)
+    lr = np.asarray(lr, np.float64)[s]
+    p[i] = pp - lr * (c + np.asarray(weight_decay, np.float64)[s] * pp)
+    _finish(p, g, w, wkind, pieces, i, zero_grad)
+
+
+def lamb_step(p, g, m, v, pieces, gscale, lr, weight_decay, beta1, beta2, eps, eps_root, bc1, bc2, w, wkind,
+              zero_grad):
+    """LAMB (You et al. 2020, "Large Batch Optimization for Deep Learning"), optax.lamb's form.
+
+    Per element of segment ``s``: ``d = gscale*g``; ``m += (1 - beta1)*(d - m)``;
+    ``v = beta2*v + (1 - beta2)*d^2``;
+    ``u = (m/bc1) / (sqrt(v/bc2 + eps_root) + eps) + weight_decay[s]*p`` with
+    ``bc1 = 1 - beta1^t``, ``bc2 = 1 - beta2^t``; per parameter the trust ratio
+    ``r[s] = ||p_s|| / ||u_s||``, or 1 when either norm is 0; then
+    ``p -= lr[s]*r[s]*u``. Returns ``r`` (float64, one per parameter).
+    """
+    nseg = len(np.asarray(lr))
+    i, s = _segments(pieces, p.size)
+    pp, d = _f64(p[i]), gscale * _f64(g[i])
+    mm = _f64(m[i])
+    mm = _store_at(m, i, mm + (1.0 - beta1) * (d - mm))
+    vv = _store_at(v, i, beta2 * _f64(v[i]) + (1.0 - beta2) * d * d)
+    u = (mm / bc1) / (np.sqrt(vv / bc2 + eps_root) + eps) + np.asarray(weight_decay, np.float64)[s] * pp
+    pn = np.sqrt(np.bincount(s, weights=pp * pp, minlength=nseg)) if len(s) else np.zeros(nseg)
+    un = np.sqrt(np.bincount(s, weights=u * u, minlength=nseg)) if len(s) else np.zeros(nseg)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        ratio = np.where((pn == 0.0) | (un == 0.0), 1.0, pn / un)
+    p[i] = pp - (np.asarray(lr, np.float64) * ratio)[s] * u
+    _finish(p, g, w, wkind, pieces, i, zero_grad)
+    return ratio
+
+
+# -- adafactor, sophia, sam -------------------------------------------------------------
+
+
+def _nanmax(x, floor):
+    """``max(x, floor)`` that keeps NaN (torch's ``clamp(min=floor)``)."""
+    return np.where(np.isnan(x), x, np.maximum(x, floor))
+
+
+def adafactor_step(p, g, row, col, var, pieces, segs, rows, cols, batches, gscale, rho, decay, beta2c, eps1, eps2,
+                   d, w, wkind, zero_grad):
+    """Adafactor (Shazeer & Stern 2018) in torch.optim.Adafactor's form, one parameter at a time.
+
+    For segment ``s`` (``segs[s] = [p_off, numel, factored, B, R, C, row_off, col_off,
+    var_off]``) with ``G = gscale * g``: a factored parameter (B matrices R x C) updates
+    ``row += beta2c * (mean_c G^2 - row)``, ``col += beta2c * (mean_r G^2 - col)`` and
+    estimates ``V = row (x) col / max(mean_r row, eps1)``; otherwise
+    ``V = var += beta2c * (G^2 - var)``. Then ``U = G / sqrt(max(V, eps1^2))``,
+    ``p = p * decay[s] - step * U`` with ``step = max(eps2, RMS(p)) * rho[s] / max(1, RMS(U) / d)``
+    (``max(c, NaN) = c``, as torch's Python ``max``). ``beta2c = t**beta2_decay``, ``rho =
+    min(lr, 1/sqrt(t))``, ``decay = 1 - lr * weight_decay``. ``rows``, ``cols``,
+    ``batches`` (the fast kernel's work tables) are not needed here. Zero-size parameters
+    are skipped: their statistics stay as they are.
+    """
+    rho, decay = np.asarray(rho, np.float64), np.asarray(decay, np.float64)
+    for s, (off, n, factored, nb, nr, nc, ro, co, vo) in enumerate(np.asarray(segs).tolist()):
+        if n == 0:
+            continue
+        pp = _f64(p[off : off + n])
+        gg = gscale * _f64(g[off : off + n])
+        if factored:
+            G2 = (gg * gg).reshape(nb, nr, nc)
+            r_old = _f64(row[ro : ro + nb * nr]).reshape(nb, nr)
+            c_old = _f64(col[co : co + nb * nc]).reshape(nb, nc)
+            r_new = _store(row[ro : ro + nb * nr], (r_old + beta2c * (G2.mean(axis=2) - r_old)).ravel()).reshape(nb, nr)
+            c_new = _store(col[co : co + nb * nc], (c_old + beta2c * (G2.mean(axis=1) - c_old)).ravel()).reshape(nb, nc)
+            rmean = _nanmax(r_new.mean(axis=1), eps1)
+            V = ((r_new / rmean[:, None])[:, :, None] * c_new[:, None, :]).ravel()
+        else:
+            v_old = _f64(var[vo : vo + n])
+            V = _store(var[vo : vo + n], v_old + beta2c * (gg * gg - v_old))
+        U = gg / np.sqrt(_nanmax(V, eps1 * eps1))
+        step = np.fmax(eps2, np.sqrt(np.dot(pp, pp) / n)) * rho[s] / np.fmax(1.0, np.sqrt(np.dot(U, U) / n) / d)
+        p[off : off + n] = pp * decay[s] - step * U
+    i, _ = _segments(pieces, p.size)
+    _finish(p, g, w, wkind, pieces, i, zero_grad)
+
+
+def sophia_step(p, g, m, h, pieces, gscale, lr, decay, beta1, rho, eps, w, wkind, zero_grad):
+    """SophiaG (Liu et al. 2023, the authors' reference implementation's update).
+
+    Per element of segment ``s``: ``m = beta1*m + (1 - beta1)*gscale*g``;
+    ``p = p*decay[s] - lr[s] * sign(m) * min(|m| / max(rho*h, eps), 1)`` with
+    ``decay = 1 - lr*weight_decay`` (decoupled). ``rho`` here already includes the
+    batch-size factor. ``h`` is read only (fed by the Hessian EMA). NaN propagates.
+    """
+    i, s = _segments(pieces, p.size)
+    mm = beta1 * _f64(m[i]) + (1.0 - beta1) * gscale * _f64(g[i])
+    m[i] = mm
+    den = _nanmax(rho * _f64(h[i]), eps)
+    ratio = np.abs(mm) / den
+    ratio = np.where(ratio > 1.0, 1.0, ratio)
+    p[i] = _f64(p[i]) * np.asarray(decay, np.float64)[s] - np.asarray(lr, np.float64)[s] * np.sign(mm) * ratio
+    _finish(p, g, w, wkind, pieces, i, zero_grad)
+
+
+def sam_perturb(p, g, backup, pieces, scale, adaptive, zero_grad):
+    """SAM's ascent (Foret et al. 2021; ASAM, Kwon et al. 2021): ``backup = p``, then
+    ``p += scale * g`` or, adaptive, ``p += scale * p^2 * g`` (``scale = rho * gscale / (norm + 1e-12)``)."""
+    i, _ = _segments(pieces, p.size)
+    pp = _f64(p[i])
+    backup[i] = p[i]
+    e = scale * _f64(g[i])
+    p[i] = pp + (e * pp * pp if adaptive else e)
+    if zero_grad:
+        g[i] = 0
+
+
+def sumsq_product(x, y, pieces, nseg):
+    """``(total, per_segment)`` float64 sums of ``(x*y)^2`` over the pieces (ASAM's norm)."""
+    per_seg = np.zeros(nseg, dtype=np.float64)
+    for start, stop, seg in pieces:
+        part = _f64(x[start:stop]) * _f64(y[start:stop])
+        per_seg[seg] += float(np.dot(part, part))
+    return float(per_seg.sum()), per_seg

@@ -1,13 +1,27 @@
 """Optimizers: hyperparameters on the host, one fused kernel per step over the flat buffer."""
 
+from ._adagrad import Adagrad
+from ._adafactor import Adafactor
 from ._adam import Adam, AdamW
 from ._base import Optimizer, OptState
+from ._lamb import LAMB
+from ._lion import Lion
+from ._rmsprop import RMSprop
+from ._sam import SAM
 from ._sgd import SGD
+from ._sophia import Sophia
 
 __all__ = [
     "SGD",
     "Adam",
     "AdamW",
+    "Adagrad",
+    "RMSprop",
+    "Lion",
+    "LAMB",
+    "Adafactor",
+    "Sophia",
+    "SAM",
     "Optimizer",
     "OptState",
 ]

@@ -1,0 +1,54 @@
+from __future__ import annotations
+
+from .._checks import check_number
+from ._base import Optimizer, working_args
+
+
+class Adagrad(Optimizer):
+    r"""Adagrad (Duchi, Hazan & Singer, 2011), torch.optim.Adagrad semantics.
+
+    With :math:`d_t = g_t + \lambda p_{t-1}` (L2 weight decay) and the decayed
+    rate :math:`\eta_t = \eta / (1 + (t-1)\,\delta)` (``lr_decay`` :math:`\delta`):
+
+    .. math::
+        s_t = s_{t-1} + d_t^2, \qquad
+        p_t = p_{t-1} - \eta_t\, \frac{d_t}{\sqrt{s_t} + \epsilon}
+
+    with :math:`s_0` = ``initial_accumulator_value`` (the ``sum`` slot, torch's
+    name). ``eps`` is added after the square root, as in torch; it must be > 0
+    (torch also accepts 0, which divides 0 by 0 on a zero gradient with a zero
+    accumulator). ``lr`` and ``weight_decay`` may differ per parameter through
+    ``overrides`` (see :class:`Optimizer`); ``lr_decay`` applies to each.
+    """
+
+    def __init__(self, lr: float = 1e-2, lr_decay: float = 0.0, weight_decay: float = 0.0,
+                 initial_accumulator_value: float = 0.0, eps: float = 1e-10, overrides=None):
+        self.lr = check_number("lr", lr, 0.0)
+        self.lr_decay = check_number("lr_decay", lr_decay, 0.0)
+        self.weight_decay = check_number("weight_decay", weight_decay, 0.0)
+        self.initial_accumulator_value = check_number("initial_accumulator_value", initial_accumulator_value, 0.0)
+        self.eps = check_number("eps", eps, 0.0, lo_open=True)
+        self._set_overrides(overrides)
+
+    @property
+    def slot_names(self) -> tuple[str, ...]:
+        return ("sum",)
+
+    def hyperparameters(self) -> dict:
+        return {"lr": self.lr, "lr_decay": self.lr_decay, "weight_decay": self.weight_decay,
+                "initial_accumulator_value": self.initial_accumulator_value, "eps": self.eps,
+                "overrides": self.overrides}
+
+    def init(self, params):
+        state = super().init(params)
+        acc = state.slots["sum"]
+        for name in acc.names:  # the parameters' elements only: padding stays zero
+            acc[name][...] = self.initial_accumulator_value
+        return state
+
+    def update(self, kernels, params, grads, state, *, gscale=1.0, lr=None, zero_grad=False, working=None):
+        t = state.step + 1
+        clr = self._lr(state, lr) / (1.0 + (t - 1) * self.lr_decay)
+        kernels.adagrad_step(params.flat, grads.flat, state.slots["sum"].flat, params.layout.pieces, gscale, clr,
+                             self.per_param(state, "weight_decay"), self.eps, *working_args(working), zero_grad)
+        state.step = t

@@ -1,0 +1,60 @@
+from __future__ import annotations
+
+import numpy as np
+
+from .._checks import check_number
+from ._base import Optimizer, working_args
+
+
+class LAMB(Optimizer):
+    r"""LAMB (You et al., 2020, "Large Batch Optimization for Deep Learning: Training BERT
+    in 76 minutes"), optax.lamb semantics.
+
+    Adam's bias-corrected moments, decoupled weight decay added to the update,
+    then a trust ratio per parameter :math:`s` (per leaf, as optax):
+
+    .. math::
+        m_t = \beta_1 m_{t-1} + (1-\beta_1) g_t, \quad
+        v_t = \beta_2 v_{t-1} + (1-\beta_2) g_t^2, \\
+        u_t = \frac{m_t / (1-\beta_1^t)}{\sqrt{v_t / (1-\beta_2^t) + \epsilon_{root}} + \epsilon}
+              + \lambda p_{t-1}, \\
+        r_s = \frac{\lVert p_{t-1,s} \rVert}{\lVert u_{t,s} \rVert}
+              \ (1 \text{ if either norm is } 0), \qquad
+        p_{t,s} = p_{t-1,s} - \eta\, r_s\, u_{t,s}
+
+    One kernel: the first loop updates the moments and sums :math:`\lVert p\rVert^2`,
+    :math:`\lVert u\rVert^2` per piece in float64 (added per parameter in piece
+    order, so the ratio does not depend on the thread count); the second loop
+    recomputes :math:`u` from the stored moments and applies it. Slots:
+    ``exp_avg`` (optax's ``mu``) and ``exp_avg_sq`` (``nu``). ``trust_ratio`` holds
+    the per-parameter ratios of this optimizer's last step (a diagnostic). ``lr`` and ``weight_decay`` may differ
+    per parameter through ``overrides`` (see :class:`Optimizer`).
+    """
+
+    def __init__(self, lr: float = 1e-3, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-6,
+                 eps_root: float = 0.0, weight_decay: float = 0.0, overrides=None):
+        self.lr = check_number("lr", lr, 0.0)
+        self.b1 = check_number("b1", b1, 0.0, 1.0, hi_open=True)
+        self.b2 = check_number("b2", b2, 0.0, 1.0, hi_open=True)
+        self.eps = check_number("eps", eps, 0.0, lo_open=True)
+        self.eps_root = check_number("eps_root", eps_root, 0.0)
+        self.weight_decay = check_number("weight_decay", weight_decay, 0.0)
+        self._set_overrides(overrides)
+        self.trust_ratio = None
+
+    @property
+    def slot_names(self) -> tuple[str, ...]:
+        return ("exp_avg", "exp_avg_sq")
+
+    def hyperparameters(self) -> dict:
+        return {"lr": self.lr, "b1": self.b1, "b2": self.b2, "eps": self.eps, "eps_root": self.eps_root,
+                "weight_decay": self.weight_decay, "overrides": self.overrides}
+
+    def update(self, kernels, params, grads, state, *, gscale=1.0, lr=None, zero_grad=False, working=None):
+        t = state.step + 1
+        ratio = kernels.lamb_step(params.flat, grads.flat, state.slots["exp_avg"].flat,
+                                  state.slots["exp_avg_sq"].flat, params.layout.pieces, gscale, self._lr(state, lr),
+                                  self.per_param(state, "weight_decay"), self.b1, self.b2, self.eps, self.eps_root,
+                                  1.0 - self.b1**t, 1.0 - self.b2**t, *working_args(working), zero_grad)
+        self.trust_ratio = np.asarray(ratio, np.float64)
+        state.step = t

@@ -1,0 +1,43 @@
+from __future__ import annotations
+
+from .._checks import check_number
+from ._base import Optimizer, working_args
+
+
+class Lion(Optimizer):
+    r"""Lion (Chen et al., 2023, "Symbolic Discovery of Optimization Algorithms"), optax.lion semantics.
+
+    .. math::
+        c_t = \beta_1 m_{t-1} + (1-\beta_1) g_t, \qquad
+        p_t = p_{t-1} - \eta\,(\operatorname{sign}(c_t) + \lambda p_{t-1}), \qquad
+        m_t = \beta_2 m_{t-1} + (1-\beta_2) g_t
+
+    Weight decay is decoupled and multiplied by the learning rate (optax's and
+    the paper's code; torch has no Lion). Only the momentum ``exp_avg`` is
+    kept. ``sign(0) = 0``; a NaN gradient gives a NaN step (never a silent zero).
+    The update has unit size per element, so the lr is typically 3-10x smaller
+    than AdamW's and the weight decay 3-10x larger. ``lr`` and ``weight_decay``
+    may differ per parameter through ``overrides`` (see :class:`Optimizer`).
+    """
+
+    def __init__(self, lr: float = 1e-4, b1: float = 0.9, b2: float = 0.99, weight_decay: float = 1e-3,
+                 overrides=None):
+        self.lr = check_number("lr", lr, 0.0)
+        self.b1 = check_number("b1", b1, 0.0, 1.0, hi_open=True)
+        self.b2 = check_number("b2", b2, 0.0, 1.0, hi_open=True)
+        self.weight_decay = check_number("weight_decay", weight_decay, 0.0)
+        self._set_overrides(overrides)
+
+    @property
+    def slot_names(self) -> tuple[str, ...]:
+        return ("exp_avg",)
+
+    def hyperparameters(self) -> dict:
+        return {"lr": self.lr, "b1": self.b1, "b2": self.b2, "weight_decay": self.weight_decay,
+                "overrides": self.overrides}
+
+    def update(self, kernels, params, grads, state, *, gscale=1.0, lr=None, zero_grad=False, working=None):
+        kernels.lion_step(params.flat, grads.flat, state.slots["exp_avg"].flat, params.layout.pieces, gscale,
+                          self._lr(state, lr), self.per_param(state, "weight_decay"), self.b1, self.b2,
+                          *working_args(working), zero_grad)
+        state.step += 1

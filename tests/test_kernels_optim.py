@@ -1,0 +1,250 @@
+"""Adagrad, RMSprop, Lion and LAMB kernels (arraytrain.kernels.cpu) against their reference twins.
+
+STEPS consecutive steps on params and every state slot, at every size in SIZES
+with zero-size parameters first, middle and last (conftest.padded_layout), for
+float32 and float64, with per-parameter lr / weight_decay arrays that differ
+from parameter to parameter, zero_grad alternating, and optionally a bfloat16
+or float16 working copy compared with the reference's. A NaN or Inf gradient
+propagates exactly as in the reference.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import numba
+import numpy as np
+import pytest
+
+from arraytrain.kernels import cpu
+from arraytrain.kernels import reference as ref
+from conftest import DTYPES, SIZES, assert_close, assert_padding_zero, live_indices, live_mask, padded_layout, random_flat
+
+KERNEL_NAMES = ("adagrad_step", "rmsprop_step", "lion_step", "lamb_step")
+STEPS = 8
+LP_TOL = {"rtol": 5e-3, "atol": 5e-3}
+WORKING = {"none": (None, cpu.LP_NONE), "bf16": ("bfloat16", cpu.LP_BF16), "f16": ("float16", cpu.LP_F16)}
+
+sizes = pytest.mark.parametrize("n", SIZES)
+dtypes = pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+
+
+def _seg_values(layout, base, rng):
+    """Per-parameter values around ``base``, different for every parameter."""
+    return base * rng.uniform(0.5, 1.5, len(layout))
+
+
+# Each variant: slots it keeps, and a function (kernels, p, g, slots, layout, t, lr, wd, gscale, w, wkind, zg)
+# that runs one step. Host-side scalars (decayed lr, bias corrections) are computed here as the optimizers do.
+def _adagrad(lr_decay=0.05, eps=1e-10):
+    def run(k, p, g, s, layout, t, lr, wd, gscale, w, wkind, zg):
+        k.adagrad_step(p, g, s["sum"], layout.pieces, gscale, lr / (1 + (t - 1) * lr_decay), wd, eps, w, wkind, zg)
+    return ("sum",), run
+
+
+# eps 1e-2 for RMSprop: on step 1, u = d / (sqrt(0.1 d^2) + eps), and d = g + wd*p may cancel to
+# ~1e-7, where float32 rounding of d (absolute ~6e-8) would move u by up to 6e-8 / eps
+def _rmsprop(momentum, centered, alpha=0.9, eps=1e-2):
+    slots = ("square_avg",) + (("grad_avg",) if centered else ()) + (("momentum_buffer",) if momentum else ())
+
+    def run(k, p, g, s, layout, t, lr, wd, gscale, w, wkind, zg):
+        empty = p[:0]
+        k.rmsprop_step(p, g, s["square_avg"], s.get("grad_avg", empty), s.get("momentum_buffer", empty),
+                       layout.pieces, gscale, lr, wd, alpha, eps, momentum, centered, w, wkind, zg)
+    return slots, run
+
+
+LION_B1 = 0.9
+
+
+def _lion(b1=LION_B1, b2=0.99):
+    def run(k, p, g, s, layout, t, lr, wd, gscale, w, wkind, zg):
+        k.lion_step(p, g, s["exp_avg"], layout.pieces, gscale, lr, wd, b1, b2, w, wkind, zg)
+    return ("exp_avg",), run
+
+
+def _lamb(b1=0.9, b2=0.99, eps=1e-6, eps_root=1e-8):
+    def run(k, p, g, s, layout, t, lr, wd, gscale, w, wkind, zg):
+        return k.lamb_step(p, g, s["exp_avg"], s["exp_avg_sq"], layout.pieces, gscale, lr, wd, b1, b2, eps, eps_root,
+                           1 - b1**t, 1 - b2**t, w, wkind, zg)
+    return ("exp_avg", "exp_avg_sq"), run
+
+
+VARIANTS = {
+    "adagrad": _adagrad(),
+    "rmsprop": _rmsprop(0.0, False),
+    "rmsprop_momentum": _rmsprop(0.9, False),
+    "rmsprop_centered": _rmsprop(0.0, True),
+    "rmsprop_centered_momentum": _rmsprop(0.5, True),
+    "lion": _lion(),
+    "lamb": _lamb(),
+}
+variants = pytest.mark.parametrize("variant", list(VARIANTS))
+
+
+def _sign_ties(variant, states, g0, gscale, dtype):
+    """Lion elements whose ``sign(c)`` is within rounding of 0 (from the reference's state).
+
+    float32 math may give the other sign there (a step of 2*lr apart); the test
+    copies the reference's parameter onto these few elements and counts them.
+    """
+    if variant != "lion":
+        return None
+    c = LION_B1 * states["ref"]["slots"]["exp_avg"].astype(np.float64) + (1 - LION_B1) * gscale * g0.astype(np.float64)
+    # padding is never touched (c = 0 there): only the parameters' elements
+    return (np.abs(c) < (1e-6 if np.dtype(dtype) == np.float32 else 1e-12)) & live_mask(states["layout"])
+
+
+def _resync(states, ties):
+    if ties is not None and ties.any():
+        states["cpu"]["p"][ties] = states["ref"]["p"][ties]
+        assert ties.sum() <= 2 + 1e-4 * ties.size  # rare: otherwise the comparison would be hollow
+
+
+@pytest.mark.parametrize("name", KERNEL_NAMES)
+def test_twins_have_the_same_signature(name):
+    fast, slow = getattr(cpu, name), getattr(ref, name)
+    assert list(inspect.signature(fast).parameters) == list(inspect.signature(slow).parameters)
+
+
+def _init(layout, dtype, slots, rng, variant):
+    p0 = random_flat(layout, dtype, rng)
+    states = {}
+    for k in ("cpu", "ref"):
+        s = {name: np.zeros(layout.size, dtype) for name in slots}
+        if variant == "adagrad":  # a non-zero initial accumulator on the parameters' elements
+            s["sum"][live_mask(layout)] = 0.1
+        states[k] = {"p": p0.copy(), "slots": s}
+    states["layout"] = layout
+    return states
+
+
+def _compare(states, layout, slots, t, lp=None):
+    assert_close(states["cpu"]["p"], states["ref"]["p"], err_msg=f"params, step {t}")
+    assert_padding_zero(states["cpu"]["p"], layout, "params")
+    for slot in slots:
+        a, d = states["cpu"]["slots"][slot], states["ref"]["slots"][slot]
+        assert_close(a, d, err_msg=f"{slot}, step {t}")
+        assert_padding_zero(a, layout, slot)
+
+
+@sizes
+@dtypes
+@variants
+def test_matches_reference(n, dtype, variant, rng):
+    """STEPS steps of params and every slot; per-parameter lr/wd; zero_grad alternates."""
+    layout = padded_layout(n)
+    slots, run = VARIANTS[variant]
+    states = _init(layout, dtype, slots, rng, variant)
+    lr = _seg_values(layout, 1e-2, rng)
+    wd = _seg_values(layout, 0.1, rng)
+    for t in range(1, STEPS + 1):
+        zero_grad = t % 2 == 0
+        g0 = random_flat(layout, dtype, rng, scale=[1.0, 5.0, 0.1][t % 3])
+        ratios = {}
+        ties = _sign_ties(variant, states, g0, 0.7, dtype)
+        for k, kernels in (("cpu", cpu), ("ref", ref)):
+            g = g0.copy()
+            ratios[k] = run(kernels, states[k]["p"], g, states[k]["slots"], layout, t, lr, wd, 0.7, None, 0, zero_grad)
+            if zero_grad:
+                assert not np.any(g)
+            else:
+                np.testing.assert_array_equal(g, g0)
+        _resync(states, ties)
+        _compare(states, layout, slots, t)
+        if variant == "lamb":
+            assert ratios["cpu"].shape == (len(layout),)
+            assert_close(ratios["cpu"], ratios["ref"], np.float64 if dtype == np.float64 else np.float32)
+            for seg, size in enumerate(layout.sizes):
+                if size == 0:
+                    assert ratios["cpu"][seg] == 1.0
+
+
+@pytest.mark.parametrize("n", [7, 1037, 278011])
+@variants
+@pytest.mark.parametrize("working", ["bf16", "f16"])
+def test_working_copy_matches_reference(n, variant, working, rng):
+    """float32 master weights with a low-precision working copy written in the same kernel."""
+    import ml_dtypes
+
+    layout = padded_layout(n)
+    slots, run = VARIANTS[variant]
+    states = _init(layout, np.float32, slots, rng, variant)
+    lr, wd = _seg_values(layout, 1e-2, rng), _seg_values(layout, 0.1, rng)
+    wdtype, wkind = WORKING[working]
+    wdtype = np.dtype(ml_dtypes.bfloat16) if wdtype == "bfloat16" else np.dtype(np.float16)
+    w = {k: np.zeros(layout.size, np.uint16) for k in ("cpu", "ref")}
+    live = live_mask(layout)
+    for t in range(1, STEPS + 1):
+        g0 = random_flat(layout, np.float32, rng)
+        ties = _sign_ties(variant, states, g0, 1.0, np.float32)
+        for k, kernels in (("cpu", cpu), ("ref", ref)):
+            run(kernels, states[k]["p"], g0.copy(), states[k]["slots"], layout, t, lr, wd, 1.0, w[k], wkind, False)
+        if ties is not None and ties.any():  # the reference's rounding of the resynchronised weights
+            _resync(states, ties)
+            w["cpu"][ties] = states["cpu"]["p"][ties].astype(wdtype).view(np.uint16)
+        _compare(states, layout, slots, t)
+        wc, wr = (w[k].view(wdtype).astype(np.float64) for k in ("cpu", "ref"))
+        np.testing.assert_allclose(wc, wr, err_msg=f"working copy, step {t}", **LP_TOL)
+        # the working copy is the rounding of the kernel's own new weights, bit for bit
+        expected = states["cpu"]["p"][live].astype(wdtype).view(np.uint16)
+        np.testing.assert_array_equal(w["cpu"][live], expected)
+        assert not np.any(w["cpu"][~live])
+
+
+@pytest.mark.parametrize("n", [7, 278011])
+@dtypes
+@variants
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf], ids=["nan", "+inf", "-inf"])
+def test_nonfinite_gradient_propagates_as_reference(n, dtype, variant, bad, rng):
+    layout = padded_layout(n)
+    slots, run = VARIANTS[variant]
+    states = _init(layout, dtype, slots, rng, variant)
+    lr, wd = _seg_values(layout, 1e-2, rng), _seg_values(layout, 0.1, rng)
+    live = live_indices(layout)
+    for t in range(1, 4):
+        g0 = random_flat(layout, dtype, rng)
+        if t == 2:
+            g0[live[len(live) // 2]] = bad
+        ties = _sign_ties(variant, states, g0, 1.0, dtype)
+        with np.errstate(invalid="ignore", over="ignore"):
+            for k, kernels in (("cpu", cpu), ("ref", ref)):
+                run(kernels, states[k]["p"], g0.copy(), states[k]["slots"], layout, t, lr, wd, 1.0, None, 0, False)
+            _resync(states, ties)
+        for what in ("p",) + slots:
+            a = states["cpu"]["p"] if what == "p" else states["cpu"]["slots"][what]
+            d = states["ref"]["p"] if what == "p" else states["ref"]["slots"][what]
+            np.testing.assert_array_equal(np.isnan(a), np.isnan(d), err_msg=f"{what}: NaN pattern, step {t}")
+            np.testing.assert_array_equal(np.isposinf(a), np.isposinf(d), err_msg=f"{what}: +inf, step {t}")
+            np.testing.assert_array_equal(np.isneginf(a), np.isneginf(d), err_msg=f"{what}: -inf, step {t}")
+            fin = np.isfinite(d)
+            assert_close(a[fin], d[fin], dtype, err_msg=f"{what}, step {t}")
+            assert_padding_zero(a, layout, what)
+        if t >= 2:  # the non-finite value reached the state (Lion's sign(+-inf) = +-1 keeps p finite)
+            reached = [states["cpu"]["p"]] + [states["cpu"]["slots"][k] for k in slots]
+            assert any(not np.isfinite(a).all() for a in reached)
+
+
+@pytest.fixture
+def restore_threads():
+    before = numba.get_num_threads()
+    yield
+    numba.set_num_threads(before)
+
+
+@dtypes
+def test_lamb_bitwise_independent_of_thread_count(dtype, rng, restore_threads):
+    if numba.config.NUMBA_NUM_THREADS < 2:
+        pytest.skip("numba has fewer than 2 threads")
+    layout = padded_layout(SIZES[-1])
+    assert layout.size >= cpu.SERIAL_BELOW and len(layout.pieces) > 2
+    slots, run = VARIANTS["lamb"]
+    p0, g0 = random_flat(layout, dtype, rng), random_flat(layout, dtype, rng)
+    lr, wd = _seg_values(layout, 1e-2, rng), _seg_values(layout, 0.1, rng)
+    out = {}
+    for threads in (1, 2):
+        numba.set_num_threads(threads)
+        p, s = p0.copy(), {name: np.zeros_like(p0) for name in slots}
+        ratio = run(cpu, p, g0.copy(), s, layout, 1, lr, wd, 1.0, None, 0, False)
+        out[threads] = (ratio.tobytes(), p.tobytes(), s["exp_avg"].tobytes(), s["exp_avg_sq"].tobytes())
+    assert out[1] == out[2]
