@@ -33,3 +33,20 @@ def check_int(name: str, value, lo: int = 0, hi: float = math.inf, error=Hyperpa
         bounds = f">= {lo}" if hi == math.inf else f"in [{lo}, {hi}]"
         raise error(f"{name}: expected an int {bounds}, got {value!r}")
     return int(value)
+
+
+def check_bool(name: str, value, error=HyperparameterError) -> bool:
+    """``value`` if it is a bool (not merely truthy), else ``error``."""
+    if not isinstance(value, bool):
+        raise error(f"{name}: expected a bool, got {value!r}")
+    return value
+
+
+def check_betas(betas, name: str = "betas") -> tuple[float, float]:
+    """A pair of decay rates, each in [0, 1)."""
+    try:
+        b1, b2 = betas
+    except (TypeError, ValueError):
+        raise HyperparameterError(f"{name}: expected a pair (beta1, beta2), got {betas!r}") from None
+    return (check_number(f"{name}[0]", b1, 0.0, 1.0, hi_open=True),
+            check_number(f"{name}[1]", b2, 0.0, 1.0, hi_open=True))

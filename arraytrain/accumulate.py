@@ -14,13 +14,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import _intake
-from ._checks import check_int, check_positive
+from ._checks import check_bool, check_int, check_positive
 from .backend import kernels_for
 from .buffer import FlatBuffer
 from .errors import (
     ArgumentTypeError,
     AccumulatorFullError,
-    HyperparameterError,
     NoGradientsError,
     ShapeMismatchError,
     UnknownParameterError,
@@ -39,8 +38,7 @@ class AccumulationConfig:
 
     def __post_init__(self):
         check_int("accumulation_steps", self.accumulation_steps, 1)
-        if not isinstance(self.normalize, bool):
-            raise HyperparameterError(f"normalize: expected a bool, got {self.normalize!r}")
+        check_bool("normalize", self.normalize)
         if self.max_grad_norm is not None:
             check_positive("max_grad_norm", self.max_grad_norm)
 

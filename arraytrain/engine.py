@@ -12,7 +12,7 @@ from . import _intake
 from ._checks import check_int, check_number, check_positive
 from .amp import LossScaler, working_spec
 from .backend import backend_of, kernels_for
-from .buffer import FlatBuffer, kernel_view
+from .buffer import FlatBuffer
 from .errors import (
     ArgumentTypeError,
     HyperparameterError,

@@ -91,7 +91,7 @@ from itertools import accumulate
 
 import numpy as np
 
-from ._checks import check_int, check_number, check_positive
+from ._checks import check_bool, check_int, check_number, check_positive
 from .errors import ArgumentTypeError, DTypeError, HyperparameterError, StateDictError
 
 __all__ = [
@@ -153,12 +153,6 @@ def _check_metric(metric) -> float:
 def _check_choice(name: str, value, choices: tuple) -> str:
     if not isinstance(value, str) or value not in choices:
         raise HyperparameterError(f"{name}: expected one of {choices}, got {value!r}")
-    return value
-
-
-def _check_bool(name: str, value) -> bool:
-    if not isinstance(value, bool):
-        raise HyperparameterError(f"{name}: expected a bool, got {value!r}")
     return value
 
 
@@ -471,7 +465,7 @@ class OneCycle(Schedule):
         self.anneal = _check_choice("anneal", anneal, ANNEAL)
         self.div_factor = check_positive("div_factor", div_factor)
         self.final_div_factor = check_positive("final_div_factor", final_div_factor)
-        self.three_phase = _check_bool("three_phase", three_phase)
+        self.three_phase = check_bool("three_phase", three_phase)
         # torch's phase ends, in its float arithmetic
         p = float(self.pct_start * self.total_steps)
         if p - 1 <= 0:

@@ -105,6 +105,20 @@ def scale(x, s):
 # -- reductions -------------------------------------------------------------------------
 
 
+@njit(inline="always", **JIT)
+def piece_totals(part, pieces, nseg):
+    """``(total, per_segment)`` of per-piece float64 partial sums, added in piece order.
+
+    The order is fixed, so the bits do not depend on how many threads formed the partials.
+    """
+    per_seg = np.zeros(nseg, dtype=np.float64)
+    total = 0.0
+    for j in range(part.size):
+        per_seg[pieces[j, 2]] += part[j]
+        total += part[j]
+    return total, per_seg
+
+
 def _all_finite(x):
     n = x.size
     nb = (n + BLOCK - 1) // BLOCK
@@ -137,12 +151,7 @@ def _sumsq(x, pieces, nseg):
             xi = np.float64(xb[i])
             s += xi * xi
         part[j] = s
-    per_seg = np.zeros(nseg, dtype=np.float64)
-    total = 0.0
-    for j in range(npieces):  # fixed order: thread-count independent
-        per_seg[pieces[j, 2]] += part[j]
-        total += part[j]
-    return total, per_seg
+    return piece_totals(part, pieces, nseg)
 
 
 _SUMSQ = _twins(_sumsq)
@@ -193,12 +202,7 @@ def _sumsq_scaled(x, pieces, nseg, inv):
             xi = np.float64(xb[i]) * inv
             s += xi * xi
         part[j] = s
-    per_seg = np.zeros(nseg, dtype=np.float64)
-    total = 0.0
-    for j in range(npieces):
-        per_seg[pieces[j, 2]] += part[j]
-        total += part[j]
-    return total, per_seg
+    return piece_totals(part, pieces, nseg)
 
 
 _SUMSQ_SCALED = _twins(_sumsq_scaled)
@@ -583,11 +587,8 @@ def _lamb(p, g, m, v, pieces, gscale, lr, wd, b1c, b2, b2c, inv_bc1, inv_bc2, ep
                 gb[i] = 0
         psq[j] = sp
         usq[j] = su
-    pn = np.zeros(nseg, dtype=np.float64)
-    un = np.zeros(nseg, dtype=np.float64)
-    for j in range(npieces):  # fixed order: thread-count independent
-        pn[pieces[j, 2]] += psq[j]
-        un[pieces[j, 2]] += usq[j]
+    pn = piece_totals(psq, pieces, nseg)[1]
+    un = piece_totals(usq, pieces, nseg)[1]
     ratio = np.ones(nseg, dtype=np.float64)
     step = np.empty_like(lr)
     for s in range(nseg):
@@ -903,12 +904,7 @@ def _sumsq_product(x, y, pieces, nseg):
             v = np.float64(xb[i]) * np.float64(yb[i])
             s += v * v
         part[j] = s
-    per_seg = np.zeros(nseg, dtype=np.float64)
-    total = 0.0
-    for j in range(npieces):  # fixed order: thread-count independent
-        per_seg[pieces[j, 2]] += part[j]
-        total += part[j]
-    return total, per_seg
+    return piece_totals(part, pieces, nseg)
 
 
 _SUMSQ_PRODUCT = _twins(_sumsq_product)

@@ -176,20 +176,25 @@ def dice_loss(logits, labels, smooth: float = 1.0):
     return loss, d.astype(logits.dtype, copy=False)
 
 
+def _elementwise_target(x, target, name):
+    """``target`` as an array of ``x``'s dtype and shape (a column for a 1-D target of an (n, 1) ``x``)."""
+    xp = array_namespace(x)
+    target = xp.asarray(target)
+    array_namespace(x, target)
+    if x.dtype.kind != "f":
+        raise DTypeError(f"{name}: expected a floating array, got {x.dtype}")
+    if target.shape != x.shape:
+        if target.ndim == 1 and x.ndim == 2 and x.shape[1] == 1 and target.shape[0] == x.shape[0]:
+            target = target[:, None]
+        else:
+            raise LayoutError(f"target: expected shape {x.shape}, got {target.shape}")
+    return target.astype(x.dtype, copy=False)
+
+
 def mse(pred, target):
     r"""Mean squared error over every element: :math:`L = \frac1N \sum (y - t)^2`,
     :math:`\partial L / \partial y = 2 (y - t) / N`."""
-    xp = array_namespace(pred)
-    target = xp.asarray(target)
-    array_namespace(pred, target)
-    if pred.dtype.kind != "f":
-        raise DTypeError(f"pred: expected a floating array, got {pred.dtype}")
-    if target.shape != pred.shape:
-        if target.ndim == 1 and pred.ndim == 2 and pred.shape[1] == 1 and target.shape[0] == pred.shape[0]:
-            target = target[:, None]
-        else:
-            raise LayoutError(f"target: expected shape {pred.shape}, got {target.shape}")
-    diff = pred - target.astype(pred.dtype, copy=False)
+    diff = pred - _elementwise_target(pred, target, "pred")
     size = max(diff.size, 1)
     loss = float((diff * diff).sum()) / size
     diff *= 2.0 / size
@@ -203,16 +208,7 @@ def binary_cross_entropy(logits, target):
     form), :math:`\partial L / \partial z = (\sigma(z) - t) / N`.
     """
     xp = array_namespace(logits)
-    target = xp.asarray(target)
-    array_namespace(logits, target)
-    if logits.dtype.kind != "f":
-        raise DTypeError(f"logits: expected a floating array, got {logits.dtype}")
-    if target.shape != logits.shape:
-        if target.ndim == 1 and logits.ndim == 2 and logits.shape[1] == 1 and target.shape[0] == logits.shape[0]:
-            target = target[:, None]
-        else:
-            raise LayoutError(f"target: expected shape {logits.shape}, got {target.shape}")
-    t = target.astype(logits.dtype, copy=False)
+    t = _elementwise_target(logits, target, "logits")
     size = max(logits.size, 1)
     loss = float((xp.maximum(logits, 0) - logits * t + xp.log1p(xp.exp(-xp.abs(logits)))).sum()) / size
     d = sigmoid(logits)

@@ -7,7 +7,7 @@ import math
 
 import numpy as np
 
-from .._checks import check_number
+from .._checks import check_bool, check_number
 from ..buffer import FlatBuffer, _xp
 from ..errors import HyperparameterError
 from ..layout import Layout
@@ -59,9 +59,7 @@ class Adafactor(Optimizer):
         self.eps = (None if e1 is None else check_number("eps[0]", e1, 0.0), check_number("eps[1]", e2, 0.0))
         self.d = check_number("d", d, 1.0)
         self.weight_decay = check_number("weight_decay", weight_decay, 0.0)
-        if not isinstance(maximize, bool):
-            raise HyperparameterError(f"maximize: expected a bool, got {maximize!r}")
-        self.maximize = maximize
+        self.maximize = check_bool("maximize", maximize)
         self._set_overrides(overrides)
 
     @property

@@ -7,7 +7,7 @@ import numpy as np
 
 from ..buffer import kernel_view
 from ..errors import HyperparameterError
-from .._checks import check_number
+from .._checks import check_betas, check_bool, check_number
 from ._base import Optimizer, OptState, working_args
 
 
@@ -42,17 +42,10 @@ class Adam(Optimizer):
                  weight_decay: float = 0.0, amsgrad: bool = False, state_dtype: str | None = None,
                  overrides=None):
         self.lr = check_number("lr", lr, 0.0)
-        try:
-            b1, b2 = betas
-        except (TypeError, ValueError):
-            raise HyperparameterError(f"betas: expected a pair (beta1, beta2), got {betas!r}") from None
-        self.betas = (check_number("betas[0]", b1, 0.0, 1.0, hi_open=True),
-                      check_number("betas[1]", b2, 0.0, 1.0, hi_open=True))
+        self.betas = check_betas(betas)
         self.eps = check_number("eps", eps, 0.0, lo_open=True)
         self.weight_decay = check_number("weight_decay", weight_decay, 0.0)
-        if not isinstance(amsgrad, bool):
-            raise HyperparameterError(f"amsgrad: expected a bool, got {amsgrad!r}")
-        self.amsgrad = amsgrad
+        self.amsgrad = check_bool("amsgrad", amsgrad)
         if state_dtype is not None and state_dtype not in self.STATE_DTYPES:
             raise HyperparameterError(f"state_dtype: expected None or one of {self.STATE_DTYPES}, got {state_dtype!r}")
         self.state_dtype = state_dtype

@@ -1,7 +1,6 @@
 from __future__ import annotations
 
-from ..errors import HyperparameterError
-from .._checks import check_number
+from .._checks import check_bool, check_number
 from ._base import Optimizer, working_args
 
 
@@ -32,9 +31,7 @@ class RMSprop(Optimizer):
         self.eps = check_number("eps", eps, 0.0, lo_open=True)
         self.weight_decay = check_number("weight_decay", weight_decay, 0.0)
         self.momentum = check_number("momentum", momentum, 0.0)
-        if not isinstance(centered, bool):
-            raise HyperparameterError(f"centered: expected a bool, got {centered!r}")
-        self.centered = centered
+        self.centered = check_bool("centered", centered)
         self._set_overrides(overrides)
 
     @property

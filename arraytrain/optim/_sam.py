@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from .._checks import check_number
+from .._checks import check_bool, check_number
 from ..errors import ArgumentTypeError, HyperparameterError
 from ._base import Optimizer, OptState
 
@@ -42,9 +42,7 @@ class SAM(Optimizer):
             raise HyperparameterError(f"base: expected an Optimizer (not SAM), got {base!r}")
         self.base = base
         self.rho = check_number("rho", rho, 0.0, lo_open=True)
-        if not isinstance(adaptive, bool):
-            raise HyperparameterError(f"adaptive: expected a bool, got {adaptive!r}")
-        self.adaptive = adaptive
+        self.adaptive = check_bool("adaptive", adaptive)
 
     # -- delegation to the base optimizer -------------------------------------------------
     @property

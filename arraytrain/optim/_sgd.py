@@ -1,7 +1,7 @@
 from __future__ import annotations
 
 from ..errors import HyperparameterError
-from .._checks import check_number
+from .._checks import check_bool, check_number
 from ._base import Optimizer, working_args
 
 
@@ -25,8 +25,7 @@ class SGD(Optimizer):
         self.momentum = check_number("momentum", momentum, 0.0)
         self.dampening = check_number("dampening", dampening, 0.0, 1.0)
         self.weight_decay = check_number("weight_decay", weight_decay, 0.0)
-        if not isinstance(nesterov, bool):
-            raise HyperparameterError(f"nesterov: expected a bool, got {nesterov!r}")
+        check_bool("nesterov", nesterov)
         if nesterov and (self.momentum <= 0 or self.dampening != 0):
             raise HyperparameterError("nesterov: requires momentum > 0 and dampening == 0")
         self.nesterov = nesterov

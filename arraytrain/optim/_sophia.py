@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .._checks import check_number
-from ..errors import HyperparameterError
+from .._checks import check_betas, check_bool, check_number
 from ._base import Optimizer, working_args
 
 
@@ -42,19 +41,12 @@ class Sophia(Optimizer):
                  weight_decay: float = 1e-1, eps: float = 1e-15, bs: float = 5120, maximize: bool = False,
                  overrides=None):
         self.lr = check_number("lr", lr, 0.0)
-        try:
-            b1, b2 = betas
-        except (TypeError, ValueError):
-            raise HyperparameterError(f"betas: expected a pair (beta1, beta2), got {betas!r}") from None
-        self.betas = (check_number("betas[0]", b1, 0.0, 1.0, hi_open=True),
-                      check_number("betas[1]", b2, 0.0, 1.0, hi_open=True))
+        self.betas = check_betas(betas)
         self.rho = check_number("rho", rho, 0.0, lo_open=True)
         self.weight_decay = check_number("weight_decay", weight_decay, 0.0)
         self.eps = check_number("eps", eps, 0.0, lo_open=True)
         self.bs = check_number("bs", bs, 0.0, lo_open=True)
-        if not isinstance(maximize, bool):
-            raise HyperparameterError(f"maximize: expected a bool, got {maximize!r}")
-        self.maximize = maximize
+        self.maximize = check_bool("maximize", maximize)
         self._set_overrides(overrides)
 
     @property
