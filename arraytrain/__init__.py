@@ -5,7 +5,7 @@ parameter is a named view. Gradients arrive as arrays from any framework and
 one fused numba kernel per stage does the rest of the training step.
 """
 
-from . import nn, optim, schedules, threads
+from . import compress, nn, optim, prune, quantize, schedules, threads
 from .accumulate import AccumulationConfig, AccumulationStats, GradientAccumulator
 from .amp import LossScaler
 from .buffer import FlatBuffer
@@ -34,6 +34,9 @@ from .errors import (
     UnknownParameterError,
 )
 from .layout import Layout
+from .predict import GradientPredictor
+from .prune import magnitude_mask, sparsity
+from .quantize import QuantizedTensor, dequantize_params, quantize_params
 
 __version__ = "0.1.0"
 
@@ -53,6 +56,7 @@ __all__ = [
     "Engine",
     "FlatBuffer",
     "GradientAccumulator",
+    "GradientPredictor",
     "HyperparameterError",
     "Layout",
     "LayoutError",
@@ -61,15 +65,23 @@ __all__ = [
     "MissingGradientError",
     "NoGradientsError",
     "NonFiniteError",
+    "QuantizedTensor",
     "ReadOnlyError",
     "ShapeMismatchError",
     "StateDictError",
     "StepReport",
     "UnknownParameterError",
+    "compress",
+    "dequantize_params",
     "load",
+    "magnitude_mask",
     "nn",
     "optim",
+    "prune",
+    "quantize",
+    "quantize_params",
     "save",
     "schedules",
+    "sparsity",
     "threads",
 ]

@@ -36,8 +36,7 @@ class FlatBuffer:
     def __init__(self, layout: Layout, flat):
         if not isinstance(layout, Layout):
             raise ArgumentTypeError(f"layout must be a Layout, got {type(layout).__name__}")
-        backend_of(flat)
-        check_float_dtype(flat.dtype, "flat")
+        self._check_kind(flat)
         if flat.ndim != 1 or flat.shape[0] != layout.size:
             raise LayoutError(f"flat: expected a 1-D array of {layout.size} elements, got shape {flat.shape}")
         if not flat.flags.c_contiguous:
@@ -50,6 +49,12 @@ class FlatBuffer:
             name: flat[off : off + size].reshape(shape)
             for name, off, size, shape in zip(layout.names, layout.offsets, layout.sizes, layout.shapes)
         }
+
+    @staticmethod
+    def _check_kind(flat) -> None:
+        """The array types and dtypes a buffer of this class holds (subclasses narrow them)."""
+        backend_of(flat)
+        check_float_dtype(flat.dtype, "flat")
 
     # -- construction -----------------------------------------------------------
     @classmethod

@@ -13,8 +13,11 @@ from ._checks import check_int, check_number, check_positive
 from .amp import LossScaler, working_spec
 from .backend import backend_of, kernels_for
 from .buffer import FlatBuffer
+from .compress._base import check_compressor
 from .errors import (
     ArgumentTypeError,
+    BackendUnavailableError,
+    DTypeError,
     HyperparameterError,
     LayoutError,
     MissingGradientError,
@@ -23,9 +26,10 @@ from .errors import (
 )
 from .ops import clip_coef, norm_pass
 from .optim import Optimizer
+from .prune import MaskBuffer
 from .schedules import Schedule, from_state_dict
 
-STATE_FORMAT = 2
+STATE_FORMAT = 3
 REDUCTIONS = ("mean", "sum")
 MISSING = ("error", "zero")
 
@@ -41,7 +45,8 @@ class StepReport:
     None of these: the micro-batch was accumulated. ``grad_norm`` is the
     global L2 norm of the reduced (mean or sum), unscaled gradient before
     clipping, and ``clip_coef`` the factor applied to it; both are None between
-    boundaries. ``lr`` is the scheduled learning rate of parameters without
+    boundaries. With a compressor, ``payload_bytes`` is the measured size of the
+    step's payload and ``dense_bytes`` that of the uncompressed gradient. ``lr`` is the scheduled learning rate of parameters without
     an ``lr`` override; ``loss_scale`` the scale to multiply the next loss by.
     """
 
@@ -56,6 +61,8 @@ class StepReport:
     perturbed: bool = False
     _segment_norms: np.ndarray | None = field(default=None, repr=False)
     _names: tuple = field(default=(), repr=False)
+    payload_bytes: int | None = None
+    dense_bytes: int | None = None
 
     @property
     def accumulated(self) -> bool:
@@ -111,6 +118,19 @@ class Engine:
     max_consecutive_skips : int or None
         After this many boundaries in a row with NaN/Inf gradients raise
         :class:`NonFiniteError` instead of skipping forever (None: never).
+    compressor : a compressor from :mod:`arraytrain.compress`, optionally in
+        :class:`~arraytrain.compress.ErrorFeedback`, or None
+        At every applied boundary the reduced, unscaled and clipped gradient
+        is compressed and replaced by what a receiver decodes; the optimizer
+        steps with that. Clipping comes first, so error-feedback residuals
+        hold clipped gradient. A skipped (non-finite) boundary compresses
+        nothing: residuals and the compressor's call count stay. SAM's ascent
+        window uses the exact local gradient (only the update's gradient is
+        compressed, as in local-ascent distributed SAM).
+
+    Pruning: :meth:`set_mask` keeps a uint8 mask (1 keep, 0 pruned) that every
+    optimizer kernel applies to the weights it writes, so pruned weights stay
+    exactly zero through training.
 
     The zero-copy path: ``engine.params[name]`` and ``engine.grads[name]``
     are views into the flat buffers. Write (or let a framework accumulate)
@@ -123,7 +143,7 @@ class Engine:
                  max_grad_norm: float | None = None, reduction: str = "mean", missing: str = "error",
                  zero_grad_on_step: bool = True, dtype=None, kernels: str = "numba", schedule=None,
                  loss_scaler: LossScaler | None = None, working_dtype: str | None = None,
-                 max_consecutive_skips: int | None = 50):
+                 max_consecutive_skips: int | None = 50, compressor=None):
         if not isinstance(optimizer, Optimizer):
             raise ArgumentTypeError(f"optimizer: expected an arraytrain.optim.Optimizer, got {type(optimizer).__name__}")
         accumulation_steps = check_int("accumulation_steps", accumulation_steps, 1)
@@ -140,6 +160,8 @@ class Engine:
         if max_consecutive_skips is not None:
             max_consecutive_skips = check_int("max_consecutive_skips", max_consecutive_skips, 1)
         wspec = None if working_dtype is None else working_spec(working_dtype)
+        if compressor is not None:
+            check_compressor(compressor)
         if isinstance(params, FlatBuffer):
             if dtype is not None and np.dtype(dtype) != params.dtype:
                 raise LayoutError(f"dtype: the FlatBuffer holds {params.dtype}, got dtype={np.dtype(dtype)}")
@@ -151,6 +173,10 @@ class Engine:
         if wspec is not None and self.params.dtype != np.float32:
             raise HyperparameterError(f"working_dtype: working copies need float32 parameters, got {self.params.dtype}")
         self._kernels = kernels_for(self.params.flat, kernels)
+        if compressor is not None:
+            if not isinstance(self.params.flat, np.ndarray):
+                raise BackendUnavailableError("compressor: the compressors run on NumPy buffers only (no CUDA kernels yet)")
+            compressor.bind(self.params.layout, self.params.dtype)
         self.state = optimizer.init(self.params)  # validates overrides against the names
         self.optimizer = optimizer
         self.accumulation_steps = accumulation_steps
@@ -169,6 +195,8 @@ class Engine:
         # them the weights sit at the ascent point
         self._two_windows = callable(getattr(optimizer, "perturb", None))
         self._perturbed = False
+        self.compressor = compressor
+        self.mask: MaskBuffer | None = None
         self.working = None
         self._working_kind = 0
         if wspec is not None:
@@ -255,18 +283,25 @@ class Engine:
         norms = found.segment_norms / unscale
         if self._two_windows and not self._perturbed:
             self.optimizer.perturb(self._kernels, self.params, self.grads, self.state, gscale=1.0 / unscale,
-                                   grad_norm=norm, zero_grad=self.zero_grad_on_step)
+                                   grad_norm=norm, zero_grad=self.zero_grad_on_step, mask=self.mask)
             self._perturbed = True
             self._refresh_working()
             return StepReport(False, False, step, 0, lr, norm, coef, self.loss_scale, True, norms, self.layout.names)
+        gscale, payload = coef / unscale, None
+        if self.compressor is not None:
+            if gscale != 1.0:
+                self._kernels.scale(self.grads.flat, gscale)
+            payload, gscale = self.compressor.roundtrip(self.grads.flat), 1.0
         lrs = None if self.schedule is None else self.schedule(step, self.optimizer.per_param(self.state, "lr"))
-        self.optimizer.update(self._kernels, self.params, self.grads, self.state, gscale=coef / unscale, lr=lrs,
-                              zero_grad=self.zero_grad_on_step, working=self._working_args())
+        self.optimizer.update(self._kernels, self.params, self.grads, self.state, gscale=gscale, lr=lrs,
+                              zero_grad=self.zero_grad_on_step, working=self._working_args(), mask=self.mask)
         self._perturbed = False
         if self.loss_scaler is not None:
             self.loss_scaler.update(found_inf=False)
         return StepReport(True, False, self.state.step, 0, lr, norm, coef, self.loss_scale, False,
-                          norms, self.layout.names)
+                          norms, self.layout.names,
+                          None if payload is None else payload.nbytes,
+                          None if payload is None else payload.dense_nbytes)
 
     def _skip(self, step: int, lr: float) -> StepReport:
         """A NaN/Inf boundary: drop the window; params, state, step and schedule stay."""
@@ -303,6 +338,45 @@ class Engine:
             raise MissingGradientError(f"update_hessian: no estimate for {absent}")
         feed(self._kernels, self.state, items, self.layout)
 
+    def set_mask(self, mask) -> None:
+        """Prune: keep ``mask`` (1 keep, 0 pruned) inside every optimizer step; None removes it.
+
+        ``mask`` is a uint8 :class:`FlatBuffer` of the parameters' layout (as
+        :func:`arraytrain.prune.magnitude_mask` makes) or a mapping name ->
+        array of 0/1 (bool or integer; names left out are kept whole). The
+        pruned weights are zeroed now (and the working copy rebuilt); every
+        later step writes them as exactly 0. Validated before anything changes.
+        """
+        if mask is None:
+            self.mask = None
+            return
+        if isinstance(mask, FlatBuffer):
+            if mask.layout != self.layout:
+                raise LayoutError(f"mask: its layout {mask.layout!r} differs from the parameters' {self.layout!r}")
+            if mask.dtype != np.uint8:
+                raise DTypeError(f"mask: expected a uint8 buffer (1 keep, 0 pruned), got {mask.dtype}")
+            new = MaskBuffer(self.layout, mask.flat.copy())
+        elif isinstance(mask, Mapping):
+            for name, m in mask.items():
+                if name not in self.layout:
+                    raise LayoutError(f"mask: {name!r} is not a parameter; names: {list(self.layout.names)}")
+                a = np.asarray(m)
+                if a.shape != self.layout.shape(name):
+                    raise LayoutError(f"mask[{name!r}]: expected shape {self.layout.shape(name)}, got {a.shape}")
+                if not (a.dtype == np.bool_ or np.issubdtype(a.dtype, np.integer)) or not np.isin(a, (0, 1)).all():
+                    raise DTypeError(f"mask[{name!r}]: expected 0/1 values (bool or integer), got {a.dtype}")
+            new = MaskBuffer.ones(self.layout)
+            for name, m in mask.items():
+                new[name][...] = np.asarray(m)
+        else:
+            raise ArgumentTypeError(f"mask: expected a uint8 FlatBuffer, a mapping name -> 0/1 array, or None; "
+                                    f"got {type(mask).__name__}")
+        if not isinstance(self.params.flat, np.ndarray):
+            raise BackendUnavailableError("mask: pruning masks run on NumPy buffers only (no CUDA kernels yet)")
+        self.mask = new
+        np.multiply(self.params.flat, new.flat, out=self.params.flat, casting="unsafe")
+        self._refresh_working()
+
     def zero_grad(self) -> None:
         """Zero ``engine.grads`` and drop a partly accumulated window."""
         self.grads.flat.fill(0)
@@ -333,6 +407,8 @@ class Engine:
             "loss_scaler": None if self.loss_scaler is None else self.loss_scaler.state_dict(),
             "consecutive_skips": self.consecutive_skips,
             "perturbed": self._perturbed,
+            "compression": None if self.compressor is None else self.compressor.state_dict(),
+            "mask": None if self.mask is None else self.mask.as_dict(copy=copy),
         }
 
     def load_state_dict(self, state: Mapping) -> None:
@@ -353,6 +429,7 @@ class Engine:
             grads = acc["grads"]
             sched, scaler = state["schedule"], state["loss_scaler"]
             skips, perturbed = state["consecutive_skips"], state["perturbed"]
+            comp, mask = state["compression"], state["mask"]
         except (KeyError, TypeError) as exc:
             raise StateDictError(f"state dict lacks {exc}") from None
         if fmt != STATE_FORMAT:
@@ -373,6 +450,14 @@ class Engine:
         if (scaler is None) != (self.loss_scaler is None):
             raise StateDictError(f"loss_scaler: the state has {'none' if scaler is None else 'one'}, "
                                  f"the engine has {'none' if self.loss_scaler is None else 'one'}")
+        if (comp is None) != (self.compressor is None):
+            raise StateDictError(f"compression: the state has {'none' if comp is None else 'a compressor'}, "
+                                 f"the engine has {'none' if self.compressor is None else 'one'}")
+        if (mask is None) != (self.mask is None):
+            raise StateDictError(f"mask: the state has {'none' if mask is None else 'a pruning mask'}, the engine has "
+                                 f"{'none' if self.mask is None else 'one'} (set_mask(...) before loading a pruned run)")
+        comp_checked = None if comp is None else self.compressor.check_state(comp)
+        mask_checked = None if mask is None else self._check_mask_state(mask)
         if sched is not None:
             try:
                 from_state_dict(sched)  # validates; nothing is changed yet
@@ -395,7 +480,26 @@ class Engine:
             self.schedule.load_state_dict(sched)
         if scaler is not None:
             self.loss_scaler.load_state_dict(scaler)
+        if comp_checked is not None:
+            self.compressor._apply_state(comp_checked)
+        if mask_checked is not None:
+            for name, a in mask_checked.items():
+                self.mask[name][...] = a
         self._refresh_working()
+
+    def _check_mask_state(self, arrays) -> dict:
+        """A saved mask: uint8 arrays of every parameter's shape."""
+        if not isinstance(arrays, Mapping) or set(arrays) != set(self.layout.names):
+            got = sorted(arrays) if isinstance(arrays, Mapping) else type(arrays).__name__
+            raise StateDictError(f"mask: expected arrays for {list(self.layout.names)}, got {got}")
+        out = {}
+        for name in self.layout.names:
+            a = arrays[name]
+            if not isinstance(a, np.ndarray) or a.dtype != np.uint8 or a.shape != self.layout.shape(name):
+                raise StateDictError(f"mask[{name!r}]: expected uint8 of shape {self.layout.shape(name)}, "
+                                     f"got {getattr(a, 'dtype', type(a).__name__)}{getattr(a, 'shape', '')}")
+            out[name] = a
+        return out
 
     def __repr__(self) -> str:
         return (f"Engine({self.params!r}, {self.optimizer!r}, accumulation_steps={self.accumulation_steps}, "

@@ -1,4 +1,4 @@
-"""``python -m arraytrain.bench [compare|threads|mlp] ...``
+"""``python -m arraytrain.bench [compare|threads|mlp|predict|compression|compress] ...``
 
 ``compare`` (the default): one clipped optimizer step, arraytrain beside
 torch.optim (foreach and fused), hand-written NumPy and optax, with the
@@ -7,6 +7,12 @@ machine's triad bandwidth; see :mod:`arraytrain.bench.compare`.
 :mod:`arraytrain.bench.threads`.
 ``mlp``: MLP training throughput, arraytrain beside torch, with the BLAS
 matmul roof; see :mod:`arraytrain.bench.mlp`.
+``predict``: gradient prediction (PhaseTrainer) against full training on the
+digits MLP; see :mod:`arraytrain.bench.predict`.
+``compression``: the digits MLP trained with every compressor, with and
+without error feedback; see :mod:`arraytrain.bench.compression`.
+``compress``: compressor throughput (GB/s, % of triad); see
+:mod:`arraytrain.bench.compress`.
 """
 
 from __future__ import annotations
@@ -16,11 +22,17 @@ import sys
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    command = argv.pop(0) if argv and argv[0] in ("compare", "threads", "mlp") else "compare"
+    command = argv.pop(0) if argv and argv[0] in ("compare", "threads", "mlp", "predict", "compression", "compress") else "compare"
     if command == "threads":
         from .threads import main as run
     elif command == "mlp":
         from .mlp import main as run
+    elif command == "predict":
+        from .predict import main as run
+    elif command == "compression":
+        from .compression import main as run
+    elif command == "compress":
+        from .compress import main as run
     else:
         from .compare import main as run
     return run(argv)

@@ -48,6 +48,11 @@ def cast_working(w, p, pieces, kind):
     w[idx] = np.asarray(p[idx], np.float32).astype(_LP_DTYPES[kind]).view(np.uint16)
 
 
+def apply_mask(p, mask, i):
+    """``p[i] = 0`` where ``mask[i] == 0`` (uint8, 1 = keep): pruned weights are exactly +0."""
+    p[i] = np.where(mask[i] != 0, p[i], p.dtype.type(0))
+
+
 def accumulate(acc, g, w, overwrite):
     """``acc = w * g`` if ``overwrite`` else ``acc += w * g``."""
     new = w * _f64(g) if overwrite else _f64(acc) + w * _f64(g)
@@ -95,7 +100,8 @@ def sumsq_scaled(x, pieces, nseg, inv):
     return float(per_seg.sum()), per_seg
 
 
-def sgd_step(p, g, buf, pieces, gscale, lr, weight_decay, momentum, dampening, nesterov, first, w, wkind, zero_grad):
+def sgd_step(p, g, buf, pieces, gscale, lr, weight_decay, momentum, dampening, nesterov, first, w, wkind, zero_grad,
+             mask=None):
     """SGD with momentum, dampening, Nesterov and L2 weight decay (torch.optim.SGD).
 
     Per element of segment ``s``: ``d = gscale*g + weight_decay[s]*p``; with momentum
@@ -103,6 +109,8 @@ def sgd_step(p, g, buf, pieces, gscale, lr, weight_decay, momentum, dampening, n
     ``d = d + momentum*b`` (Nesterov) or ``d = b``; then ``p -= lr[s]*d``. ``buf`` is
     ignored when momentum is 0. Only the elements covered by ``pieces`` are touched.
     ``w`` (uint16, or None): low-precision working copy of the new ``p`` (``wkind``).
+    ``mask`` (uint8, or None; every kernel): the new ``p`` is 0 where ``mask == 0``
+    (:func:`apply_mask`), before the working copy is written.
     """
     i, s = _segments(pieces, p.size)
     lr, wd = np.asarray(lr, np.float64)[s], np.asarray(weight_decay, np.float64)[s]
@@ -113,10 +121,13 @@ def sgd_step(p, g, buf, pieces, gscale, lr, weight_decay, momentum, dampening, n
         d = d + momentum * b if nesterov else b
         buf[i] = b
     p[i] = pp - lr * d
-    _finish(p, g, w, wkind, pieces, i, zero_grad)
+    _finish(p, g, w, wkind, pieces, i, zero_grad, mask)
 
 
-def _finish(p, g, w, wkind, pieces, i, zero_grad):
+def _finish(p, g, w, wkind, pieces, i, zero_grad, mask=None):
+    """Mask, working copy and gradient zeroing after an update (see :func:`apply_mask`)."""
+    if mask is not None:
+        apply_mask(p, mask, i)
     if w is not None:
         cast_working(w, p, pieces, wkind)
     if zero_grad:
@@ -124,7 +135,7 @@ def _finish(p, g, w, wkind, pieces, i, zero_grad):
 
 
 def adam_step(p, g, m, v, vmax, pieces, gscale, step_size, beta1, beta2, eps, bc2_sqrt, l2, decay, amsgrad,
-              w, wkind, zero_grad):
+              w, wkind, zero_grad, mask=None):
     """Adam / AdamW (Kingma & Ba 2015; Loshchilov & Hutter 2019), torch's form.
 
     Per element of segment ``s``: ``d = gscale*g + l2[s]*p``; ``p *= decay[s]``
@@ -144,7 +155,7 @@ def adam_step(p, g, m, v, vmax, pieces, gscale, step_size, beta1, beta2, eps, bc
         vv = _store_at(vmax, i, np.maximum(_f64(vmax[i]), vv))
     denom = np.sqrt(vv) / bc2_sqrt + eps
     p[i] = pp * np.asarray(decay, np.float64)[s] - np.asarray(step_size, np.float64)[s] * mm / denom
-    _finish(p, g, w, wkind, pieces, i, zero_grad)
+    _finish(p, g, w, wkind, pieces, i, zero_grad, mask)
 
 
 def _store_at(dst, i, values):
@@ -158,7 +169,7 @@ def _store_at(dst, i, values):
 # -- adagrad, rmsprop, lion, lamb ---------------------------------------------------------
 
 
-def adagrad_step(p, g, sum_sq, pieces, gscale, clr, weight_decay, eps, w, wkind, zero_grad):
+def adagrad_step(p, g, sum_sq, pieces, gscale, clr, weight_decay, eps, w, wkind, zero_grad, mask=None):
     """Adagrad (Duchi, Hazan & Singer 2011), torch.optim.Adagrad's form.
 
     Per element of segment ``s``: ``d = gscale*g + weight_decay[s]*p``;
@@ -170,11 +181,11 @@ def adagrad_step(p, g, sum_sq, pieces, gscale, clr, weight_decay, eps, w, wkind,
     d = gscale * _f64(g[i]) + np.asarray(weight_decay, np.float64)[s] * pp
     ss = _store_at(sum_sq, i, _f64(sum_sq[i]) + d * d)
     p[i] = pp - np.asarray(clr, np.float64)[s] * (d / (np.sqrt(ss) + eps))
-    _finish(p, g, w, wkind, pieces, i, zero_grad)
+    _finish(p, g, w, wkind, pieces, i, zero_grad, mask)
 
 
 def rmsprop_step(p, g, square_avg, grad_avg, momentum_buffer, pieces, gscale, lr, weight_decay, alpha, eps,
-                 momentum, centered, w, wkind, zero_grad):
+                 momentum, centered, w, wkind, zero_grad, mask=None):
     """RMSprop (Hinton, Coursera lecture 6e, 2012; centered: Graves 2013), torch.optim.RMSprop's form.
 
     Per element of segment ``s``: ``d = gscale*g + weight_decay[s]*p``;
@@ -196,10 +207,10 @@ def rmsprop_step(p, g, square_avg, grad_avg, momentum_buffer, pieces, gscale, lr
     if momentum > 0:
         u = _store_at(momentum_buffer, i, momentum * _f64(momentum_buffer[i]) + u)
     p[i] = pp - np.asarray(lr, np.float64)[s] * u
-    _finish(p, g, w, wkind, pieces, i, zero_grad)
+    _finish(p, g, w, wkind, pieces, i, zero_grad, mask)
 
 
-def lion_step(p, g, m, pieces, gscale, lr, weight_decay, b1, b2, w, wkind, zero_grad):
+def lion_step(p, g, m, pieces, gscale, lr, weight_decay, b1, b2, w, wkind, zero_grad, mask=None):
     """Lion (Chen et al. 2023, "Symbolic Discovery of Optimization Algorithms"), optax.lion's form.
 
     Per element of segment ``s``: ``d = gscale*g``; ``c = sign(b1*m + (1 - b1)*d)``;
@@ -212,11 +223,11 @@ def lion_step(p, g, m, pieces, gscale, lr, weight_decay, b1, b2, w, wkind, zero_
     _store_at(m, i, b2 * mm + (1.0 - b2) * d)
     lr = np.asarray(lr, np.float64)[s]
     p[i] = pp - lr * (c + np.asarray(weight_decay, np.float64)[s] * pp)
-    _finish(p, g, w, wkind, pieces, i, zero_grad)
+    _finish(p, g, w, wkind, pieces, i, zero_grad, mask)
 
 
 def lamb_step(p, g, m, v, pieces, gscale, lr, weight_decay, beta1, beta2, eps, eps_root, bc1, bc2, w, wkind,
-              zero_grad):
+              zero_grad, mask=None):
     """LAMB (You et al. 2020, "Large Batch Optimization for Deep Learning"), optax.lamb's form.
 
     Per element of segment ``s``: ``d = gscale*g``; ``m += (1 - beta1)*(d - m)``;
@@ -238,7 +249,7 @@ def lamb_step(p, g, m, v, pieces, gscale, lr, weight_decay, beta1, beta2, eps, e
     with np.errstate(invalid="ignore", divide="ignore"):
         ratio = np.where((pn == 0.0) | (un == 0.0), 1.0, pn / un)
     p[i] = pp - (np.asarray(lr, np.float64) * ratio)[s] * u
-    _finish(p, g, w, wkind, pieces, i, zero_grad)
+    _finish(p, g, w, wkind, pieces, i, zero_grad, mask)
     return ratio
 
 
@@ -251,7 +262,7 @@ def _nanmax(x, floor):
 
 
 def adafactor_step(p, g, row, col, var, pieces, segs, rows, cols, batches, gscale, rho, decay, beta2c, eps1, eps2,
-                   d, w, wkind, zero_grad):
+                   d, w, wkind, zero_grad, mask=None):
     """Adafactor (Shazeer & Stern 2018) in torch.optim.Adafactor's form, one parameter at a time.
 
     For segment ``s`` (``segs[s] = [p_off, numel, factored, B, R, C, row_off, col_off,
@@ -286,10 +297,10 @@ def adafactor_step(p, g, row, col, var, pieces, segs, rows, cols, batches, gscal
         step = np.fmax(eps2, np.sqrt(np.dot(pp, pp) / n)) * rho[s] / np.fmax(1.0, np.sqrt(np.dot(U, U) / n) / d)
         p[off : off + n] = pp * decay[s] - step * U
     i, _ = _segments(pieces, p.size)
-    _finish(p, g, w, wkind, pieces, i, zero_grad)
+    _finish(p, g, w, wkind, pieces, i, zero_grad, mask)
 
 
-def sophia_step(p, g, m, h, pieces, gscale, lr, decay, beta1, rho, eps, w, wkind, zero_grad):
+def sophia_step(p, g, m, h, pieces, gscale, lr, decay, beta1, rho, eps, w, wkind, zero_grad, mask=None):
     """SophiaG (Liu et al. 2023, the authors' reference implementation's update).
 
     Per element of segment ``s``: ``m = beta1*m + (1 - beta1)*gscale*g``;
@@ -304,17 +315,20 @@ def sophia_step(p, g, m, h, pieces, gscale, lr, decay, beta1, rho, eps, w, wkind
     ratio = np.abs(mm) / den
     ratio = np.where(ratio > 1.0, 1.0, ratio)
     p[i] = _f64(p[i]) * np.asarray(decay, np.float64)[s] - np.asarray(lr, np.float64)[s] * np.sign(mm) * ratio
-    _finish(p, g, w, wkind, pieces, i, zero_grad)
+    _finish(p, g, w, wkind, pieces, i, zero_grad, mask)
 
 
-def sam_perturb(p, g, backup, pieces, scale, adaptive, zero_grad):
+def sam_perturb(p, g, backup, pieces, scale, adaptive, zero_grad, mask=None):
     """SAM's ascent (Foret et al. 2021; ASAM, Kwon et al. 2021): ``backup = p``, then
-    ``p += scale * g`` or, adaptive, ``p += scale * p^2 * g`` (``scale = rho * gscale / (norm + 1e-12)``)."""
+    ``p += scale * g`` or, adaptive, ``p += scale * p^2 * g`` (``scale = rho * gscale / (norm + 1e-12)``);
+    pruned weights (``mask == 0``) are 0 at the ascent point."""
     i, _ = _segments(pieces, p.size)
     pp = _f64(p[i])
     backup[i] = p[i]
     e = scale * _f64(g[i])
     p[i] = pp + (e * pp * pp if adaptive else e)
+    if mask is not None:
+        apply_mask(p, mask, i)
     if zero_grad:
         g[i] = 0
 

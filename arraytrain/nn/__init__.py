@@ -36,6 +36,7 @@ from .losses import (
     softmax_cross_entropy,
 )
 from .metrics import accuracy, classification_report, confusion_matrix, precision_recall_f1
+from .phase import Phase, PhaseSchedule, PhaseStats, PhaseTrainer
 from .trainer import Trainer
 
 __all__ = [
@@ -52,6 +53,10 @@ __all__ = [
     "GradientMonitor",
     "LambdaCallback",
     "MissingDependencyError",
+    "Phase",
+    "PhaseSchedule",
+    "PhaseStats",
+    "PhaseTrainer",
     "Profiler",
     "ProgressBar",
     "ReLU",

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -149,11 +150,9 @@ class Trainer:
         return self.history
 
     def _train_epoch(self, e: int) -> dict:
-        model, engine, loss_fn, timings = self.model, self.engine, self.loss_fn, self.timings
         self._call("on_epoch_begin", e + 1)
         t_epoch = time.perf_counter()
-        loss_sum, seen, report = 0.0, 0, None
-        preds, labels = [], []
+        tally = _Tally()
         it = self.batches.epoch(e)
         while True:
             t0 = time.perf_counter()
@@ -161,40 +160,54 @@ class Trainer:
                 xb, yb = next(it)
             except StopIteration:
                 break
-            t1 = time.perf_counter()
-            out = model.forward(xb)
-            loss, dout = loss_fn(out, yb)
-            t2 = time.perf_counter()
-            model.backward(dout)
-            t3 = time.perf_counter()
-            report = engine.step()
-            t4 = time.perf_counter()
-            n = xb.shape[0]
-            loss_sum += loss * n
-            seen += n
-            if self.num_classes is not None:
-                preds.append(to_numpy(array_namespace(out).argmax(out, axis=1)))
-                labels.append(to_numpy(yb))
-            t5 = time.perf_counter()
-            for cb in self.callbacks:
-                cb.on_batch_end(self, self.steps, {"loss": loss, "report": report, "size": n})
-            t6 = time.perf_counter()
-            timings["data"] += t1 - t0
-            timings["forward"] += t2 - t1
-            timings["backward"] += t3 - t2
-            timings["optimizer"] += t4 - t3
-            timings["metrics"] += t5 - t4
-            timings["callbacks"] += t6 - t5
+            self.timings["data"] += time.perf_counter() - t0
+            self._train_batch(xb, yb, tally)
             if self.steps > 0:  # the first step compiles the kernels
-                self._timed_samples += n
-                self._timed_seconds += t6 - t0
+                self._timed_samples += xb.shape[0]
+                self._timed_seconds += time.perf_counter() - t0
             self.steps += 1
-        logs = {"epoch": e + 1, "loss": loss_sum / max(seen, 1),
-                "lr": report.lr if report is not None else engine.optimizer.lr,
-                "steps": engine.state.step}
+        return self._epoch_logs(e, tally, t_epoch)
+
+    def _train_batch(self, xb, yb, tally: "_Tally") -> None:
+        """One batch: forward and loss, backward, ``engine.step()``, metrics, callbacks (timed)."""
+        timings = self.timings
+        t1 = time.perf_counter()
+        out = self.model.forward(xb)
+        loss, dout = self.loss_fn(out, yb)
+        t2 = time.perf_counter()
+        self.model.backward(dout)
+        t3 = time.perf_counter()
+        tally.report = self.engine.step()
+        t4 = time.perf_counter()
+        self._tally(tally, loss, out, yb)
+        t5 = time.perf_counter()
+        for cb in self.callbacks:
+            cb.on_batch_end(self, self.steps, {"loss": loss, "report": tally.report, "size": xb.shape[0]})
+        t6 = time.perf_counter()
+        timings["forward"] += t2 - t1
+        timings["backward"] += t3 - t2
+        timings["optimizer"] += t4 - t3
+        timings["metrics"] += t5 - t4
+        timings["callbacks"] += t6 - t5
+
+    def _tally(self, tally: "_Tally", loss: float, out, yb) -> None:
+        """Add a batch's loss (weighted by its size) and, for classifiers, its predictions."""
+        n = out.shape[0]
+        tally.loss_sum += loss * n
+        tally.seen += n
         if self.num_classes is not None:
+            tally.preds.append(to_numpy(array_namespace(out).argmax(out, axis=1)))
+            tally.labels.append(to_numpy(yb))
+
+    def _epoch_logs(self, e: int, tally: "_Tally", t_epoch: float) -> dict:
+        engine = self.engine
+        logs = {"epoch": e + 1, "loss": tally.loss_sum / tally.seen if tally.seen else float("nan"),
+                "lr": tally.report.lr if tally.report is not None else engine.optimizer.lr,
+                "steps": engine.state.step}
+        if self.num_classes is not None and tally.preds:
             t = time.perf_counter()
-            logs.update(classification_report(np.concatenate(labels), np.concatenate(preds), self.num_classes))
+            logs.update(classification_report(np.concatenate(tally.labels), np.concatenate(tally.preds),
+                                              self.num_classes))
             self.timings["metrics"] += time.perf_counter() - t
         logs["time"] = time.perf_counter() - t_epoch
         return logs
@@ -215,3 +228,14 @@ class Trainer:
             pred = np.concatenate(preds) if preds else np.zeros(0, np.int64)
             logs.update(classification_report(to_numpy(y), pred, self.num_classes))
         return logs
+
+
+@dataclass
+class _Tally:
+    """An epoch's running totals: size-weighted loss, predictions and labels, the last report."""
+
+    loss_sum: float = 0.0
+    seen: int = 0
+    preds: list = field(default_factory=list)
+    labels: list = field(default_factory=list)
+    report: object = None

@@ -11,7 +11,7 @@ from .._checks import check_bool, check_number
 from ..buffer import FlatBuffer, _xp
 from ..errors import HyperparameterError
 from ..layout import Layout
-from ._base import Optimizer, OptState, working_args
+from ._base import Optimizer, OptState, mask_arg, working_args
 
 # column block width of the fast kernel's column-sum pass (arraytrain.kernels.cpu)
 _COL_BLOCK = 256
@@ -75,7 +75,8 @@ class Adafactor(Optimizer):
         slots = {name: FlatBuffer.zeros(lay, params.dtype, _xp(params.flat)) for name, lay in layouts.items()}
         return OptState(0, slots, self.resolve(params.layout))
 
-    def update(self, kernels, params, grads, state, *, gscale=1.0, lr=None, zero_grad=False, working=None):
+    def update(self, kernels, params, grads, state, *, gscale=1.0, lr=None, zero_grad=False, working=None,
+               mask=None):
         lr = self._lr(state, lr)
         wd = self.per_param(state, "weight_decay")
         t = state.step + 1
@@ -86,7 +87,7 @@ class Adafactor(Optimizer):
             params.flat, grads.flat, s["row_var"].flat, s["col_var"].flat, s["variance"].flat, params.layout.pieces,
             geo.segs, geo.rows, geo.cols, geo.batches, -gscale if self.maximize else gscale,
             np.minimum(lr, 1.0 / math.sqrt(t)), 1.0 - lr * wd, float(t) ** self.beta2_decay, eps1, self.eps[1],
-            self.d, *working_args(working), zero_grad,
+            self.d, *working_args(working), zero_grad, mask=mask_arg(mask, params),
         )
         state.step = t
 

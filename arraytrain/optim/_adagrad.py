@@ -1,7 +1,7 @@
 from __future__ import annotations
 
 from .._checks import check_number
-from ._base import Optimizer, working_args
+from ._base import Optimizer, mask_arg, working_args
 
 
 class Adagrad(Optimizer):
@@ -46,9 +46,11 @@ class Adagrad(Optimizer):
             acc[name][...] = self.initial_accumulator_value
         return state
 
-    def update(self, kernels, params, grads, state, *, gscale=1.0, lr=None, zero_grad=False, working=None):
+    def update(self, kernels, params, grads, state, *, gscale=1.0, lr=None, zero_grad=False, working=None,
+               mask=None):
         t = state.step + 1
         clr = self._lr(state, lr) / (1.0 + (t - 1) * self.lr_decay)
         kernels.adagrad_step(params.flat, grads.flat, state.slots["sum"].flat, params.layout.pieces, gscale, clr,
-                             self.per_param(state, "weight_decay"), self.eps, *working_args(working), zero_grad)
+                             self.per_param(state, "weight_decay"), self.eps, *working_args(working), zero_grad,
+                             mask=mask_arg(mask, params))
         state.step = t

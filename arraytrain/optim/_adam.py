@@ -8,7 +8,7 @@ import numpy as np
 from ..buffer import kernel_view
 from ..errors import HyperparameterError
 from .._checks import check_betas, check_bool, check_number
-from ._base import Optimizer, OptState, working_args
+from ._base import Optimizer, OptState, mask_arg, working_args
 
 
 class Adam(Optimizer):
@@ -67,7 +67,8 @@ class Adam(Optimizer):
         slots = {name: params.zeros_like(ml_dtypes.bfloat16) for name in self.slot_names}
         return OptState(0, slots, self.resolve(params.layout))
 
-    def update(self, kernels, params, grads, state, *, gscale=1.0, lr=None, zero_grad=False, working=None):
+    def update(self, kernels, params, grads, state, *, gscale=1.0, lr=None, zero_grad=False, working=None,
+               mask=None):
         lr = self._lr(state, lr)
         wd = self.per_param(state, "weight_decay")
         t = state.step + 1
@@ -80,7 +81,8 @@ class Adam(Optimizer):
         vmax = s["max_exp_avg_sq"] if self.amsgrad else s["exp_avg"][:0]
         kernels.adam_step(params.flat, grads.flat, s["exp_avg"], s["exp_avg_sq"], vmax, params.layout.pieces,
                           gscale, lr / (1.0 - b1**t), b1, b2, self.eps, math.sqrt(1.0 - b2**t),
-                          l2, decay, self.amsgrad, *working_args(working), zero_grad)
+                          l2, decay, self.amsgrad, *working_args(working), zero_grad,
+                          mask=mask_arg(mask, params))
         state.step = t
 
 

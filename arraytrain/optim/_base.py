@@ -11,7 +11,7 @@ import numpy as np
 
 from .._checks import check_number
 from ..buffer import FlatBuffer
-from ..errors import HyperparameterError
+from ..errors import ArgumentTypeError, DTypeError, HyperparameterError, LayoutError
 from ..layout import Layout
 
 
@@ -102,13 +102,19 @@ class Optimizer(ABC):
 
     @abstractmethod
     def update(self, kernels, params: FlatBuffer, grads: FlatBuffer, state: OptState, *,
-               gscale: float = 1.0, lr=None, zero_grad: bool = False, working=None) -> None:
+               gscale: float = 1.0, lr=None, zero_grad: bool = False, working=None, mask=None) -> None:
         """One step in place: params and every slot, then ``state.step += 1``.
 
         ``lr``: per-parameter learning rates for this step (the schedule's
         output), or None for the base values. ``zero_grad`` also zeroes the
         gradient buffer inside the same kernel. ``working``: ``(bits, kind)``
         of a low-precision working copy the kernel writes too, or None.
+        ``mask``: a pruning mask (see :func:`mask_arg`), or None: the kernel
+        writes the weights whose mask is 0 as exactly 0 after updating them
+        (before the working copy), so pruned weights stay 0 through training
+        whatever momentum or weight decay say. The update is otherwise the
+        unmasked one: moments, norms and trust ratios see every element, and
+        each step is projected onto the pruned pattern.
         """
 
     def per_param(self, state: OptState, key: str) -> np.ndarray:
@@ -124,6 +130,33 @@ class Optimizer(ABC):
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in self.hyperparameters().items())
         return f"{type(self).__name__}({args})"
+
+
+def mask_arg(mask, params: FlatBuffer):
+    """The kernels' ``mask`` argument: None, or a flat uint8 array of ``params``' size.
+
+    ``mask`` is None, a flat 1-D uint8 array of ``params.flat.size`` elements (1 = keep,
+    0 = pruned; any non-zero keeps), or a uint8 buffer of the same layout (as made by
+    :func:`arraytrain.prune.magnitude_mask`). Padding elements are never read. Checked in
+    O(1), before any buffer is written; a non-contiguous array is refused (the kernels
+    slice it per piece).
+    """
+    if mask is None:
+        return None
+    if isinstance(mask, FlatBuffer):
+        if mask.layout != params.layout:
+            raise LayoutError(f"mask: its layout {mask.layout!r} differs from the parameters' {params.layout!r}")
+        mask = mask.flat
+    if type(mask) is not type(params.flat):
+        raise ArgumentTypeError(f"mask: expected a {type(params.flat).__name__} like the parameters or None, "
+                                f"got {type(mask).__name__}")
+    if mask.dtype != np.uint8:
+        raise DTypeError(f"mask: expected dtype uint8 (1 = keep, 0 = pruned), got {mask.dtype}")
+    if mask.shape != params.flat.shape:
+        raise LayoutError(f"mask: expected a flat array of shape {params.flat.shape}, got {mask.shape}")
+    if not mask.flags.c_contiguous:
+        raise LayoutError("mask: the array must be contiguous")
+    return mask
 
 
 def working_args(working) -> tuple:

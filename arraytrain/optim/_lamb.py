@@ -3,7 +3,7 @@ from __future__ import annotations
 import numpy as np
 
 from .._checks import check_number
-from ._base import Optimizer, working_args
+from ._base import Optimizer, mask_arg, working_args
 
 
 class LAMB(Optimizer):
@@ -50,11 +50,13 @@ class LAMB(Optimizer):
         return {"lr": self.lr, "b1": self.b1, "b2": self.b2, "eps": self.eps, "eps_root": self.eps_root,
                 "weight_decay": self.weight_decay, "overrides": self.overrides}
 
-    def update(self, kernels, params, grads, state, *, gscale=1.0, lr=None, zero_grad=False, working=None):
+    def update(self, kernels, params, grads, state, *, gscale=1.0, lr=None, zero_grad=False, working=None,
+               mask=None):
         t = state.step + 1
         ratio = kernels.lamb_step(params.flat, grads.flat, state.slots["exp_avg"].flat,
                                   state.slots["exp_avg_sq"].flat, params.layout.pieces, gscale, self._lr(state, lr),
                                   self.per_param(state, "weight_decay"), self.b1, self.b2, self.eps, self.eps_root,
-                                  1.0 - self.b1**t, 1.0 - self.b2**t, *working_args(working), zero_grad)
+                                  1.0 - self.b1**t, 1.0 - self.b2**t, *working_args(working), zero_grad,
+                                  mask=mask_arg(mask, params))
         self.trust_ratio = np.asarray(ratio, np.float64)
         state.step = t

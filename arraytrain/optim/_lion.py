@@ -1,7 +1,7 @@
 from __future__ import annotations
 
 from .._checks import check_number
-from ._base import Optimizer, working_args
+from ._base import Optimizer, mask_arg, working_args
 
 
 class Lion(Optimizer):
@@ -36,8 +36,10 @@ class Lion(Optimizer):
         return {"lr": self.lr, "b1": self.b1, "b2": self.b2, "weight_decay": self.weight_decay,
                 "overrides": self.overrides}
 
-    def update(self, kernels, params, grads, state, *, gscale=1.0, lr=None, zero_grad=False, working=None):
+    def update(self, kernels, params, grads, state, *, gscale=1.0, lr=None, zero_grad=False, working=None,
+               mask=None):
         kernels.lion_step(params.flat, grads.flat, state.slots["exp_avg"].flat, params.layout.pieces, gscale,
                           self._lr(state, lr), self.per_param(state, "weight_decay"), self.b1, self.b2,
-                          *working_args(working), zero_grad)
+                          *working_args(working), zero_grad,
+                          mask=mask_arg(mask, params))
         state.step += 1

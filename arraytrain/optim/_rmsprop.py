@@ -1,7 +1,7 @@
 from __future__ import annotations
 
 from .._checks import check_bool, check_number
-from ._base import Optimizer, working_args
+from ._base import Optimizer, mask_arg, working_args
 
 
 class RMSprop(Optimizer):
@@ -43,12 +43,14 @@ class RMSprop(Optimizer):
         return {"lr": self.lr, "alpha": self.alpha, "eps": self.eps, "weight_decay": self.weight_decay,
                 "momentum": self.momentum, "centered": self.centered, "overrides": self.overrides}
 
-    def update(self, kernels, params, grads, state, *, gscale=1.0, lr=None, zero_grad=False, working=None):
+    def update(self, kernels, params, grads, state, *, gscale=1.0, lr=None, zero_grad=False, working=None,
+               mask=None):
         slots = state.slots
         empty = params.flat[:0]
         gavg = slots["grad_avg"].flat if self.centered else empty
         buf = slots["momentum_buffer"].flat if self.momentum > 0 else empty
         kernels.rmsprop_step(params.flat, grads.flat, slots["square_avg"].flat, gavg, buf, params.layout.pieces,
                              gscale, self._lr(state, lr), self.per_param(state, "weight_decay"), self.alpha, self.eps,
-                             self.momentum, self.centered, *working_args(working), zero_grad)
+                             self.momentum, self.centered, *working_args(working), zero_grad,
+                             mask=mask_arg(mask, params))
         state.step += 1

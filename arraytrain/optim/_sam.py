@@ -6,7 +6,7 @@ import math
 
 from .._checks import check_bool, check_number
 from ..errors import ArgumentTypeError, HyperparameterError
-from ._base import Optimizer, OptState
+from ._base import Optimizer, OptState, mask_arg
 
 # davda54/sam's guard against a zero gradient norm: e = rho * g / (||g|| + 1e-12)
 NORM_EPS = 1e-12
@@ -88,14 +88,18 @@ class SAM(Optimizer):
         return state
 
     # -- the two windows ------------------------------------------------------------------
-    def perturb(self, kernels, params, grads, state, *, gscale=1.0, grad_norm=None, zero_grad=False) -> None:
+    def perturb(self, kernels, params, grads, state, *, gscale=1.0, grad_norm=None, zero_grad=False,
+                mask=None) -> None:
         """Save the weights and move them to ``w + e(w)`` (first window).
 
         The gradient is ``gscale * grads``; ``grad_norm`` is its global L2 norm (the
         engine's norm pass), or None to compute it here. The adaptive norm
         ``||w * gscale * grads||`` is always computed here (one float64 reduction pass).
-        ``zero_grad`` zeroes the gradient buffer in the same pass.
+        ``zero_grad`` zeroes the gradient buffer in the same pass. ``mask`` (see
+        :meth:`Optimizer.update`): pruned weights stay 0 at the ascent point; ``e`` is
+        the unmasked one (its norm includes the pruned elements' gradients), then projected.
         """
+        mask = mask_arg(mask, params)
         pieces, nseg = params.layout.pieces, len(params.layout)
         if self.adaptive:
             norm = abs(gscale) * math.sqrt(kernels.sumsq_product(params.flat, grads.flat, pieces, nseg)[0])
@@ -104,13 +108,14 @@ class SAM(Optimizer):
         else:
             norm = float(grad_norm)
         kernels.sam_perturb(params.flat, grads.flat, state.slots["sam_backup"].flat, pieces,
-                            self.rho * gscale / (norm + NORM_EPS), self.adaptive, zero_grad)
+                            self.rho * gscale / (norm + NORM_EPS), self.adaptive, zero_grad, mask=mask)
 
     def restore(self, kernels, params, state) -> None:
         """Copy the weights saved by :meth:`perturb` back (one pass; padding is zero in both)."""
         kernels.accumulate(params.flat, state.slots["sam_backup"].flat, 1.0, True)
 
-    def update(self, kernels, params, grads, state, *, gscale=1.0, lr=None, zero_grad=False, working=None):
+    def update(self, kernels, params, grads, state, *, gscale=1.0, lr=None, zero_grad=False, working=None,
+               mask=None):
         """Second window: restore the weights, then the base optimizer's step with this gradient.
 
         Assumes :meth:`perturb` ran on this state in the first window (the engine tracks
@@ -118,7 +123,9 @@ class SAM(Optimizer):
         """
         if "sam_backup" not in state.slots:
             raise ArgumentTypeError("SAM.update: the state has no 'sam_backup' slot; build it with SAM.init")
+        mask_arg(mask, params)  # refused before the weights are restored
         self.restore(kernels, params, state)
         inner = OptState(state.step, {k: v for k, v in state.slots.items() if k != "sam_backup"}, state.hp)
-        self.base.update(kernels, params, grads, inner, gscale=gscale, lr=lr, zero_grad=zero_grad, working=working)
+        self.base.update(kernels, params, grads, inner, gscale=gscale, lr=lr, zero_grad=zero_grad, working=working,
+                         mask=mask)
         state.step = inner.step

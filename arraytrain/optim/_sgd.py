@@ -2,7 +2,7 @@ from __future__ import annotations
 
 from ..errors import HyperparameterError
 from .._checks import check_bool, check_number
-from ._base import Optimizer, working_args
+from ._base import Optimizer, mask_arg, working_args
 
 
 class SGD(Optimizer):
@@ -39,9 +39,11 @@ class SGD(Optimizer):
         return {"lr": self.lr, "momentum": self.momentum, "dampening": self.dampening,
                 "weight_decay": self.weight_decay, "nesterov": self.nesterov, "overrides": self.overrides}
 
-    def update(self, kernels, params, grads, state, *, gscale=1.0, lr=None, zero_grad=False, working=None):
+    def update(self, kernels, params, grads, state, *, gscale=1.0, lr=None, zero_grad=False, working=None,
+               mask=None):
         buf = state.slots["momentum_buffer"].flat if self.momentum != 0 else params.flat[:0]
         kernels.sgd_step(params.flat, grads.flat, buf, params.layout.pieces, gscale, self._lr(state, lr),
                          self.per_param(state, "weight_decay"), self.momentum, self.dampening, self.nesterov,
-                         state.step == 0, *working_args(working), zero_grad)
+                         state.step == 0, *working_args(working), zero_grad,
+                         mask=mask_arg(mask, params))
         state.step += 1

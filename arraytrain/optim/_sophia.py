@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from .._checks import check_betas, check_bool, check_number
-from ._base import Optimizer, working_args
+from ._base import Optimizer, mask_arg, working_args
 
 
 class Sophia(Optimizer):
@@ -57,13 +57,15 @@ class Sophia(Optimizer):
         return {"lr": self.lr, "betas": self.betas, "rho": self.rho, "weight_decay": self.weight_decay,
                 "eps": self.eps, "bs": self.bs, "maximize": self.maximize, "overrides": self.overrides}
 
-    def update(self, kernels, params, grads, state, *, gscale=1.0, lr=None, zero_grad=False, working=None):
+    def update(self, kernels, params, grads, state, *, gscale=1.0, lr=None, zero_grad=False, working=None,
+               mask=None):
         lr = self._lr(state, lr)
         wd = self.per_param(state, "weight_decay")
         s = state.slots
         kernels.sophia_step(params.flat, grads.flat, s["exp_avg"].flat, s["hessian"].flat, params.layout.pieces,
                             -gscale if self.maximize else gscale, lr, 1.0 - lr * wd, self.betas[0],
-                            self.rho * self.bs, self.eps, *working_args(working), zero_grad)
+                            self.rho * self.bs, self.eps, *working_args(working), zero_grad,
+                            mask=mask_arg(mask, params))
         state.step += 1
 
     def update_hessian(self, kernels, state, items, layout) -> None:

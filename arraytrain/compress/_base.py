@@ -1,0 +1,437 @@
+"""The compressor protocol, the payload, and error feedback.
+
+A compressor works on the flat gradient of a :class:`~arraytrain.layout.Layout`.
+Its *domain* is the live elements (no padding) of every parameter with at
+least ``min_size`` elements, in layout order; smaller parameters travel
+uncompressed in the payload's ``raw`` array, as PowerSGD and 1-bit Adam users
+asked for (biases and norms are a rounding error of the bytes and the most
+sensitive to noise). For the first ``warmup`` calls everything travels raw.
+
+Whether a method compresses the domain as one vector (top-k, random-k, int8,
+sign, ternary, VSA: one global selection or one scale per block) or per
+parameter (PowerSGD: one low-rank factorisation per matrix) is the method's
+documented choice; the domain lists its parameters either way.
+
+``nbytes`` of a :class:`Payload` is the size of the arrays it holds, measured
+with ``ndarray.nbytes`` — the bytes a rank would put on the wire — not a
+nominal ratio.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .._checks import check_int
+from ..backend import KERNEL_IMPLS
+from ..buffer import FlatBuffer
+from ..errors import ArgumentTypeError, DTypeError, HyperparameterError, LayoutError, StateDictError
+from ..kernels.counter_rng import step_key
+from ..layout import Layout
+
+FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One parameter inside a compressor's domain: ``x[start:start + size]`` is it, flattened."""
+
+    name: str
+    shape: tuple
+    start: int
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+
+@dataclass(frozen=True)
+class Domain:
+    """The compressed elements: parameters with >= ``min_size`` elements, packed in layout order."""
+
+    size: int
+    dtype: np.dtype
+    segments: tuple[Segment, ...]
+
+
+@dataclass
+class Payload:
+    """What one rank would send for one gradient.
+
+    ``arrays``: the method's wire arrays (indices, values, codes, scales, packed
+    bits, factors). ``raw``: elements sent uncompressed (parameters below
+    ``min_size``, or everything during warm-up), in layout order. ``meta``: the
+    small integers a receiver needs besides the arrays (the draw key of a
+    stochastic method, which a receiver derives from the shared seed and step).
+    """
+
+    method: str
+    arrays: dict[str, np.ndarray] = field(default_factory=dict)
+    raw: np.ndarray | None = None
+    meta: dict = field(default_factory=dict)
+    dense_nbytes: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every array in the payload, as stored."""
+        n = sum(int(a.nbytes) for a in self.arrays.values())
+        return n + (0 if self.raw is None else int(self.raw.nbytes))
+
+    @property
+    def ratio(self) -> float:
+        """``dense_nbytes / nbytes``: how many times smaller than the uncompressed gradient."""
+        return self.dense_nbytes / self.nbytes if self.nbytes else float("inf")
+
+
+def _runs(layout: Layout, names) -> list[tuple[int, int]]:
+    """Live ``[lo, hi)`` ranges of ``names`` in the flat buffer, adjacent ranges merged."""
+    runs: list[list[int]] = []
+    for name in names:
+        s = layout.slice(name)
+        if s.stop == s.start:
+            continue
+        if runs and runs[-1][1] == s.start:
+            runs[-1][1] = s.stop
+        else:
+            runs.append([s.start, s.stop])
+    return [(lo, hi) for lo, hi in runs]
+
+
+class _Gather:
+    """Pack a set of live ranges of a flat buffer into a dense vector and back (a view when one range)."""
+
+    def __init__(self, runs, size: int, dtype):
+        self.runs = runs
+        self.size = size
+        self.view = len(runs) == 1
+        self._scratch = None if self.view or size == 0 else np.empty(size, dtype)
+
+    def pack(self, x: np.ndarray) -> np.ndarray:
+        """The dense vector of ``x``'s ranges: a view of ``x`` or the (reused) scratch."""
+        if self.size == 0:
+            return x[:0]
+        if self.view:
+            lo, hi = self.runs[0]
+            return x[lo:hi]
+        out, k = self._scratch, 0
+        for lo, hi in self.runs:
+            out[k:k + hi - lo] = x[lo:hi]
+            k += hi - lo
+        return out
+
+    def target(self, out: np.ndarray) -> np.ndarray:
+        """Where to decode so that :meth:`finish` lands it in ``out`` (a view of ``out`` when one range)."""
+        if self.size == 0:
+            return out[:0]
+        if self.view:
+            lo, hi = self.runs[0]
+            return out[lo:hi]
+        return self._scratch
+
+    def finish(self, dense: np.ndarray, out: np.ndarray) -> None:
+        """Scatter :meth:`target`'s contents into ``out`` (nothing to do for a view)."""
+        if not self.view:
+            self.put(dense, out)
+
+    def put(self, dense: np.ndarray, out: np.ndarray) -> None:
+        """Scatter the dense vector ``dense`` into ``out``'s ranges."""
+        k = 0
+        for lo, hi in self.runs:
+            out[lo:hi] = dense[k:k + hi - lo]
+            k += hi - lo
+
+
+class Compressor(ABC):
+    """Base class: ``compress(x) -> Payload`` and ``decompress(payload, out)`` on a flat gradient.
+
+    Subclasses implement :meth:`_encode` and :meth:`_decode` on the dense
+    domain vector and may override :meth:`_bind` (per-parameter set-up) and
+    :meth:`_state` / :meth:`_load_state` (state that must survive a resume,
+    e.g. PowerSGD's warm-start factors).
+
+    Parameters common to every method
+    ---------------------------------
+    min_size : int
+        Parameters with fewer elements travel uncompressed.
+    warmup : int
+        The first ``warmup`` calls send everything uncompressed.
+    seed : int
+        Stochastic methods draw from ``(seed, call number)`` with a
+        counter-based generator: the draws do not depend on threads, and a
+        resumed run draws the same numbers.
+    kernels : "numba" or "reference"
+        The fused kernels or their slow reference twins.
+    """
+
+    method: str = "compressor"
+    stochastic: bool = False
+
+    def __init__(self, *, min_size: int = 0, warmup: int = 0, seed: int = 0, kernels: str = "numba"):
+        self.min_size = check_int("min_size", min_size, 0)
+        self.warmup = check_int("warmup", warmup, 0)
+        self.seed = check_int("seed", seed, 0, 2**63 - 1)
+        if kernels not in KERNEL_IMPLS:
+            raise HyperparameterError(f"kernels: expected one of {KERNEL_IMPLS}, got {kernels!r}")
+        self.kernels = kernels
+        self.step = 0
+        self.layout: Layout | None = None
+        self.domain: Domain | None = None
+
+    # -- set-up -------------------------------------------------------------------------
+    def bind(self, layout: Layout, dtype=np.float32) -> "Compressor":
+        """Fix the layout and dtype this compressor works on (the engine calls it)."""
+        if not isinstance(layout, Layout):
+            raise ArgumentTypeError(f"layout: expected an arraytrain Layout, got {type(layout).__name__}")
+        dtype = np.dtype(dtype)
+        if dtype not in FLOAT_DTYPES:
+            raise DTypeError(f"dtype: compressors work on float32 or float64 gradients, got {dtype}")
+        if self.layout is not None:
+            if self.layout == layout and self._dtype == dtype:
+                return self
+            raise LayoutError(f"{self!r} is already bound to {self.layout!r} ({self._dtype}); use a new compressor")
+        big = [n for n in layout.names if int(np.prod(layout.shape(n), dtype=np.int64)) >= max(self.min_size, 1)]
+        small = [n for n in layout.names if n not in big]
+        segs, k = [], 0
+        for n in big:
+            segs.append(Segment(n, layout.shape(n), k))
+            k += segs[-1].size
+        domain = Domain(k, dtype, tuple(segs))
+        live = sum(int(np.prod(s, dtype=np.int64)) for s in layout.shapes)
+        self._bind(domain)  # may raise (e.g. a shape the method cannot take): nothing is kept yet
+        self.layout, self._dtype, self.domain = layout, dtype, domain
+        self._big = _Gather(_runs(layout, big), k, dtype)
+        self._small = _Gather(_runs(layout, small), live - k, dtype)
+        self._all = _Gather(_runs(layout, layout.names), live, dtype)
+        self._dense_nbytes = live * dtype.itemsize
+        return self
+
+    def _bind(self, domain: Domain) -> None:
+        """Per-method set-up once the domain is known (default: nothing)."""
+
+    def _need_bound(self) -> None:
+        if self.layout is None:
+            raise LayoutError(f"{self!r} is not bound to a layout: call bind(layout, dtype) first")
+
+    def _check_flat(self, x, name: str) -> np.ndarray:
+        if not isinstance(x, np.ndarray) or x.ndim != 1 or x.size != self.layout.size:
+            got = getattr(x, "shape", type(x).__name__)
+            raise ArgumentTypeError(f"{name}: expected a 1-D NumPy array of {self.layout.size} elements, got {got}")
+        if x.dtype != self._dtype:
+            raise DTypeError(f"{name}: expected {self._dtype}, got {x.dtype}")
+        if not x.flags.c_contiguous:
+            raise ArgumentTypeError(f"{name}: expected a contiguous array")
+        return x
+
+    # -- the work ---------------------------------------------------------------------------
+    def compress(self, x: np.ndarray) -> Payload:
+        """The payload for the flat gradient ``x`` (read only); advances the call count."""
+        self._need_bound()
+        self._check_flat(x, "x")
+        step = self.step
+        if step < self.warmup:
+            payload = Payload(self.method, raw=self._all.pack(x).copy(), meta={"step": step, "warmup": True})
+        else:
+            meta = {"step": step}
+            if self.stochastic:
+                meta["key"] = step_key(self.seed, step)
+            arrays = self._encode(self._big.pack(x), meta) if self.domain.size else {}
+            raw = self._small.pack(x).copy() if self._small.size else None
+            payload = Payload(self.method, arrays=arrays, raw=raw, meta=meta)
+        payload.dense_nbytes = self._dense_nbytes
+        self.step = step + 1
+        return payload
+
+    def decompress(self, payload: Payload, out: np.ndarray | None = None) -> np.ndarray:
+        """Write the decoded gradient into ``out`` (live elements only; padding is left as is)."""
+        self._need_bound()
+        if not isinstance(payload, Payload) or payload.method != self.method:
+            raise ArgumentTypeError(f"payload: expected a {self.method} Payload, got {payload!r:.80}")
+        if out is None:
+            out = np.zeros(self.layout.size, self._dtype)
+        self._check_flat(out, "out")
+        if payload.meta.get("warmup"):
+            self._all.put(payload.raw, out)
+            return out
+        if self.domain.size:
+            target = self._big.target(out)
+            self._decode(payload.arrays, payload.meta, target)
+            self._big.finish(target, out)
+        if self._small.size:
+            self._small.put(payload.raw, out)
+        return out
+
+    def roundtrip(self, x: np.ndarray) -> Payload:
+        """Compress ``x`` and overwrite it with what a receiver decodes (the single-process exchange)."""
+        payload = self.compress(x)
+        self.decompress(payload, x)
+        return payload
+
+    @abstractmethod
+    def _encode(self, x: np.ndarray, meta: dict) -> dict[str, np.ndarray]:
+        """Wire arrays for the dense domain vector ``x`` (read only). ``meta['key']``: the draw key."""
+
+    @abstractmethod
+    def _decode(self, arrays: Mapping[str, np.ndarray], meta: Mapping, out: np.ndarray) -> None:
+        """Write the decoded domain vector into ``out`` (every element)."""
+
+    # -- state ----------------------------------------------------------------------------------
+    def _state(self) -> dict[str, np.ndarray]:
+        """Arrays that must survive a resume (default: none)."""
+        return {}
+
+    def _check_state(self, arrays: Mapping) -> dict:
+        """Validate :meth:`_state` output from a checkpoint; return what :meth:`_load_state` takes."""
+        if arrays:
+            raise StateDictError(f"{self.method}: expected no state arrays, got {sorted(arrays)}")
+        return {}
+
+    def _load_state(self, checked: dict) -> None:
+        pass
+
+    def state_dict(self) -> dict:
+        self._need_bound()
+        return {"type": self.describe(), "step": self.step, "arrays": self._state()}
+
+    def check_state(self, state: Mapping, *, with_residual: bool = False) -> dict:
+        """Validate a :meth:`state_dict`; raise StateDictError; change nothing."""
+        self._need_bound()
+        try:
+            kind, step, arrays = state["type"], state["step"], state["arrays"]
+        except (KeyError, TypeError) as exc:
+            raise StateDictError(f"compression state lacks {exc}") from None
+        if kind != self.describe():
+            raise StateDictError(f"compression: the state is for {kind!r}, the engine has {self.describe()!r}")
+        check_int("compression step", step, 0, error=StateDictError)
+        if ("residual" in state) != with_residual:
+            has = "has" if "residual" in state else "has no"
+            raise StateDictError(f"compression: the state {has} error-feedback residuals, "
+                                 f"the compressor {'uses' if with_residual else 'does not use'} error feedback")
+        if not isinstance(arrays, Mapping):
+            raise StateDictError(f"compression arrays: expected a mapping, got {type(arrays).__name__}")
+        return {"step": int(step), "arrays": self._check_state(arrays)}
+
+    def load_state_dict(self, state: Mapping) -> None:
+        checked = self.check_state(state)
+        self._apply_state(checked)
+
+    def _apply_state(self, checked: dict) -> None:
+        self.step = checked["step"]
+        self._load_state(checked["arrays"])
+
+    def describe(self) -> str:
+        """The method and the settings that change the payload (saved with the state)."""
+        return repr(self)
+
+    def hyperparameters(self) -> dict:
+        return {"min_size": self.min_size, "warmup": self.warmup, "seed": self.seed}
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in self.hyperparameters().items())
+        return f"{type(self).__name__}({args})"
+
+
+class ErrorFeedback:
+    r"""Error feedback over any compressor (Seide et al. 2014; Karimireddy et al. 2019, EF-SGD).
+
+    .. math::
+        t_k = g_k + r_{k-1}, \quad s_k = D(C(t_k)), \quad r_k = t_k - s_k
+
+    so :math:`\sum_k s_k + r_K = \sum_k g_k`: nothing a compressor drops is
+    lost, only delayed. The residual ``r`` is a flat buffer of the gradient's
+    layout; it is named state (``state_dict()["residual"]`` by parameter name),
+    saved in checkpoints and restored on resume. During the compressor's
+    warm-up the payload is exact and the residual stays zero.
+    """
+
+    def __init__(self, compressor: Compressor):
+        if not isinstance(compressor, Compressor):
+            raise ArgumentTypeError(f"compressor: expected an arraytrain Compressor, got {type(compressor).__name__}")
+        self.compressor = compressor
+        self.residual: FlatBuffer | None = None
+
+    @property
+    def method(self) -> str:
+        return self.compressor.method
+
+    @property
+    def step(self) -> int:
+        return self.compressor.step
+
+    @property
+    def layout(self) -> Layout | None:
+        return self.compressor.layout
+
+    def bind(self, layout: Layout, dtype=np.float32) -> "ErrorFeedback":
+        self.compressor.bind(layout, dtype)
+        if self.residual is None:
+            self.residual = FlatBuffer.zeros(layout, np.dtype(dtype))
+        return self
+
+    def compress(self, x: np.ndarray) -> Payload:
+        """Compress ``g + r`` and keep what was not sent in ``r`` (``x`` is read only)."""
+        self.compressor._need_bound()
+        self.compressor._check_flat(x, "x")
+        r = self.residual.flat
+        r += x
+        payload = self.compressor.compress(r)
+        r -= self.compressor.decompress(payload)
+        return payload
+
+    def decompress(self, payload: Payload, out: np.ndarray | None = None) -> np.ndarray:
+        return self.compressor.decompress(payload, out)
+
+    def roundtrip(self, x: np.ndarray) -> Payload:
+        """As :meth:`compress`, then ``x`` = the decoded gradient; no scratch buffer."""
+        self.compressor._need_bound()
+        self.compressor._check_flat(x, "x")
+        r = self.residual.flat
+        r += x
+        payload = self.compressor.compress(r)
+        self.compressor.decompress(payload, x)
+        r -= x
+        return payload
+
+    def reset(self) -> None:
+        """Zero the residual (nothing pending is sent)."""
+        if self.residual is not None:
+            self.residual.flat.fill(0)
+
+    def state_dict(self) -> dict:
+        state = self.compressor.state_dict()
+        state["residual"] = self.residual.as_dict(copy=True)
+        return state
+
+    def check_state(self, state: Mapping) -> dict:
+        checked = self.compressor.check_state(state, with_residual=True)
+        try:
+            residual = state["residual"]
+        except (KeyError, TypeError):
+            raise StateDictError("compression state lacks 'residual' (saved without error feedback?)") from None
+        try:
+            checked["residual"] = self.residual.check(residual)
+        except (LayoutError, KeyError, ValueError, TypeError) as exc:
+            raise StateDictError(f"compression residual: {exc}") from exc
+        return checked
+
+    def load_state_dict(self, state: Mapping) -> None:
+        self._apply_state(self.check_state(state))
+
+    def _apply_state(self, checked: dict) -> None:
+        self.compressor._apply_state(checked)
+        self.residual.assign(checked["residual"])
+
+    def describe(self) -> str:
+        return repr(self)
+
+    def __repr__(self) -> str:
+        return f"ErrorFeedback({self.compressor!r})"
+
+
+def check_compressor(c, name: str = "compressor"):
+    """A Compressor or an ErrorFeedback; a clear error otherwise."""
+    if not isinstance(c, (Compressor, ErrorFeedback)):
+        raise ArgumentTypeError(f"{name}: expected an arraytrain Compressor or ErrorFeedback, got {type(c).__name__}")
+    return c

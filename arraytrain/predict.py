@@ -1,0 +1,309 @@
+r"""Gradient prediction: a per-element linear trend over the last ``H`` recorded gradients.
+
+:class:`GradientPredictor` keeps a ring of the last ``H`` gradients
+:math:`g_{t_1}, \dots, g_{t_m}` (``m <= H``, recorded at strictly increasing
+steps :math:`t_k`) and a correction :math:`r`. The prediction at step :math:`t`
+is the least-squares line through the points :math:`(t_k, g_{t_k,i})`,
+element by element, evaluated at :math:`t`, plus the correction:
+
+.. math::
+
+    \bar t = \frac1m \sum_k t_k, \qquad S = \sum_k (t_k - \bar t)^2, \qquad
+    c_k(t) = \frac1m + \frac{(t - \bar t)(t_k - \bar t)}{S}, \qquad
+    \hat g_i(t) = \sum_k c_k(t)\, g_{t_k,i} + r_i .
+
+The weights :math:`c_k` (one line fit serves every element, since the
+abscissae are shared) are computed on the host in float64
+(:func:`trend_weights`); the kernel forms the weighted sum in one pass over
+the flat buffer (:mod:`arraytrain.kernels.trend`). With one record the fit is
+the constant through it (:math:`c = 1`): the prediction is the last recorded
+gradient plus the correction. ``H = 1`` therefore predicts "the last
+gradient", a useful baseline.
+
+Correction (:meth:`GradientPredictor.correct`), on a step whose true gradient
+:math:`g` was computed: an exponential moving average of the trend's residual,
+
+.. math::  r \leftarrow \beta r + (1 - \beta)\,\big(g - \textstyle\sum_k c_k(t)\, g_{t_k}\big),
+
+where the trend excludes the correction (including it would make the fixed
+point :math:`r = \text{residual}/2`), fused in the same pass with recording
+:math:`g` into the ring. The idea and the FULL / PREDICT / CORRECT cycle come
+from vsa-optim-rs (``prediction`` and ``phase`` modules); the trend here is the
+closed-form least-squares line.
+
+Memory: ``(H + 1) * n`` elements of the buffer's dtype (the ring and the
+correction), ``n`` the flat size of the layout.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+
+from ._checks import check_int, check_number
+from .backend import NUMPY, backend_of
+from .buffer import FlatBuffer
+from .errors import (
+    AliasingError,
+    ArgumentTypeError,
+    BackendUnavailableError,
+    DTypeError,
+    HyperparameterError,
+    LayoutError,
+    NoGradientsError,
+    ReadOnlyError,
+    StateDictError,
+)
+from .layout import Layout
+
+KERNELS = ("numba", "reference")
+
+
+def trend_weights(steps, count: int, t: float) -> np.ndarray:
+    r"""Weights ``c`` (float64, one per ring slot) of the least-squares line through
+    the first ``count`` slots' steps, evaluated at ``t``; unused slots get 0.
+
+    ``sum(c) == 1`` and ``sum(c * steps) == t``, so a gradient that is exactly
+    linear in the step is reproduced exactly (up to rounding). One record: ``c = 1``.
+    """
+    steps = np.asarray(steps, dtype=np.float64)
+    c = np.zeros(steps.size, dtype=np.float64)
+    if count == 1:
+        c[0] = 1.0
+    elif count > 1:
+        ts = steps[:count]
+        mean = ts.mean()
+        d = ts - mean
+        c[:count] = 1.0 / count + (float(t) - mean) * d / float(d @ d)
+    return c
+
+
+def _kernels(impl: str):
+    if impl == "numba":
+        from .kernels import cpu, trend
+
+        return trend, cpu
+    from .kernels import reference, trend_reference
+
+    return trend_reference, reference
+
+
+class GradientPredictor:
+    """Predict gradients from a linear trend over the last ``history`` recorded ones.
+
+    Parameters
+    ----------
+    layout_or_params : Layout, FlatBuffer or mapping name -> array
+        What the gradients look like: a flat buffer of this layout (padding
+        included, as ``engine.grads.flat``). A FlatBuffer or a mapping also
+        gives the dtype.
+    history : int >= 1
+        ``H``, the gradients kept in the ring.
+    correction_beta : float in [0, 1]
+        Decay of the correction's moving average; 1 keeps the correction at 0.
+    dtype : float32 or float64, optional
+        Storage dtype for a Layout (default float32); must agree with a
+        FlatBuffer's or mapping's.
+    kernels : "numba" or "reference"
+
+    Usage: :meth:`record` true gradients, :meth:`predict` into a buffer,
+    :meth:`correct` with a true gradient (updates the correction and records
+    it). Steps must increase strictly from one record to the next. A gradient
+    with a NaN or Inf is not recorded: :meth:`record` and :meth:`correct`
+    return False and change nothing. Memory: ``(history + 1) * n`` elements
+    (:attr:`nbytes`).
+    """
+
+    def __init__(self, layout_or_params, history: int = 4, correction_beta: float = 0.9, *, dtype=None,
+                 kernels: str = "numba"):
+        self.history = check_int("history", history, 1)
+        self.correction_beta = check_number("correction_beta", correction_beta, 0.0, 1.0)
+        if kernels not in KERNELS:
+            raise HyperparameterError(f"kernels: expected one of {KERNELS}, got {kernels!r}")
+        layout, found = self._layout_of(layout_or_params)
+        if dtype is not None and found is not None and np.dtype(dtype) != found:
+            raise DTypeError(f"dtype: the parameters are {found}, got dtype={np.dtype(dtype)}")
+        dtype = np.dtype(dtype if dtype is not None else (found if found is not None else np.float32))
+        if dtype not in (np.float32, np.float64):
+            raise DTypeError(f"dtype: the trend kernels run on float32 or float64, got {dtype}")
+        self.layout, self.dtype, self.kernels = layout, dtype, kernels
+        self._trend, self._base = _kernels(kernels)
+        n = layout.size
+        self._ring = np.zeros((self.history, n), dtype=dtype)
+        self._slots = [FlatBuffer(layout, self._ring[k]) for k in range(self.history)]
+        self.correction = FlatBuffer.zeros(layout, dtype)
+        self._steps = np.zeros(self.history, dtype=np.int64)
+        self.count = 0    # records held (<= history)
+        self._head = 0    # the slot the next record goes to (the oldest once the ring is full)
+
+    @staticmethod
+    def _layout_of(obj):
+        if isinstance(obj, Layout):
+            return obj, None
+        if isinstance(obj, FlatBuffer):
+            if backend_of(obj.flat) != NUMPY:
+                raise BackendUnavailableError("layout_or_params: the trend kernels run on NumPy buffers only")
+            return obj.layout, obj.dtype
+        if isinstance(obj, Mapping):
+            dtypes = [np.asarray(a).dtype for a in obj.values()]
+            found = np.result_type(*dtypes) if dtypes else None
+            return Layout.from_arrays(obj), found
+        raise ArgumentTypeError(f"layout_or_params: expected a Layout, FlatBuffer or mapping name -> array, "
+                                f"got {type(obj).__name__}")
+
+    # -- properties ---------------------------------------------------------------------
+    @property
+    def nbytes(self) -> int:
+        """Bytes held: ``(history + 1) * n * itemsize``."""
+        return self._ring.nbytes + self.correction.flat.nbytes
+
+    @property
+    def last_step(self) -> int | None:
+        """The step of the newest record (None before the first)."""
+        return None if self.count == 0 else int(self._steps[(self._head - 1) % self.history])
+
+    @property
+    def steps(self) -> list[int]:
+        """Recorded steps, oldest first."""
+        order = [(self._head - self.count + j) % self.history for j in range(self.count)]
+        return [int(self._steps[k]) for k in order]
+
+    def weights(self, step: int) -> np.ndarray:
+        """The per-slot weights :math:`c_k` of a prediction at ``step`` (float64)."""
+        # slots in use are 0..count-1 (the ring fills from slot 0), in any order of steps
+        c = np.zeros(self.history, dtype=np.float64)
+        if self.count:
+            c[: self.count] = trend_weights(self._steps[: self.count], self.count, step)[: self.count]
+        return c
+
+    # -- validation ---------------------------------------------------------------------
+    def _grad(self, g, name: str):
+        if isinstance(g, FlatBuffer):
+            if g.layout != self.layout:
+                raise LayoutError(f"{name}: FlatBuffer layout differs from the predictor's")
+            g = g.flat
+        if not isinstance(g, np.ndarray):
+            raise ArgumentTypeError(f"{name}: expected a flat NumPy array or FlatBuffer, got {type(g).__name__}")
+        if g.dtype != self.dtype:
+            raise DTypeError(f"{name}: expected dtype {self.dtype}, got {g.dtype}")
+        if g.ndim != 1 or g.shape[0] != self.layout.size:
+            raise LayoutError(f"{name}: expected a 1-D array of {self.layout.size} elements, got shape {g.shape}")
+        if not g.flags.c_contiguous:
+            raise LayoutError(f"{name}: the array must be contiguous")
+        if np.shares_memory(g, self._ring) or np.shares_memory(g, self.correction.flat):
+            raise AliasingError(f"{name}: shares memory with the predictor's own buffers")
+        return g
+
+    def _next_step(self, step) -> int:
+        last = self.last_step
+        return check_int("step", step, 0 if last is None else last + 1)
+
+    # -- the operations ------------------------------------------------------------------
+    def record(self, grad_flat, step: int) -> bool:
+        """Record a true gradient taken at ``step`` (> the last recorded step).
+
+        Returns False, changing nothing, when the gradient has a NaN or Inf.
+        """
+        g = self._grad(grad_flat, "grad_flat")
+        step = self._next_step(step)
+        if not self._base.all_finite(g):
+            return False
+        self._ring[self._head] = g
+        self._commit(step)
+        return True
+
+    def _commit(self, step: int) -> None:
+        self._steps[self._head] = step
+        self._head = (self._head + 1) % self.history
+        self.count = min(self.count + 1, self.history)
+
+    def predict(self, step: int, out=None):
+        """The predicted gradient at ``step`` written into ``out`` (or a new array); returns it."""
+        step = check_int("step", step, 0)
+        if out is None:
+            out = np.empty(self.layout.size, dtype=self.dtype)
+        else:
+            out = self._grad(out, "out")
+            if not out.flags.writeable:
+                raise ReadOnlyError("out: the array is read-only")
+        if self.count == 0:
+            raise NoGradientsError("predict: no gradient has been recorded yet")
+        self._trend.trend_predict(self._ring, self.weights(step), self.correction.flat, out)
+        return out
+
+    def correct(self, grad_flat, step: int) -> bool:
+        """Update the correction with the trend's residual at ``step`` and record the gradient.
+
+        Before the first record there is no trend: the gradient is only
+        recorded. Returns False, changing nothing, for a NaN/Inf gradient.
+        """
+        g = self._grad(grad_flat, "grad_flat")
+        step = self._next_step(step)
+        if not self._base.all_finite(g):
+            return False
+        if self.count == 0:
+            self._ring[self._head] = g
+        else:
+            self._trend.trend_correct(self._ring, self.weights(step), self.correction.flat, g, self._head,
+                                      self.correction_beta)
+        self._commit(step)
+        return True
+
+    def reset(self) -> None:
+        """Forget every record and zero the correction."""
+        self._ring.fill(0)
+        self.correction.flat.fill(0)
+        self._steps.fill(0)
+        self.count, self._head = 0, 0
+
+    # -- state ---------------------------------------------------------------------------
+    def state_dict(self, copy: bool = True) -> dict:
+        """Name-keyed arrays (ring slot ``k`` under ``history[str(k)]``, the correction) and scalars.
+
+        The slots keep their physical order, so a loaded predictor sums them
+        in the same order: its predictions are bitwise those of the original.
+        """
+        return {
+            "history": {str(k): buf.as_dict(copy=copy) for k, buf in enumerate(self._slots)},
+            "correction": self.correction.as_dict(copy=copy),
+            "steps": [int(s) for s in self._steps],
+            "count": self.count,
+            "head": self._head,
+            "history_size": self.history,
+        }
+
+    def load_state_dict(self, state: Mapping) -> None:
+        """Load :meth:`state_dict` output; everything is validated before anything is written."""
+        try:
+            hist, corr = state["history"], state["correction"]
+            steps, count, head, size = state["steps"], state["count"], state["head"], state["history_size"]
+        except (KeyError, TypeError) as exc:
+            raise StateDictError(f"predictor state dict lacks {exc}") from None
+        if size != self.history:
+            raise StateDictError(f"history_size: the predictor keeps {self.history}, the state {size!r}")
+        count = check_int("count", count, 0, self.history, error=StateDictError)
+        head = check_int("head", head, 0, self.history - 1, error=StateDictError)
+        if count < self.history and head != count:
+            raise StateDictError(f"head: expected {count} with {count} records, got {head}")
+        if not isinstance(steps, (list, tuple)) or len(steps) != self.history:
+            raise StateDictError(f"steps: expected a list of {self.history} ints, got {steps!r}")
+        steps = [check_int(f"steps[{k}]", s, 0, error=StateDictError) for k, s in enumerate(steps)]
+        order = [(head - count + j) % self.history for j in range(count)]
+        if any(steps[a] >= steps[b] for a, b in zip(order, order[1:])):
+            raise StateDictError(f"steps: recorded steps must increase from the oldest slot on, got {steps}")
+        if not isinstance(hist, Mapping) or set(hist) != {str(k) for k in range(self.history)}:
+            raise StateDictError(f"history: expected slots {[str(k) for k in range(self.history)]}")
+        try:
+            checked = [(self._slots[k], self._slots[k].check(hist[str(k)])) for k in range(self.history)]
+            checked.append((self.correction, self.correction.check(corr)))
+        except (LayoutError, KeyError, ValueError, TypeError) as exc:
+            raise StateDictError(f"predictor state dict does not match the layout: {exc}") from exc
+        for buf, arrays in checked:
+            buf.assign(arrays)
+        self._steps[...] = steps
+        self.count, self._head = count, head
+
+    def __repr__(self) -> str:
+        return (f"GradientPredictor(history={self.history}, correction_beta={self.correction_beta}, "
+                f"n={self.layout.size}, dtype={self.dtype}, records={self.count})")
