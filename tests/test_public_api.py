@@ -92,6 +92,16 @@ def test_all_is_pinned():
         assert hasattr(arraytrain, name), name
 
 
+COMPRESS_ALL = ["Compressor", "Domain", "ErrorFeedback", "Int8Block", "Payload", "PowerSGD", "RandomK", "Segment",
+                "Sign", "Ternary", "TopK", "VSA"]
+
+
+def test_compress_all_is_pinned():
+    assert sorted(arraytrain.compress.__all__) == COMPRESS_ALL
+    for name in arraytrain.compress.__all__:
+        assert hasattr(arraytrain.compress, name), name
+
+
 def test_optim_all_is_pinned():
     assert sorted(arraytrain.optim.__all__) == OPTIM_ALL
     for name in arraytrain.optim.__all__:
