@@ -20,23 +20,29 @@ contiguous 1-D array.
 from __future__ import annotations
 
 import numpy as np
-from numba import prange
+from numba import njit, prange
 
-from .cpu import BLOCK, _pick, _twins
+from .cpu import BLOCK, JIT, _pick, _twins
+
+
+@njit(inline="always", **JIT)
+def _trend(hist, n, c, lo, hi):
+    """``sum_k c[k] * hist[k, lo:hi]`` in float64 (slots with a zero weight are skipped)."""
+    acc = np.zeros(hi - lo, dtype=np.float64)
+    for k in range(c.size):
+        ck = c[k]
+        if ck != 0.0:
+            hk = hist[k * n + lo : k * n + hi]
+            for i in range(acc.size):
+                acc[i] += ck * np.float64(hk[i])
+    return acc
 
 
 def _predict(hist, n, c, corr, out):
-    nslots = c.size
     for b in prange((n + BLOCK - 1) // BLOCK):
         lo = b * BLOCK
         hi = min(lo + BLOCK, n)
-        acc = np.zeros(hi - lo, dtype=np.float64)
-        for k in range(nslots):
-            ck = c[k]
-            if ck != 0.0:
-                hk = hist[k * n + lo : k * n + hi]
-                for i in range(acc.size):
-                    acc[i] += ck * np.float64(hk[i])
+        acc = _trend(hist, n, c, lo, hi)
         ob, rb = out[lo:hi], corr[lo:hi]
         for i in range(acc.size):
             ob[i] = acc[i] + np.float64(rb[i])
@@ -52,17 +58,10 @@ def trend_predict(hist, c, corr, out):
 
 
 def _correct(hist, n, c, corr, g, slot, beta, beta_c):
-    nslots = c.size
     for b in prange((n + BLOCK - 1) // BLOCK):
         lo = b * BLOCK
         hi = min(lo + BLOCK, n)
-        acc = np.zeros(hi - lo, dtype=np.float64)
-        for k in range(nslots):
-            ck = c[k]
-            if ck != 0.0:
-                hk = hist[k * n + lo : k * n + hi]
-                for i in range(acc.size):
-                    acc[i] += ck * np.float64(hk[i])
+        acc = _trend(hist, n, c, lo, hi)
         # the trend is complete for this block before its slot is overwritten
         rb, gb, sb = corr[lo:hi], g[lo:hi], hist[slot * n + lo : slot * n + hi]
         for i in range(acc.size):
