@@ -3,8 +3,8 @@
 Kernels: numba == reference with a random mask for every optimizer (params and every
 slot, STEPS steps, zero-size parameters first/middle/last, float32 and float64, with and
 without a working copy); pruned weights exactly +0 after many steps with momentum and
-weight decay; an all-ones mask == mask=None bitwise; the unpruned weights of an
-element-wise optimizer follow the unmasked run bitwise.
+weight decay; an all-ones mask == mask=None; the unpruned weights of an
+element-wise optimizer follow the unmasked run (to rounding: separately compiled loops).
 """
 
 from __future__ import annotations
@@ -157,7 +157,10 @@ def test_working_copy_sees_the_masked_weights(name, working, rng):
 
 @pytest.mark.parametrize("kernels", [cpu, ref], ids=["numba", "reference"])
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
-def test_all_ones_mask_equals_no_mask_bitwise(name, kernels, rng):
+def test_all_ones_mask_equals_no_mask(name, kernels, rng):
+    """An all-ones mask changes nothing. The masked and mask-free loops are compiled
+    separately and fastmath's ``contract`` lets LLVM fuse multiply-adds differently in
+    each, so the numba runs agree to rounding (1 ulp seen), not always to the bit."""
     layout = _layout(70001)  # the parallel twins
     opt, runs = _runs(name, layout, np.float32, rng)
     runs = {"none": runs["cpu"], "ones": (runs["cpu"][0].copy(), opt.init(runs["cpu"][0]))}
@@ -168,15 +171,16 @@ def test_all_ones_mask_equals_no_mask_bitwise(name, kernels, rng):
         g0 = random_flat(layout, np.float32, rng)
         _step(opt, kernels, runs["none"], g0, None, t)
         _step(opt, kernels, runs["ones"], g0, ones, t)
-        assert runs["none"][0].flat.tobytes() == runs["ones"][0].flat.tobytes()
+        assert_close(runs["ones"][0].flat, runs["none"][0].flat, np.float32, err_msg=f"params, step {t}")
         for slot, buf in runs["none"][1].slots.items():
-            assert buf.flat.tobytes() == runs["ones"][1].slots[slot].flat.tobytes(), slot
+            assert_close(runs["ones"][1].slots[slot].flat, buf.flat, np.float32, err_msg=f"{slot}, step {t}")
 
 
 @pytest.mark.parametrize("name", ELEMENTWISE)
 def test_pruned_weights_stay_zero_and_the_rest_follow_the_unmasked_run(name, rng):
-    """60 steps with momentum and weight decay: pruned weights exactly 0, the others bitwise
-    equal to a run without a mask (element-wise updates do not couple weights)."""
+    """60 steps with momentum and weight decay: pruned weights exactly 0, the others equal
+    to a run without a mask (element-wise updates do not couple weights; to rounding, as
+    the two loops are compiled separately: see test_all_ones_mask_equals_no_mask)."""
     layout = _layout(5000)
     opt, runs = _runs(name, layout, np.float32, rng)
     mask = _random_mask(layout, rng, keep=0.5)
@@ -188,7 +192,7 @@ def test_pruned_weights_stay_zero_and_the_rest_follow_the_unmasked_run(name, rng
     p, unmasked = runs["cpu"][0].flat, runs["ref"][0].flat
     assert np.all(p[pruned] == 0) and not np.any(np.signbit(p[pruned]))
     assert np.any(unmasked[pruned] != 0)  # without the mask momentum and decay move them
-    assert p[kept].tobytes() == unmasked[kept].tobytes()
+    assert_close(p[kept], unmasked[kept], np.float32)
 
 
 def test_engine_free_training_keeps_the_pattern(rng):
