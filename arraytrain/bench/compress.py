@@ -16,7 +16,6 @@ import argparse
 import json
 import statistics
 import sys
-import time
 
 import numpy as np
 
@@ -51,18 +50,12 @@ def layout_for(method: str, n: int):
     return Layout({f"p{i}": (per,) for i in range(100)})
 
 
-def _best(fn, reps: int) -> float:
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
-
-
 def main(argv=None) -> int:
     from ..compress import ErrorFeedback
-    from .compare import make_triad
+    from .compare import _timeit, make_triad
+
+    def best(fn, reps):
+        return min(_timeit(fn, reps))
 
     p = argparse.ArgumentParser(prog="python -m arraytrain.bench compress", description=__doc__.split("\n\n")[0])
     p.add_argument("--methods", default=",".join(METHODS))
@@ -106,10 +99,10 @@ def main(argv=None) -> int:
                           "samples": {"compress": []}})
     triads = []
     for _ in range(args.rounds):
-        triads.append(triad_bytes / _best(triad_fn, args.reps) / 1e9)
+        triads.append(triad_bytes / best(triad_fn, args.reps) / 1e9)
         for case in cases:
             for key, fn in case["fns"].items():
-                case["samples"][key].append(_best(fn, args.reps))
+                case["samples"][key].append(best(fn, args.reps))
     tri = statistics.median(triads)
     print(f"triad {tri:.1f} GB/s (median of {args.rounds} rounds); GB/s = float32 gradient bytes per second")
     print("| method | elements | payload bytes | x smaller | compress ms | GB/s | % triad | decompress ms | GB/s "
