@@ -13,7 +13,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from .backend import KERNEL_DTYPES, as_array, backend_of, same_backend
+from .backend import KERNEL_DTYPES, array_module, as_array, backend_of, same_backend
 from .buffer import FlatBuffer
 from .errors import AliasingError, ArgumentTypeError, ShapeMismatchError, UnknownParameterError
 
@@ -27,6 +27,7 @@ def check_grads(grads: Mapping, buf: FlatBuffer, protect: tuple = ()) -> dict:
     if not isinstance(grads, Mapping):
         raise ArgumentTypeError(f"grads must be a mapping name -> array, got {type(grads).__name__}")
     backend = backend_of(buf.flat)
+    xp = array_module(buf.flat)
     out = {}
     for name, g in grads.items():
         if name not in buf:
@@ -37,14 +38,14 @@ def check_grads(grads: Mapping, buf: FlatBuffer, protect: tuple = ()) -> dict:
         if tuple(arr.shape) != expected:
             raise ShapeMismatchError(name, expected, arr.shape)
         for flat in protect:
-            if arr.size and np.may_share_memory(arr, flat):
+            if arr.size and xp.may_share_memory(arr, flat):
                 raise AliasingError(
                     f"{name!r}: the gradient shares memory with an engine buffer; to hand gradients "
                     "over in place write them into engine.grads and call step() with no argument"
                 )
         if arr.dtype not in KERNEL_DTYPES:  # e.g. float16: cast here, before anything is written
             arr = arr.astype(buf.dtype)
-        out[name] = arr.reshape(-1)
+        out[name] = xp.ascontiguousarray(arr).reshape(-1)  # the CUDA kernels read dense memory
     return out
 
 

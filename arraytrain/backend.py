@@ -20,7 +20,7 @@ from types import ModuleType
 import ml_dtypes
 import numpy as np
 
-from .errors import BackendError, BackendUnavailableError, DTypeError
+from .errors import BackendError, BackendUnavailableError, DTypeError, HyperparameterError
 
 NUMPY, CUPY = "numpy", "cupy"
 KERNEL_IMPLS = ("numba", "reference")
@@ -37,6 +37,47 @@ def backend_of(x: object) -> str:
     if type(x).__module__.partition(".")[0] == "cupy":
         return CUPY
     raise BackendError(f"expected a NumPy or CuPy array, got {type(x).__name__}")
+
+
+def array_module(x) -> ModuleType:
+    """``numpy`` for a NumPy array, ``cupy`` for a CuPy array (imported only then)."""
+    if backend_of(x) == NUMPY:
+        return np
+    return importlib.import_module("cupy")
+
+
+DEVICES = ("cpu", "cuda")
+
+
+def to_device(flat, device: str | None, name: str = "params"):
+    """``flat`` on ``device`` ("cpu", "cuda" or None for where it is): the one explicit move.
+
+    Moving to "cuda" needs CuPy and a visible CUDA device; a clear
+    :class:`BackendUnavailableError` says which is missing.
+    """
+    if device is None:
+        return flat
+    if device not in DEVICES:
+        raise HyperparameterError(f"device: expected None, 'cpu' or 'cuda', got {device!r}")
+    here = "cpu" if backend_of(flat) == NUMPY else "cuda"
+    if device == here:
+        return flat
+    if device == "cpu":
+        return flat.get()
+    require_cuda(name)
+    return importlib.import_module("cupy").asarray(flat)
+
+
+def require_cuda(name: str = "device") -> None:
+    """Raise :class:`BackendUnavailableError` unless CuPy is installed and runs a kernel on a GPU."""
+    from .kernels.cuda._core import cupy, probe
+
+    cupy()  # the install hint when CuPy is missing
+    if not probe():
+        raise BackendUnavailableError(
+            f"{name}: CuPy is installed but no CUDA device ran a test kernel "
+            "(no GPU visible, CUDA_VISIBLE_DEVICES empty, or a driver older than CuPy's CUDA)"
+        )
 
 
 def _cupy(name: str) -> ModuleType:

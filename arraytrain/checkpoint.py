@@ -193,8 +193,8 @@ class _Encoder:
                     raise self.error(f"{_show(path)}: keys must be str, got {type(k).__name__} {k!r}")
                 out["$" + k if k.startswith("$") else k] = self.encode(v, path + (k,))
             return out
-        if _is_cupy(node):
-            raise self.error(f"{_show(path)}: a CuPy array; checkpoints hold NumPy arrays only (no CUDA backend yet)")
+        if _is_cupy(node):  # a CUDA engine's state: saving is the explicit move to the host
+            return {"$tensor": self._tensor(node.get(), path)}
         raise self.error(f"{_show(path)}: cannot store a {type(node).__name__} (expected an array, None, bool, "
                          "int, float, str, list, tuple or str-keyed mapping)")
 
@@ -230,7 +230,7 @@ def _summary(tree, tensors: dict) -> str:
         parts.append(f"{opt['type']}({args})" + (f", step {opt['step']}" if "step" in opt else ""))
     params = tree.get("params") if isinstance(tree, Mapping) else None
     if isinstance(params, Mapping):
-        arrays = [a for a in params.values() if isinstance(a, np.ndarray)]
+        arrays = [a for a in params.values() if isinstance(a, np.ndarray) or _is_cupy(a)]
         dtypes = ", ".join(sorted({str(a.dtype) for a in arrays}))
         size = f"{len(params)} parameters, {sum(a.size for a in arrays)} elements"
         parts.append(size + (f", {dtypes}" if dtypes else ""))
@@ -313,6 +313,10 @@ def _read(where: str, template) -> tuple:
             if a.shape != want.shape or a.dtype != want.dtype:  # agrees with the header, checked above
                 raise CheckpointError(f"{where}: tensor {key!r} reads back as {a.dtype}{a.shape}, "
                                       f"expected {want.dtype}{want.shape}")
+    # a CUDA engine: loading is the explicit move to the device, after every check passed
+    for key, want in checks:
+        if _is_cupy(want):
+            arrays[key] = _cupy_module(want).asarray(arrays[key])
     return _fill(tree, arrays), extra
 
 
@@ -492,7 +496,7 @@ def _match(where: str, path: tuple, got, want, specs: dict, checks: list) -> Non
     if not _has_arrays(want):
         if _has_arrays(got):
             fail(f"the checkpoint holds arrays where the engine holds {_what(want)}")
-    elif isinstance(want, np.ndarray):
+    elif isinstance(want, np.ndarray) or _is_cupy(want):
         if not isinstance(got, _Ref):
             fail(f"the engine holds an array, the checkpoint {_what(got)}")
         shape, code = specs[got.key]
@@ -518,8 +522,6 @@ def _match(where: str, path: tuple, got, want, specs: dict, checks: list) -> Non
             fail(f"{len(got)} items != engine's {len(want)}")
         for i, (g, w) in enumerate(zip(got, want)):
             _match(where, path + (i,), g, w, specs, checks)
-    elif _is_cupy(want):
-        fail("the engine holds a CuPy array; checkpoints load into NumPy engines only (no CUDA backend yet)")
     else:
         fail(f"the engine's state holds a {type(want).__name__}, which checkpoints do not store")
 
@@ -547,6 +549,12 @@ def _show(path: tuple) -> str:
 
 def _is_cupy(x) -> bool:
     return type(x).__module__.partition(".")[0] == "cupy"
+
+
+def _cupy_module(x):
+    import cupy  # only reached with a CuPy array in hand
+
+    return cupy
 
 
 def _fspath(path) -> str:

@@ -124,6 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--patience", type=_positive(int), help="early stopping on val_loss after this many epochs")
     t.add_argument("--seed", type=_nonnegative(int), default=0, help="seed of the split, weights and batch order")
     t.add_argument("--dtype", default="float32", choices=("float32", "float64"))
+    t.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                   help="where the model, the data and the engine live (cuda: CuPy, extra cuda12/cuda13)")
     t.add_argument("--data", metavar="FILE.npz", help="arrays X, y and optionally X_test, y_test")
     t.add_argument("--val-fraction", type=_fraction, default=0.15, help="default: 0.15")
     t.add_argument("--test-fraction", type=_fraction, default=0.2, help="without X_test (default: 0.2)")
@@ -222,6 +224,20 @@ def _fmt_split(split: dict) -> str:
     return ", ".join(parts)
 
 
+def _to_cuda(data):
+    """The data set's arrays on the current CUDA device (one explicit copy each)."""
+    import dataclasses
+
+    from .backend import require_cuda
+
+    require_cuda("--device cuda")
+    import cupy
+
+    arrays = {f.name: cupy.asarray(getattr(data, f.name)) for f in dataclasses.fields(data)
+              if f.name.startswith(("x_", "y_"))}
+    return dataclasses.replace(data, **arrays)
+
+
 # -- the command -----------------------------------------------------------------------------------
 def train(args) -> int:
     from . import nn
@@ -238,15 +254,17 @@ def train(args) -> int:
         raise UsageError(f"{PROG} train: error: --step-epochs applies to --schedule step only")
 
     data = _load_data(args)
+    if args.device == "cuda":
+        data = _to_cuda(data)
     model = nn.MLP([data.num_features, *args.hidden, data.num_classes], activation=args.activation,
                    dtype=np.dtype(args.dtype))
-    params = model.init(seed=args.seed)
+    params = model.init(seed=args.seed)  # NumPy: the engine moves them to the device once
     batches = math.ceil(len(data.y_train) / args.batch_size)
     sched = _schedule(args, max(1, batches // args.accumulation))
     extra_engine = {"schedule": sched} if sched is not None else {}
     try:
         engine = Engine(params, _optimizer(args), accumulation_steps=args.accumulation, max_grad_norm=args.clip,
-                        zero_grad_on_step=False, **extra_engine)
+                        zero_grad_on_step=False, device=args.device, **extra_engine)
     except TypeError as exc:
         if "schedule" in str(exc):
             raise UsageError(f"{PROG} train: error: --schedule/--warmup: this build's Engine takes no schedule") from None

@@ -11,7 +11,7 @@ import numpy as np
 from . import _intake
 from ._checks import check_int, check_number, check_positive
 from .amp import LossScaler, working_spec
-from .backend import backend_of, kernels_for
+from .backend import NUMPY, array_module, backend_of, kernels_for, to_device
 from .buffer import FlatBuffer
 from .compress._base import check_compressor
 from .errors import (
@@ -128,6 +128,20 @@ class Engine:
         window uses the exact local gradient (only the update's gradient is
         compressed, as in local-ascent distributed SAM).
 
+    device : None, "cpu" or "cuda"
+        Where the buffers live. None: where ``params`` are (NumPy arrays: the
+        CPU; CuPy arrays, or a FlatBuffer of them: the current CUDA device).
+        "cuda" with NumPy parameters copies them to the current CUDA device
+        once, here (the one explicit move; gradients must then arrive on that
+        device: a NumPy gradient is refused, never copied behind your back);
+        "cpu" with CuPy parameters copies them to the host.
+
+    On a CUDA device every stage is a CuPy raw kernel, one launch over the
+    whole buffer, and a step synchronises with the host once: after the norm
+    pass, to read the global and per-parameter norms and the non-finite flag
+    (the skip decision and the report). Micro-batches between boundaries do not
+    synchronise.
+
     Pruning: :meth:`set_mask` keeps a uint8 mask (1 keep, 0 pruned) that every
     optimizer kernel applies to the weights it writes, so pruned weights stay
     exactly zero through training.
@@ -143,7 +157,7 @@ class Engine:
                  max_grad_norm: float | None = None, reduction: str = "mean", missing: str = "error",
                  zero_grad_on_step: bool = True, dtype=None, kernels: str = "numba", schedule=None,
                  loss_scaler: LossScaler | None = None, working_dtype: str | None = None,
-                 max_consecutive_skips: int | None = 50, compressor=None):
+                 max_consecutive_skips: int | None = 50, compressor=None, device: str | None = None):
         if not isinstance(optimizer, Optimizer):
             raise ArgumentTypeError(f"optimizer: expected an arraytrain.optim.Optimizer, got {type(optimizer).__name__}")
         accumulation_steps = check_int("accumulation_steps", accumulation_steps, 1)
@@ -170,11 +184,14 @@ class Engine:
             self.params = FlatBuffer.from_arrays(params, dtype=dtype)
         else:
             raise ArgumentTypeError(f"params: expected a mapping name -> array or a FlatBuffer, got {type(params).__name__}")
+        moved = to_device(self.params.flat, device)
+        if moved is not self.params.flat:
+            self.params = FlatBuffer(self.params.layout, moved)
         if wspec is not None and self.params.dtype != np.float32:
             raise HyperparameterError(f"working_dtype: working copies need float32 parameters, got {self.params.dtype}")
         self._kernels = kernels_for(self.params.flat, kernels)
         if compressor is not None:
-            if not isinstance(self.params.flat, np.ndarray):
+            if backend_of(self.params.flat) != NUMPY:
                 raise BackendUnavailableError("compressor: the compressors run on NumPy buffers only (no CUDA kernels yet)")
             compressor.bind(self.params.layout, self.params.dtype)
         self.state = optimizer.init(self.params)  # validates overrides against the names
@@ -355,26 +372,28 @@ class Engine:
                 raise LayoutError(f"mask: its layout {mask.layout!r} differs from the parameters' {self.layout!r}")
             if mask.dtype != np.uint8:
                 raise DTypeError(f"mask: expected a uint8 buffer (1 keep, 0 pruned), got {mask.dtype}")
-            new = MaskBuffer(self.layout, mask.flat.copy())
+            host = mask.flat.get() if backend_of(mask.flat) != NUMPY else mask.flat.copy()
+            new = MaskBuffer(self.layout, host)
         elif isinstance(mask, Mapping):
             for name, m in mask.items():
                 if name not in self.layout:
                     raise LayoutError(f"mask: {name!r} is not a parameter; names: {list(self.layout.names)}")
-                a = np.asarray(m)
+                a = _host_array(m)
                 if a.shape != self.layout.shape(name):
                     raise LayoutError(f"mask[{name!r}]: expected shape {self.layout.shape(name)}, got {a.shape}")
                 if not (a.dtype == np.bool_ or np.issubdtype(a.dtype, np.integer)) or not np.isin(a, (0, 1)).all():
                     raise DTypeError(f"mask[{name!r}]: expected 0/1 values (bool or integer), got {a.dtype}")
             new = MaskBuffer.ones(self.layout)
             for name, m in mask.items():
-                new[name][...] = np.asarray(m)
+                new[name][...] = _host_array(m)
         else:
             raise ArgumentTypeError(f"mask: expected a uint8 FlatBuffer, a mapping name -> 0/1 array, or None; "
                                     f"got {type(mask).__name__}")
-        if not isinstance(self.params.flat, np.ndarray):
-            raise BackendUnavailableError("mask: pruning masks run on NumPy buffers only (no CUDA kernels yet)")
+        if backend_of(self.params.flat) != NUMPY:  # validated on the host; set_mask is the explicit move
+            new = MaskBuffer(self.layout, array_module(self.params.flat).asarray(new.flat))
         self.mask = new
-        np.multiply(self.params.flat, new.flat, out=self.params.flat, casting="unsafe")
+        xp = array_module(self.params.flat)
+        xp.multiply(self.params.flat, new.flat, out=self.params.flat, casting="unsafe")
         self._refresh_working()
 
     def zero_grad(self) -> None:
@@ -495,7 +514,8 @@ class Engine:
         out = {}
         for name in self.layout.names:
             a = arrays[name]
-            if not isinstance(a, np.ndarray) or a.dtype != np.uint8 or a.shape != self.layout.shape(name):
+            if (type(a) is not type(self.params.flat) or a.dtype != np.uint8
+                    or a.shape != self.layout.shape(name)):
                 raise StateDictError(f"mask[{name!r}]: expected uint8 of shape {self.layout.shape(name)}, "
                                      f"got {getattr(a, 'dtype', type(a).__name__)}{getattr(a, 'shape', '')}")
             out[name] = a
@@ -504,3 +524,10 @@ class Engine:
     def __repr__(self) -> str:
         return (f"Engine({self.params!r}, {self.optimizer!r}, accumulation_steps={self.accumulation_steps}, "
                 f"max_grad_norm={self.max_grad_norm}, backend={backend_of(self.params.flat)})")
+
+
+def _host_array(a) -> np.ndarray:
+    """A mask given by the caller, on the host for validation (a CuPy array is read back)."""
+    if type(a).__module__.partition(".")[0] == "cupy":
+        return a.get()
+    return np.asarray(a)

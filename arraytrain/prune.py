@@ -19,6 +19,7 @@ import math
 import numpy as np
 
 from ._checks import check_number
+from .backend import backend_of
 from .buffer import FlatBuffer
 from .errors import ArgumentTypeError, DTypeError, HyperparameterError, LayoutError
 from .layout import Layout
@@ -31,15 +32,14 @@ class MaskBuffer(FlatBuffer):
     """A :class:`~arraytrain.FlatBuffer` of dtype uint8: 1 = keep, 0 = pruned.
 
     ``mask[name]`` is a view shaped like the parameter. Padding elements between
-    parameters hold 1; no kernel reads them. NumPy only.
+    parameters hold 1; no kernel reads them. NumPy, or CuPy for a CUDA engine.
     """
 
     __slots__ = ()
 
     @staticmethod
     def _check_kind(flat) -> None:
-        if not isinstance(flat, np.ndarray):
-            raise ArgumentTypeError(f"flat: expected a NumPy array, got {type(flat).__name__}")
+        backend_of(flat)  # NumPy, or CuPy for a CUDA engine's mask
         if flat.dtype != np.uint8:
             raise DTypeError(f"flat: a mask is uint8 (1 = keep, 0 = pruned), got {flat.dtype}")
 
@@ -52,7 +52,7 @@ class MaskBuffer(FlatBuffer):
         return MaskBuffer(self.layout, self.flat.copy())
 
     def __repr__(self) -> str:
-        kept = sum(int(np.count_nonzero(v)) for v in self._views.values())
+        kept = sum(int((v != 0).sum()) for v in self._views.values())
         return f"MaskBuffer({len(self)} params, {kept}/{self.layout.num_elements} kept)"
 
 

@@ -58,5 +58,5 @@ class LAMB(Optimizer):
                                   self.per_param(state, "weight_decay"), self.b1, self.b2, self.eps, self.eps_root,
                                   1.0 - self.b1**t, 1.0 - self.b2**t, *working_args(working), zero_grad,
                                   mask=mask_arg(mask, params))
-        self.trust_ratio = np.asarray(ratio, np.float64)
+        self.trust_ratio = ratio  # float64, on the buffers' device
         state.step = t

@@ -83,4 +83,4 @@ class Sophia(Optimizer):
             view = h[layout.slice(name)]
             if view.size:
                 kernels.scale(view, b2)
-                kernels.accumulate(view, np.ascontiguousarray(est).reshape(-1), 1.0 - b2, False)
+                kernels.accumulate(view, est, 1.0 - b2, False)

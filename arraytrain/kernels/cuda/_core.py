@@ -1,0 +1,237 @@
+"""The machinery of the CUDA kernel family: CuPy, compiled modules, chunk tables, launches.
+
+Kernel sources are module-level constants of the sibling modules, compiled lazily
+by NVRTC through ``cupy.RawModule`` (one module per template instance, memoised per
+device; CuPy also keeps the compiled code in its on-disk kernel cache). Every source
+starts with :data:`HEADER`, which holds what all kernels share: the storage codecs
+(bfloat16 state and bfloat16/float16 working copies as uint16 bits, bit-exact with the
+CPU family's), the state accessors, the per-segment value accessor and the block
+reductions.
+
+Launch geometry is fixed by the layout alone, never by timing: element-wise kernels run
+one block of :data:`THREADS` threads per chunk of at most :data:`CHUNK` elements (a chunk
+lies inside one parameter, so per-parameter values are read once per block, as torch's
+multi-tensor-apply does), and reductions add float64 per-chunk partials per segment in a
+fixed tree order, so their bits do not change from run to run.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import numpy as np
+
+from ...errors import BackendUnavailableError
+
+THREADS = 256
+# Elements per block in element-wise and reduction kernels: 16 per thread, enough loads
+# in flight per thread to stream, and ~2.4e4 blocks at 1e8 elements (>> 132 SMs x 8).
+CHUNK = 4096
+# nvcc/NVRTC options shared by every module: C++17, IEEE division and square root (the
+# defaults; fast-math would flush denormals and approximate sqrt).
+OPTIONS = ("-std=c++17",)
+
+HEADER = r"""
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef long long i64;
+
+// -- storage codecs: round to nearest even, the same bits as the CPU family -------------
+__device__ __forceinline__ float bf16_decode(u16 h) { return __uint_as_float(((u32)h) << 16); }
+__device__ __forceinline__ u16 bf16_encode(float x) {
+    u32 u = __float_as_uint(x);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (u16)((u >> 16) | 0x40u);  // NaN stays a quiet NaN
+    return (u16)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+__device__ __forceinline__ u16 f16_encode(float x) {
+    u16 h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(x));
+    return h;
+}
+
+// -- state accessors: float/double storage as is, u16 storage as bfloat16 bits ----------
+template <typename S> struct state;
+template <> struct state<float> {
+    __device__ __forceinline__ static float load(const float* a, i64 i) { return a[i]; }
+    __device__ __forceinline__ static float store(float* a, i64 i, float x) { a[i] = x; return x; }
+};
+template <> struct state<double> {
+    __device__ __forceinline__ static double load(const double* a, i64 i) { return a[i]; }
+    __device__ __forceinline__ static double store(double* a, i64 i, double x) { a[i] = x; return x; }
+};
+template <> struct state<u16> {
+    __device__ __forceinline__ static float load(const u16* a, i64 i) { return bf16_decode(a[i]); }
+    // returns the value as stored, so the update continues from the rounded state
+    __device__ __forceinline__ static float store(u16* a, i64 i, float x) {
+        u16 h = bf16_encode(x); a[i] = h; return bf16_decode(h);
+    }
+};
+
+// -- the per-element epilogue: mask, working copy ---------------------------------------
+// WK: 0 no working copy, 1 bfloat16, 2 float16 (uint16 bits). MASK: a uint8 keep-mask.
+template <typename T, int WK, bool MASK>
+__device__ __forceinline__ void store_param(T* p, u16* w, const unsigned char* mask, i64 i, T x) {
+    if (MASK) { if (mask[i] == 0) x = (T)0; }  // a pruned weight is an exact +0, NaN or not
+    p[i] = x;
+    if (WK == 1) w[i] = bf16_encode((float)x);
+    if (WK == 2) w[i] = f16_encode((float)x);
+}
+
+// A per-segment hyperparameter: an array indexed by segment, or one value for all
+// (a null pointer): no host-to-device copy when every parameter shares the value.
+template <typename T>
+__device__ __forceinline__ T seg_value(const T* a, T a0, int seg) { return a ? a[seg] : a0; }
+
+// -- the chunk table: rows [start, stop, segment] ------------------------------------
+struct chunk { i64 lo, hi; int seg; };
+__device__ __forceinline__ chunk load_chunk(const i64* chunks) {
+    const i64* c = chunks + 3 * (i64)blockIdx.x;
+    chunk r; r.lo = c[0]; r.hi = c[1]; r.seg = (int)c[2];
+    return r;
+}
+
+// -- block reductions in a fixed order (deterministic bits) -------------------------------
+template <bool MAX>
+__device__ __forceinline__ double combine(double a, double b) { return MAX ? fmax(a, b) : a + b; }
+
+template <bool MAX>
+__device__ double block_reduce(double x) {
+    __shared__ double warp_part[32];
+    const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
+    for (int o = 16; o > 0; o >>= 1) x = combine<MAX>(x, __shfl_down_sync(0xffffffffu, x, o));
+    if (lane == 0) warp_part[wid] = x;
+    __syncthreads();
+    x = (threadIdx.x < nw) ? warp_part[threadIdx.x] : 0.0;
+    if (wid == 0)
+        for (int o = 16; o > 0; o >>= 1) x = combine<MAX>(x, __shfl_down_sync(0xffffffffu, x, o));
+    __syncthreads();  // warp_part may be reused by a second reduction in the same kernel
+    return x;         // valid in thread 0
+}
+"""
+
+_cupy = None
+
+
+def cupy():
+    """CuPy, imported on first use; a clear error naming the extra when it is missing."""
+    global _cupy
+    if _cupy is None:
+        try:
+            import cupy as cp
+        except ImportError:
+            raise BackendUnavailableError(
+                "the CUDA backend needs CuPy: pip install 'arraytrain[cuda12]' or 'arraytrain[cuda13]' "
+                "(matching your CUDA driver)"
+            ) from None
+        _cupy = cp
+    return _cupy
+
+
+class Source:
+    """One CUDA source (a module constant) and the template instances it may be asked for.
+
+    ``instances`` lists every name expression (``"arraytrain_x<float,0>"``) the
+    launchers use, so that the build check compiles exactly what can run.
+    """
+
+    def __init__(self, code: str, instances):
+        self.code = HEADER + code
+        self.instances = tuple(instances)
+        self._functions = {}
+
+    def function(self, expr: str):
+        """The compiled kernel for ``expr`` on the current device (compiled on first use)."""
+        if expr not in self.instances:
+            raise KeyError(f"{expr!r} is not a declared instance of this source")
+        cp = cupy()
+        key = (expr, cp.cuda.Device().id)
+        fn = self._functions.get(key)
+        if fn is None:
+            mod = cp.RawModule(code=self.code, options=OPTIONS, name_expressions=(expr,))
+            fn = self._functions[key] = mod.get_function(expr)
+        return fn
+
+
+def ctype(dtype) -> str:
+    return {np.dtype(np.float32): "float", np.dtype(np.float64): "double", np.dtype(np.uint16): "u16"}[np.dtype(dtype)]
+
+
+def launch(fn, blocks: int, args) -> None:
+    if blocks > 0:
+        fn((int(blocks),), (THREADS,), tuple(args))
+
+
+# -- chunk tables, one per (pieces table, device), kept on the device ----------------------
+
+
+class Chunks:
+    """The layout's pieces cut into blocks of at most :data:`CHUNK` elements.
+
+    ``table``: (C, 3) int64 ``[start, stop, segment]`` on the device, ``count`` = C.
+    :meth:`seg_ranges` gives each segment's range of chunks (a segment's chunks are
+    consecutive), for the per-parameter reductions.
+    """
+
+    def __init__(self, pieces: np.ndarray):
+        rows = []
+        for lo, hi, seg in np.asarray(pieces).tolist():
+            for a in range(lo, hi, CHUNK):
+                rows.append((a, min(a + CHUNK, hi), seg))
+        self._host = np.asarray(rows, dtype=np.int64).reshape(-1, 3)
+        self.count = self._host.shape[0]
+        self.table = cupy().asarray(self._host)
+        self._ranges = {}
+
+    def seg_ranges(self, nseg: int):
+        """``(seg_lo, seg_hi)`` int64 device arrays of ``nseg`` segments."""
+        hit = self._ranges.get(nseg)
+        if hit is None:
+            segs, cp = self._host[:, 2], cupy()
+            s = np.arange(nseg)
+            hit = self._ranges[nseg] = (cp.asarray(np.searchsorted(segs, s, side="left").astype(np.int64)),
+                                        cp.asarray(np.searchsorted(segs, s, side="right").astype(np.int64)))
+        return hit
+
+
+_chunk_cache: dict = {}
+
+
+def chunks_for(pieces: np.ndarray) -> Chunks:
+    """The device chunk table of a Layout's ``pieces`` (built once per layout and device)."""
+    cp = cupy()
+    key = (id(pieces), cp.cuda.Device().id)
+    hit = _chunk_cache.get(key)
+    if hit is not None and hit[0]() is pieces:
+        return hit[1]
+    table = Chunks(pieces)
+    _chunk_cache[key] = (weakref.ref(pieces, lambda _r, k=key: _chunk_cache.pop(k, None)), table)
+    return table
+
+
+def seg_arg(values, dtype):
+    """A per-segment hyperparameter as (device array or null pointer, scalar): null when all are equal."""
+    a = np.asarray(values, np.float64).reshape(-1)
+    t = np.dtype(dtype).type
+    if a.size == 0:
+        return NULL, t(0)
+    if np.all(a == a[0]):
+        return NULL, t(a[0])
+    return cupy().asarray(a.astype(dtype)), t(0)
+
+
+NULL = np.uint64(0)  # a null pointer argument: CuPy packs an 8-byte zero
+
+
+def ptr(a):
+    """A kernel pointer argument: the array, or a null pointer for an absent or empty one."""
+    return a if a is not None and a.size else NULL
+
+
+def probe() -> bool:
+    """True when a CUDA device runs a tiny kernel here (CuPy imports without a GPU)."""
+    try:
+        cp = cupy()
+        x = cp.arange(4, dtype=cp.float32)
+        return float((x * 2).sum().get()) == 12.0
+    except Exception:
+        return False

@@ -1,0 +1,178 @@
+"""CUDA kernels: accumulate, scale, the reductions of the norm pass, working copies.
+
+Same names and signatures as :mod:`arraytrain.kernels.cpu`; what the CPU family returns
+as Python floats or NumPy arrays comes back the same way here, read from the device in
+one transfer (that read is the norm pass's one device-to-host synchronisation).
+
+Sums of squares: each chunk of the layout (at most ``CHUNK`` elements, one parameter)
+is reduced by one block into a float64 partial; one block per parameter then adds its
+chunks' partials, and one block adds the parameters', each in a fixed tree order, so
+the bits are the same on every run (they may differ from the CPU family's, which adds
+per 2**14-element piece).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ._core import CHUNK, THREADS, Source, chunks_for, ctype, cupy, launch
+
+_FLOATS = ("float", "double")
+
+SOURCE = Source(r"""
+template <typename TA, typename TG>
+__global__ void arraytrain_accumulate(TA* __restrict__ acc, const TG* __restrict__ g, i64 n, TA w, int overwrite) {
+    const i64 stride = (i64)gridDim.x * blockDim.x;
+    for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n; i += stride)
+        acc[i] = overwrite ? (TA)(w * g[i]) : (TA)(acc[i] + w * g[i]);
+}
+
+template <typename T>
+__global__ void arraytrain_scale(T* __restrict__ x, i64 n, T s) {
+    const i64 stride = (i64)gridDim.x * blockDim.x;
+    for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n; i += stride) x[i] *= s;
+}
+
+template <typename T>
+__global__ void arraytrain_all_finite(const T* __restrict__ x, i64 n, int* __restrict__ bad) {
+    const i64 stride = (i64)gridDim.x * blockDim.x;
+    int b = 0;
+    for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n; i += stride) b |= !isfinite((double)x[i]);
+    if (__syncthreads_or(b) && threadIdx.x == 0) atomicOr(bad, 1);
+}
+
+// OP 0: x^2, 1: (x*inv)^2, 2: (x*y)^2, 3: |x| (max). One float64 partial per chunk.
+template <typename T, int OP>
+__global__ void arraytrain_chunk_reduce(const T* __restrict__ x, const T* __restrict__ y, double inv,
+                                        const i64* __restrict__ chunks, double* __restrict__ part) {
+    const chunk c = load_chunk(chunks);
+    double acc = 0.0;
+    for (i64 i = c.lo + threadIdx.x; i < c.hi; i += blockDim.x) {
+        double xi = (double)x[i];
+        if (OP == 1) xi *= inv;
+        if (OP == 2) xi *= (double)y[i];
+        if (OP == 3) acc = fmax(acc, fabs(xi)); else acc += xi * xi;
+    }
+    acc = block_reduce<OP == 3>(acc);
+    if (threadIdx.x == 0) part[blockIdx.x] = acc;
+}
+
+// One block per segment: out[1 + s] = the segment's chunk partials combined.
+template <bool MAX>
+__global__ void arraytrain_seg_reduce(const double* __restrict__ part, const i64* __restrict__ seg_lo,
+                                      const i64* __restrict__ seg_hi, double* __restrict__ out) {
+    const int s = blockIdx.x;
+    double acc = 0.0;
+    for (i64 j = seg_lo[s] + threadIdx.x; j < seg_hi[s]; j += blockDim.x) acc = combine<MAX>(acc, part[j]);
+    acc = block_reduce<MAX>(acc);
+    if (threadIdx.x == 0) out[1 + s] = acc;
+}
+
+// One block: out[0] = out[1..nseg] combined.
+template <bool MAX>
+__global__ void arraytrain_total_reduce(double* __restrict__ out, int nseg) {
+    double acc = 0.0;
+    for (int s = threadIdx.x; s < nseg; s += blockDim.x) acc = combine<MAX>(acc, out[1 + s]);
+    acc = block_reduce<MAX>(acc);
+    if (threadIdx.x == 0) out[0] = acc;
+}
+
+template <int WK>
+__global__ void arraytrain_cast_working(u16* __restrict__ w, const float* __restrict__ p, const i64* __restrict__ chunks) {
+    const chunk c = load_chunk(chunks);
+    for (i64 i = c.lo + threadIdx.x; i < c.hi; i += blockDim.x)
+        w[i] = WK == 1 ? bf16_encode(p[i]) : f16_encode(p[i]);
+}
+""", [f"arraytrain_accumulate<{a},{g}>" for a in _FLOATS for g in _FLOATS]
+   + [f"arraytrain_scale<{t}>" for t in _FLOATS]
+   + [f"arraytrain_all_finite<{t}>" for t in _FLOATS]
+   + [f"arraytrain_chunk_reduce<{t},{op}>" for t in _FLOATS for op in range(4)]
+   + [f"arraytrain_{k}_reduce<{m}>" for k in ("seg", "total") for m in ("false", "true")]
+   + [f"arraytrain_cast_working<{k}>" for k in (1, 2)])
+
+_GRID_CAP = 132 * 16  # grid-stride kernels: enough blocks to fill an H100 several times
+
+
+def _grid(n: int) -> int:
+    return min(-(-n // (THREADS * 4)), _GRID_CAP)
+
+
+def accumulate(acc, g, w, overwrite):
+    """``acc = w * g`` if ``overwrite`` else ``acc += w * g`` (math in ``acc``'s dtype)."""
+    fn = SOURCE.function(f"arraytrain_accumulate<{ctype(acc.dtype)},{ctype(g.dtype)}>")
+    launch(fn, _grid(acc.size), (acc, g, np.int64(acc.size), acc.dtype.type(w), np.int32(bool(overwrite))))
+
+
+def scale(x, s):
+    """``x *= s``."""
+    launch(SOURCE.function(f"arraytrain_scale<{ctype(x.dtype)}>"), _grid(x.size),
+           (x, np.int64(x.size), x.dtype.type(s)))
+
+
+def all_finite(x):
+    """True when no element is NaN or +-Inf (reads a flag back: one synchronisation)."""
+    cp = cupy()
+    bad = cp.zeros(1, dtype=cp.int32)
+    launch(SOURCE.function(f"arraytrain_all_finite<{ctype(x.dtype)}>"), _grid(x.size), (x, np.int64(x.size), bad))
+    return not bool(bad.get()[0])
+
+
+def _reduce(op: int, x, y, inv, pieces, nseg):
+    """float64 ``out``: ``out[0]`` the total, ``out[1:]`` per segment (on the device)."""
+    cp = cupy()
+    out = cp.zeros(1 + nseg, dtype=cp.float64)
+    ch = chunks_for(pieces)
+    if ch.count == 0:
+        return out
+    part = cp.empty(ch.count, dtype=cp.float64)
+    t = ctype(x.dtype)
+    launch(SOURCE.function(f"arraytrain_chunk_reduce<{t},{op}>"), ch.count,
+           (x, x if y is None else y, np.float64(inv), ch.table, part))
+    m = "true" if op == 3 else "false"
+    seg_reduce(part, ch, nseg, out, m == "true")
+    return out
+
+
+def seg_reduce(part, ch, nseg, out, use_max=False):
+    """``out[1 + s]`` = segment ``s``'s chunk partials combined, ``out[0]`` = all of them (fixed order)."""
+    m = "true" if use_max else "false"
+    lo, hi = ch.seg_ranges(nseg)
+    launch(SOURCE.function(f"arraytrain_seg_reduce<{m}>"), nseg, (part, lo, hi, out))
+    launch(SOURCE.function(f"arraytrain_total_reduce<{m}>"), 1, (out, np.int32(nseg)))
+
+
+def _split(out):
+    host = out.get()  # one device-to-host transfer
+    return float(host[0]), host[1:]
+
+
+def sumsq(x, pieces, nseg):
+    """``(total, per_segment)`` sums of squares in float64, one pass (see the CPU twin)."""
+    return _split(_reduce(0, x, None, 1.0, pieces, nseg))
+
+
+def sumsq_device(x, pieces, nseg):
+    """:func:`sumsq` left on the device: float64 ``[total, per_segment...]`` (no synchronisation)."""
+    return _reduce(0, x, None, 1.0, pieces, nseg)
+
+
+def max_abs(x, pieces):
+    """Largest |element| over the pieces, for finite input (rescales a norm that overflowed)."""
+    nseg = int(np.asarray(pieces)[:, 2].max()) + 1 if len(pieces) else 0
+    return _split(_reduce(3, x, None, 1.0, pieces, nseg))[0]
+
+
+def sumsq_scaled(x, pieces, nseg, inv):
+    """Like :func:`sumsq` but of ``x * inv``: an overflow-safe second pass."""
+    return _split(_reduce(1, x, None, float(inv), pieces, nseg))
+
+
+def sumsq_product(x, y, pieces, nseg):
+    """``(total, per_segment)`` float64 sums of ``(x*y)^2`` over the pieces (ASAM's norm), one pass."""
+    return _split(_reduce(2, x, y, 1.0, pieces, nseg))
+
+
+def cast_working(w, p, pieces, kind):
+    """``w = lowp(p)``: (re)build a low-precision working copy (uint16 bits) from float32 params."""
+    ch = chunks_for(pieces)
+    launch(SOURCE.function(f"arraytrain_cast_working<{int(kind)}>"), ch.count, (w, p, ch.table))

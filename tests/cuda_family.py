@@ -1,0 +1,79 @@
+"""The CUDA kernel family seen through NumPy arrays, so the CPU family's tests run it unchanged.
+
+``ON_DEVICE.<kernel>(...)`` copies every NumPy array argument (buffers, slots, working
+copies, masks) to the GPU, runs the CUDA kernel, and copies each one back into the
+array it came from; host-side tables and per-parameter hyperparameters (``pieces``,
+``lr``, ...) stay NumPy, as the optimizers pass them. Arguments that are the same
+NumPy array share one device copy, so aliasing behaves as on the CPU.
+
+:func:`cuda_usable` probes by running a tiny kernel (CuPy imports fine without a GPU).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+
+import numpy as np
+import pytest
+
+from arraytrain.kernels import reference as ref
+
+# per-parameter values and the layout's tables: host arrays in the CUDA family's signatures too
+HOST_ARGS = {"pieces", "segs", "rows", "cols", "batches", "lr", "weight_decay", "step_size", "l2", "decay", "clr",
+             "rho"}
+
+
+@functools.lru_cache(maxsize=1)
+def cuda_usable() -> bool:
+    try:
+        from arraytrain.kernels.cuda._core import probe
+    except Exception:
+        return False
+    return probe()
+
+
+def require_cuda() -> None:
+    if not cuda_usable():
+        pytest.skip("no usable CUDA device (CuPy missing, or no GPU ran the probe kernel)")
+
+
+class OnDevice:
+    """The CUDA family behind NumPy arguments (see the module docstring)."""
+
+    def __getattr__(self, name):
+        from arraytrain.kernels import cuda
+
+        fn = getattr(cuda, name)
+        if not callable(fn):
+            return fn
+        if name == "adafactor_step":
+            pytest.skip("Adafactor has no CUDA kernels yet")
+        sig = inspect.signature(getattr(ref, name))
+
+        def call(*args, **kwargs):
+            import cupy as cp
+
+            bound = sig.bind(*args, **kwargs)
+            copies = {}
+            for key, value in bound.arguments.items():
+                if isinstance(value, np.ndarray) and key not in HOST_ARGS:
+                    if id(value) not in copies:
+                        copies[id(value)] = (value, cp.asarray(value))
+                    bound.arguments[key] = copies[id(value)][1]
+            out = fn(*bound.args, **bound.kwargs)
+            for host, dev in copies.values():
+                if host.flags.writeable:
+                    host[...] = dev.get()
+            if isinstance(out, cp.ndarray):
+                return out.get()
+            if isinstance(out, tuple):
+                return tuple(o.get() if isinstance(o, cp.ndarray) else o for o in out)
+            return out
+
+        call.__name__ = name
+        call.__signature__ = sig
+        return call
+
+
+ON_DEVICE = OnDevice()

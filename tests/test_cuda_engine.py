@@ -1,0 +1,216 @@
+"""The engine on CuPy buffers: against the CPU engine, intake from torch/JAX, checkpoints across devices.
+
+Every test runs on a GPU only (skipped after a probe that runs a tiny kernel).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import arraytrain as at
+from arraytrain.errors import BackendError, BackendUnavailableError
+from conftest import OPTIMIZER_CONFIGS, assert_close, engine_snapshot
+from cuda_family import require_cuda
+
+pytestmark = pytest.mark.usefixtures("gpu")
+
+SHAPES = {"empty": (0,), "fc1.weight": (64, 33), "fc1.bias": (64,), "fc2.weight": (10, 64), "fc2.bias": (10,)}
+# Adafactor has no CUDA kernels yet (refused with BackendUnavailableError, tested below)
+CUDA_CONFIGS = [row for row in OPTIMIZER_CONFIGS if row[1] != "Adafactor"]
+
+
+@pytest.fixture
+def gpu():
+    require_cuda()
+
+
+def _cp():
+    import cupy
+
+    return cupy
+
+
+def _params(rng, dtype=np.float32):
+    return {k: (rng.standard_normal(s) * 0.5).astype(dtype) for k, s in SHAPES.items()}
+
+
+def _host(engine_buf):
+    return {k: (v.get() if hasattr(v, "get") else v) for k, v in engine_buf.as_dict().items()}
+
+
+def _make(cls_name, kwargs):
+    return getattr(at.optim, cls_name)(**kwargs)
+
+
+@pytest.mark.parametrize("row", CUDA_CONFIGS, ids=[r[0] for r in CUDA_CONFIGS])
+@pytest.mark.parametrize("clip", [None, 1.0], ids=["noclip", "clip"])
+def test_cuda_engine_equals_cpu_engine(row, clip):
+    """50 steps (accumulation 2, large gradients) on both devices: params and every slot agree."""
+    _, cls_name, kwargs = row
+    rng = np.random.default_rng(7)
+    p0 = _params(rng)
+    cpu = at.Engine(p0, _make(cls_name, kwargs), accumulation_steps=2, max_grad_norm=clip)
+    gpu = at.Engine(p0, _make(cls_name, kwargs), accumulation_steps=2, max_grad_norm=clip, device="cuda")
+    assert type(gpu.params.flat).__module__.startswith("cupy")
+    for _ in range(100):
+        g = {k: (rng.standard_normal(s) * 1e3).astype(np.float32) for k, s in SHAPES.items()}
+        rc = cpu.step(g)
+        rg = gpu.step({k: _cp().asarray(v) for k, v in g.items()})
+        assert (rc.applied, rc.skipped) == (rg.applied, rg.skipped)
+        if rc.applied:
+            assert rg.grad_norm == pytest.approx(rc.grad_norm, rel=1e-6)
+    assert gpu.state.step == cpu.state.step == 50
+    for name, a in _host(gpu.params).items():
+        assert_close(a, cpu.params[name], err_msg=f"params[{name!r}]")
+    for slot, buf in gpu.state.slots.items():
+        for name, a in _host(buf).items():
+            assert_close(a, cpu.state.slots[slot][name], err_msg=f"{slot}[{name!r}]")
+
+
+def test_norm_pass_is_bitwise_repeatable():
+    rng = np.random.default_rng(1)
+    shapes = {"a": (1_000_003,), "b": (3, 70_001), "c": (0,), "d": (17,)}
+    g = {k: _cp().asarray(rng.standard_normal(s).astype(np.float32)) for k, s in shapes.items()}
+    out = []
+    for _ in range(5):
+        eng = at.Engine({k: np.zeros(s, np.float32) for k, s in shapes.items()}, at.optim.SGD(lr=0.1),
+                        device="cuda")
+        r = eng.step(g)
+        out.append((r.grad_norm, tuple(r.grad_norms.values())))
+    assert all(o == out[0] for o in out)
+    ref = np.sqrt(sum(float((v.get().astype(np.float64) ** 2).sum()) for v in g.values()))
+    assert out[0][0] == pytest.approx(ref, rel=1e-12)
+
+
+def test_nonfinite_step_changes_nothing_on_the_device():
+    rng = np.random.default_rng(2)
+    eng = at.Engine(_params(rng), at.optim.AdamW(lr=1e-2), device="cuda", loss_scaler=at.LossScaler())
+    g = {k: _cp().asarray(rng.standard_normal(s).astype(np.float32)) for k, s in SHAPES.items()}
+    eng.step(g)
+    before = {k: v.get().tobytes() for k, v in [("p", eng.params.flat)] + list((s, b.flat) for s, b in eng.state.slots.items())}
+    scale = eng.loss_scale
+    bad = dict(g)
+    bad["fc1.bias"] = bad["fc1.bias"].copy()
+    bad["fc1.bias"][3] = np.nan
+    r = eng.step(bad)
+    assert r.skipped and not r.applied and eng.state.step == 1 and eng.loss_scale == scale / 2
+    after = {k: v.get().tobytes() for k, v in [("p", eng.params.flat)] + list((s, b.flat) for s, b in eng.state.slots.items())}
+    assert after == before
+
+
+def test_numpy_gradient_to_a_cuda_engine_is_refused_and_nothing_changes():
+    rng = np.random.default_rng(3)
+    eng = at.Engine(_params(rng), at.optim.Adam(lr=1e-2), device="cuda")
+    snap = engine_snapshot_cuda(eng)
+    g = {k: rng.standard_normal(s).astype(np.float32) for k, s in SHAPES.items()}
+    with pytest.raises(BackendError, match="never moves data"):
+        eng.step(g)
+    assert engine_snapshot_cuda(eng) == snap
+
+
+def engine_snapshot_cuda(engine):
+    return {"params": engine.params.flat.get().tobytes(), "grads": engine.grads.flat.get().tobytes(),
+            "slots": {k: b.flat.get().tobytes() for k, b in engine.state.slots.items()},
+            "step": engine.state.step, "micro": engine.micro_batches}
+
+
+def test_device_argument_moves_once_and_back():
+    rng = np.random.default_rng(4)
+    p = _params(rng)
+    eng = at.Engine(p, at.optim.SGD(lr=0.1), device="cuda")
+    host = at.Engine({k: _cp().asarray(v) for k, v in p.items()}, at.optim.SGD(lr=0.1), device="cpu")
+    assert isinstance(host.params.flat, np.ndarray)
+    for k in p:
+        np.testing.assert_array_equal(eng.params[k].get(), p[k])
+        np.testing.assert_array_equal(host.params[k], p[k])
+    with pytest.raises(at.errors.HyperparameterError, match="device"):
+        at.Engine(p, at.optim.SGD(lr=0.1), device="gpu")
+    assert engine_snapshot(host)["step"] == 0
+
+
+def test_adafactor_is_refused_clearly_on_cuda():
+    rng = np.random.default_rng(5)
+    eng = at.Engine(_params(rng), at.optim.Adafactor(lr=0.1), device="cuda")
+    with pytest.raises(BackendUnavailableError, match="Adafactor"):
+        eng.step({k: _cp().zeros(s, np.float32) for k, s in SHAPES.items()})
+
+
+@pytest.mark.parametrize("make", [lambda: at.optim.AdamW(lr=1e-2, state_dtype="bfloat16"),
+                                  lambda: at.optim.SGD(lr=1e-2, momentum=0.9),
+                                  lambda: at.optim.LAMB(lr=1e-2)], ids=["adamw_bf16", "sgd", "lamb"])
+def test_checkpoint_moves_between_devices_bitwise(make, tmp_path):
+    """GPU engine -> file -> CPU engine -> file -> GPU engine: params and every slot bit for bit."""
+    rng = np.random.default_rng(6)
+    gpu = at.Engine(_params(rng), make(), device="cuda", schedule=at.schedules.Cosine(100))
+    for _ in range(3):
+        gpu.step({k: _cp().asarray(rng.standard_normal(s).astype(np.float32)) for k, s in SHAPES.items()})
+    at.save(tmp_path / "gpu.safetensors", gpu)
+    cpu = at.Engine(_params(np.random.default_rng(99)), make(), schedule=at.schedules.Cosine(100))
+    at.load(tmp_path / "gpu.safetensors", cpu)
+    assert cpu.state.step == gpu.state.step
+    for name in SHAPES:
+        np.testing.assert_array_equal(cpu.params[name].view(np.uint8), gpu.params[name].get().view(np.uint8))
+        for slot in gpu.state.slots:
+            a, b = cpu.state.slots[slot][name], gpu.state.slots[slot][name].get()
+            assert a.tobytes() == b.tobytes(), (slot, name)
+    at.save(tmp_path / "cpu.safetensors", cpu)
+    back = at.Engine(_params(np.random.default_rng(98)), make(), device="cuda", schedule=at.schedules.Cosine(100))
+    at.load(tmp_path / "cpu.safetensors", back)
+    assert back.params.flat.get().tobytes() == gpu.params.flat.get().tobytes()
+    for slot in gpu.state.slots:
+        assert back.state.slots[slot].flat.get().tobytes() == gpu.state.slots[slot].flat.get().tobytes()
+    # and the two continue identically
+    g = {k: _cp().asarray(rng.standard_normal(s).astype(np.float32)) for k, s in SHAPES.items()}
+    gpu.step(g)
+    back.step(g)
+    assert back.params.flat.get().tobytes() == gpu.params.flat.get().tobytes()
+
+
+def test_mask_and_working_copy_on_the_device():
+    rng = np.random.default_rng(8)
+    eng = at.Engine(_params(rng), at.optim.AdamW(lr=1e-2), device="cuda", working_dtype="bfloat16")
+    mask = {"fc1.weight": (rng.random(SHAPES["fc1.weight"]) > 0.5).astype(np.uint8)}
+    eng.set_mask(mask)
+    for _ in range(5):
+        eng.step({k: _cp().asarray(rng.standard_normal(s).astype(np.float32)) for k, s in SHAPES.items()})
+    w = eng.params["fc1.weight"].get()
+    assert not np.any(w[mask["fc1.weight"] == 0])
+    assert np.all(w[mask["fc1.weight"] == 1] != 0)
+    import ml_dtypes
+
+    np.testing.assert_array_equal(eng.working.flat.get().view(np.uint16),
+                                  eng.params.flat.get().astype(ml_dtypes.bfloat16).view(np.uint16))
+
+
+def test_torch_cuda_gradients_are_read_without_a_copy():
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch has no CUDA")
+    from arraytrain.backend import as_array
+
+    t = torch.randn(64, 33, device="cuda")
+    a = as_array(t, "fc1.weight")
+    assert a.data.ptr == t.data_ptr()
+    rng = np.random.default_rng(9)
+    eng = at.Engine(_params(rng), at.optim.SGD(lr=0.1), device="cuda")
+    grads = {k: torch.randn(*s, device="cuda") if s != (0,) else torch.zeros(0, device="cuda")
+             for k, s in SHAPES.items()}
+    before = eng.params["fc1.weight"].get()
+    eng.step(grads)
+    np.testing.assert_allclose(eng.params["fc1.weight"].get(), before - 0.1 * grads["fc1.weight"].cpu().numpy(),
+                               rtol=1e-6, atol=1e-6)
+
+
+def test_jax_gpu_gradients_are_read_without_a_copy():
+    jax = pytest.importorskip("jax")
+    try:
+        dev = jax.devices("gpu")[0]
+    except RuntimeError:
+        pytest.skip("JAX has no GPU")
+    from arraytrain.backend import as_array
+
+    x = jax.device_put(np.arange(12, dtype=np.float32).reshape(3, 4), dev)
+    a = as_array(x, "w")
+    assert a.data.ptr == x.unsafe_buffer_pointer()
+    np.testing.assert_array_equal(a.get(), np.arange(12, dtype=np.float32).reshape(3, 4))

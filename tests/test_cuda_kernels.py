@@ -1,0 +1,56 @@
+"""The CUDA kernel family against the reference twins: the CPU family's own tests, run on the GPU.
+
+Each test below is imported from the CPU kernel tests and runs with the module's fast
+family (``cpu``) swapped for the CUDA family behind NumPy arguments
+(``cuda_family.ON_DEVICE``): the same sizes (0, 1, 7, 1037, 278011 with zero-size
+parameters first, middle and last), steps, per-parameter hyperparameters, working
+copies, bfloat16 state, masks and NaN/Inf cases, and the same tolerances. Skipped
+without a usable GPU.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import test_amp
+import test_kernels
+import test_kernels_optim
+import test_prune
+import test_sam
+import test_sophia
+from cuda_family import ON_DEVICE, require_cuda
+
+# re-collected here; their globals stay those of their own module
+from test_amp import test_adam_bfloat16_state_kernel_matches_reference, test_cast_working_is_bitwise_the_numpy_cast  # noqa: F401
+from test_kernels import (  # noqa: F401
+    test_accumulate_matches_reference,
+    test_adam_step_matches_reference,
+    test_all_finite_detects_nonfinite,
+    test_all_finite_empty_buffer,
+    test_all_finite_true_on_finite_data,
+    test_identical_runs_are_bitwise_equal,
+    test_max_abs_matches_reference,
+    test_max_abs_with_inf,
+    test_scale_matches_reference,
+    test_sgd_step_matches_reference,
+    test_sumsq_matches_reference,
+    test_sumsq_nonfinite_total,
+    test_sumsq_scaled_matches_reference,
+)
+from test_kernels_optim import (  # noqa: F401
+    test_matches_reference,
+    test_nonfinite_gradient_propagates_as_reference,
+    test_working_copy_matches_reference,
+)
+from test_prune import test_masked_kernel_matches_reference, test_working_copy_sees_the_masked_weights  # noqa: F401
+from test_sam import test_perturb_kernel_matches_reference, test_sumsq_product_matches_reference  # noqa: F401
+from test_sophia import test_kernel_matches_reference, test_nonfinite_propagates_as_in_the_reference  # noqa: F401
+
+MODULES = (test_amp, test_kernels, test_kernels_optim, test_prune, test_sam, test_sophia)
+
+
+@pytest.fixture(autouse=True)
+def cuda_family(monkeypatch):
+    require_cuda()
+    for module in MODULES:
+        monkeypatch.setattr(module, "cpu", ON_DEVICE)
