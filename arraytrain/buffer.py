@@ -41,7 +41,7 @@ class FlatBuffer:
             raise LayoutError(f"flat: expected a 1-D array of {layout.size} elements, got shape {flat.shape}")
         if not flat.flags.c_contiguous:
             raise LayoutError("flat: the buffer must be contiguous")
-        if not flat.flags.writeable:
+        if not getattr(flat.flags, "writeable", True):  # CuPy arrays are always writable
             raise ReadOnlyError("flat: the buffer must be writable")
         self.layout = layout
         self.flat = flat

@@ -512,8 +512,23 @@ def first_step_seconds(cache_dir: str) -> float:
     return float(out.stdout.split()[-1])
 
 
+def _device(argv) -> str:
+    for i, a in enumerate(argv):
+        if a == "--device" and i + 1 < len(argv):
+            return argv[i + 1]
+        if a.startswith("--device="):
+            return a.split("=", 1)[1]
+    return "cpu"
+
+
 def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if _device(argv) == "cuda":  # the GPU comparison: arraytrain.bench.cuda
+        from .cuda import main as cuda_main
+
+        return cuda_main(argv)
     ap = argparse.ArgumentParser(prog="python -m arraytrain.bench compare", description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="cuda: see arraytrain.bench.cuda")
     ap.add_argument("--optimizers", default=",".join(DEFAULT_OPTIMIZERS),
                     help="comma-separated, from: " + ", ".join(OPTIMIZERS))
     ap.add_argument("--sizes", default="1e6,1e7", help="comma-separated parameter counts (1e8 needs ~4 GB)")

@@ -156,9 +156,20 @@ def ctype(dtype) -> str:
     return {np.dtype(np.float32): "float", np.dtype(np.float64): "double", np.dtype(np.uint16): "u16"}[np.dtype(dtype)]
 
 
+# Kernel launches and device-to-host reads since import (the benchmark reports them per step).
+counters = {"launches": 0, "syncs": 0}
+
+
 def launch(fn, blocks: int, args) -> None:
     if blocks > 0:
+        counters["launches"] += 1
         fn((int(blocks),), (THREADS,), tuple(args))
+
+
+def to_host(a) -> np.ndarray:
+    """A device array read back to the host: a synchronisation, counted."""
+    counters["syncs"] += 1
+    return a.get()
 
 
 # -- chunk tables, one per (pieces table, device), kept on the device ----------------------

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._core import CHUNK, THREADS, Source, chunks_for, ctype, cupy, launch
+from ._core import THREADS, Source, chunks_for, ctype, cupy, launch, to_host
 
 _FLOATS = ("float", "double")
 
@@ -114,7 +114,7 @@ def all_finite(x):
     cp = cupy()
     bad = cp.zeros(1, dtype=cp.int32)
     launch(SOURCE.function(f"arraytrain_all_finite<{ctype(x.dtype)}>"), _grid(x.size), (x, np.int64(x.size), bad))
-    return not bool(bad.get()[0])
+    return not bool(to_host(bad)[0])
 
 
 def _reduce(op: int, x, y, inv, pieces, nseg):
@@ -142,7 +142,7 @@ def seg_reduce(part, ch, nseg, out, use_max=False):
 
 
 def _split(out):
-    host = out.get()  # one device-to-host transfer
+    host = to_host(out)  # one device-to-host transfer
     return float(host[0]), host[1:]
 
 

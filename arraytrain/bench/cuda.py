@@ -1,0 +1,233 @@
+"""``python -m arraytrain.bench compare --device cuda``: one clipped optimizer step on a GPU.
+
+arraytrain's ``engine.step()`` (zero-copy path: the gradients are already in
+``engine.grads``; norm pass, one host synchronisation, one fused update) beside torch
+CUDA's ``clip_grad_norm_(foreach=True)`` + ``torch.optim.<X>(fused=True)`` and
+``(foreach=True)``, on the same parameters split into 100 tensors. Contestants
+alternate in blocks; every call is timed with CUDA events on each side's stream after
+a synchronisation, so the figure is device time plus the host gaps inside the step.
+The device's copy bandwidth (a device-to-device copy of 2 GB, bytes read plus bytes
+written) is measured in the same rotation. GB/s counts the bytes a fused clipped step
+cannot avoid (:func:`arraytrain.bench.compare.step_bytes`), for everyone alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+import numpy as np
+
+from .compare import ADAGRAD, BETAS, EPS, LAMB, LION, LR, MAX_NORM, MOMENTUM, N_TENSORS, NOT_AVAILABLE, RMSPROP, WD
+from .compare import _split, step_bytes
+
+BLOCK = 5
+DEFAULT_OPTIMIZERS = ("adamw", "adam", "sgd", "adagrad", "rmsprop", "lion", "lamb")
+CONTESTANTS = ("arraytrain", "torch-fused", "torch-foreach")
+
+
+def _cuda_data(n: int, seed: int = 0):
+    import cupy as cp
+
+    rs = cp.random.RandomState(seed)
+    sizes = _split(n)
+    return ([rs.standard_normal(k, dtype=cp.float32) for k in sizes],
+            [rs.standard_normal(k, dtype=cp.float32) for k in sizes])
+
+
+def _timer():
+    import cupy as cp
+
+    def time_call(fn) -> float:
+        cp.cuda.Device().synchronize()
+        start, end = cp.cuda.Event(), cp.cuda.Event()
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return cp.cuda.get_elapsed_time(start, end) / 1e3
+
+    return time_call
+
+
+def make_arraytrain(opt: str, n: int):
+    import arraytrain as at
+
+    params, grads = _cuda_data(n)
+    optimizer = {"adamw": lambda: at.optim.AdamW(LR, BETAS, EPS, WD),
+                 "adam": lambda: at.optim.Adam(LR, BETAS, EPS),
+                 "sgd": lambda: at.optim.SGD(LR, momentum=MOMENTUM),
+                 "adagrad": lambda: at.optim.Adagrad(**ADAGRAD),
+                 "rmsprop": lambda: at.optim.RMSprop(**RMSPROP),
+                 "lion": lambda: at.optim.Lion(**LION),
+                 "lamb": lambda: at.optim.LAMB(**LAMB)}[opt]()
+    engine = at.Engine({f"p{i}": p for i, p in enumerate(params)}, optimizer, max_grad_norm=MAX_NORM,
+                       zero_grad_on_step=False)
+    engine.grads.load({f"p{i}": g for i, g in enumerate(grads)})
+    del params, grads
+
+    def step():
+        engine.step()
+
+    step()
+    return step
+
+
+def make_torch(opt: str, n: int, mode: str):
+    why = NOT_AVAILABLE.get((f"torch-{mode}", opt))
+    if why is not None:
+        raise LookupError(why)
+    import torch
+
+    params, grads = _cuda_data(n)
+    ps = [torch.nn.Parameter(torch.from_dlpack(p)) for p in params]
+    for p, g in zip(ps, grads):
+        p.grad = torch.from_dlpack(g)
+    flag = {mode: True}
+    make = {"adamw": lambda: torch.optim.AdamW(ps, LR, BETAS, EPS, WD, **flag),
+            "adam": lambda: torch.optim.Adam(ps, LR, BETAS, EPS, **flag),
+            "sgd": lambda: torch.optim.SGD(ps, LR, momentum=MOMENTUM, **flag),
+            "adagrad": lambda: torch.optim.Adagrad(ps, **ADAGRAD, **flag),
+            "rmsprop": lambda: torch.optim.RMSprop(ps, **RMSPROP, **flag)}
+    if opt not in make:
+        raise LookupError(f"torch.optim has no {opt}")
+    optimizer = make[opt]()
+
+    def step():
+        torch.nn.utils.clip_grad_norm_(ps, MAX_NORM, foreach=True)
+        optimizer.step()
+
+    step()
+    return step
+
+
+def make_copy(nbytes: int = 2 << 30):
+    import cupy as cp
+
+    a = cp.ones(nbytes // 4, cp.float32)
+    b = cp.empty_like(a)
+
+    def copy():
+        cp.copyto(b, a)
+
+    copy()
+    return copy, 2 * nbytes
+
+
+def per_step_counts(opt: str, n: int = 1_000_000, steps: int = 5) -> dict:
+    """Kernel launches and host synchronisations per ``engine.step()`` (arraytrain's own counters)."""
+    from arraytrain.kernels.cuda import _core
+
+    step = make_arraytrain(opt, n)
+    before = dict(_core.counters)
+    for _ in range(steps):
+        step()
+    return {k: (_core.counters[k] - before[k]) / steps for k in before}
+
+
+def run(optimizers, sizes, reps, names=CONTESTANTS, log=print):
+    import torch  # noqa: F401  (initialises its CUDA context before the timings)
+
+    time_call = _timer()
+    copy, copy_bytes = make_copy()
+    copy_times, rows, unavailable = [], [], {}
+    for opt in optimizers:
+        for n in sizes:
+            contestants = {}
+            for name in names:
+                try:
+                    contestants[name] = (make_arraytrain(opt, n) if name == "arraytrain"
+                                         else make_torch(opt, n, name.split("-")[1]))
+                except LookupError as exc:
+                    unavailable[f"{name}/{opt}"] = str(exc)
+            contestants["copy"] = copy
+            times = {k: [] for k in contestants}
+            for _ in range(max(3, reps // BLOCK)):
+                for name, fn in contestants.items():
+                    fn()
+                    times[name] += [time_call(fn) for _ in range(BLOCK)]
+            copy_times += times.pop("copy")
+            rows.append({"optimizer": opt, "n": n, "times": times})
+            log(f"  timed {opt} n={n:.0e}: " + ", ".join(f"{k} {np.median(v) * 1e3:.3f} ms" for k, v in times.items()))
+            contestants.clear()
+            import cupy as cp
+
+            cp.get_default_memory_pool().free_all_blocks()
+    return rows, copy_bytes / float(np.median(copy_times)) / 1e9, unavailable
+
+
+def table(rows, copy_gbs) -> str:
+    out = ["| optimizer | params | contestant | min ms | median ms | GB/s | % copy | time / arraytrain |",
+           "|---|---:|---|---:|---:|---:|---:|---:|"]
+    for row in rows:
+        opt, n, times = row["optimizer"], row["n"], row["times"]
+        ours = float(np.median(times["arraytrain"]))
+        for name, t in times.items():
+            med = float(np.median(t))
+            gbs = step_bytes(opt) * n / med / 1e9
+            out.append(f"| {opt} | {n:.0e} | {name} | {min(t) * 1e3:.3f} | {med * 1e3:.3f} | {gbs:.0f} | "
+                       f"{100 * gbs / copy_gbs:.0f}% | {med / ours:.2f} |")
+    return "\n".join(out)
+
+
+def first_step_seconds(cache_dir: str) -> float:
+    """Interpreter start to the end of the first CUDA ``engine.step`` with CuPy's kernel cache in ``cache_dir``."""
+    code = (
+        "import time; t0 = time.perf_counter()\n"
+        "import numpy as np, cupy as cp, arraytrain as at\n"
+        "e = at.Engine({'w': np.ones((256, 256), np.float32)}, at.optim.AdamW(), max_grad_norm=1.0, device='cuda')\n"
+        "e.step({'w': cp.ones((256, 256), np.float32)})\n"
+        "print(time.perf_counter() - t0)\n"
+    )
+    env = dict(os.environ, CUPY_CACHE_DIR=cache_dir)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    return float(out.stdout.split()[-1])
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m arraytrain.bench compare --device cuda")
+    ap.add_argument("--device", default="cuda", choices=("cuda",))
+    ap.add_argument("--optimizers", default=",".join(DEFAULT_OPTIMIZERS))
+    ap.add_argument("--sizes", default="1e6,1e7,1e8", help="comma-separated parameter counts (1e9 needs ~40 GB)")
+    ap.add_argument("--contestants", default=",".join(CONTESTANTS))
+    ap.add_argument("--reps", type=int, default=30, help="timed calls per contestant (in blocks of 5)")
+    ap.add_argument("--startup", action="store_true", help="also time the first step with a cold/warm kernel cache")
+    ap.add_argument("--json", metavar="FILE")
+    args = ap.parse_args(argv)
+    from arraytrain.backend import require_cuda
+
+    require_cuda("--device cuda")
+    import cupy as cp
+
+    optimizers = [o.strip() for o in args.optimizers.split(",")]
+    names = [c.strip() for c in args.contestants.split(",")]
+    sizes = [int(float(s)) for s in args.sizes.split(",")]
+    rows, copy_gbs, unavailable = run(optimizers, sizes, args.reps, names, log=lambda s: print(s, file=sys.stderr))
+    props = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)
+    print(f"device: {props['name'].decode()}, CuPy {cp.__version__}; {N_TENSORS} tensors")
+    print(f"device-to-device copy bandwidth (median over the run, read + write): {copy_gbs:.0f} GB/s\n")
+    print(table(rows, copy_gbs))
+    counts = {opt: per_step_counts(opt) for opt in optimizers}
+    print("\nper engine.step(): " + "; ".join(f"{o} {c['launches']:.0f} launches, {c['syncs']:.0f} host sync"
+                                             for o, c in counts.items()))
+    if unavailable:
+        print("\nnot available: " + "; ".join(f"{k}: {v}" for k, v in unavailable.items()))
+    doc = {"copy_gbs": copy_gbs, "rows": rows, "counts": counts, "unavailable": unavailable,
+           "device": props["name"].decode()}
+    if args.startup:
+        with tempfile.TemporaryDirectory() as cache:
+            doc["startup"] = {"cold_s": first_step_seconds(cache), "warm_s": first_step_seconds(cache)}
+        print(f"\nfirst CUDA engine.step in a fresh process (import + NVRTC compile or cache load + step): "
+              f"cold kernel cache {doc['startup']['cold_s']:.2f} s, warm {doc['startup']['warm_s']:.2f} s")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(doc, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
