@@ -21,19 +21,26 @@ from ...errors import BackendUnavailableError
 from . import reductions
 from ._core import THREADS, Source, chunks_for, ctype, cupy, launch, ptr, seg_arg
 
-# Shared head of every update loop; the per-optimizer body sits between OPEN and CLOSE.
+# Shared head of every update loop; the per-optimizer body (one element ``i``) sits between
+# OPEN and CLOSE. Each thread takes ILP elements a blockDim apart per outer iteration, in an
+# unrolled inner loop, so their loads are in flight together (coalesced across the warp).
 _OPEN = r"""
     const chunk c = load_chunk(chunks);
-    #pragma unroll 4
-    for (i64 i = c.lo + threadIdx.x; i < c.hi; i += blockDim.x) {
+    for (i64 base = c.lo + threadIdx.x; base < c.hi; base += ILP * (i64)blockDim.x) {
+      #pragma unroll
+      for (int k = 0; k < ILP; ++k) {
+        const i64 i = base + k * (i64)blockDim.x;
+        if (i >= c.hi) break;
 """
 _CLOSE = r"""
         if (zero_grad) g[i] = (T)0;
+      }
     }
 """
 _TAIL = "u16* __restrict__ w, int zero_grad, const unsigned char* __restrict__ mask"
 
 SOURCE = Source(r"""
+#define ILP 4
 template <typename T> __device__ __forceinline__ T nan_max(T a, T b) { return (isnan(a) || isnan(b)) ? a + b : (a > b ? a : b); }
 // sign that keeps NaN (np.sign)
 template <typename T> __device__ __forceinline__ T sign_of(T x) { return x > (T)0 ? (T)1 : (x < (T)0 ? (T)-1 : x); }
@@ -201,12 +208,16 @@ __global__ void arraytrain_lamb_apply(T* __restrict__ p, const S* __restrict__ m
         T inv_bc2, T eps, T eps_root, u16* __restrict__ w, const unsigned char* __restrict__ mask) {
     const chunk c = load_chunk(chunks);
     const T wd_s = seg_value(wd, wd0, c.seg), st = step[c.seg];
-    #pragma unroll 4
-    for (i64 i = c.lo + threadIdx.x; i < c.hi; i += blockDim.x) {
+    for (i64 base = c.lo + threadIdx.x; base < c.hi; base += ILP * (i64)blockDim.x) {
+      #pragma unroll
+      for (int k = 0; k < ILP; ++k) {
+        const i64 i = base + k * (i64)blockDim.x;
+        if (i >= c.hi) break;
         const T pi = p[i];
         const T u = ((T)state<S>::load(m, i) * inv_bc1) / (sqrt((T)state<S>::load(v, i) * inv_bc2 + eps_root) + eps)
                     + wd_s * pi;
         store_param<T, WK, MASK>(p, w, mask, i, pi - st * u);
+      }
     }
 }
 """, [])

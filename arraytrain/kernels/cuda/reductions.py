@@ -47,11 +47,17 @@ __global__ void arraytrain_chunk_reduce(const T* __restrict__ x, const T* __rest
                                         const i64* __restrict__ chunks, double* __restrict__ part) {
     const chunk c = load_chunk(chunks);
     double acc = 0.0;
-    for (i64 i = c.lo + threadIdx.x; i < c.hi; i += blockDim.x) {
-        double xi = (double)x[i];
-        if (OP == 1) xi *= inv;
-        if (OP == 2) xi *= (double)y[i];
-        if (OP == 3) acc = fmax(acc, fabs(xi)); else acc += xi * xi;
+    // 4 elements a blockDim apart per thread and iteration: their loads are in flight together
+    for (i64 base = c.lo + threadIdx.x; base < c.hi; base += 4 * (i64)blockDim.x) {
+        #pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            const i64 i = base + k * (i64)blockDim.x;
+            if (i >= c.hi) break;
+            double xi = (double)x[i];
+            if (OP == 1) xi *= inv;
+            if (OP == 2) xi *= (double)y[i];
+            if (OP == 3) acc = fmax(acc, fabs(xi)); else acc += xi * xi;
+        }
     }
     acc = block_reduce<OP == 3>(acc);
     if (threadIdx.x == 0) part[blockIdx.x] = acc;
