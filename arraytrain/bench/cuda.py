@@ -73,6 +73,7 @@ def make_arraytrain(opt: str, n: int):
     def step():
         engine.step()
 
+    step.engine = engine
     step()
     return step
 
@@ -95,7 +96,11 @@ def make_torch(opt: str, n: int, mode: str):
             "rmsprop": lambda: torch.optim.RMSprop(ps, **RMSPROP, **flag)}
     if opt not in make:
         raise LookupError(f"torch.optim has no {opt}")
-    optimizer = make[opt]()
+    try:
+        optimizer = make[opt]()
+        optimizer.step()  # torch checks the device here (its fused Adagrad is CPU-only)
+    except RuntimeError as exc:
+        raise LookupError(f"torch.optim {opt} {mode}: {str(exc).splitlines()[0][:80]}") from None
 
     def step():
         torch.nn.utils.clip_grad_norm_(ps, MAX_NORM, foreach=True)
@@ -127,6 +132,33 @@ def per_step_counts(opt: str, n: int = 1_000_000, steps: int = 5) -> dict:
     for _ in range(steps):
         step()
     return {k: (_core.counters[k] - before[k]) / steps for k in before}
+
+
+def stage_times(opt: str, n: int, reps: int = 20) -> dict:
+    """Median seconds of the norm pass alone, the update kernel(s) alone, and the whole ``engine.step()``.
+
+    ``step - norm - update`` is the host's share: Python between the norm pass's read-back
+    and the update's launch, during which the device idles.
+    """
+    import cupy as cp
+
+    from arraytrain.ops import norm_pass
+
+    step = make_arraytrain(opt, n)
+    engine = step.engine
+    k = engine._kernels
+    time_call = _timer()
+
+    def update():
+        engine.optimizer.update(k, engine.params, engine.grads, engine.state, gscale=0.5)
+
+    out = {}
+    for name, fn in (("norm", lambda: norm_pass(k, engine.grads.flat, engine.layout)), ("update", update),
+                     ("step", step)):
+        fn()
+        out[name] = float(np.median([time_call(fn) for _ in range(reps)]))
+    cp.get_default_memory_pool().free_all_blocks()
+    return out
 
 
 def run(optimizers, sizes, reps, names=CONTESTANTS, log=print):
@@ -196,6 +228,7 @@ def main(argv=None) -> int:
     ap.add_argument("--contestants", default=",".join(CONTESTANTS))
     ap.add_argument("--reps", type=int, default=30, help="timed calls per contestant (in blocks of 5)")
     ap.add_argument("--startup", action="store_true", help="also time the first step with a cold/warm kernel cache")
+    ap.add_argument("--stages", action="store_true", help="also time the norm pass and the update alone")
     ap.add_argument("--json", metavar="FILE")
     args = ap.parse_args(argv)
     from arraytrain.backend import require_cuda
@@ -212,12 +245,24 @@ def main(argv=None) -> int:
     print(f"device-to-device copy bandwidth (median over the run, read + write): {copy_gbs:.0f} GB/s\n")
     print(table(rows, copy_gbs))
     counts = {opt: per_step_counts(opt) for opt in optimizers}
-    print("\nper engine.step(): " + "; ".join(f"{o} {c['launches']:.0f} launches, {c['syncs']:.0f} host sync"
-                                             for o, c in counts.items()))
-    if unavailable:
-        print("\nnot available: " + "; ".join(f"{k}: {v}" for k, v in unavailable.items()))
     doc = {"copy_gbs": copy_gbs, "rows": rows, "counts": counts, "unavailable": unavailable,
            "device": props["name"].decode()}
+    print("\nper engine.step(): " + "; ".join(f"{o} {c['launches']:.0f} launches, {c['syncs']:.0f} host sync"
+                                             for o, c in counts.items()))
+    if args.stages:
+        doc["stages"] = []
+        print("\n| optimizer | params | norm pass ms | update ms | update % copy | engine.step ms | host gap ms |")
+        print("|---|---:|---:|---:|---:|---:|---:|")
+        for opt in optimizers:
+            for n in sizes:
+                st = stage_times(opt, n)
+                doc["stages"].append({"optimizer": opt, "n": n, **st})
+                upd_gbs = (step_bytes(opt) - 4) * n / st["update"] / 1e9
+                print(f"| {opt} | {n:.0e} | {st['norm'] * 1e3:.3f} | {st['update'] * 1e3:.3f} | "
+                      f"{100 * upd_gbs / copy_gbs:.0f}% | {st['step'] * 1e3:.3f} | "
+                      f"{(st['step'] - st['norm'] - st['update']) * 1e3:.3f} |")
+    if unavailable:
+        print("\nnot available: " + "; ".join(f"{k}: {v}" for k, v in unavailable.items()))
     if args.startup:
         with tempfile.TemporaryDirectory() as cache:
             doc["startup"] = {"cold_s": first_step_seconds(cache), "warm_s": first_step_seconds(cache)}

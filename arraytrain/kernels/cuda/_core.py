@@ -192,6 +192,7 @@ class Chunks:
         self.count = self._host.shape[0]
         self.table = cupy().asarray(self._host)
         self._ranges = {}
+        self._scratch = {}
 
     def seg_ranges(self, nseg: int):
         """``(seg_lo, seg_hi)`` int64 device arrays of ``nseg`` segments."""
@@ -201,6 +202,19 @@ class Chunks:
             s = np.arange(nseg)
             hit = self._ranges[nseg] = (cp.asarray(np.searchsorted(segs, s, side="left").astype(np.int64)),
                                         cp.asarray(np.searchsorted(segs, s, side="right").astype(np.int64)))
+        return hit
+
+    def scratch(self, nseg: int):
+        """``(part, out)``: float64 device buffers of the reductions, ``C`` and ``1 + nseg`` long.
+
+        Reused by every reduction over this layout: launches on one stream run in order, and
+        each result is read back (or consumed by the next launch) before the next reduction.
+        Every element is written by each reduction, so they are never zeroed.
+        """
+        hit = self._scratch.get(nseg)
+        if hit is None:
+            cp = cupy()
+            hit = self._scratch[nseg] = (cp.empty(max(self.count, 1), cp.float64), cp.empty(1 + nseg, cp.float64))
         return hit
 
 

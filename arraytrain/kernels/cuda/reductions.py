@@ -124,18 +124,13 @@ def all_finite(x):
 
 
 def _reduce(op: int, x, y, inv, pieces, nseg):
-    """float64 ``out``: ``out[0]`` the total, ``out[1:]`` per segment (on the device)."""
-    cp = cupy()
-    out = cp.zeros(1 + nseg, dtype=cp.float64)
+    """float64 ``out``: ``out[0]`` the total, ``out[1:]`` per segment (a reused device buffer)."""
     ch = chunks_for(pieces)
-    if ch.count == 0:
-        return out
-    part = cp.empty(ch.count, dtype=cp.float64)
-    t = ctype(x.dtype)
-    launch(SOURCE.function(f"arraytrain_chunk_reduce<{t},{op}>"), ch.count,
-           (x, x if y is None else y, np.float64(inv), ch.table, part))
-    m = "true" if op == 3 else "false"
-    seg_reduce(part, ch, nseg, out, m == "true")
+    part, out = ch.scratch(nseg)
+    if ch.count:
+        launch(SOURCE.function(f"arraytrain_chunk_reduce<{ctype(x.dtype)},{op}>"), ch.count,
+               (x, x if y is None else y, np.float64(inv), ch.table, part))
+    seg_reduce(part, ch, nseg, out, op == 3)
     return out
 
 
@@ -155,11 +150,6 @@ def _split(out):
 def sumsq(x, pieces, nseg):
     """``(total, per_segment)`` sums of squares in float64, one pass (see the CPU twin)."""
     return _split(_reduce(0, x, None, 1.0, pieces, nseg))
-
-
-def sumsq_device(x, pieces, nseg):
-    """:func:`sumsq` left on the device: float64 ``[total, per_segment...]`` (no synchronisation)."""
-    return _reduce(0, x, None, 1.0, pieces, nseg)
 
 
 def max_abs(x, pieces):
