@@ -24,9 +24,11 @@ import numpy as np
 from ...errors import BackendUnavailableError
 
 THREADS = 256
-# Elements per block in element-wise and reduction kernels: 16 per thread, enough loads
-# in flight per thread to stream, and ~2.4e4 blocks at 1e8 elements (>> 132 SMs x 8).
+# Elements per block in element-wise kernels: 16 per thread, and ~2.4e4 blocks at 1e8
+# elements (>> 132 SMs x 8). Reductions take whole pieces (<= 2**14 elements, 64 per
+# thread): each block ends in a tree reduction, which a longer chunk amortises.
 CHUNK = 4096
+REDUCE_CHUNK = 1 << 14
 # nvcc/NVRTC options shared by every module: C++17, IEEE division and square root (the
 # defaults; fast-math would flush denormals and approximate sqrt).
 OPTIONS = ("-std=c++17",)
@@ -183,11 +185,11 @@ class Chunks:
     consecutive), for the per-parameter reductions.
     """
 
-    def __init__(self, pieces: np.ndarray):
+    def __init__(self, pieces: np.ndarray, size: int = CHUNK):
         rows = []
         for lo, hi, seg in np.asarray(pieces).tolist():
-            for a in range(lo, hi, CHUNK):
-                rows.append((a, min(a + CHUNK, hi), seg))
+            for a in range(lo, hi, size):
+                rows.append((a, min(a + size, hi), seg))
         self._host = np.asarray(rows, dtype=np.int64).reshape(-1, 3)
         self.count = self._host.shape[0]
         self.table = cupy().asarray(self._host)
@@ -221,14 +223,14 @@ class Chunks:
 _chunk_cache: dict = {}
 
 
-def chunks_for(pieces: np.ndarray) -> Chunks:
-    """The device chunk table of a Layout's ``pieces`` (built once per layout and device)."""
+def chunks_for(pieces: np.ndarray, size: int = CHUNK) -> Chunks:
+    """The device chunk table of a Layout's ``pieces`` (built once per layout, chunk size and device)."""
     cp = cupy()
-    key = (id(pieces), cp.cuda.Device().id)
+    key = (id(pieces), cp.cuda.Device().id, size)
     hit = _chunk_cache.get(key)
     if hit is not None and hit[0]() is pieces:
         return hit[1]
-    table = Chunks(pieces)
+    table = Chunks(pieces, size)
     _chunk_cache[key] = (weakref.ref(pieces, lambda _r, k=key: _chunk_cache.pop(k, None)), table)
     return table
 

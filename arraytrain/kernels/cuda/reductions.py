@@ -4,7 +4,7 @@ Same names and signatures as :mod:`arraytrain.kernels.cpu`; what the CPU family 
 as Python floats or NumPy arrays comes back the same way here, read from the device in
 one transfer (that read is the norm pass's one device-to-host synchronisation).
 
-Sums of squares: each chunk of the layout (at most ``CHUNK`` elements, one parameter)
+Sums of squares: each piece of the layout (at most ``REDUCE_CHUNK`` elements, one parameter)
 is reduced by one block into a float64 partial; one block per parameter then adds its
 chunks' partials, and one block adds the parameters', each in a fixed tree order, so
 the bits are the same on every run (they may differ from the CPU family's, which adds
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._core import THREADS, Source, chunks_for, ctype, cupy, launch, to_host
+from ._core import REDUCE_CHUNK, THREADS, Source, chunks_for, ctype, cupy, launch, to_host
 
 _FLOATS = ("float", "double")
 
@@ -125,7 +125,7 @@ def all_finite(x):
 
 def _reduce(op: int, x, y, inv, pieces, nseg):
     """float64 ``out``: ``out[0]`` the total, ``out[1:]`` per segment (a reused device buffer)."""
-    ch = chunks_for(pieces)
+    ch = chunks_for(pieces, REDUCE_CHUNK)
     part, out = ch.scratch(nseg)
     if ch.count:
         launch(SOURCE.function(f"arraytrain_chunk_reduce<{ctype(x.dtype)},{op}>"), ch.count,
