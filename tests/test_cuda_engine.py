@@ -9,15 +9,14 @@ import numpy as np
 import pytest
 
 import arraytrain as at
-from arraytrain.errors import BackendError, BackendUnavailableError
+from arraytrain.errors import BackendError
 from conftest import OPTIMIZER_CONFIGS, engine_snapshot
 from cuda_family import require_cuda
 
 pytestmark = pytest.mark.usefixtures("gpu")
 
 SHAPES = {"empty": (0,), "fc1.weight": (64, 33), "fc1.bias": (64,), "fc2.weight": (10, 64), "fc2.bias": (10,)}
-# Adafactor has no CUDA kernels yet (refused with BackendUnavailableError, tested below)
-CUDA_CONFIGS = [row for row in OPTIMIZER_CONFIGS if row[1] != "Adafactor"]
+CUDA_CONFIGS = OPTIMIZER_CONFIGS
 
 
 @pytest.fixture
@@ -139,13 +138,6 @@ def test_device_argument_moves_once_and_back():
     with pytest.raises(at.errors.HyperparameterError, match="device"):
         at.Engine(p, at.optim.SGD(lr=0.1), device="gpu")
     assert engine_snapshot(host)["step"] == 0
-
-
-def test_adafactor_is_refused_clearly_on_cuda():
-    rng = np.random.default_rng(5)
-    eng = at.Engine(_params(rng), at.optim.Adafactor(lr=0.1), device="cuda")
-    with pytest.raises(BackendUnavailableError, match="Adafactor"):
-        eng.step({k: _cp().zeros(s, np.float32) for k, s in SHAPES.items()})
 
 
 @pytest.mark.parametrize("make", [lambda: at.optim.AdamW(lr=1e-2, state_dtype="bfloat16"),

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 
+import test_adafactor
 import test_amp
 import test_kernels
 import test_kernels_optim
@@ -21,6 +22,8 @@ import test_sophia
 from cuda_family import ON_DEVICE, require_cuda
 
 # re-collected here; their globals stay those of their own module
+from test_adafactor import test_kernel_matches_reference as test_adafactor_kernel_matches_reference  # noqa: F401
+from test_adafactor import test_nan_propagates_as_in_the_reference, test_working_copy_written_in_the_same_pass  # noqa: F401
 from test_amp import test_adam_bfloat16_state_kernel_matches_reference, test_cast_working_is_bitwise_the_numpy_cast  # noqa: F401
 from test_kernels import (  # noqa: F401
     test_accumulate_matches_reference,
@@ -44,9 +47,10 @@ from test_kernels_optim import (  # noqa: F401
 )
 from test_prune import test_masked_kernel_matches_reference, test_working_copy_sees_the_masked_weights  # noqa: F401
 from test_sam import test_perturb_kernel_matches_reference, test_sumsq_product_matches_reference  # noqa: F401
-from test_sophia import test_kernel_matches_reference, test_nonfinite_propagates_as_in_the_reference  # noqa: F401
+from test_sophia import test_kernel_matches_reference as test_sophia_kernel_matches_reference  # noqa: F401
+from test_sophia import test_nonfinite_propagates_as_in_the_reference  # noqa: F401
 
-MODULES = (test_amp, test_kernels, test_kernels_optim, test_prune, test_sam, test_sophia)
+MODULES = (test_adafactor, test_amp, test_kernels, test_kernels_optim, test_prune, test_sam, test_sophia)
 
 
 @pytest.fixture(autouse=True)

@@ -22,21 +22,22 @@ import tempfile
 
 import numpy as np
 
-from .compare import ADAGRAD, BETAS, EPS, LAMB, LION, LR, MAX_NORM, MOMENTUM, N_TENSORS, NOT_AVAILABLE, RMSPROP, WD
-from .compare import _split, step_bytes
+from .compare import ADAFACTOR, ADAGRAD, BETAS, EPS, LAMB, LION, LR, MAX_NORM, MOMENTUM, N_TENSORS, NOT_AVAILABLE, RMSPROP, WD
+from .compare import _matrix, _split, step_bytes
 
 BLOCK = 5
-DEFAULT_OPTIMIZERS = ("adamw", "adam", "sgd", "adagrad", "rmsprop", "lion", "lamb")
+DEFAULT_OPTIMIZERS = ("adamw", "adam", "sgd", "adagrad", "rmsprop", "lion", "lamb", "adafactor")
 CONTESTANTS = ("arraytrain", "torch-fused", "torch-foreach")
 
 
-def _cuda_data(n: int, seed: int = 0):
+def _cuda_data(n: int, seed: int = 0, opt: str = ""):
+    """100 parameters and gradients of ``n`` elements in all; matrices for Adafactor (so it factors)."""
     import cupy as cp
 
     rs = cp.random.RandomState(seed)
-    sizes = _split(n)
-    return ([rs.standard_normal(k, dtype=cp.float32) for k in sizes],
-            [rs.standard_normal(k, dtype=cp.float32) for k in sizes])
+    shapes = [_matrix(k) if opt == "adafactor" else (k,) for k in _split(n)]
+    return ([rs.standard_normal(s, dtype=cp.float32) for s in shapes],
+            [rs.standard_normal(s, dtype=cp.float32) for s in shapes])
 
 
 def _timer():
@@ -57,14 +58,15 @@ def _timer():
 def make_arraytrain(opt: str, n: int):
     import arraytrain as at
 
-    params, grads = _cuda_data(n)
+    params, grads = _cuda_data(n, opt=opt)
     optimizer = {"adamw": lambda: at.optim.AdamW(LR, BETAS, EPS, WD),
                  "adam": lambda: at.optim.Adam(LR, BETAS, EPS),
                  "sgd": lambda: at.optim.SGD(LR, momentum=MOMENTUM),
                  "adagrad": lambda: at.optim.Adagrad(**ADAGRAD),
                  "rmsprop": lambda: at.optim.RMSprop(**RMSPROP),
                  "lion": lambda: at.optim.Lion(**LION),
-                 "lamb": lambda: at.optim.LAMB(**LAMB)}[opt]()
+                 "lamb": lambda: at.optim.LAMB(**LAMB),
+                 "adafactor": lambda: at.optim.Adafactor(**ADAFACTOR)}[opt]()
     engine = at.Engine({f"p{i}": p for i, p in enumerate(params)}, optimizer, max_grad_norm=MAX_NORM,
                        zero_grad_on_step=False)
     engine.grads.load({f"p{i}": g for i, g in enumerate(grads)})
@@ -84,7 +86,7 @@ def make_torch(opt: str, n: int, mode: str):
         raise LookupError(why)
     import torch
 
-    params, grads = _cuda_data(n)
+    params, grads = _cuda_data(n, opt=opt)
     ps = [torch.nn.Parameter(torch.from_dlpack(p)) for p in params]
     for p, g in zip(ps, grads):
         p.grad = torch.from_dlpack(g)
@@ -93,7 +95,8 @@ def make_torch(opt: str, n: int, mode: str):
             "adam": lambda: torch.optim.Adam(ps, LR, BETAS, EPS, **flag),
             "sgd": lambda: torch.optim.SGD(ps, LR, momentum=MOMENTUM, **flag),
             "adagrad": lambda: torch.optim.Adagrad(ps, **ADAGRAD, **flag),
-            "rmsprop": lambda: torch.optim.RMSprop(ps, **RMSPROP, **flag)}
+            "rmsprop": lambda: torch.optim.RMSprop(ps, **RMSPROP, **flag),
+            "adafactor": lambda: torch.optim.Adafactor(ps, **ADAFACTOR, **flag)}
     if opt not in make:
         raise LookupError(f"torch.optim has no {opt}")
     try:

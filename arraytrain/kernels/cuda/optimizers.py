@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from ...errors import BackendUnavailableError
 from . import reductions
 from ._core import THREADS, Source, chunks_for, ctype, cupy, launch, ptr, seg_arg
 
@@ -220,6 +219,130 @@ __global__ void arraytrain_lamb_apply(T* __restrict__ p, const S* __restrict__ m
       }
     }
 }
+
+// -- Adafactor (torch.optim.Adafactor's form): the CPU family's five passes, same tables ----
+// segs (S, 9): [p_off, numel, factored, B, R, C, row_off, col_off, var_off]
+// rows (K, 4): [p_start, C, row_index, seg]; cols (Q, 5): [p_start, R, C, width, col_index];
+// batches (NB, 2): [row_index, R]. Float64 sums, fixed orders.
+
+// 1. one block per matrix row: row-variance EMA from the mean of G^2, and the row's sum of p^2
+template <typename T>
+__global__ void arraytrain_af_rows(const T* __restrict__ p, const T* __restrict__ g, T* __restrict__ row,
+        const i64* __restrict__ rows, T gscale, T beta2c, double* __restrict__ psq_rows) {
+    const i64* r = rows + 4 * (i64)blockIdx.x;
+    const i64 a = r[0], c = r[1], ri = r[2];
+    double sg = 0.0, sp = 0.0;
+    for (i64 i = threadIdx.x; i < c; i += blockDim.x) {
+        const double gi = (double)(gscale * g[a + i]), pi = (double)p[a + i];
+        sg += gi * gi;
+        sp += pi * pi;
+    }
+    sg = block_reduce<false>(sg);
+    sp = block_reduce<false>(sp);
+    if (threadIdx.x == 0) {
+        const double old = (double)row[ri];
+        row[ri] = (T)(old + (double)beta2c * (sg / (double)c - old));
+        psq_rows[blockIdx.x] = sp;
+    }
+}
+
+// 2. one block per block of <= 256 columns: each thread adds its column down the rows in order
+template <typename T>
+__global__ void arraytrain_af_cols(const T* __restrict__ g, T* __restrict__ col, const i64* __restrict__ cols,
+        T gscale, T beta2c) {
+    const i64* q = cols + 5 * (i64)blockIdx.x;
+    const i64 a = q[0], nr = q[1], c = q[2], width = q[3], ci = q[4];
+    for (i64 i = threadIdx.x; i < width; i += blockDim.x) {
+        double acc = 0.0;
+        for (i64 r = 0; r < nr; ++r) {
+            const double gi = (double)(gscale * g[a + r * c + i]);
+            acc += gi * gi;
+        }
+        const double old = (double)col[ci + i];
+        col[ci + i] = (T)(old + (double)beta2c * (acc / (double)nr - old));
+    }
+}
+
+// 3. one block per matrix: rscale = row / max(mean(row), eps1) (NaN-propagating clamp)
+template <typename T>
+__global__ void arraytrain_af_rscale(const T* __restrict__ row, const i64* __restrict__ batches, double eps1,
+        T* __restrict__ rscale) {
+    const i64 r0 = batches[2 * (i64)blockIdx.x], nr = batches[2 * (i64)blockIdx.x + 1];
+    double s = 0.0;
+    for (i64 i = threadIdx.x; i < nr; i += blockDim.x) s += (double)row[r0 + i];
+    s = block_reduce<false>(s);
+    __shared__ double mean;
+    if (threadIdx.x == 0) { const double m = s / (double)nr; mean = m < eps1 ? eps1 : m; }
+    __syncthreads();
+    for (i64 i = threadIdx.x; i < nr; i += blockDim.x) rscale[r0 + i] = (T)((double)row[r0 + i] / mean);
+}
+
+// the second-moment estimate of element i of segment `seg` (factored or not), clamped at eps1^2
+template <typename T>
+__device__ __forceinline__ T af_variance(const i64* sg, i64 i, const T* col, const T* var, const T* rscale, T eps1sq) {
+    const i64 off = sg[0];
+    T v;
+    if (sg[2]) {
+        const i64 nr = sg[4], c = sg[5], e = i - off, k = e / c;
+        v = rscale[sg[6] + k] * col[sg[7] + (k / nr) * c + (e - k * c)];
+    } else {
+        v = var[sg[8] + i - off];
+    }
+    return v < eps1sq ? eps1sq : v;
+}
+
+// 4. per chunk: unfactored variance EMA; float64 partial sums of U^2 (and of p^2 where unfactored)
+template <typename T>
+__global__ void arraytrain_af_stats(const T* __restrict__ p, const T* __restrict__ g, const T* __restrict__ col,
+        T* __restrict__ var, const T* __restrict__ rscale, const i64* __restrict__ chunks, const i64* __restrict__ segs,
+        T gscale, T beta2c, T eps1sq, double* __restrict__ psq_part, double* __restrict__ usq_part) {
+    const chunk c = load_chunk(chunks);
+    const i64* sg = segs + 9 * (i64)c.seg;
+    double su = 0.0, sp = 0.0;
+    for (i64 i = c.lo + threadIdx.x; i < c.hi; i += blockDim.x) {
+        const T gi = gscale * g[i];
+        if (!sg[2]) {
+            const i64 vi = sg[8] + i - sg[0];
+            const T x = var[vi];
+            var[vi] = x + beta2c * (gi * gi - x);
+            const double pi = (double)p[i];
+            sp += pi * pi;
+        }
+        const double u = (double)(gi / sqrt(af_variance(sg, i, col, var, rscale, eps1sq)));
+        su += u * u;
+    }
+    su = block_reduce<false>(su);
+    sp = block_reduce<false>(sp);
+    if (threadIdx.x == 0) { usq_part[blockIdx.x] = su; psq_part[blockIdx.x] = sp; }
+}
+
+// per segment: step = max(eps2, RMS(p)) * rho / max(1, RMS(U) / d)   (fmax: max(c, NaN) = c)
+template <typename T>
+__global__ void arraytrain_af_step(const double* __restrict__ psq_chunks, const double* __restrict__ psq_rows,
+        const double* __restrict__ usq, const i64* __restrict__ segs, const double* __restrict__ rho, double rho0,
+        double eps2, double d, int nseg, T* __restrict__ step) {
+    const int s = blockIdx.x * blockDim.x + threadIdx.x;
+    if (s >= nseg) return;
+    const double size = fmax((double)segs[9 * (i64)s + 1], 1.0);
+    const double alpha = fmax(eps2, sqrt((psq_chunks[1 + s] + psq_rows[1 + s]) / size)) * seg_value(rho, rho0, s);
+    step[s] = (T)(alpha / fmax(1.0, sqrt(usq[1 + s] / size) / d));
+}
+
+// 5. per chunk: p = p * decay - step * U, U recomputed from the statistics
+template <typename T, int WK, bool MASK>
+__global__ void arraytrain_af_apply(T* __restrict__ p, T* __restrict__ g, const T* __restrict__ col,
+        const T* __restrict__ var, const T* __restrict__ rscale, const i64* __restrict__ chunks,
+        const i64* __restrict__ segs, T gscale, T eps1sq, const T* __restrict__ step, const T* __restrict__ decay,
+        T decay0, u16* __restrict__ w, int zero_grad, const unsigned char* __restrict__ mask) {
+    const chunk c = load_chunk(chunks);
+    const i64* sg = segs + 9 * (i64)c.seg;
+    const T ss = step[c.seg], dec = seg_value(decay, decay0, c.seg);
+    for (i64 i = c.lo + threadIdx.x; i < c.hi; i += blockDim.x) {
+        const T v = af_variance(sg, i, col, var, rscale, eps1sq);
+        store_param<T, WK, MASK>(p, w, mask, i, p[i] * dec - ss * (gscale * g[i] / sqrt(v)));
+        if (zero_grad) g[i] = (T)0;
+    }
+}
 """, [])
 
 # Which state storages each optimizer instantiates besides the parameters' own type.
@@ -241,6 +364,8 @@ def _instances():
         out += [f"arraytrain_sam_perturb<{t},{m}>" for m in ("false", "true")]
         out += [f"arraytrain_lamb_moments<{t},{t}>", f"arraytrain_lamb_ratio<{t}>"]
         out += [f"arraytrain_lamb_apply<{t},{t},{wk},{m}>" for _, wk, m in _variants(t, False)]
+        out += [f"arraytrain_af_{k}<{t}>" for k in ("rows", "cols", "rscale", "stats", "step")]
+        out += [f"arraytrain_af_apply<{t},{wk},{m}>" for _, wk, m in _variants(t, False)]
     return out
 
 
@@ -343,8 +468,8 @@ def lamb_step(p, g, m, v, pieces, gscale, lr, weight_decay, beta1, beta2, eps, e
            (p, g, m, v, ch.table, t(gscale), *wd, t(1.0 - beta1), t(beta2), t(1.0 - beta2), inv_bc1, inv_bc2,
             t(eps), t(eps_root), np.int32(bool(zero_grad)), psq, usq))
     pn, un = cp.zeros(1 + nseg, cp.float64), cp.zeros(1 + nseg, cp.float64)
-    reductions.seg_reduce(psq, ch, nseg, pn)
-    reductions.seg_reduce(usq, ch, nseg, un)
+    reductions.seg_reduce(psq, *ch.seg_ranges(nseg), nseg, pn, total=False)
+    reductions.seg_reduce(usq, *ch.seg_ranges(nseg), nseg, un, total=False)
     step = cp.empty(nseg, dtype=p.dtype)
     launch(SOURCE.function(f"arraytrain_lamb_ratio<{tn}>"), -(-nseg // THREADS),
            (pn, un, *_seg(lr, p), np.int32(nseg), ratio, step))
@@ -354,7 +479,68 @@ def lamb_step(p, g, m, v, pieces, gscale, lr, weight_decay, beta1, beta2, eps, e
     return ratio
 
 
+class _AfTables:
+    """Adafactor's work tables on the device, and each segment's range of rows (rows are in segment order)."""
+
+    def __init__(self, segs, rows, cols, batches):
+        cp = cupy()
+        self.segs, self.rows, self.cols, self.batches = (cp.asarray(np.ascontiguousarray(a, np.int64))
+                                                         for a in (segs, rows, cols, batches))
+        nseg, seg_of_row = segs.shape[0], np.asarray(rows)[:, 3]
+        s = np.arange(nseg)
+        self.row_lo = cp.asarray(np.searchsorted(seg_of_row, s, side="left").astype(np.int64))
+        self.row_hi = cp.asarray(np.searchsorted(seg_of_row, s, side="right").astype(np.int64))
+
+
+_af_cache: dict = {}
+
+
+def _af_tables(segs, rows, cols, batches) -> _AfTables:
+    import weakref
+
+    key = (id(segs), cupy().cuda.Device().id)
+    hit = _af_cache.get(key)
+    if hit is not None and hit[0]() is segs:
+        return hit[1]
+    tables = _AfTables(segs, rows, cols, batches)
+    _af_cache[key] = (weakref.ref(segs, lambda _r, k=key: _af_cache.pop(k, None)), tables)
+    return tables
+
+
 def adafactor_step(p, g, row, col, var, pieces, segs, rows, cols, batches, gscale, rho, decay, beta2c, eps1, eps2,
                    d, w, wkind, zero_grad, mask=None):
-    """Adafactor has no CUDA kernels yet: refused with a clear error."""
-    raise BackendUnavailableError("Adafactor has no CUDA kernels yet; run it on NumPy buffers (the CPU engine)")
+    """Fused Adafactor update: the CPU family's five passes as eight launches, no synchronisation.
+
+    Rows, columns and the per-matrix row scale as in :mod:`arraytrain.kernels.cpu`; the
+    per-parameter step sizes are formed on the device from float64 per-chunk and per-row
+    partials. See :func:`arraytrain.kernels.reference.adafactor_step`.
+    """
+    cp, t, tn = cupy(), p.dtype.type, ctype(p.dtype)
+    nseg = segs.shape[0]
+    ch = chunks_for(pieces)
+    tab = _af_tables(segs, rows, cols, batches)
+    gs, b2c, eps1sq = t(gscale), t(beta2c), t(eps1 * eps1)
+    nrows = rows.shape[0]
+    psq_rows = cp.zeros(max(nrows, 1), cp.float64)
+    rscale = cp.empty(max(row.size, 1), p.dtype)
+    fn = SOURCE.function
+    if nrows:
+        launch(fn(f"arraytrain_af_rows<{tn}>"), nrows, (p, g, row, tab.rows, gs, b2c, psq_rows))
+        launch(fn(f"arraytrain_af_cols<{tn}>"), cols.shape[0], (g, col, tab.cols, gs, b2c))
+        launch(fn(f"arraytrain_af_rscale<{tn}>"), batches.shape[0], (row, tab.batches, np.float64(eps1), rscale))
+    count = max(ch.count, 1)
+    psq_part, usq_part = cp.zeros(count, cp.float64), cp.zeros(count, cp.float64)
+    launch(fn(f"arraytrain_af_stats<{tn}>"), ch.count, (p, g, col, ptr(var), rscale, ch.table, tab.segs, gs, b2c,
+                                                        eps1sq, psq_part, usq_part))
+    pn, pr, un = (cp.zeros(1 + nseg, cp.float64) for _ in range(3))
+    lo, hi = ch.seg_ranges(nseg)
+    reductions.seg_reduce(psq_part, lo, hi, nseg, pn, total=False)
+    reductions.seg_reduce(usq_part, lo, hi, nseg, un, total=False)
+    reductions.seg_reduce(psq_rows, tab.row_lo, tab.row_hi, nseg, pr, total=False)
+    step = cp.empty(max(nseg, 1), p.dtype)
+    launch(fn(f"arraytrain_af_step<{tn}>"), -(-nseg // THREADS),
+           (pn, pr, un, tab.segs, *seg_arg(rho, np.float64), np.float64(eps2), np.float64(d), np.int32(nseg), step))
+    wk = 0 if w is None else int(wkind)
+    launch(fn(f"arraytrain_af_apply<{tn},{wk},{'true' if mask is not None else 'false'}>"), ch.count,
+           (p, g, col, ptr(var), rscale, ch.table, tab.segs, gs, eps1sq, step, *_seg(decay, p), ptr(w),
+            np.int32(bool(zero_grad)), ptr(mask)))

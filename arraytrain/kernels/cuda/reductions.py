@@ -130,16 +130,16 @@ def _reduce(op: int, x, y, inv, pieces, nseg):
     if ch.count:
         launch(SOURCE.function(f"arraytrain_chunk_reduce<{ctype(x.dtype)},{op}>"), ch.count,
                (x, x if y is None else y, np.float64(inv), ch.table, part))
-    seg_reduce(part, ch, nseg, out, op == 3)
+    seg_reduce(part, *ch.seg_ranges(nseg), nseg, out, op == 3)
     return out
 
 
-def seg_reduce(part, ch, nseg, out, use_max=False):
-    """``out[1 + s]`` = segment ``s``'s chunk partials combined, ``out[0]`` = all of them (fixed order)."""
+def seg_reduce(part, seg_lo, seg_hi, nseg, out, use_max=False, total=True):
+    """``out[1 + s]`` = ``part[seg_lo[s]:seg_hi[s]]`` combined; ``out[0]`` = all segments (fixed order)."""
     m = "true" if use_max else "false"
-    lo, hi = ch.seg_ranges(nseg)
-    launch(SOURCE.function(f"arraytrain_seg_reduce<{m}>"), nseg, (part, lo, hi, out))
-    launch(SOURCE.function(f"arraytrain_total_reduce<{m}>"), 1, (out, np.int32(nseg)))
+    launch(SOURCE.function(f"arraytrain_seg_reduce<{m}>"), nseg, (part, seg_lo, seg_hi, out))
+    if total:
+        launch(SOURCE.function(f"arraytrain_total_reduce<{m}>"), 1, (out, np.int32(nseg)))
 
 
 def _split(out):
