@@ -24,7 +24,7 @@ from .errors import (
     NonFiniteError,
     StateDictError,
 )
-from .ops import clip_coef, norm_pass
+from .ops import CLIP_EPS, NormPass, clip_coef, norm_pass
 from .optim import Optimizer
 from .prune import MaskBuffer
 from .schedules import Schedule, from_state_dict
@@ -213,6 +213,10 @@ class Engine:
         self._two_windows = callable(getattr(optimizer, "perturb", None))
         self._perturbed = False
         self.compressor = compressor
+        # CUDA without a compressor or SAM's two windows: the clip factor and the skip decision
+        # stay on the device, and the update is launched before the step's one synchronisation
+        self._device_gate = (backend_of(self.params.flat) != NUMPY and compressor is None
+                             and not self._two_windows)
         self.mask: MaskBuffer | None = None
         self.working = None
         self._working_kind = 0
@@ -289,9 +293,13 @@ class Engine:
         # the gradient buffer holds sum(w * g) of the scaled loss: the mean
         # gradient is flat * gscale with gscale = 1 / (weight sum * loss scale)
         unscale = (self._weight_sum if self.reduction == "mean" else 1.0) * self.loss_scale
-        found = norm_pass(self._kernels, self.grads.flat, self.layout)
         self._micro, self._weight_sum = 0, 0.0
         step, lr = self.state.step, self.lr
+        applied = False
+        if self._device_gate:
+            found, applied = self._gated_update(unscale, step)
+        else:
+            found = norm_pass(self._kernels, self.grads.flat, self.layout)
         if found.nonfinite:
             return self._skip(step, lr)
         self.consecutive_skips = 0
@@ -304,14 +312,14 @@ class Engine:
             self._perturbed = True
             self._refresh_working()
             return StepReport(False, False, step, 0, lr, norm, coef, self.loss_scale, True, norms, self.layout.names)
-        gscale, payload = coef / unscale, None
-        if self.compressor is not None:
-            if gscale != 1.0:
-                self._kernels.scale(self.grads.flat, gscale)
-            payload, gscale = self.compressor.roundtrip(self.grads.flat), 1.0
-        lrs = None if self.schedule is None else self.schedule(step, self.optimizer.per_param(self.state, "lr"))
-        self.optimizer.update(self._kernels, self.params, self.grads, self.state, gscale=gscale, lr=lrs,
-                              zero_grad=self.zero_grad_on_step, working=self._working_args(), mask=self.mask)
+        payload = None
+        if not applied:
+            gscale = coef / unscale
+            if self.compressor is not None:
+                if gscale != 1.0:
+                    self._kernels.scale(self.grads.flat, gscale)
+                payload, gscale = self.compressor.roundtrip(self.grads.flat), 1.0
+            self._update(step, gscale)
         self._perturbed = False
         if self.loss_scaler is not None:
             self.loss_scaler.update(found_inf=False)
@@ -319,6 +327,32 @@ class Engine:
                           norms, self.layout.names,
                           None if payload is None else payload.nbytes,
                           None if payload is None else payload.dense_nbytes)
+
+    def _update(self, step: int, gscale) -> None:
+        """The optimizer's fused update at the scheduled learning rates of applied step ``step``."""
+        lrs = None if self.schedule is None else self.schedule(step, self.optimizer.per_param(self.state, "lr"))
+        self.optimizer.update(self._kernels, self.params, self.grads, self.state, gscale=gscale, lr=lrs,
+                              zero_grad=self.zero_grad_on_step, working=self._working_args(), mask=self.mask)
+
+    def _gated_update(self, unscale: float, step: int):
+        """CUDA: norm pass, clip factor and skip decision on the device, update launched, then one read.
+
+        The update kernels take the clip factor from the device and return untouched when
+        the norm pass found a non-finite total, so the device never waits for the host
+        between the norm pass and the update. Returns ``(NormPass, applied)``. When the
+        total was not finite nothing was updated (the step count is put back); a float64
+        buffer whose finite values overflowed the sum of squares then gets the host's
+        overflow-safe norm and the update runs after all (the caller's path).
+        """
+        k = self._kernels
+        sums, gate = k.sumsq_gate(self.grads.flat, self.layout.pieces, len(self.layout), unscale,
+                                  self.max_grad_norm, CLIP_EPS)
+        self._update(step, k.DeviceScale(gate))
+        total, per_seg = k.read_sums(sums)
+        if math.isfinite(total):
+            return NormPass(math.sqrt(total), np.sqrt(per_seg), False), True
+        self.state.step = step  # the gate held every kernel back: nothing moved
+        return norm_pass(k, self.grads.flat, self.layout), False
 
     def _skip(self, step: int, lr: float) -> StepReport:
         """A NaN/Inf boundary: drop the window; params, state, step and schedule stay."""

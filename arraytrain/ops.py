@@ -43,7 +43,10 @@ def norm_pass(kernels, flat, layout: Layout) -> NormPass:
     return NormPass(peak * math.sqrt(total), peak * np.sqrt(per_seg), False)
 
 
-def clip_coef(norm: float, max_norm: float | None, eps: float = 1e-6) -> float:
+CLIP_EPS = 1e-6  # torch.nn.utils.clip_grad_norm_'s
+
+
+def clip_coef(norm: float, max_norm: float | None, eps: float = CLIP_EPS) -> float:
     """Global-norm clip factor ``min(1, max_norm / (norm + eps))``.
 
     ``eps=1e-6`` is torch.nn.utils.clip_grad_norm_'s rule; ``eps=0`` scales to

@@ -19,12 +19,15 @@ from .optimizers import (  # noqa: F401
     sgd_step,
     sophia_step,
 )
+from ._core import DeviceScale  # noqa: F401
 from .reductions import (  # noqa: F401
     accumulate,
     all_finite,
     cast_working,
     max_abs,
+    read_sums,
     scale,
+    sumsq_gate,
     sumsq,
     sumsq_product,
     sumsq_scaled,

@@ -219,6 +219,12 @@ class Chunks:
             hit = self._scratch[nseg] = (cp.empty(max(self.count, 1), cp.float64), cp.empty(1 + nseg, cp.float64))
         return hit
 
+    def gate(self):
+        """The device gate buffer ``[scale, skip]`` (float64), reused like :meth:`scratch`."""
+        if "gate" not in self._scratch:
+            self._scratch["gate"] = cupy().empty(2, cupy().float64)
+        return self._scratch["gate"]
+
 
 _chunk_cache: dict = {}
 
@@ -233,6 +239,25 @@ def chunks_for(pieces: np.ndarray, size: int = CHUNK) -> Chunks:
     table = Chunks(pieces, size)
     _chunk_cache[key] = (weakref.ref(pieces, lambda _r, k=key: _chunk_cache.pop(k, None)), table)
     return table
+
+
+class DeviceScale:
+    """A gradient scale formed on the device: ``sign * gate[0]``, and ``gate[1] != 0`` skips the update.
+
+    The engine's CUDA path passes this as an optimizer's ``gscale``: the clip factor
+    over the loss scale comes from the norm pass without a host round trip, and a
+    non-finite gradient stops every update kernel before it writes anything (torch's
+    fused kernels take ``found_inf`` and ``grad_scale`` pointers the same way).
+    ``-scale`` is the scale of ``maximize``.
+    """
+
+    __slots__ = ("gate", "sign")
+
+    def __init__(self, gate, sign: float = 1.0):
+        self.gate, self.sign = gate, float(sign)
+
+    def __neg__(self) -> "DeviceScale":
+        return DeviceScale(self.gate, -self.sign)
 
 
 def seg_arg(values, dtype):

@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import reductions
-from ._core import THREADS, Source, chunks_for, ctype, cupy, launch, ptr, seg_arg
+from ._core import NULL, THREADS, DeviceScale, Source, chunks_for, ctype, cupy, launch, ptr, seg_arg
 
 # Shared head of every update loop; the per-optimizer body (one element ``i``) sits between
 # OPEN and CLOSE. Each thread takes ILP elements a blockDim apart per outer iteration, in an
@@ -40,14 +40,20 @@ _TAIL = "u16* __restrict__ w, int zero_grad, const unsigned char* __restrict__ m
 
 SOURCE = Source(r"""
 #define ILP 4
+// The device gate (the engine's CUDA path): gate[0] multiplies gscale (the clip factor over
+// the loss scale, formed on the device from the norm pass), gate[1] != 0 (a non-finite
+// gradient) makes the kernel return before touching anything. A null gate: gscale as given.
+#define GATE_SKIP if (gate != nullptr && gate[1] != 0.0) return;
+#define GATE_SCALE GATE_SKIP const T gscale = gate != nullptr ? (T)((double)gscale_ * gate[0]) : gscale_;
 template <typename T> __device__ __forceinline__ T nan_max(T a, T b) { return (isnan(a) || isnan(b)) ? a + b : (a > b ? a : b); }
 // sign that keeps NaN (np.sign)
 template <typename T> __device__ __forceinline__ T sign_of(T x) { return x > (T)0 ? (T)1 : (x < (T)0 ? (T)-1 : x); }
 
 template <typename T, typename S, int WK, bool MASK>
 __global__ void arraytrain_sgd_step(T* __restrict__ p, T* __restrict__ g, S* __restrict__ buf,
-        const i64* __restrict__ chunks, T gscale, const T* __restrict__ lr, T lr0, const T* __restrict__ wd, T wd0,
+        const i64* __restrict__ chunks, T gscale_, const double* __restrict__ gate, const T* __restrict__ lr, T lr0, const T* __restrict__ wd, T wd0,
         T momentum, T damp_c, int nesterov, int first, """ + _TAIL + r""") {
+    GATE_SCALE
     const int seg = (int)chunks[3 * (i64)blockIdx.x + 2];
     const T lr_s = seg_value(lr, lr0, seg), wd_s = seg_value(wd, wd0, seg);
     const bool has_buf = momentum != (T)0;
@@ -65,9 +71,10 @@ __global__ void arraytrain_sgd_step(T* __restrict__ p, T* __restrict__ g, S* __r
 
 template <typename T, typename S, int WK, bool MASK>
 __global__ void arraytrain_adam_step(T* __restrict__ p, T* __restrict__ g, S* __restrict__ m, S* __restrict__ v,
-        S* __restrict__ vmax, const i64* __restrict__ chunks, T gscale, const T* __restrict__ step_size, T step_size0,
+        S* __restrict__ vmax, const i64* __restrict__ chunks, T gscale_, const double* __restrict__ gate, const T* __restrict__ step_size, T step_size0,
         T beta1c, T beta2, T beta2c, T eps, T inv_bc2, const T* __restrict__ l2, T l20, const T* __restrict__ decay,
         T decay0, int amsgrad, """ + _TAIL + r""") {
+    GATE_SCALE
     const int seg = (int)chunks[3 * (i64)blockIdx.x + 2];
     const T ss = seg_value(step_size, step_size0, seg), l2_s = seg_value(l2, l20, seg), dec = seg_value(decay, decay0, seg);
 """ + _OPEN + r"""
@@ -86,8 +93,9 @@ __global__ void arraytrain_adam_step(T* __restrict__ p, T* __restrict__ g, S* __
 
 template <typename T, typename S, int WK, bool MASK>
 __global__ void arraytrain_adagrad_step(T* __restrict__ p, T* __restrict__ g, S* __restrict__ sum_sq,
-        const i64* __restrict__ chunks, T gscale, const T* __restrict__ clr, T clr0, const T* __restrict__ wd, T wd0,
+        const i64* __restrict__ chunks, T gscale_, const double* __restrict__ gate, const T* __restrict__ clr, T clr0, const T* __restrict__ wd, T wd0,
         T eps, """ + _TAIL + r""") {
+    GATE_SCALE
     const int seg = (int)chunks[3 * (i64)blockIdx.x + 2];
     const T clr_s = seg_value(clr, clr0, seg), wd_s = seg_value(wd, wd0, seg);
 """ + _OPEN + r"""
@@ -100,9 +108,10 @@ __global__ void arraytrain_adagrad_step(T* __restrict__ p, T* __restrict__ g, S*
 
 template <typename T, typename S, int WK, bool MASK>
 __global__ void arraytrain_rmsprop_step(T* __restrict__ p, T* __restrict__ g, S* __restrict__ sq, S* __restrict__ gavg,
-        S* __restrict__ buf, const i64* __restrict__ chunks, T gscale, const T* __restrict__ lr, T lr0,
+        S* __restrict__ buf, const i64* __restrict__ chunks, T gscale_, const double* __restrict__ gate, const T* __restrict__ lr, T lr0,
         const T* __restrict__ wd, T wd0, T alpha, T alpha_c, T eps, T momentum, int centered, int use_momentum,
         """ + _TAIL + r""") {
+    GATE_SCALE
     const int seg = (int)chunks[3 * (i64)blockIdx.x + 2];
     const T lr_s = seg_value(lr, lr0, seg), wd_s = seg_value(wd, wd0, seg);
 """ + _OPEN + r"""
@@ -122,8 +131,9 @@ __global__ void arraytrain_rmsprop_step(T* __restrict__ p, T* __restrict__ g, S*
 
 template <typename T, typename S, int WK, bool MASK>
 __global__ void arraytrain_lion_step(T* __restrict__ p, T* __restrict__ g, S* __restrict__ m,
-        const i64* __restrict__ chunks, T gscale, const T* __restrict__ lr, T lr0, const T* __restrict__ decay, T decay0,
+        const i64* __restrict__ chunks, T gscale_, const double* __restrict__ gate, const T* __restrict__ lr, T lr0, const T* __restrict__ decay, T decay0,
         T b1, T b1c, T b2, T b2c, """ + _TAIL + r""") {
+    GATE_SCALE
     const int seg = (int)chunks[3 * (i64)blockIdx.x + 2];
     const T lr_s = seg_value(lr, lr0, seg), dec = seg_value(decay, decay0, seg);
 """ + _OPEN + r"""
@@ -137,8 +147,9 @@ __global__ void arraytrain_lion_step(T* __restrict__ p, T* __restrict__ g, S* __
 
 template <typename T, typename S, int WK, bool MASK>
 __global__ void arraytrain_sophia_step(T* __restrict__ p, T* __restrict__ g, S* __restrict__ m, const S* __restrict__ h,
-        const i64* __restrict__ chunks, T gscale, const T* __restrict__ lr, T lr0, const T* __restrict__ decay, T decay0,
+        const i64* __restrict__ chunks, T gscale_, const double* __restrict__ gate, const T* __restrict__ lr, T lr0, const T* __restrict__ decay, T decay0,
         T beta1, T beta1c, T rho, T eps, """ + _TAIL + r""") {
+    GATE_SCALE
     const int seg = (int)chunks[3 * (i64)blockIdx.x + 2];
     const T lr_s = seg_value(lr, lr0, seg), dec = seg_value(decay, decay0, seg);
 """ + _OPEN + r"""
@@ -167,8 +178,9 @@ __global__ void arraytrain_sam_perturb(T* __restrict__ p, T* __restrict__ g, T* 
 // LAMB pass 1: moments, and per-chunk float64 sums of squares of p and of the update u.
 template <typename T, typename S>
 __global__ void arraytrain_lamb_moments(const T* __restrict__ p, T* __restrict__ g, S* __restrict__ m, S* __restrict__ v,
-        const i64* __restrict__ chunks, T gscale, const T* __restrict__ wd, T wd0, T b1c, T b2, T b2c, T inv_bc1,
+        const i64* __restrict__ chunks, T gscale_, const double* __restrict__ gate, const T* __restrict__ wd, T wd0, T b1c, T b2, T b2c, T inv_bc1,
         T inv_bc2, T eps, T eps_root, int zero_grad, double* __restrict__ psq, double* __restrict__ usq) {
+    GATE_SCALE
     const chunk c = load_chunk(chunks);
     const T wd_s = seg_value(wd, wd0, c.seg);
     double sp = 0.0, su = 0.0;
@@ -191,7 +203,8 @@ __global__ void arraytrain_lamb_moments(const T* __restrict__ p, T* __restrict__
 // LAMB: per-parameter trust ratio (1 when a norm is 0) and step lr * ratio, on the device.
 template <typename T>
 __global__ void arraytrain_lamb_ratio(const double* __restrict__ pn, const double* __restrict__ un,
-        const T* __restrict__ lr, T lr0, int nseg, double* __restrict__ ratio, T* __restrict__ step) {
+        const T* __restrict__ lr, T lr0, int nseg, double* __restrict__ ratio, T* __restrict__ step, const double* __restrict__ gate) {
+    GATE_SKIP
     const int s = blockIdx.x * blockDim.x + threadIdx.x;
     if (s >= nseg) return;
     const double a = sqrt(pn[1 + s]), b = sqrt(un[1 + s]);
@@ -204,7 +217,8 @@ __global__ void arraytrain_lamb_ratio(const double* __restrict__ pn, const doubl
 template <typename T, typename S, int WK, bool MASK>
 __global__ void arraytrain_lamb_apply(T* __restrict__ p, const S* __restrict__ m, const S* __restrict__ v,
         const i64* __restrict__ chunks, const T* __restrict__ wd, T wd0, const T* __restrict__ step, T inv_bc1,
-        T inv_bc2, T eps, T eps_root, u16* __restrict__ w, const unsigned char* __restrict__ mask) {
+        T inv_bc2, T eps, T eps_root, u16* __restrict__ w, const unsigned char* __restrict__ mask, const double* __restrict__ gate) {
+    GATE_SKIP
     const chunk c = load_chunk(chunks);
     const T wd_s = seg_value(wd, wd0, c.seg), st = step[c.seg];
     for (i64 base = c.lo + threadIdx.x; base < c.hi; base += ILP * (i64)blockDim.x) {
@@ -228,7 +242,8 @@ __global__ void arraytrain_lamb_apply(T* __restrict__ p, const S* __restrict__ m
 // 1. one block per matrix row: row-variance EMA from the mean of G^2, and the row's sum of p^2
 template <typename T>
 __global__ void arraytrain_af_rows(const T* __restrict__ p, const T* __restrict__ g, T* __restrict__ row,
-        const i64* __restrict__ rows, T gscale, T beta2c, double* __restrict__ psq_rows) {
+        const i64* __restrict__ rows, T gscale_, const double* __restrict__ gate, T beta2c, double* __restrict__ psq_rows) {
+    GATE_SCALE
     const i64* r = rows + 4 * (i64)blockIdx.x;
     const i64 a = r[0], c = r[1], ri = r[2];
     double sg = 0.0, sp = 0.0;
@@ -249,7 +264,8 @@ __global__ void arraytrain_af_rows(const T* __restrict__ p, const T* __restrict_
 // 2. one block per block of <= 256 columns: each thread adds its column down the rows in order
 template <typename T>
 __global__ void arraytrain_af_cols(const T* __restrict__ g, T* __restrict__ col, const i64* __restrict__ cols,
-        T gscale, T beta2c) {
+        T gscale_, const double* __restrict__ gate, T beta2c) {
+    GATE_SCALE
     const i64* q = cols + 5 * (i64)blockIdx.x;
     const i64 a = q[0], nr = q[1], c = q[2], width = q[3], ci = q[4];
     for (i64 i = threadIdx.x; i < width; i += blockDim.x) {
@@ -266,7 +282,8 @@ __global__ void arraytrain_af_cols(const T* __restrict__ g, T* __restrict__ col,
 // 3. one block per matrix: rscale = row / max(mean(row), eps1) (NaN-propagating clamp)
 template <typename T>
 __global__ void arraytrain_af_rscale(const T* __restrict__ row, const i64* __restrict__ batches, double eps1,
-        T* __restrict__ rscale) {
+        T* __restrict__ rscale, const double* __restrict__ gate) {
+    GATE_SKIP
     const i64 r0 = batches[2 * (i64)blockIdx.x], nr = batches[2 * (i64)blockIdx.x + 1];
     double s = 0.0;
     for (i64 i = threadIdx.x; i < nr; i += blockDim.x) s += (double)row[r0 + i];
@@ -295,7 +312,8 @@ __device__ __forceinline__ T af_variance(const i64* sg, i64 i, const T* col, con
 template <typename T>
 __global__ void arraytrain_af_stats(const T* __restrict__ p, const T* __restrict__ g, const T* __restrict__ col,
         T* __restrict__ var, const T* __restrict__ rscale, const i64* __restrict__ chunks, const i64* __restrict__ segs,
-        T gscale, T beta2c, T eps1sq, double* __restrict__ psq_part, double* __restrict__ usq_part) {
+        T gscale_, const double* __restrict__ gate, T beta2c, T eps1sq, double* __restrict__ psq_part, double* __restrict__ usq_part) {
+    GATE_SCALE
     const chunk c = load_chunk(chunks);
     const i64* sg = segs + 9 * (i64)c.seg;
     double su = 0.0, sp = 0.0;
@@ -320,7 +338,8 @@ __global__ void arraytrain_af_stats(const T* __restrict__ p, const T* __restrict
 template <typename T>
 __global__ void arraytrain_af_step(const double* __restrict__ psq_chunks, const double* __restrict__ psq_rows,
         const double* __restrict__ usq, const i64* __restrict__ segs, const double* __restrict__ rho, double rho0,
-        double eps2, double d, int nseg, T* __restrict__ step) {
+        double eps2, double d, int nseg, T* __restrict__ step, const double* __restrict__ gate) {
+    GATE_SKIP
     const int s = blockIdx.x * blockDim.x + threadIdx.x;
     if (s >= nseg) return;
     const double size = fmax((double)segs[9 * (i64)s + 1], 1.0);
@@ -332,8 +351,9 @@ __global__ void arraytrain_af_step(const double* __restrict__ psq_chunks, const 
 template <typename T, int WK, bool MASK>
 __global__ void arraytrain_af_apply(T* __restrict__ p, T* __restrict__ g, const T* __restrict__ col,
         const T* __restrict__ var, const T* __restrict__ rscale, const i64* __restrict__ chunks,
-        const i64* __restrict__ segs, T gscale, T eps1sq, const T* __restrict__ step, const T* __restrict__ decay,
+        const i64* __restrict__ segs, T gscale_, const double* __restrict__ gate, T eps1sq, const T* __restrict__ step, const T* __restrict__ decay,
         T decay0, u16* __restrict__ w, int zero_grad, const unsigned char* __restrict__ mask) {
+    GATE_SCALE
     const chunk c = load_chunk(chunks);
     const i64* sg = segs + 9 * (i64)c.seg;
     const T ss = step[c.seg], dec = seg_value(decay, decay0, c.seg);
@@ -387,12 +407,19 @@ def _seg(values, p):
     return seg_arg(values, p.dtype)
 
 
+def _gs(gscale, t):
+    """``(gscale, gate)`` kernel arguments: a number, or a :class:`DeviceScale` formed on the device."""
+    if isinstance(gscale, DeviceScale):
+        return t(gscale.sign), gscale.gate
+    return t(gscale), NULL
+
+
 def sgd_step(p, g, buf, pieces, gscale, lr, weight_decay, momentum, dampening, nesterov, first, w, wkind, zero_grad,
              mask=None):
     """Fused SGD update; see :func:`arraytrain.kernels.reference.sgd_step`."""
     t = p.dtype.type
     _run("sgd_step", p, None, pieces, (p, g, buf),
-         (t(gscale), *_seg(lr, p), *_seg(weight_decay, p), t(momentum), t(1.0 - dampening), np.int32(bool(nesterov)),
+         (*_gs(gscale, t), *_seg(lr, p), *_seg(weight_decay, p), t(momentum), t(1.0 - dampening), np.int32(bool(nesterov)),
           np.int32(bool(first))), w, wkind, zero_grad, mask)
 
 
@@ -401,7 +428,7 @@ def adam_step(p, g, m, v, vmax, pieces, gscale, step_size, beta1, beta2, eps, bc
     """Fused Adam/AdamW update; see :func:`arraytrain.kernels.reference.adam_step`."""
     t = p.dtype.type
     _run("adam_step", p, m, pieces, (p, g, m, v, vmax),
-         (t(gscale), *_seg(step_size, p), t(1.0 - beta1), t(beta2), t(1.0 - beta2), t(eps), t(1.0 / bc2_sqrt),
+         (*_gs(gscale, t), *_seg(step_size, p), t(1.0 - beta1), t(beta2), t(1.0 - beta2), t(eps), t(1.0 / bc2_sqrt),
           *_seg(l2, p), *_seg(decay, p), np.int32(bool(amsgrad))), w, wkind, zero_grad, mask)
 
 
@@ -409,7 +436,7 @@ def adagrad_step(p, g, sum_sq, pieces, gscale, clr, weight_decay, eps, w, wkind,
     """Fused Adagrad update; see :func:`arraytrain.kernels.reference.adagrad_step`."""
     t = p.dtype.type
     _run("adagrad_step", p, sum_sq, pieces, (p, g, sum_sq),
-         (t(gscale), *_seg(clr, p), *_seg(weight_decay, p), t(eps)), w, wkind, zero_grad, mask)
+         (*_gs(gscale, t), *_seg(clr, p), *_seg(weight_decay, p), t(eps)), w, wkind, zero_grad, mask)
 
 
 def rmsprop_step(p, g, square_avg, grad_avg, momentum_buffer, pieces, gscale, lr, weight_decay, alpha, eps,
@@ -417,7 +444,7 @@ def rmsprop_step(p, g, square_avg, grad_avg, momentum_buffer, pieces, gscale, lr
     """Fused RMSprop update; see :func:`arraytrain.kernels.reference.rmsprop_step`."""
     t = p.dtype.type
     _run("rmsprop_step", p, square_avg, pieces, (p, g, square_avg, grad_avg, momentum_buffer),
-         (t(gscale), *_seg(lr, p), *_seg(weight_decay, p), t(alpha), t(1.0 - alpha), t(eps), t(momentum),
+         (*_gs(gscale, t), *_seg(lr, p), *_seg(weight_decay, p), t(alpha), t(1.0 - alpha), t(eps), t(momentum),
           np.int32(bool(centered)), np.int32(bool(momentum > 0))), w, wkind, zero_grad, mask)
 
 
@@ -427,14 +454,14 @@ def lion_step(p, g, m, pieces, gscale, lr, weight_decay, b1, b2, w, wkind, zero_
     lr = np.asarray(lr, np.float64)
     decay = 1.0 - lr * np.asarray(weight_decay, np.float64)
     _run("lion_step", p, m, pieces, (p, g, m),
-         (t(gscale), *_seg(lr, p), *_seg(decay, p), t(b1), t(1.0 - b1), t(b2), t(1.0 - b2)), w, wkind, zero_grad, mask)
+         (*_gs(gscale, t), *_seg(lr, p), *_seg(decay, p), t(b1), t(1.0 - b1), t(b2), t(1.0 - b2)), w, wkind, zero_grad, mask)
 
 
 def sophia_step(p, g, m, h, pieces, gscale, lr, decay, beta1, rho, eps, w, wkind, zero_grad, mask=None):
     """Fused SophiaG update; see :func:`arraytrain.kernels.reference.sophia_step`."""
     t = p.dtype.type
     _run("sophia_step", p, m, pieces, (p, g, m, h),
-         (t(gscale), *_seg(lr, p), *_seg(decay, p), t(beta1), t(1.0 - beta1), t(rho), t(eps)), w, wkind, zero_grad, mask)
+         (*_gs(gscale, t), *_seg(lr, p), *_seg(decay, p), t(beta1), t(1.0 - beta1), t(rho), t(eps)), w, wkind, zero_grad, mask)
 
 
 def sam_perturb(p, g, backup, pieces, scale, adaptive, zero_grad, mask=None):
@@ -459,23 +486,25 @@ def lamb_step(p, g, m, v, pieces, gscale, lr, weight_decay, beta1, beta2, eps, e
     nseg = len(np.asarray(lr).reshape(-1))
     ch = chunks_for(pieces)
     wd = _seg(weight_decay, p)
+    gs = _gs(gscale, t)
+    gate = gs[1]
     inv_bc1, inv_bc2 = t(1.0 / bc1), t(1.0 / bc2)
     ratio = cp.ones(nseg, dtype=cp.float64)
     if ch.count == 0:
         return ratio
     psq, usq = cp.empty(ch.count, cp.float64), cp.empty(ch.count, cp.float64)
     launch(SOURCE.function(f"arraytrain_lamb_moments<{tn},{tn}>"), ch.count,
-           (p, g, m, v, ch.table, t(gscale), *wd, t(1.0 - beta1), t(beta2), t(1.0 - beta2), inv_bc1, inv_bc2,
+           (p, g, m, v, ch.table, *gs, *wd, t(1.0 - beta1), t(beta2), t(1.0 - beta2), inv_bc1, inv_bc2,
             t(eps), t(eps_root), np.int32(bool(zero_grad)), psq, usq))
     pn, un = cp.zeros(1 + nseg, cp.float64), cp.zeros(1 + nseg, cp.float64)
     reductions.seg_reduce(psq, *ch.seg_ranges(nseg), nseg, pn, total=False)
     reductions.seg_reduce(usq, *ch.seg_ranges(nseg), nseg, un, total=False)
     step = cp.empty(nseg, dtype=p.dtype)
     launch(SOURCE.function(f"arraytrain_lamb_ratio<{tn}>"), -(-nseg // THREADS),
-           (pn, un, *_seg(lr, p), np.int32(nseg), ratio, step))
+           (pn, un, *_seg(lr, p), np.int32(nseg), ratio, step, gate))
     wk = 0 if w is None else int(wkind)
     launch(SOURCE.function(f"arraytrain_lamb_apply<{tn},{tn},{wk},{'true' if mask is not None else 'false'}>"),
-           ch.count, (p, m, v, ch.table, *wd, step, inv_bc1, inv_bc2, t(eps), t(eps_root), ptr(w), ptr(mask)))
+           ch.count, (p, m, v, ch.table, *wd, step, inv_bc1, inv_bc2, t(eps), t(eps_root), ptr(w), ptr(mask), gate))
     return ratio
 
 
@@ -519,18 +548,19 @@ def adafactor_step(p, g, row, col, var, pieces, segs, rows, cols, batches, gscal
     nseg = segs.shape[0]
     ch = chunks_for(pieces)
     tab = _af_tables(segs, rows, cols, batches)
-    gs, b2c, eps1sq = t(gscale), t(beta2c), t(eps1 * eps1)
+    gs, b2c, eps1sq = _gs(gscale, t), t(beta2c), t(eps1 * eps1)
+    gate = gs[1]
     nrows = rows.shape[0]
     psq_rows = cp.zeros(max(nrows, 1), cp.float64)
     rscale = cp.empty(max(row.size, 1), p.dtype)
     fn = SOURCE.function
     if nrows:
-        launch(fn(f"arraytrain_af_rows<{tn}>"), nrows, (p, g, row, tab.rows, gs, b2c, psq_rows))
-        launch(fn(f"arraytrain_af_cols<{tn}>"), cols.shape[0], (g, col, tab.cols, gs, b2c))
-        launch(fn(f"arraytrain_af_rscale<{tn}>"), batches.shape[0], (row, tab.batches, np.float64(eps1), rscale))
+        launch(fn(f"arraytrain_af_rows<{tn}>"), nrows, (p, g, row, tab.rows, *gs, b2c, psq_rows))
+        launch(fn(f"arraytrain_af_cols<{tn}>"), cols.shape[0], (g, col, tab.cols, *gs, b2c))
+        launch(fn(f"arraytrain_af_rscale<{tn}>"), batches.shape[0], (row, tab.batches, np.float64(eps1), rscale, gate))
     count = max(ch.count, 1)
     psq_part, usq_part = cp.zeros(count, cp.float64), cp.zeros(count, cp.float64)
-    launch(fn(f"arraytrain_af_stats<{tn}>"), ch.count, (p, g, col, ptr(var), rscale, ch.table, tab.segs, gs, b2c,
+    launch(fn(f"arraytrain_af_stats<{tn}>"), ch.count, (p, g, col, ptr(var), rscale, ch.table, tab.segs, *gs, b2c,
                                                         eps1sq, psq_part, usq_part))
     pn, pr, un = (cp.zeros(1 + nseg, cp.float64) for _ in range(3))
     lo, hi = ch.seg_ranges(nseg)
@@ -539,8 +569,8 @@ def adafactor_step(p, g, row, col, var, pieces, segs, rows, cols, batches, gscal
     reductions.seg_reduce(psq_rows, tab.row_lo, tab.row_hi, nseg, pr, total=False)
     step = cp.empty(max(nseg, 1), p.dtype)
     launch(fn(f"arraytrain_af_step<{tn}>"), -(-nseg // THREADS),
-           (pn, pr, un, tab.segs, *seg_arg(rho, np.float64), np.float64(eps2), np.float64(d), np.int32(nseg), step))
+           (pn, pr, un, tab.segs, *seg_arg(rho, np.float64), np.float64(eps2), np.float64(d), np.int32(nseg), step, gate))
     wk = 0 if w is None else int(wkind)
     launch(fn(f"arraytrain_af_apply<{tn},{wk},{'true' if mask is not None else 'false'}>"), ch.count,
-           (p, g, col, ptr(var), rscale, ch.table, tab.segs, gs, eps1sq, step, *_seg(decay, p), ptr(w),
+           (p, g, col, ptr(var), rscale, ch.table, tab.segs, *gs, eps1sq, step, *_seg(decay, p), ptr(w),
             np.int32(bool(zero_grad)), ptr(mask)))

@@ -83,6 +83,23 @@ __global__ void arraytrain_total_reduce(double* __restrict__ out, int nseg) {
     if (threadIdx.x == 0) out[0] = acc;
 }
 
+// The device gate from a norm pass's sums (one thread): gate[0] = clip factor / unscale as the
+// host computes it (float64, same operations, same bits), gate[1] = 1 when the total is not
+// finite (skip; the host then looks closer: a float64 overflow of finite values is not a skip).
+__global__ void arraytrain_clip_gate(const double* __restrict__ sums, double unscale, double max_norm, double eps,
+                                     double* __restrict__ gate) {
+    const double total = sums[0];
+    if (!isfinite(total)) { gate[0] = 0.0; gate[1] = 1.0; return; }
+    double coef = 1.0;
+    if (max_norm >= 0.0) {
+        const double norm = sqrt(total) / unscale;
+        if (eps == 0.0) coef = norm <= max_norm ? 1.0 : max_norm / norm;
+        else { const double c = max_norm / (norm + eps); coef = c < 1.0 ? c : 1.0; }
+    }
+    gate[0] = coef / unscale;
+    gate[1] = 0.0;
+}
+
 template <int WK>
 __global__ void arraytrain_cast_working(u16* __restrict__ w, const float* __restrict__ p, const i64* __restrict__ chunks) {
     const chunk c = load_chunk(chunks);
@@ -94,7 +111,7 @@ __global__ void arraytrain_cast_working(u16* __restrict__ w, const float* __rest
    + [f"arraytrain_all_finite<{t}>" for t in _FLOATS]
    + [f"arraytrain_chunk_reduce<{t},{op}>" for t in _FLOATS for op in range(4)]
    + [f"arraytrain_{k}_reduce<{m}>" for k in ("seg", "total") for m in ("false", "true")]
-   + [f"arraytrain_cast_working<{k}>" for k in (1, 2)])
+   + [f"arraytrain_cast_working<{k}>" for k in (1, 2)] + ["arraytrain_clip_gate"])
 
 _GRID_CAP = 132 * 16  # grid-stride kernels: enough blocks to fill an H100 several times
 
@@ -156,6 +173,28 @@ def max_abs(x, pieces):
     """Largest |element| over the pieces, for finite input (rescales a norm that overflowed)."""
     nseg = int(np.asarray(pieces)[:, 2].max()) + 1 if len(pieces) else 0
     return _split(_reduce(3, x, None, 1.0, pieces, nseg))[0]
+
+
+def sumsq_gate(x, pieces, nseg, unscale, max_norm, eps):
+    """The norm pass and the device gate, no synchronisation: ``(sums, gate)`` device arrays.
+
+    ``sums`` = ``[total, per_segment...]`` sums of squares (read it with :func:`read_sums`);
+    ``gate`` feeds the update kernels (see :class:`._core.DeviceScale`): the clip factor
+    ``min(1, max_norm / (sqrt(total) / unscale + eps))`` over ``unscale``, or a skip when
+    the total is not finite. ``max_norm=None``: no clipping.
+    """
+    out = _reduce(0, x, None, 1.0, pieces, nseg)
+    ch = chunks_for(pieces, REDUCE_CHUNK)
+    gate = ch.gate()
+    launch(SOURCE.function("arraytrain_clip_gate"), 1, (out, np.float64(unscale),
+                                                        np.float64(-1.0 if max_norm is None else max_norm),
+                                                        np.float64(eps), gate))
+    return out, gate
+
+
+def read_sums(sums):
+    """``(total, per_segment)`` of :func:`sumsq_gate`'s sums: the one device-to-host read."""
+    return _split(sums)
 
 
 def sumsq_scaled(x, pieces, nseg, inv):
