@@ -50,15 +50,22 @@ tensor belongs, so parameter names may hold any character. Tensor keys are
 unique), ``path`` is there for people looking at the file with other tools.
 Array dtypes: bool, (u)int8-64, float16/32/64, bfloat16 (``ml_dtypes``), complex64.
 
-Writing is atomic: a temporary file ``.<name>.<hex>.tmp`` in the target's
-directory is written, re-opened to check that its header covers the whole file,
-``fsync``-ed, renamed over the target with ``os.replace`` and the directory
-``fsync``-ed. On any exception the temporary file is removed and an existing
-checkpoint is left as it was; a process killed before the rename leaves the old
-checkpoint behind, next to a stray temporary file (``.<name>.<hex>.tmp``, or
-safetensors' own ``.tmpXXXXXX`` if killed inside its writer). A new file's mode
-follows the umask. Arrays are written straight from the engine's buffers
-(safetensors reads them by pointer), without an in-memory copy of the state.
+Writing is atomic: each save makes a private work directory ``.<name>.<hex>.tmp``
+beside the target and holds an exclusive ``flock`` on it; the file is written
+there (safetensors' own temporary file lands there too), re-opened to check that
+its header covers the whole file, ``fsync``-ed, renamed over the target with
+``os.replace``, the directory ``fsync``-ed and the work directory removed. On any
+exception the work directory is removed and an existing checkpoint is left as it
+was. A process killed mid-save leaves the old checkpoint and its one work
+directory; the next save to the same target removes every such directory whose
+lock no live writer holds (and the ``.<name>.<hex>.tmp`` files of older versions),
+so crashed saves never pile up: at most the one of the last crash remains. A new
+file's mode follows the umask. Arrays are written straight from the engine's
+buffers (safetensors reads them by pointer), without an in-memory copy of the state.
+
+Reading refuses what safetensors' parser lets through: a header that declares a
+key twice (a tensor, a metadata key, a field), and metadata JSON nested deeper
+than ``MAX_DEPTH`` levels (writing refuses such trees, and reference cycles).
 """
 
 from __future__ import annotations

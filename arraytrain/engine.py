@@ -19,6 +19,7 @@ from .buffer import FlatBuffer
 from .compress._base import check_compressor
 from .errors import (
     ArgumentTypeError,
+    BackendError,
     BackendUnavailableError,
     ConcurrentUseError,
     DTypeError,
@@ -445,6 +446,8 @@ class Engine:
             new = MaskBuffer(self.layout, mask.flat.copy())
         elif isinstance(mask, Mapping):
             for name, m in mask.items():
+                if isinstance(m, np.ma.MaskedArray):  # np.asarray would drop its mask
+                    raise BackendError(f"mask[{name!r}]: a masked array; pass 0/1 values (e.g. m.filled(0))")
                 if name not in self.layout:
                     raise LayoutError(f"mask: {name!r} is not a parameter; names: {list(self.layout.names)}")
                 a = np.asarray(m)
