@@ -223,9 +223,10 @@ def engine_snapshot(engine) -> dict:
         "layout": engine.layout,
         "skips": engine.consecutive_skips,
         "perturbed": engine.perturbed,
-        "schedule": None if engine.schedule is None else _frozen(engine.schedule.state_dict()),
-        "loss_scaler": None if engine.loss_scaler is None else _frozen(engine.loss_scaler.state_dict()),
-        "compression": None if engine.compressor is None else _frozen(engine.compressor.state_dict()),
+        # as text, so that every value of a snapshot compares with == and with assert_array_equal
+        "schedule": None if engine.schedule is None else repr(_frozen(engine.schedule.state_dict())),
+        "loss_scaler": None if engine.loss_scaler is None else repr(_frozen(engine.loss_scaler.state_dict())),
+        "compression": None if engine.compressor is None else repr(_frozen(engine.compressor.state_dict())),
         "mask": None if engine.mask is None else bits(engine.mask.flat),
         "working": None if engine.working is None else bits(engine.working.flat),
     }
