@@ -7,12 +7,30 @@ import numbers
 
 from .errors import HyperparameterError
 
+# Counters (steps, call counts, skips, epochs) are bounded by 2**53: every such int converts to
+# a float64 exactly, and the code computes with them as floats (Adam's bias correction b**t, the
+# schedules' step / total_steps, torch's formulas). Larger values, which no run reaches (2**53
+# steps at one per microsecond take 285 years), can only come from a corrupt or hand-made state
+# dict, and would fail later with an untyped OverflowError (int too large to convert to float).
+MAX_COUNT = 2**53
+
+
+def shown(value) -> str:
+    """``repr(value)`` for a message, except an int too long to print (Python refuses > 4300 digits)."""
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool) and abs(int(value)) >= 2**64:
+        return f"an int of {int(value).bit_length()} bits"
+    return repr(value)
+
 
 def check_number(name: str, value, lo: float = -math.inf, hi: float = math.inf, *,
                  lo_open: bool = False, hi_open: bool = False, error=HyperparameterError) -> float:
     """``value`` as a float if it is a finite real number in the interval, else ``error``."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
-        raise error(f"{name}: expected a finite real number, got {value!r}")
+    try:
+        ok = not isinstance(value, bool) and isinstance(value, numbers.Real) and math.isfinite(value)
+    except OverflowError:  # an int beyond the float range
+        ok = False
+    if not ok:
+        raise error(f"{name}: expected a finite real number, got {shown(value)}")
     value = float(value)
     below = value <= lo if lo_open else value < lo
     above = value >= hi if hi_open else value > hi
@@ -31,14 +49,19 @@ def check_int(name: str, value, lo: int = 0, hi: float = math.inf, error=Hyperpa
     """``value`` as an int (not a bool) in ``[lo, hi]``, else ``error``."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not lo <= value <= hi:
         bounds = f">= {lo}" if hi == math.inf else f"in [{lo}, {hi}]"
-        raise error(f"{name}: expected an int {bounds}, got {value!r}")
+        raise error(f"{name}: expected an int {bounds}, got {shown(value)}")
     return int(value)
+
+
+def check_count(name: str, value, lo: int = 0, hi: int = MAX_COUNT, error=HyperparameterError) -> int:
+    """A counter or step count: an int in ``[lo, hi]``, ``hi`` at most :data:`MAX_COUNT`."""
+    return check_int(name, value, lo, min(hi, MAX_COUNT), error=error)
 
 
 def check_bool(name: str, value, error=HyperparameterError) -> bool:
     """``value`` if it is a bool (not merely truthy), else ``error``."""
     if not isinstance(value, bool):
-        raise error(f"{name}: expected a bool, got {value!r}")
+        raise error(f"{name}: expected a bool, got {shown(value)}")
     return value
 
 

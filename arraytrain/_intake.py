@@ -4,7 +4,11 @@ Everything is checked before anything is written, so a refused call changes
 nothing. Gradients of another floating precision are accepted and cast:
 float32/float64 inside the kernel, float16 (which numba cannot read) by a
 copy made during validation. Non-contiguous gradients are accepted and read
-through a contiguous copy.
+through a contiguous copy. NumPy subclasses are read as plain arrays and
+masked arrays refused (see :func:`arraytrain.backend.as_array`).
+
+:func:`ready_to_assign` prepares arrays that a state load will copy into
+buffers, so that the copy itself cannot fail or depend on its order.
 """
 
 from __future__ import annotations
@@ -46,6 +50,30 @@ def check_grads(grads: Mapping, buf: FlatBuffer, protect: tuple = ()) -> dict:
         if arr.dtype not in KERNEL_DTYPES:  # e.g. float16: cast here, before anything is written
             arr = arr.astype(buf.dtype)
         out[name] = xp.ascontiguousarray(arr).reshape(-1)  # the CUDA kernels read dense memory
+    return out
+
+
+def ready_to_assign(buf: FlatBuffer, checked: dict, protect: tuple = ()) -> dict:
+    """Arrays validated by ``buf.check`` made safe to copy in any order, without failing.
+
+    Each array gets ``buf``'s dtype here (a cast to a narrower float cannot then
+    raise under ``np.errstate(over="raise")`` half-way through a load), and one
+    that shares memory with a buffer in ``protect`` (those the load writes) is
+    copied unless it is exactly the view it will be written to: otherwise
+    writing one buffer could change a source read later.
+    """
+    out = {}
+    for name, arr in checked.items():
+        if arr.dtype != buf.dtype:
+            with np.errstate(all="ignore"):
+                arr = arr.astype(buf.dtype)
+        elif isinstance(arr, np.ndarray) and arr.size and any(np.may_share_memory(arr, f) for f in protect):
+            dest = buf[name]
+            same = (arr.__array_interface__["data"][0] == dest.__array_interface__["data"][0]
+                    and arr.strides == dest.strides and arr.shape == dest.shape)
+            if not same:
+                arr = arr.copy()
+        out[name] = arr
     return out
 
 

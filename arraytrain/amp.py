@@ -74,7 +74,11 @@ class LossScaler:
 
     def load_state_dict(self, state) -> None:
         """Restore scale and growth tracker (validated first); the configuration stays."""
-        self.scale, self.growth_tracker = self.check_state(state)
+        self.apply_state(self.check_state(state))
+
+    def apply_state(self, checked: tuple[float, int]) -> None:
+        """Restore what :meth:`check_state` returned (two assignments: cannot fail)."""
+        self.scale, self.growth_tracker = checked
 
     def __repr__(self) -> str:
         return f"LossScaler(scale={self.scale}, growth_tracker={self.growth_tracker}, {self.config()})"

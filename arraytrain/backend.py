@@ -90,15 +90,34 @@ def _cupy(name: str) -> ModuleType:
         ) from None
 
 
+def _probe(x: object, attr: str, name: str) -> bool:
+    """``hasattr`` that turns an exporter's own failure (anything but AttributeError) into BackendError."""
+    try:
+        getattr(x, attr)
+    except AttributeError:
+        return False
+    except Exception as exc:
+        raise BackendError(f"{name!r}: reading {type(x).__name__}.{attr} failed: {exc!r}") from None
+    return True
+
+
 def as_array(x: object, name: str = "array"):
     """Return ``x`` as a NumPy or CuPy array without copying where possible.
 
     Raises :class:`BackendError` for objects that are not arrays and
     :class:`DTypeError` for non-floating dtypes; ``name`` is used in messages.
+    A NumPy subclass is read as a plain ``ndarray`` view of the same memory
+    (``np.matrix``, whose ``reshape(-1)`` stays 2-D, ``np.memmap``, ...), except a
+    masked array, which is refused: the kernels cannot honour its mask.
     """
-    if isinstance(x, np.ndarray) or type(x).__module__.partition(".")[0] == "cupy":
+    if isinstance(x, np.ndarray):
+        if isinstance(x, np.ma.MaskedArray):
+            raise BackendError(f"{name!r}: a masked array; its mask cannot be applied by the kernels "
+                               "(pass x.filled(0) or x.data)")
+        arr = x if type(x) is np.ndarray else x.view(np.ndarray)
+    elif type(x).__module__.partition(".")[0] == "cupy":
         arr = x
-    elif hasattr(x, "__dlpack_device__") and hasattr(x, "__dlpack__"):
+    elif _probe(x, "__dlpack_device__", name) and _probe(x, "__dlpack__", name):
         try:
             device = int(x.__dlpack_device__()[0])
         except Exception as exc:  # a broken exporter
@@ -111,10 +130,11 @@ def as_array(x: object, name: str = "array"):
             raise BackendError(f"{name!r}: unsupported DLPack device type {device}")
         try:
             arr = reader(x)
-        except (RuntimeError, BufferError, TypeError, ValueError) as exc:
-            # e.g. torch refuses to export a tensor that requires grad
+        except Exception as exc:
+            # e.g. torch refuses to export a tensor that requires grad; a broken exporter may
+            # raise anything (AttributeError included): all of it means "cannot read this"
             raise BackendError(f"{name!r}: could not read {type(x).__name__} via DLPack: {exc}") from None
-    elif hasattr(x, "__cuda_array_interface__"):
+    elif _probe(x, "__cuda_array_interface__", name):
         arr = _cupy(name).asarray(x)
     else:
         try:
@@ -156,7 +176,7 @@ def same_backend(arr, expected: str, name: str) -> None:
 def kernels_for(flat, impl: str = "numba") -> ModuleType:
     """The kernel module for a flat buffer: ``cpu``/``cuda``, or ``reference``."""
     if impl not in KERNEL_IMPLS:
-        raise ValueError(f"kernels must be one of {KERNEL_IMPLS}, got {impl!r}")
+        raise HyperparameterError(f"kernels: expected one of {KERNEL_IMPLS}, got {impl!r}")
     backend = backend_of(flat)
     if flat.dtype not in KERNEL_DTYPES:
         raise DTypeError(

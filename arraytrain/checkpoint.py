@@ -50,15 +50,22 @@ tensor belongs, so parameter names may hold any character. Tensor keys are
 unique), ``path`` is there for people looking at the file with other tools.
 Array dtypes: bool, (u)int8-64, float16/32/64, bfloat16 (``ml_dtypes``), complex64.
 
-Writing is atomic: a temporary file ``.<name>.<hex>.tmp`` in the target's
-directory is written, re-opened to check that its header covers the whole file,
-``fsync``-ed, renamed over the target with ``os.replace`` and the directory
-``fsync``-ed. On any exception the temporary file is removed and an existing
-checkpoint is left as it was; a process killed before the rename leaves the old
-checkpoint behind, next to a stray temporary file (``.<name>.<hex>.tmp``, or
-safetensors' own ``.tmpXXXXXX`` if killed inside its writer). A new file's mode
-follows the umask. Arrays are written straight from the engine's buffers
-(safetensors reads them by pointer), without an in-memory copy of the state.
+Writing is atomic: each save makes a private work directory ``.<name>.<hex>.tmp``
+beside the target and holds an exclusive ``flock`` on it; the file is written
+there (safetensors' own temporary file lands there too), re-opened to check that
+its header covers the whole file, ``fsync``-ed, renamed over the target with
+``os.replace``, the directory ``fsync``-ed and the work directory removed. On any
+exception the work directory is removed and an existing checkpoint is left as it
+was. A process killed mid-save leaves the old checkpoint and its one work
+directory; the next save to the same target removes every such directory whose
+lock no live writer holds (and the ``.<name>.<hex>.tmp`` files of older versions),
+so crashed saves never pile up: at most the one of the last crash remains. A new
+file's mode follows the umask. Arrays are written straight from the engine's
+buffers (safetensors reads them by pointer), without an in-memory copy of the state.
+
+Reading refuses what safetensors' parser lets through: a header that declares a
+key twice (a tensor, a metadata key, a field), and metadata JSON nested deeper
+than ``MAX_DEPTH`` levels (writing refuses such trees, and reference cycles).
 """
 
 from __future__ import annotations
@@ -66,10 +73,18 @@ from __future__ import annotations
 import json
 import math
 import os
+import reprlib
 import secrets
+import shutil
 import stat
 import struct
 from collections.abc import Mapping
+from contextlib import nullcontext
+
+try:
+    import fcntl
+except ImportError:  # not POSIX: no stale-file cleanup (see _clean_stale)
+    fcntl = None
 
 import numpy as np
 import safetensors
@@ -83,6 +98,10 @@ FORMAT = "arraytrain.checkpoint"
 FORMAT_VERSION = 1
 
 _TAGS = ("$tensor", "$tuple", "$float")
+# JSON containers nest at most this deep in the metadata (an engine's tree is a few levels, a
+# schedule nesting schedules.MAX_NESTING deep about 100), checked while encoding and decoding,
+# well before Python's recursion limit; the parser's own limit is caught as well.
+MAX_DEPTH = 128
 _QUIET_NAN_BITS = 0x7FF8000000000000
 
 # NumPy dtype name -> safetensors dtype code, for the dtypes that round-trip
@@ -108,7 +127,8 @@ def save(path, engine, *, extra: Mapping | None = None) -> None:
     """
     where = _fspath(path)
     _check_engine(engine)
-    _save_tree(where, engine.state_dict(copy=False), extra)
+    with _exclusive(engine, "save()"):  # no step may change the buffers while they are written
+        _save_tree(where, engine.state_dict(copy=False), extra)
 
 
 def load(path, engine) -> dict:
@@ -128,12 +148,13 @@ def load(path, engine) -> dict:
     """
     where = _fspath(path)
     _check_engine(engine)
-    template = engine.state_dict(copy=False)
-    tree, extra = _read(where, template)
-    try:
-        engine.load_state_dict(tree)
-    except StateDictError as exc:
-        raise CheckpointError(f"{where}: {exc}") from exc
+    with _exclusive(engine, "load()"):
+        template = engine.state_dict(copy=False)
+        tree, extra = _read(where, template)
+        try:
+            engine.load_state_dict(tree)
+        except StateDictError as exc:
+            raise CheckpointError(f"{where}: {exc}") from exc
     return extra
 
 
@@ -161,14 +182,30 @@ def _save_tree(where: str, tree, extra: Mapping | None) -> None:
 
 
 class _Encoder:
-    """Tree -> JSON-able object; arrays are collected in ``tensors`` (no copies of contiguous arrays)."""
+    """Tree -> JSON-able object; arrays are collected in ``tensors`` (no copies of contiguous arrays).
+
+    Containers nest at most ``MAX_DEPTH`` deep in the JSON written (a tuple's tag
+    counts as a level); a container that contains itself is refused by name.
+    """
 
     def __init__(self, error, tensors: bool):
         self.error = error
         self.allow_tensors = tensors
         self.tensors: dict[str, np.ndarray] = {}
+        self._open: set[int] = set()  # ids of the containers on the current path
 
-    def encode(self, node, path: tuple):
+    def encode(self, node, path: tuple, depth: int = 0):
+        if isinstance(node, (tuple, list, Mapping)):
+            depth += 2 if isinstance(node, tuple) else 1
+            if id(node) in self._open:
+                raise self.error(f"{_show(path)}: the {type(node).__name__} contains itself (a reference cycle)")
+            if depth > MAX_DEPTH:
+                raise self.error(f"{_show(path[:3])}...: nested deeper than {MAX_DEPTH} levels")
+            self._open.add(id(node))
+            try:
+                return self._container(node, path, depth)
+            finally:
+                self._open.discard(id(node))
         if node is None:
             return None
         if isinstance(node, str):
@@ -182,21 +219,22 @@ class _Encoder:
             return x if math.isfinite(x) else {"$float": _float_text(x)}
         if isinstance(node, np.ndarray):
             return {"$tensor": self._tensor(node, path)}
-        if isinstance(node, tuple):
-            return {"$tuple": [self.encode(v, path + (i,)) for i, v in enumerate(node)]}
-        if isinstance(node, list):
-            return [self.encode(v, path + (i,)) for i, v in enumerate(node)]
-        if isinstance(node, Mapping):
-            out = {}
-            for k, v in node.items():
-                if not isinstance(k, str):
-                    raise self.error(f"{_show(path)}: keys must be str, got {type(k).__name__} {k!r}")
-                out["$" + k if k.startswith("$") else k] = self.encode(v, path + (k,))
-            return out
         if _is_cupy(node):  # a CUDA engine's state: saving is the explicit move to the host
             return {"$tensor": self._tensor(node.get(), path)}
         raise self.error(f"{_show(path)}: cannot store a {type(node).__name__} (expected an array, None, bool, "
                          "int, float, str, list, tuple or str-keyed mapping)")
+
+    def _container(self, node, path: tuple, depth: int):
+        if isinstance(node, tuple):
+            return {"$tuple": [self.encode(v, path + (i,), depth) for i, v in enumerate(node)]}
+        if isinstance(node, list):
+            return [self.encode(v, path + (i,), depth) for i, v in enumerate(node)]
+        out = {}
+        for k, v in node.items():
+            if not isinstance(k, str):
+                raise self.error(f"{_show(path)}: keys must be str, got {type(k).__name__} {k!r}")
+            out["$" + k if k.startswith("$") else k] = self.encode(v, path + (k,), depth)
+        return out
 
     def _tensor(self, a: np.ndarray, path: tuple) -> str:
         if not self.allow_tensors:
@@ -240,11 +278,18 @@ def _summary(tree, tensors: dict) -> str:
 
 def _write_atomic(where: str, tensors: dict, metadata: dict) -> None:
     directory, base = os.path.split(os.path.abspath(where))
-    tmp = os.path.join(directory, f".{base[:200]}.{secrets.token_hex(8)}.tmp")
-    # O_EXCL: the name is ours. Created with 0o666, the file gets the umask's mode, as any new
-    # file would; safetensors replaces it with a 0o600 file of its own, so the mode is restored.
-    os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+    # A private directory holds everything this save writes: our file and safetensors' own
+    # temporary file (it writes ".tmpXXXXXX" beside its target, then renames). A crash leaves
+    # that one directory; the next save to the same target removes it (see _clean_stale).
+    work = os.path.join(directory, f"{_tmp_prefix(base)}{secrets.token_hex(8)}.tmp")
+    os.mkdir(work, 0o700)  # fails if the name exists: it is ours
+    lock = _lock(work)
     try:
+        _clean_stale(directory, base, work)
+        tmp = os.path.join(work, "checkpoint.safetensors")
+        # Created with 0o666, the file gets the umask's mode, as any new file would;
+        # safetensors replaces it with a 0o600 file of its own, so the mode is restored.
+        os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
         mode = stat.S_IMODE(os.stat(tmp).st_mode)
         _st_numpy.save_file(tensors, tmp, metadata=metadata)
         os.chmod(tmp, mode)
@@ -261,12 +306,84 @@ def _write_atomic(where: str, tensors: dict, metadata: dict) -> None:
             raise CheckpointError(f"{where}: the file just written does not read back: {exc}") from None
         os.replace(tmp, where)
     except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
+        shutil.rmtree(work, ignore_errors=True)
         raise
+    finally:
+        if lock is not None:
+            os.close(lock)
+    shutil.rmtree(work, ignore_errors=True)  # empty by now
     _fsync_dir(directory)
+
+
+def _tmp_prefix(base: str) -> str:
+    return f".{base[:200]}."
+
+
+def _is_tmp_name(entry: str, prefix: str) -> bool:
+    """``entry`` is ``<prefix><16 hex digits>.tmp``: a save's work directory (or an older version's file)."""
+    tail = entry[len(prefix):]
+    return (entry.startswith(prefix) and len(tail) == 20 and tail.endswith(".tmp")
+            and all(c in "0123456789abcdef" for c in tail[:16]))
+
+
+def _lock(path: str):
+    """Hold an exclusive ``flock`` on ``path`` for as long as the returned descriptor is open.
+
+    A writer holds it on its work directory while it saves; the kernel drops it
+    when the writer dies, which is how :func:`_clean_stale` tells a crashed
+    writer's directory from a live one. None where ``flock`` does not exist.
+    """
+    if fcntl is None:
+        return None
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _clean_stale(directory: str, base: str, own: str) -> None:
+    """Remove what crashed saves to the same target left behind (best effort, never fails the save).
+
+    Candidates are the entries named like a work directory for ``base``
+    (``.<name>.<16 hex>.tmp``; a plain file of that name is what versions
+    before the work directories left). An entry another live save holds locked
+    is left alone; so are symbolic links. Without ``flock`` nothing is removed.
+    """
+    if fcntl is None:
+        return
+    prefix = _tmp_prefix(base)
+    try:
+        entries = os.listdir(directory)
+    except OSError:
+        return
+    for entry in entries:
+        path = os.path.join(directory, entry)
+        if path == own or not _is_tmp_name(entry, prefix):
+            continue
+        try:
+            info = os.lstat(path)
+            if not (stat.S_ISDIR(info.st_mode) or stat.S_ISREG(info.st_mode)):
+                continue
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        except OSError:
+            continue
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                continue  # a live save holds it
+            if stat.S_ISDIR(info.st_mode):
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                try:
+                    os.unlink(path)
+                except OSError:
+                    pass
+        finally:
+            os.close(fd)
 
 
 def _fsync_dir(directory: str) -> None:
@@ -302,6 +419,7 @@ def _read(where: str, template) -> tuple:
     except safetensors.SafetensorError as exc:
         raise CheckpointError(f"{where}: not a valid safetensors file{_sniff(where)}: {exc}") from None
     with handle as f:
+        _check_header_keys(where, st.st_size)
         tree, refs, extra = _decode_metadata(where, f.metadata())
         specs = _tensor_specs(where, f, refs)
         _check_optimizer_type(where, tree, template)
@@ -318,6 +436,47 @@ def _read(where: str, template) -> tuple:
         if _is_cupy(want):
             arrays[key] = _cupy_module(want).asarray(arrays[key])
     return _fill(tree, arrays), extra
+
+
+class _DuplicateKey(ValueError):
+    def __init__(self, key: str):
+        super().__init__(key)
+        self.key = key
+
+
+def _unique_pairs(items: list) -> dict:
+    """``object_pairs_hook`` that refuses an object declaring a key twice."""
+    obj = dict(items)
+    if len(obj) != len(items):
+        seen: set = set()
+        for k, _ in items:
+            if k in seen:
+                raise _DuplicateKey(k)
+            seen.add(k)
+    return obj
+
+
+def _check_header_keys(where: str, size: int) -> None:
+    """Refuse a safetensors header that declares any key twice, at any level.
+
+    safetensors' own parser keeps the last of two equal keys (a tensor entry,
+    a metadata key, a field of an entry); the format forbids duplicates and a
+    reader that keeps the first would see another checkpoint. Runs after
+    ``safe_open`` accepted the file, so the header is JSON of a sane length.
+    """
+    with open(where, "rb") as fh:
+        head = fh.read(8)
+        n = struct.unpack("<Q", head)[0] if len(head) == 8 else size
+        if n > size - 8:
+            raise CheckpointError(f"{where}: not a valid safetensors file: the header length {n} exceeds the file")
+        text = fh.read(n)
+    try:
+        json.loads(text, object_pairs_hook=_unique_pairs)
+    except _DuplicateKey as exc:
+        raise CheckpointError(f"{where}: the safetensors header declares {exc.key!r} twice (the format forbids "
+                              "duplicate keys: readers disagree on which one counts)") from None
+    except (ValueError, RecursionError) as exc:
+        raise CheckpointError(f"{where}: not a valid safetensors file: the header does not parse: {exc}") from None
 
 
 def _guard(where: str, fn, *args):
@@ -379,27 +538,36 @@ def _loads(where: str, meta: dict, field: str):
         raise CheckpointError(f"{where}: metadata {field!r} is not valid JSON: {exc}") from None
 
 
-def _decode(where: str, obj, path: tuple, refs: list | None):
+def _decode(where: str, obj, path: tuple, refs: list | None, depth: int = 0):
     """JSON object -> tree with :class:`_Ref` leaves (``refs is None``: no tensors allowed)."""
     if obj is None or isinstance(obj, (bool, int, float, str)):
         return obj
+
+    def deeper(levels):  # counted as the writer counts: lists, mappings, a tuple as two
+        if depth + levels > MAX_DEPTH:
+            raise CheckpointError(f"{where}: {_show(path[:3])}...: nested deeper than {MAX_DEPTH} levels")
+        return depth + levels
+
     if isinstance(obj, list):
-        return [_decode(where, v, path + (i,), refs) for i, v in enumerate(obj)]
+        inner = deeper(1)
+        return [_decode(where, v, path + (i,), refs, inner) for i, v in enumerate(obj)]
     if not isinstance(obj, dict):
-        raise CheckpointError(f"{where}: {_show(path)}: unexpected JSON value {obj!r}")
+        raise CheckpointError(f"{where}: {_show(path)}: unexpected JSON value {_brief(obj)}")
     tags = [k for k in obj if k.startswith("$") and not k.startswith("$$")]
     if not tags:
+        inner = deeper(1)
         out = {}
         for k, v in obj.items():
             name = k[1:] if k.startswith("$") else k  # "$$x" -> "$x"
-            out[name] = _decode(where, v, path + (name,), refs)
+            out[name] = _decode(where, v, path + (name,), refs, inner)
         return out
     tag = tags[0]
     if len(obj) != 1 or tag not in _TAGS:
-        raise CheckpointError(f"{where}: {_show(path)}: malformed tagged value {obj!r} (tags: {', '.join(_TAGS)})")
+        raise CheckpointError(f"{where}: {_show(path)}: malformed tagged value {_brief(obj)} (tags: {', '.join(_TAGS)})")
     value = obj[tag]
     if tag == "$tuple" and isinstance(value, list):
-        return tuple(_decode(where, v, path + (i,), refs) for i, v in enumerate(value))
+        inner = deeper(2)
+        return tuple(_decode(where, v, path + (i,), refs, inner) for i, v in enumerate(value))
     if tag == "$float" and isinstance(value, str):
         x = _parse_float(value)
         if x is not None:
@@ -410,7 +578,7 @@ def _decode(where: str, obj, path: tuple, refs: list | None):
         ref = _Ref(value)
         refs.append(ref)
         return ref
-    raise CheckpointError(f"{where}: {_show(path)}: malformed tagged value {obj!r}")
+    raise CheckpointError(f"{where}: {_show(path)}: malformed tagged value {_brief(obj)}")
 
 
 def _parse_float(text: str) -> float | None:
@@ -539,6 +707,14 @@ def _fill(node, arrays: dict):
 
 
 # -- helpers --------------------------------------------------------------------------------------
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxstring, _REPR.maxother = 3, 60, 60
+
+
+def _brief(obj) -> str:
+    """A bounded repr for messages (a hostile value may be deep or long)."""
+    return _REPR.repr(obj)
+
 def _show(path: tuple) -> str:
     """``params['fc.weight']``, ``optimizer['hyperparameters']['betas'][0]``; the root is ``state``."""
     if not path:
@@ -565,6 +741,13 @@ def _fspath(path) -> str:
     if not isinstance(where, str):
         raise ArgumentTypeError(f"path: expected a str path, got {type(where).__name__}")
     return where
+
+
+def _exclusive(engine, what: str):
+    """The engine's call guard (another thread's step would change buffers being written or read)."""
+    from .engine import Engine
+
+    return engine._guard(what) if isinstance(engine, Engine) else nullcontext()
 
 
 def _check_engine(engine) -> None:

@@ -2,21 +2,26 @@
 
 from __future__ import annotations
 
+import functools
 import math
+import threading
 from collections.abc import Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from . import _intake
-from ._checks import check_int, check_number, check_positive
+from ._checks import check_count, check_int, check_number, check_positive, shown
 from .amp import LossScaler, working_spec
 from .backend import NUMPY, array_module, backend_of, kernels_for, to_device
 from .buffer import FlatBuffer
 from .compress._base import check_compressor
 from .errors import (
     ArgumentTypeError,
+    BackendError,
     BackendUnavailableError,
+    ConcurrentUseError,
     DTypeError,
     HyperparameterError,
     LayoutError,
@@ -32,6 +37,46 @@ from .schedules import Schedule, from_state_dict
 STATE_FORMAT = 3
 REDUCTIONS = ("mean", "sum")
 MISSING = ("error", "zero")
+
+
+class _CallGuard:
+    """Refuses a call on an engine while a call from another thread is running on it.
+
+    A non-blocking re-entrant lock: the thread holding it may nest calls (``save``
+    holds it while it writes what ``state_dict`` returned); any other thread gets
+    :class:`ConcurrentUseError` at once, before its call changes anything.
+    """
+
+    def __init__(self):
+        self._lock = threading.RLock()
+        self._holder: tuple[str, str] | None = None
+
+    @contextmanager
+    def __call__(self, what: str):
+        if not self._lock.acquire(blocking=False):
+            thread, busy = self._holder or ("?", "another call")
+            raise ConcurrentUseError(
+                f"{what}: the engine is busy with {busy} on thread {thread!r}; an Engine is not "
+                "thread-safe: serialise the calls on one engine (e.g. with a lock of your own)"
+            )
+        outer = self._holder
+        self._holder = (threading.current_thread().name, what)
+        try:
+            yield
+        finally:
+            self._holder = outer
+            self._lock.release()
+
+
+def _exclusive(method):
+    """Run an Engine method under the engine's call guard."""
+
+    @functools.wraps(method)
+    def guarded(self, *args, **kwargs):
+        with self._guard(f"{method.__name__}()"):
+            return method(self, *args, **kwargs)
+
+    return guarded
 
 
 @dataclass(frozen=True)
@@ -142,6 +187,15 @@ class Engine:
     (the skip decision and the report). Micro-batches between boundaries do not
     synchronise.
 
+    Threads: an engine is not thread-safe, and it detects misuse rather than
+    corrupting itself. While one thread is inside :meth:`step`,
+    :meth:`load_state_dict`, :meth:`state_dict`, :meth:`set_mask`,
+    :meth:`zero_grad`, :meth:`update_hessian`, :meth:`observe` or
+    :func:`arraytrain.save`, a call to any of them from another thread raises
+    :class:`~arraytrain.errors.ConcurrentUseError` and changes nothing. Reads
+    and writes of ``engine.params`` / ``engine.grads`` views are not watched:
+    do not write them while a step runs. Different engines are independent.
+
     Pruning: :meth:`set_mask` keeps a uint8 mask (1 keep, 0 pruned) that every
     optimizer kernel applies to the weights it writes, so pruned weights stay
     exactly zero through training.
@@ -190,6 +244,7 @@ class Engine:
         if wspec is not None and self.params.dtype != np.float32:
             raise HyperparameterError(f"working_dtype: working copies need float32 parameters, got {self.params.dtype}")
         self._kernels = kernels_for(self.params.flat, kernels)
+        self._guard = _CallGuard()
         if compressor is not None:
             if backend_of(self.params.flat) != NUMPY:
                 raise BackendUnavailableError("compressor: the compressors run on NumPy buffers only (no CUDA kernels yet)")
@@ -262,6 +317,7 @@ class Engine:
             self._kernels.cast_working(w, self.params.flat, self.layout.pieces, kind)
 
     # -- the step ---------------------------------------------------------------------
+    @_exclusive
     def step(self, grads: Mapping | None = None, *, weight: float | None = None) -> StepReport:
         """Take one micro-batch; at every ``accumulation_steps``-th call, apply the optimizer.
 
@@ -269,8 +325,15 @@ class Engine:
         dtype; non-contiguous inputs are copied). ``None`` means the gradients
         are already in ``engine.grads`` (the zero-copy path). The whole input
         is validated before anything is written: a refused call changes nothing.
+
+        ``weight`` must be a normal number of the buffer's dtype (the kernels
+        multiply by it in that dtype: a subnormal would flush the gradient to
+        zero, a larger value overflow), and with ``reduction="mean"`` the
+        window's weight sum times the loss scale must stay in ``[1/max, 1/tiny]``
+        of the dtype, so that the unscale factor ``1 / (sum * scale)`` is normal too.
         """
-        w = 1.0 if weight is None else check_positive("weight", weight)
+        w = self._check_weight(weight)
+        lr = self.lr  # the schedule's lr at this step: computed (and checked) before any write
         if grads is not None:
             items = _intake.check_grads(grads, self.grads, protect=(self.params.flat, self.grads.flat))
             absent = [n for n in self.layout.names if n not in items]
@@ -286,20 +349,43 @@ class Engine:
         self._micro += 1
         self._weight_sum += w
         if self._micro < self.accumulation_steps:
-            return StepReport(False, False, self.state.step, self._micro, self.lr, loss_scale=self.loss_scale)
-        return self._boundary()
+            return StepReport(False, False, self.state.step, self._micro, lr, loss_scale=self.loss_scale)
+        return self._boundary(lr)
 
-    def _boundary(self) -> StepReport:
+    def _check_weight(self, weight) -> float:
+        """A micro-batch weight the kernels represent exactly enough (see :meth:`step`)."""
+        if weight is None:
+            w = 1.0
+        else:
+            w = check_positive("weight", weight)
+        info = np.finfo(self.params.dtype)
+        tiny, big = float(info.tiny), float(info.max)
+        if not tiny <= w <= big:
+            raise HyperparameterError(f"weight: expected a normal {self.params.dtype} number in [{tiny!r}, {big!r}] "
+                                      f"(the kernels multiply by it in {self.params.dtype}), got {w!r}")
+        if self.reduction == "mean":
+            scaled = (self._weight_sum + w) * self.loss_scale
+            if not 1.0 / big <= scaled <= 1.0 / tiny:
+                raise HyperparameterError(
+                    f"weight: the window's weight sum {self._weight_sum + w!r} times the loss scale "
+                    f"{self.loss_scale!r} is {scaled!r}, outside [{1.0 / big!r}, {1.0 / tiny!r}], so its "
+                    f"inverse (the mean's factor) is not a normal {self.params.dtype} number"
+                )
+        return w
+
+    def _boundary(self, lr: float) -> StepReport:
         # the gradient buffer holds sum(w * g) of the scaled loss: the mean
         # gradient is flat * gscale with gscale = 1 / (weight sum * loss scale)
         unscale = (self._weight_sum if self.reduction == "mean" else 1.0) * self.loss_scale
-        self._micro, self._weight_sum = 0, 0.0
-        step, lr = self.state.step, self.lr
+        step = self.state.step
+        # everything that may raise comes before the first write (here: the per-parameter lrs)
+        lrs = None if self.schedule is None else self.schedule(step, self.optimizer.per_param(self.state, "lr"))
         applied = False
         if self._device_gate:
-            found, applied = self._gated_update(unscale, step)
+            found, applied = self._gated_update(unscale, step, lrs)
         else:
             found = norm_pass(self._kernels, self.grads.flat, self.layout)
+        self._micro, self._weight_sum = 0, 0.0
         if found.nonfinite:
             return self._skip(step, lr)
         self.consecutive_skips = 0
@@ -319,7 +405,7 @@ class Engine:
                 if gscale != 1.0:
                     self._kernels.scale(self.grads.flat, gscale)
                 payload, gscale = self.compressor.roundtrip(self.grads.flat), 1.0
-            self._update(step, gscale)
+            self._update(gscale, lrs)
         self._perturbed = False
         if self.loss_scaler is not None:
             self.loss_scaler.update(found_inf=False)
@@ -328,13 +414,12 @@ class Engine:
                           None if payload is None else payload.nbytes,
                           None if payload is None else payload.dense_nbytes)
 
-    def _update(self, step: int, gscale) -> None:
-        """The optimizer's fused update at the scheduled learning rates of applied step ``step``."""
-        lrs = None if self.schedule is None else self.schedule(step, self.optimizer.per_param(self.state, "lr"))
+    def _update(self, gscale, lrs) -> None:
+        """The optimizer's fused update (``lrs``: the scheduled per-parameter rates, or None)."""
         self.optimizer.update(self._kernels, self.params, self.grads, self.state, gscale=gscale, lr=lrs,
                               zero_grad=self.zero_grad_on_step, working=self._working_args(), mask=self.mask)
 
-    def _gated_update(self, unscale: float, step: int):
+    def _gated_update(self, unscale: float, step: int, lrs):
         """CUDA: norm pass, clip factor and skip decision on the device, update launched, then one read.
 
         The update kernels take the clip factor from the device and return untouched when
@@ -347,7 +432,7 @@ class Engine:
         k = self._kernels
         sums, gate = k.sumsq_gate(self.grads.flat, self.layout.pieces, len(self.layout), unscale,
                                   self.max_grad_norm, CLIP_EPS)
-        self._update(step, k.DeviceScale(gate))
+        self._update(k.DeviceScale(gate), lrs)
         total, per_seg = k.read_sums(sums)
         if math.isfinite(total):
             return NormPass(math.sqrt(total), np.sqrt(per_seg), False), True
@@ -372,12 +457,14 @@ class Engine:
             )
         return StepReport(False, True, step, 0, lr, math.nan, None, self.loss_scale)
 
+    @_exclusive
     def observe(self, metric: float) -> None:
         """Feed a validation metric to the schedule (reduce-on-plateau); no-op for closed forms."""
         if self.schedule is None:
             raise ArgumentTypeError("observe: the engine has no schedule")
         self.schedule.observe(metric, step=self.state.step)
 
+    @_exclusive
     def update_hessian(self, hessian: Mapping) -> None:
         """Feed a diagonal Hessian estimate by name (Sophia); validated before anything changes."""
         feed = getattr(self.optimizer, "update_hessian", None)
@@ -389,6 +476,7 @@ class Engine:
             raise MissingGradientError(f"update_hessian: no estimate for {absent}")
         feed(self._kernels, self.state, items, self.layout)
 
+    @_exclusive
     def set_mask(self, mask) -> None:
         """Prune: keep ``mask`` (1 keep, 0 pruned) inside every optimizer step; None removes it.
 
@@ -410,6 +498,8 @@ class Engine:
             new = MaskBuffer(self.layout, host)
         elif isinstance(mask, Mapping):
             for name, m in mask.items():
+                if isinstance(m, np.ma.MaskedArray):  # np.asarray would drop its mask
+                    raise BackendError(f"mask[{name!r}]: a masked array; pass 0/1 values (e.g. m.filled(0))")
                 if name not in self.layout:
                     raise LayoutError(f"mask: {name!r} is not a parameter; names: {list(self.layout.names)}")
                 a = _host_array(m)
@@ -430,12 +520,14 @@ class Engine:
         xp.multiply(self.params.flat, new.flat, out=self.params.flat, casting="unsafe")
         self._refresh_working()
 
+    @_exclusive
     def zero_grad(self) -> None:
         """Zero ``engine.grads`` and drop a partly accumulated window."""
         self.grads.flat.fill(0)
         self._micro, self._weight_sum = 0, 0.0
 
     # -- state ----------------------------------------------------------------------------
+    @_exclusive
     def state_dict(self, copy: bool = True) -> dict:
         """Name-keyed arrays of everything a bitwise-exact resume needs, plus scalars.
 
@@ -464,14 +556,28 @@ class Engine:
             "mask": None if self.mask is None else self.mask.as_dict(copy=copy),
         }
 
+    @_exclusive
     def load_state_dict(self, state: Mapping) -> None:
         """Load :meth:`state_dict` output. Everything is validated before any buffer is written.
 
         The optimizer type and slots must match; the optimizer's current
         hyperparameters are kept (so a resumed run may change, e.g., its lr).
-        The schedule's and loss scaler's states are restored into the engine's
-        own schedule and scaler, which must be present exactly when the state has them.
+        The schedule's, loss scaler's and compressor's states are restored into
+        the engine's own, which must be present exactly when the state has them.
+        Counters are ints in ``[0, 2**53]`` (see ``arraytrain._checks.MAX_COUNT``).
+
+        Two phases: :meth:`_check_state` validates every part of ``state``
+        against the engine and returns what to write; only then are the writes
+        made, and they cannot fail (same-dtype copies and assignments). A refused
+        state raises :class:`StateDictError` and changes nothing.
         """
+        writes = self._check_state(state)
+        for write in writes:
+            write()
+        self._refresh_working()
+
+    def _check_state(self, state: Mapping) -> list:
+        """Validate a whole state dict; return the writes that load it (callables that cannot fail)."""
         try:
             fmt = state["format"]
             opt = state["optimizer"]
@@ -480,68 +586,80 @@ class Engine:
             slots = opt["slots"]
             step, micro, wsum = opt["step"], acc["micro_batches"], acc["weight_sum"]
             grads = acc["grads"]
-            sched, scaler = state["schedule"], state["loss_scaler"]
             skips, perturbed = state["consecutive_skips"], state["perturbed"]
-            comp, mask = state["compression"], state["mask"]
+            parts = {key: state[key] for key, _, _ in self._PARTS}
+            mask = state["mask"]
         except (KeyError, TypeError) as exc:
             raise StateDictError(f"state dict lacks {exc}") from None
         if fmt != STATE_FORMAT:
-            raise StateDictError(f"format: expected {STATE_FORMAT}, got {fmt!r}")
-        if opt.get("type") != type(self.optimizer).__name__:
-            raise StateDictError(f"optimizer: state is for {opt.get('type')!r}, engine has {type(self.optimizer).__name__!r}")
-        if set(slots) != set(self.state.slots):
-            raise StateDictError(f"optimizer slots: expected {sorted(self.state.slots)}, got {sorted(slots)}")
-        check_int("optimizer step", step, 0, error=StateDictError)
-        check_int("micro_batches", micro, 0, self.accumulation_steps - 1, error=StateDictError)
-        check_number("weight_sum", wsum, 0.0, error=StateDictError)
-        check_int("consecutive_skips", skips, 0, error=StateDictError)
+            raise StateDictError(f"format: expected {STATE_FORMAT}, got {shown(fmt)}")
+        if not isinstance(opt, Mapping) or opt.get("type") != type(self.optimizer).__name__:
+            got = opt.get("type") if isinstance(opt, Mapping) else type(opt).__name__
+            raise StateDictError(f"optimizer: state is for {got!r}, engine has {type(self.optimizer).__name__!r}")
+        if not isinstance(slots, Mapping) or set(slots) != set(self.state.slots):
+            got = sorted(slots) if isinstance(slots, Mapping) else type(slots).__name__
+            raise StateDictError(f"optimizer slots: expected {sorted(self.state.slots)}, got {got}")
+        step = check_count("optimizer step", step, 0, error=StateDictError)
+        micro = check_int("micro_batches", micro, 0, self.accumulation_steps - 1, error=StateDictError)
+        wsum = self._check_weight_sum(micro, wsum)
+        skips = check_count("consecutive_skips", skips, 0, error=StateDictError)
         if not isinstance(perturbed, bool) or (perturbed and not self._two_windows):
-            raise StateDictError(f"perturbed: expected a bool (True only for SAM), got {perturbed!r}")
-        if (sched is None) != (self.schedule is None):
-            raise StateDictError(f"schedule: the state has {'none' if sched is None else 'one'}, "
-                                 f"the engine has {'none' if self.schedule is None else 'one'}")
-        if (scaler is None) != (self.loss_scaler is None):
-            raise StateDictError(f"loss_scaler: the state has {'none' if scaler is None else 'one'}, "
-                                 f"the engine has {'none' if self.loss_scaler is None else 'one'}")
-        if (comp is None) != (self.compressor is None):
-            raise StateDictError(f"compression: the state has {'none' if comp is None else 'a compressor'}, "
-                                 f"the engine has {'none' if self.compressor is None else 'one'}")
+            raise StateDictError(f"perturbed: expected a bool (True only for SAM), got {shown(perturbed)}")
+        # the optional parts: each present in the state exactly when the engine has one, each
+        # checked by its own check_state (which changes nothing) and loaded by its apply_state
+        writes = []
+        for key, attr, what in self._PARTS:
+            sub, mine = parts[key], getattr(self, attr)
+            if (sub is None) != (mine is None):
+                raise StateDictError(f"{key}: the state has {'none' if sub is None else what}, "
+                                     f"the engine has {'none' if mine is None else 'one'}")
+            if sub is not None:
+                try:
+                    checked = mine.check_state(sub)
+                except (ValueError, TypeError, KeyError) as exc:  # a custom part's own errors
+                    if isinstance(exc, StateDictError):
+                        raise
+                    raise StateDictError(f"{key}: {exc}") from exc
+                writes.append(functools.partial(mine.apply_state, checked))
         if (mask is None) != (self.mask is None):
             raise StateDictError(f"mask: the state has {'none' if mask is None else 'a pruning mask'}, the engine has "
                                  f"{'none' if self.mask is None else 'one'} (set_mask(...) before loading a pruned run)")
-        comp_checked = None if comp is None else self.compressor.check_state(comp)
-        mask_checked = None if mask is None else self._check_mask_state(mask)
-        if sched is not None:
-            try:
-                from_state_dict(sched)  # validates; nothing is changed yet
-            except (ValueError, TypeError, KeyError) as exc:
-                raise StateDictError(f"schedule: {exc}") from exc
-        if scaler is not None:
-            self.loss_scaler.check_state(scaler)
+        if mask is not None:
+            writes.append(functools.partial(self.mask.assign, self._check_mask_state(mask)))
+        targets = [self.params, self.grads, *self.state.slots.values()]
+        protect = tuple(b.flat for b in targets)
         try:
-            checked = [(self.params, self.params.check(params))]
-            checked += [(self.state.slots[k], self.state.slots[k].check(v)) for k, v in slots.items()]
-            checked.append((self.grads, self.grads.check(grads)))
+            buffers = [(self.params, params), (self.grads, grads)]
+            buffers += [(self.state.slots[k], v) for k, v in slots.items()]
+            for buf, arrays in buffers:
+                checked = _intake.ready_to_assign(buf, buf.check(arrays), protect)
+                writes.append(functools.partial(buf.assign, checked))
         except (LayoutError, KeyError, ValueError, TypeError) as exc:
             raise StateDictError(f"state dict does not match the engine: {exc}") from exc
-        for buf, arrays in checked:
-            buf.assign(arrays)
-        self.state.step = int(step)
-        self._micro, self._weight_sum = int(micro), float(wsum)
-        self.consecutive_skips, self._perturbed = int(skips), perturbed
-        if sched is not None:
-            self.schedule.load_state_dict(sched)
-        if scaler is not None:
-            self.loss_scaler.load_state_dict(scaler)
-        if comp_checked is not None:
-            self.compressor._apply_state(comp_checked)
-        if mask_checked is not None:
-            for name, a in mask_checked.items():
-                self.mask[name][...] = a
-        self._refresh_working()
+        writes.append(functools.partial(self._set_counters, step, micro, wsum, skips, perturbed))
+        return writes
+
+    # (state key, engine attribute, what the message calls it): parts with check_state/apply_state
+    _PARTS = (("schedule", "schedule", "one"), ("loss_scaler", "loss_scaler", "one"),
+              ("compression", "compressor", "a compressor"))
+
+    def _set_counters(self, step: int, micro: int, wsum: float, skips: int, perturbed: bool) -> None:
+        self.state.step = step
+        self._micro, self._weight_sum = micro, wsum
+        self.consecutive_skips, self._perturbed = skips, perturbed
+
+    def _check_weight_sum(self, micro: int, wsum) -> float:
+        """The saved window's weight sum: 0 for an empty window, else a sum step() could have made."""
+        wsum = check_number("weight_sum", wsum, 0.0, error=StateDictError)
+        big = float(np.finfo(self.params.dtype).max)
+        if (micro == 0) != (wsum == 0.0) or wsum > big:
+            raise StateDictError(f"weight_sum: expected 0 with micro_batches=0, else a value in "
+                                 f"[{float(np.finfo(self.params.dtype).tiny)!r}, {big!r}]; got {wsum!r} "
+                                 f"with micro_batches={micro}")
+        return wsum
 
     def _check_mask_state(self, arrays) -> dict:
-        """A saved mask: uint8 arrays of every parameter's shape."""
+        """A saved mask: uint8 arrays of 0/1 of every parameter's shape."""
         if not isinstance(arrays, Mapping) or set(arrays) != set(self.layout.names):
             got = sorted(arrays) if isinstance(arrays, Mapping) else type(arrays).__name__
             raise StateDictError(f"mask: expected arrays for {list(self.layout.names)}, got {got}")
@@ -552,7 +670,9 @@ class Engine:
                     or a.shape != self.layout.shape(name)):
                 raise StateDictError(f"mask[{name!r}]: expected uint8 of shape {self.layout.shape(name)}, "
                                      f"got {getattr(a, 'dtype', type(a).__name__)}{getattr(a, 'shape', '')}")
-            out[name] = a
+            if a.size and a.max() > 1:
+                raise StateDictError(f"mask[{name!r}]: expected 0/1 values (1 keep, 0 pruned), got max {int(a.max())}")
+            out[name] = a.copy()  # the load may write the mask buffer this array views
         return out
 
     def __repr__(self) -> str:

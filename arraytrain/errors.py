@@ -86,6 +86,14 @@ class AccumulatorFullError(AccumulationError, RuntimeError):
     """More micro-batches were accumulated than configured before a reset."""
 
 
+class ConcurrentUseError(ArrayTrainError, RuntimeError):
+    """An engine was called while another call on it was still running (another thread).
+
+    The engine refuses the second call before it changes anything; the first
+    one completes normally. Serialise calls on one engine with a lock of your own.
+    """
+
+
 class NonFiniteError(ArrayTrainError, FloatingPointError):
     """Too many consecutive steps were skipped for NaN/Inf gradients."""
 

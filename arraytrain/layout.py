@@ -9,7 +9,7 @@ from functools import cached_property
 
 import numpy as np
 
-from .errors import LayoutError
+from .errors import LayoutError, UnknownParameterError
 
 DEFAULT_ALIGN = 16
 # Reduction chunk: sums of squares are formed per fixed chunk of this many
@@ -117,7 +117,7 @@ class Layout:
         try:
             return self._index[name]
         except KeyError:
-            raise KeyError(name) from None
+            raise UnknownParameterError(f"{name!r}: no such parameter; known: {list(self._names)}") from None
 
     def shape(self, name: str) -> tuple[int, ...]:
         return self._shapes[self.index(name)]

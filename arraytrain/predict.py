@@ -41,7 +41,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from ._checks import check_int, check_number
+from ._checks import check_count, check_int, check_number
 from .backend import NUMPY, backend_of
 from .buffer import FlatBuffer
 from .errors import (
@@ -197,7 +197,7 @@ class GradientPredictor:
 
     def _next_step(self, step) -> int:
         last = self.last_step
-        return check_int("step", step, 0 if last is None else last + 1)
+        return check_count("step", step, 0 if last is None else last + 1)
 
     # -- the operations ------------------------------------------------------------------
     def record(self, grad_flat, step: int) -> bool:
@@ -220,7 +220,7 @@ class GradientPredictor:
 
     def predict(self, step: int, out=None):
         """The predicted gradient at ``step`` written into ``out`` (or a new array); returns it."""
-        step = check_int("step", step, 0)
+        step = check_count("step", step, 0)
         if out is None:
             out = np.empty(self.layout.size, dtype=self.dtype)
         else:
@@ -288,7 +288,7 @@ class GradientPredictor:
             raise StateDictError(f"head: expected {count} with {count} records, got {head}")
         if not isinstance(steps, (list, tuple)) or len(steps) != self.history:
             raise StateDictError(f"steps: expected a list of {self.history} ints, got {steps!r}")
-        steps = [check_int(f"steps[{k}]", s, 0, error=StateDictError) for k, s in enumerate(steps)]
+        steps = [check_count(f"steps[{k}]", s, 0, error=StateDictError) for k, s in enumerate(steps)]
         order = [(head - count + j) % self.history for j in range(count)]
         if any(steps[a] >= steps[b] for a, b in zip(order, order[1:])):
             raise StateDictError(f"steps: recorded steps must increase from the oldest slot on, got {steps}")

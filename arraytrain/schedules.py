@@ -91,7 +91,7 @@ from itertools import accumulate
 
 import numpy as np
 
-from ._checks import check_bool, check_int, check_number, check_positive
+from ._checks import check_bool, check_count, check_number, check_positive, shown
 from .errors import ArgumentTypeError, DTypeError, HyperparameterError, StateDictError
 
 __all__ = [
@@ -113,6 +113,11 @@ __all__ = [
 ]
 
 SCHEDULE_FORMAT = 1
+# Schedules nest (Warmup(then=...), Sequential segments, ReduceOnPlateau(inner=...)) at most this
+# deep, counting the outermost: far beyond any real composition, and far below Python's
+# recursion limit for the recursive lr, state_dict and from_state_dict (a checkpoint holds the
+# nesting as JSON, three levels per schedule at most).
+MAX_NESTING = 32
 ANNEAL = ("cos", "linear")
 MODES = ("min", "max")
 THRESHOLD_MODES = ("rel", "abs")
@@ -120,7 +125,7 @@ THRESHOLD_MODES = ("rel", "abs")
 
 # -- argument checks ----------------------------------------------------------------------------------
 def _check_step(step, name: str = "step") -> int:
-    return check_int(name, step, 0)
+    return check_count(name, step, 0)
 
 
 def _check_base_lr(base_lr):
@@ -157,8 +162,12 @@ def _check_choice(name: str, value, choices: tuple) -> str:
 
 
 def _check_schedule(name: str, value) -> "Schedule":
+    """A schedule to nest inside another: it may itself nest at most ``MAX_NESTING - 1`` deep."""
     if not isinstance(value, Schedule):
         raise ArgumentTypeError(f"{name}: expected an arraytrain schedule, got {type(value).__name__}")
+    if value._depth() >= MAX_NESTING:
+        raise HyperparameterError(f"{name}: schedules nest at most {MAX_NESTING} deep; this one would nest "
+                                  f"{value._depth() + 1} deep")
     return value
 
 
@@ -170,7 +179,7 @@ def _decode_float(name: str, x) -> float:
     if isinstance(x, str) and x in ("inf", "-inf", "nan"):
         return float(x)
     if isinstance(x, bool) or not isinstance(x, numbers.Real):
-        raise StateDictError(f"{name}: expected a number or 'inf', '-inf', 'nan', got {x!r}")
+        raise StateDictError(f"{name}: expected a number or 'inf', '-inf', 'nan', got {shown(x)}")
     return float(x)
 
 
@@ -241,6 +250,10 @@ class Schedule(ABC):
     def _children(self) -> list:
         return [getattr(self, f) for f in self._schedule_fields]
 
+    def _depth(self) -> int:
+        """Nesting depth, this schedule included (bounded: nested schedules passed _check_schedule)."""
+        return 1 + max((c._depth() for c in self._children()), default=0)
+
     def _config(self) -> dict:
         out = {}
         for f in self._fields:
@@ -260,10 +273,10 @@ class Schedule(ABC):
         return {"type", "format", *cls._fields, *cls._state_fields}
 
     @classmethod
-    def _from_dict(cls, d: Mapping, path: str) -> "Schedule":
+    def _from_dict(cls, d: Mapping, path: str, depth: int) -> "Schedule":
         kwargs = {f: d[f] for f in cls._fields}
         for f in cls._schedule_fields:
-            kwargs[f] = _from_state_dict(d[f], f"{path}.{f}")
+            kwargs[f] = _from_state_dict(d[f], f"{path}.{f}", depth + 1)
         return _construct(cls, kwargs, path)
 
     def load_state_dict(self, state: Mapping) -> None:
@@ -273,9 +286,21 @@ class Schedule(ABC):
         validated before anything changes; nested schedule objects keep their
         identity. A bad dict raises :class:`~arraytrain.errors.StateDictError`.
         """
+        self.apply_state(self.check_state(state))
+
+    def check_state(self, state: Mapping) -> "Schedule":
+        """Validate a :meth:`state_dict` against this schedule; change nothing.
+
+        Returns what :meth:`apply_state` takes. The engine checks every part of
+        a state this way before it writes anything.
+        """
         new = from_state_dict(state)
         self._check_structure(new, "schedule")
-        self._assign(new)
+        return new
+
+    def apply_state(self, checked: "Schedule") -> None:
+        """Restore a state validated by :meth:`check_state` (attribute assignments only: cannot fail)."""
+        self._assign(checked)
 
     def _check_structure(self, other: "Schedule", path: str) -> None:
         if type(other) is not type(self):
@@ -325,7 +350,7 @@ class StepLR(Schedule):
     _fields = ("step_size", "gamma")
 
     def __init__(self, step_size: int, gamma: float = 0.1):
-        self.step_size = check_int("step_size", step_size, 1)
+        self.step_size = check_count("step_size", step_size, 1)
         self.gamma = check_positive("gamma", gamma)
 
     def _lr(self, step, base):
@@ -344,7 +369,7 @@ class MultiStep(Schedule):
     def __init__(self, milestones: Sequence[int], gamma: float = 0.1):
         if isinstance(milestones, (str, bytes, Mapping)) or not isinstance(milestones, Sequence):
             raise HyperparameterError(f"milestones: expected a sequence of ints, got {milestones!r}")
-        ms = tuple(check_int(f"milestones[{i}]", m, 0) for i, m in enumerate(milestones))
+        ms = tuple(check_count(f"milestones[{i}]", m, 0) for i, m in enumerate(milestones))
         for i in range(1, len(ms)):
             if ms[i] < ms[i - 1]:
                 raise HyperparameterError(f"milestones: expected a non-decreasing sequence, got {list(ms)}")
@@ -373,7 +398,7 @@ class Linear(Schedule):
     _fields = ("total_steps", "start_factor", "end_factor")
 
     def __init__(self, total_steps: int, start_factor: float = 1.0 / 3, end_factor: float = 1.0):
-        self.total_steps = check_int("total_steps", total_steps, 1)
+        self.total_steps = check_count("total_steps", total_steps, 1)
         self.start_factor = check_number("start_factor", start_factor, 0.0, 1.0)
         self.end_factor = check_number("end_factor", end_factor, 0.0, 1.0)
 
@@ -394,7 +419,7 @@ class Cosine(Schedule):
     _fields = ("total_steps", "min_lr")
 
     def __init__(self, total_steps: int, min_lr: float = 0.0):
-        self.total_steps = check_int("total_steps", total_steps, 1)
+        self.total_steps = check_count("total_steps", total_steps, 1)
         self.min_lr = check_number("min_lr", min_lr, 0.0)
 
     def _lr(self, step, base):
@@ -414,8 +439,8 @@ class CosineWarmRestarts(Schedule):
     _fields = ("T_0", "T_mult", "eta_min")
 
     def __init__(self, T_0: int, T_mult: int = 1, eta_min: float = 0.0):
-        self.T_0 = check_int("T_0", T_0, 1)
-        self.T_mult = check_int("T_mult", T_mult, 1)
+        self.T_0 = check_count("T_0", T_0, 1)
+        self.T_mult = check_count("T_mult", T_mult, 1)
         self.eta_min = check_number("eta_min", eta_min, 0.0)
 
     def _position(self, step: int) -> tuple[int, int]:
@@ -438,7 +463,7 @@ class Polynomial(Schedule):
     _fields = ("total_steps", "power")
 
     def __init__(self, total_steps: int, power: float = 1.0):
-        self.total_steps = check_int("total_steps", total_steps, 1)
+        self.total_steps = check_count("total_steps", total_steps, 1)
         self.power = check_positive("power", power)
 
     def _lr(self, step, base):
@@ -460,7 +485,7 @@ class OneCycle(Schedule):
 
     def __init__(self, total_steps: int, pct_start: float = 0.3, anneal: str = "cos", div_factor: float = 25.0,
                  final_div_factor: float = 1e4, three_phase: bool = False):
-        self.total_steps = check_int("total_steps", total_steps, 2)
+        self.total_steps = check_count("total_steps", total_steps, 2)
         self.pct_start = check_number("pct_start", pct_start, 0.0, 1.0, lo_open=True, hi_open=True)
         self.anneal = _check_choice("anneal", anneal, ANNEAL)
         self.div_factor = check_positive("div_factor", div_factor)
@@ -511,7 +536,7 @@ class Warmup(Schedule):
     _schedule_fields = ("then",)
 
     def __init__(self, steps: int, then: Schedule | None = None, start_factor: float = 0.0):
-        self.steps = check_int("steps", steps, 0)
+        self.steps = check_count("steps", steps, 0)
         self.then = Constant() if then is None else _check_schedule("then", then)
         self.start_factor = check_number("start_factor", start_factor, 0.0, 1.0)
 
@@ -550,7 +575,7 @@ class Sequential(Schedule):
                     raise HyperparameterError(f"segments[{i}]: the last segment runs for ever and takes "
                                               f"n_steps=None, got {n!r}")
             else:
-                lengths.append(check_int(f"segments[{i}] n_steps", n, 1))
+                lengths.append(check_count(f"segments[{i}] n_steps", n, 1))
         self._schedules = schedules
         self._lengths = tuple(lengths)
         self._starts = (0, *accumulate(lengths))
@@ -582,7 +607,7 @@ class Sequential(Schedule):
         return {"segments": [{"schedule": s.state_dict(), "steps": n} for s, n in self.segments]}
 
     @classmethod
-    def _from_dict(cls, d, path):
+    def _from_dict(cls, d, path, depth):
         segs = d["segments"]
         if not isinstance(segs, list):
             raise StateDictError(f"{path}.segments: expected a list, got {type(segs).__name__}")
@@ -591,7 +616,7 @@ class Sequential(Schedule):
             p = f"{path}.segments[{i}]"
             if not isinstance(seg, Mapping) or set(seg) != {"schedule", "steps"}:
                 raise StateDictError(f"{p}: expected a dict with keys 'schedule' and 'steps', got {seg!r}")
-            pairs.append((_from_state_dict(seg["schedule"], f"{p}.schedule"), seg["steps"]))
+            pairs.append((_from_state_dict(seg["schedule"], f"{p}.schedule", depth + 1), seg["steps"]))
         return _construct(cls, {"segments": pairs}, path)
 
     def __repr__(self):
@@ -622,10 +647,10 @@ class ReduceOnPlateau(Schedule):
         self.inner = Constant() if inner is None else _check_schedule("inner", inner)
         self.mode = _check_choice("mode", mode, MODES)
         self.factor = check_number("factor", factor, 0.0, 1.0, hi_open=True)
-        self.patience = check_int("patience", patience, 0)
+        self.patience = check_count("patience", patience, 0)
         self.threshold = check_number("threshold", threshold, 0.0)
         self.threshold_mode = _check_choice("threshold_mode", threshold_mode, THRESHOLD_MODES)
-        self.cooldown = check_int("cooldown", cooldown, 0)
+        self.cooldown = check_count("cooldown", cooldown, 0)
         self.min_lr = check_number("min_lr", min_lr, 0.0)
         self.eps = check_number("eps", eps, 0.0)
         self.best = math.inf if self.mode == "min" else -math.inf
@@ -680,15 +705,15 @@ class ReduceOnPlateau(Schedule):
                 "last_epoch": self.last_epoch}
 
     @classmethod
-    def _from_dict(cls, d, path):
-        new = super()._from_dict(d, path)
+    def _from_dict(cls, d, path, depth):
+        new = super()._from_dict(d, path, depth)
         new.best = _decode_float(f"{path}.best", d["best"])
-        new.num_bad_epochs = check_int(f"{path}.num_bad_epochs", d["num_bad_epochs"], 0, new.patience,
+        new.num_bad_epochs = check_count(f"{path}.num_bad_epochs", d["num_bad_epochs"], 0, new.patience,
                                        error=StateDictError)
-        new.cooldown_counter = check_int(f"{path}.cooldown_counter", d["cooldown_counter"], 0, new.cooldown,
+        new.cooldown_counter = check_count(f"{path}.cooldown_counter", d["cooldown_counter"], 0, new.cooldown,
                                          error=StateDictError)
-        new.num_reductions = check_int(f"{path}.num_reductions", d["num_reductions"], 0, error=StateDictError)
-        new.last_epoch = check_int(f"{path}.last_epoch", d["last_epoch"], 0, error=StateDictError)
+        new.num_reductions = check_count(f"{path}.num_reductions", d["num_reductions"], 0, error=StateDictError)
+        new.last_epoch = check_count(f"{path}.last_epoch", d["last_epoch"], 0, error=StateDictError)
         return new
 
     def __repr__(self):
@@ -702,22 +727,24 @@ _REGISTRY = {cls.__name__: cls for cls in (Constant, StepLR, MultiStep, Exponent
                                            ReduceOnPlateau)}
 
 
-def _from_state_dict(d, path: str) -> Schedule:
+def _from_state_dict(d, path: str, depth: int = 1) -> Schedule:
+    if depth > MAX_NESTING:
+        raise StateDictError(f"{path}: schedules nest at most {MAX_NESTING} deep")
     if not isinstance(d, Mapping):
         raise StateDictError(f"{path}: expected a dict, got {type(d).__name__}")
     typ = d.get("type")
     cls = _REGISTRY.get(typ) if isinstance(typ, str) else None
     if cls is None:
-        raise StateDictError(f"{path}.type: expected one of {sorted(_REGISTRY)}, got {typ!r}")
+        raise StateDictError(f"{path}.type: expected one of {sorted(_REGISTRY)}, got {shown(typ)}")
     fmt = d.get("format")
     if isinstance(fmt, bool) or fmt != SCHEDULE_FORMAT:
-        raise StateDictError(f"{path}.format: expected {SCHEDULE_FORMAT}, got {fmt!r}")
+        raise StateDictError(f"{path}.format: expected {SCHEDULE_FORMAT}, got {shown(fmt)}")
     keys, expected = set(d), cls._keys()
     if keys != expected:
         missing, unknown = sorted(expected - keys), sorted(map(str, keys - expected))
         raise StateDictError(f"{path}: {typ} state " + "; ".join(
             s for s in (f"lacks {missing}" if missing else "", f"has unknown keys {unknown}" if unknown else "") if s))
-    return cls._from_dict(d, path)
+    return cls._from_dict(d, path, depth)
 
 
 def from_state_dict(state: Mapping) -> Schedule:

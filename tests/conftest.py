@@ -7,6 +7,7 @@ directory on ``sys.path``); fixtures are picked up automatically.
 from __future__ import annotations
 
 import functools
+import struct
 from typing import Callable, NamedTuple
 
 import numpy as np
@@ -186,11 +187,27 @@ def rng() -> np.random.Generator:
     return np.random.default_rng(20240611)
 
 
+def _frozen(x):
+    """A value made comparable bit for bit: arrays as dtype + bytes, floats as their 64 bits."""
+    if isinstance(x, np.ndarray):
+        return ("array", x.dtype.str, x.shape, x.tobytes())
+    if isinstance(x, (float, np.floating)):
+        return ("float", struct.pack("<d", float(x)))
+    if isinstance(x, dict):
+        return ("dict", tuple((k, _frozen(v)) for k, v in x.items()))
+    if isinstance(x, (list, tuple)):
+        return (type(x).__name__, tuple(_frozen(v) for v in x))
+    return x
+
+
 def engine_snapshot(engine) -> dict:
     """Everything a refused call must leave unchanged, bit for bit (dtype included).
 
     Two snapshots compare equal exactly when params, grads, every optimizer
-    slot, the step count and the accumulation window are bitwise equal.
+    slot, the step count, the accumulation window, the skip counter and SAM's
+    flag, the schedule's state, the loss scale and its growth tracker, the
+    compressor's state (call count, residuals, warm-start factors), the pruning
+    mask and the working copy are all bitwise equal.
     """
 
     def bits(a):
@@ -204,4 +221,12 @@ def engine_snapshot(engine) -> dict:
         "micro": engine.micro_batches,
         "wsum": engine._weight_sum,
         "layout": engine.layout,
+        "skips": engine.consecutive_skips,
+        "perturbed": engine.perturbed,
+        # as text, so that every value of a snapshot compares with == and with assert_array_equal
+        "schedule": None if engine.schedule is None else repr(_frozen(engine.schedule.state_dict())),
+        "loss_scaler": None if engine.loss_scaler is None else repr(_frozen(engine.loss_scaler.state_dict())),
+        "compression": None if engine.compressor is None else repr(_frozen(engine.compressor.state_dict())),
+        "mask": None if engine.mask is None else bits(engine.mask.flat),
+        "working": None if engine.working is None else bits(engine.working.flat),
     }

@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .._checks import check_int
+from .._checks import check_count, check_int, shown
+from .._intake import ready_to_assign
 from ..backend import KERNEL_IMPLS
 from ..buffer import FlatBuffer
 from ..errors import ArgumentTypeError, DTypeError, HyperparameterError, LayoutError, StateDictError
@@ -303,8 +304,8 @@ class Compressor(ABC):
         except (KeyError, TypeError) as exc:
             raise StateDictError(f"compression state lacks {exc}") from None
         if kind != self.describe():
-            raise StateDictError(f"compression: the state is for {kind!r}, the engine has {self.describe()!r}")
-        check_int("compression step", step, 0, error=StateDictError)
+            raise StateDictError(f"compression: the state is for {shown(kind)}, the engine has {self.describe()!r}")
+        check_count("compression step", step, 0, error=StateDictError)
         if ("residual" in state) != with_residual:
             has = "has" if "residual" in state else "has no"
             raise StateDictError(f"compression: the state {has} error-feedback residuals, "
@@ -315,9 +316,10 @@ class Compressor(ABC):
 
     def load_state_dict(self, state: Mapping) -> None:
         checked = self.check_state(state)
-        self._apply_state(checked)
+        self.apply_state(checked)
 
-    def _apply_state(self, checked: dict) -> None:
+    def apply_state(self, checked: dict) -> None:
+        """Restore what :meth:`check_state` returned (assignments only: cannot fail)."""
         self.step = checked["step"]
         self._load_state(checked["arrays"])
 
@@ -411,16 +413,17 @@ class ErrorFeedback:
         except (KeyError, TypeError):
             raise StateDictError("compression state lacks 'residual' (saved without error feedback?)") from None
         try:
-            checked["residual"] = self.residual.check(residual)
+            checked["residual"] = ready_to_assign(self.residual, self.residual.check(residual),
+                                                  protect=(self.residual.flat,))
         except (LayoutError, KeyError, ValueError, TypeError) as exc:
             raise StateDictError(f"compression residual: {exc}") from exc
         return checked
 
     def load_state_dict(self, state: Mapping) -> None:
-        self._apply_state(self.check_state(state))
+        self.apply_state(self.check_state(state))
 
-    def _apply_state(self, checked: dict) -> None:
-        self.compressor._apply_state(checked)
+    def apply_state(self, checked: dict) -> None:
+        self.compressor.apply_state(checked)
         self.residual.assign(checked["residual"])
 
     def describe(self) -> str:
