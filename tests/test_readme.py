@@ -23,6 +23,10 @@ def test_readme_block_runs(index):
     code = BLOCKS[index]
     if re.search(r"^import torch", code, flags=re.M):
         pytest.importorskip("torch")
+    if 'device="cuda"' in code:
+        from cuda_family import require_cuda
+
+        require_cuda()
     exec(compile(code, f"README.md[python block {index}]", "exec"), {"__name__": "__readme__"})
 
 
