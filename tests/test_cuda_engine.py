@@ -218,3 +218,49 @@ def test_jax_gpu_gradients_are_read_without_a_copy():
     a = as_array(x, "w")
     assert a.data.ptr == x.unsafe_buffer_pointer()
     np.testing.assert_array_equal(a.get(), np.arange(12, dtype=np.float32).reshape(3, 4))
+
+
+@pytest.mark.parametrize("adaptive", [False, True], ids=["sam", "asam"])
+def test_sam_on_cuda_equals_cpu(adaptive):
+    """SAM's two windows (perturb, then restore and update) on the device follow the CPU engine."""
+    rng = np.random.default_rng(11)
+    p0 = _params(rng)
+    make = lambda: at.optim.SAM(at.optim.AdamW(lr=1e-2), rho=0.05, adaptive=adaptive)  # noqa: E731
+    cpu, gpu = at.Engine(p0, make(), max_grad_norm=1.0), at.Engine(p0, make(), max_grad_norm=1.0, device="cuda")
+    for _ in range(20):
+        g = {k: rng.standard_normal(s).astype(np.float32) for k, s in SHAPES.items()}
+        rc, rg = cpu.step(g), gpu.step({k: _cp().asarray(v) for k, v in g.items()})
+        assert (rc.perturbed, rc.applied) == (rg.perturbed, rg.applied)
+    for name, a in _host(gpu.params).items():
+        _close(a, cpu.params[name], f"params[{name!r}]")
+
+
+def test_sophia_hessian_feed_on_cuda_equals_cpu():
+    rng = np.random.default_rng(12)
+    p0 = _params(rng)
+    cpu = at.Engine(p0, at.optim.Sophia(lr=1e-2))
+    gpu = at.Engine(p0, at.optim.Sophia(lr=1e-2), device="cuda")
+    for t in range(10):
+        g = {k: rng.standard_normal(s).astype(np.float32) for k, s in SHAPES.items()}
+        if t % 3 == 0:
+            h = {k: np.abs(rng.standard_normal(s)).astype(np.float32) for k, s in SHAPES.items()}
+            cpu.update_hessian(h)
+            gpu.update_hessian({k: _cp().asarray(v) for k, v in h.items()})
+        cpu.step(g)
+        gpu.step({k: _cp().asarray(v) for k, v in g.items()})
+    for slot in ("exp_avg", "hessian"):
+        _close(gpu.state.slots[slot].flat.get(), cpu.state.slots[slot].flat, slot)
+    _close(gpu.params.flat.get(), cpu.params.flat, "params")
+
+
+def test_float64_overflow_is_not_a_skip_on_cuda():
+    """Finite float64 gradients whose sum of squares overflows: the device gate holds the update
+    back, the host's overflow-safe norm clips them, and the step is applied as on the CPU."""
+    p0 = {"a": np.ones(1000, np.float64), "b": np.ones(7, np.float64)}
+    g = {"a": np.full(1000, 1e200), "b": np.full(7, -1e200)}
+    cpu = at.Engine(p0, at.optim.SGD(lr=0.1), max_grad_norm=1.0)
+    gpu = at.Engine(p0, at.optim.SGD(lr=0.1), max_grad_norm=1.0, device="cuda")
+    rc, rg = cpu.step(g), gpu.step({k: _cp().asarray(v) for k, v in g.items()})
+    assert rc.applied and rg.applied and not rg.skipped and gpu.state.step == 1
+    assert rg.grad_norm == pytest.approx(rc.grad_norm, rel=1e-12)
+    np.testing.assert_allclose(gpu.params.flat.get(), cpu.params.flat, rtol=1e-12)
