@@ -120,6 +120,13 @@ OPTIMIZER_CONFIGS = [
     ("rmsprop_momentum", "RMSprop", {"lr": 3e-4, "momentum": 0.9}),
     ("rmsprop_centered", "RMSprop", {"lr": 3e-3, "centered": True}),
     ("rmsprop_centered_momentum_wd", "RMSprop", {"lr": 1e-3, "momentum": 0.5, "centered": True, "weight_decay": 10.0}),
+    # maximize (torch negates the gradient first, then adds L2 decay): every optimizer has it;
+    # these rows meet torch, the others are checked by test_optim_table's sign-flip identity
+    ("sgd_momentum_wd_maximize", "SGD", {"lr": 1e-4, "momentum": 0.9, "weight_decay": 10.0, "maximize": True}),
+    ("adam_wd_maximize", "Adam", {"lr": 1e-2, "weight_decay": 10.0, "maximize": True}),
+    ("adamw_maximize", "AdamW", {"lr": 1e-2, "weight_decay": 0.5, "maximize": True}),
+    ("adagrad_wd_maximize", "Adagrad", {"lr": 5e-2, "lr_decay": 0.05, "weight_decay": 10.0, "maximize": True}),
+    ("rmsprop_centered_maximize", "RMSprop", {"lr": 1e-3, "momentum": 0.5, "centered": True, "maximize": True}),
     # Lion / LAMB: optax's names (torch has neither); LAMB's step is lr * ||p|| per parameter
     ("lion", "Lion", {"lr": 2e-2, "weight_decay": 0.0}),
     ("lion_betas_wd", "Lion", {"lr": 5e-3, "b1": 0.5, "b2": 0.95, "weight_decay": 2.0}),

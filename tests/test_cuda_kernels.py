@@ -41,6 +41,7 @@ from test_kernels import (  # noqa: F401
     test_sumsq_scaled_matches_reference,
 )
 from test_kernels_optim import (  # noqa: F401
+    test_bfloat16_state_matches_reference,
     test_matches_reference,
     test_nonfinite_gradient_propagates_as_reference,
     test_working_copy_matches_reference,

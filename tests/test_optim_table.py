@@ -243,3 +243,90 @@ def test_overrides_equal_separate_runs(name, cls, kwargs, kernels):
                 np.testing.assert_allclose(state.slots[slot][k], st.slots[slot][k], rtol=1e-12, atol=1e-12,
                                            err_msg=f"{slot}[{k!r}], step {t}")
         assert state.step == t
+
+
+MAXIMIZE_CASES = {
+    "SGD": {"lr": 1e-2, "momentum": 0.9, "weight_decay": 0.1},
+    "Adam": {"lr": 1e-2, "weight_decay": 0.1, "amsgrad": True},
+    "AdamW": {"lr": 1e-2},
+    "Adagrad": {"lr": 1e-2, "weight_decay": 0.1},
+    "RMSprop": {"lr": 1e-2, "centered": True, "momentum": 0.5},
+    "Lion": {"lr": 1e-3, "weight_decay": 0.1},
+    "LAMB": {"lr": 1e-2, "weight_decay": 0.1},
+    "Adafactor": {"lr": 1e-2, "weight_decay": 0.1},
+    "Sophia": {"lr": 1e-2},
+}
+
+
+def test_maximize_cases_cover_every_optimizer():
+    assert set(MAXIMIZE_CASES) == {n for n in optim.__all__ if n not in ("Optimizer", "OptState", "SAM")}
+
+
+@pytest.mark.parametrize("kernels", ["numba", "reference"])
+@pytest.mark.parametrize("name", list(MAXIMIZE_CASES))
+def test_maximize_equals_the_negated_gradient_bitwise(name, kernels):
+    """``maximize=True`` fed g is the plain optimizer fed -g, bit for bit (a sign flip is exact)."""
+    rng = np.random.default_rng(3)
+    shapes = {"w": (6, 5), "b": (5,), "e": (0,)}
+    p0 = {k: rng.standard_normal(s) for k, s in shapes.items()}
+    up = Engine(p0, getattr(optim, name)(maximize=True, **MAXIMIZE_CASES[name]), kernels=kernels)
+    down = Engine(p0, getattr(optim, name)(**MAXIMIZE_CASES[name]), kernels=kernels)
+    assert up.optimizer.hyperparameters()["maximize"] is True
+    for _ in range(6):
+        g = {k: rng.standard_normal(s) for k, s in shapes.items()}
+        up.step(g)
+        down.step({k: -v for k, v in g.items()})
+    assert up.params.flat.tobytes() == down.params.flat.tobytes()
+    for slot in up.state.slots:
+        assert up.state.slots[slot].flat.tobytes() == down.state.slots[slot].flat.tobytes(), slot
+
+
+BF16_STATE = {name: kw for name, kw in MAXIMIZE_CASES.items() if name not in ("Adafactor", "Sophia")}
+# learning rates that bring the quadratic below half its start in 60 steps
+BF16_LR = {"SGD": 0.03, "Adam": 0.03, "AdamW": 0.03, "Adagrad": 0.3, "RMSprop": 0.03, "Lion": 0.03, "LAMB": 0.03}
+
+
+def test_bfloat16_state_offered_where_moments_are_elementwise():
+    """Every optimizer with element-wise state takes state_dtype; Adafactor (factored statistics)
+    and Sophia (its Hessian is fed by the accumulate/scale kernels) keep the parameters' dtype."""
+    for name in BF16_STATE:
+        assert "state_dtype" in getattr(optim, name)(**BF16_STATE[name]).hyperparameters()
+    with pytest.raises(TypeError):
+        optim.Adafactor(state_dtype="bfloat16")
+    from arraytrain.errors import HyperparameterError
+
+    with pytest.raises(HyperparameterError, match="state_dtype"):
+        optim.SGD(lr=0.1, momentum=0.9, state_dtype="float16")
+
+
+@pytest.mark.parametrize("name", list(BF16_STATE))
+def test_bfloat16_state_trains_like_float32_and_resumes_bitwise(name, tmp_path):
+    import arraytrain as at
+
+    rng = np.random.default_rng(5)
+    shapes = {"w": (40, 30), "b": (30,)}
+    curv = {k: rng.uniform(0.5, 2.0, s) for k, s in shapes.items()}
+    p0 = {k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()}
+    kw = dict(BF16_STATE[name], lr=BF16_LR[name])
+    engines = {dt: Engine(p0, getattr(optim, name)(state_dtype=dt, **kw)) for dt in (None, "bfloat16")}
+    assert all(b.dtype == np.dtype("bfloat16") for b in engines["bfloat16"].state.slots.values())
+
+    def loss(e):
+        return sum(float(np.sum(curv[k] * e.params[k].astype(np.float64) ** 2)) for k in shapes)
+
+    start = loss(engines[None])
+    for _ in range(60):
+        for e in engines.values():
+            e.step({k: curv[k] * e.params[k] for k in shapes})
+    assert loss(engines["bfloat16"]) < 0.5 * start
+    assert loss(engines["bfloat16"]) <= 1.5 * loss(engines[None]) + 1e-3 * start
+    # a checkpoint of bfloat16 state resumes bitwise
+    e = engines["bfloat16"]
+    at.save(tmp_path / "s.safetensors", e)
+    back = Engine(p0, getattr(optim, name)(state_dtype="bfloat16", **kw))
+    at.load(tmp_path / "s.safetensors", back)
+    for x in (e, back):
+        x.step({k: curv[k] * x.params[k] for k in shapes})
+    assert back.params.flat.tobytes() == e.params.flat.tobytes()
+    for slot in e.state.slots:
+        assert back.state.slots[slot].flat.tobytes() == e.state.slots[slot].flat.tobytes()

@@ -388,8 +388,7 @@ def _sgd(p, g, buf, pieces, gscale, lr, wd, momentum, damp_c, nesterov, first, w
             pi = pb[i]
             d = gscale * gb[i] + wd_j * pi
             if has_buf:
-                bi = d if first else momentum * bb[i] + damp_c * d
-                bb[i] = bi
+                bi = store_state(bb, i, d if first else momentum * load_state(bb, i) + damp_c * d)
                 d = d + momentum * bi if nesterov else bi
             store_masked(pb, i, pi - lr_j * d, kb)
             if zero_grad:
@@ -513,8 +512,7 @@ def _adagrad(p, g, s, pieces, gscale, clr, wd, eps, w, wkind, zero_grad, mask):
         for i in range(pb.size):
             pi = pb[i]
             d = gscale * gb[i] + wd_j * pi
-            si = sb[i] + d * d
-            sb[i] = si
+            si = store_state(sb, i, load_state(sb, i) + d * d)
             store_masked(pb, i, pi - clr_j * (d / (np.sqrt(si) + eps)), kb)
             if zero_grad:
                 gb[i] = 0
@@ -548,18 +546,14 @@ def _rmsprop(p, g, sq, gavg, buf, pieces, gscale, lr, wd, alpha, alpha_c, eps, m
         for i in range(pb.size):
             pi = pb[i]
             d = gscale * gb[i] + wd_j * pi
-            qi = alpha * qb[i] + alpha_c * d * d
-            qb[i] = qi
+            qi = store_state(qb, i, alpha * load_state(qb, i) + alpha_c * d * d)
             if centered:
-                ai = ab[i]
-                ai = ai + alpha_c * (d - ai)
-                ab[i] = ai
+                ai = load_state(ab, i)
+                ai = store_state(ab, i, ai + alpha_c * (d - ai))
                 qi = qi - ai * ai
             step = d / (np.sqrt(qi) + eps)
             if use_momentum:
-                bi = momentum * bb[i] + step
-                bb[i] = bi
-                step = bi
+                step = store_state(bb, i, momentum * load_state(bb, i) + step)
             store_masked(pb, i, pi - lr_j * step, kb)
             if zero_grad:
                 gb[i] = 0
@@ -589,10 +583,10 @@ def _lion(p, g, m, pieces, gscale, lr, decay, b1, b1c, b2, b2c, w, wkind, zero_g
         kb = piece_mask(mask, lo, hi)
         for i in range(pb.size):
             d = gscale * gb[i]
-            mi = mb[i]
+            mi = load_state(mb, i)
             # np.sign keeps NaN (a NaN gradient is not silently turned into a zero step)
             c = np.sign(b1 * mi + b1c * d)
-            mb[i] = b2 * mi + b2c * d
+            store_state(mb, i, b2 * mi + b2c * d)
             store_masked(pb, i, pb[i] * dec - lr_j * c, kb)
             if zero_grad:
                 gb[i] = 0
@@ -630,11 +624,9 @@ def _lamb(p, g, m, v, pieces, gscale, lr, wd, b1c, b2, b2c, inv_bc1, inv_bc2, ep
         for i in range(pb.size):
             pi = pb[i]
             d = gscale * gb[i]
-            mi = mb[i]
-            mi = mi + b1c * (d - mi)
-            vi = b2 * vb[i] + b2c * d * d
-            mb[i] = mi
-            vb[i] = vi
+            mi = load_state(mb, i)
+            mi = store_state(mb, i, mi + b1c * (d - mi))
+            vi = store_state(vb, i, b2 * load_state(vb, i) + b2c * d * d)
             u = (mi * inv_bc1) / (np.sqrt(vi * inv_bc2 + eps_root) + eps) + wd_j * pi
             p64 = np.float64(pi)
             u64 = np.float64(u)
@@ -661,7 +653,7 @@ def _lamb(p, g, m, v, pieces, gscale, lr, wd, b1c, b2, b2c, inv_bc1, inv_bc2, ep
         kb = piece_mask(mask, lo, hi)
         for i in range(pb.size):
             pi = pb[i]
-            u = (mb[i] * inv_bc1) / (np.sqrt(vb[i] * inv_bc2 + eps_root) + eps) + wd_j * pi
+            u = (load_state(mb, i) * inv_bc1) / (np.sqrt(load_state(vb, i) * inv_bc2 + eps_root) + eps) + wd_j * pi
             store_masked(pb, i, pi - st * u, kb)
         if w is not None:
             store_working(w[lo:hi], pb, wkind)

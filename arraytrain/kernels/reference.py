@@ -117,9 +117,8 @@ def sgd_step(p, g, buf, pieces, gscale, lr, weight_decay, momentum, dampening, n
     pp = _f64(p[i])
     d = gscale * _f64(g[i]) + wd * pp
     if momentum != 0.0:
-        b = d if first else momentum * _f64(buf[i]) + (1.0 - dampening) * d
+        b = _store_at(buf, i, d if first else momentum * _f64(buf[i]) + (1.0 - dampening) * d)
         d = d + momentum * b if nesterov else b
-        buf[i] = b
     p[i] = pp - lr * d
     _finish(p, g, w, wkind, pieces, i, zero_grad, mask)
 

@@ -85,7 +85,7 @@ class Adafactor(Optimizer):
         s = state.slots
         kernels.adafactor_step(
             params.flat, grads.flat, s["row_var"].flat, s["col_var"].flat, s["variance"].flat, params.layout.pieces,
-            geo.segs, geo.rows, geo.cols, geo.batches, -gscale if self.maximize else gscale,
+            geo.segs, geo.rows, geo.cols, geo.batches, self._signed(gscale),
             np.minimum(lr, 1.0 / math.sqrt(t)), 1.0 - lr * wd, float(t) ** self.beta2_decay, eps1, self.eps[1],
             self.d, *working_args(working), zero_grad, mask=mask_arg(mask, params),
         )

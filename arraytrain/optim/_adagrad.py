@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from .._checks import check_number
+from .._checks import check_bool, check_number
 from ._base import Optimizer, mask_arg, working_args
 
 
@@ -22,12 +22,15 @@ class Adagrad(Optimizer):
     """
 
     def __init__(self, lr: float = 1e-2, lr_decay: float = 0.0, weight_decay: float = 0.0,
-                 initial_accumulator_value: float = 0.0, eps: float = 1e-10, overrides=None):
+                 initial_accumulator_value: float = 0.0, eps: float = 1e-10, maximize: bool = False,
+                 state_dtype: str | None = None, overrides=None):
         self.lr = check_number("lr", lr, 0.0)
         self.lr_decay = check_number("lr_decay", lr_decay, 0.0)
         self.weight_decay = check_number("weight_decay", weight_decay, 0.0)
         self.initial_accumulator_value = check_number("initial_accumulator_value", initial_accumulator_value, 0.0)
         self.eps = check_number("eps", eps, 0.0, lo_open=True)
+        self.maximize = check_bool("maximize", maximize)
+        self._set_state_dtype(state_dtype)
         self._set_overrides(overrides)
 
     @property
@@ -37,7 +40,7 @@ class Adagrad(Optimizer):
     def hyperparameters(self) -> dict:
         return {"lr": self.lr, "lr_decay": self.lr_decay, "weight_decay": self.weight_decay,
                 "initial_accumulator_value": self.initial_accumulator_value, "eps": self.eps,
-                "overrides": self.overrides}
+                "maximize": self.maximize, "state_dtype": self.state_dtype, "overrides": self.overrides}
 
     def init(self, params):
         state = super().init(params)
@@ -50,7 +53,7 @@ class Adagrad(Optimizer):
                mask=None):
         t = state.step + 1
         clr = self._lr(state, lr) / (1.0 + (t - 1) * self.lr_decay)
-        kernels.adagrad_step(params.flat, grads.flat, state.slots["sum"].flat, params.layout.pieces, gscale, clr,
+        kernels.adagrad_step(params.flat, grads.flat, self._slot(state, "sum"), params.layout.pieces, self._signed(gscale), clr,
                              self.per_param(state, "weight_decay"), self.eps, *working_args(working), zero_grad,
                              mask=mask_arg(mask, params))
         state.step = t

@@ -36,19 +36,17 @@ class Adam(Optimizer):
     """
 
     _decoupled = False
-    STATE_DTYPES = ("float32", "bfloat16")
 
     def __init__(self, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, amsgrad: bool = False, state_dtype: str | None = None,
-                 overrides=None):
+                 maximize: bool = False, overrides=None):
         self.lr = check_number("lr", lr, 0.0)
         self.betas = check_betas(betas)
         self.eps = check_number("eps", eps, 0.0, lo_open=True)
         self.weight_decay = check_number("weight_decay", weight_decay, 0.0)
         self.amsgrad = check_bool("amsgrad", amsgrad)
-        if state_dtype is not None and state_dtype not in self.STATE_DTYPES:
-            raise HyperparameterError(f"state_dtype: expected None or one of {self.STATE_DTYPES}, got {state_dtype!r}")
-        self.state_dtype = state_dtype
+        self._set_state_dtype(state_dtype)
+        self.maximize = check_bool("maximize", maximize)
         self._set_overrides(overrides)
 
     @property
@@ -57,15 +55,8 @@ class Adam(Optimizer):
 
     def hyperparameters(self) -> dict:
         return {"lr": self.lr, "betas": self.betas, "eps": self.eps, "weight_decay": self.weight_decay,
-                "amsgrad": self.amsgrad, "state_dtype": self.state_dtype, "overrides": self.overrides}
-
-    def init(self, params):
-        if self.state_dtype is None or np.dtype(self.state_dtype) == params.dtype:
-            return super().init(params)
-        if params.dtype != np.float32:
-            raise HyperparameterError(f"state_dtype: bfloat16 moments need float32 parameters, got {params.dtype}")
-        slots = {name: params.zeros_like(ml_dtypes.bfloat16) for name in self.slot_names}
-        return OptState(0, slots, self.resolve(params.layout))
+                "amsgrad": self.amsgrad, "state_dtype": self.state_dtype, "maximize": self.maximize,
+                "overrides": self.overrides}
 
     def update(self, kernels, params, grads, state, *, gscale=1.0, lr=None, zero_grad=False, working=None,
                mask=None):
@@ -80,7 +71,7 @@ class Adam(Optimizer):
         s = {k: kernel_view(buf.flat) for k, buf in state.slots.items()}
         vmax = s["max_exp_avg_sq"] if self.amsgrad else s["exp_avg"][:0]
         kernels.adam_step(params.flat, grads.flat, s["exp_avg"], s["exp_avg_sq"], vmax, params.layout.pieces,
-                          gscale, lr / (1.0 - b1**t), b1, b2, self.eps, math.sqrt(1.0 - b2**t),
+                          self._signed(gscale), lr / (1.0 - b1**t), b1, b2, self.eps, math.sqrt(1.0 - b2**t),
                           l2, decay, self.amsgrad, *working_args(working), zero_grad,
                           mask=mask_arg(mask, params))
         state.step = t
@@ -97,5 +88,5 @@ class AdamW(Adam):
 
     def __init__(self, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 1e-2, amsgrad: bool = False, state_dtype: str | None = None,
-                 overrides=None):
-        super().__init__(lr, betas, eps, weight_decay, amsgrad, state_dtype, overrides)
+                 maximize: bool = False, overrides=None):
+        super().__init__(lr, betas, eps, weight_decay, amsgrad, state_dtype, maximize, overrides)

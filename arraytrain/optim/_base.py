@@ -7,10 +7,11 @@ from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+import ml_dtypes  # noqa: F401  (registers bfloat16 with NumPy)
 import numpy as np
 
 from .._checks import check_number
-from ..buffer import FlatBuffer
+from ..buffer import FlatBuffer, kernel_view
 from ..errors import ArgumentTypeError, DTypeError, HyperparameterError, LayoutError
 from ..layout import Layout
 
@@ -47,6 +48,13 @@ class Optimizer(ABC):
     reads once per piece: the step stays one launch. A pattern that matches no
     parameter is an error when the optimizer meets the parameters (a typo would
     otherwise silently change nothing).
+
+    Every optimizer takes ``maximize`` (torch's flag: ascend, by negating the gradient
+    before anything else, so L2 decay still pulls towards 0; the sign flip is exact), and
+    every optimizer with element-wise state (all but Adafactor and Sophia) takes
+    ``state_dtype="bfloat16"``: its slots stored as bfloat16 for float32 parameters, read
+    and written through the kernels' one state accessor (math in float32, each store
+    rounded to nearest even and the update continuing from the stored value).
     """
 
     PER_PARAM = ("lr", "weight_decay")
@@ -98,7 +106,18 @@ class Optimizer(ABC):
         return hp
 
     def init(self, params: FlatBuffer) -> OptState:
-        return OptState(0, {name: params.zeros_like() for name in self.slot_names}, self.resolve(params.layout))
+        dtype = None
+        if self.state_dtype is not None and np.dtype(self.state_dtype) != params.dtype:
+            if params.dtype != np.float32:
+                raise HyperparameterError(f"state_dtype: {self.state_dtype} state needs float32 parameters, "
+                                          f"got {params.dtype}")
+            dtype = np.dtype(self.state_dtype)
+        return OptState(0, {name: params.zeros_like(dtype) for name in self.slot_names}, self.resolve(params.layout))
+
+    @staticmethod
+    def _slot(state: OptState, name: str):
+        """A slot as the kernels take it: the flat array, or its uint16 bits for bfloat16 storage."""
+        return kernel_view(state.slots[name].flat)
 
     @abstractmethod
     def update(self, kernels, params: FlatBuffer, grads: FlatBuffer, state: OptState, *,
@@ -116,6 +135,22 @@ class Optimizer(ABC):
         unmasked one: moments, norms and trust ratios see every element, and
         each step is projected onto the pruned pattern.
         """
+
+    maximize = False  # set per instance by every optimizer's ``maximize`` argument
+    # Storage of the state slots: None (the parameters' dtype) or, where an optimizer offers
+    # it (``state_dtype`` argument), "bfloat16" for float32 parameters: math stays float32,
+    # each slot is read and written through the kernels' one state accessor.
+    STATE_DTYPES: tuple = ("float32", "bfloat16")
+    state_dtype: str | None = None
+
+    def _set_state_dtype(self, state_dtype) -> None:
+        if state_dtype is not None and state_dtype not in self.STATE_DTYPES:
+            raise HyperparameterError(f"state_dtype: expected None or one of {self.STATE_DTYPES}, got {state_dtype!r}")
+        self.state_dtype = state_dtype
+
+    def _signed(self, gscale):
+        """The kernels' ``gscale``: negated with ``maximize`` (torch negates the gradient; exact)."""
+        return -gscale if self.maximize else gscale
 
     def per_param(self, state: OptState, key: str) -> np.ndarray:
         """Per-parameter values of hyperparameter ``key`` now: overrides, else the optimizer's value."""

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .._checks import check_number
+from .._checks import check_bool, check_number
 from ._base import Optimizer, mask_arg, working_args
 
 
@@ -32,13 +32,16 @@ class LAMB(Optimizer):
     """
 
     def __init__(self, lr: float = 1e-3, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-6,
-                 eps_root: float = 0.0, weight_decay: float = 0.0, overrides=None):
+                 eps_root: float = 0.0, weight_decay: float = 0.0, maximize: bool = False,
+                 state_dtype: str | None = None, overrides=None):
         self.lr = check_number("lr", lr, 0.0)
         self.b1 = check_number("b1", b1, 0.0, 1.0, hi_open=True)
         self.b2 = check_number("b2", b2, 0.0, 1.0, hi_open=True)
         self.eps = check_number("eps", eps, 0.0, lo_open=True)
         self.eps_root = check_number("eps_root", eps_root, 0.0)
         self.weight_decay = check_number("weight_decay", weight_decay, 0.0)
+        self.maximize = check_bool("maximize", maximize)
+        self._set_state_dtype(state_dtype)
         self._set_overrides(overrides)
         self.trust_ratio = None
 
@@ -48,13 +51,14 @@ class LAMB(Optimizer):
 
     def hyperparameters(self) -> dict:
         return {"lr": self.lr, "b1": self.b1, "b2": self.b2, "eps": self.eps, "eps_root": self.eps_root,
-                "weight_decay": self.weight_decay, "overrides": self.overrides}
+                "weight_decay": self.weight_decay, "maximize": self.maximize,
+                "state_dtype": self.state_dtype, "overrides": self.overrides}
 
     def update(self, kernels, params, grads, state, *, gscale=1.0, lr=None, zero_grad=False, working=None,
                mask=None):
         t = state.step + 1
-        ratio = kernels.lamb_step(params.flat, grads.flat, state.slots["exp_avg"].flat,
-                                  state.slots["exp_avg_sq"].flat, params.layout.pieces, gscale, self._lr(state, lr),
+        ratio = kernels.lamb_step(params.flat, grads.flat, self._slot(state, "exp_avg"),
+                                  self._slot(state, "exp_avg_sq"), params.layout.pieces, self._signed(gscale), self._lr(state, lr),
                                   self.per_param(state, "weight_decay"), self.b1, self.b2, self.eps, self.eps_root,
                                   1.0 - self.b1**t, 1.0 - self.b2**t, *working_args(working), zero_grad,
                                   mask=mask_arg(mask, params))

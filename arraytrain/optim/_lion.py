@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from .._checks import check_number
+from .._checks import check_bool, check_number
 from ._base import Optimizer, mask_arg, working_args
 
 
@@ -21,11 +21,13 @@ class Lion(Optimizer):
     """
 
     def __init__(self, lr: float = 1e-4, b1: float = 0.9, b2: float = 0.99, weight_decay: float = 1e-3,
-                 overrides=None):
+                 maximize: bool = False, state_dtype: str | None = None, overrides=None):
         self.lr = check_number("lr", lr, 0.0)
         self.b1 = check_number("b1", b1, 0.0, 1.0, hi_open=True)
         self.b2 = check_number("b2", b2, 0.0, 1.0, hi_open=True)
         self.weight_decay = check_number("weight_decay", weight_decay, 0.0)
+        self.maximize = check_bool("maximize", maximize)
+        self._set_state_dtype(state_dtype)
         self._set_overrides(overrides)
 
     @property
@@ -34,11 +36,11 @@ class Lion(Optimizer):
 
     def hyperparameters(self) -> dict:
         return {"lr": self.lr, "b1": self.b1, "b2": self.b2, "weight_decay": self.weight_decay,
-                "overrides": self.overrides}
+                "maximize": self.maximize, "state_dtype": self.state_dtype, "overrides": self.overrides}
 
     def update(self, kernels, params, grads, state, *, gscale=1.0, lr=None, zero_grad=False, working=None,
                mask=None):
-        kernels.lion_step(params.flat, grads.flat, state.slots["exp_avg"].flat, params.layout.pieces, gscale,
+        kernels.lion_step(params.flat, grads.flat, self._slot(state, "exp_avg"), params.layout.pieces, self._signed(gscale),
                           self._lr(state, lr), self.per_param(state, "weight_decay"), self.b1, self.b2,
                           *working_args(working), zero_grad,
                           mask=mask_arg(mask, params))

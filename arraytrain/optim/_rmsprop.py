@@ -25,13 +25,16 @@ class RMSprop(Optimizer):
     """
 
     def __init__(self, lr: float = 1e-2, alpha: float = 0.99, eps: float = 1e-8, weight_decay: float = 0.0,
-                 momentum: float = 0.0, centered: bool = False, overrides=None):
+                 momentum: float = 0.0, centered: bool = False, maximize: bool = False,
+                 state_dtype: str | None = None, overrides=None):
         self.lr = check_number("lr", lr, 0.0)
         self.alpha = check_number("alpha", alpha, 0.0, 1.0, hi_open=True)
         self.eps = check_number("eps", eps, 0.0, lo_open=True)
         self.weight_decay = check_number("weight_decay", weight_decay, 0.0)
         self.momentum = check_number("momentum", momentum, 0.0)
         self.centered = check_bool("centered", centered)
+        self.maximize = check_bool("maximize", maximize)
+        self._set_state_dtype(state_dtype)
         self._set_overrides(overrides)
 
     @property
@@ -41,16 +44,17 @@ class RMSprop(Optimizer):
 
     def hyperparameters(self) -> dict:
         return {"lr": self.lr, "alpha": self.alpha, "eps": self.eps, "weight_decay": self.weight_decay,
-                "momentum": self.momentum, "centered": self.centered, "overrides": self.overrides}
+                "momentum": self.momentum, "centered": self.centered, "maximize": self.maximize,
+                "state_dtype": self.state_dtype, "overrides": self.overrides}
 
     def update(self, kernels, params, grads, state, *, gscale=1.0, lr=None, zero_grad=False, working=None,
                mask=None):
-        slots = state.slots
-        empty = params.flat[:0]
-        gavg = slots["grad_avg"].flat if self.centered else empty
-        buf = slots["momentum_buffer"].flat if self.momentum > 0 else empty
-        kernels.rmsprop_step(params.flat, grads.flat, slots["square_avg"].flat, gavg, buf, params.layout.pieces,
-                             gscale, self._lr(state, lr), self.per_param(state, "weight_decay"), self.alpha, self.eps,
+        square_avg = self._slot(state, "square_avg")
+        empty = square_avg[:0]
+        gavg = self._slot(state, "grad_avg") if self.centered else empty
+        buf = self._slot(state, "momentum_buffer") if self.momentum > 0 else empty
+        kernels.rmsprop_step(params.flat, grads.flat, square_avg, gavg, buf, params.layout.pieces,
+                             self._signed(gscale), self._lr(state, lr), self.per_param(state, "weight_decay"), self.alpha, self.eps,
                              self.momentum, self.centered, *working_args(working), zero_grad,
                              mask=mask_arg(mask, params))
         state.step += 1

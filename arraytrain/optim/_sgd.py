@@ -20,7 +20,8 @@ class SGD(Optimizer):
     """
 
     def __init__(self, lr: float = 1e-3, momentum: float = 0.0, dampening: float = 0.0,
-                 weight_decay: float = 0.0, nesterov: bool = False, overrides=None):
+                 weight_decay: float = 0.0, nesterov: bool = False, maximize: bool = False,
+                 state_dtype: str | None = None, overrides=None):
         self.lr = check_number("lr", lr, 0.0)
         self.momentum = check_number("momentum", momentum, 0.0)
         self.dampening = check_number("dampening", dampening, 0.0, 1.0)
@@ -29,6 +30,8 @@ class SGD(Optimizer):
         if nesterov and (self.momentum <= 0 or self.dampening != 0):
             raise HyperparameterError("nesterov: requires momentum > 0 and dampening == 0")
         self.nesterov = nesterov
+        self.maximize = check_bool("maximize", maximize)
+        self._set_state_dtype(state_dtype)
         self._set_overrides(overrides)
 
     @property
@@ -37,12 +40,13 @@ class SGD(Optimizer):
 
     def hyperparameters(self) -> dict:
         return {"lr": self.lr, "momentum": self.momentum, "dampening": self.dampening,
-                "weight_decay": self.weight_decay, "nesterov": self.nesterov, "overrides": self.overrides}
+                "weight_decay": self.weight_decay, "nesterov": self.nesterov, "maximize": self.maximize,
+                "state_dtype": self.state_dtype, "overrides": self.overrides}
 
     def update(self, kernels, params, grads, state, *, gscale=1.0, lr=None, zero_grad=False, working=None,
                mask=None):
-        buf = state.slots["momentum_buffer"].flat if self.momentum != 0 else params.flat[:0]
-        kernels.sgd_step(params.flat, grads.flat, buf, params.layout.pieces, gscale, self._lr(state, lr),
+        buf = self._slot(state, "momentum_buffer") if self.momentum != 0 else params.flat[:0]
+        kernels.sgd_step(params.flat, grads.flat, buf, params.layout.pieces, self._signed(gscale), self._lr(state, lr),
                          self.per_param(state, "weight_decay"), self.momentum, self.dampening, self.nesterov,
                          state.step == 0, *working_args(working), zero_grad,
                          mask=mask_arg(mask, params))

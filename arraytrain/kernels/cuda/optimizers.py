@@ -366,12 +366,16 @@ __global__ void arraytrain_af_apply(T* __restrict__ p, T* __restrict__ g, const 
 """, [])
 
 # Which state storages each optimizer instantiates besides the parameters' own type.
-_BF16_STATE = {"adam"}
+_BF16_STATE = {"sgd", "adam", "adagrad", "rmsprop", "lion"}  # and LAMB (below); not Sophia, Adafactor
 _ELEMENTWISE = ("sgd", "adam", "adagrad", "rmsprop", "lion", "sophia")
 
 
+def _states(t: str, bf16: bool):
+    return [t] + (["u16"] if bf16 and t == "float" else [])
+
+
 def _variants(t: str, bf16: bool):
-    states = [t] + (["u16"] if bf16 and t == "float" else [])
+    states = _states(t, bf16)
     wks = (0, 1, 2) if t == "float" else (0,)
     return [(s, wk, m) for s in states for wk in wks for m in ("false", "true")]
 
@@ -382,8 +386,8 @@ def _instances():
         for opt in _ELEMENTWISE:
             out += [f"arraytrain_{opt}_step<{t},{s},{wk},{m}>" for s, wk, m in _variants(t, opt in _BF16_STATE)]
         out += [f"arraytrain_sam_perturb<{t},{m}>" for m in ("false", "true")]
-        out += [f"arraytrain_lamb_moments<{t},{t}>", f"arraytrain_lamb_ratio<{t}>"]
-        out += [f"arraytrain_lamb_apply<{t},{t},{wk},{m}>" for _, wk, m in _variants(t, False)]
+        out += [f"arraytrain_lamb_moments<{t},{s}>" for s in _states(t, True)] + [f"arraytrain_lamb_ratio<{t}>"]
+        out += [f"arraytrain_lamb_apply<{t},{s},{wk},{m}>" for s, wk, m in _variants(t, True)]
         out += [f"arraytrain_af_{k}<{t}>" for k in ("rows", "cols", "rscale", "stats", "step")]
         out += [f"arraytrain_af_apply<{t},{wk},{m}>" for _, wk, m in _variants(t, False)]
     return out
@@ -418,7 +422,7 @@ def sgd_step(p, g, buf, pieces, gscale, lr, weight_decay, momentum, dampening, n
              mask=None):
     """Fused SGD update; see :func:`arraytrain.kernels.reference.sgd_step`."""
     t = p.dtype.type
-    _run("sgd_step", p, None, pieces, (p, g, buf),
+    _run("sgd_step", p, buf, pieces, (p, g, buf),
          (*_gs(gscale, t), *_seg(lr, p), *_seg(weight_decay, p), t(momentum), t(1.0 - dampening), np.int32(bool(nesterov)),
           np.int32(bool(first))), w, wkind, zero_grad, mask)
 
@@ -483,6 +487,7 @@ def lamb_step(p, g, m, v, pieces, gscale, lr, weight_decay, beta1, beta2, eps, e
     ratios and steps per parameter, the update. See :func:`arraytrain.kernels.reference.lamb_step`.
     """
     cp, t, tn = cupy(), p.dtype.type, ctype(p.dtype)
+    sn = ctype(m.dtype)  # the state's storage: the parameters' type, or u16 bfloat16 bits
     nseg = len(np.asarray(lr).reshape(-1))
     ch = chunks_for(pieces)
     wd = _seg(weight_decay, p)
@@ -493,7 +498,7 @@ def lamb_step(p, g, m, v, pieces, gscale, lr, weight_decay, beta1, beta2, eps, e
     if ch.count == 0:
         return ratio
     psq, usq = cp.empty(ch.count, cp.float64), cp.empty(ch.count, cp.float64)
-    launch(SOURCE.function(f"arraytrain_lamb_moments<{tn},{tn}>"), ch.count,
+    launch(SOURCE.function(f"arraytrain_lamb_moments<{tn},{sn}>"), ch.count,
            (p, g, m, v, ch.table, *gs, *wd, t(1.0 - beta1), t(beta2), t(1.0 - beta2), inv_bc1, inv_bc2,
             t(eps), t(eps_root), np.int32(bool(zero_grad)), psq, usq))
     pn, un = cp.zeros(1 + nseg, cp.float64), cp.zeros(1 + nseg, cp.float64)
@@ -503,7 +508,7 @@ def lamb_step(p, g, m, v, pieces, gscale, lr, weight_decay, beta1, beta2, eps, e
     launch(SOURCE.function(f"arraytrain_lamb_ratio<{tn}>"), -(-nseg // THREADS),
            (pn, un, *_seg(lr, p), np.int32(nseg), ratio, step, gate))
     wk = 0 if w is None else int(wkind)
-    launch(SOURCE.function(f"arraytrain_lamb_apply<{tn},{tn},{wk},{'true' if mask is not None else 'false'}>"),
+    launch(SOURCE.function(f"arraytrain_lamb_apply<{tn},{sn},{wk},{'true' if mask is not None else 'false'}>"),
            ch.count, (p, m, v, ch.table, *wd, step, inv_bc1, inv_bc2, t(eps), t(eps_root), ptr(w), ptr(mask), gate))
     return ratio
 
