@@ -29,6 +29,7 @@ from numba import njit, prange, types
 from numba.core.errors import NumbaIRAssumptionWarning
 from numba.extending import intrinsic, overload
 from numba.np.numpy_support import as_dtype
+from llvmlite import ir
 
 from ..backend import LP_BF16, LP_F16, LP_NONE  # noqa: F401  (kinds of working copies)
 from ..threads import start_numba_threads
@@ -240,17 +241,35 @@ def _f32_as_u32(typingctx, x):
     return types.uint32(types.float32), codegen
 
 
-@njit(inline="always", **JIT)
-def bf16_decode(h):
-    return _u32_as_f32(np.uint32(h) << np.uint32(16))
+# bfloat16 in LLVM IR, 32-bit lanes throughout: written with numba's integer operators, the
+# codec's uint32 arithmetic is promoted to 64 bits and the loops vectorise at half width;
+# measured on AdamW at 1e7 (one thread), bfloat16 moments went from 1.45x slower than
+# float32 moments to 1.2x faster.
+@intrinsic
+def bf16_decode(typingctx, h):
+    """bfloat16 bits (uint16) -> float32: the bits shifted into the high half."""
+    def codegen(context, builder, signature, args):
+        i32 = ir.IntType(32)
+        u = builder.shl(builder.zext(args[0], i32), ir.Constant(i32, 16))
+        return builder.bitcast(u, ir.FloatType())
+
+    return types.float32(types.uint16), codegen
 
 
-@njit(inline="always", **JIT)
-def bf16_encode(x):
-    u = _f32_as_u32(np.float32(x))
-    rounded = (u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
-    quiet = (u >> np.uint32(16)) | np.uint32(0x40)  # NaN stays a quiet NaN (a select, not a branch)
-    return np.uint16(quiet if (u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000) else rounded)
+@intrinsic
+def bf16_encode(typingctx, x):
+    """float32 -> bfloat16 bits, round to nearest even; a NaN stays a quiet NaN (a select, not a branch)."""
+    def codegen(context, builder, signature, args):
+        i32 = ir.IntType(32)
+        c = lambda v: ir.Constant(i32, v)  # noqa: E731
+        u = builder.bitcast(args[0], i32)
+        hi = builder.lshr(u, c(16))
+        rounded = builder.lshr(builder.add(builder.add(u, c(0x7FFF)), builder.and_(hi, c(1))), c(16))
+        quiet = builder.or_(hi, c(0x40))
+        isnan = builder.icmp_unsigned(">", builder.and_(u, c(0x7FFFFFFF)), c(0x7F800000))
+        return builder.trunc(builder.select(isnan, quiet, rounded), ir.IntType(16))
+
+    return types.uint16(types.float32), codegen
 
 
 @njit(inline="always", **JIT)
@@ -450,7 +469,7 @@ def _load_state(a, i):
 def _store_state(a, i, x):
     if a.dtype == types.uint16:
         def impl(a, i, x):
-            h = bf16_encode(x)
+            h = bf16_encode(np.float32(x))
             a[i] = h
             return bf16_decode(h)
     else:
