@@ -17,6 +17,10 @@ OPTIMIZERS = {
     "AdamW": lambda: at.optim.AdamW(lr=1e-3),
     "AdamW-bf16-state": lambda: at.optim.AdamW(lr=1e-3, state_dtype="bfloat16"),
     "Adagrad": lambda: at.optim.Adagrad(lr=1e-2),
+    "SGD-momentum-bf16-state": lambda: at.optim.SGD(lr=1e-3, momentum=0.9, state_dtype="bfloat16"),
+    "RMSprop-momentum-centered-bf16-state": lambda: at.optim.RMSprop(lr=1e-2, momentum=0.9, centered=True,
+                                                                     state_dtype="bfloat16"),
+    "Lion-bf16-state": lambda: at.optim.Lion(lr=1e-4, state_dtype="bfloat16"),
     "RMSprop-momentum-centered": lambda: at.optim.RMSprop(lr=1e-2, momentum=0.9, centered=True),
     "Lion": lambda: at.optim.Lion(lr=1e-4),
     "LAMB": lambda: at.optim.LAMB(lr=1e-3, weight_decay=1e-2),
@@ -38,6 +42,9 @@ TRAFFIC = {
     "AdamW": (3, 4),
     "AdamW-bf16-state": (3, 4),           # as AdamW, m and v at 2 bytes: 20 B/param in float32
     "Adagrad": (3, 2),                    # read p, g, sum; write p, sum
+    "SGD-momentum-bf16-state": (3, 2),    # as SGD with momentum, the buffer at 2 bytes
+    "RMSprop-momentum-centered-bf16-state": (3, 6),
+    "Lion-bf16-state": (3, 2),
     "RMSprop-momentum-centered": (3, 6),  # square_avg, grad_avg, momentum_buffer: read and write
     "Lion": (3, 2),                       # read p, g, m; write p, m
     # the trust ratio needs the norms of p and of the update before any p moves: two sweeps,
