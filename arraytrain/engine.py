@@ -191,8 +191,6 @@ class Engine:
             raise HyperparameterError(f"working_dtype: working copies need float32 parameters, got {self.params.dtype}")
         self._kernels = kernels_for(self.params.flat, kernels)
         if compressor is not None:
-            if backend_of(self.params.flat) != NUMPY:
-                raise BackendUnavailableError("compressor: the compressors run on NumPy buffers only (no CUDA kernels yet)")
             compressor.bind(self.params.layout, self.params.dtype)
         self.state = optimizer.init(self.params)  # validates overrides against the names
         self.optimizer = optimizer
