@@ -85,7 +85,7 @@ def _family_on_device(family, backend, impl="numba"):
 
 
 @pytest.fixture(autouse=True)
-def cuda_family(request):
+def cuda_family(request, monkeypatch):
     require_cuda()
     if request.function.__module__ == __name__:
         return  # this module's own tests call the CUDA family (or CuPy buffers) directly
