@@ -196,3 +196,37 @@ def kernels_for(flat, impl: str = "numba") -> ModuleType:
     from .kernels import cuda
 
     return cuda
+
+
+# Kernel families under arraytrain.kernels: family -> (numba module, reference module, CUDA module).
+KERNEL_FAMILIES = {
+    "optim": ("cpu", "reference", "cuda"),
+    "compress": ("compress", "compress_reference", "cuda.compression"),
+    "project": ("project", "project_reference", "cuda.projection"),
+    "trend": ("trend", "trend_reference", "cuda.trend"),
+}
+
+
+def kernel_family(family: str, backend: str, impl: str = "numba") -> ModuleType:
+    """The ``family`` kernels for arrays of ``backend`` (``"numpy"`` or ``"cupy"``).
+
+    ``impl="numba"`` gives the numba module for NumPy arrays and the CUDA module for
+    CuPy arrays (same names and signatures); ``"reference"`` the NumPy twins, which run
+    on NumPy arrays only.
+    """
+    if impl not in KERNEL_IMPLS:
+        raise ValueError(f"kernels must be one of {KERNEL_IMPLS}, got {impl!r}")
+    numba_name, reference_name, cuda_name = KERNEL_FAMILIES[family]
+    if impl == "reference":
+        if backend != NUMPY:
+            raise BackendUnavailableError(f"kernels='reference': the reference {family} kernels run on NumPy "
+                                          "arrays only")
+        name = reference_name
+    else:
+        name = numba_name if backend == NUMPY else cuda_name
+    return importlib.import_module(f"{__package__}.kernels.{name}")
+
+
+def module_of_backend(backend: str) -> ModuleType:
+    """``numpy`` or ``cupy`` by backend name (CuPy imported only then)."""
+    return np if backend == NUMPY else _cupy("array")

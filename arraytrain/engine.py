@@ -20,7 +20,6 @@ from .compress._base import check_compressor
 from .errors import (
     ArgumentTypeError,
     BackendError,
-    BackendUnavailableError,
     ConcurrentUseError,
     DTypeError,
     HyperparameterError,
@@ -32,7 +31,7 @@ from .errors import (
 from .ops import CLIP_EPS, NormPass, clip_coef, norm_pass
 from .optim import Optimizer
 from .prune import MaskBuffer
-from .schedules import Schedule, from_state_dict
+from .schedules import Schedule
 
 STATE_FORMAT = 3
 REDUCTIONS = ("mean", "sum")
@@ -246,8 +245,6 @@ class Engine:
         self._kernels = kernels_for(self.params.flat, kernels)
         self._guard = _CallGuard()
         if compressor is not None:
-            if backend_of(self.params.flat) != NUMPY:
-                raise BackendUnavailableError("compressor: the compressors run on NumPy buffers only (no CUDA kernels yet)")
             compressor.bind(self.params.layout, self.params.dtype)
         self.state = optimizer.init(self.params)  # validates overrides against the names
         self.optimizer = optimizer

@@ -33,6 +33,13 @@ closed-form least-squares line.
 
 Memory: ``(H + 1) * n`` elements of the buffer's dtype (the ring and the
 correction), ``n`` the flat size of the layout.
+
+Backends: the ring and the correction live where the parameters do — a CuPy
+FlatBuffer or mapping (or ``device="cuda"`` with a Layout) puts them on the GPU,
+where the CUDA trend kernels (:mod:`arraytrain.kernels.cuda.trend`) run; gradients
+must then be CuPy arrays. The weights ``c`` are formed on the host (``H`` floats,
+copied to the device per call); the finiteness check of :meth:`record` and
+:meth:`correct` reads one flag back.
 """
 
 from __future__ import annotations
@@ -42,12 +49,12 @@ from collections.abc import Mapping
 import numpy as np
 
 from ._checks import check_count, check_int, check_number
-from .backend import NUMPY, backend_of
+from .backend import CUPY, NUMPY, backend_of, kernel_family, module_of_backend, require_cuda
 from .buffer import FlatBuffer
 from .errors import (
     AliasingError,
     ArgumentTypeError,
-    BackendUnavailableError,
+    BackendError,
     DTypeError,
     HyperparameterError,
     LayoutError,
@@ -79,14 +86,9 @@ def trend_weights(steps, count: int, t: float) -> np.ndarray:
     return c
 
 
-def _kernels(impl: str):
-    if impl == "numba":
-        from .kernels import cpu, trend
-
-        return trend, cpu
-    from .kernels import reference, trend_reference
-
-    return trend_reference, reference
+def _kernels(impl: str, backend: str):
+    """``(trend kernels, optimizer-family kernels for all_finite)`` for ``backend``."""
+    return kernel_family("trend", backend, impl), kernel_family("optim", backend, impl)
 
 
 class GradientPredictor:
@@ -106,6 +108,11 @@ class GradientPredictor:
         Storage dtype for a Layout (default float32); must agree with a
         FlatBuffer's or mapping's.
     kernels : "numba" or "reference"
+        numba (NumPy) or CUDA (CuPy) kernels as the buffers' backend is; the
+        reference twins run on NumPy only.
+    device : "cpu", "cuda" or None
+        Where the ring lives: None takes it from the parameters (the host for
+        a Layout); a device other than the parameters' is an error.
 
     Usage: :meth:`record` true gradients, :meth:`predict` into a buffer,
     :meth:`correct` with a true gradient (updates the correction and records
@@ -116,39 +123,54 @@ class GradientPredictor:
     """
 
     def __init__(self, layout_or_params, history: int = 4, correction_beta: float = 0.9, *, dtype=None,
-                 kernels: str = "numba"):
+                 kernels: str = "numba", device: str | None = None):
         self.history = check_int("history", history, 1)
         self.correction_beta = check_number("correction_beta", correction_beta, 0.0, 1.0)
         if kernels not in KERNELS:
             raise HyperparameterError(f"kernels: expected one of {KERNELS}, got {kernels!r}")
-        layout, found = self._layout_of(layout_or_params)
+        layout, found, backend = self._layout_of(layout_or_params)
+        if device is not None:
+            if device not in ("cpu", "cuda"):
+                raise HyperparameterError(f"device: expected None, 'cpu' or 'cuda', got {device!r}")
+            want = NUMPY if device == "cpu" else CUPY
+            if backend is not None and backend != want:
+                raise BackendError(f"device: the parameters are {backend} arrays, got device={device!r}; "
+                                   "arraytrain never moves data between host and device implicitly")
+            backend = want
+        backend = backend or NUMPY
+        if backend == CUPY:
+            require_cuda("device")
         if dtype is not None and found is not None and np.dtype(dtype) != found:
             raise DTypeError(f"dtype: the parameters are {found}, got dtype={np.dtype(dtype)}")
         dtype = np.dtype(dtype if dtype is not None else (found if found is not None else np.float32))
         if dtype not in (np.float32, np.float64):
             raise DTypeError(f"dtype: the trend kernels run on float32 or float64, got {dtype}")
-        self.layout, self.dtype, self.kernels = layout, dtype, kernels
-        self._trend, self._base = _kernels(kernels)
+        self.layout, self.dtype, self.kernels, self.backend = layout, dtype, kernels, backend
+        self._trend, self._base = _kernels(kernels, backend)  # refuses reference kernels on CuPy
+        xp = self._xp = module_of_backend(backend)
         n = layout.size
-        self._ring = np.zeros((self.history, n), dtype=dtype)
+        self._ring = xp.zeros((self.history, n), dtype=dtype)
         self._slots = [FlatBuffer(layout, self._ring[k]) for k in range(self.history)]
-        self.correction = FlatBuffer.zeros(layout, dtype)
+        self.correction = FlatBuffer.zeros(layout, dtype, xp)
         self._steps = np.zeros(self.history, dtype=np.int64)
         self.count = 0    # records held (<= history)
         self._head = 0    # the slot the next record goes to (the oldest once the ring is full)
 
     @staticmethod
     def _layout_of(obj):
+        """``(layout, dtype or None, backend or None)``."""
         if isinstance(obj, Layout):
-            return obj, None
+            return obj, None, None
         if isinstance(obj, FlatBuffer):
-            if backend_of(obj.flat) != NUMPY:
-                raise BackendUnavailableError("layout_or_params: the trend kernels run on NumPy buffers only")
-            return obj.layout, obj.dtype
+            return obj.layout, obj.dtype, backend_of(obj.flat)
         if isinstance(obj, Mapping):
-            dtypes = [np.asarray(a).dtype for a in obj.values()]
+            kinds = {type(a).__module__.partition(".")[0] == "cupy" for a in obj.values()}
+            if len(kinds) > 1:
+                raise BackendError("layout_or_params: NumPy and CuPy arrays mixed")
+            backend = (CUPY if kinds.pop() else NUMPY) if kinds else None
+            dtypes = [a.dtype if backend == CUPY else np.asarray(a).dtype for a in obj.values()]
             found = np.result_type(*dtypes) if dtypes else None
-            return Layout.from_arrays(obj), found
+            return Layout.from_arrays(obj), found, backend
         raise ArgumentTypeError(f"layout_or_params: expected a Layout, FlatBuffer or mapping name -> array, "
                                 f"got {type(obj).__name__}")
 
@@ -183,15 +205,21 @@ class GradientPredictor:
             if g.layout != self.layout:
                 raise LayoutError(f"{name}: FlatBuffer layout differs from the predictor's")
             g = g.flat
-        if not isinstance(g, np.ndarray):
-            raise ArgumentTypeError(f"{name}: expected a flat NumPy array or FlatBuffer, got {type(g).__name__}")
+        try:
+            kind = backend_of(g)
+        except BackendError:
+            raise ArgumentTypeError(f"{name}: expected a flat NumPy or CuPy array or FlatBuffer, "
+                                    f"got {type(g).__name__}") from None
+        if kind != self.backend:
+            raise BackendError(f"{name}: a {kind} array was given to a predictor on {self.backend} arrays; "
+                               "arraytrain never moves data between host and device implicitly")
         if g.dtype != self.dtype:
             raise DTypeError(f"{name}: expected dtype {self.dtype}, got {g.dtype}")
         if g.ndim != 1 or g.shape[0] != self.layout.size:
             raise LayoutError(f"{name}: expected a 1-D array of {self.layout.size} elements, got shape {g.shape}")
         if not g.flags.c_contiguous:
             raise LayoutError(f"{name}: the array must be contiguous")
-        if np.shares_memory(g, self._ring) or np.shares_memory(g, self.correction.flat):
+        if self._xp.shares_memory(g, self._ring) or self._xp.shares_memory(g, self.correction.flat):
             raise AliasingError(f"{name}: shares memory with the predictor's own buffers")
         return g
 
@@ -222,10 +250,10 @@ class GradientPredictor:
         """The predicted gradient at ``step`` written into ``out`` (or a new array); returns it."""
         step = check_count("step", step, 0)
         if out is None:
-            out = np.empty(self.layout.size, dtype=self.dtype)
+            out = self._xp.empty(self.layout.size, dtype=self.dtype)
         else:
             out = self._grad(out, "out")
-            if not out.flags.writeable:
+            if not getattr(out.flags, "writeable", True):  # CuPy arrays are always writable
                 raise ReadOnlyError("out: the array is read-only")
         if self.count == 0:
             raise NoGradientsError("predict: no gradient has been recorded yet")

@@ -12,6 +12,7 @@ NumPy array share one device copy, so aliasing behaves as on the CPU.
 from __future__ import annotations
 
 import functools
+import importlib
 import inspect
 
 import numpy as np
@@ -39,15 +40,25 @@ def require_cuda() -> None:
 
 
 class OnDevice:
-    """The CUDA family behind NumPy arguments (see the module docstring)."""
+    """The CUDA family behind NumPy arguments (see the module docstring).
+
+    ``cuda_module``: the CUDA kernel module; ``reference``: the module of the reference
+    twins whose signatures say which argument is which (the optimizer family by default;
+    e.g. ``OnDevice("arraytrain.kernels.cuda.compression", compress_reference)``).
+    """
+
+    def __init__(self, cuda_module: str = "arraytrain.kernels.cuda", reference=ref):
+        self._cuda_module = cuda_module
+        self._reference = reference
 
     def __getattr__(self, name):
-        from arraytrain.kernels import cuda
-
+        if name.startswith("_"):
+            raise AttributeError(name)
+        cuda = importlib.import_module(self._cuda_module)
         fn = getattr(cuda, name)
         if not callable(fn):
             return fn
-        sig = inspect.signature(getattr(ref, name))
+        sig = inspect.signature(getattr(self._reference, name))
 
         def call(*args, **kwargs):
             import cupy as cp

@@ -165,7 +165,7 @@ def stage_times(opt: str, n: int, reps: int = 20) -> dict:
 
 
 def run(optimizers, sizes, reps, names=CONTESTANTS, log=print):
-    import torch  # noqa: F401  (initialises its CUDA context before the timings)
+    import torch  # noqa: F401  # initialises its CUDA context before the timings
 
     time_call = _timer()
     copy, copy_bytes = make_copy()

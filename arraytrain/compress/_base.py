@@ -15,6 +15,16 @@ documented choice; the domain lists its parameters either way.
 ``nbytes`` of a :class:`Payload` is the size of the arrays it holds, measured
 with ``ndarray.nbytes`` — the bytes a rank would put on the wire — not a
 nominal ratio.
+
+Backends: a compressor works on NumPy or CuPy gradients with the kernel family of
+their backend (:func:`arraytrain.backend.kernel_family`: numba or CUDA, same bits
+for the same format), and its payload arrays live where the gradient does. Its
+state (error-feedback residual, PowerSGD's ``Q``, scratch) is created on the host
+at :meth:`Compressor.bind`; the first array the compressor is given — a gradient,
+an ``out`` buffer, a payload or a loaded state — fixes its backend, and a CuPy one
+moves that state to the device, once. After that an array of the other backend is
+a :class:`~arraytrain.errors.BackendError`: nothing moves between host and device
+behind the caller's back.
 """
 
 from __future__ import annotations
@@ -27,9 +37,17 @@ import numpy as np
 
 from .._checks import check_count, check_int, shown
 from .._intake import ready_to_assign
-from ..backend import KERNEL_IMPLS
+from ..backend import KERNEL_IMPLS, NUMPY, backend_of, kernel_family, module_of_backend
 from ..buffer import FlatBuffer
-from ..errors import ArgumentTypeError, DTypeError, HyperparameterError, LayoutError, StateDictError
+from ..errors import (
+    ArgumentTypeError,
+    BackendError,
+    BackendUnavailableError,
+    DTypeError,
+    HyperparameterError,
+    LayoutError,
+    StateDictError,
+)
 from ..kernels.counter_rng import step_key
 from ..layout import Layout
 
@@ -63,7 +81,7 @@ class Payload:
     """What one rank would send for one gradient.
 
     ``arrays``: the method's wire arrays (indices, values, codes, scales, packed
-    bits, factors). ``raw``: elements sent uncompressed (parameters below
+    bits, factors), NumPy or CuPy as the gradient was. ``raw``: elements sent uncompressed (parameters below
     ``min_size``, or everything during warm-up), in layout order. ``meta``: the
     small integers a receiver needs besides the arrays (the draw key of a
     stochastic method, which a receiver derives from the shared seed and step).
@@ -87,6 +105,25 @@ class Payload:
         return self.dense_nbytes / self.nbytes if self.nbytes else float("inf")
 
 
+def array_backend(a) -> str | None:
+    """``"numpy"`` or ``"cupy"`` for an array of either, None for anything else."""
+    try:
+        return backend_of(a)
+    except BackendError:
+        return None
+
+
+def check_wire(arrays: Mapping, name: str, shape: tuple, dtype, like) -> object:
+    """``arrays[name]`` if it is an array of ``shape`` and ``dtype`` on ``like``'s backend, else ArgumentTypeError."""
+    a = arrays.get(name) if isinstance(arrays, Mapping) else None
+    want = backend_of(like)
+    if array_backend(a) != want or a.shape != shape or a.dtype != np.dtype(dtype):
+        got = "nothing" if a is None else (f"{getattr(a, 'shape', type(a).__name__)} {getattr(a, 'dtype', '')} "
+                                          f"({array_backend(a) or type(a).__name__})")
+        raise ArgumentTypeError(f"payload {name!r}: expected shape {shape} {np.dtype(dtype)} ({want}), got {got}")
+    return a
+
+
 def _runs(layout: Layout, names) -> list[tuple[int, int]]:
     """Live ``[lo, hi)`` ranges of ``names`` in the flat buffer, adjacent ranges merged."""
     runs: list[list[int]] = []
@@ -107,8 +144,15 @@ class _Gather:
     def __init__(self, runs, size: int, dtype):
         self.runs = runs
         self.size = size
+        self.dtype = dtype
         self.view = len(runs) == 1
-        self._scratch = None if self.view or size == 0 else np.empty(size, dtype)
+        self._scratch = None  # allocated on first use, on the backend of the arrays packed
+
+    def _buffer(self, like):
+        s = self._scratch
+        if s is None or type(s) is not type(like):
+            s = self._scratch = module_of_backend(backend_of(like)).empty(self.size, self.dtype)
+        return s
 
     def pack(self, x: np.ndarray) -> np.ndarray:
         """The dense vector of ``x``'s ranges: a view of ``x`` or the (reused) scratch."""
@@ -117,7 +161,7 @@ class _Gather:
         if self.view:
             lo, hi = self.runs[0]
             return x[lo:hi]
-        out, k = self._scratch, 0
+        out, k = self._buffer(x), 0
         for lo, hi in self.runs:
             out[k:k + hi - lo] = x[lo:hi]
             k += hi - lo
@@ -130,7 +174,7 @@ class _Gather:
         if self.view:
             lo, hi = self.runs[0]
             return out[lo:hi]
-        return self._scratch
+        return self._buffer(out)
 
     def finish(self, dense: np.ndarray, out: np.ndarray) -> None:
         """Scatter :meth:`target`'s contents into ``out`` (nothing to do for a view)."""
@@ -164,11 +208,13 @@ class Compressor(ABC):
         counter-based generator: the draws do not depend on threads, and a
         resumed run draws the same numbers.
     kernels : "numba" or "reference"
-        The fused kernels or their slow reference twins.
+        The fused kernels (numba on NumPy gradients, CUDA on CuPy ones) or their
+        slow reference twins (NumPy only).
     """
 
     method: str = "compressor"
     stochastic: bool = False
+    family: str | None = "compress"  # the kernel family of :attr:`_kern` (None: no kernels)
 
     def __init__(self, *, min_size: int = 0, warmup: int = 0, seed: int = 0, kernels: str = "numba"):
         self.min_size = check_int("min_size", min_size, 0)
@@ -180,6 +226,36 @@ class Compressor(ABC):
         self.step = 0
         self.layout: Layout | None = None
         self.domain: Domain | None = None
+        self._backend: str | None = None  # fixed by the first array given (see the module docstring)
+        self._kern = None
+
+    @property
+    def backend(self) -> str | None:
+        """``"numpy"`` or ``"cupy"`` once the first array fixed it, else None (state on the host)."""
+        return self._backend
+
+    def _place(self, backend: str) -> None:
+        """Fix the backend (the first call) or check it (every later call).
+
+        Fixing it to CuPy moves the state made at :meth:`bind` to the device (:meth:`_move`).
+        """
+        if backend == self._backend:
+            return
+        if self._backend is not None:
+            raise BackendError(f"{self!r} works on {self._backend} arrays (its state lives there), got a {backend} "
+                               "array; arraytrain never moves data between host and device implicitly")
+        kern = None if self.family is None else kernel_family(self.family, backend, self.kernels)
+        if backend != NUMPY and self.kernels == "reference":
+            raise BackendUnavailableError("kernels='reference': the reference twins run on NumPy arrays only")
+        if backend != NUMPY:
+            self._move(module_of_backend(backend))
+        self._backend, self._kern = backend, kern
+
+    def _move(self, xp) -> None:
+        """Move the state made at bind to the array module ``xp`` (default: nothing to move)."""
+
+    def _xp(self):
+        return module_of_backend(self._backend or NUMPY)
 
     # -- set-up -------------------------------------------------------------------------
     def bind(self, layout: Layout, dtype=np.float32) -> "Compressor":
@@ -216,14 +292,19 @@ class Compressor(ABC):
         if self.layout is None:
             raise LayoutError(f"{self!r} is not bound to a layout: call bind(layout, dtype) first")
 
-    def _check_flat(self, x, name: str) -> np.ndarray:
-        if not isinstance(x, np.ndarray) or x.ndim != 1 or x.size != self.layout.size:
+    def _check_flat(self, x, name: str):
+        kind = array_backend(x)
+        if kind is None or x.ndim != 1 or x.size != self.layout.size:
             got = getattr(x, "shape", type(x).__name__)
-            raise ArgumentTypeError(f"{name}: expected a 1-D NumPy array of {self.layout.size} elements, got {got}")
+            raise ArgumentTypeError(f"{name}: expected a 1-D NumPy or CuPy array of {self.layout.size} elements, "
+                                    f"got {got}")
         if x.dtype != self._dtype:
             raise DTypeError(f"{name}: expected {self._dtype}, got {x.dtype}")
         if not x.flags.c_contiguous:
             raise ArgumentTypeError(f"{name}: expected a contiguous array")
+        if self._backend is not None and kind != self._backend:
+            raise BackendError(f"{name}: a {kind} array was given to a compressor on {self._backend} arrays; "
+                               "arraytrain never moves data between host and device implicitly")
         return x
 
     # -- the work ---------------------------------------------------------------------------
@@ -231,6 +312,7 @@ class Compressor(ABC):
         """The payload for the flat gradient ``x`` (read only); advances the call count."""
         self._need_bound()
         self._check_flat(x, "x")
+        self._place(backend_of(x))
         step = self.step
         if step < self.warmup:
             payload = Payload(self.method, raw=self._all.pack(x).copy(), meta={"step": step, "warmup": True})
@@ -251,18 +333,25 @@ class Compressor(ABC):
         if not isinstance(payload, Payload) or payload.method != self.method:
             raise ArgumentTypeError(f"payload: expected a {self.method} Payload, got {payload!r:.80}")
         if out is None:
-            out = np.zeros(self.layout.size, self._dtype)
+            backend = self._backend or _payload_backend(payload) or NUMPY
+            out = module_of_backend(backend).zeros(self.layout.size, self._dtype)
         self._check_flat(out, "out")
+        self._place(backend_of(out))
         if payload.meta.get("warmup"):
-            self._all.put(payload.raw, out)
+            self._all.put(self._raw_wire(payload, self._all.size, out), out)
             return out
+        raw = self._raw_wire(payload, self._small.size, out) if self._small.size else None
         if self.domain.size:
             target = self._big.target(out)
             self._decode(payload.arrays, payload.meta, target)
             self._big.finish(target, out)
-        if self._small.size:
-            self._small.put(payload.raw, out)
+        if raw is not None:
+            self._small.put(raw, out)
         return out
+
+    def _raw_wire(self, payload: Payload, size: int, out):
+        """The payload's ``raw`` array, checked: ``size`` elements of the gradient dtype on ``out``'s backend."""
+        return check_wire({"raw": payload.raw}, "raw", (size,), self._dtype, out)
 
     def roundtrip(self, x: np.ndarray) -> Payload:
         """Compress ``x`` and overwrite it with what a receiver decodes (the single-process exchange)."""
@@ -284,7 +373,11 @@ class Compressor(ABC):
         return {}
 
     def _check_state(self, arrays: Mapping) -> dict:
-        """Validate :meth:`_state` output from a checkpoint; return what :meth:`_load_state` takes."""
+        """Validate :meth:`_state` output from a checkpoint; return what :meth:`_load_state` takes.
+
+        The arrays' backend (one for all, the compressor's own once fixed) is checked by
+        :meth:`check_state` before this is called.
+        """
         if arrays:
             raise StateDictError(f"{self.method}: expected no state arrays, got {sorted(arrays)}")
         return {}
@@ -296,8 +389,12 @@ class Compressor(ABC):
         self._need_bound()
         return {"type": self.describe(), "step": self.step, "arrays": self._state()}
 
-    def check_state(self, state: Mapping, *, with_residual: bool = False) -> dict:
-        """Validate a :meth:`state_dict`; raise StateDictError; change nothing."""
+    def check_state(self, state: Mapping, *, with_residual: bool = False, more_arrays=()) -> dict:
+        """Validate a :meth:`state_dict`; raise StateDictError; change nothing.
+
+        ``more_arrays``: further arrays of the state (error feedback's residual) that must share
+        the backend of the compressor's own; the result's ``"backend"`` names it.
+        """
         self._need_bound()
         try:
             kind, step, arrays = state["type"], state["step"], state["arrays"]
@@ -312,14 +409,29 @@ class Compressor(ABC):
                                  f"the compressor {'uses' if with_residual else 'does not use'} error feedback")
         if not isinstance(arrays, Mapping):
             raise StateDictError(f"compression arrays: expected a mapping, got {type(arrays).__name__}")
-        return {"step": int(step), "arrays": self._check_state(arrays)}
+        backend = self._state_backend([*arrays.values(), *more_arrays])
+        return {"step": int(step), "arrays": self._check_state(arrays), "backend": backend}
+
+    def _state_backend(self, arrays) -> str:
+        """Where a state's arrays live: one backend for all, the compressor's own once it is fixed."""
+        kinds = {k for k in map(array_backend, arrays) if k is not None}
+        if len(kinds) > 1:
+            raise StateDictError("compression state: NumPy and CuPy arrays mixed")
+        kind = kinds.pop() if kinds else (self._backend or NUMPY)
+        if self._backend is not None and kind != self._backend:
+            raise StateDictError(f"compression state: {kind} arrays for a compressor on {self._backend} arrays; "
+                                 "arraytrain never moves data between host and device implicitly")
+        return kind
 
     def load_state_dict(self, state: Mapping) -> None:
         checked = self.check_state(state)
         self.apply_state(checked)
 
     def apply_state(self, checked: dict) -> None:
-        """Restore what :meth:`check_state` returned (assignments only: cannot fail)."""
+        """Restore what :meth:`check_state` returned (assignments only)."""
+        # a device state fixes an unplaced compressor to the device; a host state leaves it free
+        if checked.get("backend", NUMPY) != NUMPY:
+            self._place(checked["backend"])
         self.step = checked["step"]
         self._load_state(checked["arrays"])
 
@@ -345,7 +457,8 @@ class ErrorFeedback:
     lost, only delayed. The residual ``r`` is a flat buffer of the gradient's
     layout; it is named state (``state_dict()["residual"]`` by parameter name),
     saved in checkpoints and restored on resume. During the compressor's
-    warm-up the payload is exact and the residual stays zero.
+    warm-up the payload is exact and the residual stays zero. The residual lives
+    with the compressor's state: on the device once a CuPy gradient fixed it there.
     """
 
     def __init__(self, compressor: Compressor):
@@ -372,10 +485,21 @@ class ErrorFeedback:
             self.residual = FlatBuffer.zeros(layout, np.dtype(dtype))
         return self
 
+    def _place(self, backend: str) -> None:
+        self.compressor._place(backend)
+        self._follow()
+
+    def _follow(self) -> None:
+        """The residual on the compressor's backend (moved once, when that was fixed to the device)."""
+        backend = self.compressor.backend
+        if backend is not None and backend_of(self.residual.flat) != backend:
+            self.residual = FlatBuffer(self.residual.layout, module_of_backend(backend).asarray(self.residual.flat))
+
     def compress(self, x: np.ndarray) -> Payload:
         """Compress ``g + r`` and keep what was not sent in ``r`` (``x`` is read only)."""
         self.compressor._need_bound()
         self.compressor._check_flat(x, "x")
+        self._place(backend_of(x))
         r = self.residual.flat
         r += x
         payload = self.compressor.compress(r)
@@ -389,6 +513,7 @@ class ErrorFeedback:
         """As :meth:`compress`, then ``x`` = the decoded gradient; no scratch buffer."""
         self.compressor._need_bound()
         self.compressor._check_flat(x, "x")
+        self._place(backend_of(x))
         r = self.residual.flat
         r += x
         payload = self.compressor.compress(r)
@@ -407,14 +532,17 @@ class ErrorFeedback:
         return state
 
     def check_state(self, state: Mapping) -> dict:
-        checked = self.compressor.check_state(state, with_residual=True)
         try:
             residual = state["residual"]
         except (KeyError, TypeError):
             raise StateDictError("compression state lacks 'residual' (saved without error feedback?)") from None
+        more = list(residual.values()) if isinstance(residual, Mapping) else []
+        checked = self.compressor.check_state(state, with_residual=True, more_arrays=more)
+        target = self.residual
+        if checked["backend"] != backend_of(target.flat):  # a device state for a compressor not yet placed
+            target = FlatBuffer.zeros(target.layout, target.dtype, module_of_backend(checked["backend"]))
         try:
-            checked["residual"] = ready_to_assign(self.residual, self.residual.check(residual),
-                                                  protect=(self.residual.flat,))
+            checked["residual"] = ready_to_assign(target, target.check(residual), protect=(target.flat,))
         except (LayoutError, KeyError, ValueError, TypeError) as exc:
             raise StateDictError(f"compression residual: {exc}") from exc
         return checked
@@ -424,6 +552,7 @@ class ErrorFeedback:
 
     def apply_state(self, checked: dict) -> None:
         self.compressor.apply_state(checked)
+        self._follow()
         self.residual.assign(checked["residual"])
 
     def describe(self) -> str:
@@ -431,6 +560,15 @@ class ErrorFeedback:
 
     def __repr__(self) -> str:
         return f"ErrorFeedback({self.compressor!r})"
+
+
+def _payload_backend(payload: Payload) -> str | None:
+    """The backend of a payload's first array (None when it holds none)."""
+    for a in [*payload.arrays.values(), payload.raw]:
+        kind = array_backend(a)
+        if kind is not None:
+            return kind
+    return None
 
 
 def check_compressor(c, name: str = "compressor"):

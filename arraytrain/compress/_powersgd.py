@@ -53,6 +53,12 @@ both store factors and state in the gradient's dtype. They agree to the
 project's tolerance on matrices of full column rank ``r``; on rank-deficient
 ``P`` the QR completes the basis where Gram-Schmidt leaves zeros (the decoded
 ``\hat M`` is then the same, ``Q`` need not be).
+
+On CuPy gradients (``kernels="numba"``) the same steps run on the device: cuBLAS
+GEMMs and ``cupy.linalg.qr`` (cuSOLVER's Householder QR), the factors and ``Q`` on
+the device; the first ``Q`` is drawn on the host as above (every rank and device
+draws the same) and moved once. The check that a new ``Q`` is usable reads one
+flag per matrix back to the host.
 """
 
 from __future__ import annotations
@@ -62,14 +68,19 @@ from collections.abc import Mapping
 import numpy as np
 
 from .._checks import check_bool, check_int
-from ..errors import ArgumentTypeError, StateDictError
-from ._base import Compressor, Domain
+from ..backend import array_module
+from ..errors import StateDictError
+from ._base import Compressor, Domain, array_backend, check_wire
 
 
-def orthonormalize_qr(p: np.ndarray) -> np.ndarray:
-    """Orthonormal columns spanning ``p``'s (Householder QR), signed so that ``diag(R) >= 0``."""
-    q, r = np.linalg.qr(p)
-    sign = np.where(np.diagonal(r) < 0, -1, 1).astype(q.dtype)
+def orthonormalize_qr(p):
+    """Orthonormal columns spanning ``p``'s (Householder QR), signed so that ``diag(R) >= 0``.
+
+    NumPy (LAPACK) or CuPy (cuSOLVER) as ``p`` is.
+    """
+    xp = array_module(p)
+    q, r = xp.linalg.qr(p)
+    sign = xp.where(xp.diagonal(r) < 0, -1, 1).astype(q.dtype)
     return q * sign
 
 
@@ -111,6 +122,7 @@ class PowerSGD(Compressor):
     """
 
     method = "powersgd"
+    family = None  # GEMMs and QR from NumPy / CuPy, no kernels of its own
 
     def __init__(self, rank: int = 2, *, warm_start: bool = True, min_size: int = 0, warmup: int = 0,
                  seed: int = 0, kernels: str = "numba"):
@@ -136,25 +148,30 @@ class PowerSGD(Compressor):
         self._q = {name: self._draw_q(i, m) for i, name, _, _, m in mats} if self.warm_start else {}
 
     def _draw_q(self, index: int, m: int, step: int | None = None) -> np.ndarray:
+        """Drawn on the host (the same numbers for every rank and device)."""
         key = [self.seed, index] if step is None else [self.seed, step, index]
         return np.random.default_rng(key).standard_normal((m, self.rank)).astype(self._dt)
+
+    def _move(self, xp) -> None:
+        self._q = {name: xp.asarray(q) for name, q in self._q.items()}
 
     # -- the work ---------------------------------------------------------------------------
     def _encode(self, x: np.ndarray, meta: dict) -> dict[str, np.ndarray]:
         ref = self.kernels == "reference"
+        xp = self._xp()
         arrays = {}
         for i, name, start, n, m in self._mats:
             mat = x[start:start + n * m].reshape(n, m)
-            q = self._q[name] if self.warm_start else self._draw_q(i, m, meta["step"])
+            q = self._q[name] if self.warm_start else xp.asarray(self._draw_q(i, m, meta["step"]))
             if ref:
                 mat = mat.astype(np.float64)
                 p = orthonormalize_gram_schmidt(mat @ q.astype(np.float64))
             else:
                 p = orthonormalize_qr(mat @ q)
             q_new = mat.T @ p
-            arrays[f"P:{name}"] = np.ascontiguousarray(p, dtype=self._dt)
-            arrays[f"Q:{name}"] = q_new = np.ascontiguousarray(q_new, dtype=self._dt)
-            if self.warm_start and np.all(np.isfinite(q_new)) and np.all(np.any(q_new != 0, axis=0)):
+            arrays[f"P:{name}"] = xp.ascontiguousarray(p, dtype=self._dt)
+            arrays[f"Q:{name}"] = q_new = xp.ascontiguousarray(q_new, dtype=self._dt)
+            if self.warm_start and bool(xp.all(xp.isfinite(q_new)) & xp.all(xp.any(q_new != 0, axis=0))):
                 self._q[name] = q_new.copy()
         for name, start, size in self._raw:
             arrays[f"M:{name}"] = x[start:start + size].copy()
@@ -163,23 +180,17 @@ class PowerSGD(Compressor):
     def _decode(self, arrays: Mapping[str, np.ndarray], meta: Mapping, out: np.ndarray) -> None:
         ref = self.kernels == "reference"
         for _, name, start, n, m in self._mats:
-            p = self._wire(arrays, f"P:{name}", (n, self.rank), out.dtype)
-            q = self._wire(arrays, f"Q:{name}", (m, self.rank), out.dtype)
+            p = check_wire(arrays, f"P:{name}", (n, self.rank), out.dtype, out)
+            q = check_wire(arrays, f"Q:{name}", (m, self.rank), out.dtype, out)
             dst = out[start:start + n * m].reshape(n, m)
             if ref:
                 dst[...] = p.astype(np.float64) @ q.astype(np.float64).T
-            else:
+            elif isinstance(out, np.ndarray):
                 np.matmul(p, q.T, out=dst)
+            else:
+                dst[...] = p @ q.T
         for name, start, size in self._raw:
-            out[start:start + size] = self._wire(arrays, f"M:{name}", (size,), out.dtype)
-
-    @staticmethod
-    def _wire(arrays: Mapping, key: str, shape: tuple, dtype) -> np.ndarray:
-        a = arrays.get(key)
-        if not isinstance(a, np.ndarray) or a.shape != shape or a.dtype != dtype:
-            got = "nothing" if a is None else (getattr(a, "shape", type(a).__name__), getattr(a, "dtype", None))
-            raise ArgumentTypeError(f"payload {key!r}: expected shape {shape} of {dtype}, got {got}")
-        return a
+            out[start:start + size] = check_wire(arrays, f"M:{name}", (size,), out.dtype, out)
 
     # -- state ------------------------------------------------------------------------------
     def _state(self) -> dict[str, np.ndarray]:
@@ -194,7 +205,7 @@ class PowerSGD(Compressor):
         checked = {}
         for key, shape in want.items():
             a = arrays[key]
-            if not isinstance(a, np.ndarray) or a.shape != shape or a.dtype != self._dt:
+            if array_backend(a) is None or a.shape != shape or a.dtype != self._dt:
                 got = (getattr(a, "shape", type(a).__name__), getattr(a, "dtype", None))
                 raise StateDictError(f"{key!r}: expected shape {shape} of {self._dt}, got {got}")
             checked[key[2:]] = a.copy()

@@ -15,8 +15,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from .._checks import check_bool, check_int
-from ._base import Compressor, Domain
-from ._sparse import check_wire, kernel_module
+from ._base import Compressor, Domain, check_wire
 
 
 def _check_block(block, allow_none: bool):
@@ -55,20 +54,20 @@ class Int8Block(Compressor):
         self.block = _check_block(block, False)
         self.stochastic_rounding = check_bool("stochastic_rounding", stochastic_rounding)
         self.stochastic = self.stochastic_rounding
-        self._kern = kernel_module(self.kernels)
 
     def _bind(self, domain: Domain) -> None:
         self._nblocks = -(-domain.size // self.block)
 
     def _encode(self, x: np.ndarray, meta: dict) -> dict[str, np.ndarray]:
-        codes = np.empty(x.size, np.int8)
-        scales = np.empty(self._nblocks, x.dtype)
+        xp = self._xp()
+        codes = xp.empty(x.size, np.int8)
+        scales = xp.empty(self._nblocks, x.dtype)
         self._kern.int8_encode(x, self.block, meta.get("key", 0), self.stochastic_rounding, codes, scales)
         return {"codes": codes, "scales": scales}
 
     def _decode(self, arrays: Mapping[str, np.ndarray], meta: Mapping, out: np.ndarray) -> None:
-        codes = check_wire(arrays, "codes", (out.size,), np.int8)
-        scales = check_wire(arrays, "scales", (self._nblocks,), out.dtype)
+        codes = check_wire(arrays, "codes", (out.size,), np.int8, out)
+        scales = check_wire(arrays, "scales", (self._nblocks,), out.dtype, out)
         self._kern.int8_decode(codes, scales, self.block, out)
 
     def hyperparameters(self) -> dict:
@@ -81,7 +80,6 @@ class _BlockScaled(Compressor):
     def __init__(self, block=None, *, min_size: int = 0, warmup: int = 0, seed: int = 0, kernels: str = "numba"):
         super().__init__(min_size=min_size, warmup=warmup, seed=seed, kernels=kernels)
         self.block = _check_block(block, True)
-        self._kern = kernel_module(self.kernels)
 
     def _bind(self, domain: Domain) -> None:
         self._block = max(domain.size, 1) if self.block is None else self.block
@@ -112,14 +110,15 @@ class Sign(_BlockScaled):
     method = "sign"
 
     def _encode(self, x: np.ndarray, meta: dict) -> dict[str, np.ndarray]:
-        bits = np.empty(-(-x.size // 8), np.uint8)
-        scales = np.empty(self._nblocks, np.float32)
+        xp = self._xp()
+        bits = xp.empty(-(-x.size // 8), np.uint8)
+        scales = xp.empty(self._nblocks, np.float32)
         self._kern.sign_encode(x, self._block, bits, scales)
         return {"bits": bits, "scales": scales}
 
     def _decode(self, arrays: Mapping[str, np.ndarray], meta: Mapping, out: np.ndarray) -> None:
-        bits = check_wire(arrays, "bits", (-(-out.size // 8),), np.uint8)
-        scales = check_wire(arrays, "scales", (self._nblocks,), np.float32)
+        bits = check_wire(arrays, "bits", (-(-out.size // 8),), np.uint8, out)
+        scales = check_wire(arrays, "scales", (self._nblocks,), np.float32, out)
         self._kern.sign_decode(bits, scales, self._block, out)
 
 
@@ -149,12 +148,13 @@ class Ternary(_BlockScaled):
     stochastic = True
 
     def _encode(self, x: np.ndarray, meta: dict) -> dict[str, np.ndarray]:
-        codes = np.empty(-(-x.size // 4), np.uint8)
-        scales = np.empty(self._nblocks, np.float32)
+        xp = self._xp()
+        codes = xp.empty(-(-x.size // 4), np.uint8)
+        scales = xp.empty(self._nblocks, np.float32)
         self._kern.ternary_encode(x, self._block, meta["key"], codes, scales)
         return {"codes": codes, "scales": scales}
 
     def _decode(self, arrays: Mapping[str, np.ndarray], meta: Mapping, out: np.ndarray) -> None:
-        codes = check_wire(arrays, "codes", (-(-out.size // 4),), np.uint8)
-        scales = check_wire(arrays, "scales", (self._nblocks,), np.float32)
+        codes = check_wire(arrays, "codes", (-(-out.size // 4),), np.uint8, out)
+        scales = check_wire(arrays, "scales", (self._nblocks,), np.float32, out)
         self._kern.ternary_decode(codes, scales, self._block, out)

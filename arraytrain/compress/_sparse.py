@@ -21,23 +21,7 @@ import numpy as np
 
 from .._checks import check_bool, check_int, check_number
 from ..errors import ArgumentTypeError, HyperparameterError
-from ..kernels import compress as _numba_kernels
-from ..kernels import compress_reference as _reference_kernels
-from ._base import Compressor, Domain
-
-
-def kernel_module(kernels: str):
-    """The kernel module of a compressor's ``kernels`` setting."""
-    return _numba_kernels if kernels == "numba" else _reference_kernels
-
-
-def check_wire(arrays: Mapping, name: str, shape: tuple, dtype) -> np.ndarray:
-    """``arrays[name]`` if it is an ndarray of ``shape`` and ``dtype``, else ArgumentTypeError."""
-    a = arrays.get(name) if isinstance(arrays, Mapping) else None
-    if not isinstance(a, np.ndarray) or a.shape != shape or a.dtype != np.dtype(dtype):
-        got = "nothing" if a is None else f"{getattr(a, 'shape', type(a).__name__)} {getattr(a, 'dtype', '')}"
-        raise ArgumentTypeError(f"payload[{name!r}]: expected shape {shape} {np.dtype(dtype)}, got {got}")
-    return a
+from ._base import Compressor, Domain, check_wire
 
 
 class _Sparsifier(Compressor):
@@ -50,7 +34,6 @@ class _Sparsifier(Compressor):
             raise HyperparameterError(f"ratio, k: expected exactly one of them, got ratio={ratio!r}, k={k!r}")
         self.ratio = None if ratio is None else check_number("ratio", ratio, 0.0, 1.0, lo_open=True)
         self.k = None if k is None else check_int("k", k, 1)
-        self._kern = kernel_module(self.kernels)
         self._k = 0
 
     def _bind(self, domain: Domain) -> None:
@@ -91,7 +74,8 @@ class TopK(_Sparsifier):
 
     Payload: ``indices`` (uint32 when the domain has fewer than 2**32
     elements, else int64), ascending, and ``values`` (the gradient dtype):
-    ``k * (4 + itemsize)`` bytes.
+    ``k * (4 + itemsize)`` bytes. On CuPy gradients the CUDA radix select
+    (:func:`arraytrain.kernels.cuda.compression.topk`) gives the same indices.
     """
 
     method = "topk"
@@ -101,14 +85,15 @@ class TopK(_Sparsifier):
         self._idx_dtype = np.dtype(np.uint32 if domain.size < 2**32 else np.int64)
 
     def _encode(self, x: np.ndarray, meta: dict) -> dict[str, np.ndarray]:
-        idx = np.empty(self._k, self._idx_dtype)
-        values = np.empty(self._k, x.dtype)
+        xp = self._xp()
+        idx = xp.empty(self._k, self._idx_dtype)
+        values = xp.empty(self._k, x.dtype)
         self._kern.topk(x, self._k, idx, values)
         return {"indices": idx, "values": values}
 
     def _decode(self, arrays: Mapping[str, np.ndarray], meta: Mapping, out: np.ndarray) -> None:
-        idx = check_wire(arrays, "indices", (self._k,), self._idx_dtype)
-        values = check_wire(arrays, "values", (self._k,), out.dtype)
+        idx = check_wire(arrays, "indices", (self._k,), self._idx_dtype, out)
+        values = check_wire(arrays, "values", (self._k,), out.dtype, out)
         if self._k and int(idx.max()) >= out.size:
             raise ArgumentTypeError(f"payload['indices']: expected indices < {out.size}, got {int(idx.max())}")
         self._kern.scatter(idx, values, 1, out)
@@ -150,12 +135,12 @@ class RandomK(_Sparsifier):
         return self._last[1]
 
     def _encode(self, x: np.ndarray, meta: dict) -> dict[str, np.ndarray]:
-        values = np.empty(self._k, x.dtype)
+        values = self._xp().empty(self._k, x.dtype)
         self._kern.gather(x, self._indices(meta["key"]), values)
         return {"values": values}
 
     def _decode(self, arrays: Mapping[str, np.ndarray], meta: Mapping, out: np.ndarray) -> None:
-        values = check_wire(arrays, "values", (self._k,), out.dtype)
+        values = check_wire(arrays, "values", (self._k,), out.dtype, out)
         key = meta.get("key")
         if not isinstance(key, int):
             raise ArgumentTypeError(f"payload.meta['key']: expected the draw key (an int), got {key!r}")

@@ -48,8 +48,10 @@ key and positions from the seed and the call number (``payload.meta["key"]``).
 A dense Gaussian projection of a 1M-element gradient to ``d = 100k`` would be
 1e11 numbers (400 GB in float32); here it is 1M numbers of scratch.
 
-Kernels (``kernels="numba"``): :mod:`arraytrain.kernels.project`; the
-reference twins are :mod:`arraytrain.kernels.project_reference`.
+Kernels (``kernels="numba"``): :mod:`arraytrain.kernels.project` on NumPy
+gradients, :mod:`arraytrain.kernels.cuda.projection` on CuPy ones (the same
+signs and kept positions: a payload encoded on one device decodes on the other);
+the reference twins are :mod:`arraytrain.kernels.project_reference`.
 """
 
 from __future__ import annotations
@@ -59,10 +61,9 @@ from collections.abc import Mapping
 import numpy as np
 
 from .._checks import check_bool, check_int, check_number
-from ..errors import ArgumentTypeError, HyperparameterError
-from ..kernels import project, project_reference
+from ..errors import HyperparameterError
 from ..kernels.counter_rng import step_key
-from ._base import Compressor, Domain
+from ._base import Compressor, Domain, check_wire
 
 
 class VSA(Compressor):
@@ -94,6 +95,7 @@ class VSA(Compressor):
 
     method = "vsa"
     stochastic = True
+    family = "project"
 
     def __init__(self, ratio=None, *, dim=None, block: int = 4096, unbiased: bool = True,
                  min_size: int = 0, warmup: int = 0, seed: int = 0, kernels: str = "numba"):
@@ -106,7 +108,6 @@ class VSA(Compressor):
         if self.block & (self.block - 1):
             raise HyperparameterError(f"block: expected a power of two, got {block!r}")
         self.unbiased = check_bool("unbiased", unbiased)
-        self._k = project if kernels == "numba" else project_reference
 
     def _bind(self, domain: Domain) -> None:
         n = domain.size
@@ -122,6 +123,9 @@ class VSA(Compressor):
         self.scale = padded / d if (self.unbiased and d) else 1.0
         self._z = np.zeros(padded, domain.dtype)
 
+    def _move(self, xp) -> None:
+        self._z = xp.asarray(self._z)
+
     @staticmethod
     def _keys(meta: Mapping) -> tuple[int, int]:
         """The sign key (the call's draw key) and the selection key (derived from it)."""
@@ -131,23 +135,20 @@ class VSA(Compressor):
     def _encode(self, x: np.ndarray, meta: dict) -> dict[str, np.ndarray]:
         sign_key, sel_key = self._keys(meta)
         n, z = x.size, self._z
-        self._k.sign_bind(x, sign_key, z[:n])
+        self._kern.sign_bind(x, sign_key, z[:n])
         z[n:] = 0
-        self._k.fwht(z, self.block_used)
-        y = np.empty(self.d, z.dtype)
-        self._k.select_gather(z, sel_key, self.block_used, y)
+        self._kern.fwht(z, self.block_used)
+        y = self._xp().empty(self.d, z.dtype)
+        self._kern.select_gather(z, sel_key, self.block_used, y)
         return {"values": y}
 
     def _decode(self, arrays: Mapping[str, np.ndarray], meta: Mapping, out: np.ndarray) -> None:
-        y = arrays.get("values")
-        if not isinstance(y, np.ndarray) or y.shape != (self.d,) or y.dtype != out.dtype:
-            got = (getattr(y, "shape", type(y).__name__), getattr(y, "dtype", None))
-            raise ArgumentTypeError(f"payload 'values': expected shape ({self.d},) of {out.dtype}, got {got}")
+        y = check_wire(arrays, "values", (self.d,), out.dtype, out)
         sign_key, sel_key = self._keys(meta)
         z = self._z
-        self._k.select_scatter(y, sel_key, self.block_used, self.scale, z)
-        self._k.fwht(z, self.block_used)
-        self._k.sign_bind(z, sign_key, out)
+        self._kern.select_scatter(y, sel_key, self.block_used, self.scale, z)
+        self._kern.fwht(z, self.block_used)
+        self._kern.sign_bind(z, sign_key, out)
 
     def hyperparameters(self) -> dict:
         size = {"ratio": self.ratio} if self.ratio is not None else {"dim": self.dim}

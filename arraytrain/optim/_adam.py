@@ -2,13 +2,11 @@ from __future__ import annotations
 
 import math
 
-import ml_dtypes
 import numpy as np
 
 from ..buffer import kernel_view
-from ..errors import HyperparameterError
 from .._checks import check_betas, check_bool, check_number
-from ._base import Optimizer, OptState, mask_arg, working_args
+from ._base import Optimizer, mask_arg, working_args
 
 
 class Adam(Optimizer):

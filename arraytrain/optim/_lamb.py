@@ -1,6 +1,5 @@
 from __future__ import annotations
 
-import numpy as np
 
 from .._checks import check_bool, check_number
 from ._base import Optimizer, mask_arg, working_args

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import numpy as np
 
 from .._checks import check_betas, check_bool, check_number
 from ._base import Optimizer, mask_arg, working_args

@@ -18,9 +18,10 @@ ARCHS = ("sm_80", "sm_90")
 
 
 def sources() -> dict:
-    from . import optimizers, reductions
+    from . import compression, optimizers, projection, reductions, trend
 
-    return {"reductions": reductions.SOURCE, "optimizers": optimizers.SOURCE}
+    return {"reductions": reductions.SOURCE, "optimizers": optimizers.SOURCE, "compression": compression.SOURCE,
+            "projection": projection.SOURCE, "trend": trend.SOURCE}
 
 
 def compile_source(name: str, arch: str, workdir) -> subprocess.CompletedProcess:

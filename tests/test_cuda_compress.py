@@ -1,0 +1,458 @@
+"""The CUDA compression, projection and trend kernels, the compressors and the predictor on CuPy buffers.
+
+Three layers, every test skipped without a usable GPU (a probe runs a tiny kernel):
+
+* The CPU families' own tests, imported from ``test_compress``, ``test_compress_lowrank``
+  and ``test_predict``, rerun with the fast family swapped for the CUDA one behind NumPy
+  arguments (``cuda_family.OnDevice``): the kernel-level tests through their module
+  globals (``nb``, ``project``, ``trend``), the compressor- and predictor-level tests
+  through ``kernel_family`` (``kernels="numba"`` on a NumPy buffer then runs the CUDA
+  kernels). Same sizes, keys and tolerances; bitwise where the CPU tests are bitwise.
+* Cross-device: a payload encoded by one family decodes on the other (random-k, top-k,
+  int8 with deterministic rounding, sign, ternary, VSA), compressors run natively on CuPy
+  equal the CPU ones, PowerSGD on the device, the predictor on the device, mixed
+  backends refused.
+* The engine: ``ErrorFeedback(TopK(0.01))`` on a CUDA engine equals the CPU engine over
+  20 steps, and resumes from its in-memory state dict.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import arraytrain as at
+import test_compress
+import test_compress_lowrank
+import test_predict
+from arraytrain import Layout
+from arraytrain import compress as C
+from arraytrain.backend import kernel_family
+from arraytrain.compress import ErrorFeedback, Payload, TopK
+from arraytrain.errors import ArgumentTypeError, BackendError, BackendUnavailableError
+from arraytrain.kernels import compress as nb_compress
+from arraytrain.kernels import compress_reference, project, project_reference, trend, trend_reference
+from arraytrain.kernels.counter_rng import step_key, uniform_np
+from arraytrain.predict import GradientPredictor
+from conftest import assert_close, padded_layout, random_flat
+from cuda_family import ON_DEVICE, OnDevice, require_cuda
+
+# re-collected here; their globals stay those of their own module
+from test_compress import (  # noqa: F401
+    test_empty_domain,
+    test_error_feedback_telescopes,
+    test_int8_error_bound,
+    test_int8_stochastic_rounding_unbiased,
+    test_kernels_match_reference,
+    test_payload_nbytes_exact,
+    test_randk_indices_numba_equals_reference,
+    test_randomk_rescale,
+    test_randomk_unbiased,
+    test_seeds_and_steps_draw_differently,
+    test_sign_decodes_to_plus_minus_scale,
+    test_ternary_decodes_to_three_values,
+    test_ternary_unbiased,
+    test_topk_heavy_ties_parallel_path,
+    test_topk_keeps_exactly_the_k_largest,
+    test_topk_ties_and_edge_cases,
+)
+from test_compress_lowrank import (  # noqa: F401
+    test_fwht_kernel_equals_reference_and_is_orthonormal,
+    test_selection_kernels_equal_reference,
+    test_selection_keeps_every_coordinate_with_probability_d_over_n,
+    test_sign_bind_kernel_equals_reference,
+    test_vsa_numba_equals_reference,
+    test_vsa_receiver_rederives_key_and_positions,
+)
+from test_predict import (  # noqa: F401
+    test_exact_on_linear_gradients,
+    test_predictor_against_polyfit,
+    test_state_dict_round_trip_is_bitwise,
+    test_trend_kernels_match_reference,
+)
+
+COMPRESS_ON_DEVICE = OnDevice("arraytrain.kernels.cuda.compression", compress_reference)
+PROJECT_ON_DEVICE = OnDevice("arraytrain.kernels.cuda.projection", project_reference)
+TREND_ON_DEVICE = OnDevice("arraytrain.kernels.cuda.trend", trend_reference)
+SHIMS = {"optim": ON_DEVICE, "compress": COMPRESS_ON_DEVICE, "project": PROJECT_ON_DEVICE, "trend": TREND_ON_DEVICE}
+
+
+def _family_on_device(family, backend, impl="numba"):
+    """``kernel_family`` with the numba families of NumPy buffers replaced by the CUDA shims."""
+    if backend == "numpy" and impl == "numba":
+        return SHIMS[family]
+    return kernel_family(family, backend, impl)
+
+
+@pytest.fixture(autouse=True)
+def cuda_family(request, monkeypatch):
+    require_cuda()
+    if request.function.__module__ == __name__:
+        return  # this module's own tests call the CUDA family (or CuPy buffers) directly
+    monkeypatch.setattr(test_compress, "nb", COMPRESS_ON_DEVICE)
+    monkeypatch.setattr(test_compress_lowrank, "project", PROJECT_ON_DEVICE)
+    monkeypatch.setattr(test_predict, "trend", TREND_ON_DEVICE)
+    monkeypatch.setattr("arraytrain.compress._base.kernel_family", _family_on_device)
+    monkeypatch.setattr("arraytrain.predict.kernel_family", _family_on_device)
+
+
+def _cp():
+    import cupy
+
+    return cupy
+
+
+def _host(a):
+    return a.get() if type(a).__module__.partition(".")[0] == "cupy" else a
+
+
+# -- kernels beyond the CPU tests' cases -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_topk_every_radix_pass_and_chunk_edge(dtype, rng):
+    """Magnitudes that differ only in the lowest bits (every 8-bit pass decides), ±0 and NaN ties,
+    sizes around the 4096-element chunk of the count/write passes, k from 1 to n."""
+    eps = np.finfo(dtype).eps
+    for n in (1, 4095, 4096, 4097, 3 * 4096 + 17, 200_003):
+        x = (1 + rng.integers(0, 300, n) * eps).astype(dtype) * rng.choice(np.array([-1, 1], dtype), n)
+        x[rng.integers(0, n, max(1, n // 50))] = 0.0
+        x[rng.integers(0, n, max(1, n // 50))] = -0.0
+        if n > 10:
+            x[[3, n - 2]] = np.nan
+        for k in sorted({1, min(7, n), n // 3 or 1, n - 1 or 1, n}):
+            got = (np.empty(k, np.int64), np.empty(k, dtype))
+            want = (np.empty(k, np.int64), np.empty(k, dtype))
+            COMPRESS_ON_DEVICE.topk(x, k, *got)
+            compress_reference.topk(x, k, *want)
+            np.testing.assert_array_equal(got[0], want[0], err_msg=f"indices n={n} k={k} {np.dtype(dtype)}")
+            np.testing.assert_array_equal(got[1], want[1], err_msg=f"values n={n} k={k} {np.dtype(dtype)}")
+    idx = np.empty(5, np.uint32)  # the uint32 index instance
+    COMPRESS_ON_DEVICE.topk(np.arange(10, dtype=dtype), 5, idx, np.empty(5, dtype))
+    np.testing.assert_array_equal(idx, [5, 6, 7, 8, 9])
+
+
+@pytest.mark.parametrize("n,k", [(64, 63), (65, 1), (1_000_000, 100_000), (1_000_003, 999_999), (5_000_000, 50_000)])
+def test_randk_indices_large_equal_numba(n, k):
+    for key in (7, step_key(3, 11)):
+        got = COMPRESS_ON_DEVICE.randk_indices(n, k, key)
+        want = nb_compress.randk_indices(n, k, key)
+        assert got.dtype == np.int64 and got.shape == (k,), (got.dtype, got.shape)
+        mismatch = np.flatnonzero(got != want)
+        assert mismatch.size == 0, f"n={n} k={k} key={key}: {mismatch.size} positions differ, first {mismatch[:5]}"
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("block", [1, 64, 100, 2048, 2049, 10_000, None])
+def test_quantizer_kernels_bitwise_on_block_and_piece_edges(block, dtype, rng):
+    """int8 (both roundings), sign and ternary at block sizes around the 2048-element piece."""
+    n = 23_456
+    b = block or n
+    x = (rng.standard_normal(n) * np.repeat(10.0 ** rng.integers(-3, 3, -(-n // 500)), 500)[:n]).astype(dtype)
+    x[:b // 2] = 0  # an all-zero (part of a) block
+    key = step_key(5, 2)
+    nblocks = -(-n // b)
+    for stochastic in (False, True):
+        got = (np.empty(n, np.int8), np.empty(nblocks, dtype))
+        want = (np.empty(n, np.int8), np.empty(nblocks, dtype))
+        COMPRESS_ON_DEVICE.int8_encode(x, b, key, stochastic, *got)
+        compress_reference.int8_encode(x, b, key, stochastic, *want)
+        np.testing.assert_array_equal(got[1], want[1], err_msg=f"int8 scales block={b} stochastic={stochastic}")
+        np.testing.assert_array_equal(got[0], want[0], err_msg=f"int8 codes block={b} stochastic={stochastic}")
+        out, ref_out = np.empty(n, dtype), np.empty(n, dtype)
+        COMPRESS_ON_DEVICE.int8_decode(*want, b, out)
+        compress_reference.int8_decode(*want, b, ref_out)
+        np.testing.assert_array_equal(out, ref_out, err_msg=f"int8 decode block={b}")
+    for name, nbytes in (("sign", -(-n // 8)), ("ternary", -(-n // 4))):
+        got = (np.empty(nbytes, np.uint8), np.empty(nblocks, np.float32))
+        want = (np.empty(nbytes, np.uint8), np.empty(nblocks, np.float32))
+        extra = () if name == "sign" else (key,)
+        getattr(COMPRESS_ON_DEVICE, f"{name}_encode")(x, b, *extra, *got)
+        getattr(compress_reference, f"{name}_encode")(x, b, *extra, *want)
+        np.testing.assert_array_equal(got[0], want[0], err_msg=f"{name} packed codes block={b}")
+        if name == "sign":  # float64 L1 sums added in another order: at most one float32 ulp apart
+            np.testing.assert_allclose(got[1], want[1], rtol=float(np.finfo(np.float32).eps), atol=0,
+                                       err_msg=f"sign scales block={b}")
+        else:
+            np.testing.assert_array_equal(got[1], want[1], err_msg=f"ternary scales block={b}")
+        out, ref_out = np.empty(n, dtype), np.empty(n, dtype)
+        getattr(COMPRESS_ON_DEVICE, f"{name}_decode")(*want, b, out)
+        getattr(compress_reference, f"{name}_decode")(*want, b, ref_out)
+        np.testing.assert_array_equal(out, ref_out, err_msg=f"{name} decode block={b}")
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("block,nb", [(8192, 2), (32768, 1), (2048, 5)])
+def test_fwht_long_blocks_take_the_global_stages(block, nb, dtype, rng):
+    x = rng.standard_normal(block * nb).astype(dtype)
+    a, b = x.copy(), x.copy()
+    PROJECT_ON_DEVICE.fwht(a, block)
+    project_reference.fwht(b, block)
+    assert_close(a, b, err_msg=f"block={block}")
+    PROJECT_ON_DEVICE.fwht(a, block)
+    assert_close(a, x, err_msg=f"block={block}: H applied twice")
+
+
+@pytest.mark.parametrize("block,nb,d", [(8192, 3, 5000), (16384, 1, 16384), (4096, 2, 1), (4097 - 1, 1, 0)])
+def test_selection_with_a_permutation_in_global_memory(block, nb, d, rng):
+    z = rng.standard_normal(block * nb)
+    key = step_key(8, 1)
+    ya, yb = np.empty(d), np.empty(d)
+    PROJECT_ON_DEVICE.select_gather(z, key, block, ya)
+    project.select_gather(z, key, block, yb)
+    np.testing.assert_array_equal(ya, yb, err_msg=f"gather block={block} d={d}")
+    y = rng.standard_normal(d)
+    za, zb = np.full_like(z, np.nan), np.full_like(z, np.nan)
+    PROJECT_ON_DEVICE.select_scatter(y, key, block, 0.5, za)
+    project.select_scatter(y, key, block, 0.5, zb)
+    np.testing.assert_array_equal(za, zb, err_msg=f"scatter block={block} d={d}")
+
+
+def test_counter_rng_matches_the_host_bit_for_bit():
+    """sign_bind exposes u(key, i) >= 0.5 element by element; ternary exposes u(key, i) * s < |x|."""
+    n = 100_003
+    for key in (0, 1, 2**63 + 5, 2**64 - 1):
+        x = np.ones(n)
+        out = np.empty(n)
+        PROJECT_ON_DEVICE.sign_bind(x, key, out)
+        want = np.where(uniform_np(key, np.arange(n)) >= 0.5, -1.0, 1.0)
+        bad = np.flatnonzero(out != want)
+        assert bad.size == 0, f"key={key}: {bad.size} signs differ, first at {bad[:5]}"
+
+
+# -- compressors natively on CuPy ------------------------------------------------------------------
+
+NATIVE = {**test_compress.CONFIGS,
+          "vsa": lambda **kw: C.VSA(0.3, block=256, **kw),
+          "vsa_projection": lambda **kw: C.VSA(0.3, block=4096, unbiased=False, **kw),
+          "powersgd": lambda **kw: C.PowerSGD(rank=2, **kw)}
+TOLERANT = {"vsa", "vsa_projection", "powersgd"}  # float math in another order (butterflies, BLAS, QR)
+SIGN_SCALES = {"sign", "sign_block"}  # float64 L1 sums added in another order: a float32 ulp or two
+
+
+def _close_to_scale(actual, desired, what):
+    """Within 1024 ulps of the dtype at the array's largest magnitude (float32: 1.2e-4 of it).
+
+    For VSA's Hadamard butterflies and PowerSGD's GEMMs and QR, which add in another order on
+    each device; a wrong kernel is off by the order of the values themselves.
+    """
+    eps = float(np.finfo(desired.dtype).eps)
+    scale = float(np.max(np.abs(desired))) if desired.size else 0.0
+    np.testing.assert_allclose(actual, desired, rtol=1024 * eps, atol=1024 * eps * scale, err_msg=what)
+
+
+def _close_ulps(actual, desired, what):
+    np.testing.assert_allclose(actual, desired, rtol=4 * float(np.finfo(np.float32).eps), atol=0, err_msg=what)
+
+
+def _native_layout(n):
+    return Layout({"e0": (0,), "w": (n // 40, 40), "s": (3,), "b": (4, 5), "e1": (0,)})
+
+
+def _compare_payloads(a, b, cfg, step):
+    assert sorted(a.arrays) == sorted(b.arrays), cfg
+    assert a.meta == b.meta and a.nbytes == b.nbytes, (cfg, a.meta, b.meta, a.nbytes, b.nbytes)
+    for name, arr in a.arrays.items():
+        host, want = _host(arr), b.arrays[name]
+        assert type(arr).__module__.startswith("cupy"), f"{cfg} {name}: the payload array is not on the device"
+        assert host.dtype == want.dtype and host.shape == want.shape, (cfg, name, host.dtype, host.shape)
+        msg = f"{cfg} payload[{name!r}] at call {step}"
+        if cfg in TOLERANT:
+            _close_to_scale(host, want, msg)
+        elif cfg in SIGN_SCALES and name == "scales":
+            _close_ulps(host, want, msg)
+        else:
+            np.testing.assert_array_equal(host, want, err_msg=msg)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("cfg", sorted(NATIVE))
+def test_compressor_on_cupy_equals_numpy(cfg, dtype, rng):
+    cp = _cp()
+    layout = _native_layout(40_000)
+    host = ErrorFeedback(NATIVE[cfg](min_size=4, warmup=1, seed=3)).bind(layout, dtype)
+    dev = ErrorFeedback(NATIVE[cfg](min_size=4, warmup=1, seed=3)).bind(layout, dtype)
+    for step in range(4):
+        g = test_compress.flat_for(layout, dtype, rng, scale=10.0 ** (step - 1))
+        x_host, x_dev = g.copy(), cp.asarray(g)
+        ph, pd = host.roundtrip(x_host), dev.roundtrip(x_dev)
+        assert dev.compressor.backend == "cupy" and type(dev.residual.flat).__module__.startswith("cupy")
+        _compare_payloads(pd, ph, cfg, step)
+        if cfg in TOLERANT:
+            _close_to_scale(_host(x_dev), x_host, f"{cfg} decode at call {step}")
+        elif cfg in SIGN_SCALES:
+            _close_ulps(_host(x_dev), x_host, f"{cfg} decode at call {step}")
+        else:
+            np.testing.assert_array_equal(_host(x_dev), x_host, err_msg=f"{cfg} decode at call {step}")
+            np.testing.assert_array_equal(_host(dev.residual.flat), host.residual.flat, err_msg=f"{cfg} residual")
+
+
+# formats shared by both families: encode on one device, decode on the other
+CROSS = {
+    "randomk": lambda: C.RandomK(ratio=0.05, seed=4, min_size=4),
+    "randomk_contract": lambda: C.RandomK(k=300, rescale=False, seed=4),
+    "topk": lambda: C.TopK(ratio=0.05, min_size=4),
+    "int8": lambda: C.Int8Block(block=100, min_size=4),
+    "sign": lambda: C.Sign(block=1000, min_size=4),
+    "ternary": lambda: C.Ternary(block=1000, seed=6, min_size=4),
+    "vsa": lambda: C.VSA(dim=5000, block=1024, seed=7, min_size=4),
+}
+
+
+def _to(payload, convert):
+    return Payload(payload.method, arrays={k: convert(v) for k, v in payload.arrays.items()},
+                   raw=None if payload.raw is None else convert(payload.raw), meta=dict(payload.meta),
+                   dense_nbytes=payload.dense_nbytes)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("cfg", sorted(CROSS))
+def test_payload_crosses_devices(cfg, dtype, rng):
+    cp = _cp()
+    layout = _native_layout(20_000)
+    g = test_compress.flat_for(layout, dtype, rng)
+    cpu_side, gpu_side = CROSS[cfg]().bind(layout, dtype), CROSS[cfg]().bind(layout, dtype)
+    for call in range(2):
+        # CPU encodes, the GPU decodes (a receiver with the same seed and call number)
+        p = cpu_side.compress(g)
+        want = cpu_side.decompress(p)
+        got = gpu_side.decompress(_to(p, cp.asarray))
+        assert type(got).__module__.startswith("cupy")
+        check = assert_close if cfg == "vsa" else np.testing.assert_array_equal
+        check(_host(got), want, err_msg=f"{cfg}: CPU payload decoded on the GPU, call {call}")
+        # the GPU encodes, the CPU decodes
+        q = gpu_side.compress(cp.asarray(g))
+        assert q.meta == p.meta, (q.meta, p.meta)
+        back = cpu_side.decompress(_to(q, _host))
+        check(back, _host(gpu_side.decompress(q)), err_msg=f"{cfg}: GPU payload decoded on the CPU, call {call}")
+        check(back, want, err_msg=f"{cfg}: the two devices' round trips differ, call {call}")
+        cpu_side.step, gpu_side.step = call + 1, call + 1  # both sides at the next call number
+
+
+def test_mixed_backends_are_refused_and_change_nothing(rng):
+    cp = _cp()
+    layout = _native_layout(4000)
+    g = test_compress.flat_for(layout, np.float32, rng)
+    ef = ErrorFeedback(TopK(ratio=0.1)).bind(layout, np.float32)
+    ef.roundtrip(cp.asarray(g))
+    before = (ef.step, _host(ef.residual.flat).copy())
+    with pytest.raises(BackendError, match="numpy array was given to a compressor on cupy"):
+        ef.roundtrip(g.copy())
+    assert ef.step == before[0] and np.array_equal(_host(ef.residual.flat), before[1])
+    p = ef.compressor.compress(cp.asarray(g))
+    with pytest.raises(ArgumentTypeError, match="payload 'values'"):
+        ef.compressor.decompress(_to(p, lambda a: a.get() if a is p.arrays["values"] else a))
+    with pytest.raises(BackendUnavailableError, match="reference"):
+        TopK(ratio=0.1, kernels="reference").bind(layout, np.float32).compress(cp.asarray(g))
+
+
+def test_powersgd_on_the_device(rng):
+    cp = _cp()
+    layout = Layout({"w": (64, 48), "b": (64,)})
+    host, dev = C.PowerSGD(rank=4, seed=2).bind(layout, np.float64), C.PowerSGD(rank=4, seed=2).bind(layout, np.float64)
+    # a rank-3 matrix is reproduced exactly from the first call on, on both devices
+    w = rng.standard_normal((64, 3)) @ rng.standard_normal((3, 48))
+    x = np.zeros(layout.size)
+    x[layout.slice("w")] = w.reshape(-1)
+    x[layout.slice("b")] = rng.standard_normal(64)
+    out = _host(dev.decompress(dev.compress(cp.asarray(x))))
+    np.testing.assert_allclose(out, x, rtol=1e-9, atol=1e-9 * np.abs(x).max())
+    np.testing.assert_allclose(out, host.decompress(host.compress(x)), rtol=1e-9, atol=1e-9 * np.abs(x).max())
+    state = dev.state_dict()
+    assert all(type(a).__module__.startswith("cupy") for a in state["arrays"].values())
+    fresh = C.PowerSGD(rank=4, seed=2).bind(layout, np.float64)
+    fresh.load_state_dict(state)  # a device state fixes a fresh compressor to the device
+    assert fresh.backend == "cupy"
+    y = cp.asarray(rng.standard_normal(layout.size))
+    np.testing.assert_array_equal(_host(fresh.decompress(fresh.compress(y))), _host(dev.decompress(dev.compress(y))))
+
+
+def test_predictor_on_the_device(rng):
+    cp = _cp()
+    layout = padded_layout(1037)
+    host = GradientPredictor(layout, history=3, correction_beta=0.6)
+    dev = GradientPredictor(at.FlatBuffer(layout, cp.zeros(layout.size, np.float32)), history=3,
+                            correction_beta=0.6)
+    assert dev.backend == "cupy"
+    for t in range(10):
+        g = random_flat(layout, np.float32, rng)
+        if t % 3 == 2:
+            assert host.correct(g, t) and dev.correct(cp.asarray(g), t)
+        else:
+            assert host.record(g, t) and dev.record(cp.asarray(g), t)
+        assert_close(_host(dev.predict(t + 1)), host.predict(t + 1), err_msg=f"prediction after step {t}")
+        assert_close(_host(dev.correction.flat), host.correction.flat, err_msg=f"correction after step {t}")
+    bad = cp.asarray(random_flat(layout, np.float32, rng))
+    bad[5] = np.nan
+    assert not dev.record(bad, 20)
+    with pytest.raises(BackendError, match="numpy array was given to a predictor on cupy"):
+        dev.record(random_flat(layout, np.float32, rng), 21)
+    with pytest.raises(BackendUnavailableError, match="reference"):
+        GradientPredictor(layout, kernels="reference", device="cuda")
+
+
+# -- the engine --------------------------------------------------------------------------------------
+
+SHAPES = {"empty": (0,), "fc1.weight": (128, 65), "fc1.bias": (128,), "fc2.weight": (10, 128), "fc2.bias": (10,)}
+
+
+def _engines(rng, make_compressor, **kw):
+    p0 = {k: (rng.standard_normal(s) * 0.5).astype(np.float32) for k, s in SHAPES.items()}
+    cpu = at.Engine(p0, at.optim.Adam(lr=1e-2), compressor=make_compressor(), **kw)
+    gpu = at.Engine(p0, at.optim.Adam(lr=1e-2), compressor=make_compressor(), device="cuda", **kw)
+    return cpu, gpu
+
+
+def _close(actual, desired, what):
+    """float32 tolerance with a floor of 8 ulps of the array's largest value (as test_cuda_engine)."""
+    scale = float(np.max(np.abs(desired))) if desired.size else 0.0
+    atol = max(5e-5, 8 * float(np.finfo(np.float32).eps) * scale)
+    np.testing.assert_allclose(actual, desired, rtol=6.5e-6, atol=atol, err_msg=what)
+
+
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_cuda_engine_with_error_feedback_topk_equals_cpu(accumulation, rng):
+    cp = _cp()
+    cpu, gpu = _engines(rng, lambda: ErrorFeedback(TopK(0.01)), accumulation_steps=accumulation)
+    for i in range(20 * accumulation):
+        g = {k: rng.standard_normal(s).astype(np.float32) for k, s in SHAPES.items()}
+        rc = cpu.step(g)
+        rg = gpu.step({k: cp.asarray(v) for k, v in g.items()})
+        assert (rc.applied, rc.skipped) == (rg.applied, rg.skipped), i
+        assert rc.payload_bytes == rg.payload_bytes and rc.dense_bytes == rg.dense_bytes, i
+    assert gpu.state.step == cpu.state.step == 20
+    assert gpu.compressor.compressor.backend == "cupy"
+    # the compressor sees bitwise-equal input on both devices (the optimizer never feeds it): the same
+    # selection every step, so the residuals agree exactly
+    np.testing.assert_array_equal(_host(gpu.compressor.residual.flat), cpu.compressor.residual.flat,
+                                  err_msg="error-feedback residual")
+    for name in SHAPES:
+        _close(_host(gpu.params[name]), cpu.params[name], f"params[{name!r}]")
+    for slot, buf in gpu.state.slots.items():
+        for name, a in buf.as_dict().items():
+            _close(_host(a), cpu.state.slots[slot][name], f"{slot}[{name!r}]")
+
+
+@pytest.mark.parametrize("name", ["topk", "randomk", "int8", "sign", "ternary", "powersgd", "vsa"])
+def test_cuda_engine_resumes_from_its_state_dict(name, rng):
+    """A fresh CUDA engine loads a stepped CUDA engine's in-memory state (device residual) and continues equal."""
+    cp = _cp()
+    make = {"topk": lambda: C.TopK(ratio=0.05), "randomk": lambda: C.RandomK(ratio=0.1, seed=1),
+            "int8": lambda: C.Int8Block(block=64, stochastic_rounding=True, seed=2), "sign": lambda: C.Sign(),
+            "ternary": lambda: C.Ternary(seed=3), "powersgd": lambda: C.PowerSGD(rank=2, seed=4),
+            "vsa": lambda: C.VSA(0.25, seed=5)}[name]
+    grads = [{k: cp.asarray(rng.standard_normal(s).astype(np.float32)) for k, s in SHAPES.items()} for _ in range(8)]
+    _, a = _engines(rng, lambda: ErrorFeedback(make()))
+    for g in grads[:4]:
+        a.step(g)
+    state = a.state_dict(copy=True)
+    _, b = _engines(np.random.default_rng(0), lambda: ErrorFeedback(make()))
+    b.load_state_dict(state)
+    assert b.compressor.compressor.backend == "cupy"
+    for g in grads[4:]:
+        a.step(g)
+        b.step(g)
+    for k in SHAPES:
+        np.testing.assert_array_equal(_host(b.params[k]), _host(a.params[k]), err_msg=f"{name}: params[{k!r}]")
+    np.testing.assert_array_equal(_host(b.compressor.residual.flat), _host(a.compressor.residual.flat),
+                                  err_msg=f"{name}: residual")
