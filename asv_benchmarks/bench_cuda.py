@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import functools
 
-import numpy as np
 
 import arraytrain as at
 
