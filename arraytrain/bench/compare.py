@@ -158,21 +158,45 @@ def make_triad(n: int = 50_000_000):
 # -- whose ``.params()`` lists the parameters after the steps taken so far -------------------
 
 
-def make_arraytrain(opt: str, n: int, zero_grad: bool = False):
+def arraytrain_optimizer(opt: str):
+    """arraytrain's optimizer ``opt`` with the benchmark's hyperparameters."""
     import arraytrain as at
 
-    params, grads = _data(n, opt=opt)
-    optimizer = {"adamw": lambda: at.optim.AdamW(LR, BETAS, EPS, WD),
-                 "adam": lambda: at.optim.Adam(LR, BETAS, EPS),
-                 "sgd": lambda: at.optim.SGD(LR, momentum=MOMENTUM),
-                 "adagrad": lambda: at.optim.Adagrad(**ADAGRAD),
-                 "rmsprop": lambda: at.optim.RMSprop(**RMSPROP),
-                 "adafactor": lambda: at.optim.Adafactor(**ADAFACTOR),
-                 "lion": lambda: at.optim.Lion(**LION),
-                 "lamb": lambda: at.optim.LAMB(**LAMB)}[opt]()
-    engine = at.Engine({f"p{i}": p for i, p in enumerate(params)}, optimizer, max_grad_norm=MAX_NORM,
+    return {"adamw": lambda: at.optim.AdamW(LR, BETAS, EPS, WD),
+            "adam": lambda: at.optim.Adam(LR, BETAS, EPS),
+            "sgd": lambda: at.optim.SGD(LR, momentum=MOMENTUM),
+            "adagrad": lambda: at.optim.Adagrad(**ADAGRAD),
+            "rmsprop": lambda: at.optim.RMSprop(**RMSPROP),
+            "adafactor": lambda: at.optim.Adafactor(**ADAFACTOR),
+            "lion": lambda: at.optim.Lion(**LION),
+            "lamb": lambda: at.optim.LAMB(**LAMB)}[opt]()
+
+
+def make_engine(opt: str, params: list, grads: list, zero_grad: bool = False):
+    """A clipping engine over ``params`` (NumPy or CuPy) with ``grads`` already in ``engine.grads``."""
+    import arraytrain as at
+
+    engine = at.Engine({f"p{i}": p for i, p in enumerate(params)}, arraytrain_optimizer(opt), max_grad_norm=MAX_NORM,
                        zero_grad_on_step=zero_grad)
     engine.grads.load({f"p{i}": g for i, g in enumerate(grads)})
+    return engine
+
+
+def torch_optimizer(opt: str, ps: list, flag: dict):
+    """torch.optim's ``opt`` over ``ps`` with the benchmark's hyperparameters and ``flag`` (foreach/fused)."""
+    import torch
+
+    return {"adamw": lambda: torch.optim.AdamW(ps, LR, BETAS, EPS, WD, **flag),
+            "adam": lambda: torch.optim.Adam(ps, LR, BETAS, EPS, **flag),
+            "sgd": lambda: torch.optim.SGD(ps, LR, momentum=MOMENTUM, **flag),
+            "adagrad": lambda: torch.optim.Adagrad(ps, **ADAGRAD, **flag),
+            "rmsprop": lambda: torch.optim.RMSprop(ps, **RMSPROP, **flag),
+            "adafactor": lambda: torch.optim.Adafactor(ps, **ADAFACTOR, **flag)}[opt]()
+
+
+def make_arraytrain(opt: str, n: int, zero_grad: bool = False):
+    params, grads = _data(n, opt=opt)
+    engine = make_engine(opt, params, grads, zero_grad)
 
     def step():
         engine.step()
@@ -191,12 +215,7 @@ def _make_torch(opt: str, n: int, mode: str, zero_grad: bool = False):
     for p, g in zip(ps, grads):
         p.grad = torch.from_numpy(g)
     flag = {"foreach": False} if mode == "forloop" else {mode: True}
-    optimizer = {"adamw": lambda: torch.optim.AdamW(ps, LR, BETAS, EPS, WD, **flag),
-                 "adam": lambda: torch.optim.Adam(ps, LR, BETAS, EPS, **flag),
-                 "sgd": lambda: torch.optim.SGD(ps, LR, momentum=MOMENTUM, **flag),
-                 "adagrad": lambda: torch.optim.Adagrad(ps, **ADAGRAD, **flag),
-                 "rmsprop": lambda: torch.optim.RMSprop(ps, **RMSPROP, **flag),
-                 "adafactor": lambda: torch.optim.Adafactor(ps, **ADAFACTOR, **flag)}[opt]()
+    optimizer = torch_optimizer(opt, ps, flag)
 
     def step():
         torch.nn.utils.clip_grad_norm_(ps, MAX_NORM, foreach=True)

@@ -22,8 +22,7 @@ import tempfile
 
 import numpy as np
 
-from .compare import ADAFACTOR, ADAGRAD, BETAS, EPS, LAMB, LION, LR, MAX_NORM, MOMENTUM, N_TENSORS, NOT_AVAILABLE, RMSPROP, WD
-from .compare import _matrix, _split, step_bytes
+from .compare import MAX_NORM, N_TENSORS, NOT_AVAILABLE, _matrix, _split, make_engine, step_bytes, torch_optimizer
 
 BLOCK = 5
 DEFAULT_OPTIMIZERS = ("adamw", "adam", "sgd", "adagrad", "rmsprop", "lion", "lamb", "adafactor")
@@ -56,20 +55,8 @@ def _timer():
 
 
 def make_arraytrain(opt: str, n: int):
-    import arraytrain as at
-
     params, grads = _cuda_data(n, opt=opt)
-    optimizer = {"adamw": lambda: at.optim.AdamW(LR, BETAS, EPS, WD),
-                 "adam": lambda: at.optim.Adam(LR, BETAS, EPS),
-                 "sgd": lambda: at.optim.SGD(LR, momentum=MOMENTUM),
-                 "adagrad": lambda: at.optim.Adagrad(**ADAGRAD),
-                 "rmsprop": lambda: at.optim.RMSprop(**RMSPROP),
-                 "lion": lambda: at.optim.Lion(**LION),
-                 "lamb": lambda: at.optim.LAMB(**LAMB),
-                 "adafactor": lambda: at.optim.Adafactor(**ADAFACTOR)}[opt]()
-    engine = at.Engine({f"p{i}": p for i, p in enumerate(params)}, optimizer, max_grad_norm=MAX_NORM,
-                       zero_grad_on_step=False)
-    engine.grads.load({f"p{i}": g for i, g in enumerate(grads)})
+    engine = make_engine(opt, params, grads)
     del params, grads
 
     def step():
@@ -90,17 +77,8 @@ def make_torch(opt: str, n: int, mode: str):
     ps = [torch.nn.Parameter(torch.from_dlpack(p)) for p in params]
     for p, g in zip(ps, grads):
         p.grad = torch.from_dlpack(g)
-    flag = {mode: True}
-    make = {"adamw": lambda: torch.optim.AdamW(ps, LR, BETAS, EPS, WD, **flag),
-            "adam": lambda: torch.optim.Adam(ps, LR, BETAS, EPS, **flag),
-            "sgd": lambda: torch.optim.SGD(ps, LR, momentum=MOMENTUM, **flag),
-            "adagrad": lambda: torch.optim.Adagrad(ps, **ADAGRAD, **flag),
-            "rmsprop": lambda: torch.optim.RMSprop(ps, **RMSPROP, **flag),
-            "adafactor": lambda: torch.optim.Adafactor(ps, **ADAFACTOR, **flag)}
-    if opt not in make:
-        raise LookupError(f"torch.optim has no {opt}")
     try:
-        optimizer = make[opt]()
+        optimizer = torch_optimizer(opt, ps, {mode: True})
         optimizer.step()  # torch checks the device here (its fused Adagrad is CPU-only)
     except RuntimeError as exc:
         raise LookupError(f"torch.optim {opt} {mode}: {str(exc).splitlines()[0][:80]}") from None
