@@ -14,7 +14,8 @@ import math
 import numpy as np
 
 from ._checks import check_int, check_number, check_positive
-from .backend import BFLOAT16, LP_BF16, LP_F16
+from .backend import BFLOAT16
+from .kernels.interface import LP_BF16, LP_F16
 from .errors import HyperparameterError, StateDictError
 
 WORKING_DTYPES = {"bfloat16": (BFLOAT16, LP_BF16), "float16": (np.dtype(np.float16), LP_F16)}

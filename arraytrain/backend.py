@@ -21,9 +21,10 @@ import ml_dtypes
 import numpy as np
 
 from .errors import BackendError, BackendUnavailableError, DTypeError, HyperparameterError
+from .kernels.interface import IMPLS
 
 NUMPY, CUPY = "numpy", "cupy"
-KERNEL_IMPLS = ("numba", "reference")
+KERNEL_IMPLS = IMPLS  # the kernel implementations a caller may choose
 KERNEL_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 
 # DLPack device types (dlpack.h): CPU, CUDA, CUDA host-pinned, CUDA managed, ROCm.
@@ -148,8 +149,6 @@ def as_array(x: object, name: str = "array"):
 
 
 BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
-# Kinds of low-precision working copies, as the optimizer kernels take them (uint16 bits).
-LP_NONE, LP_BF16, LP_F16 = 0, 1, 2
 
 
 def is_float_dtype(dtype) -> bool:
@@ -173,58 +172,27 @@ def same_backend(arr, expected: str, name: str) -> None:
         )
 
 
-def kernels_for(flat, impl: str = "numba") -> ModuleType:
-    """The kernel module for a flat buffer: ``cpu``/``cuda``, or ``reference``."""
-    if impl not in KERNEL_IMPLS:
-        raise HyperparameterError(f"kernels: expected one of {KERNEL_IMPLS}, got {impl!r}")
-    backend = backend_of(flat)
-    if flat.dtype not in KERNEL_DTYPES:
+def kernels_for(flat, impl: str = "numba", domain: str | None = None) -> ModuleType:
+    """The kernel family for a flat buffer (``cpu``/``cuda``, or ``reference``), or one domain of it.
+
+    The one way every caller (engine, optimizers, compressors, predictor) gets kernels;
+    see :mod:`arraytrain.kernels.interface`.
+    """
+    from .kernels.interface import family
+
+    if flat.dtype not in KERNEL_DTYPES and domain in (None, "reductions", "optimizers"):
         raise DTypeError(
             f"buffer dtype {flat.dtype}: the kernels run on float32 or float64 buffers "
             "(float16 gradients are accepted and cast on intake)"
         )
-    if impl == "reference":
-        if backend != NUMPY:
-            raise BackendUnavailableError("the reference kernels run on NumPy arrays only")
-        from .kernels import reference
-
-        return reference
-    if backend == NUMPY:
-        from .kernels import cpu
-
-        return cpu
-    from .kernels import cuda
-
-    return cuda
+    return family(backend_of(flat), impl, domain)
 
 
-# Kernel families under arraytrain.kernels: family -> (numba module, reference module, CUDA module).
-KERNEL_FAMILIES = {
-    "optim": ("cpu", "reference", "cuda"),
-    "compress": ("compress", "compress_reference", "cuda.compression"),
-    "project": ("project", "project_reference", "cuda.projection"),
-    "trend": ("trend", "trend_reference", "cuda.trend"),
-}
+def kernel_family(domain: str, backend: str, impl: str = "numba") -> ModuleType:
+    """The ``domain`` kernels (see :data:`arraytrain.kernels.interface.DOMAINS`) for arrays of ``backend``."""
+    from .kernels.interface import family
 
-
-def kernel_family(family: str, backend: str, impl: str = "numba") -> ModuleType:
-    """The ``family`` kernels for arrays of ``backend`` (``"numpy"`` or ``"cupy"``).
-
-    ``impl="numba"`` gives the numba module for NumPy arrays and the CUDA module for
-    CuPy arrays (same names and signatures); ``"reference"`` the NumPy twins, which run
-    on NumPy arrays only.
-    """
-    if impl not in KERNEL_IMPLS:
-        raise ValueError(f"kernels must be one of {KERNEL_IMPLS}, got {impl!r}")
-    numba_name, reference_name, cuda_name = KERNEL_FAMILIES[family]
-    if impl == "reference":
-        if backend != NUMPY:
-            raise BackendUnavailableError(f"kernels='reference': the reference {family} kernels run on NumPy "
-                                          "arrays only")
-        name = reference_name
-    else:
-        name = numba_name if backend == NUMPY else cuda_name
-    return importlib.import_module(f"{__package__}.kernels.{name}")
+    return family(backend, impl, domain)
 
 
 def module_of_backend(backend: str) -> ModuleType:

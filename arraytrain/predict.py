@@ -15,7 +15,7 @@ element by element, evaluated at :math:`t`, plus the correction:
 The weights :math:`c_k` (one line fit serves every element, since the
 abscissae are shared) are computed on the host in float64
 (:func:`trend_weights`); the kernel forms the weighted sum in one pass over
-the flat buffer (:mod:`arraytrain.kernels.trend`). With one record the fit is
+the flat buffer (:mod:`arraytrain.kernels.cpu.trend`). With one record the fit is
 the constant through it (:math:`c = 1`): the prediction is the last recorded
 gradient plus the correction. ``H = 1`` therefore predicts "the last
 gradient", a useful baseline.
@@ -87,8 +87,8 @@ def trend_weights(steps, count: int, t: float) -> np.ndarray:
 
 
 def _kernels(impl: str, backend: str):
-    """``(trend kernels, optimizer-family kernels for all_finite)`` for ``backend``."""
-    return kernel_family("trend", backend, impl), kernel_family("optim", backend, impl)
+    """``(trend kernels, reduction kernels for all_finite)`` for ``backend``."""
+    return kernel_family("trend", backend, impl), kernel_family("reductions", backend, impl)
 
 
 class GradientPredictor:

@@ -3,7 +3,7 @@
 A mask is a uint8 buffer with the parameters' :class:`~arraytrain.Layout` (1 = keep,
 0 = pruned). Passed to ``Optimizer.update(..., mask=mask)``, every optimizer kernel
 writes the pruned weights as exactly 0 inside its fused step, so they stay 0 through
-training whatever momentum or weight decay say (see :mod:`arraytrain.kernels.cpu`).
+training whatever momentum or weight decay say (see :mod:`arraytrain.kernels.cpu.optimizers`).
 
 Magnitude pruning (Han et al. 2015, "Learning both Weights and Connections for
 Efficient Neural Networks"; the global variant as in Frankle & Carbin 2019's

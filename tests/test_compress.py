@@ -13,8 +13,8 @@ from conftest import DTYPES
 from arraytrain import Layout
 from arraytrain.compress import ErrorFeedback, Int8Block, RandomK, Sign, Ternary, TopK
 from arraytrain.errors import ArgumentTypeError, HyperparameterError
-from arraytrain.kernels import compress as nb
-from arraytrain.kernels import compress_reference as ref
+from arraytrain.kernels.cpu import compression as nb
+from arraytrain.kernels.reference import compression as ref
 
 # One row per configuration: every generic test runs on every row.
 CONFIGS = {

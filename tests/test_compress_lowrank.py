@@ -14,7 +14,8 @@ from conftest import DTYPES, SIZES, assert_close, live_mask, padded_layout, rand
 from arraytrain import Layout
 from arraytrain.compress import VSA, ErrorFeedback, Payload, PowerSGD
 from arraytrain.errors import ArgumentTypeError, HyperparameterError, StateDictError
-from arraytrain.kernels import project, project_reference
+from arraytrain.kernels.cpu import projection as project
+from arraytrain.kernels.reference import projection as project_reference
 from arraytrain.kernels.counter_rng import step_key
 
 IMPLS = ("numba", "reference")

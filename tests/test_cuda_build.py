@@ -27,30 +27,3 @@ def test_source_compiles_for_every_instance(name, arch, tmp_path):
     assert len(compiled) == len(build.sources()[name].instances), "every declared instance is compiled"
     spills = [int(x) for x in re.findall(r"(\d+) bytes spill (?:stores|loads)", result.stderr)]
     assert spills and max(spills) == 0, "a kernel spills registers to local memory"
-
-
-def test_cuda_kernel_modules_mirror_the_cpu_families():
-    """Without a GPU or CuPy: the compression, projection and trend CUDA modules import and have
-    every kernel of their CPU family; ``kernel_family`` picks the module by backend."""
-    import inspect
-
-    from arraytrain.backend import kernel_family
-    from arraytrain.errors import BackendUnavailableError
-    from arraytrain.kernels import compress, compress_reference, project, project_reference, trend, trend_reference
-    from arraytrain.kernels.cuda import compression, projection
-    from arraytrain.kernels.cuda import trend as cuda_trend
-
-    for cpu_mod, cuda_mod, ref_mod in [(compress, compression, compress_reference),
-                                       (project, projection, project_reference),
-                                       (trend, cuda_trend, trend_reference)]:
-        names = [n for n, f in vars(ref_mod).items() if inspect.isfunction(f) and f.__module__ == ref_mod.__name__
-                 and not n.startswith("_") and callable(getattr(cpu_mod, n, None))]
-        assert names, ref_mod.__name__
-        missing = [n for n in names if not callable(getattr(cuda_mod, n, None))]
-        assert not missing, f"{cuda_mod.__name__} lacks {missing}"
-    assert kernel_family("compress", "numpy") is compress
-    assert kernel_family("compress", "cupy") is compression
-    assert kernel_family("project", "numpy", "reference") is project_reference
-    assert kernel_family("trend", "cupy") is cuda_trend
-    with pytest.raises(BackendUnavailableError, match="reference"):
-        kernel_family("trend", "cupy", "reference")

@@ -30,8 +30,12 @@ from arraytrain import compress as C
 from arraytrain.backend import kernel_family
 from arraytrain.compress import ErrorFeedback, Payload, TopK
 from arraytrain.errors import ArgumentTypeError, BackendError, BackendUnavailableError
-from arraytrain.kernels import compress as nb_compress
-from arraytrain.kernels import compress_reference, project, project_reference, trend, trend_reference
+from arraytrain.kernels.cpu import compression as nb_compress
+from arraytrain.kernels.cpu import projection as project
+from arraytrain.kernels.cpu import trend
+from arraytrain.kernels.reference import compression as compress_reference
+from arraytrain.kernels.reference import projection as project_reference
+from arraytrain.kernels.reference import trend as trend_reference
 from arraytrain.kernels.counter_rng import step_key, uniform_np
 from arraytrain.predict import GradientPredictor
 from conftest import assert_close, padded_layout, random_flat

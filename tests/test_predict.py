@@ -20,7 +20,8 @@ from arraytrain.errors import (
     ReadOnlyError,
     StateDictError,
 )
-from arraytrain.kernels import trend, trend_reference
+from arraytrain.kernels.cpu import trend
+from arraytrain.kernels.reference import trend as trend_reference
 from arraytrain.nn.phase import Phase, PhaseSchedule
 from arraytrain.predict import GradientPredictor, trend_weights
 

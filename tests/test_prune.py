@@ -135,7 +135,7 @@ def test_masked_kernel_matches_reference(name, dtype, n, rng):
 def test_working_copy_sees_the_masked_weights(name, working, rng):
     import ml_dtypes
 
-    from arraytrain.backend import LP_BF16, LP_F16
+    from arraytrain.kernels.interface import LP_BF16, LP_F16
 
     wdtype, kind = (np.dtype(ml_dtypes.bfloat16), LP_BF16) if working == "bfloat16" else (np.dtype(np.float16), LP_F16)
     layout = _layout(1037)

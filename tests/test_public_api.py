@@ -160,14 +160,16 @@ IMPORT_PROBE = textwrap.dedent(
     import arraytrain
     loaded_at_import = sorted(m for m in ("arraytrain.kernels.cpu", "arraytrain.kernels.cuda", "cupy")
                               if m in sys.modules)
-    import arraytrain.kernels.cpu as cpu
+    import importlib
     from numba.core.registry import CPUDispatcher
 
     dispatchers = {}
-    for name, value in vars(cpu).items():
-        for i, d in enumerate(value if isinstance(value, tuple) else (value,)):
-            if isinstance(d, CPUDispatcher):
-                dispatchers[f"{name}[{i}]"] = [str(s) for s in d.signatures]
+    for domain in ("codecs", "reductions", "optimizers", "compression", "projection", "trend"):
+        mod = importlib.import_module("arraytrain.kernels.cpu." + domain)
+        for name, value in vars(mod).items():
+            for i, d in enumerate(value if isinstance(value, tuple) else (value,)):
+                if isinstance(d, CPUDispatcher):
+                    dispatchers[f"{name}[{i}]"] = [str(s) for s in d.signatures]
     print(json.dumps({
         "loaded_at_import": loaded_at_import,
         "dispatchers": dispatchers,

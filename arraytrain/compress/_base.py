@@ -214,7 +214,7 @@ class Compressor(ABC):
 
     method: str = "compressor"
     stochastic: bool = False
-    family: str | None = "compress"  # the kernel family of :attr:`_kern` (None: no kernels)
+    family: str | None = "compression"  # the kernel domain of :attr:`_kern` (None: no kernels)
 
     def __init__(self, *, min_size: int = 0, warmup: int = 0, seed: int = 0, kernels: str = "numba"):
         self.min_size = check_int("min_size", min_size, 0)

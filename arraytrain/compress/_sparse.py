@@ -65,7 +65,7 @@ class TopK(_Sparsifier):
     .. math::  C(x)_i = x_i \text{ if } |x_i| \text{ is among the } k \text{ largest of } |x|, \text{ else } 0
 
     One exact global selection over the domain, without a sort: a radix
-    select on the bits of ``|x|`` (see :func:`arraytrain.kernels.compress.topk`,
+    select on the bits of ``|x|`` (see :func:`arraytrain.kernels.cpu.compression.topk`,
     two passes over the gradient). Ties — equal magnitudes at the k-th place —
     go to the lowest indices, so the selection is deterministic. A NaN ranks
     above every number (its magnitude bits are the largest), so it is always

@@ -48,10 +48,10 @@ key and positions from the seed and the call number (``payload.meta["key"]``).
 A dense Gaussian projection of a 1M-element gradient to ``d = 100k`` would be
 1e11 numbers (400 GB in float32); here it is 1M numbers of scratch.
 
-Kernels (``kernels="numba"``): :mod:`arraytrain.kernels.project` on NumPy
+Kernels (``kernels="numba"``): :mod:`arraytrain.kernels.cpu.projection` on NumPy
 gradients, :mod:`arraytrain.kernels.cuda.projection` on CuPy ones (the same
 signs and kept positions: a payload encoded on one device decodes on the other);
-the reference twins are :mod:`arraytrain.kernels.project_reference`.
+the reference twins are :mod:`arraytrain.kernels.reference.projection`.
 """
 
 from __future__ import annotations
@@ -95,7 +95,7 @@ class VSA(Compressor):
 
     method = "vsa"
     stochastic = True
-    family = "project"
+    family = "projection"
 
     def __init__(self, ratio=None, *, dim=None, block: int = 4096, unbiased: bool = True,
                  min_size: int = 0, warmup: int = 0, seed: int = 0, kernels: str = "numba"):

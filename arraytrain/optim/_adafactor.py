@@ -13,7 +13,7 @@ from ..errors import HyperparameterError
 from ..layout import Layout
 from ._base import Optimizer, OptState, mask_arg, working_args
 
-# column block width of the fast kernel's column-sum pass (arraytrain.kernels.cpu)
+# column block width of the fast kernel's column-sum pass (arraytrain.kernels.cpu.optimizers)
 _COL_BLOCK = 256
 
 
@@ -42,7 +42,7 @@ class Adafactor(Optimizer):
     ``weight_decay`` may differ per parameter through ``overrides``.
 
     The RMS of the parameters and of the update need reductions before the update:
-    see the pass list in :mod:`arraytrain.kernels.cpu` (row, column, stats, apply
+    see the pass list in :mod:`arraytrain.kernels.cpu.optimizers` (row, column, stats, apply
     passes, float64 accumulation per row/column block/piece in a fixed order).
     Zero-size parameters are skipped (torch divides 0 by 0 there and stores NaN row
     or column statistics; here they stay zero).
@@ -110,7 +110,7 @@ def slot_layouts(layout: Layout) -> dict[str, Layout]:
 
 
 class Geometry:
-    """int64 work tables of the Adafactor kernels (see :mod:`arraytrain.kernels.cpu`)."""
+    """int64 work tables of the Adafactor kernels (see :mod:`arraytrain.kernels.cpu.optimizers`)."""
 
     def __init__(self, layout: Layout):
         lays = slot_layouts(layout)

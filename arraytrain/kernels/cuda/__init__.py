@@ -1,4 +1,4 @@
-"""CUDA kernels (CuPy): the same names and signatures as ``cpu`` and ``reference``.
+"""The CUDA kernel family (CuPy raw kernels): the interface of :mod:`arraytrain.kernels.interface`.
 
 Importing this package neither imports CuPy nor compiles anything (the sources can be
 compile-checked with nvcc on a machine without CuPy or a GPU): CuPy is imported at the
@@ -7,7 +7,17 @@ when it is missing, and every kernel is compiled by NVRTC on first use and memoi
 (see :mod:`._core`).
 """
 
-from ...backend import LP_BF16, LP_F16, LP_NONE  # noqa: F401  (kinds of working copies)
+from ..interface import LP_BF16, LP_F16, LP_NONE  # noqa: F401
+from .reductions import (  # noqa: F401
+    accumulate,
+    all_finite,
+    cast_working,
+    max_abs,
+    scale,
+    sumsq,
+    sumsq_product,
+    sumsq_scaled,
+)
 from .optimizers import (  # noqa: F401
     adafactor_step,
     adagrad_step,
@@ -19,16 +29,27 @@ from .optimizers import (  # noqa: F401
     sgd_step,
     sophia_step,
 )
-from ._core import DeviceScale  # noqa: F401
-from .reductions import (  # noqa: F401
-    accumulate,
-    all_finite,
-    cast_working,
-    max_abs,
-    read_sums,
-    scale,
-    sumsq_gate,
-    sumsq,
-    sumsq_product,
-    sumsq_scaled,
+from .compression import (  # noqa: F401
+    gather,
+    int8_decode,
+    int8_encode,
+    randk_indices,
+    scatter,
+    sign_decode,
+    sign_encode,
+    ternary_decode,
+    ternary_encode,
+    topk,
 )
+from .projection import (  # noqa: F401
+    fwht,
+    select_gather,
+    select_scatter,
+    sign_bind,
+)
+from .trend import (  # noqa: F401
+    trend_correct,
+    trend_predict,
+)
+from ._core import DeviceScale  # noqa: F401
+from .reductions import read_sums, sumsq_gate  # noqa: F401

@@ -1,6 +1,6 @@
-r"""CUDA compression kernels: the same names, signatures and bits as :mod:`arraytrain.kernels.compress`.
+r"""CUDA compression kernels: the same names, signatures and bits as :mod:`arraytrain.kernels.cpu.compression`.
 
-The math is defined by :mod:`arraytrain.kernels.compress_reference`; every kernel
+The math is defined by :mod:`arraytrain.kernels.reference.compression`; every kernel
 here gives the reference's bits (the float64 L1 sums of :func:`sign_encode` are added in
 another fixed order, which can move the float32 scale by one ulp in rare cases, as the
 numba family's order can). Arrays are CuPy arrays on one device; ``block``, ``key``,
@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..compress_reference import INV127
+from ..interface import INV127
 from ._core import THREADS, Source, cupy, launch
 from .reductions import _grid
 
@@ -440,7 +440,7 @@ def _index(idx):
 
 
 def topk(x, k, idx_out, val_out):
-    """The ``k`` largest ``|x_i|``, ties to the lowest index; see :func:`..compress_reference.topk`.
+    """The ``k`` largest ``|x_i|``, ties to the lowest index; see :func:`arraytrain.kernels.reference.compression.topk`.
 
     Radix select on the magnitude bits, 8 at a time, entirely on the device (no host read),
     then the selection compacted in index order: ``2 + bits / 8`` passes over ``x``.
@@ -514,7 +514,7 @@ def scatter(idx, values, factor, out):
 
 
 def int8_encode(x, block, key, stochastic, codes, scales):
-    """Blockwise absmax int8, one warp per block; see :func:`..compress_reference.int8_encode`."""
+    """Blockwise absmax int8, one warp per block; see :func:`arraytrain.kernels.reference.compression.int8_encode`."""
     n, nblocks = int(x.size), int(scales.size)
     if n == 0:
         return
@@ -563,7 +563,7 @@ def sign_decode(bits, scales, block, out):
 
 
 def ternary_encode(x, block, key, codes, scales):
-    """TernGrad, two passes (block maxima, then codes); see :func:`..compress_reference.ternary_encode`."""
+    """TernGrad, two passes (block maxima, then codes); see :func:`arraytrain.kernels.reference.compression.ternary_encode`."""
     n = int(x.size)
     if n == 0:
         return

@@ -1,4 +1,4 @@
-"""CUDA optimizer kernels: the same names, signatures and math as :mod:`arraytrain.kernels.cpu`.
+"""CUDA optimizer kernels: the same names, signatures and math as :mod:`arraytrain.kernels.cpu.optimizers`.
 
 One launch per step covers every parameter: a block per chunk of the layout (see
 :mod:`._core`) reads its parameter's hyperparameters once. Variants are template
@@ -545,7 +545,7 @@ def adafactor_step(p, g, row, col, var, pieces, segs, rows, cols, batches, gscal
                    d, w, wkind, zero_grad, mask=None):
     """Fused Adafactor update: the CPU family's five passes as eight launches, no synchronisation.
 
-    Rows, columns and the per-matrix row scale as in :mod:`arraytrain.kernels.cpu`; the
+    Rows, columns and the per-matrix row scale as in :mod:`arraytrain.kernels.cpu.optimizers`; the
     per-parameter step sizes are formed on the device from float64 per-chunk and per-row
     partials. See :func:`arraytrain.kernels.reference.adafactor_step`.
     """

@@ -1,7 +1,7 @@
-r"""CUDA projection kernels: the same names and signatures as :mod:`arraytrain.kernels.project`.
+r"""CUDA projection kernels: the same names and signatures as :mod:`arraytrain.kernels.cpu.projection`.
 
 The pieces of :class:`arraytrain.compress.VSA`'s subsampled randomized Hadamard transform
-(the math is written out in :mod:`arraytrain.kernels.project_reference`):
+(the math is written out in :mod:`arraytrain.kernels.reference.projection`):
 
 * :func:`fwht`: the stages ``h < 2048`` of each block in shared memory, one thread block
   per 2048 elements (several Hadamard blocks at once when ``block < 2048``); blocks

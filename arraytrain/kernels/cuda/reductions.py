@@ -1,6 +1,6 @@
 """CUDA kernels: accumulate, scale, the reductions of the norm pass, working copies.
 
-Same names and signatures as :mod:`arraytrain.kernels.cpu`; what the CPU family returns
+Same names and signatures as :mod:`arraytrain.kernels.cpu.reductions`; what the CPU family returns
 as Python floats or NumPy arrays comes back the same way here, read from the device in
 one transfer (that read is the norm pass's one device-to-host synchronisation).
 

@@ -1,5 +1,5 @@
 r"""CUDA trend kernels for gradient prediction: the same names and signatures as
-:mod:`arraytrain.kernels.trend` (the math is in :mod:`arraytrain.kernels.trend_reference`).
+:mod:`arraytrain.kernels.cpu.trend` (the math is in :mod:`arraytrain.kernels.reference.trend`).
 
 Element-wise, one pass: each element's weighted sum over the ``H`` ring slots is
 accumulated in float64, slots in order and zero weights skipped (as the CPU families
@@ -59,7 +59,7 @@ def _weights(c):
 
 
 def trend_predict(hist, c, corr, out):
-    """``out = sum_k c[k] * hist[k] + corr``; see :func:`..trend_reference.trend_predict`."""
+    """``out = sum_k c[k] * hist[k] + corr``; see :func:`arraytrain.kernels.reference.trend.trend_predict`."""
     n = int(out.size)
     c = _weights(c)
     launch(SOURCE.function(f"arraytrain_trend_predict<{_t(out.dtype)}>"), _grid(n),
@@ -67,7 +67,7 @@ def trend_predict(hist, c, corr, out):
 
 
 def trend_correct(hist, c, corr, g, slot, beta):
-    """Correction update fused with recording ``g``; see :func:`..trend_reference.trend_correct`."""
+    """Correction update fused with recording ``g``; see :func:`arraytrain.kernels.reference.trend.trend_correct`."""
     n = int(g.size)
     c = _weights(c)
     beta = float(beta)

@@ -1,6 +1,6 @@
 r"""Reference trend kernels: slow, obviously correct NumPy, the oracle of :mod:`.trend`.
 
-Same names and signatures as :mod:`arraytrain.kernels.trend`. The history is an
+Same names and signatures as :mod:`arraytrain.kernels.cpu.trend`. The history is an
 ``(H, n)`` ring of recorded gradients; the host computes the weights ``c`` of
 the least-squares line through the recorded steps evaluated at the step to
 predict (:func:`arraytrain.predict.trend_weights`), so a prediction is the

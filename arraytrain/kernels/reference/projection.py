@@ -1,6 +1,6 @@
 r"""Reference projection kernels: slow, obviously correct NumPy, the oracle of :mod:`.project`.
 
-Same names and signatures as :mod:`arraytrain.kernels.project`. They build the
+Same names and signatures as :mod:`arraytrain.kernels.cpu.projection`. They build the
 subsampled randomized Hadamard transform (SRHT) of :class:`arraytrain.compress.VSA`
 from three pieces, none of which forms a matrix:
 
@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .counter_rng import uniform_np
+from ..counter_rng import uniform_np
 
 
 def fwht(x, block):

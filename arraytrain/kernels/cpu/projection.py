@@ -1,5 +1,5 @@
 r"""Projection kernels, numba-jitted: the same names and signatures as
-:mod:`arraytrain.kernels.project_reference` (where the math is written out).
+:mod:`arraytrain.kernels.reference.projection` (where the math is written out).
 
 The pieces of the subsampled randomized Hadamard transform behind
 :class:`arraytrain.compress.VSA`: the blockwise orthonormal Walsh–Hadamard
@@ -26,8 +26,8 @@ from __future__ import annotations
 import numpy as np
 from numba import prange
 
-from .counter_rng import uniform, uniform_np
-from .cpu import BLOCK, _pick, _twins
+from ..counter_rng import uniform, uniform_np
+from ._jit import BLOCK, _pick, _twins
 
 
 def _fwht(x, block, s):

@@ -1,6 +1,6 @@
 r"""Reference compression kernels: slow, obviously correct NumPy, the oracle of :mod:`.compress`.
 
-Same names and signatures as :mod:`arraytrain.kernels.compress`. Every function
+Same names and signatures as :mod:`arraytrain.kernels.cpu.compression`. Every function
 works on 1-D arrays and writes into the output arrays it is given. The draws
 of the stochastic methods come from :func:`.counter_rng.uniform_np` with the
 element index as the counter, so they equal the numba kernels' draws bit for
@@ -21,10 +21,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from .counter_rng import uniform_np
+from ..counter_rng import uniform_np
+from ..interface import INV127, MAGNITUDE_MASK
 
-INV127 = 1.0 / 127.0
-_MAGNITUDE_MASK = {4: np.uint32(0x7FFFFFFF), 8: np.uint64(0x7FFFFFFFFFFFFFFF)}
 
 
 def magnitude_keys(x: np.ndarray) -> np.ndarray:
@@ -35,7 +34,7 @@ def magnitude_keys(x: np.ndarray) -> np.ndarray:
     lie above +inf's, so a NaN ranks above every number.
     """
     bits = x.view(np.uint32 if x.dtype.itemsize == 4 else np.uint64)
-    return bits & _MAGNITUDE_MASK[x.dtype.itemsize]
+    return bits & MAGNITUDE_MASK[x.dtype.itemsize]
 
 
 def topk(x, k, idx_out, val_out):

@@ -1,5 +1,5 @@
 r"""Compression kernels, numba-jitted: the same names and signatures as
-:mod:`arraytrain.kernels.compress_reference` (the definitions of the math live
+:mod:`arraytrain.kernels.reference.compression` (the definitions of the math live
 there; this module says how each is computed and in how many passes).
 
 Parallel work is split into fixed pieces (``BLOCK`` elements, or the
@@ -33,9 +33,9 @@ import functools
 import numpy as np
 from numba import njit, prange
 
-from .counter_rng import uniform
-from .cpu import BLOCK, JIT, _pick, _twins
-from .compress_reference import INV127, _MAGNITUDE_MASK
+from ..counter_rng import uniform
+from ..interface import INV127, MAGNITUDE_MASK
+from ._jit import BLOCK, JIT, _pick, _twins
 
 TOPK_CHUNK = 1 << 18  # elements per histogram chunk (a 2**16-bin int32 histogram each)
 NBINS = 1 << 16
@@ -164,7 +164,7 @@ _TOPK = _twins(_topk)
 
 
 def topk(x, k, idx_out, val_out):
-    """The ``k`` largest ``|x_i|``, ties to the lowest index; see :func:`.compress_reference.topk`.
+    """The ``k`` largest ``|x_i|``, ties to the lowest index; see :func:`arraytrain.kernels.reference.compression.topk`.
 
     A radix select on the magnitude bits, no sort: :data:`NBINS`-bin histograms
     of the top 16 bits per :data:`TOPK_CHUNK` elements find the bin holding the
@@ -175,7 +175,7 @@ def topk(x, k, idx_out, val_out):
     size = x.dtype.itemsize
     keys = x.view(np.uint32 if size == 4 else np.uint64)
     shift = 8 * size - 1 - _LEVEL_BITS
-    _pick(_TOPK, x.size)(keys, _MAGNITUDE_MASK[size], np.int64(shift), np.int64(k), np.int64(TOPK_CHUNK), idx_out)
+    _pick(_TOPK, x.size)(keys, MAGNITUDE_MASK[size], np.int64(shift), np.int64(k), np.int64(TOPK_CHUNK), idx_out)
     gather(x, idx_out, val_out)
 
 
@@ -209,7 +209,7 @@ def _randk_indices(n, k, key, out):
 
 
 def randk_indices(n, k, key):
-    """Floyd's sample of ``k`` of ``n``, sorted; see :func:`.compress_reference.randk_indices`.
+    """Floyd's sample of ``k`` of ``n``, sorted; see :func:`arraytrain.kernels.reference.compression.randk_indices`.
 
     Serial: ``k`` draws with membership in an ``n``-bit bitmap, then the set
     bits read out in order (``O(k + n / 64)``, no pass over the gradient).
@@ -285,7 +285,7 @@ _INT8_ENCODE = _twins(_int8_encode)
 
 
 def int8_encode(x, block, key, stochastic, codes, scales):
-    """Blockwise absmax int8, one pass; see :func:`.compress_reference.int8_encode`."""
+    """Blockwise absmax int8, one pass; see :func:`arraytrain.kernels.reference.compression.int8_encode`."""
     dt = x.dtype.type
     _pick(_INT8_ENCODE, x.size)(x, np.int64(block), np.uint64(key), bool(stochastic), dt(INV127), dt(1),
                                 codes, scales)
@@ -422,7 +422,7 @@ _TERNARY_ENCODE = _twins(_ternary_encode)
 
 
 def ternary_encode(x, block, key, codes, scales):
-    """TernGrad, two passes (block maxima, then codes); see :func:`.compress_reference.ternary_encode`."""
+    """TernGrad, two passes (block maxima, then codes); see :func:`arraytrain.kernels.reference.compression.ternary_encode`."""
     n = x.size
     edges, first, owner = _pieces(n, int(block))
     part = np.empty(edges.size - 1, dtype=np.float64)

@@ -1,104 +1,11 @@
-"""Reference kernels: slow, obviously correct NumPy, the oracle of the tests.
-
-Same names and signatures as :mod:`arraytrain.kernels.cpu`. Every function
-works on 1-D arrays and trusts its inputs (the public layer validates). The
-math is done in float64 and rounded once to the storage dtype, so the fast
-kernels are compared against the most accurate value of the same formula.
-"""
+"""Reference optimizer updates: each written from its paper / torch's or optax's form, in float64."""
 
 from __future__ import annotations
 
-import ml_dtypes
 import numpy as np
 
-from ..backend import LP_BF16, LP_F16, LP_NONE  # noqa: F401  (re-exported)
-
-_LP_DTYPES = {LP_BF16: np.dtype(ml_dtypes.bfloat16), LP_F16: np.dtype(np.float16)}
-
-
-def _f64(x):
-    """float64 values of a float array, or of a uint16 array of bfloat16 bits."""
-    x = np.asarray(x)
-    if x.dtype == np.uint16:
-        return x.view(ml_dtypes.bfloat16).astype(np.float64)
-    return x.astype(np.float64)
-
-
-def _store(dst, values):
-    """Round ``values`` once to ``dst``'s storage (bfloat16 bits for uint16) and return what was stored."""
-    if dst.dtype == np.uint16:
-        # float64 -> float32 -> bfloat16: the fast kernels do float32 math, so their
-        # input to the bfloat16 rounding is a float32
-        dst[...] = np.asarray(values, np.float32).astype(ml_dtypes.bfloat16).view(np.uint16)
-    else:
-        dst[...] = values
-    return _f64(dst)
-
-
-def _segments(pieces, n):
-    """Segment index of every element covered by ``pieces`` (and the covered positions)."""
-    idx = np.concatenate([np.arange(a, b) for a, b, _ in pieces]) if len(pieces) else np.zeros(0, np.int64)
-    seg = np.concatenate([np.full(b - a, s) for a, b, s in pieces]) if len(pieces) else np.zeros(0, np.int64)
-    return idx.astype(np.int64), seg.astype(np.int64)
-
-
-def cast_working(w, p, pieces, kind):
-    """``w = lowp(p)``: a low-precision working copy (uint16 bits) of float32 params."""
-    idx, _ = _segments(pieces, p.size)
-    w[idx] = np.asarray(p[idx], np.float32).astype(_LP_DTYPES[kind]).view(np.uint16)
-
-
-def apply_mask(p, mask, i):
-    """``p[i] = 0`` where ``mask[i] == 0`` (uint8, 1 = keep): pruned weights are exactly +0."""
-    p[i] = np.where(mask[i] != 0, p[i], p.dtype.type(0))
-
-
-def accumulate(acc, g, w, overwrite):
-    """``acc = w * g`` if ``overwrite`` else ``acc += w * g``."""
-    new = w * _f64(g) if overwrite else _f64(acc) + w * _f64(g)
-    acc[...] = new
-
-
-def scale(x, s):
-    """``x *= s``."""
-    x[...] = _f64(x) * s
-
-
-def all_finite(x):
-    """True when no element is NaN or +-Inf."""
-    return bool(np.isfinite(x).all())
-
-
-def sumsq(x, pieces, nseg):
-    """``(total, per_segment)`` sums of squares over the pieces, in float64.
-
-    Padding outside the pieces is not read. A NaN/Inf element makes the
-    total non-finite; so may an overflow of huge float64 values.
-    """
-    per_seg = np.zeros(nseg, dtype=np.float64)
-    for start, stop, seg in pieces:
-        part = _f64(x[start:stop])
-        per_seg[seg] += float(np.dot(part, part))
-    return float(per_seg.sum()), per_seg
-
-
-def max_abs(x, pieces):
-    """Largest |element| over the pieces, for finite input (rescales a norm that overflowed)."""
-    best = 0.0
-    for start, stop, _ in pieces:
-        if stop > start:
-            best = max(best, float(np.max(np.abs(_f64(x[start:stop])))))
-    return best
-
-
-def sumsq_scaled(x, pieces, nseg, inv):
-    """Like :func:`sumsq` but of ``x * inv``: an overflow-safe second pass."""
-    per_seg = np.zeros(nseg, dtype=np.float64)
-    for start, stop, seg in pieces:
-        part = _f64(x[start:stop]) * inv
-        per_seg[seg] += float(np.dot(part, part))
-    return float(per_seg.sum()), per_seg
-
+from ._common import _f64, _segments, _store, _store_at, apply_mask
+from .reductions import cast_working
 
 def sgd_step(p, g, buf, pieces, gscale, lr, weight_decay, momentum, dampening, nesterov, first, w, wkind, zero_grad,
              mask=None):
@@ -155,14 +62,6 @@ def adam_step(p, g, m, v, vmax, pieces, gscale, step_size, beta1, beta2, eps, bc
     denom = np.sqrt(vv) / bc2_sqrt + eps
     p[i] = pp * np.asarray(decay, np.float64)[s] - np.asarray(step_size, np.float64)[s] * mm / denom
     _finish(p, g, w, wkind, pieces, i, zero_grad, mask)
-
-
-def _store_at(dst, i, values):
-    """``dst[i] = values`` rounded to the storage; returns the stored values as float64."""
-    out = np.empty(len(i), dst.dtype)
-    stored = _store(out, values)
-    dst[i] = out
-    return stored
 
 
 # -- adagrad, rmsprop, lion, lamb ---------------------------------------------------------
@@ -330,12 +229,3 @@ def sam_perturb(p, g, backup, pieces, scale, adaptive, zero_grad, mask=None):
         apply_mask(p, mask, i)
     if zero_grad:
         g[i] = 0
-
-
-def sumsq_product(x, y, pieces, nseg):
-    """``(total, per_segment)`` float64 sums of ``(x*y)^2`` over the pieces (ASAM's norm)."""
-    per_seg = np.zeros(nseg, dtype=np.float64)
-    for start, stop, seg in pieces:
-        part = _f64(x[start:stop]) * _f64(y[start:stop])
-        per_seg[seg] += float(np.dot(part, part))
-    return float(per_seg.sum()), per_seg

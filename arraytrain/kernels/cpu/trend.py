@@ -1,5 +1,5 @@
 r"""Trend kernels for gradient prediction, numba-jitted: the same names and signatures
-as :mod:`arraytrain.kernels.trend_reference`.
+as :mod:`arraytrain.kernels.reference.trend`.
 
 A prediction is :math:`\hat g_i = \sum_k c_k h_{k,i} + r_i` over an ``(H, n)``
 ring ``h`` of recorded gradients, with host-computed least-squares weights
@@ -22,7 +22,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from .cpu import BLOCK, JIT, _pick, _twins
+from ._jit import BLOCK, JIT, _pick, _twins
 
 
 @njit(inline="always", **JIT)
@@ -52,7 +52,7 @@ _PREDICT = _twins(_predict)
 
 
 def trend_predict(hist, c, corr, out):
-    """``out = sum_k c[k] * hist[k] + corr``; see :func:`.trend_reference.trend_predict`."""
+    """``out = sum_k c[k] * hist[k] + corr``; see :func:`arraytrain.kernels.reference.trend.trend_predict`."""
     n = out.size
     _pick(_PREDICT, n)(hist.reshape(-1), n, np.ascontiguousarray(c, dtype=np.float64), corr, out)
 
@@ -74,7 +74,7 @@ _CORRECT = _twins(_correct)
 
 
 def trend_correct(hist, c, corr, g, slot, beta):
-    """Correction update fused with recording ``g``; see :func:`.trend_reference.trend_correct`."""
+    """Correction update fused with recording ``g``; see :func:`arraytrain.kernels.reference.trend.trend_correct`."""
     n = g.size
     beta = float(beta)
     _pick(_CORRECT, n)(hist.reshape(-1), n, np.ascontiguousarray(c, dtype=np.float64), corr, g, int(slot),

@@ -1,0 +1,45 @@
+"""numba's configuration for the CPU family: the JIT options and the serial/parallel twins.
+
+Every kernel is one pass over a flat 1-D buffer, split into fixed blocks of ``BLOCK``
+elements that numba's ``prange`` hands to its threads. Buffers up to ``SERIAL_BELOW``
+elements run a serial twin of the same code: a parallel launch costs more than it saves
+there, and a small step leaves the cores to BLAS.
+
+Floating-point rules: ``fastmath`` is restricted to flags that keep NaN/Inf semantics (no
+``nnan``/``ninf``), so non-finite detection stays exact. Kernels compile lazily on first
+call (``cache=True`` keeps the machine code on disk for later processes).
+"""
+
+from __future__ import annotations
+
+from numba import njit
+
+from ...threads import start_numba_threads
+
+FASTMATH = {"nsz", "arcp", "contract", "afn", "reassoc"}
+# error_model="numpy": IEEE division (x/0 -> inf) instead of Python's
+# ZeroDivisionError check, whose branch stops LLVM from vectorising the loops.
+JIT = dict(fastmath=FASTMATH, error_model="numpy", cache=True)
+BLOCK = 1 << 14
+SERIAL_BELOW = 1 << 16
+
+
+def _twins(fn):
+    """Compile ``fn`` twice: parallel (prange over blocks) and serial.
+
+    Both dispatchers share the Python source; the serial one treats ``prange``
+    as ``range``. ``fn.__qualname__`` differs per twin so their on-disk caches
+    do not collide.
+    """
+    par = njit(parallel=True, **JIT)(fn)
+    ser_fn = type(fn)(fn.__code__, fn.__globals__, fn.__name__ + "_serial", fn.__defaults__, fn.__closure__)
+    ser_fn.__qualname__ = fn.__qualname__ + "_serial"
+    ser = njit(parallel=False, **JIT)(ser_fn)
+    return par, ser
+
+
+def _pick(pair, n):
+    if n < SERIAL_BELOW:
+        return pair[1]
+    start_numba_threads()  # idempotent: numba's pool starts under arraytrain's policy (arraytrain.threads)
+    return pair[0]

@@ -1,0 +1,68 @@
+"""Reference reductions and element-wise passes (float64 math, one rounding to the storage)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ._common import _LP_DTYPES, _f64, _segments
+
+def accumulate(acc, g, w, overwrite):
+    """``acc = w * g`` if ``overwrite`` else ``acc += w * g``."""
+    new = w * _f64(g) if overwrite else _f64(acc) + w * _f64(g)
+    acc[...] = new
+
+
+def scale(x, s):
+    """``x *= s``."""
+    x[...] = _f64(x) * s
+
+
+def all_finite(x):
+    """True when no element is NaN or +-Inf."""
+    return bool(np.isfinite(x).all())
+
+
+def sumsq(x, pieces, nseg):
+    """``(total, per_segment)`` sums of squares over the pieces, in float64.
+
+    Padding outside the pieces is not read. A NaN/Inf element makes the
+    total non-finite; so may an overflow of huge float64 values.
+    """
+    per_seg = np.zeros(nseg, dtype=np.float64)
+    for start, stop, seg in pieces:
+        part = _f64(x[start:stop])
+        per_seg[seg] += float(np.dot(part, part))
+    return float(per_seg.sum()), per_seg
+
+
+def max_abs(x, pieces):
+    """Largest |element| over the pieces, for finite input (rescales a norm that overflowed)."""
+    best = 0.0
+    for start, stop, _ in pieces:
+        if stop > start:
+            best = max(best, float(np.max(np.abs(_f64(x[start:stop])))))
+    return best
+
+
+def sumsq_scaled(x, pieces, nseg, inv):
+    """Like :func:`sumsq` but of ``x * inv``: an overflow-safe second pass."""
+    per_seg = np.zeros(nseg, dtype=np.float64)
+    for start, stop, seg in pieces:
+        part = _f64(x[start:stop]) * inv
+        per_seg[seg] += float(np.dot(part, part))
+    return float(per_seg.sum()), per_seg
+
+
+def sumsq_product(x, y, pieces, nseg):
+    """``(total, per_segment)`` float64 sums of ``(x*y)^2`` over the pieces (ASAM's norm)."""
+    per_seg = np.zeros(nseg, dtype=np.float64)
+    for start, stop, seg in pieces:
+        part = _f64(x[start:stop]) * _f64(y[start:stop])
+        per_seg[seg] += float(np.dot(part, part))
+    return float(per_seg.sum()), per_seg
+
+
+def cast_working(w, p, pieces, kind):
+    """``w = lowp(p)``: a low-precision working copy (uint16 bits) of float32 params."""
+    idx, _ = _segments(pieces, p.size)
+    w[idx] = np.asarray(p[idx], np.float32).astype(_LP_DTYPES[kind]).view(np.uint16)
