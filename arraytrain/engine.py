@@ -15,7 +15,7 @@ from . import _intake
 from ._checks import check_count, check_int, check_number, check_positive, shown
 from .amp import LossScaler, working_spec
 from .backend import NUMPY, array_module, backend_of, kernels_for, to_device
-from .buffer import FlatBuffer
+from .buffer import FlatBuffer, aligned
 from .compress._base import check_compressor
 from .errors import (
     ArgumentTypeError,
@@ -240,7 +240,7 @@ class Engine:
             raise ArgumentTypeError(f"params: expected a mapping name -> array or a FlatBuffer, got {type(params).__name__}")
         moved = to_device(self.params.flat, device)
         if moved is not self.params.flat:
-            self.params = FlatBuffer(self.params.layout, moved)
+            self.params = FlatBuffer(self.params.layout, aligned(moved))  # a fresh copy: aligned too
         if wspec is not None and self.params.dtype != np.float32:
             raise HyperparameterError(f"working_dtype: working copies need float32 parameters, got {self.params.dtype}")
         self._kernels = kernels_for(self.params.flat, kernels)
