@@ -257,6 +257,7 @@ class Engine:
         self.missing = missing
         self.zero_grad_on_step = bool(zero_grad_on_step)
         self.grads = self.params.zeros_like()
+        self._intake = _intake.Intake(self.grads, (self.params.flat, self.grads.flat), self._kernels, kernels)
         self.schedule = schedule
         self.loss_scaler = loss_scaler
         self.max_consecutive_skips = max_consecutive_skips
@@ -335,8 +336,10 @@ class Engine:
         w = self._check_weight(weight)
         lr = self.lr  # the schedule's lr at this step: computed (and checked) before any write
         if grads is not None:
-            items = _intake.check_grads(grads, self.grads, protect=(self.params.flat, self.grads.flat))
-            absent = [n for n in self.layout.names if n not in items]
+            # validated against the last structure seen when names, shapes and dtype repeat
+            # (see _intake.Intake); nothing is written before this returns
+            checked = self._intake.check(grads)
+            absent = checked.absent
             if absent and self.missing == "error":
                 raise MissingGradientError(
                     f"no gradient for {absent} (policy missing='error'; use missing='zero' to count them as zero)"
@@ -345,7 +348,7 @@ class Engine:
             if overwrite:
                 for name in absent:
                     self.grads[name][...] = 0
-            _intake.write_grads(self._kernels, self.grads, items, w, overwrite)
+            self._intake.write(checked, w, overwrite)
         self._micro += 1
         self._weight_sum += w
         if self._micro < self.accumulation_steps:
