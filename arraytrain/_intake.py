@@ -108,7 +108,7 @@ class _Plan:
     ``np.dtype`` object, so the check is an identity test). ``groups`` hold the
     small gradients: ``(positions, table, staging)`` with ``table`` rows ``[src_start,
     dst_start, size]`` into ``staging``, the group's part of the staging array; ``direct`` lists ``(position,
-    slice)`` of the large ones.
+    slice, view)`` of the large ones.
     """
 
     __slots__ = ("names", "shapes", "dtype", "absent", "groups", "staging", "direct")
@@ -124,7 +124,7 @@ class _Plan:
             j = layout.index(name)
             size = layout.sizes[j]
             if size >= STAGE_BELOW:
-                direct.append((i, layout.slice(name)))
+                direct.append((i, layout.slice(name), buf[name]))
                 continue
             positions.append(i)  # zero-size ones too: they stage nothing
             rows.append((pos, layout.offsets[j], size))
@@ -181,6 +181,7 @@ class Intake:
         else:
             from .kernels.scatter import scatter
         self._scatter = scatter
+        self._numpy_ok = impl != "reference"  # the reference kernels compute in float64: keep them
         # arrays that own the memory of the protected buffers: a gradient that owns its
         # memory aliases a buffer only if it is one of these (checked when a plan is built)
         self._owners = []
@@ -245,8 +246,17 @@ class Intake:
             staged = values if positions is None else [values[i] for i in positions]
             np.concatenate(staged, axis=None, out=staging, casting="same_kind")
             self._scatter(flat, staging, table, weight, overwrite)
-        for i, where in plan.direct:
+        plain = weight == 1.0 and plan.dtype is flat.dtype and self._numpy_ok
+        for i, where, view in plan.direct:
             g = values[i]
+            if plain:
+                # w = 1: the kernel's w * g is g exactly, so a NumPy copy or add gives its bits, and
+                # a ufunc call costs about half a numba dispatch
+                if overwrite:
+                    np.copyto(view, g)
+                else:
+                    np.add(view, g, out=view)
+                continue
             if g.dtype not in KERNEL_DTYPES:
                 g = g.astype(flat.dtype)
             self.kernels.accumulate(flat[where], g.reshape(-1), weight, overwrite)

@@ -209,3 +209,17 @@ def test_every_flatbuffer_allocation_is_64_byte_aligned():
     # a buffer handed in by hand is used as it is
     raw = np.zeros(e.layout.size + 1, np.float32)[1:]
     assert FlatBuffer(e.layout, raw).flat is raw
+
+
+def test_bench_intake_runs(tmp_path, capsys):
+    from arraytrain.bench.__main__ import main
+
+    out = tmp_path / "intake.json"
+    assert main(["intake", "--tensors", "3", "7", "--elements", "300", "--calls", "1", "--repeats", "1",
+                 "--json", str(out)]) == 0
+    import json
+
+    rows = json.loads(out.read_text())
+    assert [r["tensors"] for r in rows] == [3, 7]
+    assert {"before", "after", "floor"} <= set(rows[0]["micro_batch_s"])
+    assert "per tensor" in capsys.readouterr().out
