@@ -19,6 +19,55 @@ def _xp(flat):
     return cupy
 
 
+# Every buffer FlatBuffer allocates starts on a 64-byte boundary (a cache line, an AVX-512
+# vector). With the layout's 16-element segment alignment every float32/float64 parameter
+# view then starts on one too, which is what XLA's CPU client needs to alias an imported
+# DLPack buffer instead of copying it (jax.dlpack.from_dlpack), and what torch, numba and
+# BLAS prefer. CuPy's memory pool hands out 256-byte-aligned blocks already.
+ALIGN_BYTES = 64
+
+
+def address(arr) -> int:
+    """The address of ``arr``'s first element (NumPy or CuPy)."""
+    if isinstance(arr, np.ndarray):
+        return arr.__array_interface__["data"][0]
+    return arr.data.ptr
+
+
+def aligned_empty(n: int, dtype, xp=np):
+    """An uninitialised 1-D array of ``n`` elements whose first element is ``ALIGN_BYTES``-aligned."""
+    dtype = np.dtype(dtype)
+    if xp is np:
+        # over-allocate raw bytes and start the array at the first aligned byte; np.empty of
+        # the exact size would be 16-byte aligned only (the allocator's guarantee)
+        raw = np.empty(n * dtype.itemsize + ALIGN_BYTES, np.uint8)
+        start = -raw.__array_interface__["data"][0] % ALIGN_BYTES
+        return raw[start : start + n * dtype.itemsize].view(dtype)
+    arr = xp.empty(n, dtype=dtype)
+    if arr.data.ptr % ALIGN_BYTES == 0:
+        return arr
+    raw = xp.empty(n * dtype.itemsize + ALIGN_BYTES, xp.uint8)  # a custom allocator: align by hand
+    start = -raw.data.ptr % ALIGN_BYTES
+    return raw[start : start + n * dtype.itemsize].view(dtype)
+
+
+def aligned_zeros(n: int, dtype, xp=np):
+    """:func:`aligned_empty`, zero-filled."""
+    arr = aligned_empty(n, dtype, xp)
+    arr.fill(0)
+    return arr
+
+
+def aligned(flat):
+    """``flat`` itself if it starts on an ``ALIGN_BYTES`` boundary, else an aligned copy."""
+    if address(flat) % ALIGN_BYTES == 0:
+        return flat
+    xp = _xp(flat)
+    out = aligned_empty(flat.size, flat.dtype, xp)
+    out[...] = flat
+    return out
+
+
 def kernel_view(flat):
     """What a kernel reads: the array itself, or its uint16 bits for bfloat16 storage."""
     return flat.view(np.uint16) if flat.dtype == BFLOAT16 else flat
@@ -29,6 +78,12 @@ class FlatBuffer:
 
     ``buf[name]`` is a writable, reshaped view into ``buf.flat``; writing to it
     writes the buffer. Padding between segments is zero and stays zero.
+
+    Every buffer the class allocates (:meth:`zeros`, :meth:`from_arrays`,
+    :meth:`zeros_like`, :meth:`copy`) starts on a 64-byte boundary
+    (:data:`ALIGN_BYTES`), so with the layout's default 16-element alignment
+    every float32/float64 view does too. ``FlatBuffer(layout, flat)`` uses
+    ``flat`` as it is, alignment included.
     """
 
     __slots__ = ("layout", "flat", "_views")
@@ -60,7 +115,7 @@ class FlatBuffer:
     @classmethod
     def zeros(cls, layout: Layout, dtype=np.float32, xp=np) -> "FlatBuffer":
         check_float_dtype(dtype, "dtype")
-        return cls(layout, xp.zeros(layout.size, dtype=dtype))
+        return cls(layout, aligned_zeros(layout.size, dtype, xp))
 
     @classmethod
     def from_arrays(cls, arrays: Mapping[str, object], dtype=None, align: int = DEFAULT_ALIGN) -> "FlatBuffer":
@@ -89,7 +144,9 @@ class FlatBuffer:
         return FlatBuffer.zeros(self.layout, dtype or self.flat.dtype, _xp(self.flat))
 
     def copy(self) -> "FlatBuffer":
-        return FlatBuffer(self.layout, self.flat.copy())
+        out = aligned_empty(self.flat.size, self.flat.dtype, _xp(self.flat))
+        out[...] = self.flat
+        return FlatBuffer(self.layout, out)
 
     # -- mapping interface -------------------------------------------------------
     def __getitem__(self, name: str):

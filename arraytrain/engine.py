@@ -15,7 +15,7 @@ from . import _intake
 from ._checks import check_count, check_int, check_number, check_positive, shown
 from .amp import LossScaler, working_spec
 from .backend import NUMPY, array_module, backend_of, kernels_for, to_device
-from .buffer import FlatBuffer
+from .buffer import FlatBuffer, aligned
 from .compress._base import check_compressor
 from .errors import (
     ArgumentTypeError,
@@ -239,7 +239,7 @@ class Engine:
             raise ArgumentTypeError(f"params: expected a mapping name -> array or a FlatBuffer, got {type(params).__name__}")
         moved = to_device(self.params.flat, device)
         if moved is not self.params.flat:
-            self.params = FlatBuffer(self.params.layout, moved)
+            self.params = FlatBuffer(self.params.layout, aligned(moved))  # a fresh copy: aligned too
         if wspec is not None and self.params.dtype != np.float32:
             raise HyperparameterError(f"working_dtype: working copies need float32 parameters, got {self.params.dtype}")
         self._kernels = kernels_for(self.params.flat, kernels)
@@ -254,6 +254,7 @@ class Engine:
         self.missing = missing
         self.zero_grad_on_step = bool(zero_grad_on_step)
         self.grads = self.params.zeros_like()
+        self._intake = _intake.Intake(self.grads, (self.params.flat, self.grads.flat), self._kernels, kernels)
         self.schedule = schedule
         self.loss_scaler = loss_scaler
         self.max_consecutive_skips = max_consecutive_skips
@@ -332,8 +333,10 @@ class Engine:
         w = self._check_weight(weight)
         lr = self.lr  # the schedule's lr at this step: computed (and checked) before any write
         if grads is not None:
-            items = _intake.check_grads(grads, self.grads, protect=(self.params.flat, self.grads.flat))
-            absent = [n for n in self.layout.names if n not in items]
+            # validated against the last structure seen when names, shapes and dtype repeat
+            # (see _intake.Intake); nothing is written before this returns
+            checked = self._intake.check(grads)
+            absent = checked.absent
             if absent and self.missing == "error":
                 raise MissingGradientError(
                     f"no gradient for {absent} (policy missing='error'; use missing='zero' to count them as zero)"
@@ -342,7 +345,7 @@ class Engine:
             if overwrite:
                 for name in absent:
                     self.grads[name][...] = 0
-            _intake.write_grads(self._kernels, self.grads, items, w, overwrite)
+            self._intake.write(checked, w, overwrite)
         self._micro += 1
         self._weight_sum += w
         if self._micro < self.accumulation_steps:

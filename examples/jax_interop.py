@@ -8,11 +8,11 @@ without importing JAX and without a copy, then applies AdamW to the flat
 buffer in one fused kernel.
 
 XLA's CPU client aliases an imported buffer only when it starts on a 64-byte
-boundary (otherwise ``from_dlpack`` copies). The layout already starts every
-parameter at a multiple of 16 elements from the buffer's start, so
-:func:`aligned_params` allocates the flat parameter buffer itself on a 64-byte
-boundary and hands it to the Engine as a :class:`arraytrain.FlatBuffer`, which
-the Engine uses in place: then the parameters go to JAX without a copy too.
+boundary (otherwise ``from_dlpack`` copies). Every FlatBuffer arraytrain
+allocates starts on one, and the layout starts every parameter at a multiple
+of 16 elements from there, so the parameters go to JAX without a copy too.
+:mod:`arraytrain.interop.jax` wraps all of this (``bind``, ``engine.tree()``,
+pytree gradients in one call); this example spells the mechanism out.
 
 JAX treats its arrays as immutable, and an array made from a view of the
 engine's buffer sees the engine's in-place updates: wrap the views afresh
@@ -48,15 +48,9 @@ def init_params(seed: int = 0, sizes=(IN, HIDDEN, CLASSES)) -> dict:
     return params
 
 
-def aligned_params(params: dict, align_bytes: int = 64) -> at.FlatBuffer:
-    """``params`` copied into a flat buffer whose first element sits on an ``align_bytes`` boundary."""
-    layout = at.Layout.from_arrays(params)
-    dtype = np.dtype(np.float32)
-    raw = np.zeros(layout.size * dtype.itemsize + align_bytes, np.uint8)
-    start = -raw.ctypes.data % align_bytes
-    buf = at.FlatBuffer(layout, raw[start:start + layout.size * dtype.itemsize].view(dtype))
-    buf.load(params)
-    return buf
+def aligned_params(params: dict) -> at.FlatBuffer:
+    """``params`` copied into a flat buffer; every FlatBuffer starts on a 64-byte boundary."""
+    return at.FlatBuffer.from_arrays(params)
 
 
 def make_data(n: int = 4096, seed: int = 0, dim: int = IN, classes: int = CLASSES):

@@ -1,7 +1,7 @@
 """A PyTorch model trained by arraytrain: parameters and gradients live in the engine's buffers.
 
-Each ``torch.nn.Parameter`` is pointed at a view of ``engine.params`` and its
-``.grad`` at the matching view of ``engine.grads``. ``loss.backward()`` then
+``arraytrain.interop.torch.bind`` points each ``torch.nn.Parameter`` at a view
+of ``engine.params`` and its ``.grad`` at the matching view of ``engine.grads``. ``loss.backward()`` then
 adds the gradients straight into the flat gradient buffer, ``engine.step()``
 (no argument) applies AdamW to the flat parameter buffer in one fused kernel
 and zeroes the gradient buffer in the same pass, and the model sees the new
@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 import arraytrain as at
+from arraytrain.interop import torch as at_torch
 
 IN, HIDDEN, CLASSES = 20, 64, 4
 
@@ -57,17 +58,15 @@ def batches(n: int, batch: int, steps: int, seed: int = 0):
 def bind(model: torch.nn.Module, optimizer: at.optim.Optimizer, **engine_kwargs) -> at.Engine:
     """An Engine holding ``model``'s parameters; the model's tensors become views of its buffers.
 
-    The current values are copied once into the flat parameter buffer; after
-    that ``p.data`` is ``engine.params[name]`` and ``p.grad`` is
-    ``engine.grads[name]`` (both ``torch.from_numpy``: shared memory). The
-    engine must zero its gradient buffer after every step (the default,
-    ``zero_grad_on_step=True``) because ``backward()`` adds into ``.grad``.
+    :func:`arraytrain.interop.torch.bind` does it: the current values are
+    copied once into the flat parameter buffer; after that ``p.data`` is
+    ``engine.params[name]`` and ``p.grad`` is ``engine.grads[name]`` (shared
+    memory), and every ``engine.step()`` first checks that they still are
+    (``model.zero_grad()``, frozen parameters and the rest are handled, see
+    the README). The engine zeroes its gradient buffer after every step
+    (``zero_grad_on_step=True``) because ``backward()`` adds into ``.grad``.
     """
-    engine = at.Engine({n: p.detach().numpy() for n, p in model.named_parameters()}, optimizer, **engine_kwargs)
-    for name, p in model.named_parameters():
-        p.data = torch.from_numpy(engine.params[name])
-        p.grad = torch.from_numpy(engine.grads[name])
-    return engine
+    return at_torch.bind(model, optimizer, **engine_kwargs)
 
 
 def train_step(model: torch.nn.Module, engine: at.Engine, x: torch.Tensor, y: torch.Tensor):

@@ -1,4 +1,4 @@
-"""``python -m arraytrain.bench [compare|threads|mlp|predict|compression|compress] ...``
+"""``python -m arraytrain.bench [compare|threads|mlp|predict|compression|compress|intake] ...``
 
 ``compare`` (the default): one clipped optimizer step, arraytrain beside
 torch.optim (foreach and fused), hand-written NumPy and optax, with the
@@ -13,6 +13,9 @@ digits MLP; see :mod:`arraytrain.bench.predict`.
 without error feedback; see :mod:`arraytrain.bench.compression`.
 ``compress``: compressor throughput (GB/s, % of triad); see
 :mod:`arraytrain.bench.compress`.
+``intake``: the dict path's cost per tensor, before and after the structure
+cache, beside the zero-copy path and torch's fused AdamW; see
+:mod:`arraytrain.bench.intake`.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import sys
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    command = argv.pop(0) if argv and argv[0] in ("compare", "threads", "mlp", "predict", "compression", "compress") else "compare"
+    command = argv.pop(0) if argv and argv[0] in ("compare", "threads", "mlp", "predict", "compression", "compress", "intake") else "compare"
     if command == "threads":
         from .threads import main as run
     elif command == "mlp":
@@ -33,6 +36,8 @@ def main(argv=None) -> int:
         from .compression import main as run
     elif command == "compress":
         from .compress import main as run
+    elif command == "intake":
+        from .intake import main as run
     else:
         from .compare import main as run
     return run(argv)

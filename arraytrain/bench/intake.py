@@ -1,0 +1,139 @@
+"""``python -m arraytrain.bench intake``: the cost of the dict path per tensor, before and after, side by side.
+
+For each tensor count (``--tensors``, default 100 500 2000) the parameters
+(``--elements`` float32 elements in all, default 1e6, split evenly) are given
+to an Engine as a ``{name: np.ndarray}`` micro-batch, and timed in one run:
+
+* ``before``: the general path (every gradient through ``as_array``, the
+  shape, dtype and aliasing checks, one accumulate call each): the dict path
+  as it was before the structure cache, still the path of any structure the
+  cache does not serve;
+* ``after``: the dict path as it is (structure validated once and reused, small
+  gradients staged and written by one scatter call per 64K elements);
+* ``floor``: one accumulate over the whole flat buffer, the memory traffic any
+  copy-in pays; ``per tensor`` is ``(path - floor) / tensors``;
+* ``jax``: the same gradients as a pytree of JAX arrays through
+  :func:`arraytrain.interop.jax.bind` (one jitted pack, one DLPack read, one
+  kernel call), when JAX is installed.
+
+Then one full clipped AdamW step with the same tensors: arraytrain's dict path
+(after), its zero-copy path (gradients already in ``engine.grads``, as a torch
+binding leaves them) and torch's ``clip_grad_norm_(foreach=True)`` +
+``AdamW(fused=True)`` when torch is installed. Micro-batch timings accumulate
+(``accumulation_steps`` large), so no optimizer step is in them. Each figure is
+the best of ``--repeats`` rounds of ``--calls`` calls, contestants alternating
+round by round; warm-up and compilation are excluded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import numpy as np
+
+LR, WD, MAX_NORM = 1e-3, 1e-2, 1.0
+
+
+def _best(fns: dict, calls: int, repeats: int) -> dict:
+    for fn in fns.values():  # warm-up: JIT, plans, jit traces
+        fn(), fn()
+    best = {k: float("inf") for k in fns}
+    for _ in range(repeats):
+        for k, fn in fns.items():
+            t = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            best[k] = min(best[k], (time.perf_counter() - t) / calls)
+    return best
+
+
+def measure(n_tensors: int, elements: int, calls: int = 20, repeats: int = 7) -> dict:
+    import arraytrain as at
+    from arraytrain.kernels import cpu
+
+    size = max(1, elements // n_tensors)
+    rng = np.random.default_rng(0)
+    params = {f"layer{i}.weight": rng.standard_normal(size).astype(np.float32) for i in range(n_tensors)}
+    grads = {k: (v * 0.01).astype(np.float32) for k, v in params.items()}
+    micro = dict(accumulation_steps=2**40, max_grad_norm=MAX_NORM)
+    before = at.Engine(params, at.optim.AdamW(lr=LR, weight_decay=WD), **micro)
+    before._intake.fast = False
+    after = at.Engine(params, at.optim.AdamW(lr=LR, weight_decay=WD), **micro)
+    src = np.ones(after.grads.flat.size, np.float32)
+    fns = {"before": lambda: before.step(grads), "after": lambda: after.step(grads),
+           "floor": lambda: cpu.accumulate(after.grads.flat, src, 1.0, False)}
+    try:
+        import jax.numpy as jnp
+
+        from arraytrain.interop import jax as atj
+
+        jtree = [jnp.asarray(g) for g in grads.values()]
+        jeng = atj.bind([jnp.asarray(p) for p in params.values()], at.optim.AdamW(lr=LR, weight_decay=WD), **micro)
+        fns["jax"] = lambda: jeng.step(jtree)
+    except ImportError:
+        pass
+    micro_t = _best(fns, calls, repeats)
+
+    full = dict(max_grad_norm=MAX_NORM)
+    dict_eng = at.Engine(params, at.optim.AdamW(lr=LR, weight_decay=WD), **full)
+    zero_eng = at.Engine(params, at.optim.AdamW(lr=LR, weight_decay=WD), zero_grad_on_step=False, **full)
+    zero_eng.grads.load(grads)
+    steps = {"dict": lambda: dict_eng.step(grads), "zero-copy": lambda: zero_eng.step()}
+    try:
+        import torch
+
+        tp = [torch.nn.Parameter(torch.from_numpy(p.copy())) for p in params.values()]
+        for p, g in zip(tp, grads.values()):
+            p.grad = torch.from_numpy(g.copy())
+        opt = torch.optim.AdamW(tp, lr=LR, weight_decay=WD, fused=True)
+
+        def torch_step():
+            torch.nn.utils.clip_grad_norm_(tp, MAX_NORM, foreach=True)
+            opt.step()
+
+        steps["torch-fused"] = torch_step
+    except ImportError:
+        pass
+    step_t = _best(steps, max(1, calls // 2), repeats)
+    floor = micro_t["floor"]
+    out = {"tensors": n_tensors, "elements_per_tensor": size, "micro_batch_s": micro_t, "step_s": step_t,
+           "per_tensor_s": {k: (v - floor) / n_tensors for k, v in micro_t.items() if k != "floor"}}
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m arraytrain.bench intake", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tensors", type=int, nargs="+", default=[100, 500, 2000])
+    ap.add_argument("--elements", type=float, default=1e6, help="float32 elements in all (default 1e6)")
+    ap.add_argument("--calls", type=int, default=20)
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--json", help="write every figure to this file")
+    args = ap.parse_args(argv)
+    rows = [measure(n, int(args.elements), args.calls, args.repeats) for n in args.tensors]
+    us = 1e6
+    print(f"dict path, one micro-batch of float32 gradients, {int(args.elements):,} elements in all "
+          "(best of rounds; per tensor = (path - floor) / tensors)")
+    print(f"{'tensors':>8} {'elems/t':>8} | {'before us':>10} {'after us':>9} {'jax us':>8} {'floor us':>9} | "
+          f"{'before/t':>9} {'after/t':>8} {'jax/t':>7} | full AdamW step: {'dict':>7} {'zero-copy':>9} "
+          f"{'torch-fused':>11} (us)")
+    for r in rows:
+        m, p, s = r["micro_batch_s"], r["per_tensor_s"], r["step_s"]
+
+        def f(d, k, scale=us, width=8, prec=1):
+            return f"{d[k] * scale:>{width}.{prec}f}" if k in d else f"{'-':>{width}}"
+
+        print(f"{r['tensors']:>8} {r['elements_per_tensor']:>8} | {f(m, 'before', width=10)} {f(m, 'after', width=9)} "
+              f"{f(m, 'jax')} {f(m, 'floor', width=9)} | {f(p, 'before', width=9, prec=2)} "
+              f"{f(p, 'after', prec=2)} {f(p, 'jax', width=7, prec=2)} |                  {f(s, 'dict', width=7)} "
+              f"{f(s, 'zero-copy', width=9)} {f(s, 'torch-fused', width=11)}")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(rows, fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,336 @@
+"""A torch module trained by an arraytrain Engine: ``bind(module, optimizer, **engine_kwargs)``.
+
+After ``engine = bind(model, at.optim.AdamW(...), max_grad_norm=1.0)`` the
+model's trainable parameters are views of ``engine.params`` (or, for a
+bfloat16/float16 model, of the engine's low-precision working copy of float32
+master weights) and their ``.grad`` tensors views of the engine's gradient
+buffer, so a training step is ``loss.backward(); engine.step()`` with nothing
+copied. How it works, and what it guards against:
+
+* **Trainable parameters** (``requires_grad=True``) go into the engine once
+  each, tied parameters once (``named_parameters()`` order and names). Frozen
+  parameters stay outside: never updated, never decayed; they and the module's
+  persistent buffers (BatchNorm's running statistics) are saved and restored
+  by name with ``at.save`` / ``at.load`` of the bound engine (state key
+  ``"module"``), beside the engine's own state.
+* **Staying connected.** Before every ``engine.step()`` (no argument) each
+  parameter is checked (a pointer and an identity test per tensor):
+  ``model.zero_grad()`` with ``set_to_none=True`` (torch's default) leaves
+  ``.grad`` None, and the next ``backward()`` allocates a gradient outside the
+  engine: its values are copied into the engine's buffer and ``.grad`` points
+  at the buffer again (one copy per step; ``zero_grad(set_to_none=False)``, or
+  no ``zero_grad`` at all since the engine zeroes the buffer itself, avoids
+  it). A ``.grad`` still None at the step counts as a zero gradient (torch.optim
+  would skip that parameter; freeze it before ``bind`` to leave it out), and a
+  step where every ``.grad`` is None raises :class:`NoGradientsError`. A
+  parameter whose ``.data`` was replaced by a tensor of the same dtype, device
+  and shape has its values taken into the engine and is re-pointed. What
+  cannot be repaired raises before anything changes: a parameter moved to
+  another dtype (:class:`DTypeError`) or device (:class:`BackendError`) after
+  ``bind`` (``model.to(...)`` belongs before it), a trainable parameter frozen
+  or a frozen one unfrozen after ``bind`` (:class:`LayoutError`): bind again.
+* **bfloat16 / float16 models** (``model.to(torch.bfloat16)`` before ``bind``):
+  the engine keeps float32 master weights and a working copy in the model's
+  dtype (``working_dtype``), rewritten by the optimizer kernel; the model's
+  parameters are views of the working copy. ``.grad`` tensors (the model's
+  dtype, as torch requires) are views of a low-precision gradient buffer that
+  each ``engine.step()`` adds into the float32 gradient buffer and zeroes, so
+  micro-batches accumulate in float32. A float16 model gets a
+  :class:`~arraytrain.LossScaler` unless ``loss_scaler=`` is given (None turns
+  it off): multiply the loss by ``engine.loss_scale`` before ``backward()``;
+  the engine unscales, skips overflowed steps and adapts the scale.
+* **CUDA**: a module on the current CUDA device is bound to a CuPy engine; the
+  views are ``torch.from_dlpack`` of the CuPy buffers (no copies). torch and
+  CuPy both use the legacy default stream unless told otherwise: work queued
+  on other torch streams must be synchronised before ``engine.step()``.
+
+``engine.step(grads)`` with a mapping still works (the engine's dict path);
+``engine.zero_grad()`` also clears the low-precision gradient buffer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+
+from ..amp import LossScaler
+from ..backend import BFLOAT16, NUMPY, backend_of
+from ..engine import Engine, _exclusive
+from ..errors import (
+    ArgumentTypeError,
+    BackendError,
+    BackendUnavailableError,
+    DTypeError,
+    HyperparameterError,
+    LayoutError,
+    MissingDependencyError,
+    NoGradientsError,
+    ShapeMismatchError,
+    StateDictError,
+)
+
+__all__ = ["TorchEngine", "bind"]
+
+# engine arguments that bind takes from the module
+_FROM_MODULE = ("dtype", "device", "working_dtype")
+
+
+def _torch():
+    try:
+        import torch
+    except ImportError:
+        raise MissingDependencyError("arraytrain.interop.torch needs PyTorch (pip install torch)") from None
+    return torch
+
+
+def bind(module, optimizer, **engine_kwargs) -> "TorchEngine":
+    """An :class:`Engine` training ``module``'s trainable parameters in place; see the module docstring.
+
+    ``engine_kwargs`` are :class:`~arraytrain.Engine`'s (``max_grad_norm``,
+    ``accumulation_steps``, ``schedule``, ``loss_scaler``, ...), except
+    ``dtype``, ``device`` and ``working_dtype``, which come from the module.
+    """
+    return TorchEngine(module, optimizer, **engine_kwargs)
+
+
+def _np_view(arr, torch):
+    """A torch tensor sharing ``arr``'s memory (NumPy or CuPy; bfloat16 through its int16 bits)."""
+    bf16 = arr.dtype == BFLOAT16
+    if backend_of(arr) == NUMPY:
+        t = torch.from_numpy(arr.view(np.int16) if bf16 else arr)
+    else:
+        t = torch.from_dlpack(arr.view(np.int16) if bf16 else arr)
+    return t.view(torch.bfloat16) if bf16 else t
+
+
+def _host(t, torch, copy: bool) -> np.ndarray:
+    """A NumPy array of a tensor's values (a view on the CPU unless ``copy``; bfloat16 as ml_dtypes')."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        t, copy = t.cpu(), False
+    if not t.is_contiguous():
+        t, copy = t.contiguous(), False
+    a = t.view(torch.int16).numpy().view(BFLOAT16) if t.dtype == torch.bfloat16 else t.numpy()
+    return a.copy() if copy else a
+
+
+def _np_dtype(t, torch) -> np.dtype:
+    if t.dtype == torch.bfloat16:
+        return BFLOAT16
+    return torch.empty(0, dtype=t.dtype).numpy().dtype
+
+
+class TorchEngine(Engine):
+    """An :class:`Engine` bound to a torch module (made by :func:`bind`).
+
+    ``engine.module`` is the module; ``engine.frozen`` and ``engine.buffers``
+    map names to the module's frozen parameters and persistent buffers, which
+    :meth:`state_dict` stores under ``"module"``.
+    """
+
+    def __init__(self, module, optimizer, **engine_kwargs):
+        torch = _torch()
+        if not isinstance(module, torch.nn.Module):
+            raise ArgumentTypeError(f"module: expected a torch.nn.Module, got {type(module).__name__}")
+        for key in _FROM_MODULE:
+            if key in engine_kwargs:
+                raise HyperparameterError(f"{key}: bind takes it from the module (convert the module with "
+                                          f"module.to(...) before bind), got {key}={engine_kwargs[key]!r}")
+        named = list(module.named_parameters())  # tied parameters once, under their first name
+        trainable = [(n, p) for n, p in named if p.requires_grad]
+        if not trainable:
+            raise LayoutError("module: no trainable parameters (every parameter has requires_grad=False)")
+        for n, p in named:
+            if p.layout != torch.strided:
+                raise BackendError(f"{n!r}: a {p.layout} parameter; bind needs dense (strided) tensors")
+        dtypes = {p.dtype for _, p in trainable}
+        if len(dtypes) != 1:
+            raise DTypeError(f"module: trainable parameters of several dtypes {sorted(map(str, dtypes))}; "
+                             "bind needs one (module.to(dtype) first)")
+        dtype = dtypes.pop()
+        if dtype not in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
+            raise DTypeError(f"module: parameters of dtype {dtype}; bind trains float32/float64 parameters, "
+                             "or bfloat16/float16 ones on float32 master weights")
+        devices = {p.device for _, p in named}
+        if len(devices) != 1:
+            raise BackendError(f"module: parameters on several devices {sorted(map(str, devices))}; "
+                               "bind needs one device")
+        device = devices.pop()
+        if device.type == "cuda":
+            self._check_cuda_device(device)
+        elif device.type != "cpu":
+            raise BackendUnavailableError(f"module: parameters on {device}; bind supports the CPU and CUDA")
+        lowp = dtype in (torch.bfloat16, torch.float16)
+        if lowp:
+            engine_kwargs["working_dtype"] = "bfloat16" if dtype == torch.bfloat16 else "float16"
+            if dtype == torch.float16 and "loss_scaler" not in engine_kwargs:
+                engine_kwargs["loss_scaler"] = LossScaler()
+        # the one copy: current values into the engine (float32 masters of a low-precision model)
+        with torch.no_grad():
+            if device.type == "cpu":
+                params = {n: (p.detach().float() if lowp else p.detach()).contiguous().numpy() for n, p in trainable}
+            else:
+                params = {n: (p.detach().float() if lowp else p.detach()).contiguous() for n, p in trainable}
+            super().__init__(params, optimizer, **engine_kwargs)
+        self.module = module
+        self._torch = torch
+        self._lowp = lowp
+        weights = self.working if lowp else self.params
+        if lowp:
+            # .grad must have the parameter's dtype: a low-precision buffer, added into the float32 one
+            self._lp_grads = torch.zeros(self.layout.size, dtype=dtype, device=device)
+            self._grads_view = _np_view(self.grads.flat, torch)
+        bound = []
+        for name, p in trainable:
+            data = _np_view(weights[name], torch)
+            if lowp:
+                sl = self.layout.slice(name)
+                grad = self._lp_grads[sl].view(p.shape)
+            else:
+                grad = _np_view(self.grads[name], torch)
+            p.data = data
+            p.grad = grad
+            bound.append((name, p, data, grad))
+        self._bound = bound
+        self.frozen = {n: p for n, p in named if not p.requires_grad}
+        param_names = {n for n, _ in module.named_parameters(remove_duplicate=False)}
+        self.buffers = {n: t for n, t in module.state_dict(keep_vars=True).items() if n not in param_names}
+
+    @staticmethod
+    def _check_cuda_device(device) -> None:
+        from ..backend import require_cuda
+
+        require_cuda("module")
+        import cupy
+
+        current = cupy.cuda.Device().id
+        if device.index is not None and device.index != current:
+            raise BackendError(f"module: on {device}, but CuPy's current device is cuda:{current}; "
+                               f"bind under `with cupy.cuda.Device({device.index}):`")
+
+    # -- the step -------------------------------------------------------------------------
+    @_exclusive
+    def step(self, grads: Mapping | None = None, *, weight: float | None = None):
+        """:meth:`Engine.step`; with no ``grads``, first reconnect the module (see the module docstring)."""
+        if grads is None:
+            self._check_weight(weight)  # refused before the gradients are touched
+            self._connect()
+        return super().step(grads, weight=weight)
+
+    def _connect(self) -> None:
+        """Check every parameter, then repair: nothing is written unless every check passes."""
+        data_fixes, grad_fixes, zero = [], [], []
+        for name, p, data, grad in self._bound:
+            if not p.requires_grad:
+                raise LayoutError(f"{name!r}: requires_grad was turned off after bind, but the engine still "
+                                  "trains it (and would decay it); bind the module again")
+            if p.data_ptr() != data.data_ptr() or p.shape != data.shape or p.dtype != data.dtype \
+                    or p.device != data.device:
+                self._check_kind(name, "parameter", p, data)
+                data_fixes.append((p, data))
+            g = p.grad
+            if g is grad:
+                continue
+            if g is None:
+                zero.append((p, grad))
+            else:
+                self._check_kind(name, "gradient", g, grad)
+                grad_fixes.append((p, g, grad))
+        if len(zero) == len(self._bound):
+            raise NoGradientsError("no parameter has a gradient (every .grad is None, e.g. after "
+                                   "model.zero_grad()): call loss.backward() before engine.step()")
+        for name, p in self.frozen.items():
+            if p.requires_grad:
+                raise LayoutError(f"{name!r}: frozen at bind and now requires_grad=True; the engine does "
+                                  "not hold it, so it would never be trained: bind the module again")
+        with self._torch.no_grad():
+            for p, data in data_fixes:  # p.data replaced by a tensor of the same kind: keep its values
+                data.copy_(p.detach())
+                p.data = data
+            for p, g, grad in grad_fixes:  # a gradient torch allocated after zero_grad(set_to_none=True)
+                grad.copy_(g)
+                p.grad = grad
+            for p, grad in zero:
+                grad.zero_()
+                p.grad = grad
+            if self._lowp:
+                if self._micro == 0:
+                    self._grads_view.copy_(self._lp_grads)
+                else:
+                    self._grads_view.add_(self._lp_grads)
+                self._lp_grads.zero_()
+
+    @staticmethod
+    def _check_kind(name: str, what: str, got, bound) -> None:
+        if got.dtype != bound.dtype:
+            raise DTypeError(f"{name!r}: {what} dtype {got.dtype} != bound {bound.dtype} (the module was "
+                             "converted after bind: convert it first, then bind)")
+        if got.device != bound.device:
+            raise BackendError(f"{name!r}: {what} on {got.device}, bound on {bound.device} (the module was "
+                               "moved after bind: move it first, then bind)")
+        if tuple(got.shape) != tuple(bound.shape):
+            raise ShapeMismatchError(name, tuple(bound.shape), tuple(got.shape), what=what)
+
+    @_exclusive
+    def zero_grad(self) -> None:
+        """:meth:`Engine.zero_grad`, and the low-precision gradient buffer of a bf16/fp16 module."""
+        super().zero_grad()
+        if self._lowp:
+            self._lp_grads.zero_()
+
+    # -- state: the engine's, plus the module's frozen parameters and buffers ----------------
+    @_exclusive
+    def state_dict(self, copy: bool = True) -> dict:
+        state = super().state_dict(copy=copy)
+        torch = self._torch
+        state["module"] = {
+            "buffers": {n: _host(t, torch, copy) for n, t in self.buffers.items()},
+            "frozen": {n: _host(t, torch, copy) for n, t in self.frozen.items()},
+        }
+        return state
+
+    @_exclusive
+    def load_state_dict(self, state: Mapping) -> None:
+        """:meth:`Engine.load_state_dict` plus the module's part; everything validated before any write."""
+        module_writes = self._check_module_state(state)
+        writes = self._check_state(state)
+        for write in writes:
+            write()
+        for write in module_writes:
+            write()
+        self._refresh_working()
+
+    def _check_module_state(self, state) -> list:
+        torch = self._torch
+        try:
+            sub = state["module"]
+        except (KeyError, TypeError):
+            raise StateDictError("state dict lacks 'module' (the frozen parameters and buffers of a bound "
+                                 "module); was it saved from an engine made by bind?") from None
+        if not isinstance(sub, Mapping) or set(sub) != {"buffers", "frozen"}:
+            raise StateDictError(f"module: expected a mapping with 'buffers' and 'frozen', got "
+                                 f"{sorted(sub) if isinstance(sub, Mapping) else type(sub).__name__}")
+        writes = []
+        for part, tensors in (("buffers", self.buffers), ("frozen", self.frozen)):
+            arrays = sub[part]
+            if not isinstance(arrays, Mapping) or set(arrays) != set(tensors):
+                got = sorted(arrays) if isinstance(arrays, Mapping) else type(arrays).__name__
+                raise StateDictError(f"module {part}: expected {sorted(tensors)}, got {got}")
+            for name, t in tensors.items():
+                a = arrays[name]
+                want = _np_dtype(t, torch)
+                if not isinstance(a, np.ndarray) or a.dtype != want or a.shape != tuple(t.shape):
+                    raise StateDictError(
+                        f"module {part}[{name!r}]: expected a NumPy {want} array of shape {tuple(t.shape)}, got "
+                        f"{getattr(a, 'dtype', type(a).__name__)}{getattr(a, 'shape', '')}")
+                src = np.array(a)  # a copy: the array may be a view of the tensor it is written to
+                src_t = torch.from_numpy(src.view(np.int16)).view(torch.bfloat16) if t.dtype == torch.bfloat16 \
+                    else torch.from_numpy(src)
+                writes.append(lambda t=t, src_t=src_t: _copy_into(t, src_t, torch))
+        return writes
+
+
+def _copy_into(t, src, torch) -> None:
+    with torch.no_grad():
+        t.copy_(src)

@@ -1,0 +1,50 @@
+"""The dict path: one ``{name: np.ndarray}`` micro-batch handed to ``engine.step`` (no optimizer step)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+import arraytrain as at
+from arraytrain.kernels import cpu
+
+ELEMENTS = 1_000_000
+
+
+class DictIntake:
+    """A micro-batch of ``tensors`` float32 gradients, 1e6 elements in all, accumulated into the engine.
+
+    ``general``: the path every structure takes the first time (``as_array`` and
+    the checks per gradient, one accumulate call each); ``cached``: the reused
+    structure (the default from the second micro-batch on). ``track_per_tensor_us``
+    subtracts one accumulate over the whole flat buffer (the copy-in's memory
+    traffic) and divides by the tensor count.
+    """
+
+    params = [["general", "cached"], [100, 500, 2000]]
+    param_names = ["path", "tensors"]
+
+    def setup(self, path, tensors):
+        size = ELEMENTS // tensors
+        rng = np.random.default_rng(0)
+        p = {f"t{i}": rng.standard_normal(size).astype(np.float32) for i in range(tensors)}
+        self.grads = {k: v * np.float32(0.01) for k, v in p.items()}
+        self.engine = at.Engine(p, at.optim.AdamW(lr=1e-3), accumulation_steps=2**40)
+        self.engine._intake.fast = path == "cached"
+        self.src = np.ones(self.engine.grads.flat.size, np.float32)
+        for _ in range(2):  # JIT compilation and the structure cache: outside the timed method
+            self.engine.step(self.grads)
+            cpu.accumulate(self.engine.grads.flat, self.src, 1.0, False)
+        self.tensors = tensors
+
+    def time_micro_batch(self, path, tensors):
+        self.engine.step(self.grads)
+
+    def track_per_tensor_us(self, path, tensors):
+        import timeit
+
+        t = min(timeit.repeat(lambda: self.engine.step(self.grads), number=10, repeat=5)) / 10
+        floor = min(timeit.repeat(lambda: cpu.accumulate(self.engine.grads.flat, self.src, 1.0, False),
+                                  number=10, repeat=5)) / 10
+        return (t - floor) / tensors * 1e6
+
+    track_per_tensor_us.unit = "us"
