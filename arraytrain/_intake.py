@@ -176,11 +176,7 @@ class Intake:
         self.buf, self.protect, self.kernels = buf, protect, kernels
         self.fast = backend_of(buf.flat) == NUMPY  # the plan is for NumPy buffers only
         self._plan: _Plan | None = None
-        if impl == "reference":
-            from .kernels.scatter import scatter_reference as scatter
-        else:
-            from .kernels.scatter import scatter
-        self._scatter = scatter
+        self._scatter = kernels.accumulate_packed
         self._numpy_ok = impl != "reference"  # the reference kernels compute in float64: keep them
         # arrays that own the memory of the protected buffers: a gradient that owns its
         # memory aliases a buffer only if it is one of these (checked when a plan is built)

@@ -14,6 +14,7 @@ import pytest
 
 import test_adafactor
 import test_amp
+import test_intake_fast
 import test_kernels
 import test_kernels_optim
 import test_prune
@@ -24,6 +25,7 @@ from cuda_family import ON_DEVICE, require_cuda
 # re-collected here; their globals stay those of their own module
 from test_adafactor import test_kernel_matches_reference as test_adafactor_kernel_matches_reference  # noqa: F401
 from test_adafactor import test_nan_propagates_as_in_the_reference, test_working_copy_written_in_the_same_pass  # noqa: F401
+from test_intake_fast import test_accumulate_packed_matches_reference  # noqa: F401
 from test_amp import test_adam_bfloat16_state_kernel_matches_reference, test_cast_working_is_bitwise_the_numpy_cast  # noqa: F401
 from test_kernels import (  # noqa: F401
     test_accumulate_matches_reference,
@@ -51,7 +53,7 @@ from test_sam import test_perturb_kernel_matches_reference, test_sumsq_product_m
 from test_sophia import test_kernel_matches_reference as test_sophia_kernel_matches_reference  # noqa: F401
 from test_sophia import test_nonfinite_propagates_as_in_the_reference  # noqa: F401
 
-MODULES = (test_adafactor, test_amp, test_kernels, test_kernels_optim, test_prune, test_sam, test_sophia)
+MODULES = (test_adafactor, test_amp, test_intake_fast, test_kernels, test_kernels_optim, test_prune, test_sam, test_sophia)
 
 
 @pytest.fixture(autouse=True)

@@ -19,7 +19,8 @@ from arraytrain.errors import (
     ShapeMismatchError,
     UnknownParameterError,
 )
-from arraytrain.kernels.scatter import scatter, scatter_reference
+from arraytrain.kernels import cpu
+from arraytrain.kernels import reference as ref
 from arraytrain.layout import Layout
 from conftest import engine_snapshot
 
@@ -78,15 +79,15 @@ def test_many_tensors_span_several_staging_groups():
 
 
 @pytest.mark.parametrize("n", [0, 1, 7, 1037, 278011])
-def test_scatter_kernel_matches_reference(n):
+def test_accumulate_packed_matches_reference(n):
     rng = np.random.default_rng(n)
     src = rng.standard_normal(3 * n).astype(np.float32)
     table = np.array([[0, 16 * 0, n], [n, -(-n // 16) * 16, n], [2 * n, 2 * -(-n // 16) * 16, n]], np.int64)
     for overwrite in (True, False):
         a = rng.standard_normal(3 * -(-n // 16) * 16 + 16).astype(np.float32)
         b = a.copy()
-        scatter(a, src, table, 0.37, overwrite)
-        scatter_reference(b, src, table, 0.37, overwrite)
+        cpu.accumulate_packed(a, src, table, 0.37, overwrite)
+        ref.accumulate_packed(b, src, table, 0.37, overwrite)
         np.testing.assert_allclose(a, b, rtol=1.3e-6 * 5, atol=1e-5 * 5)
 
 

@@ -42,6 +42,7 @@ IMPLS = ("numba", "reference")
 # argument names (tests/test_kernel_interface.py checks it).
 KERNELS = {
     "accumulate": ("reductions", "acc = w*g, or acc += w*g (a micro-batch into the gradient buffer)"),
+    "accumulate_packed": ("reductions", "acc[d:d+n] (=|+=) w*src[s:s+n] per row (s, d, n): many gradients, one call"),
     "scale": ("reductions", "x *= s"),
     "all_finite": ("reductions", "no NaN or Inf in x"),
     "sumsq": ("reductions", "float64 sums of squares over the pieces: (total, per segment), fixed order"),

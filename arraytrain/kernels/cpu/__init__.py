@@ -6,6 +6,7 @@ Importing it compiles nothing: kernels compile on first call and are cached on d
 from ..interface import LP_BF16, LP_F16, LP_NONE  # noqa: F401
 from .reductions import (  # noqa: F401
     accumulate,
+    accumulate_packed,
     all_finite,
     cast_working,
     max_abs,

@@ -37,6 +37,32 @@ def accumulate(acc, g, w, overwrite):
     _pick(_ACCUMULATE, acc.size)(acc, g, acc.dtype.type(w), bool(overwrite))
 
 
+def _accumulate_packed(acc, src, table, w, overwrite):
+    for t in prange(table.shape[0]):
+        s, d, n = table[t, 0], table[t, 1], table[t, 2]
+        ab, gb = acc[d : d + n], src[s : s + n]
+        if overwrite:
+            for i in range(ab.size):
+                ab[i] = w * gb[i]
+        else:
+            for i in range(ab.size):
+                ab[i] += w * gb[i]
+
+
+_ACCUMULATE_PACKED = _twins(_accumulate_packed)
+
+
+def accumulate_packed(acc, src, table, w, overwrite):
+    """``acc[d:d+n] = w * src[s:s+n]`` (or ``+=``) for each row ``(s, d, n)`` of the int64 ``table``.
+
+    Many small gradients packed back to back (the engine's dict path stages them with one
+    ``np.concatenate``) written in one call; the arithmetic is :func:`accumulate`'s, so the
+    bits are those of writing each gradient directly. Rows must not overlap in ``acc``.
+    """
+    if table.shape[0]:
+        _pick(_ACCUMULATE_PACKED, src.size)(acc, src, table, acc.dtype.type(w), bool(overwrite))
+
+
 def _scale(x, s):
     n = x.size
     for b in prange((n + BLOCK - 1) // BLOCK):

@@ -10,6 +10,7 @@ when it is missing, and every kernel is compiled by NVRTC on first use and memoi
 from ..interface import LP_BF16, LP_F16, LP_NONE  # noqa: F401
 from .reductions import (  # noqa: F401
     accumulate,
+    accumulate_packed,
     all_finite,
     cast_working,
     max_abs,

@@ -27,6 +27,16 @@ __global__ void arraytrain_accumulate(TA* __restrict__ acc, const TG* __restrict
         acc[i] = overwrite ? (TA)(w * g[i]) : (TA)(acc[i] + w * g[i]);
 }
 
+// One block per row (s, d, n) of the table: acc[d:d+n] (=|+=) w * src[s:s+n].
+template <typename TA, typename TG>
+__global__ void arraytrain_accumulate_packed(TA* __restrict__ acc, const TG* __restrict__ src,
+                                             const i64* __restrict__ table, TA w, int overwrite) {
+    const i64* r = table + 3 * (i64)blockIdx.x;
+    const i64 s = r[0], d = r[1], n = r[2];
+    for (i64 i = threadIdx.x; i < n; i += blockDim.x)
+        acc[d + i] = overwrite ? (TA)(w * src[s + i]) : (TA)(acc[d + i] + w * src[s + i]);
+}
+
 template <typename T>
 __global__ void arraytrain_scale(T* __restrict__ x, i64 n, T s) {
     const i64 stride = (i64)gridDim.x * blockDim.x;
@@ -106,7 +116,7 @@ __global__ void arraytrain_cast_working(u16* __restrict__ w, const float* __rest
     for (i64 i = c.lo + threadIdx.x; i < c.hi; i += blockDim.x)
         w[i] = WK == 1 ? bf16_encode(p[i]) : f16_encode(p[i]);
 }
-""", [f"arraytrain_accumulate<{a},{g}>" for a in _FLOATS for g in _FLOATS]
+""", [f"arraytrain_accumulate{k}<{a},{g}>" for k in ("", "_packed") for a in _FLOATS for g in _FLOATS]
    + [f"arraytrain_scale<{t}>" for t in _FLOATS]
    + [f"arraytrain_all_finite<{t}>" for t in _FLOATS]
    + [f"arraytrain_chunk_reduce<{t},{op}>" for t in _FLOATS for op in range(4)]
@@ -124,6 +134,12 @@ def accumulate(acc, g, w, overwrite):
     """``acc = w * g`` if ``overwrite`` else ``acc += w * g`` (math in ``acc``'s dtype)."""
     fn = SOURCE.function(f"arraytrain_accumulate<{ctype(acc.dtype)},{ctype(g.dtype)}>")
     launch(fn, _grid(acc.size), (acc, g, np.int64(acc.size), acc.dtype.type(w), np.int32(bool(overwrite))))
+
+
+def accumulate_packed(acc, src, table, w, overwrite):
+    """``acc[d:d+n] (=|+=) w * src[s:s+n]`` for each row ``(s, d, n)`` of the int64 device ``table``."""
+    fn = SOURCE.function(f"arraytrain_accumulate_packed<{ctype(acc.dtype)},{ctype(src.dtype)}>")
+    launch(fn, table.shape[0], (acc, src, table, acc.dtype.type(w), np.int32(bool(overwrite))))
 
 
 def scale(x, s):

@@ -12,6 +12,13 @@ def accumulate(acc, g, w, overwrite):
     acc[...] = new
 
 
+def accumulate_packed(acc, src, table, w, overwrite):
+    """``acc[d:d+n] (=|+=) w * src[s:s+n]`` for each row ``(s, d, n)`` of ``table``: :func:`accumulate` per row."""
+    for s, d, n in np.asarray(table, np.int64).reshape(-1, 3):
+        if n:
+            accumulate(acc[d : d + n], src[s : s + n], w, overwrite)
+
+
 def scale(x, s):
     """``x *= s``."""
     x[...] = _f64(x) * s
