@@ -78,7 +78,8 @@ from test_predict import (  # noqa: F401
 COMPRESS_ON_DEVICE = OnDevice("arraytrain.kernels.cuda.compression", compress_reference)
 PROJECT_ON_DEVICE = OnDevice("arraytrain.kernels.cuda.projection", project_reference)
 TREND_ON_DEVICE = OnDevice("arraytrain.kernels.cuda.trend", trend_reference)
-SHIMS = {"optim": ON_DEVICE, "compress": COMPRESS_ON_DEVICE, "project": PROJECT_ON_DEVICE, "trend": TREND_ON_DEVICE}
+SHIMS = {"reductions": ON_DEVICE, "compression": COMPRESS_ON_DEVICE, "projection": PROJECT_ON_DEVICE,
+         "trend": TREND_ON_DEVICE}
 
 
 def _family_on_device(family, backend, impl="numba"):
