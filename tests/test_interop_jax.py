@@ -26,6 +26,17 @@ from cuda_family import require_cuda  # noqa: E402
 LR, WD, MAX_NORM, STEPS = 3e-3, 1e-2, 1.0, 50
 
 
+@pytest.fixture(autouse=True)
+def on_the_cpu(request):
+    """Every test but the GPU one builds its arrays on JAX's CPU device (on a machine with a GPU,
+    JAX's default device is the GPU, and the binding would then rightly build a CUDA engine)."""
+    if "gpu" in request.function.__name__:
+        yield
+        return
+    with jax.default_device(jax.devices("cpu")[0]):
+        yield
+
+
 def nested(seed=0):
     """Nested dicts, lists and tuples, a scalar and a zero-size leaf."""
     r = np.random.default_rng(seed)
