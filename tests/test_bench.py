@@ -41,6 +41,8 @@ def test_contestant_matches_arraytrain(name, opt):
 
 def test_every_optimizer_has_an_outside_contestant():
     for opt in compare.OPTIMIZERS:
+        if opt == "adamw-bf16":  # arraytrain's own variant: measured against its float32 "adamw" row
+            continue
         outside = [c for c in compare.CONTESTANTS if c != "arraytrain" and (c, opt) not in compare.NOT_AVAILABLE]
         assert outside, opt
     assert len(PAIRS) == 28  # every (contestant, optimizer) pair that the matching test checks

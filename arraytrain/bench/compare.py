@@ -77,6 +77,9 @@ OPTIMIZERS = {
     # factored statistics (O(rows + cols)) left out; the step size needs the update's RMS,
     # which needs the row/column sums of all of g: read g; read p, g; read p, g, write p
     "adafactor": 6,
+    # AdamW with bfloat16 moments: p, g and the update's p at 4 bytes, m and v read and written
+    # at 2 bytes (counted as 4 accesses of 2 bytes = 2 of 4 bytes): 24 B/param with the norm pass
+    "adamw-bf16": 5,
 }
 DEFAULT_OPTIMIZERS = ("adamw", "adam", "sgd")
 
@@ -84,6 +87,8 @@ DEFAULT_OPTIMIZERS = ("adamw", "adam", "sgd")
 NOT_AVAILABLE = {
     **{(c, o): f"torch.optim has no {title}" for c in ("torch-foreach", "torch-fused", "torch-forloop")
        for o, title in (("lion", "Lion"), ("lamb", "LAMB"))},
+    **{(c, "adamw-bf16"): "bfloat16 moments are arraytrain's own (the others keep float32 state)"
+       for c in ("torch-foreach", "torch-fused", "torch-forloop", "numpy", "optax")},
     ("torch-fused", "rmsprop"): "torch.optim.RMSprop has no fused implementation",
     ("torch-fused", "adafactor"): "torch.optim.Adafactor has no fused implementation",
     ("numpy", "adafactor"): "no hand-written NumPy Adafactor (factored statistics and two RMS reductions)",
@@ -169,7 +174,8 @@ def arraytrain_optimizer(opt: str):
             "rmsprop": lambda: at.optim.RMSprop(**RMSPROP),
             "adafactor": lambda: at.optim.Adafactor(**ADAFACTOR),
             "lion": lambda: at.optim.Lion(**LION),
-            "lamb": lambda: at.optim.LAMB(**LAMB)}[opt]()
+            "lamb": lambda: at.optim.LAMB(**LAMB),
+            "adamw-bf16": lambda: at.optim.AdamW(LR, BETAS, EPS, WD, state_dtype="bfloat16")}[opt]()
 
 
 def make_engine(opt: str, params: list, grads: list, zero_grad: bool = False):
