@@ -77,9 +77,6 @@ OPTIMIZERS = {
     # factored statistics (O(rows + cols)) left out; the step size needs the update's RMS,
     # which needs the row/column sums of all of g: read g; read p, g; read p, g, write p
     "adafactor": 6,
-    # AdamW with bfloat16 moments: p, g and the update's p at 4 bytes, m and v read and written
-    # at 2 bytes (counted as 4 accesses of 2 bytes = 2 of 4 bytes): 24 B/param with the norm pass
-    "adamw-bf16": 5,
 }
 DEFAULT_OPTIMIZERS = ("adamw", "adam", "sgd")
 
@@ -87,8 +84,7 @@ DEFAULT_OPTIMIZERS = ("adamw", "adam", "sgd")
 NOT_AVAILABLE = {
     **{(c, o): f"torch.optim has no {title}" for c in ("torch-foreach", "torch-fused", "torch-forloop")
        for o, title in (("lion", "Lion"), ("lamb", "LAMB"))},
-    **{(c, "adamw-bf16"): "bfloat16 moments are arraytrain's own (the others keep float32 state)"
-       for c in ("torch-foreach", "torch-fused", "torch-forloop", "numpy", "optax")},
+    ("arraytrain-bf16", "adafactor"): "Adafactor keeps its factored statistics in the parameters' dtype",
     ("torch-fused", "rmsprop"): "torch.optim.RMSprop has no fused implementation",
     ("torch-fused", "adafactor"): "torch.optim.Adafactor has no fused implementation",
     ("numpy", "adafactor"): "no hand-written NumPy Adafactor (factored statistics and two RMS reductions)",
@@ -163,10 +159,13 @@ def make_triad(n: int = 50_000_000):
 # -- whose ``.params()`` lists the parameters after the steps taken so far -------------------
 
 
-def arraytrain_optimizer(opt: str):
-    """arraytrain's optimizer ``opt`` with the benchmark's hyperparameters."""
+def arraytrain_optimizer(opt: str, state_dtype: str | None = None):
+    """arraytrain's optimizer ``opt`` with the benchmark's hyperparameters (and ``state_dtype``)."""
     import arraytrain as at
 
+    if state_dtype is not None:
+        return arraytrain_optimizer(opt).__class__(**{**arraytrain_optimizer(opt).hyperparameters(),
+                                                      "state_dtype": state_dtype})
     return {"adamw": lambda: at.optim.AdamW(LR, BETAS, EPS, WD),
             "adam": lambda: at.optim.Adam(LR, BETAS, EPS),
             "sgd": lambda: at.optim.SGD(LR, momentum=MOMENTUM),
@@ -174,16 +173,15 @@ def arraytrain_optimizer(opt: str):
             "rmsprop": lambda: at.optim.RMSprop(**RMSPROP),
             "adafactor": lambda: at.optim.Adafactor(**ADAFACTOR),
             "lion": lambda: at.optim.Lion(**LION),
-            "lamb": lambda: at.optim.LAMB(**LAMB),
-            "adamw-bf16": lambda: at.optim.AdamW(LR, BETAS, EPS, WD, state_dtype="bfloat16")}[opt]()
+            "lamb": lambda: at.optim.LAMB(**LAMB)}[opt]()
 
 
-def make_engine(opt: str, params: list, grads: list, zero_grad: bool = False):
+def make_engine(opt: str, params: list, grads: list, zero_grad: bool = False, state_dtype: str | None = None):
     """A clipping engine over ``params`` (NumPy or CuPy) with ``grads`` already in ``engine.grads``."""
     import arraytrain as at
 
-    engine = at.Engine({f"p{i}": p for i, p in enumerate(params)}, arraytrain_optimizer(opt), max_grad_norm=MAX_NORM,
-                       zero_grad_on_step=zero_grad)
+    engine = at.Engine({f"p{i}": p for i, p in enumerate(params)}, arraytrain_optimizer(opt, state_dtype),
+                       max_grad_norm=MAX_NORM, zero_grad_on_step=zero_grad)
     engine.grads.load({f"p{i}": g for i, g in enumerate(grads)})
     return engine
 
@@ -200,14 +198,15 @@ def torch_optimizer(opt: str, ps: list, flag: dict):
             "adafactor": lambda: torch.optim.Adafactor(ps, **ADAFACTOR, **flag)}[opt]()
 
 
-def make_arraytrain(opt: str, n: int, zero_grad: bool = False):
+def make_arraytrain(opt: str, n: int, zero_grad: bool = False, state_dtype: str | None = None):
     params, grads = _data(n, opt=opt)
-    engine = make_engine(opt, params, grads, zero_grad)
+    engine = make_engine(opt, params, grads, zero_grad, state_dtype)
 
     def step():
         engine.step()
 
     step.params = lambda: [engine.params[f"p{i}"] for i in range(len(params))]
+    step.engine = engine
     step()
     return step
 
@@ -438,8 +437,15 @@ def make_optax(opt: str, n: int, zero_grad: bool = False):
     return step
 
 
+def make_arraytrain_bf16(opt: str, n: int, zero_grad: bool = False):
+    """arraytrain with ``state_dtype="bfloat16"``: the optimizer state at 2 bytes per element."""
+    _check_available("arraytrain-bf16", opt)
+    return make_arraytrain(opt, n, zero_grad, "bfloat16")
+
+
 CONTESTANTS = {
     "arraytrain": make_arraytrain,
+    "arraytrain-bf16": make_arraytrain_bf16,
     "torch-foreach": make_torch_foreach,
     "torch-fused": make_torch_fused,
     "numpy": make_numpy,
