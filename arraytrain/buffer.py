@@ -7,7 +7,7 @@ from collections.abc import Iterator, Mapping
 import numpy as np
 
 from .backend import BFLOAT16, NUMPY, as_array, backend_of, check_float_dtype, same_backend
-from .errors import ArgumentTypeError, LayoutError, ReadOnlyError, ShapeMismatchError, UnknownParameterError
+from .errors import ArgumentTypeError, BackendUnavailableError, LayoutError, ReadOnlyError, ShapeMismatchError, UnknownParameterError
 from .layout import DEFAULT_ALIGN, Layout
 
 
@@ -43,7 +43,11 @@ def aligned_empty(n: int, dtype, xp=np):
         raw = np.empty(n * dtype.itemsize + ALIGN_BYTES, np.uint8)
         start = -raw.__array_interface__["data"][0] % ALIGN_BYTES
         return raw[start : start + n * dtype.itemsize].view(dtype)
-    arr = xp.empty(n, dtype=dtype)
+    try:
+        arr = xp.empty(n, dtype=dtype)
+    except TypeError:  # CuPy before 14 has no bfloat16
+        raise BackendUnavailableError(f"dtype {dtype}: CuPy {xp.__version__} cannot hold it on the GPU "
+                                      "(bfloat16 needs CuPy >= 14)") from None
     if arr.data.ptr % ALIGN_BYTES == 0:
         return arr
     raw = xp.empty(n * dtype.itemsize + ALIGN_BYTES, xp.uint8)  # a custom allocator: align by hand
