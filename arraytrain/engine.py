@@ -78,7 +78,7 @@ def _exclusive(method):
     return guarded
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class StepReport:
     """What one call of :meth:`Engine.step` did.
 
@@ -349,7 +349,8 @@ class Engine:
         self._micro += 1
         self._weight_sum += w
         if self._micro < self.accumulation_steps:
-            return StepReport(False, False, self.state.step, self._micro, lr, loss_scale=self.loss_scale)
+            return StepReport(applied=False, skipped=False, step=self.state.step, micro_batches=self._micro, lr=lr,
+                              loss_scale=self.loss_scale)
         return self._boundary(lr)
 
     def _check_weight(self, weight) -> float:
@@ -397,7 +398,9 @@ class Engine:
                                    grad_norm=norm, zero_grad=self.zero_grad_on_step, mask=self.mask)
             self._perturbed = True
             self._refresh_working()
-            return StepReport(False, False, step, 0, lr, norm, coef, self.loss_scale, True, norms, self.layout.names)
+            return StepReport(applied=False, skipped=False, step=step, micro_batches=0, lr=lr, grad_norm=norm,
+                              clip_coef=coef, loss_scale=self.loss_scale, perturbed=True, _segment_norms=norms,
+                              _names=self.layout.names)
         payload = None
         if not applied:
             gscale = coef / unscale
@@ -409,10 +412,10 @@ class Engine:
         self._perturbed = False
         if self.loss_scaler is not None:
             self.loss_scaler.update(found_inf=False)
-        return StepReport(True, False, self.state.step, 0, lr, norm, coef, self.loss_scale, False,
-                          norms, self.layout.names,
-                          None if payload is None else payload.nbytes,
-                          None if payload is None else payload.dense_nbytes)
+        return StepReport(applied=True, skipped=False, step=self.state.step, micro_batches=0, lr=lr, grad_norm=norm,
+                          clip_coef=coef, loss_scale=self.loss_scale, _segment_norms=norms, _names=self.layout.names,
+                          payload_bytes=None if payload is None else payload.nbytes,
+                          dense_bytes=None if payload is None else payload.dense_nbytes)
 
     def _update(self, gscale, lrs) -> None:
         """The optimizer's fused update (``lrs``: the scheduled per-parameter rates, or None)."""
@@ -455,7 +458,8 @@ class Engine:
                 f"(max_consecutive_skips={self.max_consecutive_skips}, loss scale {self.loss_scale:g}); "
                 "parameters and state are those of the last finite step"
             )
-        return StepReport(False, True, step, 0, lr, math.nan, None, self.loss_scale)
+        return StepReport(applied=False, skipped=True, step=step, micro_batches=0, lr=lr, grad_norm=math.nan,
+                          loss_scale=self.loss_scale)
 
     @_exclusive
     def observe(self, metric: float) -> None:
