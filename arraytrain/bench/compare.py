@@ -527,18 +527,25 @@ def regressions(new: dict, old: dict, threshold: float = 1.10) -> list[str]:
     return found
 
 
-def first_step_seconds(cache_dir: str) -> float:
-    """Seconds from interpreter start to the end of the first ``engine.step`` in a fresh process."""
+def first_step_seconds(cache_dir: str, device: str = "cpu") -> float:
+    """Seconds from interpreter start to the end of the first ``engine.step`` in a fresh process.
+
+    ``cache_dir`` holds the compiled kernels: numba's cache on the CPU, CuPy's kernel cache on
+    ``device="cuda"`` (an empty directory: the cold start; the same again: the warm one).
+    """
     import subprocess
 
+    xp = "cupy" if device == "cuda" else "numpy"
     code = (
         "import time; t0 = time.perf_counter()\n"
-        "import numpy as np, arraytrain as at\n"
-        "e = at.Engine({'w': np.ones((256, 256), np.float32)}, at.optim.AdamW(), max_grad_norm=1.0)\n"
-        "e.step({'w': np.ones((256, 256), np.float32)})\n"
+        f"import numpy as np, {xp} as xp, arraytrain as at\n"
+        "e = at.Engine({'w': np.ones((256, 256), np.float32)}, at.optim.AdamW(), max_grad_norm=1.0, "
+        f"device={device!r})\n"
+        "e.step({'w': xp.ones((256, 256), np.float32)})\n"
         "print(time.perf_counter() - t0)\n"
     )
-    env = dict(os.environ, NUMBA_CACHE_DIR=cache_dir)
+    cache_var = "CUPY_CACHE_DIR" if device == "cuda" else "NUMBA_CACHE_DIR"
+    env = dict(os.environ, **{cache_var: cache_dir})
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     return float(out.stdout.split()[-1])
 

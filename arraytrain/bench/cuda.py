@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import tempfile
 
 import numpy as np
 
-from .compare import MAX_NORM, N_TENSORS, NOT_AVAILABLE, _matrix, _split, make_engine, step_bytes, torch_optimizer
+from .compare import (MAX_NORM, N_TENSORS, NOT_AVAILABLE, _matrix, _split, first_step_seconds, make_engine,
+                      step_bytes, torch_optimizer)
 
 BLOCK = 5
 DEFAULT_OPTIMIZERS = ("adamw", "adam", "sgd", "adagrad", "rmsprop", "lion", "lamb", "adafactor")
@@ -187,20 +186,6 @@ def table(rows, copy_gbs) -> str:
     return "\n".join(out)
 
 
-def first_step_seconds(cache_dir: str) -> float:
-    """Interpreter start to the end of the first CUDA ``engine.step`` with CuPy's kernel cache in ``cache_dir``."""
-    code = (
-        "import time; t0 = time.perf_counter()\n"
-        "import numpy as np, cupy as cp, arraytrain as at\n"
-        "e = at.Engine({'w': np.ones((256, 256), np.float32)}, at.optim.AdamW(), max_grad_norm=1.0, device='cuda')\n"
-        "e.step({'w': cp.ones((256, 256), np.float32)})\n"
-        "print(time.perf_counter() - t0)\n"
-    )
-    env = dict(os.environ, CUPY_CACHE_DIR=cache_dir)
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-    return float(out.stdout.split()[-1])
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m arraytrain.bench compare --device cuda")
     ap.add_argument("--device", default="cuda", choices=("cuda",))
@@ -246,7 +231,7 @@ def main(argv=None) -> int:
         print("\nnot available: " + "; ".join(f"{k}: {v}" for k, v in unavailable.items()))
     if args.startup:
         with tempfile.TemporaryDirectory() as cache:
-            doc["startup"] = {"cold_s": first_step_seconds(cache), "warm_s": first_step_seconds(cache)}
+            doc["startup"] = {"cold_s": first_step_seconds(cache, "cuda"), "warm_s": first_step_seconds(cache, "cuda")}
         print(f"\nfirst CUDA engine.step in a fresh process (import + NVRTC compile or cache load + step): "
               f"cold kernel cache {doc['startup']['cold_s']:.2f} s, warm {doc['startup']['warm_s']:.2f} s")
     if args.json:

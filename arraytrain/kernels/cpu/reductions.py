@@ -15,18 +15,23 @@ from .codecs import store_working
 # -- accumulate / scale ----------------------------------------------------------------
 
 
+@njit(inline="always", **JIT)
+def _write_scaled(ab, gb, w, overwrite):
+    """``ab = w * gb`` or ``ab += w * gb`` over one block (shared by both accumulate kernels: same bits)."""
+    if overwrite:
+        for i in range(ab.size):
+            ab[i] = w * gb[i]
+    else:
+        for i in range(ab.size):
+            ab[i] += w * gb[i]
+
+
 def _accumulate(acc, g, w, overwrite):
     n = acc.size
     for b in prange((n + BLOCK - 1) // BLOCK):
         lo = b * BLOCK
         hi = min(lo + BLOCK, n)
-        ab, gb = acc[lo:hi], g[lo:hi]
-        if overwrite:
-            for i in range(ab.size):
-                ab[i] = w * gb[i]
-        else:
-            for i in range(ab.size):
-                ab[i] += w * gb[i]
+        _write_scaled(acc[lo:hi], g[lo:hi], w, overwrite)
 
 
 _ACCUMULATE = _twins(_accumulate)
@@ -40,13 +45,7 @@ def accumulate(acc, g, w, overwrite):
 def _accumulate_packed(acc, src, table, w, overwrite):
     for t in prange(table.shape[0]):
         s, d, n = table[t, 0], table[t, 1], table[t, 2]
-        ab, gb = acc[d : d + n], src[s : s + n]
-        if overwrite:
-            for i in range(ab.size):
-                ab[i] = w * gb[i]
-        else:
-            for i in range(ab.size):
-                ab[i] += w * gb[i]
+        _write_scaled(acc[d : d + n], src[s : s + n], w, overwrite)
 
 
 _ACCUMULATE_PACKED = _twins(_accumulate_packed)
