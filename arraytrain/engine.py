@@ -17,6 +17,7 @@ from .amp import LossScaler, working_spec
 from .backend import NUMPY, array_module, backend_of, kernels_for, to_device
 from .buffer import FlatBuffer, aligned
 from .compress._base import check_compressor
+from .exchange import check_exchange
 from .errors import (
     ArgumentTypeError,
     BackendError,
@@ -164,13 +165,31 @@ class Engine:
         :class:`NonFiniteError` instead of skipping forever (None: never).
     compressor : a compressor from :mod:`arraytrain.compress`, optionally in
         :class:`~arraytrain.compress.ErrorFeedback`, or None
-        At every applied boundary the reduced, unscaled and clipped gradient
-        is compressed and replaced by what a receiver decodes; the optimizer
-        steps with that. Clipping comes first, so error-feedback residuals
-        hold clipped gradient. A skipped (non-finite) boundary compresses
-        nothing: residuals and the compressor's call count stay. SAM's ascent
-        window uses the exact local gradient (only the update's gradient is
-        compressed, as in local-ascent distributed SAM).
+        At every applied boundary the reduced, unscaled gradient is compressed
+        and replaced by what the receivers decode (with ``comm``: the sum over
+        processes of every process's decoded share of the mean); the norm,
+        clipping and the optimizer then work on that, as torch's DDP
+        communication hooks followed by ``clip_grad_norm_`` do, so every process
+        clips identically and the clipped gradient is the one applied.
+        Error-feedback residuals therefore hold unclipped gradient. A boundary
+        whose gradient is not finite (on any process) compresses nothing:
+        residuals and the compressor's call count stay. SAM's ascent window uses
+        the exact local gradient (only the update's gradient is compressed, as in
+        local-ascent distributed SAM).
+    clip_eps : float
+        The clip factor is ``min(1, max_grad_norm / (norm + clip_eps))``: the
+        default 1e-6 is torch's ``clip_grad_norm_``; ``clip_eps=0`` is optax's
+        ``clip_by_global_norm`` (scale to exactly ``max_grad_norm``).
+    comm : an :class:`~arraytrain.exchange.Exchange` or None
+        Data-parallel training over a group of processes (e.g.
+        :class:`arraytrain.distributed.MPIComm`); None: this process alone.
+        Every rank feeds its shard of the batch; at each boundary the flat
+        gradient buffer is all-reduced in place (one collective: it is the
+        fusion buffer) with the window's weight sum, before the norm pass, so
+        every rank skips, clips and steps identically. At construction the ranks
+        must agree on the layout, dtype, optimizer and settings (else a
+        :class:`LayoutError` / :class:`HyperparameterError` on every rank), and
+        rank 0's parameters and optimizer state are broadcast.
 
     device : None, "cpu" or "cuda"
         Where the buffers live. None: where ``params`` are (NumPy arrays: the
@@ -210,7 +229,8 @@ class Engine:
                  max_grad_norm: float | None = None, reduction: str = "mean", missing: str = "error",
                  zero_grad_on_step: bool = True, dtype=None, kernels: str = "numba", schedule=None,
                  loss_scaler: LossScaler | None = None, working_dtype: str | None = None,
-                 max_consecutive_skips: int | None = 50, compressor=None, device: str | None = None):
+                 max_consecutive_skips: int | None = 50, compressor=None, device: str | None = None,
+                 clip_eps: float = CLIP_EPS, comm=None):
         if not isinstance(optimizer, Optimizer):
             raise ArgumentTypeError(f"optimizer: expected an arraytrain.optim.Optimizer, got {type(optimizer).__name__}")
         accumulation_steps = check_int("accumulation_steps", accumulation_steps, 1)
@@ -229,6 +249,8 @@ class Engine:
         wspec = None if working_dtype is None else working_spec(working_dtype)
         if compressor is not None:
             check_compressor(compressor)
+        clip_eps = check_number("clip_eps", clip_eps, 0.0)
+        comm = check_exchange(comm)
         if isinstance(params, FlatBuffer):
             if dtype is not None and np.dtype(dtype) != params.dtype:
                 raise LayoutError(f"dtype: the FlatBuffer holds {params.dtype}, got dtype={np.dtype(dtype)}")
@@ -244,9 +266,16 @@ class Engine:
             raise HyperparameterError(f"working_dtype: working copies need float32 parameters, got {self.params.dtype}")
         self._kernels = kernels_for(self.params.flat, kernels)
         self._guard = _CallGuard()
+        if not comm.is_local:
+            _agree(comm, self.params, optimizer, compressor, accumulation_steps=accumulation_steps,
+                   reduction=reduction, max_grad_norm=max_grad_norm, clip_eps=clip_eps,
+                   loss_scaler=None if loss_scaler is None else loss_scaler.state_dict(),
+                   schedule=None if schedule is None else schedule.state_dict(), working_dtype=working_dtype)
         if compressor is not None:
-            compressor.bind(self.params.layout, self.params.dtype)
+            compressor.bind(self.params.layout, self.params.dtype, comm=comm)
         self.state = optimizer.init(self.params)  # validates overrides against the names
+        self.comm = comm
+        self.clip_eps = clip_eps
         self.optimizer = optimizer
         self.accumulation_steps = accumulation_steps
         self.max_grad_norm = max_grad_norm
@@ -276,7 +305,10 @@ class Engine:
         if wspec is not None:
             self.working = self.params.zeros_like(wspec[0])
             self._working_kind = wspec[1]
-            self._refresh_working()
+        if not comm.is_local:  # every rank starts from rank 0's weights and state
+            for buf in (self.params, *self.state.slots.values()):
+                comm.broadcast(buf.flat.view(np.uint8), 0)  # as bytes: any dtype, bfloat16 state too
+        self._refresh_working()
 
     @property
     def layout(self):
@@ -374,26 +406,46 @@ class Engine:
                 )
         return w
 
+    # The stages of a boundary, in order: exchange (dense) -> norm pass and non-finite
+    # check -> skip or clip -> [compress + exchange] -> update -> bookkeeping. With one
+    # process the exchanges are the identity and cost nothing.
     def _boundary(self, lr: float) -> StepReport:
-        # the gradient buffer holds sum(w * g) of the scaled loss: the mean
-        # gradient is flat * gscale with gscale = 1 / (weight sum * loss scale)
-        unscale = (self._weight_sum if self.reduction == "mean" else 1.0) * self.loss_scale
         step = self.state.step
         # everything that may raise comes before the first write (here: the per-parameter lrs)
         lrs = None if self.schedule is None else self.schedule(step, self.optimizer.per_param(self.state, "lr"))
+        ascent = self._two_windows and not self._perturbed
+        compressing = self.compressor is not None and not ascent
+        if compressing or (ascent and self.compressor is not None):
+            # compressed (or SAM's local ascent): no dense exchange; the ranks agree on the
+            # weight sum and on skipping before anything is compressed or moved
+            wsum, bad = self._exchange_scalars(self._weight_sum, not self._kernels.all_finite(self.grads.flat))
+            if bad:
+                self._micro, self._weight_sum = 0, 0.0
+                return self._skip(step, lr)
+        else:
+            wsum = self._exchange_dense(self._weight_sum)
+        # the gradient buffer holds sum(w * g) of the scaled loss: the mean
+        # gradient is flat * gscale with gscale = 1 / (weight sum * loss scale)
+        unscale = (wsum if self.reduction == "mean" else 1.0) * self.loss_scale
+        self._micro, self._weight_sum = 0, 0.0
+        payload = None
+        if compressing:
+            # compress + exchange: this rank's share of the mean, then the decoded sum over ranks
+            if unscale != 1.0:
+                self._kernels.scale(self.grads.flat, 1.0 / unscale)
+            payload, unscale = self.compressor.exchange(self.grads.flat), 1.0
         applied = False
         if self._device_gate:
             found, applied = self._gated_update(unscale, step, lrs)
         else:
             found = norm_pass(self._kernels, self.grads.flat, self.layout)
-        self._micro, self._weight_sum = 0, 0.0
         if found.nonfinite:
             return self._skip(step, lr)
         self.consecutive_skips = 0
         norm = found.norm / unscale
-        coef = clip_coef(norm, self.max_grad_norm)
+        coef = clip_coef(norm, self.max_grad_norm, self.clip_eps)
         norms = found.segment_norms / unscale
-        if self._two_windows and not self._perturbed:
+        if ascent:
             self.optimizer.perturb(self._kernels, self.params, self.grads, self.state, gscale=1.0 / unscale,
                                    grad_norm=norm, zero_grad=self.zero_grad_on_step, mask=self.mask)
             self._perturbed = True
@@ -401,14 +453,8 @@ class Engine:
             return StepReport(applied=False, skipped=False, step=step, micro_batches=0, lr=lr, grad_norm=norm,
                               clip_coef=coef, loss_scale=self.loss_scale, perturbed=True, _segment_norms=norms,
                               _names=self.layout.names)
-        payload = None
         if not applied:
-            gscale = coef / unscale
-            if self.compressor is not None:
-                if gscale != 1.0:
-                    self._kernels.scale(self.grads.flat, gscale)
-                payload, gscale = self.compressor.roundtrip(self.grads.flat), 1.0
-            self._update(gscale, lrs)
+            self._update(coef / unscale, lrs)
         self._perturbed = False
         if self.loss_scaler is not None:
             self.loss_scaler.update(found_inf=False)
@@ -416,6 +462,25 @@ class Engine:
                           clip_coef=coef, loss_scale=self.loss_scale, _segment_norms=norms, _names=self.layout.names,
                           payload_bytes=None if payload is None else payload.nbytes,
                           dense_bytes=None if payload is None else payload.dense_nbytes)
+
+    def _exchange_dense(self, wsum: float) -> float:
+        """The dense exchange: the gradient buffer and the weight sum become their sums over ranks.
+
+        The flat buffer is the fusion buffer: one in-place all-reduce. A NaN/Inf on any rank
+        reaches every rank through the sum, so the norm pass that follows finds it everywhere.
+        """
+        if self.comm.is_local:
+            return wsum
+        self.comm.allreduce(self.grads.flat, "sum")
+        return self._exchange_scalars(wsum, False)[0]
+
+    def _exchange_scalars(self, wsum: float, bad: bool) -> tuple[float, bool]:
+        """The window's weight sum over ranks, and whether any rank's gradient is not finite."""
+        if self.comm.is_local:
+            return wsum, bad
+        both = np.array([wsum, float(bad)])
+        self.comm.allreduce(both, "sum")
+        return float(both[0]), bool(both[1])
 
     def _update(self, gscale, lrs) -> None:
         """The optimizer's fused update (``lrs``: the scheduled per-parameter rates, or None)."""
@@ -434,7 +499,7 @@ class Engine:
         """
         k = self._kernels
         sums, gate = k.sumsq_gate(self.grads.flat, self.layout.pieces, len(self.layout), unscale,
-                                  self.max_grad_norm, CLIP_EPS)
+                                  self.max_grad_norm, self.clip_eps)
         self._update(k.DeviceScale(gate), lrs)
         total, per_seg = k.read_sums(sums)
         if math.isfinite(total):
@@ -682,6 +747,16 @@ class Engine:
     def __repr__(self) -> str:
         return (f"Engine({self.params!r}, {self.optimizer!r}, accumulation_steps={self.accumulation_steps}, "
                 f"max_grad_norm={self.max_grad_norm}, backend={backend_of(self.params.flat)})")
+
+
+def _agree(comm, params: FlatBuffer, optimizer, compressor, **settings) -> None:
+    """Every rank has the same layout, dtype, backend, optimizer and settings (else LayoutError on every rank)."""
+    comm.agree("the parameter layout", (params.layout.names, params.layout.shapes, str(params.dtype),
+                                        backend_of(params.flat)))
+    comm.agree("the engine's settings", repr((type(optimizer).__name__, optimizer.hyperparameters(),
+                                              None if compressor is None else compressor.describe(),
+                                              sorted(settings.items()))),
+               error=HyperparameterError)
 
 
 def _host_array(a) -> np.ndarray:

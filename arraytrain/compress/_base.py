@@ -39,6 +39,7 @@ from .._checks import check_count, check_int, shown
 from .._intake import ready_to_assign
 from ..backend import KERNEL_IMPLS, NUMPY, backend_of, kernel_family, module_of_backend
 from ..buffer import FlatBuffer
+from ..exchange import check_exchange
 from ..errors import (
     ArgumentTypeError,
     BackendError,
@@ -181,6 +182,11 @@ class _Gather:
         if not self.view:
             self.put(dense, out)
 
+    def add(self, x: np.ndarray, out: np.ndarray) -> None:
+        """``out += x`` over the live ranges (padding is left as is)."""
+        for lo, hi in self.runs:
+            out[lo:hi] += x[lo:hi]
+
     def put(self, dense: np.ndarray, out: np.ndarray) -> None:
         """Scatter the dense vector ``dense`` into ``out``'s ranges."""
         k = 0
@@ -228,6 +234,7 @@ class Compressor(ABC):
         self.domain: Domain | None = None
         self._backend: str | None = None  # fixed by the first array given (see the module docstring)
         self._kern = None
+        self.comm = check_exchange(None)  # the group the payloads travel in (set by bind)
 
     @property
     def backend(self) -> str | None:
@@ -258,15 +265,21 @@ class Compressor(ABC):
         return module_of_backend(self._backend or NUMPY)
 
     # -- set-up -------------------------------------------------------------------------
-    def bind(self, layout: Layout, dtype=np.float32) -> "Compressor":
-        """Fix the layout and dtype this compressor works on (the engine calls it)."""
+    def bind(self, layout: Layout, dtype=np.float32, comm=None) -> "Compressor":
+        """Fix the layout, dtype and process group this compressor works on (the engine calls it).
+
+        ``comm``: the :class:`~arraytrain.exchange.Exchange` that :meth:`exchange` sends
+        payloads through (None: this process alone).
+        """
+        comm = check_exchange(comm)
         if not isinstance(layout, Layout):
             raise ArgumentTypeError(f"layout: expected an arraytrain Layout, got {type(layout).__name__}")
         dtype = np.dtype(dtype)
         if dtype not in FLOAT_DTYPES:
             raise DTypeError(f"dtype: compressors work on float32 or float64 gradients, got {dtype}")
         if self.layout is not None:
-            if self.layout == layout and self._dtype == dtype:
+            if self.layout == layout and self._dtype == dtype and (comm is self.comm or comm.is_local
+                                                                   and self.comm.is_local):
                 return self
             raise LayoutError(f"{self!r} is already bound to {self.layout!r} ({self._dtype}); use a new compressor")
         big = [n for n in layout.names if int(np.prod(layout.shape(n), dtype=np.int64)) >= max(self.min_size, 1)]
@@ -278,7 +291,7 @@ class Compressor(ABC):
         domain = Domain(k, dtype, tuple(segs))
         live = sum(int(np.prod(s, dtype=np.int64)) for s in layout.shapes)
         self._bind(domain)  # may raise (e.g. a shape the method cannot take): nothing is kept yet
-        self.layout, self._dtype, self.domain = layout, dtype, domain
+        self.layout, self._dtype, self.domain, self.comm = layout, dtype, domain, comm
         self._big = _Gather(_runs(layout, big), k, dtype)
         self._small = _Gather(_runs(layout, small), live - k, dtype)
         self._all = _Gather(_runs(layout, layout.names), live, dtype)
@@ -358,6 +371,45 @@ class Compressor(ABC):
         payload = self.compress(x)
         self.decompress(payload, x)
         return payload
+
+    # -- the exchange -------------------------------------------------------------------------
+    def exchange(self, x: np.ndarray) -> Payload:
+        """Send ``x`` compressed to every process of :attr:`comm`; ``x`` becomes the decoded sum.
+
+        Returns this process's payload (its ``nbytes``: what this process put on the wire).
+        With one process this is :meth:`roundtrip`.
+        """
+        payload = self.compress(x)
+        self.aggregate(payload, x)
+        return payload
+
+    def aggregate(self, payload: Payload, out: np.ndarray) -> np.ndarray:
+        """The sum over processes of every process's decoded payload, into ``out``.
+
+        Default (payloads that do not add up: top-k, sign, ternary): every process's
+        arrays are all-gathered and each is decoded and added. Methods whose payloads add
+        up override this with an all-reduce of the arrays and one decode.
+        """
+        if self.comm.is_local:
+            return self.decompress(payload, out)
+        gathered = {k: self.comm.allgather(a) for k, a in payload.arrays.items()}
+        raws = None if payload.raw is None else self.comm.allgather(payload.raw)
+        scratch = self._xp().empty_like(out)
+        for r in range(self.comm.size):
+            theirs = Payload(payload.method, arrays={k: v[r] for k, v in gathered.items()},
+                             raw=None if raws is None else raws[r], meta=self._meta_of(payload, r))
+            self.decompress(theirs, out if r == 0 else scratch)
+            if r:
+                self._all.add(scratch, out)
+        return out
+
+    def _meta_of(self, payload: Payload, rank: int) -> dict:
+        """The meta of ``rank``'s payload: the same call number and draw key on every rank."""
+        return dict(payload.meta)
+
+    def sent(self, payload: Payload, out: np.ndarray) -> np.ndarray:
+        """What this process's own ``payload`` decodes to, into ``out`` (error feedback keeps the rest)."""
+        return self.decompress(payload, out)
 
     @abstractmethod
     def _encode(self, x: np.ndarray, meta: dict) -> dict[str, np.ndarray]:
@@ -479,8 +531,12 @@ class ErrorFeedback:
     def layout(self) -> Layout | None:
         return self.compressor.layout
 
-    def bind(self, layout: Layout, dtype=np.float32) -> "ErrorFeedback":
-        self.compressor.bind(layout, dtype)
+    @property
+    def comm(self):
+        return self.compressor.comm
+
+    def bind(self, layout: Layout, dtype=np.float32, comm=None) -> "ErrorFeedback":
+        self.compressor.bind(layout, dtype, comm)
         if self.residual is None:
             self.residual = FlatBuffer.zeros(layout, np.dtype(dtype))
         return self
@@ -519,6 +575,26 @@ class ErrorFeedback:
         payload = self.compressor.compress(r)
         self.compressor.decompress(payload, x)
         r -= x
+        return payload
+
+    def exchange(self, x: np.ndarray) -> Payload:
+        """Send ``g + r`` compressed to every process; ``x`` becomes the decoded sum over processes.
+
+        The residual keeps what *this* process failed to send, ``r = g + r - sent``, where
+        ``sent`` is the decode of its own payload — whatever the others sent, so the
+        telescoping identity holds per process. With one process: :meth:`roundtrip`.
+        """
+        if self.comm.is_local:
+            return self.roundtrip(x)
+        self.compressor._need_bound()
+        self.compressor._check_flat(x, "x")
+        self._place(backend_of(x))
+        r = self.residual.flat
+        r += x
+        payload = self.compressor.compress(r)
+        self.compressor.sent(payload, x)  # x is free now: it holds what this process sent
+        r -= x
+        self.compressor.aggregate(payload, x)
         return payload
 
     def reset(self) -> None:

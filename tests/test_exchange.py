@@ -1,0 +1,188 @@
+"""The engine's exchange stages over a group of ranks (threads here; MPI in tests/test_distributed.py).
+
+Dense data parallelism must give what one process gives for the same global batch;
+compressed exchange must decode to the sum of every rank's own decode, with error
+feedback keeping per rank what that rank failed to send.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import arraytrain as at
+from arraytrain import compress as C
+from arraytrain.errors import ArgumentTypeError, HyperparameterError, LayoutError
+from arraytrain.exchange import LocalExchange, check_exchange
+from thread_group import ThreadGroup
+
+SHAPES = {"w1": (12, 9), "b1": (12,), "w2": (4, 12), "b2": (4,)}
+
+OPTIMIZERS = {
+    "sgd": lambda: at.optim.SGD(lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-3),
+    "adamw": lambda: at.optim.AdamW(lr=1e-2, weight_decay=0.01, amsgrad=True),
+    "adagrad": lambda: at.optim.Adagrad(lr=0.05),
+    "rmsprop": lambda: at.optim.RMSprop(lr=1e-3, momentum=0.5, centered=True),
+    "lion": lambda: at.optim.Lion(lr=1e-3),
+    "lamb": lambda: at.optim.LAMB(lr=1e-2),
+    "adafactor": lambda: at.optim.Adafactor(lr=1e-2),
+    "sam": lambda: at.optim.SAM(at.optim.SGD(lr=0.05, momentum=0.9), rho=0.05),
+}
+
+
+def _params(seed=0):
+    rng = np.random.default_rng(seed)
+    return {n: rng.standard_normal(s) for n, s in SHAPES.items()}
+
+
+def _windows(steps, ranks, micro, seed=1, nan_at=None):
+    """grads[step][rank][micro] and weights, with a NaN on rank ranks-1 at step ``nan_at``."""
+    rng = np.random.default_rng(seed)
+    grads = [[[{n: 3 * rng.standard_normal(s) for n, s in SHAPES.items()} for _ in range(micro)]
+              for _ in range(ranks)] for _ in range(steps)]
+    weights = rng.uniform(0.5, 2.0, size=(steps, ranks, micro))
+    if nan_at is not None:
+        grads[nan_at][ranks - 1][0]["w2"][1, 2] = np.nan
+    return grads, weights
+
+
+def _engine(opt, comm=None, seed=0, **kw):
+    return at.Engine(_params(seed), opt, comm=comm, **kw)
+
+
+def test_the_local_exchange_is_the_default_and_others_are_refused():
+    eng = _engine(at.optim.SGD(lr=0.1))
+    assert isinstance(eng.comm, LocalExchange) and eng.comm.is_local
+    with pytest.raises(ArgumentTypeError, match="comm"):
+        _engine(at.optim.SGD(lr=0.1), comm=object())
+    assert isinstance(check_exchange(None), LocalExchange)
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_dense_data_parallel_equals_one_process_with_the_global_batch(name, ranks):
+    """Clipping, weighted accumulation, loss scaling and a NaN window on one rank."""
+    steps, micro = 7, 2
+    grads, weights = _windows(steps, ranks, micro, nan_at=3)
+    settings = dict(max_grad_norm=2.0, schedule=at.schedules.Cosine(10))
+
+    def rank_run(rank, comm):
+        eng = _engine(OPTIMIZERS[name](), comm, seed=rank,  # rank 0's weights are broadcast
+                      accumulation_steps=micro, loss_scaler=at.LossScaler(init_scale=64.0), **settings)
+        reports = []
+        for t in range(steps):
+            for m in range(micro):
+                g = {n: a * eng.loss_scale for n, a in grads[t][rank][m].items()}
+                rep = eng.step(g, weight=weights[t, rank, m])
+            reports.append(rep)
+        return eng, reports
+
+    results = ThreadGroup(ranks).run(rank_run)
+    one = _engine(OPTIMIZERS[name](), accumulation_steps=micro * ranks,
+                  loss_scaler=at.LossScaler(init_scale=64.0), **settings)
+    for t in range(steps):
+        for r in range(ranks):
+            for m in range(micro):
+                g = {n: a * one.loss_scale for n, a in grads[t][r][m].items()}
+                rep = one.step(g, weight=weights[t, r, m])
+        for eng, reports in results:
+            got = reports[t]
+            assert (got.applied, got.skipped, got.perturbed) == (rep.applied, rep.skipped, rep.perturbed)
+            if rep.grad_norm is not None and not rep.skipped:
+                np.testing.assert_allclose(got.grad_norm, rep.grad_norm, rtol=1e-12)
+    assert results[0][1][3].skipped
+    for eng, _ in results:
+        np.testing.assert_array_equal(eng.params.flat, results[0][0].params.flat)  # the ranks agree bitwise
+        np.testing.assert_allclose(eng.params.flat, one.params.flat, rtol=1e-10, atol=1e-12)
+        for k, buf in eng.state.slots.items():
+            np.testing.assert_allclose(buf.flat, one.state.slots[k].flat, rtol=1e-9, atol=1e-12, err_msg=k)
+        assert eng.state.step == one.state.step and eng.loss_scale == one.loss_scale
+
+
+def test_rank_zero_weights_and_state_are_broadcast_at_start():
+    def rank_run(rank, comm):
+        return _engine(at.optim.AdamW(lr=0.1), comm, seed=rank + 5)
+
+    engines = ThreadGroup(3).run(rank_run)
+    ref = _params(5)
+    for eng in engines:
+        for n in SHAPES:
+            np.testing.assert_array_equal(eng.params[n], ref[n])
+
+
+@pytest.mark.parametrize("what", ["layout", "dtype", "optimizer", "accumulation"])
+def test_a_mismatched_setup_raises_the_same_error_on_every_rank(what):
+    def rank_run(rank, comm):
+        params, opt, kw = _params(), at.optim.AdamW(lr=0.1), {}
+        odd = rank == 1
+        if what == "layout" and odd:
+            params["b2"] = np.zeros(5)
+        if what == "dtype" and odd:
+            kw["dtype"] = np.float32
+        if what == "optimizer" and odd:
+            opt = at.optim.AdamW(lr=0.2)
+        if what == "accumulation" and odd:
+            kw["accumulation_steps"] = 2
+        try:
+            at.Engine(params, opt, comm=comm, **kw)
+        except (LayoutError, HyperparameterError) as exc:
+            return exc
+        return None
+
+    errors = ThreadGroup(3).run(rank_run)
+    assert all(e is not None for e in errors), errors
+    assert len({(type(e), str(e)) for e in errors}) == 1  # the same error everywhere
+    assert "rank 1" in str(errors[0])
+
+
+GATHERED = {"topk": lambda: C.TopK(ratio=0.1, min_size=16), "sign": lambda: C.Sign(min_size=16),
+            "ternary": lambda: C.Ternary(seed=2)}
+
+
+@pytest.mark.parametrize("name", sorted(GATHERED))
+def test_a_gathered_exchange_sums_every_ranks_decode_and_feedback_stays_per_rank(name):
+    ranks, steps = 3, 4
+    layout = at.Layout(SHAPES)
+    rng = np.random.default_rng(3)
+    xs = np.zeros((steps, ranks, layout.size))
+    for n in layout.names:  # live elements only: the padding of a gradient buffer is zero
+        xs[:, :, layout.slice(n)] = rng.standard_normal((steps, ranks, layout.slice(n).stop - layout.slice(n).start))
+
+    def rank_run(rank, comm):
+        ef = C.ErrorFeedback(GATHERED[name]()).bind(layout, np.float64, comm=comm)
+        twin = C.ErrorFeedback(GATHERED[name]()).bind(layout, np.float64)
+        out = []
+        for t in range(steps):
+            x = xs[t, rank].copy()
+            payload = ef.exchange(x)
+            mine = xs[t, rank].copy()
+            twin_payload = twin.roundtrip(mine)  # what this rank sent, decoded alone
+            assert payload.nbytes == twin_payload.nbytes
+            out.append((x, mine))
+            np.testing.assert_array_equal(ef.residual.flat, twin.residual.flat)  # per rank, from what it sent
+        return out
+
+    results = ThreadGroup(ranks).run(rank_run)
+    for t in range(steps):
+        total = sum(results[r][t][1] for r in range(ranks))
+        for r in range(ranks):
+            np.testing.assert_allclose(results[r][t][0], total, rtol=1e-13, atol=1e-13)
+
+
+@pytest.mark.parametrize("name", ["topk", "sign"])
+def test_compressed_data_parallel_keeps_the_ranks_identical(name):
+    ranks, steps = 2, 5
+    grads, _ = _windows(steps, ranks, 1, seed=4)
+
+    def rank_run(rank, comm):
+        eng = _engine(at.optim.AdamW(lr=1e-2), comm, compressor=C.ErrorFeedback(GATHERED[name]()),
+                      max_grad_norm=1.0)
+        reps = [eng.step(grads[t][rank][0]) for t in range(steps)]
+        return eng, reps
+
+    results = ThreadGroup(ranks).run(rank_run)
+    (a, ra), (b, rb) = results
+    np.testing.assert_array_equal(a.params.flat, b.params.flat)
+    assert [r.grad_norm for r in ra] == [r.grad_norm for r in rb]
+    assert all(r.applied and r.payload_bytes < r.dense_bytes for r in ra)
+    assert not np.array_equal(a.compressor.residual.flat, b.compressor.residual.flat)  # each its own

@@ -1,0 +1,84 @@
+"""A group of ranks as threads of one process: the Exchange seam tested without MPI.
+
+Each collective copies every rank's input into a shared slot, waits at a barrier,
+and combines the slots in rank order (so every rank computes the same bits), then
+waits again before the slots are reused. A rank that raises breaks the barrier:
+the others get ``threading.BrokenBarrierError`` instead of waiting forever.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+
+from arraytrain.exchange import OPS, Exchange
+
+
+class ThreadGroup:
+    def __init__(self, size: int, timeout: float = 60.0):
+        self.size = size
+        self.barrier = threading.Barrier(size, timeout=timeout)
+        self.slots: list = [None] * size
+        self.calls = [[] for _ in range(size)]  # (operation, shape, dtype) per rank, in order
+
+    def comms(self) -> list["ThreadExchange"]:
+        return [ThreadExchange(self, r) for r in range(self.size)]
+
+    def run(self, fn, *args):
+        """``fn(rank, comm, *args)`` on every rank at once; the results in rank order (the first error re-raised)."""
+        out, errors = [None] * self.size, [None] * self.size
+
+        def body(rank, comm):
+            try:
+                out[rank] = fn(rank, comm, *args)
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                errors[rank] = exc
+                self.barrier.abort()
+
+        threads = [threading.Thread(target=body, args=(r, c)) for r, c in enumerate(self.comms())]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        first = next((e for e in errors if e is not None and not isinstance(e, threading.BrokenBarrierError)), None)
+        if first is None:
+            first = next((e for e in errors if e is not None), None)
+        if first is not None:
+            raise first
+        return out
+
+
+class ThreadExchange(Exchange):
+    def __init__(self, group: ThreadGroup, rank: int):
+        self.group, self.rank, self.size = group, rank, group.size
+
+    def _everyone(self, what, value) -> list:
+        g = self.group
+        g.calls[self.rank].append(what)
+        g.slots[self.rank] = value
+        g.barrier.wait()
+        values = list(g.slots)
+        g.barrier.wait()
+        return values
+
+    def allreduce(self, x, op: str = "sum") -> None:
+        assert op in OPS
+        values = self._everyone(("allreduce", x.shape, x.dtype.str, op), x.copy())
+        acc = values[0].copy()
+        for v in values[1:]:
+            if op == "sum":
+                acc += v
+            else:
+                np.maximum(acc, v, out=acc)
+        x[...] = acc
+
+    def allgather(self, x) -> list:
+        return [v for v in self._everyone(("allgather", x.shape, x.dtype.str), x.copy())]
+
+    def broadcast(self, x, root: int = 0) -> None:
+        values = self._everyone(("broadcast", x.shape, x.dtype.str, root), x.copy())
+        x[...] = values[root]
+
+    def gather_objects(self, obj) -> list:
+        return self._everyone(("gather_objects",), obj)
