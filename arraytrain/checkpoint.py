@@ -91,6 +91,7 @@ import safetensors
 from safetensors import numpy as _st_numpy
 
 from .errors import ArgumentTypeError, CheckpointError, StateDictError
+from .exchange import PerRank
 
 __all__ = ["FORMAT", "FORMAT_VERSION", "CheckpointError", "load", "save"]
 
@@ -127,8 +128,25 @@ def save(path, engine, *, extra: Mapping | None = None) -> None:
     """
     where = _fspath(path)
     _check_engine(engine)
+    comm = _comm_of(engine)
     with _exclusive(engine, "save()"):  # no step may change the buffers while they are written
-        _save_tree(where, engine.state_dict(copy=False), extra)
+        if comm is None:
+            _save_tree(where, engine.state_dict(copy=False), extra)
+            return
+        # a group of processes: every rank calls save; the state is gathered (a collective),
+        # rank 0 writes the one file, and every rank learns whether that worked
+        tree = engine.state_dict(copy=False)
+        failure = None
+        if comm.rank == 0:
+            try:
+                _save_tree(where, tree, extra)
+            except (StateDictError, ArgumentTypeError, OSError) as exc:
+                failure = exc
+        outcome = comm.gather_objects(None if failure is None else f"{type(failure).__name__}: {failure}")[0]
+        if failure is not None:
+            raise failure
+        if outcome is not None:
+            raise CheckpointError(f"{where}: rank 0 could not write the checkpoint: {outcome}")
 
 
 def load(path, engine) -> dict:
@@ -149,12 +167,28 @@ def load(path, engine) -> dict:
     where = _fspath(path)
     _check_engine(engine)
     with _exclusive(engine, "load()"):
-        template = engine.state_dict(copy=False)
-        tree, extra = _read(where, template)
-        try:
-            engine.load_state_dict(tree)
-        except StateDictError as exc:
-            raise CheckpointError(f"{where}: {exc}") from exc
+        comm = _comm_of(engine)
+        if comm is None:
+            template = engine._state(copy=False, gather=False) if hasattr(engine, "_state") else \
+                engine.state_dict(copy=False)
+            tree, extra = _read(where, template)
+            try:
+                engine.load_state_dict(tree)
+            except StateDictError as exc:
+                raise CheckpointError(f"{where}: {exc}") from exc
+            return extra
+
+        # a group of processes: every rank reads the file (a file system they share), takes
+        # its own share, and no rank writes unless every rank's checks passed
+        def check():
+            tree, extra = _read(where, engine._state(copy=False, gather=False))
+            try:
+                return engine._check_state(tree), extra
+            except StateDictError as exc:
+                raise CheckpointError(f"{where}: {exc}") from exc
+
+        writes, extra = engine._checked_everywhere(check)
+        engine._apply_writes(writes)
     return extra
 
 
@@ -673,6 +707,16 @@ def _match(where: str, path: tuple, got, want, specs: dict, checks: list) -> Non
         if code != _DTYPE_CODES.get(want.dtype.name):
             fail(f"dtype {_DTYPE_NAMES.get(code, code)} != engine dtype {want.dtype}")
         checks.append((got.key, want))
+    elif isinstance(want, PerRank):  # saved by one process, or per rank: each share like this engine's
+        plain = dict(want)
+        if isinstance(got, dict) and set(got) == {"ranks"} and "ranks" not in plain:
+            shares = got["ranks"]
+            if not isinstance(shares, (list, tuple)) or not shares:
+                fail(f"expected a non-empty list of per-rank states, the checkpoint holds {_what(shares)}")
+            for i, g in enumerate(shares):
+                _match(where, path + ("ranks", i), g, plain, specs, checks)
+        else:
+            _match(where, path, got, plain, specs, checks)
     elif isinstance(want, Mapping):
         if not isinstance(got, dict):
             fail(f"the engine holds a mapping, the checkpoint {_what(got)}")
@@ -748,6 +792,12 @@ def _exclusive(engine, what: str):
     from .engine import Engine
 
     return engine._guard(what) if isinstance(engine, Engine) else nullcontext()
+
+
+def _comm_of(engine):
+    """The engine's group of processes, or None for a single process."""
+    comm = getattr(engine, "comm", None)
+    return None if comm is None or comm.is_local else comm
 
 
 def _check_engine(engine) -> None:

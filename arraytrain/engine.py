@@ -17,7 +17,7 @@ from .amp import LossScaler, working_spec
 from .backend import NUMPY, array_module, backend_of, kernels_for, to_device
 from .buffer import FlatBuffer, aligned
 from .compress._base import check_compressor
-from .exchange import check_exchange
+from .exchange import PerRank, check_exchange
 from .errors import (
     ArgumentTypeError,
     BackendError,
@@ -602,7 +602,29 @@ class Engine:
 
         ``copy=False`` returns views into the live buffers (for a writer that
         serialises them at once, e.g. :func:`arraytrain.save`).
+
+        With a group of processes (``comm``) this is a collective: every rank
+        calls it. The parts that differ between ranks — the partly accumulated
+        window and the compressor's state with its error-feedback residual —
+        are gathered by rank: ``state["accumulation"]`` and
+        ``state["compression"]`` are then ``{"ranks": [rank 0's, rank 1's, ...]}``;
+        everything else is shared (the same on every rank).
         """
+        return self._state(copy, gather=True)
+
+    def _state(self, copy: bool, gather: bool) -> dict:
+        acc = {
+            "micro_batches": self._micro,
+            "weight_sum": self._weight_sum,
+            "grads": self.grads.as_dict(copy=copy),
+        }
+        comp = None if self.compressor is None else self.compressor.state_dict()
+        if not gather:  # a template for checkpoint.load: one share, or any number shaped like this one
+            acc = PerRank(acc)
+            comp = None if comp is None else PerRank(comp)
+        elif not self.comm.is_local:
+            acc = {"ranks": _gather_by_rank(self.comm, acc)}
+            comp = None if comp is None else {"ranks": _gather_by_rank(self.comm, comp)}
         return {
             "format": STATE_FORMAT,
             "params": self.params.as_dict(copy=copy),
@@ -612,16 +634,12 @@ class Engine:
                 "step": self.state.step,
                 "slots": {k: buf.as_dict(copy=copy) for k, buf in self.state.slots.items()},
             },
-            "accumulation": {
-                "micro_batches": self._micro,
-                "weight_sum": self._weight_sum,
-                "grads": self.grads.as_dict(copy=copy),
-            },
+            "accumulation": acc,
             "schedule": None if self.schedule is None else self.schedule.state_dict(),
             "loss_scaler": None if self.loss_scaler is None else self.loss_scaler.state_dict(),
             "consecutive_skips": self.consecutive_skips,
             "perturbed": self._perturbed,
-            "compression": None if self.compressor is None else self.compressor.state_dict(),
+            "compression": comp,
             "mask": None if self.mask is None else self.mask.as_dict(copy=copy),
         }
 
@@ -640,10 +658,35 @@ class Engine:
         made, and they cannot fail (same-dtype copies and assignments). A refused
         state raises :class:`StateDictError` and changes nothing.
         """
-        writes = self._check_state(state)
+        self._apply_writes(self._checked_everywhere(lambda: self._check_state(state)))
+
+    def _apply_writes(self, writes: list) -> None:
         for write in writes:
             write()
         self._refresh_working()
+
+    def _checked_everywhere(self, check):
+        """``check()``, with every rank of the group raising when any rank's check failed.
+
+        With a group of processes, a state refused on one rank (a file it cannot read,
+        a share that does not fit) must not leave the others loading alone: the ranks
+        compare outcomes (one small collective) and all raise before any rank writes.
+        """
+        if self.comm.is_local:
+            return check()
+        try:
+            result, failure = check(), None
+        except (StateDictError, OSError) as exc:
+            result, failure = None, exc
+        outcomes = self.comm.gather_objects(None if failure is None else f"{type(failure).__name__}: {failure}")
+        if failure is not None:
+            raise failure
+        bad = [(r, msg) for r, msg in enumerate(outcomes) if msg is not None]
+        if bad:
+            rank, msg = bad[0]
+            raise StateDictError(f"rank {rank} refused the state ({len(bad)} of {self.comm.size} ranks did), "
+                                 f"so no rank loads it: {msg}")
+        return result
 
     def _check_state(self, state: Mapping) -> list:
         """Validate a whole state dict; return the writes that load it (callables that cannot fail)."""
@@ -653,8 +696,7 @@ class Engine:
             acc = state["accumulation"]
             params = state["params"]
             slots = opt["slots"]
-            step, micro, wsum = opt["step"], acc["micro_batches"], acc["weight_sum"]
-            grads = acc["grads"]
+            step = opt["step"]
             skips, perturbed = state["consecutive_skips"], state["perturbed"]
             parts = {key: state[key] for key, _, _ in self._PARTS}
             mask = state["mask"]
@@ -662,6 +704,11 @@ class Engine:
             raise StateDictError(f"state dict lacks {exc}") from None
         if fmt != STATE_FORMAT:
             raise StateDictError(f"format: expected {STATE_FORMAT}, got {shown(fmt)}")
+        acc, parts["compression"] = self._own_share(acc, parts["compression"])
+        try:
+            micro, wsum, grads = acc["micro_batches"], acc["weight_sum"], acc["grads"]
+        except (KeyError, TypeError) as exc:
+            raise StateDictError(f"accumulation lacks {exc}") from None
         if not isinstance(opt, Mapping) or opt.get("type") != type(self.optimizer).__name__:
             got = opt.get("type") if isinstance(opt, Mapping) else type(opt).__name__
             raise StateDictError(f"optimizer: state is for {got!r}, engine has {type(self.optimizer).__name__!r}")
@@ -707,6 +754,37 @@ class Engine:
             raise StateDictError(f"state dict does not match the engine: {exc}") from exc
         writes.append(functools.partial(self._set_counters, step, micro, wsum, skips, perturbed))
         return writes
+
+    def _own_share(self, acc, comp):
+        """This rank's accumulation and compression state out of a state saved by some number of ranks.
+
+        A state saved by K ranks holds K shares; on K ranks each takes its own. On another
+        number of ranks (one process included) it is refused when a share is rank-specific:
+        a window accumulated part-way, or error-feedback residuals (what each rank failed to
+        send); otherwise the shares are equal and rank 0's is taken. A single process's
+        state is one share.
+        """
+        shares = {}
+        for key, part in (("accumulation", acc), ("compression", comp)):
+            many = isinstance(part, Mapping) and set(part) == {"ranks"}
+            if many and (not isinstance(part["ranks"], (list, tuple)) or not part["ranks"]):
+                raise StateDictError(f"{key}: 'ranks' must be a non-empty list of per-rank states")
+            shares[key] = list(part["ranks"]) if many else [part]
+        saved = len(shares["accumulation"])
+        if comp is None:
+            shares["compression"] = [None] * saved
+        if len(shares["compression"]) != saved:
+            raise StateDictError(f"compression: {len(shares['compression'])} per-rank states, accumulation {saved}")
+        if saved == self.comm.size:
+            return shares["accumulation"][self.comm.rank], shares["compression"][self.comm.rank]
+        where = f"the state was saved by {saved} process{'es' if saved > 1 else ''}, this group has {self.comm.size}"
+        if any(not isinstance(a, Mapping) or a.get("micro_batches") != 0 for a in shares["accumulation"]):
+            raise StateDictError(f"accumulation: {where}, and a window was accumulated part-way (each rank's partial "
+                                 "gradient sum is its own): resume on the same number of ranks, or save at a boundary")
+        if any(isinstance(c, Mapping) and "residual" in c for c in shares["compression"]):
+            raise StateDictError(f"compression: {where}, and error-feedback residuals are per rank (what each rank "
+                                 "has not sent yet): resume on the same number of ranks")
+        return shares["accumulation"][0], shares["compression"][0]
 
     # (state key, engine attribute, what the message calls it): parts with check_state/apply_state
     _PARTS = (("schedule", "schedule", "one"), ("loss_scaler", "loss_scaler", "one"),
@@ -757,6 +835,41 @@ def _agree(comm, params: FlatBuffer, optimizer, compressor, **settings) -> None:
                                               None if compressor is None else compressor.describe(),
                                               sorted(settings.items()))),
                error=HyperparameterError)
+
+
+def _gather_by_rank(comm, tree) -> list:
+    """Every rank's ``tree`` (same structure everywhere), in rank order: arrays all-gathered, values gathered."""
+    arrays: list = []
+
+    def strip(node):
+        if isinstance(node, Mapping):
+            return {k: strip(v) for k, v in node.items()}
+        if isinstance(node, (list, tuple)):
+            return type(node)(strip(v) for v in node)
+        if hasattr(node, "shape") and hasattr(node, "dtype"):
+            arrays.append(node)
+            return _Slot(len(arrays) - 1)
+        return node
+
+    skeleton = strip(tree)
+    skeletons = comm.gather_objects(skeleton)
+    received = [comm.allgather(a) for a in arrays]
+
+    def fill(node, rank):
+        if isinstance(node, _Slot):
+            return received[node.index][rank]
+        if isinstance(node, Mapping):
+            return {k: fill(v, rank) for k, v in node.items()}
+        if isinstance(node, (list, tuple)):
+            return type(node)(fill(v, rank) for v in node)
+        return node
+
+    return [fill(sk, r) for r, sk in enumerate(skeletons)]
+
+
+@dataclass(frozen=True)
+class _Slot:
+    index: int
 
 
 def _host_array(a) -> np.ndarray:

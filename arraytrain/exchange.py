@@ -86,6 +86,14 @@ class LocalExchange(Exchange):
         return "LocalExchange()"
 
 
+class PerRank(dict):
+    """A template part of a state dict that a checkpoint holds as itself (one process) or per rank.
+
+    Per rank: ``{"ranks": [rank 0's, rank 1's, ...]}``, each entry shaped like this one
+    (see :meth:`arraytrain.Engine.state_dict` and :func:`arraytrain.load`).
+    """
+
+
 def check_exchange(comm, name: str = "comm") -> Exchange:
     """An :class:`Exchange` (None: the local one); a clear error otherwise."""
     if comm is None:

@@ -186,3 +186,80 @@ def test_compressed_data_parallel_keeps_the_ranks_identical(name):
     assert [r.grad_norm for r in ra] == [r.grad_norm for r in rb]
     assert all(r.applied and r.payload_bytes < r.dense_bytes for r in ra)
     assert not np.array_equal(a.compressor.residual.flat, b.compressor.residual.flat)  # each its own
+
+
+# -- checkpoints of a group -----------------------------------------------------------------------
+def _run_group(ranks, steps, grads, make_comp, path=None, save_at=None, load=None, micro=1):
+    """Each rank steps through ``grads``; resuming ``load[0]``, after the micro-batch ``load[1]`` = (t, m)."""
+
+    def rank_run(rank, comm):
+        eng = _engine(at.optim.AdamW(lr=1e-2), comm, compressor=make_comp(), accumulation_steps=micro,
+                      schedule=at.schedules.Cosine(20))
+        done = (-1, micro - 1)
+        if load is not None:
+            at.load(load[0], eng)
+            done = load[1]
+        for t in range(steps):
+            for m in range(micro):
+                if (t, m) <= done:
+                    continue
+                eng.step(grads[t][rank % len(grads[t])][m])
+                if save_at == (t, m):
+                    at.save(path, eng)
+        return eng
+
+    return ThreadGroup(ranks).run(rank_run)
+
+
+@pytest.mark.parametrize("compressed", [False, True], ids=["dense", "ef-topk"])
+def test_a_group_checkpoint_resumes_bitwise_on_the_same_number_of_ranks(tmp_path, compressed):
+    grads, _ = _windows(8, 3, 2, seed=9)
+    make = (lambda: C.ErrorFeedback(C.TopK(ratio=0.2))) if compressed else (lambda: None)
+    path = tmp_path / "group.safetensors"
+    full = _run_group(3, 8, grads, make, path=path, save_at=(3, 0), micro=2)  # saved mid-window
+    resumed = _run_group(3, 8, grads, make, load=(path, (3, 0)), micro=2)
+    for a, b in zip(full, resumed):
+        np.testing.assert_array_equal(a.params.flat, b.params.flat)
+        if compressed:
+            np.testing.assert_array_equal(a.compressor.residual.flat, b.compressor.residual.flat)
+
+
+def test_residuals_refuse_another_number_of_ranks_everywhere_and_change_nothing(tmp_path):
+    grads, _ = _windows(4, 3, 1, seed=2)
+    make = lambda: C.ErrorFeedback(C.TopK(ratio=0.2))  # noqa: E731
+    path = tmp_path / "g.safetensors"
+    _run_group(3, 4, grads, make, path=path, save_at=(2, 0))
+
+    def rank_run(rank, comm):
+        eng = _engine(at.optim.AdamW(lr=1e-2), comm, compressor=make(), schedule=at.schedules.Cosine(20))
+        before = eng.params.flat.copy()
+        with pytest.raises(at.CheckpointError, match="saved by 3 processes, this group has 2"):
+            at.load(path, eng)
+        np.testing.assert_array_equal(eng.params.flat, before)
+        return True
+
+    assert ThreadGroup(2).run(rank_run) == [True, True]
+    one = _engine(at.optim.AdamW(lr=1e-2), compressor=make(), schedule=at.schedules.Cosine(20))
+    with pytest.raises(at.CheckpointError, match="error-feedback residuals are per rank"):
+        at.load(path, one)
+
+
+def test_a_dense_boundary_checkpoint_resumes_on_any_number_of_ranks(tmp_path):
+    grads, _ = _windows(6, 3, 1, seed=5)
+    path = tmp_path / "d.safetensors"
+    saved = _run_group(3, 6, grads, lambda: None, path=path, save_at=(2, 0))[0]
+    two = _run_group(2, 3, grads, lambda: None, load=(path, (2, 0)))  # nothing left to run: just the load
+    one = _engine(at.optim.AdamW(lr=1e-2), schedule=at.schedules.Cosine(20))
+    at.load(path, one)
+    for eng in [*two, one]:
+        assert eng.state.step == 3
+    assert saved.state.step == 6
+
+
+def test_a_mid_window_checkpoint_refuses_another_number_of_ranks(tmp_path):
+    grads, _ = _windows(4, 2, 2, seed=6)
+    path = tmp_path / "m.safetensors"
+    _run_group(2, 4, grads, lambda: None, path=path, save_at=(1, 0), micro=2)
+    one = _engine(at.optim.AdamW(lr=1e-2), accumulation_steps=2, schedule=at.schedules.Cosine(20))
+    with pytest.raises(at.CheckpointError, match="accumulated part-way"):
+        at.load(path, one)
