@@ -263,3 +263,46 @@ def test_a_mid_window_checkpoint_refuses_another_number_of_ranks(tmp_path):
     one = _engine(at.optim.AdamW(lr=1e-2), accumulation_steps=2, schedule=at.schedules.Cosine(20))
     with pytest.raises(at.CheckpointError, match="accumulated part-way"):
         at.load(path, one)
+
+
+# -- the trainer on a group ---------------------------------------------------------------------
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_the_trainer_shards_each_batch_and_follows_the_one_process_trajectory(ranks):
+    from arraytrain import nn
+
+    rng = np.random.default_rng(0)
+    centers = rng.standard_normal((3, 8)) * 2
+    y = np.arange(100) % 3
+    x = centers[y] + rng.standard_normal((100, 8))
+
+    def fit(comm=None):
+        model = nn.MLP([8, 16, 3], dtype=np.float64)
+        engine = at.Engine(model.init(seed=0), at.optim.AdamW(lr=1e-2), zero_grad_on_step=False,
+                           max_grad_norm=1.0, comm=comm)
+        trainer = nn.Trainer(model, engine, batch_size=16, seed=1)
+        history = trainer.fit(x, y, epochs=3, validation=(x[:30], y[:30]))
+        return engine, history
+
+    one, h1 = fit()
+    results = ThreadGroup(ranks).run(lambda rank, comm: fit(comm))
+    for eng, h in results:
+        np.testing.assert_allclose(eng.params.flat, one.params.flat, rtol=1e-9, atol=1e-12)
+        for a, b in zip(h, h1):
+            assert a["steps"] == b["steps"]
+            np.testing.assert_allclose(a["loss"], b["loss"], rtol=1e-9)
+            assert a["accuracy"] == b["accuracy"] and a["val_accuracy"] == b["val_accuracy"]
+
+
+def test_a_batch_smaller_than_the_group_is_refused_before_training():
+    from arraytrain import nn
+
+    x, y = np.zeros((10, 4)), np.arange(10) % 2
+
+    def fit(rank, comm):
+        model = nn.MLP([4, 2], dtype=np.float64)
+        engine = at.Engine(model.init(seed=0), at.optim.SGD(lr=0.1), comm=comm, zero_grad_on_step=False)
+        with pytest.raises(HyperparameterError, match="cannot be shared by 3 processes"):
+            nn.Trainer(model, engine, batch_size=4).fit(x, y, epochs=1)  # the last batch has 2 samples
+        return engine.state.step
+
+    assert ThreadGroup(3).run(fit) == [0, 0, 0]

@@ -7,6 +7,13 @@ writes the gradients straight into ``engine.grads``. Every batch is one
 micro-batch; an accumulation window left open at the end of an epoch carries
 over into the next.
 
+Data parallelism: with an engine over a group of processes (``Engine(comm=...)``)
+every rank draws the same global batches and trains on its own contiguous shard of
+each (rank ``r`` of ``K`` takes rows ``[n*r//K, n*(r+1)//K)``), weighted by its
+share ``n_r / n``, so the engine's exchange sums to the global batch's mean
+gradient: the same trajectory as one process up to float rounding. The epoch's
+loss and metrics are computed over every rank's shard.
+
 Determinism: the initial weights come from the model's seed, the batch order of
 epoch ``e`` from ``default_rng([seed, e])``, and the engine's kernels reduce in a
 fixed order, so two runs with the same seeds are bitwise equal on one machine.
@@ -132,6 +139,12 @@ class Trainer:
         if len(self.batches) == 0:
             raise HyperparameterError(f"batch_size: {self.batch_size} with drop_last leaves no batch "
                                       f"of {self.batches.n} samples")
+        ranks = self.engine.comm.size
+        smallest = self.batch_size if self.drop_last or self.batches.n % self.batch_size == 0 else \
+            self.batches.n % self.batch_size
+        if smallest < ranks:
+            raise HyperparameterError(f"batch_size: a batch of {smallest} samples cannot be shared by {ranks} "
+                                      "processes (each needs at least one): use a larger batch_size or drop_last")
         self.epochs, self.epoch, self.stop_training = epochs, initial_epoch, False
         self._call("on_train_begin")
         for e in range(initial_epoch, epochs):
@@ -163,7 +176,7 @@ class Trainer:
             self.timings["data"] += time.perf_counter() - t0
             self._train_batch(xb, yb, tally)
             if self.steps > 0:  # the first step compiles the kernels
-                self._timed_samples += xb.shape[0]
+                self._timed_samples += xb.shape[0]  # the global batch (every rank's shard)
                 self._timed_seconds += time.perf_counter() - t0
             self.steps += 1
         return self._epoch_logs(e, tally, t_epoch)
@@ -172,12 +185,20 @@ class Trainer:
         """One batch: forward and loss, backward, ``engine.step()``, metrics, callbacks (timed)."""
         timings = self.timings
         t1 = time.perf_counter()
+        weight = None
+        comm = self.engine.comm
+        if not comm.is_local:  # this rank's shard, weighted by its share of the batch
+            n = xb.shape[0]
+            lo, hi = n * comm.rank // comm.size, n * (comm.rank + 1) // comm.size
+            xb, yb, weight = xb[lo:hi], yb[lo:hi], (hi - lo) / n
         out = self.model.forward(xb)
         loss, dout = self.loss_fn(out, yb)
+        if weight is not None:
+            dout = dout * weight  # the zero-copy path: weighted gradients are multiplied by their weight
         t2 = time.perf_counter()
         self.model.backward(dout)
         t3 = time.perf_counter()
-        tally.report = self.engine.step()
+        tally.report = self.engine.step(weight=weight)
         t4 = time.perf_counter()
         self._tally(tally, loss, out, yb)
         t5 = time.perf_counter()
@@ -201,6 +222,12 @@ class Trainer:
 
     def _epoch_logs(self, e: int, tally: "_Tally", t_epoch: float) -> dict:
         engine = self.engine
+        if not engine.comm.is_local:  # the epoch's figures over every rank's shard
+            parts = engine.comm.gather_objects((tally.loss_sum, tally.seen, tally.preds, tally.labels))
+            tally.loss_sum = sum(p[0] for p in parts)
+            tally.seen = sum(p[1] for p in parts)
+            tally.preds = [a for p in parts for a in p[2]]
+            tally.labels = [a for p in parts for a in p[3]]
         logs = {"epoch": e + 1, "loss": tally.loss_sum / tally.seen if tally.seen else float("nan"),
                 "lr": tally.report.lr if tally.report is not None else engine.optimizer.lr,
                 "steps": engine.state.step}
