@@ -12,9 +12,11 @@ on stderr and exit status 2; nothing prints a traceback on purpose.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import inspect
 import json
 import math
+import os
 import sys
 
 import numpy as np
@@ -98,6 +100,38 @@ def _hidden(text):
     return sizes
 
 
+COMPRESSORS = {"topk": "TopK", "randomk": "RandomK", "int8": "Int8Block", "sign": "Sign", "ternary": "Ternary",
+               "powersgd": "PowerSGD", "vsa": "VSA"}
+
+
+def _compress_spec(text):
+    """``METHOD[:key=value,...]`` -> (method, {key: value}); values parsed as int, float, bool or text."""
+    method, _, rest = text.partition(":")
+    method = method.strip().lower()
+    if method not in COMPRESSORS:
+        raise argparse.ArgumentTypeError(f"expected METHOD[:key=value,...] with METHOD one of "
+                                         f"{', '.join(COMPRESSORS)}, got {text!r}")
+    kwargs = {}
+    for item in filter(None, (p.strip() for p in rest.split(","))):
+        key, eq, value = item.partition("=")
+        if not eq or not key.isidentifier():
+            raise argparse.ArgumentTypeError(f"expected key=value after {method}:, got {item!r}")
+        kwargs[key] = _value(value)
+    return method, kwargs
+
+
+def _value(text: str):
+    lowered = text.strip().lower()
+    if lowered in ("true", "false"):
+        return lowered == "true"
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog=PROG, description="arraytrain: a training engine on flat NumPy buffers.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -126,6 +160,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--dtype", default="float32", choices=("float32", "float64"))
     t.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
                    help="where the model, the data and the engine live (cuda: CuPy, extra cuda12/cuda13)")
+    t.add_argument("--compress", type=_compress_spec, metavar="METHOD[:k=v,...]",
+                   help=f"compress the gradient every step ({', '.join(COMPRESSORS)}), e.g. topk:ratio=0.01; "
+                        "the keys are the compressor's arguments (arraytrain.compress)")
+    t.add_argument("--error-feedback", action="store_true", help="with --compress: keep what was not sent")
     t.add_argument("--data", metavar="FILE.npz", help="arrays X, y and optionally X_test, y_test")
     t.add_argument("--val-fraction", type=_fraction, default=0.15, help="default: 0.15")
     t.add_argument("--test-fraction", type=_fraction, default=0.2, help="without X_test (default: 0.2)")
@@ -173,6 +211,41 @@ def _schedule(args, steps_per_epoch: int):
     else:
         sched = schedules.ReduceOnPlateau(schedules.Constant(), factor=0.1, patience=args.plateau_patience)
     return schedules.Warmup(args.warmup, then=sched) if args.warmup else sched
+
+
+def _compressor(args):
+    if args.compress is None:
+        if args.error_feedback:
+            raise UsageError(f"{PROG} train: error: --error-feedback needs --compress METHOD")
+        return None
+    from . import compress
+
+    method, kwargs = args.compress
+    cls = getattr(compress, COMPRESSORS[method])
+    try:
+        inspect.signature(cls).bind(**kwargs)
+    except TypeError as exc:
+        raise UsageError(f"{PROG} train: error: --compress {method}: {exc}") from None
+    comp = cls(**kwargs)
+    return compress.ErrorFeedback(comp) if args.error_feedback else comp
+
+
+def _launched_ranks() -> int:
+    """The number of processes ``mpiexec`` started (1 when not under mpiexec)."""
+    for key in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MPI_LOCALNRANKS"):
+        value = os.environ.get(key, "")
+        if value.isdigit():
+            return int(value)
+    return 1
+
+
+def _comm():
+    """An MPIComm when ``mpiexec`` started more than one process, else None (one process)."""
+    if _launched_ranks() <= 1:
+        return None
+    from .distributed import MPIComm
+
+    return MPIComm()
 
 
 def _load_data(args):
@@ -243,7 +316,9 @@ def train(args) -> int:
     from . import nn
     from .nn.data import require
 
-    out = sys.stdout
+    comm = _comm()
+    lead = comm is None or comm.rank == 0  # only rank 0 prints and writes files
+    out = sys.stdout if lead else open(os.devnull, "w")  # noqa: SIM115 - closed with the process
     if not args.no_progress:
         require("tqdm", "train", "the progress bar")
     if args.plot:
@@ -264,7 +339,8 @@ def train(args) -> int:
     extra_engine = {"schedule": sched} if sched is not None else {}
     try:
         engine = Engine(params, _optimizer(args), accumulation_steps=args.accumulation, max_grad_norm=args.clip,
-                        zero_grad_on_step=False, device=args.device, **extra_engine)
+                        zero_grad_on_step=False, device=args.device, compressor=_compressor(args), comm=comm,
+                        **extra_engine)
     except TypeError as exc:
         if "schedule" in str(exc):
             raise UsageError(f"{PROG} train: error: --schedule/--warmup: this build's Engine takes no schedule") from None
@@ -293,8 +369,9 @@ def train(args) -> int:
         print(line + f"  ({logs['time']:.2f} s)", file=out, flush=True)
 
     profiler = nn.Profiler()
-    callbacks = [] if args.no_progress else [nn.ProgressBar()]
-    callbacks += [nn.LambdaCallback(on_epoch_end=show), profiler]
+    callbacks = [] if args.no_progress or not lead else [nn.ProgressBar()]
+    payload = _PayloadBytes()
+    callbacks += [nn.LambdaCallback(on_epoch_end=show, on_batch_end=payload.add), profiler]
     if args.patience:
         callbacks.append(nn.EarlyStopping("val_loss", patience=args.patience))
     if args.schedule == "plateau":
@@ -303,15 +380,22 @@ def train(args) -> int:
         callbacks.append(nn.Checkpoint(args.save, every=args.checkpoint_every, extra={"config": _jsonable(config)}))
     trainer = nn.Trainer(model, engine, batch_size=args.batch_size, seed=args.seed, callbacks=callbacks)
 
+    how = "" if comm is None else f", {comm.size} processes (each a shard of every batch)"
+    if engine.compressor is not None:
+        how += f", compressed: {engine.compressor!r}"
     print(f"{data.summary()}; model {list(model.sizes)} ({model.num_params} parameters), "
-          f"{engine.optimizer!r}" + (f", resumed at epoch {start}" if start else ""), file=out)
-    history = trainer.fit(data.x_train, data.y_train, epochs=args.epochs, validation=(data.x_val, data.y_val),
-                          initial_epoch=start)
+          f"{engine.optimizer!r}{how}" + (f", resumed at epoch {start}" if start else ""), file=out)
+    with _abort_on_error(comm):  # one rank failing mid-run must not leave the others waiting
+        history = trainer.fit(data.x_train, data.y_train, epochs=args.epochs, validation=(data.x_val, data.y_val),
+                              initial_epoch=start)
     test = trainer.evaluate(data.x_test, data.y_test)
     summary = profiler.summary(trainer)["seconds"]
     print(f"test accuracy {test['accuracy']:.4f} ({len(data.y_test)} samples), macro F1 {test['f1']:.4f}", file=out)
     print(f"{trainer.samples_per_second:,.0f} samples/s over {max(trainer.steps - 1, 0)} steps after the first; "
           f"time split: {_fmt_split(summary)}", file=out)
+    if payload.steps:
+        print(f"compression: {payload.sent / payload.steps:,.0f} bytes/step sent by each process vs "
+              f"{payload.dense / payload.steps:,.0f} dense ({payload.dense / payload.sent:.1f}x fewer)", file=out)
 
     if args.save:
         if not args.checkpoint_every:  # else the Checkpoint callback has written the last epoch
@@ -320,6 +404,8 @@ def train(args) -> int:
             save, _ = _checkpoint_io()
             save(args.save, engine, extra={"epoch": trainer.epoch, "config": _jsonable(config)})
         print(f"saved {args.save} (epoch {trainer.epoch})", file=out)
+    if not lead:
+        return 0
     if args.json:
         report = {
             "test_accuracy": test["accuracy"],
@@ -333,6 +419,9 @@ def train(args) -> int:
             "final_loss": history[-1]["loss"] if history else None,
             "final_val_accuracy": history[-1].get("val_accuracy") if history else None,
             "optimizer_steps": engine.state.step,
+            "processes": 1 if comm is None else comm.size,
+            "payload_bytes_per_step": payload.sent / payload.steps if payload.steps else None,
+            "dense_bytes_per_step": payload.dense / payload.steps if payload.steps else None,
             "time_split_seconds": summary,
             "dataset": data.summary(),
             "parameters": model.num_params,
@@ -344,6 +433,27 @@ def train(args) -> int:
     if args.plot:
         _plot(args.plot, history, test["accuracy"])
     return 0
+
+
+class _PayloadBytes:
+    """Adds up the measured payload bytes of every applied step (``add`` is an ``on_batch_end`` hook)."""
+
+    sent = dense = steps = 0
+
+    def add(self, trainer, step, logs):
+        report = logs["report"]
+        if report is not None and report.payload_bytes is not None:
+            self.sent += report.payload_bytes
+            self.dense += report.dense_bytes
+            self.steps += 1
+
+
+def _abort_on_error(comm):
+    if comm is None:
+        return contextlib.nullcontext()
+    from .distributed import abort_on_error
+
+    return abort_on_error()
 
 
 def main(argv=None) -> int:

@@ -72,6 +72,20 @@ def test_data_file(tmp_path, capsys, with_test):
     assert ("test 30" if with_test else "test 18") in summary["dataset"]
 
 
+@pytest.mark.parametrize("ef", [False, True], ids=["plain", "error-feedback"])
+def test_compression(tmp_path, capsys, ef):
+    data = small_npz(tmp_path / "d.npz")
+    js = tmp_path / "s.json"
+    rc, out, err = run(capsys, "--data", str(data), "--epochs", "3", *QUIET, "--json", str(js),
+                       "--compress", "topk:ratio=0.05", *(["--error-feedback"] if ef else []))
+    assert rc == 0, err
+    assert ("compressed: ErrorFeedback(TopK(" if ef else "compressed: TopK(") in out
+    summary = json.loads(js.read_text())
+    assert summary["processes"] == 1
+    assert summary["dense_bytes_per_step"] / summary["payload_bytes_per_step"] > 8
+    assert f"{summary['payload_bytes_per_step']:,.0f} bytes/step" in out
+
+
 def test_every_optimizer_runs(tmp_path, capsys):
     data = small_npz(tmp_path / "d.npz")
     names = optimizers()
@@ -129,6 +143,11 @@ BAD_ARGS = [
     (["--data", "{tmp}/oneclass.npz"], "classification needs at least 2"),
     (["--data", "{tmp}/x1d.npz"], "X must be 2-D"),
     (["--data", "{tmp}/testwidth.npz"], "X_test has 3 features, X has 2"),
+    (["--compress", "zip"], "argument --compress: expected METHOD[:key=value,...]"),
+    (["--compress", "topk:ratio"], "argument --compress: expected key=value after topk:"),
+    (["--data", "{tmp}/good.npz", "--compress", "topk:bogus=1"], "--compress topk: got an unexpected keyword"),
+    (["--data", "{tmp}/good.npz", "--compress", "topk:ratio=2"], "ratio"),
+    (["--data", "{tmp}/good.npz", "--error-feedback"], "--error-feedback needs --compress"),
     (["--data", "{tmp}/good.npz", "--resume", "{tmp}/missing.ckpt"],
      "missing.ckpt" if HAS_CHECKPOINT else "checkpoints need arraytrain.save"),
 ]
@@ -146,7 +165,7 @@ def test_bad_arguments_one_line(tmp_path, capsys, args, text):
 
 
 def test_bad_arguments_count():
-    assert len(BAD_ARGS) == 24
+    assert len(BAD_ARGS) == 29
 
 
 def test_missing_extras_one_line(capsys, monkeypatch):
