@@ -1,0 +1,52 @@
+"""``mpiexec -n K arraytrain train``: one data-parallel run, the one-process trajectory, rank 0 alone speaks."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from test_cli import small_npz
+
+MPIEXEC = shutil.which("mpiexec") or shutil.which("mpirun")
+pytestmark = pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec (pip install 'arraytrain[mpi]')")
+
+
+def _train(tmp_path, ranks, *args, name="run"):
+    pytest.importorskip("mpi4py")
+    js = tmp_path / f"{name}.json"
+    cmd = [sys.executable, "-m", "arraytrain", "train", "--no-progress", "--json", str(js), *args]
+    if ranks > 1:
+        cmd = [MPIEXEC, "-n", str(ranks), *cmd]
+    env = {**os.environ, "NUMBA_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc, json.loads(js.read_text())
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_data_parallel_training_follows_the_one_process_run(tmp_path, ranks):
+    data = small_npz(tmp_path / "d.npz", n=120)
+    common = ["--data", str(data), "--epochs", "4", "--dtype", "float64", "--batch-size", "16", "--clip", "1.0"]
+    _, one = _train(tmp_path, 1, *common, name="one")
+    proc, many = _train(tmp_path, ranks, *common, name="many")
+    assert many["processes"] == ranks and one["processes"] == 1
+    assert proc.stdout.count("test accuracy") == 1  # rank 0 alone prints
+    assert f"{ranks} processes" in proc.stdout
+    assert many["optimizer_steps"] == one["optimizer_steps"]
+    np.testing.assert_allclose([h["loss"] for h in many["history"]], [h["loss"] for h in one["history"]], rtol=1e-9)
+    assert many["test_accuracy"] == one["test_accuracy"]
+
+
+def test_compressed_data_parallel_training(tmp_path):
+    data = small_npz(tmp_path / "d.npz", n=120)
+    proc, many = _train(tmp_path, 2, "--data", str(data), "--epochs", "4", "--batch-size", "16",
+                        "--compress", "topk:ratio=0.05", "--error-feedback")
+    assert many["processes"] == 2 and many["test_accuracy"] > 0.8
+    assert many["dense_bytes_per_step"] / many["payload_bytes_per_step"] > 8
+    assert "bytes/step sent by each process" in proc.stdout
