@@ -222,9 +222,10 @@ def test_adam_bfloat16_state_kernel_matches_reference(n, amsgrad, rng):
             st["ref"][slot][...] = st["cpu"][slot]
         for k, kern in (("cpu", cpu), ("ref", ref)):
             s = st[k]
-            kern.adam_step(s["p"], g0.copy(), s["m"], s["v"], s["x"], layout.pieces, 0.9, 1e-2 / (1 - 0.9**t) * one,
-                           0.9, 0.99, 1e-8, math.sqrt(1 - 0.99**t), 0.0 * one, (1 - 1e-3) * one, amsgrad,
-                           s["w"], cpu.LP_BF16, False)
+            kern.adam_step(s["p"], g0.copy(), s["m"], s["v"], s["x"], layout.pieces, gscale=0.9,
+                           step_size=1e-2 / (1 - 0.9**t) * one, beta1=0.9, beta2=0.99, eps=1e-8,
+                           inv_bc2_sqrt=1 / math.sqrt(1 - 0.99**t), l2=0.0 * one, decay=(1 - 1e-3) * one,
+                           amsgrad=amsgrad, w=s["w"], wkind=cpu.LP_BF16)
         for slot in ("m", "v", "x"):
             a, b = (st[k][slot].view(ml_dtypes.bfloat16).astype(np.float64) for k in ("cpu", "ref"))
             # within one bfloat16 ulp (2**-7 relative): the reference rounds float64 -> float32 ->

@@ -85,9 +85,10 @@ class Adafactor(Optimizer):
         s = state.slots
         kernels.adafactor_step(
             params.flat, grads.flat, s["row_var"].flat, s["col_var"].flat, s["variance"].flat, params.layout.pieces,
-            geo.segs, geo.rows, geo.cols, geo.batches, self._signed(gscale),
-            np.minimum(lr, 1.0 / math.sqrt(t)), 1.0 - lr * wd, float(t) ** self.beta2_decay, eps1, self.eps[1],
-            self.d, *working_args(working), zero_grad, mask=mask_arg(mask, params),
+            geo.segs, geo.rows, geo.cols, geo.batches, gscale=self._signed(gscale),
+            rel_step=np.minimum(lr, 1.0 / math.sqrt(t)), decay=1.0 - lr * wd,
+            one_minus_beta2=float(t) ** self.beta2_decay, eps1=eps1, eps2=self.eps[1], d=self.d,
+            **working_args(working), zero_grad=zero_grad, mask=mask_arg(mask, params),
         )
         state.step = t
 

@@ -52,8 +52,8 @@ class Adagrad(Optimizer):
     def update(self, kernels, params, grads, state, *, gscale=1.0, lr=None, zero_grad=False, working=None,
                mask=None):
         t = state.step + 1
-        clr = self._lr(state, lr) / (1.0 + (t - 1) * self.lr_decay)
-        kernels.adagrad_step(params.flat, grads.flat, self._slot(state, "sum"), params.layout.pieces, self._signed(gscale), clr,
-                             self.per_param(state, "weight_decay"), self.eps, *working_args(working), zero_grad,
-                             mask=mask_arg(mask, params))
+        clr = self._lr(state, lr) / (1.0 + (t - 1) * self.lr_decay)  # torch's decayed rate
+        kernels.adagrad_step(params.flat, grads.flat, self._slot(state, "sum"), params.layout.pieces,
+                             gscale=self._signed(gscale), lr=clr, l2=self.per_param(state, "weight_decay"),
+                             eps=self.eps, **working_args(working), zero_grad=zero_grad, mask=mask_arg(mask, params))
         state.step = t

@@ -69,8 +69,9 @@ class Adam(Optimizer):
         s = {k: kernel_view(buf.flat) for k, buf in state.slots.items()}
         vmax = s["max_exp_avg_sq"] if self.amsgrad else s["exp_avg"][:0]
         kernels.adam_step(params.flat, grads.flat, s["exp_avg"], s["exp_avg_sq"], vmax, params.layout.pieces,
-                          self._signed(gscale), lr / (1.0 - b1**t), b1, b2, self.eps, math.sqrt(1.0 - b2**t),
-                          l2, decay, self.amsgrad, *working_args(working), zero_grad,
+                          gscale=self._signed(gscale), step_size=lr / (1.0 - b1**t), beta1=b1, beta2=b2,
+                          eps=self.eps, inv_bc2_sqrt=1.0 / math.sqrt(1.0 - b2**t), l2=l2, decay=decay,
+                          amsgrad=self.amsgrad, **working_args(working), zero_grad=zero_grad,
                           mask=mask_arg(mask, params))
         state.step = t
 

@@ -193,6 +193,7 @@ def mask_arg(mask, params: FlatBuffer):
     return mask
 
 
-def working_args(working) -> tuple:
-    """``(w, wkind)`` kernel arguments for an optional working copy."""
-    return (None, 0) if working is None else working
+def working_args(working) -> dict:
+    """The kernels' ``w`` and ``wkind`` keywords for an optional working copy ``(bits, kind)``."""
+    w, wkind = (None, 0) if working is None else working
+    return {"w": w, "wkind": wkind}

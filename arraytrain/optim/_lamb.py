@@ -56,10 +56,12 @@ class LAMB(Optimizer):
     def update(self, kernels, params, grads, state, *, gscale=1.0, lr=None, zero_grad=False, working=None,
                mask=None):
         t = state.step + 1
+        b1, b2 = self.b1, self.b2
         ratio = kernels.lamb_step(params.flat, grads.flat, self._slot(state, "exp_avg"),
-                                  self._slot(state, "exp_avg_sq"), params.layout.pieces, self._signed(gscale), self._lr(state, lr),
-                                  self.per_param(state, "weight_decay"), self.b1, self.b2, self.eps, self.eps_root,
-                                  1.0 - self.b1**t, 1.0 - self.b2**t, *working_args(working), zero_grad,
-                                  mask=mask_arg(mask, params))
+                                  self._slot(state, "exp_avg_sq"), params.layout.pieces, gscale=self._signed(gscale),
+                                  lr=self._lr(state, lr), weight_decay=self.per_param(state, "weight_decay"),
+                                  beta1=b1, beta2=b2, eps=self.eps, eps_root=self.eps_root,
+                                  inv_bc1=1.0 / (1.0 - b1**t), inv_bc2=1.0 / (1.0 - b2**t),
+                                  **working_args(working), zero_grad=zero_grad, mask=mask_arg(mask, params))
         self.trust_ratio = ratio  # float64, on the buffers' device
         state.step = t

@@ -40,8 +40,10 @@ class Lion(Optimizer):
 
     def update(self, kernels, params, grads, state, *, gscale=1.0, lr=None, zero_grad=False, working=None,
                mask=None):
-        kernels.lion_step(params.flat, grads.flat, self._slot(state, "exp_avg"), params.layout.pieces, self._signed(gscale),
-                          self._lr(state, lr), self.per_param(state, "weight_decay"), self.b1, self.b2,
-                          *working_args(working), zero_grad,
+        lr = self._lr(state, lr)
+        b1, b2 = self.b1, self.b2
+        kernels.lion_step(params.flat, grads.flat, self._slot(state, "exp_avg"), params.layout.pieces,
+                          gscale=self._signed(gscale), lr=lr, decay=1.0 - lr * self.per_param(state, "weight_decay"),
+                          beta1=b1, beta2=b2, **working_args(working), zero_grad=zero_grad,
                           mask=mask_arg(mask, params))
         state.step += 1

@@ -54,7 +54,8 @@ class RMSprop(Optimizer):
         gavg = self._slot(state, "grad_avg") if self.centered else empty
         buf = self._slot(state, "momentum_buffer") if self.momentum > 0 else empty
         kernels.rmsprop_step(params.flat, grads.flat, square_avg, gavg, buf, params.layout.pieces,
-                             self._signed(gscale), self._lr(state, lr), self.per_param(state, "weight_decay"), self.alpha, self.eps,
-                             self.momentum, self.centered, *working_args(working), zero_grad,
-                             mask=mask_arg(mask, params))
+                             gscale=self._signed(gscale), lr=self._lr(state, lr),
+                             l2=self.per_param(state, "weight_decay"), alpha=self.alpha, eps=self.eps,
+                             momentum=self.momentum, centered=self.centered, **working_args(working),
+                             zero_grad=zero_grad, mask=mask_arg(mask, params))
         state.step += 1

@@ -108,7 +108,8 @@ class SAM(Optimizer):
         else:
             norm = float(grad_norm)
         kernels.sam_perturb(params.flat, grads.flat, state.slots["sam_backup"].flat, pieces,
-                            self.rho * gscale / (norm + NORM_EPS), self.adaptive, zero_grad, mask=mask)
+                            scale=self.rho * gscale / (norm + NORM_EPS), adaptive=self.adaptive, zero_grad=zero_grad,
+                            mask=mask)
 
     def restore(self, kernels, params, state) -> None:
         """Copy the weights saved by :meth:`perturb` back (one pass; padding is zero in both)."""

@@ -62,8 +62,8 @@ class Sophia(Optimizer):
         wd = self.per_param(state, "weight_decay")
         s = state.slots
         kernels.sophia_step(params.flat, grads.flat, s["exp_avg"].flat, s["hessian"].flat, params.layout.pieces,
-                            self._signed(gscale), lr, 1.0 - lr * wd, self.betas[0],
-                            self.rho * self.bs, self.eps, *working_args(working), zero_grad,
+                            gscale=self._signed(gscale), lr=lr, decay=1.0 - lr * wd, beta1=self.betas[0],
+                            rho_bs=self.rho * self.bs, eps=self.eps, **working_args(working), zero_grad=zero_grad,
                             mask=mask_arg(mask, params))
         state.step += 1
 
