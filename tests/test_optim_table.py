@@ -115,7 +115,7 @@ MINIMISERS = [
     ("rmsprop_momentum", lambda: optim.RMSprop(lr=1e-4, momentum=0.9), 4000, 0.0),
     ("rmsprop_centered_momentum", lambda: optim.RMSprop(lr=1e-4, momentum=0.9, centered=True), 4000, 0.0),
     ("lion", lambda: optim.Lion(lr=1e-3, weight_decay=0.0), 4000, 0.0),
-    ("lamb", lambda: optim.LAMB(lr=3e-4, b1=0.9, b2=0.99), 6000, 2.0),
+    ("lamb", lambda: optim.LAMB(lr=3e-4, betas=(0.9, 0.99)), 6000, 2.0),
 ]
 minimisers = pytest.mark.parametrize("name, make_opt, steps, shift", MINIMISERS, ids=[m[0] for m in MINIMISERS])
 

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 from .._checks import check_bool, check_number
+from .._deprecation import legacy_arguments
 from ._base import Optimizer, mask_arg, working_args
 
 
@@ -21,8 +22,10 @@ class Adagrad(Optimizer):
     ``overrides`` (see :class:`Optimizer`); ``lr_decay`` applies to each.
     """
 
+    @legacy_arguments(old_positional=("lr", "lr_decay", "weight_decay", "initial_accumulator_value", "eps",
+                                      "maximize", "state_dtype", "overrides"))
     def __init__(self, lr: float = 1e-2, lr_decay: float = 0.0, weight_decay: float = 0.0,
-                 initial_accumulator_value: float = 0.0, eps: float = 1e-10, maximize: bool = False,
+                 initial_accumulator_value: float = 0.0, eps: float = 1e-10, *, maximize: bool = False,
                  state_dtype: str | None = None, overrides=None):
         self.lr = check_number("lr", lr, 0.0)
         self.lr_decay = check_number("lr_decay", lr_decay, 0.0)

@@ -33,8 +33,10 @@ class SAM(Optimizer):
     optimizer's fused step with that gradient. :meth:`restore` undoes a perturbation
     without a step (a skipped, non-finite second window).
 
-    State: the base optimizer's slots plus ``sam_backup``. ``lr``, ``weight_decay``,
-    ``overrides`` and per-parameter values delegate to the base optimizer.
+    ``rho`` is the neighbourhood radius :math:`\rho` (the paper's and davda54/sam's name;
+    :class:`Sophia`'s ``rho`` is another quantity). State: the base optimizer's slots plus
+    ``sam_backup``. ``lr``, ``weight_decay``, ``overrides`` and per-parameter values
+    delegate to the base optimizer, which carries ``maximize``.
     """
 
     def __init__(self, base: Optimizer, rho: float = 0.05, adaptive: bool = False):
