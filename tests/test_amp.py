@@ -77,7 +77,7 @@ def test_loss_scaler_bad_arguments(kwargs, name):
 
 def _mp_engine(**kw):
     return Engine(_params(), optim.AdamW(lr=1e-2, weight_decay=0.1), accumulation_steps=2, max_grad_norm=1.0,
-                  schedule=schedules.Warmup(3, then=schedules.Cosine(20)), loss_scaler=LossScaler(init_scale=2.0**8),
+                  schedule=schedules.Warmup(3, then=schedules.CosineAnnealingLR(20)), loss_scaler=LossScaler(init_scale=2.0**8),
                   **kw)
 
 
@@ -304,7 +304,7 @@ def test_engine_follows_the_schedule_per_parameter():
 
 
 def test_engine_observe_feeds_reduce_on_plateau():
-    e = Engine(_params(), optim.SGD(lr=1.0), schedule=schedules.ReduceOnPlateau(patience=0, factor=0.5))
+    e = Engine(_params(), optim.SGD(lr=1.0), schedule=schedules.ReduceLROnPlateau(patience=0, factor=0.5))
     e.step(_grads(np.random.default_rng(8)))
     e.observe(1.0)
     e.observe(2.0)  # worse: patience 0 -> halve
