@@ -9,6 +9,7 @@ before the constructor sees them.
 from __future__ import annotations
 
 import functools
+import inspect
 import warnings
 from collections.abc import Callable
 
@@ -16,6 +17,7 @@ from .errors import HyperparameterError
 
 
 def message(old: str, new: str) -> str:
+    """The one wording of every deprecation (tests/conftest.py turns it into an error in the tests)."""
     return f"{old} is deprecated and will be removed in the next release; use {new}"
 
 
@@ -41,8 +43,6 @@ def legacy_arguments(*, renamed: dict | None = None, pairs: dict | None = None, 
     pairs = dict(pairs or {})
 
     def decorate(init):
-        import inspect
-
         params = list(inspect.signature(init).parameters.values())[1:]  # without self
         positional = [p.name for p in params if p.kind is p.POSITIONAL_OR_KEYWORD]
         defaults = {p.name: p.default for p in params}
