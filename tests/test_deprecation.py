@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import inspect
 import warnings
 from pathlib import Path
 
@@ -19,7 +20,7 @@ import numpy as np
 import pytest
 
 import arraytrain as at
-from arraytrain import AccumulationConfig, Engine, HyperparameterError, schedules
+from arraytrain import AccumulationConfig, Engine, HyperparameterError, optim, schedules
 from arraytrain.optim import LAMB, SGD, Adafactor, Adagrad, Adam, AdamW, Lion, RMSprop, Sophia
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -240,6 +241,10 @@ OLD_KEYWORDS = {  # callee name -> keywords it no longer takes (deprecated)
     "CosineAnnealingLR": {"min_lr", "total_steps"}, "LinearLR": {"total_steps"}, "PolynomialLR": {"total_steps"},
     "OneCycleLR": {"anneal"},
 }
+# callee name -> how many arguments it takes positionally (more: the shipped positional form)
+POSITIONAL = {name: sum(p.kind is p.POSITIONAL_OR_KEYWORD for p in inspect.signature(cls).parameters.values())
+              for name, cls in [(n, getattr(optim, n)) for n in optim.__all__ if n not in ("Optimizer", "OptState")]
+              + [("AccumulationConfig", AccumulationConfig)]}
 OWN_CODE = ["arraytrain", "examples", "asv_benchmarks", "tests"]
 DEFINING = {"tests/test_deprecation.py"}  # the old spellings on purpose
 
@@ -256,6 +261,10 @@ def _old_spellings(tree: ast.AST) -> list[str]:
             f = node.func
             callee = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else None
             found += [f"{callee}({k.arg}=...)" for k in node.keywords if k.arg in OLD_KEYWORDS.get(callee, ())]
+            ours = not ast.unparse(f).startswith(("torch.", "optax."))  # torch.optim.SGD is not ours
+            if ours and len(node.args) > POSITIONAL.get(callee, len(node.args)) and not any(
+                    isinstance(a, ast.Starred) for a in node.args):
+                found.append(f"{callee}() with {len(node.args)} positional arguments")
     return found
 
 
@@ -276,9 +285,11 @@ def test_the_project_uses_no_old_spelling():
 
 def test_the_scan_finds_old_spellings():
     code = ("from arraytrain.schedules import Cosine\nx = schedules.OneCycle(5)\nopt = optim.Lion(b1=0.5)\n"
-            "cfg = AccumulationConfig(normalize=False)\n")
+            "cfg = AccumulationConfig(normalize=False)\nsgd = SGD(0.1, 0.9, 0.0, 0.0, False, True)\n"
+            "ok = Adam(1e-3, (0.9, 0.99), 1e-8, 0.0, False, maximize=True)\n")
     assert sorted(_old_spellings(ast.parse(code))) == ["AccumulationConfig(normalize=...)", "Lion(b1=...)",
-                                                      "import Cosine", "schedules.OneCycle"]
+                                                      "SGD() with 6 positional arguments", "import Cosine",
+                                                      "schedules.OneCycle"]
 
 
 def test_the_cli_and_every_optimizer_default_build_without_warnings():
