@@ -13,34 +13,68 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import _intake
-from ._checks import check_bool, check_int, check_positive
+from . import _deprecation, _intake
+from ._checks import check_bool, check_int, check_number, check_positive
+from ._deprecation import legacy_arguments, value_at
 from .backend import kernels_for
 from .buffer import FlatBuffer
 from .errors import (
     ArgumentTypeError,
     AccumulatorFullError,
+    HyperparameterError,
     NoGradientsError,
     ShapeMismatchError,
     UnknownParameterError,
 )
 from .layout import Layout, _check_shape
-from .ops import clip_coef, norm_pass
+from .ops import CLIP_EPS, clip_coef, norm_pass
+
+REDUCTIONS = ("mean", "sum")
 
 
-@dataclass(frozen=True)
+def _reduction_of(normalize) -> str:
+    """The ``reduction`` that the deprecated ``normalize`` flag meant."""
+    return "mean" if check_bool("normalize", normalize) else "sum"
+
+
+@dataclass(frozen=True, init=False)
 class AccumulationConfig:
-    """How many micro-batches make one update, whether to average, and clipping."""
+    """How many micro-batches make one update, how they combine, and clipping.
+
+    ``reduction``: ``"mean"``, each parameter's (weighted) mean over the micro-batches it
+    took part in, or ``"sum"`` (as the Engine's ``reduction``). ``max_grad_norm``: the
+    result is scaled by ``min(1, max_grad_norm / (norm + clip_eps))`` (its global L2 norm;
+    None: no clipping). ``clip_eps=1e-6`` (:data:`arraytrain.ops.CLIP_EPS`) is torch's
+    ``clip_grad_norm_`` rule, which the Engine applies; ``clip_eps=0.0`` scales to exactly
+    ``max_grad_norm`` (optax's ``clip_by_global_norm``, and this accumulator's rule before
+    ``clip_eps`` existed). ``normalize=True``/``False`` (deprecated) means
+    ``reduction="mean"``/``"sum"``.
+    """
 
     accumulation_steps: int = 4
-    normalize: bool = True
+    reduction: str = "mean"
     max_grad_norm: float | None = None
+    clip_eps: float = CLIP_EPS
 
-    def __post_init__(self):
-        check_int("accumulation_steps", self.accumulation_steps, 1)
-        check_bool("normalize", self.normalize)
-        if self.max_grad_norm is not None:
-            check_positive("max_grad_norm", self.max_grad_norm)
+    @legacy_arguments(renamed={"normalize": ("reduction", _reduction_of)}, old_call=value_at(1, bool),
+                      old_positional=("accumulation_steps", "normalize", "max_grad_norm"))
+    def __init__(self, accumulation_steps: int = 4, reduction: str = "mean", max_grad_norm: float | None = None,
+                 clip_eps: float = CLIP_EPS):
+        check_int("accumulation_steps", accumulation_steps, 1)
+        if not isinstance(reduction, str) or reduction not in REDUCTIONS:
+            raise HyperparameterError(f"reduction: expected one of {REDUCTIONS}, got {reduction!r}")
+        if max_grad_norm is not None:
+            check_positive("max_grad_norm", max_grad_norm)
+        clip_eps = check_number("clip_eps", clip_eps, 0.0)
+        for name, value in (("accumulation_steps", accumulation_steps), ("reduction", reduction),
+                            ("max_grad_norm", max_grad_norm), ("clip_eps", clip_eps)):
+            object.__setattr__(self, name, value)
+
+    @property
+    def normalize(self) -> bool:
+        """Deprecated: ``reduction == "mean"``."""
+        _deprecation.warn("AccumulationConfig.normalize", '.reduction == "mean"')
+        return self.reduction == "mean"
 
     def effective_batch_size(self, micro_batch_size: int) -> int:
         """Samples per update: ``micro_batch_size * accumulation_steps``."""
@@ -140,19 +174,20 @@ class GradientAccumulator:
         """``{name: gradient}``: each parameter's weighted mean (or sum), then clipped.
 
         Clipping scales all gradients together when their global L2 norm
-        exceeds ``max_grad_norm``. The result is a fresh copy per parameter.
+        exceeds ``max_grad_norm`` (by ``max_grad_norm / (norm + clip_eps)``, see
+        :class:`AccumulationConfig`). The result is a fresh copy per parameter.
         Parameters that received no gradient since the last reset are zeros.
         """
         if len(self._buf) == 0 or not self._counts.any():
             raise NoGradientsError("no gradients accumulated" if len(self._buf) else "no parameters registered")
         out = self._buf.copy()
-        if self.config.normalize:
+        if self.config.reduction == "mean":
             for i, name in enumerate(out.names):
                 if self._weights[i] > 0 and out.layout.sizes[i]:
                     self._kernels.scale(out.flat[out.layout.slice(name)], 1.0 / self._weights[i])
         if self.config.max_grad_norm is not None:
             found = norm_pass(self._kernels, out.flat, out.layout)
-            coef = clip_coef(found.norm, self.config.max_grad_norm, eps=0.0)
+            coef = clip_coef(found.norm, self.config.max_grad_norm, eps=self.config.clip_eps)
             if coef < 1.0:
                 self._kernels.scale(out.flat, coef)
         return out.as_dict()

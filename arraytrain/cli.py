@@ -204,12 +204,12 @@ def _schedule(args, steps_per_epoch: int):
     if args.schedule == "constant":
         sched = schedules.Constant()
     elif args.schedule == "cosine":
-        sched = schedules.Cosine(total)
+        sched = schedules.CosineAnnealingLR(total)
     elif args.schedule == "step":
         every = args.step_epochs or max(1, args.epochs // 3)
         sched = schedules.StepLR(max(1, every * steps_per_epoch), gamma=args.gamma)
     else:
-        sched = schedules.ReduceOnPlateau(schedules.Constant(), factor=0.1, patience=args.plateau_patience)
+        sched = schedules.ReduceLROnPlateau(schedules.Constant(), factor=0.1, patience=args.plateau_patience)
     return schedules.Warmup(args.warmup, then=sched) if args.warmup else sched
 
 

@@ -43,14 +43,17 @@ def norm_pass(kernels, flat, layout: Layout) -> NormPass:
     return NormPass(peak * math.sqrt(total), peak * np.sqrt(per_seg), False)
 
 
-CLIP_EPS = 1e-6  # torch.nn.utils.clip_grad_norm_'s
+# The global-norm clipping rules, named by their ``clip_eps`` (the Engine's and
+# AccumulationConfig's argument): 1e-6, torch.nn.utils.clip_grad_norm_'s ``max_norm / (norm + 1e-6)``,
+# the default everywhere; 0.0, optax.clip_by_global_norm's ``max_norm / norm`` (exactly max_norm after).
+CLIP_EPS = 1e-6
 
 
 def clip_coef(norm: float, max_norm: float | None, eps: float = CLIP_EPS) -> float:
     """Global-norm clip factor ``min(1, max_norm / (norm + eps))``.
 
-    ``eps=1e-6`` is torch.nn.utils.clip_grad_norm_'s rule; ``eps=0`` scales to
-    exactly ``max_norm`` (tensorlogic-train's rule).
+    ``eps=1e-6`` (:data:`CLIP_EPS`) is torch.nn.utils.clip_grad_norm_'s rule; ``eps=0``
+    scales to exactly ``max_norm`` (optax.clip_by_global_norm's and tensorlogic-train's rule).
     """
     if max_norm is None:
         return 1.0

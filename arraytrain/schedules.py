@@ -8,36 +8,47 @@ optimizer step. ``step`` is the number of optimizer steps already applied
 array (per-parameter base lrs); the result is of the same kind (a float, or a
 new float64 array of the same shape). Skipped steps do not advance ``step``;
 that is the caller's business, since every schedule here is a pure function
-of ``(step, base_lr)`` -- except :class:`ReduceOnPlateau`, whose state moves
+of ``(step, base_lr)`` -- except :class:`ReduceLROnPlateau`, whose state moves
 only through :meth:`Schedule.observe`.
 
 Formulas, with :math:`b` the base lr and :math:`t` the step:
 
+Names: a schedule that computes what a ``torch.optim.lr_scheduler`` class computes carries
+that class's name and its argument names (without the optimizer: the base lr comes with each
+call), so torch code ports by dropping the optimizer argument; the schedules torch has no
+class for keep plain names (``Constant``, ``Warmup``, ``Sequential``, whose argument is a
+list of ``(schedule, n_steps)`` pairs rather than torch's schedulers and milestones). The
+names that shipped before (``MultiStep``, ``Exponential``, ``Linear``, ``Cosine``,
+``CosineWarmRestarts``, ``Polynomial``, ``OneCycle``, ``ReduceOnPlateau``; ``total_steps``
+of LinearLR, CosineAnnealingLR and PolynomialLR, ``min_lr`` of CosineAnnealingLR, ``anneal``
+of OneCycleLR) still work for one release, with a :class:`DeprecationWarning`, and a state
+dict saved with them still loads.
+
 - ``Constant()``: :math:`b`.
 - ``StepLR(step_size, gamma)``: :math:`b\,\gamma^{\lfloor t / \text{step\_size} \rfloor}` (torch StepLR).
-- ``MultiStep(milestones, gamma)``: :math:`b\,\gamma^{k}` with :math:`k = \#\{m \in
+- ``MultiStepLR(milestones, gamma)``: :math:`b\,\gamma^{k}` with :math:`k = \#\{m \in
   \text{milestones} : m \le t\}`; a repeated milestone counts as often as it appears (torch MultiStepLR).
-- ``Exponential(gamma)``: :math:`b\,\gamma^{t}` (torch ExponentialLR).
-- ``Linear(total_steps, start_factor, end_factor)``: :math:`b\,(s + (e - s)\,\min(t, T)/T)`
+- ``ExponentialLR(gamma)``: :math:`b\,\gamma^{t}` (torch ExponentialLR).
+- ``LinearLR(total_iters, start_factor, end_factor)``: :math:`b\,(s + (e - s)\,\min(t, T)/T)`
   (torch LinearLR; holds :math:`b\,e` from :math:`t = T` on).
-- ``Cosine(total_steps, min_lr)``: :math:`\eta_{min} + (b - \eta_{min})\,(1 + \cos(\pi t/T))/2`
+- ``CosineAnnealingLR(T_max, eta_min)``: :math:`\eta_{min} + (b - \eta_{min})\,(1 + \cos(\pi t/T))/2`
   for :math:`t \le T`, and :math:`\eta_{min}` for :math:`t > T` (torch CosineAnnealingLR up to
   :math:`T`; SGDR, Loshchilov & Hutter 2017, without restarts). Past :math:`T` torch's formula
   climbs back up towards :math:`b` over the next :math:`T` steps; here the lr stays at
-  :math:`\eta_{min}` (use :class:`CosineWarmRestarts` for restarts).
-- ``CosineWarmRestarts(T_0, T_mult, eta_min)``: :math:`\eta_{min} + (b - \eta_{min})\,(1 +
+  :math:`\eta_{min}` (use :class:`CosineAnnealingWarmRestarts` for restarts).
+- ``CosineAnnealingWarmRestarts(T_0, T_mult, eta_min)``: :math:`\eta_{min} + (b - \eta_{min})\,(1 +
   \cos(\pi T_{cur}/T_i))/2` where the cycles have lengths :math:`T_0, T_0 T_{mult}, T_0
   T_{mult}^2, \dots` and :math:`T_{cur}` is the position of :math:`t` inside cycle :math:`i`
   (torch CosineAnnealingWarmRestarts; found with integer arithmetic, so cycle ends are exact).
-- ``Polynomial(total_steps, power)``: :math:`b\,(1 - \min(t, T)/T)^{p}` (torch PolynomialLR).
-- ``OneCycle(total_steps, pct_start, anneal, div_factor, final_div_factor, three_phase)``
+- ``PolynomialLR(total_iters, power)``: :math:`b\,(1 - \min(t, T)/T)^{p}` (torch PolynomialLR).
+- ``OneCycleLR(total_steps, pct_start, anneal_strategy, div_factor, final_div_factor, three_phase)``
   (Smith & Topin 2017, torch OneCycleLR with ``max_lr = b``): with :math:`l_0 = b/\text{div}`,
   :math:`l_{min} = l_0/\text{final\_div}` and :math:`P = \text{pct\_start}\cdot T`, the phases
   end at steps :math:`P - 1` (:math:`l_0 \to b`) and :math:`T - 1` (:math:`b \to l_{min}`); with
   ``three_phase`` at :math:`P - 1` (:math:`l_0 \to b`), :math:`2P - 2` (:math:`b \to l_0`) and
   :math:`T - 1` (:math:`l_0 \to l_{min}`). Inside a phase running from step :math:`s_0` to
   :math:`s_1` from :math:`a` to :math:`z`, with :math:`q = (t - s_0)/(s_1 - s_0)`:
-  ``"cos"``: :math:`z + (a - z)(1 + \cos(\pi q))/2`; ``"linear"``: :math:`a + (z - a) q`.
+  ``anneal_strategy`` ``"cos"``: :math:`z + (a - z)(1 + \cos(\pi q))/2`; ``"linear"``: :math:`a + (z - a) q`.
   From :math:`t = T - 1` on the lr stays at :math:`l_{min}` (torch raises past :math:`T`).
 - ``Warmup(steps, then, start_factor)``: :math:`b\,(s + (1 - s)\,t/W)` for :math:`t < W`, then
   ``then(t - W, b)``: torch ``SequentialLR([LinearLR(start_factor=s, total_iters=W), then],
@@ -45,7 +56,7 @@ Formulas, with :math:`b` the base lr and :math:`t` the step:
 - ``Sequential([(s_0, n_0), (s_1, n_1), ..., (s_k, None)])``: segment :math:`j` covers
   :math:`n_j` steps starting at :math:`N_j = n_0 + \dots + n_{j-1}` and is evaluated at its own
   local step :math:`t - N_j` (torch SequentialLR); the last segment runs for ever.
-- ``ReduceOnPlateau(inner, mode, factor, patience, threshold, threshold_mode, cooldown,
+- ``ReduceLROnPlateau(inner, mode, factor, patience, threshold, threshold_mode, cooldown,
   min_lr, eps)``: torch ReduceLROnPlateau's rules. Each :meth:`~Schedule.observe` of a metric
   :math:`x` (once per epoch or evaluation) counts a bad epoch unless :math:`x` is better than
   the best so far -- ``min``/``rel``: :math:`x < best\,(1 - \theta)`; ``min``/``abs``:
@@ -61,15 +72,15 @@ Formulas, with :math:`b` the base lr and :math:`t` the step:
   (e.g. during a warm-up) is left as it is.
 
 Per-parameter base lrs (an array ``b``) go through the same formulas element by element.
-``Cosine``'s ``min_lr`` and ``CosineWarmRestarts``' ``eta_min`` are absolute lrs shared by all
-elements, as torch's ``eta_min`` is shared by all parameter groups; ``OneCycle``'s lrs are all
-proportional to ``b``. ``ReduceOnPlateau`` reduces every element at the same observations (one
+The ``eta_min`` of ``CosineAnnealingLR`` and ``CosineAnnealingWarmRestarts`` is an absolute lr shared
+by all elements, as torch's ``eta_min`` is shared by all parameter groups; ``OneCycleLR``'s lrs are all
+proportional to ``b``. ``ReduceLROnPlateau`` reduces every element at the same observations (one
 metric, as torch reduces every parameter group) with one absolute ``min_lr`` and the eps rule
 applied per element.
 
 Composition and metrics: :meth:`Schedule.observe` exists on every schedule, so a caller can
 feed metrics without knowing the schedule. A composite (``Warmup``, ``Sequential``,
-``ReduceOnPlateau`` with a stateful inner) needs ``step``, the number of optimizer steps
+``ReduceLROnPlateau`` with a stateful inner) needs ``step``, the number of optimizer steps
 applied so far, to route the metric to the segment that sets the next lr; the metrics seen
 while another segment is active (e.g. during a warm-up) are not counted.
 
@@ -91,29 +102,31 @@ from itertools import accumulate
 
 import numpy as np
 
+from . import _deprecation
 from ._checks import check_bool, check_count, check_number, check_positive, shown
+from ._deprecation import legacy_arguments, renamed_attribute
 from .errors import ArgumentTypeError, DTypeError, HyperparameterError, StateDictError
 
 __all__ = [
     "Schedule",
     "Constant",
     "StepLR",
-    "MultiStep",
-    "Exponential",
-    "Linear",
-    "Cosine",
-    "CosineWarmRestarts",
-    "Polynomial",
-    "OneCycle",
+    "MultiStepLR",
+    "ExponentialLR",
+    "LinearLR",
+    "CosineAnnealingLR",
+    "CosineAnnealingWarmRestarts",
+    "PolynomialLR",
+    "OneCycleLR",
     "Warmup",
     "Sequential",
-    "ReduceOnPlateau",
+    "ReduceLROnPlateau",
     "from_state_dict",
     "SCHEDULE_FORMAT",
 ]
 
 SCHEDULE_FORMAT = 1
-# Schedules nest (Warmup(then=...), Sequential segments, ReduceOnPlateau(inner=...)) at most this
+# Schedules nest (Warmup(then=...), Sequential segments, ReduceLROnPlateau(inner=...)) at most this
 # deep, counting the outermost: far beyond any real composition, and far below Python's
 # recursion limit for the recursive lr, state_dict and from_state_dict (a checkpoint holds the
 # nesting as JSON, three levels per schedule at most).
@@ -197,6 +210,8 @@ class Schedule(ABC):
     _fields: tuple[str, ...] = ()
     _schedule_fields: tuple[str, ...] = ()
     _state_fields: tuple[str, ...] = ()
+    # {old: new} field names of state dicts saved before a rename, read as the new ones
+    _old_fields: dict[str, str] = {}
 
     def __call__(self, step: int, base_lr):
         """The lr for the update after ``step`` applied optimizer steps (see the module docstring)."""
@@ -271,6 +286,12 @@ class Schedule(ABC):
     @classmethod
     def _keys(cls) -> set:
         return {"type", "format", *cls._fields, *cls._state_fields}
+
+    @classmethod
+    def _upgraded(cls, d: Mapping) -> Mapping:
+        """A state dict saved before a field was renamed, with today's field names."""
+        renames = {old: new for old, new in cls._old_fields.items() if old in d and new not in d}
+        return {renames.get(k, k): v for k, v in d.items()} if renames else d
 
     @classmethod
     def _from_dict(cls, d: Mapping, path: str, depth: int) -> "Schedule":
@@ -357,7 +378,7 @@ class StepLR(Schedule):
         return base * self.gamma ** (step // self.step_size)
 
 
-class MultiStep(Schedule):
+class MultiStepLR(Schedule):
     r""":math:`b\,\gamma^{k}`, :math:`k` the number of milestones :math:`\le t` (torch MultiStepLR).
 
     ``milestones`` must be non-decreasing ints >= 0; a repeated milestone
@@ -380,7 +401,7 @@ class MultiStep(Schedule):
         return base * self.gamma ** bisect_right(self.milestones, step)
 
 
-class Exponential(Schedule):
+class ExponentialLR(Schedule):
     r""":math:`b\,\gamma^{t}` (torch ExponentialLR)."""
 
     _fields = ("gamma",)
@@ -392,44 +413,51 @@ class Exponential(Schedule):
         return base * self.gamma ** step
 
 
-class Linear(Schedule):
-    r""":math:`b\,(s + (e - s)\min(t, T)/T)` (torch LinearLR; ``start_factor`` 0 is allowed here)."""
+class LinearLR(Schedule):
+    r""":math:`b\,(s + (e - s)\min(t, T)/T)`, :math:`T` = ``total_iters`` (torch LinearLR;
+    ``start_factor`` 0 is allowed here)."""
 
-    _fields = ("total_steps", "start_factor", "end_factor")
+    _fields = ("total_iters", "start_factor", "end_factor")
+    _old_fields = {"total_steps": "total_iters"}
+    total_steps = renamed_attribute("total_steps", "total_iters")
 
-    def __init__(self, total_steps: int, start_factor: float = 1.0 / 3, end_factor: float = 1.0):
-        self.total_steps = check_count("total_steps", total_steps, 1)
+    @legacy_arguments(renamed=_old_fields)
+    def __init__(self, total_iters: int, start_factor: float = 1.0 / 3, end_factor: float = 1.0):
+        self.total_iters = check_count("total_iters", total_iters, 1)
         self.start_factor = check_number("start_factor", start_factor, 0.0, 1.0)
         self.end_factor = check_number("end_factor", end_factor, 0.0, 1.0)
 
     def _lr(self, step, base):
         s, e = self.start_factor, self.end_factor
-        return base * (s + (e - s) * min(step, self.total_steps) / self.total_steps)
+        return base * (s + (e - s) * min(step, self.total_iters) / self.total_iters)
 
 
-class Cosine(Schedule):
-    r"""Cosine annealing from :math:`b` to ``min_lr`` over ``total_steps``, then ``min_lr``.
+class CosineAnnealingLR(Schedule):
+    r"""Cosine annealing from :math:`b` to ``eta_min`` over ``T_max`` steps, then ``eta_min``.
 
     :math:`\eta_{min} + (b - \eta_{min})(1 + \cos(\pi t/T))/2` for :math:`t \le T`
-    (torch CosineAnnealingLR with ``T_max = total_steps``, ``eta_min = min_lr``;
-    Loshchilov & Hutter 2017). For :math:`t > T` the lr stays at ``min_lr``,
-    where torch's formula would rise again.
+    (torch CosineAnnealingLR; Loshchilov & Hutter 2017). For :math:`t > T` the lr stays
+    at ``eta_min``, where torch's formula would rise again.
     """
 
-    _fields = ("total_steps", "min_lr")
+    _fields = ("T_max", "eta_min")
+    _old_fields = {"total_steps": "T_max", "min_lr": "eta_min"}
+    total_steps = renamed_attribute("total_steps", "T_max")
+    min_lr = renamed_attribute("min_lr", "eta_min")
 
-    def __init__(self, total_steps: int, min_lr: float = 0.0):
-        self.total_steps = check_count("total_steps", total_steps, 1)
-        self.min_lr = check_number("min_lr", min_lr, 0.0)
+    @legacy_arguments(renamed=_old_fields)
+    def __init__(self, T_max: int, eta_min: float = 0.0):  # noqa: N803 (torch's names)
+        self.T_max = check_count("T_max", T_max, 1)
+        self.eta_min = check_number("eta_min", eta_min, 0.0)
 
     def _lr(self, step, base):
-        if step >= self.total_steps:
-            return base * 0.0 + self.min_lr
-        c = 1.0 + math.cos(math.pi * step / self.total_steps)
-        return self.min_lr + (base - self.min_lr) * c / 2
+        if step >= self.T_max:
+            return base * 0.0 + self.eta_min
+        c = 1.0 + math.cos(math.pi * step / self.T_max)
+        return self.eta_min + (base - self.eta_min) * c / 2
 
 
-class CosineWarmRestarts(Schedule):
+class CosineAnnealingWarmRestarts(Schedule):
     r"""SGDR (Loshchilov & Hutter 2017): cosine cycles of lengths :math:`T_0 T_{mult}^i`.
 
     :math:`\eta_{min} + (b - \eta_{min})(1 + \cos(\pi T_{cur}/T_i))/2`, torch
@@ -457,37 +485,43 @@ class CosineWarmRestarts(Schedule):
         return self.eta_min + (base - self.eta_min) * (1 + math.cos(math.pi * t_cur / t_i)) / 2
 
 
-class Polynomial(Schedule):
-    r""":math:`b\,(1 - \min(t, T)/T)^{p}` (torch PolynomialLR with ``total_iters = total_steps``)."""
+class PolynomialLR(Schedule):
+    r""":math:`b\,(1 - \min(t, T)/T)^{p}`, :math:`T` = ``total_iters`` (torch PolynomialLR)."""
 
-    _fields = ("total_steps", "power")
+    _fields = ("total_iters", "power")
+    _old_fields = {"total_steps": "total_iters"}
+    total_steps = renamed_attribute("total_steps", "total_iters")
 
-    def __init__(self, total_steps: int, power: float = 1.0):
-        self.total_steps = check_count("total_steps", total_steps, 1)
+    @legacy_arguments(renamed=_old_fields)
+    def __init__(self, total_iters: int, power: float = 1.0):
+        self.total_iters = check_count("total_iters", total_iters, 1)
         self.power = check_positive("power", power)
 
     def _lr(self, step, base):
-        return base * (1.0 - min(step, self.total_steps) / self.total_steps) ** self.power
+        return base * (1.0 - min(step, self.total_iters) / self.total_iters) ** self.power
 
 
-class OneCycle(Schedule):
+class OneCycleLR(Schedule):
     r"""The 1cycle policy (Smith & Topin 2017), torch OneCycleLR with ``max_lr = base_lr``.
 
     Starts at ``base_lr / div_factor``, rises to ``base_lr`` over the first
     ``pct_start * total_steps - 1`` steps, then anneals to
     ``base_lr / div_factor / final_div_factor`` at step ``total_steps - 1``
     (``three_phase``: back to the start lr first, then to the minimum). The lr
-    stays at the minimum from ``total_steps - 1`` on. Momentum cycling is not
-    part of a learning-rate schedule and is not done.
+    stays at the minimum from ``total_steps - 1`` on. ``anneal_strategy``: ``"cos"`` or
+    ``"linear"``. Momentum cycling is not part of a learning-rate schedule and is not done.
     """
 
-    _fields = ("total_steps", "pct_start", "anneal", "div_factor", "final_div_factor", "three_phase")
+    _fields = ("total_steps", "pct_start", "anneal_strategy", "div_factor", "final_div_factor", "three_phase")
+    _old_fields = {"anneal": "anneal_strategy"}
+    anneal = renamed_attribute("anneal", "anneal_strategy")
 
-    def __init__(self, total_steps: int, pct_start: float = 0.3, anneal: str = "cos", div_factor: float = 25.0,
-                 final_div_factor: float = 1e4, three_phase: bool = False):
+    @legacy_arguments(renamed=_old_fields)
+    def __init__(self, total_steps: int, pct_start: float = 0.3, anneal_strategy: str = "cos",
+                 div_factor: float = 25.0, final_div_factor: float = 1e4, three_phase: bool = False):
         self.total_steps = check_count("total_steps", total_steps, 2)
         self.pct_start = check_number("pct_start", pct_start, 0.0, 1.0, lo_open=True, hi_open=True)
-        self.anneal = _check_choice("anneal", anneal, ANNEAL)
+        self.anneal_strategy = _check_choice("anneal_strategy", anneal_strategy, ANNEAL)
         self.div_factor = check_positive("div_factor", div_factor)
         self.final_div_factor = check_positive("final_div_factor", final_div_factor)
         self.three_phase = check_bool("three_phase", three_phase)
@@ -514,7 +548,7 @@ class OneCycle(Schedule):
             if step <= end or i == len(self._phases) - 1:
                 pct = (step - start) / (end - start)
                 a, z = lrs[a], lrs[z]
-                if self.anneal == "cos":
+                if self.anneal_strategy == "cos":
                     return z + (a - z) / 2.0 * (math.cos(math.pi * pct) + 1)
                 return (z - a) * pct + a
             start = end
@@ -624,7 +658,7 @@ class Sequential(Schedule):
 
 
 # -- reduce on plateau --------------------------------------------------------------------------------
-class ReduceOnPlateau(Schedule):
+class ReduceLROnPlateau(Schedule):
     """torch ReduceLROnPlateau's rules over an inner schedule (see the module docstring).
 
     ``observe(metric)`` once per epoch/evaluation moves the state: ``best``,
@@ -722,9 +756,29 @@ class ReduceOnPlateau(Schedule):
 
 
 # -- rebuilding from a state dict ---------------------------------------------------------------------
-_REGISTRY = {cls.__name__: cls for cls in (Constant, StepLR, MultiStep, Exponential, Linear, Cosine,
-                                           CosineWarmRestarts, Polynomial, OneCycle, Warmup, Sequential,
-                                           ReduceOnPlateau)}
+_REGISTRY = {cls.__name__: cls for cls in (Constant, StepLR, MultiStepLR, ExponentialLR, LinearLR, CosineAnnealingLR,
+                                           CosineAnnealingWarmRestarts, PolynomialLR, OneCycleLR, Warmup, Sequential,
+                                           ReduceLROnPlateau)}
+# the class names that shipped before torch's were adopted: deprecated aliases of the new
+# classes (module __getattr__ below), and still read in state dicts saved with them
+RENAMED = {
+    "MultiStep": "MultiStepLR",
+    "Exponential": "ExponentialLR",
+    "Linear": "LinearLR",
+    "Cosine": "CosineAnnealingLR",
+    "CosineWarmRestarts": "CosineAnnealingWarmRestarts",
+    "Polynomial": "PolynomialLR",
+    "OneCycle": "OneCycleLR",
+    "ReduceOnPlateau": "ReduceLROnPlateau",
+}
+
+
+def __getattr__(name: str):
+    new = RENAMED.get(name)
+    if new is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    _deprecation.warn(f"arraytrain.schedules.{name}", f"arraytrain.schedules.{new}")
+    return _REGISTRY[new]
 
 
 def _from_state_dict(d, path: str, depth: int = 1) -> Schedule:
@@ -733,12 +787,13 @@ def _from_state_dict(d, path: str, depth: int = 1) -> Schedule:
     if not isinstance(d, Mapping):
         raise StateDictError(f"{path}: expected a dict, got {type(d).__name__}")
     typ = d.get("type")
-    cls = _REGISTRY.get(typ) if isinstance(typ, str) else None
+    cls = _REGISTRY.get(RENAMED.get(typ, typ)) if isinstance(typ, str) else None
     if cls is None:
         raise StateDictError(f"{path}.type: expected one of {sorted(_REGISTRY)}, got {shown(typ)}")
     fmt = d.get("format")
     if isinstance(fmt, bool) or fmt != SCHEDULE_FORMAT:
         raise StateDictError(f"{path}.format: expected {SCHEDULE_FORMAT}, got {shown(fmt)}")
+    d = cls._upgraded(d)
     keys, expected = set(d), cls._keys()
     if keys != expected:
         missing, unknown = sorted(expected - keys), sorted(map(str, keys - expected))

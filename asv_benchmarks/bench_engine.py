@@ -67,7 +67,7 @@ class Accumulation(_Bandwidth):
 
 
 MIXED = {
-    # name: (loss scaler + Warmup/Cosine schedule, working copy dtype)
+    # name: (loss scaler + Warmup/CosineAnnealingLR schedule, working copy dtype)
     "float32": (False, None),
     "loss-scaler+warmup-cosine": (True, None),
     "working-bfloat16": (False, "bfloat16"),
@@ -97,7 +97,7 @@ class MixedPrecisionStep(_Bandwidth):
         extra = {}
         if scaled:
             extra = {"loss_scaler": at.LossScaler(),
-                     "schedule": at.schedules.Warmup(100, at.schedules.Cosine(1_000_000, min_lr=1e-5))}
+                     "schedule": at.schedules.Warmup(100, at.schedules.CosineAnnealingLR(1_000_000, eta_min=1e-5))}
         self.engine = at.Engine(p, at.optim.AdamW(lr=1e-3), max_grad_norm=1.0, zero_grad_on_step=False,
                                 working_dtype=working, **extra)
         rng = np.random.default_rng(1)

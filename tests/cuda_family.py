@@ -21,8 +21,8 @@ import pytest
 from arraytrain.kernels import reference as ref
 
 # per-parameter values and the layout's tables: host arrays in the CUDA family's signatures too
-HOST_ARGS = {"pieces", "segs", "rows", "cols", "batches", "lr", "weight_decay", "step_size", "l2", "decay", "clr",
-             "rho"}
+HOST_ARGS = {"pieces", "segs", "rows", "cols", "batches", "lr", "weight_decay", "step_size", "l2", "decay",
+             "rel_step"}
 
 
 @functools.lru_cache(maxsize=1)

@@ -20,10 +20,12 @@ from arraytrain import (
     ShapeMismatchError,
     UnknownParameterError,
 )
+from arraytrain.ops import CLIP_EPS
 
 
-def _acc(steps=4, normalize=True, max_grad_norm=None, **shapes):
-    acc = GradientAccumulator(AccumulationConfig(steps, normalize, max_grad_norm))
+def _acc(steps=4, reduction="mean", max_grad_norm=None, clip_eps=0.0, **shapes):
+    """An accumulator over ``shapes``; clipping (if any) to exactly ``max_grad_norm`` unless ``clip_eps`` says."""
+    acc = GradientAccumulator(AccumulationConfig(steps, reduction, max_grad_norm, clip_eps))
     for name, shape in (shapes or {"w": (2, 3), "b": (3,)}).items():
         acc.register(name, shape)
     return acc
@@ -47,7 +49,7 @@ def _assert_same_state(acc, snap):
 
 def test_config_defaults():
     cfg = AccumulationConfig()
-    assert (cfg.accumulation_steps, cfg.normalize, cfg.max_grad_norm) == (4, True, None)
+    assert (cfg.accumulation_steps, cfg.reduction, cfg.max_grad_norm, cfg.clip_eps) == (4, "mean", None, 1e-6)
     assert cfg.effective_batch_size(32) == 128
     assert AccumulationConfig(accumulation_steps=3).effective_batch_size(10) == 30
     assert cfg.effective_batch_size(0) == 0
@@ -69,7 +71,11 @@ def test_default_accumulator_config():
         ({"accumulation_steps": -1}, "accumulation_steps"),
         ({"accumulation_steps": 2.0}, "accumulation_steps"),
         ({"accumulation_steps": True}, "accumulation_steps"),
-        ({"normalize": 1}, "normalize"),
+        ({"reduction": "avg"}, "reduction"),
+        ({"reduction": True}, "reduction"),
+        ({"clip_eps": -1e-6}, "clip_eps"),
+        ({"clip_eps": float("nan")}, "clip_eps"),
+        ({"clip_eps": None}, "clip_eps"),
         ({"max_grad_norm": 0.0}, "max_grad_norm"),
         ({"max_grad_norm": -1.0}, "max_grad_norm"),
         ({"max_grad_norm": float("inf")}, "max_grad_norm"),
@@ -124,18 +130,18 @@ def test_register_after_accumulating_keeps_sums():
 # -- accumulate / get_gradients -------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("normalize", [True, False])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
 @pytest.mark.parametrize("k", [1, 2, 4])
-def test_mean_or_sum(normalize, k):
+def test_mean_or_sum(reduction, k):
     rng = np.random.default_rng(k)
     grads = [{"w": rng.standard_normal((2, 3)), "b": rng.standard_normal(3)} for _ in range(k)]
-    acc = _acc(steps=4, normalize=normalize)
+    acc = _acc(steps=4, reduction=reduction)
     for g in grads:
         acc.step(g)
     out = acc.get_gradients()
     for name in ("w", "b"):
         total = sum(g[name] for g in grads)
-        np.testing.assert_allclose(out[name], total / k if normalize else total, rtol=1e-14, atol=1e-15)
+        np.testing.assert_allclose(out[name], total / k if reduction == "mean" else total, rtol=1e-14, atol=1e-15)
 
 
 def test_mean_is_per_parameter():
@@ -166,12 +172,23 @@ def test_get_gradients_returns_fresh_copies():
     assert not np.shares_memory(first["w"], second["w"])
 
 
-@pytest.mark.parametrize("normalize", [True, False])
-def test_clip_scales_to_max_norm(normalize):
-    acc = _acc(steps=4, normalize=normalize, max_grad_norm=5.0, g=(2,))
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_clip_eps_0_scales_to_max_norm(reduction):
+    """``clip_eps=0.0``: optax's clip_by_global_norm, exactly ``max_grad_norm`` after."""
+    acc = _acc(steps=4, reduction=reduction, max_grad_norm=5.0, clip_eps=0.0, g=(2,))
     acc.accumulate("g", np.array([30.0, 40.0]))
     out = acc.get_gradients()["g"]
     np.testing.assert_allclose(out, [3.0, 4.0], rtol=0, atol=1e-10)
+
+
+def test_clip_default_is_torchs_rule_as_the_engines():
+    """The default ``clip_eps`` is the Engine's: ``max_norm / (norm + 1e-6)`` (torch's clip_grad_norm_)."""
+    acc = GradientAccumulator(AccumulationConfig(2, max_grad_norm=5.0))
+    acc.register("g", (2,))
+    acc.accumulate("g", np.array([30.0, 40.0]))
+    coef = 5.0 / (50.0 + 1e-6)
+    np.testing.assert_array_equal(acc.get_gradients()["g"], np.array([30.0, 40.0]) * coef)
+    assert AccumulationConfig().clip_eps == CLIP_EPS == 1e-6
 
 
 def test_clip_is_global_across_parameters():
@@ -427,8 +444,8 @@ def test_token_weighted_mean_of_variable_length_batch(seed):
     assert not np.allclose(plain.get_gradients()["g"], tokens.mean(axis=0))
 
 
-def test_weighted_sum_without_normalize():
-    acc = _acc(steps=2, normalize=False, g=(1,))
+def test_weighted_sum():
+    acc = _acc(steps=2, reduction="sum", g=(1,))
     acc.step({"g": np.array([1.0])}, weight=2)
     acc.step({"g": np.array([3.0])}, weight=0.5)
     assert acc.get_gradients()["g"][0] == 3.5

@@ -77,7 +77,7 @@ def test_loss_scaler_bad_arguments(kwargs, name):
 
 def _mp_engine(**kw):
     return Engine(_params(), optim.AdamW(lr=1e-2, weight_decay=0.1), accumulation_steps=2, max_grad_norm=1.0,
-                  schedule=schedules.Warmup(3, then=schedules.Cosine(20)), loss_scaler=LossScaler(init_scale=2.0**8),
+                  schedule=schedules.Warmup(3, then=schedules.CosineAnnealingLR(20)), loss_scaler=LossScaler(init_scale=2.0**8),
                   **kw)
 
 
@@ -222,9 +222,10 @@ def test_adam_bfloat16_state_kernel_matches_reference(n, amsgrad, rng):
             st["ref"][slot][...] = st["cpu"][slot]
         for k, kern in (("cpu", cpu), ("ref", ref)):
             s = st[k]
-            kern.adam_step(s["p"], g0.copy(), s["m"], s["v"], s["x"], layout.pieces, 0.9, 1e-2 / (1 - 0.9**t) * one,
-                           0.9, 0.99, 1e-8, math.sqrt(1 - 0.99**t), 0.0 * one, (1 - 1e-3) * one, amsgrad,
-                           s["w"], cpu.LP_BF16, False)
+            kern.adam_step(s["p"], g0.copy(), s["m"], s["v"], s["x"], layout.pieces, gscale=0.9,
+                           step_size=1e-2 / (1 - 0.9**t) * one, beta1=0.9, beta2=0.99, eps=1e-8,
+                           inv_bc2_sqrt=1 / math.sqrt(1 - 0.99**t), l2=0.0 * one, decay=(1 - 1e-3) * one,
+                           amsgrad=amsgrad, w=s["w"], wkind=cpu.LP_BF16)
         for slot in ("m", "v", "x"):
             a, b = (st[k][slot].view(ml_dtypes.bfloat16).astype(np.float64) for k in ("cpu", "ref"))
             # within one bfloat16 ulp (2**-7 relative): the reference rounds float64 -> float32 ->
@@ -303,7 +304,7 @@ def test_engine_follows_the_schedule_per_parameter():
 
 
 def test_engine_observe_feeds_reduce_on_plateau():
-    e = Engine(_params(), optim.SGD(lr=1.0), schedule=schedules.ReduceOnPlateau(patience=0, factor=0.5))
+    e = Engine(_params(), optim.SGD(lr=1.0), schedule=schedules.ReduceLROnPlateau(patience=0, factor=0.5))
     e.step(_grads(np.random.default_rng(8)))
     e.observe(1.0)
     e.observe(2.0)  # worse: patience 0 -> halve

@@ -113,15 +113,15 @@ def test_a_nonfinite_boundary_keeps_residuals_and_call_count():
 def test_resume_through_a_checkpoint_restores_residuals_bitwise(name, tmp_path):
     make = FACTORIES[name]
     stream = _stream(10)
-    full = _engine(C.ErrorFeedback(make()), schedule=at.schedules.Cosine(10))
+    full = _engine(C.ErrorFeedback(make()), schedule=at.schedules.CosineAnnealingLR(10))
     for g in stream:
         full.step(g)
-    first = _engine(C.ErrorFeedback(make()), schedule=at.schedules.Cosine(10))
+    first = _engine(C.ErrorFeedback(make()), schedule=at.schedules.CosineAnnealingLR(10))
     for g in stream[:5]:
         first.step(g)
     assert np.abs(first.compressor.residual.flat).max() > 0  # something to lose
     at.save(tmp_path / "ck.safetensors", first)
-    second = _engine(C.ErrorFeedback(make()), seed=1, schedule=at.schedules.Cosine(10))
+    second = _engine(C.ErrorFeedback(make()), seed=1, schedule=at.schedules.CosineAnnealingLR(10))
     at.load(tmp_path / "ck.safetensors", second)
     np.testing.assert_array_equal(second.compressor.residual.flat, first.compressor.residual.flat)
     assert second.compressor.step == 5

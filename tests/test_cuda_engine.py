@@ -146,11 +146,11 @@ def test_device_argument_moves_once_and_back():
 def test_checkpoint_moves_between_devices_bitwise(make, tmp_path):
     """GPU engine -> file -> CPU engine -> file -> GPU engine: params and every slot bit for bit."""
     rng = np.random.default_rng(6)
-    gpu = at.Engine(_params(rng), make(), device="cuda", schedule=at.schedules.Cosine(100))
+    gpu = at.Engine(_params(rng), make(), device="cuda", schedule=at.schedules.CosineAnnealingLR(100))
     for _ in range(3):
         gpu.step({k: _cp().asarray(rng.standard_normal(s).astype(np.float32)) for k, s in SHAPES.items()})
     at.save(tmp_path / "gpu.safetensors", gpu)
-    cpu = at.Engine(_params(np.random.default_rng(99)), make(), schedule=at.schedules.Cosine(100))
+    cpu = at.Engine(_params(np.random.default_rng(99)), make(), schedule=at.schedules.CosineAnnealingLR(100))
     at.load(tmp_path / "gpu.safetensors", cpu)
     assert cpu.state.step == gpu.state.step
     for name in SHAPES:
@@ -159,7 +159,7 @@ def test_checkpoint_moves_between_devices_bitwise(make, tmp_path):
             a, b = cpu.state.slots[slot][name], gpu.state.slots[slot][name].get()
             assert a.tobytes() == b.tobytes(), (slot, name)
     at.save(tmp_path / "cpu.safetensors", cpu)
-    back = at.Engine(_params(np.random.default_rng(98)), make(), device="cuda", schedule=at.schedules.Cosine(100))
+    back = at.Engine(_params(np.random.default_rng(98)), make(), device="cuda", schedule=at.schedules.CosineAnnealingLR(100))
     at.load(tmp_path / "cpu.safetensors", back)
     assert back.params.flat.get().tobytes() == gpu.params.flat.get().tobytes()
     for slot in gpu.state.slots:

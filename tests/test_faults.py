@@ -51,7 +51,7 @@ MASK = {"W": (np.arange(12).reshape(4, 3) % 3 != 0).astype(np.uint8)}
 
 
 def _schedule():
-    return schedules.ReduceOnPlateau(schedules.Warmup(3, schedules.Cosine(20)), patience=0, factor=0.5)
+    return schedules.ReduceLROnPlateau(schedules.Warmup(3, schedules.CosineAnnealingLR(20)), patience=0, factor=0.5)
 
 
 def _full(**over) -> Engine:
@@ -139,12 +139,12 @@ def _drop(*path):
 
 
 LOAD_CASES = [
-    # the schedule: the case (saved Cosine, engine Warmup) and its neighbours
+    # the schedule: the case (saved cosine, engine Warmup) and its neighbours
     LoadCase("schedule-other-type", None, "schedule", target=lambda: _full(schedule=schedules.Warmup(5))),
     LoadCase("schedule-inner-other-type", None, "schedule",
-             target=lambda: _full(schedule=schedules.ReduceOnPlateau(schedules.Warmup(3, schedules.Linear(20))))),
+             target=lambda: _full(schedule=schedules.ReduceLROnPlateau(schedules.Warmup(3, schedules.LinearLR(20))))),
     LoadCase("schedule-other-nesting", None, "schedule",
-             target=lambda: _full(schedule=schedules.ReduceOnPlateau(schedules.Cosine(20)))),
+             target=lambda: _full(schedule=schedules.ReduceLROnPlateau(schedules.CosineAnnealingLR(20)))),
     LoadCase("schedule-engine-has-none", None, "schedule", target=lambda: _full(schedule=None)),
     LoadCase("schedule-state-has-none", _set("schedule", None), "schedule"),
     LoadCase("schedule-counter-negative", _set("schedule", "num_bad_epochs", -1), "num_bad_epochs"),
@@ -547,8 +547,8 @@ COUNTER_CASES = [
      StateDictError, "compression step"),
     ("skips", lambda e: e.load_state_dict(_with(e, "consecutive_skips", 10**400)), StateDictError, "consecutive_skips"),
     ("schedule-call-step", lambda e: e.schedule(10**400, 0.1), HyperparameterError, "step"),
-    ("schedule-constructor", lambda e: schedules.Cosine(10**400), HyperparameterError, "total_steps"),
-    ("multistep-milestone", lambda e: schedules.MultiStep([2, 10**400]), HyperparameterError, "milestones[1]"),
+    ("schedule-constructor", lambda e: schedules.CosineAnnealingLR(10**400), HyperparameterError, "T_max"),
+    ("multistep-milestone", lambda e: schedules.MultiStepLR([2, 10**400]), HyperparameterError, "milestones[1]"),
     ("weight-int-10**400", lambda e: e.step(_grads(), weight=10**400), HyperparameterError, "weight"),
     ("observe-step", lambda e: e.schedule.observe(1.0, step=10**400), HyperparameterError, "step"),
     ("predictor-steps", lambda e: _predictor_load(10**400), StateDictError, "steps[0]"),

@@ -10,7 +10,7 @@ import pytest
 from arraytrain.backend import kernel_family, kernels_for
 from arraytrain.errors import BackendUnavailableError, HyperparameterError
 from arraytrain.kernels import cpu, cuda, reference
-from arraytrain.kernels.interface import DOMAINS, FAMILIES, KERNELS, family
+from arraytrain.kernels.interface import ARGUMENTS, DOMAINS, FAMILIES, KERNELS, family
 
 PACKAGES = {"reference": reference, "cpu": cpu, "cuda": cuda}
 
@@ -33,8 +33,37 @@ def test_every_family_provides_the_kernel_with_the_same_arguments(fam, name):
     fn = getattr(PACKAGES[fam], name)
     assert fn is getattr(family("numpy" if fam != "cuda" else "cupy", "reference" if fam == "reference" else "numba",
                                 domain), name), "the package re-exports its domain module's kernel"
-    expected = list(inspect.signature(getattr(reference, name)).parameters)
-    assert list(inspect.signature(fn).parameters) == expected
+    expected = [(q.name, q.kind, q.default) for q in inspect.signature(getattr(reference, name)).parameters.values()]
+    assert [(q.name, q.kind, q.default) for q in inspect.signature(fn).parameters.values()] == expected
+
+
+OPTIMIZER_KERNELS = [n for n, (d, _) in KERNELS.items() if d == "optimizers"]
+
+
+@pytest.mark.parametrize("name", OPTIMIZER_KERNELS)
+def test_optimizer_kernels_take_scalars_by_keyword_only(name):
+    """Arrays first, then every scalar keyword-only, each one a documented name (ARGUMENTS)."""
+    params = inspect.signature(getattr(reference, name)).parameters.values()
+    positional = [q.name for q in params if q.kind is q.POSITIONAL_OR_KEYWORD]
+    keywords = [q.name for q in params if q.kind is q.KEYWORD_ONLY]
+    assert [q.name for q in params] == positional + keywords
+    assert not set(positional) & set(ARGUMENTS), f"{name}: a scalar taken positionally"
+    assert set(keywords) <= set(ARGUMENTS), f"{name}: undocumented {sorted(set(keywords) - set(ARGUMENTS))}"
+    assert positional[-1] in ("pieces", "batches")  # the arrays end with the layout's tables
+
+
+def test_every_documented_argument_is_used():
+    used = {q for n in OPTIMIZER_KERNELS for q in inspect.signature(getattr(reference, n)).parameters}
+    assert set(ARGUMENTS) <= used
+
+
+@pytest.mark.parametrize("fam", ["reference", "cpu"])
+def test_a_positional_scalar_is_refused(fam):
+    kernels = PACKAGES[fam]
+    p = np.zeros(4)
+    pieces = np.array([[0, 4, 0]], np.int64)
+    with pytest.raises(TypeError):
+        kernels.sgd_step(p, p.copy(), p[:0], pieces, 1.0, np.ones(1), np.zeros(1), 0.0, 0.0, False, True)
 
 
 def test_one_way_to_get_a_family():

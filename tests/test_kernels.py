@@ -265,9 +265,9 @@ def test_sgd_step_matches_reference(n, dtype, cfg, rng):
         g0 = random_flat(layout, dtype, rng)
         for k, kernels in (("cpu", cpu), ("ref", ref)):
             g = g0.copy()
-            kernels.sgd_step(p[k], g, buf[k], layout.pieces, gscale, _per_seg(layout, lr),
-                             _per_seg(layout, cfg["weight_decay"]), cfg["momentum"],
-                             cfg["dampening"], cfg["nesterov"], t == 0, None, 0, zero_grad)
+            kernels.sgd_step(p[k], g, buf[k], layout.pieces, gscale=gscale, lr=_per_seg(layout, lr),
+                             l2=_per_seg(layout, cfg["weight_decay"]), momentum=cfg["momentum"],
+                             dampening=cfg["dampening"], nesterov=cfg["nesterov"], first=t == 0, zero_grad=zero_grad)
             _check_grad_after_step(g, g0, zero_grad, layout)
         assert_close(p["cpu"], p["ref"], err_msg=f"params, step {t}")
         assert_padding_zero(p["cpu"], layout, "params")
@@ -292,8 +292,8 @@ def test_sgd_first_step_semantics(kernels, n, dtype, rng):
     p0 = p.astype(np.float64)
     d1 = gscale * g1.astype(np.float64) + wd * p0
     one = np.ones(len(layout))
-    kernels.sgd_step(p, g1.copy(), buf, layout.pieces, gscale, lr * one, wd * one, mom, damp, False, True,
-                     None, 0, False)
+    kernels.sgd_step(p, g1.copy(), buf, layout.pieces, gscale=gscale, lr=lr * one, l2=wd * one, momentum=mom,
+                     dampening=damp, nesterov=False, first=True)
     assert_close(buf, d1, dtype, err_msg="first step: buf must equal d")
     assert_close(p, p0 - lr * d1, dtype)
     # second step: b = momentum*b + (1 - dampening)*d
@@ -301,8 +301,8 @@ def test_sgd_first_step_semantics(kernels, n, dtype, rng):
     p1, b1 = p.astype(np.float64), buf.astype(np.float64)
     d2 = gscale * g2.astype(np.float64) + wd * p1
     b2 = mom * b1 + (1 - damp) * d2
-    kernels.sgd_step(p, g2.copy(), buf, layout.pieces, gscale, lr * one, wd * one, mom, damp, False, False,
-                     None, 0, False)
+    kernels.sgd_step(p, g2.copy(), buf, layout.pieces, gscale=gscale, lr=lr * one, l2=wd * one, momentum=mom,
+                     dampening=damp, nesterov=False, first=False)
     assert_close(buf, b2, dtype)
     assert_close(p, p1 - lr * b2, dtype)
 
@@ -315,7 +315,8 @@ def test_sgd_nesterov_formula(kernels, rng):
     buf = np.zeros(layout.size)
     p0 = p.copy()
     one = np.ones(len(layout))
-    kernels.sgd_step(p, g, buf, layout.pieces, 1.0, 0.1 * one, 0.0 * one, 0.9, 0.0, True, True, None, 0, False)
+    kernels.sgd_step(p, g, buf, layout.pieces, gscale=1.0, lr=0.1 * one, l2=0.0 * one, momentum=0.9, dampening=0.0,
+                     nesterov=True, first=True)
     # first step: b = g, update d = g + 0.9 * b = 1.9 g
     assert_close(p, p0 - 0.1 * 1.9 * g)
 
@@ -325,7 +326,8 @@ def _adam_scalars(t, lr, betas, wd, decoupled, layout):
     b1, b2 = betas
     lr, wd = _per_seg(layout, lr), _per_seg(layout, wd)
     l2, decay = (0.0 * wd, 1.0 - lr * wd) if decoupled else (wd, 1.0 + 0.0 * wd)
-    return dict(step_size=lr / (1 - b1**t), beta1=b1, beta2=b2, bc2_sqrt=math.sqrt(1 - b2**t), l2=l2, decay=decay)
+    return dict(step_size=lr / (1 - b1**t), beta1=b1, beta2=b2, inv_bc2_sqrt=1 / math.sqrt(1 - b2**t), l2=l2,
+                decay=decay)
 
 
 @sizes
@@ -349,9 +351,8 @@ def test_adam_step_matches_reference(n, dtype, amsgrad, decoupled, rng):
         sc = _adam_scalars(t, lr, betas, wd, decoupled, layout)
         for k, kernels in (("cpu", cpu), ("ref", ref)):
             s, g = states[k], g0.copy()
-            kernels.adam_step(s["p"], g, s["m"], s["v"], s["vmax_arg"], layout.pieces, gscale, sc["step_size"],
-                              sc["beta1"], sc["beta2"], eps, sc["bc2_sqrt"], sc["l2"], sc["decay"], amsgrad,
-                              None, 0, zero_grad)
+            kernels.adam_step(s["p"], g, s["m"], s["v"], s["vmax_arg"], layout.pieces, gscale=gscale, eps=eps,
+                              amsgrad=amsgrad, zero_grad=zero_grad, **sc)
             _check_grad_after_step(g, g0, zero_grad, layout)
         slots = ("p", "m", "v", "vmax") if amsgrad else ("p", "m", "v")
         for slot in slots:
@@ -372,8 +373,8 @@ def test_adam_first_step_formula(kernels, rng):
     lr, eps = 1e-3, 1e-8
     sc = _adam_scalars(1, lr, (0.9, 0.999), 0.0, False, layout)
     one = np.ones(len(layout))
-    kernels.adam_step(p, g, m, v, p[:0], layout.pieces, 1.0, lr / (1 - 0.9) * one, 0.9, 0.999, eps, sc["bc2_sqrt"],
-                      0.0 * one, one, False, None, 0, False)
+    kernels.adam_step(p, g, m, v, p[:0], layout.pieces, gscale=1.0, step_size=lr / (1 - 0.9) * one, beta1=0.9,
+                      beta2=0.999, eps=eps, inv_bc2_sqrt=sc["inv_bc2_sqrt"], l2=0.0 * one, decay=one, amsgrad=False)
     live = live_mask(layout)
     expected = p0[live] - lr * g[live] / (np.abs(g[live]) + eps)
     np.testing.assert_allclose(p[live], expected, rtol=1e-12, atol=1e-12)
@@ -423,12 +424,13 @@ def test_identical_runs_are_bitwise_equal(kernel, dtype, rng):
                 out.append((total, per_seg.tobytes()))
                 continue
             if kernel == "sgd_step":
-                cpu.sgd_step(p, g.copy(), m, layout.pieces, 0.9, _per_seg(layout, 0.1), _per_seg(layout, 0.01),
-                             0.9, 0.0, True, t == 1, None, 0, True)
+                cpu.sgd_step(p, g.copy(), m, layout.pieces, gscale=0.9, lr=_per_seg(layout, 0.1),
+                             l2=_per_seg(layout, 0.01), momentum=0.9, dampening=0.0, nesterov=True, first=t == 1,
+                             zero_grad=True)
             else:
                 sc = _adam_scalars(t, 1e-2, (0.9, 0.999), 0.0, False, layout)
-                cpu.adam_step(p, g.copy(), m, v, v, layout.pieces, 0.9, sc["step_size"], 0.9, 0.999, 1e-8,
-                              sc["bc2_sqrt"], sc["l2"], sc["decay"], True, None, 0, True)
+                cpu.adam_step(p, g.copy(), m, v, v, layout.pieces, gscale=0.9, eps=1e-8, amsgrad=True, zero_grad=True,
+                              **sc)
             out.append((p.tobytes(), m.tobytes(), v.tobytes()))
         return out
 

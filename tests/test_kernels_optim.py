@@ -37,7 +37,8 @@ def _seg_values(layout, base, rng):
 # that runs one step. Host-side scalars (decayed lr, bias corrections) are computed here as the optimizers do.
 def _adagrad(lr_decay=0.05, eps=1e-10):
     def run(k, p, g, s, layout, t, lr, wd, gscale, w, wkind, zg):
-        k.adagrad_step(p, g, s["sum"], layout.pieces, gscale, lr / (1 + (t - 1) * lr_decay), wd, eps, w, wkind, zg)
+        k.adagrad_step(p, g, s["sum"], layout.pieces, gscale=gscale, lr=lr / (1 + (t - 1) * lr_decay), l2=wd, eps=eps,
+                       w=w, wkind=wkind, zero_grad=zg)
     return ("sum",), run
 
 
@@ -49,7 +50,8 @@ def _rmsprop(momentum, centered, alpha=0.9, eps=1e-2):
     def run(k, p, g, s, layout, t, lr, wd, gscale, w, wkind, zg):
         empty = p[:0]
         k.rmsprop_step(p, g, s["square_avg"], s.get("grad_avg", empty), s.get("momentum_buffer", empty),
-                       layout.pieces, gscale, lr, wd, alpha, eps, momentum, centered, w, wkind, zg)
+                       layout.pieces, gscale=gscale, lr=lr, l2=wd, alpha=alpha, eps=eps, momentum=momentum,
+                       centered=centered, w=w, wkind=wkind, zero_grad=zg)
     return slots, run
 
 
@@ -58,21 +60,23 @@ LION_B1 = 0.9
 
 def _lion(b1=LION_B1, b2=0.99):
     def run(k, p, g, s, layout, t, lr, wd, gscale, w, wkind, zg):
-        k.lion_step(p, g, s["exp_avg"], layout.pieces, gscale, lr, wd, b1, b2, w, wkind, zg)
+        k.lion_step(p, g, s["exp_avg"], layout.pieces, gscale=gscale, lr=lr, decay=1 - lr * wd, beta1=b1, beta2=b2,
+                    w=w, wkind=wkind, zero_grad=zg)
     return ("exp_avg",), run
 
 
 def _lamb(b1=0.9, b2=0.99, eps=1e-6, eps_root=1e-8):
     def run(k, p, g, s, layout, t, lr, wd, gscale, w, wkind, zg):
-        return k.lamb_step(p, g, s["exp_avg"], s["exp_avg_sq"], layout.pieces, gscale, lr, wd, b1, b2, eps, eps_root,
-                           1 - b1**t, 1 - b2**t, w, wkind, zg)
+        return k.lamb_step(p, g, s["exp_avg"], s["exp_avg_sq"], layout.pieces, gscale=gscale, lr=lr, weight_decay=wd,
+                           beta1=b1, beta2=b2, eps=eps, eps_root=eps_root, inv_bc1=1 / (1 - b1**t),
+                           inv_bc2=1 / (1 - b2**t), w=w, wkind=wkind, zero_grad=zg)
     return ("exp_avg", "exp_avg_sq"), run
 
 
 def _sgd(momentum=0.9, nesterov=True):
     def run(k, p, g, s, layout, t, lr, wd, gscale, w, wkind, zg):
-        k.sgd_step(p, g, s["momentum_buffer"], layout.pieces, gscale, lr, wd, momentum, 0.0, nesterov, t == 1,
-                   w, wkind, zg)
+        k.sgd_step(p, g, s["momentum_buffer"], layout.pieces, gscale=gscale, lr=lr, l2=wd, momentum=momentum,
+                   dampening=0.0, nesterov=nesterov, first=t == 1, w=w, wkind=wkind, zero_grad=zg)
     return ("momentum_buffer",), run
 
 

@@ -115,7 +115,7 @@ MINIMISERS = [
     ("rmsprop_momentum", lambda: optim.RMSprop(lr=1e-4, momentum=0.9), 4000, 0.0),
     ("rmsprop_centered_momentum", lambda: optim.RMSprop(lr=1e-4, momentum=0.9, centered=True), 4000, 0.0),
     ("lion", lambda: optim.Lion(lr=1e-3, weight_decay=0.0), 4000, 0.0),
-    ("lamb", lambda: optim.LAMB(lr=3e-4, b1=0.9, b2=0.99), 6000, 2.0),
+    ("lamb", lambda: optim.LAMB(lr=3e-4, betas=(0.9, 0.99)), 6000, 2.0),
 ]
 minimisers = pytest.mark.parametrize("name, make_opt, steps, shift", MINIMISERS, ids=[m[0] for m in MINIMISERS])
 
@@ -167,8 +167,9 @@ def test_lamb_trust_ratio_zero_norms(kernels, dtype):
     m, v = np.zeros_like(p), np.zeros_like(p)
     p0 = p.astype(np.float64)
     lr, eps = 0.1, 1e-6
-    ratio = kernels.lamb_step(p, g.copy(), m, v, layout.pieces, 1.0, np.full(4, lr), np.zeros(4), 0.9, 0.999,
-                              eps, 0.0, 1.0 - 0.9, 1.0 - 0.999, None, 0, False)
+    ratio = kernels.lamb_step(p, g.copy(), m, v, layout.pieces, gscale=1.0, lr=np.full(4, lr), weight_decay=np.zeros(4),
+                              beta1=0.9, beta2=0.999, eps=eps, eps_root=0.0, inv_bc1=1 / (1.0 - 0.9),
+                              inv_bc2=1 / (1.0 - 0.999))
     u = g.astype(np.float64) / (np.abs(g.astype(np.float64)) + eps)  # step 1: m_hat = g, v_hat = g^2
     pn = np.linalg.norm(p0[s["normal"]])
     un = np.linalg.norm(u[s["normal"]])

@@ -44,7 +44,7 @@ OPTIMIZERS = {
     "adagrad": lambda: optim.Adagrad(lr=5e-2, weight_decay=0.1),
     "rmsprop_centered_momentum": lambda: optim.RMSprop(lr=1e-3, momentum=0.5, centered=True, eps=1e-2,
                                                        weight_decay=0.1),
-    "lion": lambda: optim.Lion(lr=1e-2, b1=0.5, weight_decay=0.5),
+    "lion": lambda: optim.Lion(lr=1e-2, betas=(0.5, 0.99), weight_decay=0.5),
     "lamb": lambda: optim.LAMB(lr=1e-2, weight_decay=0.1),
     "adafactor": lambda: optim.Adafactor(lr=0.1, weight_decay=0.1),
     "sophia": lambda: optim.Sophia(lr=1e-2, rho=0.05, bs=10.0, weight_decay=0.1),

@@ -37,7 +37,7 @@ def test_every_exported_optimizer_is_in_the_table():
 def _engine(make):
     init = {k: np.random.default_rng(0).standard_normal(s).astype(np.float32) for k, s in SHAPES.items()}
     return at.Engine(init, make(), accumulation_steps=2, max_grad_norm=2.0,
-                     schedule=at.schedules.Warmup(2, then=at.schedules.Cosine(30)),
+                     schedule=at.schedules.Warmup(2, then=at.schedules.CosineAnnealingLR(30)),
                      loss_scaler=at.LossScaler(init_scale=2.0**6, growth_interval=3))
 
 

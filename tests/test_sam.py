@@ -25,7 +25,7 @@ def test_perturb_kernel_matches_reference(n, dtype, adaptive, rng):
         out = {}
         for name, kernels in (("cpu", cpu), ("ref", ref)):
             p, g, backup = p0.copy(), g0.copy(), np.zeros_like(p0)
-            kernels.sam_perturb(p, g, backup, layout.pieces, 0.3, adaptive, zero_grad)
+            kernels.sam_perturb(p, g, backup, layout.pieces, scale=0.3, adaptive=adaptive, zero_grad=zero_grad)
             out[name] = (p, g, backup)
             np.testing.assert_array_equal(backup, p0)
             assert not np.any(g) if zero_grad else np.array_equal(g, g0)

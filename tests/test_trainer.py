@@ -190,7 +190,7 @@ def test_reduce_lr_on_plateau_feeds_the_schedule():
 
     x, y = blobs()
     # the schedule maximises: the falling train loss is a plateau every epoch
-    sched = schedules.ReduceOnPlateau(mode="max", factor=0.5, patience=0)
+    sched = schedules.ReduceLROnPlateau(mode="max", factor=0.5, patience=0)
     _, engine, trainer = make(optimizer=at.optim.SGD(lr=0.1), engine_kw={"schedule": sched},
                               callbacks=[nn.ReduceLROnPlateau("loss")])
     hist = trainer.fit(x, y, epochs=4)

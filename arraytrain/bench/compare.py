@@ -57,10 +57,10 @@ LR, BETAS, EPS, WD, MOMENTUM, MAX_NORM = 1e-3, (0.9, 0.999), 1e-8, 1e-2, 0.9, 1.
 ADAGRAD = {"lr": 1e-2, "eps": 1e-10, "weight_decay": WD}  # L2 decay, torch's form
 RMSPROP = {"lr": LR, "alpha": 0.99, "eps": EPS, "momentum": MOMENTUM, "centered": True}
 ADAFACTOR = {"lr": 1e-2, "beta2_decay": -0.8, "eps": (None, 1e-3), "d": 1.0, "weight_decay": WD}
-LION = {"lr": 1e-4, "b1": 0.9, "b2": 0.99, "weight_decay": WD}
+LION = {"lr": 1e-4, "betas": (0.9, 0.99), "weight_decay": WD}
 # eps after the square root of the bias-corrected v, eps_root inside it (0): optax.lamb's
 # form, which arraytrain.optim.LAMB follows, so both sides are configured alike
-LAMB = {"lr": LR, "b1": BETAS[0], "b2": BETAS[1], "eps": 1e-6, "eps_root": 0.0, "weight_decay": WD}
+LAMB = {"lr": LR, "betas": BETAS, "eps": 1e-6, "eps_root": 0.0, "weight_decay": WD}
 
 # Element accesses per parameter of one clipped step after the norm pass's read of g:
 # reads and writes of parameter-sized arrays that the method cannot avoid.
@@ -336,7 +336,7 @@ def _np_rmsprop(p, g, slots, t, d, tmp):
 def _np_lion(p, g, slots, t, d, tmp):
     # c = sign(b1 m + (1-b1) g);  m = b2 m + (1-b2) g;  p = p (1 - lr wd) - lr c
     (m,) = slots
-    b1, b2, lr = LION["b1"], LION["b2"], LION["lr"]
+    (b1, b2), lr = LION["betas"], LION["lr"]
     np.multiply(m, b1, out=d)
     np.multiply(g, 1 - b1, out=tmp)
     d += tmp
@@ -352,7 +352,7 @@ def _np_lion(p, g, slots, t, d, tmp):
 def _np_lamb(p, g, slots, t, d, tmp):
     # u = m_hat / (sqrt(v_hat + eps_root) + eps) + wd p;  p -= lr (||p|| / ||u||) u  (ratio 1 if a norm is 0)
     m, v = slots
-    b1, b2 = LAMB["b1"], LAMB["b2"]
+    b1, b2 = LAMB["betas"]
     np.multiply(g, 1 - b1, out=tmp)
     m *= b1
     m += tmp
@@ -413,8 +413,8 @@ def make_optax(opt: str, n: int, zero_grad: bool = False):
     inner = {"adamw": lambda: optax.adamw(LR, *BETAS, EPS, weight_decay=WD),
              "adam": lambda: optax.adam(LR, *BETAS, EPS),
              "sgd": lambda: optax.sgd(LR, momentum=MOMENTUM),
-             "lion": lambda: optax.lion(LION["lr"], LION["b1"], LION["b2"], weight_decay=LION["weight_decay"]),
-             "lamb": lambda: optax.lamb(LAMB["lr"], LAMB["b1"], LAMB["b2"], LAMB["eps"], LAMB["eps_root"],
+             "lion": lambda: optax.lion(LION["lr"], *LION["betas"], weight_decay=LION["weight_decay"]),
+             "lamb": lambda: optax.lamb(LAMB["lr"], *LAMB["betas"], LAMB["eps"], LAMB["eps_root"],
                                         LAMB["weight_decay"])}[opt]()
     tx = optax.chain(optax.clip_by_global_norm(MAX_NORM), inner)
     p = [jnp.asarray(x) for x in params]

@@ -17,6 +17,20 @@ accessor; ``w``/``wkind`` is an optional low-precision working copy of the new w
 (uint16 bits, :data:`LP_BF16` or :data:`LP_F16`); ``zero_grad`` zeroes the gradient in the
 same pass; ``mask`` (uint8, 1 keep) writes pruned weights as exactly 0.
 
+The optimizer kernels' arguments (the ``optimizers`` domain): the arrays first (parameters,
+gradient, state slots, ``pieces`` and Adafactor's work tables), then every scalar and
+per-parameter value keyword-only, so a call names them and a swapped pair cannot pass
+silently. Each such keyword means the same in every kernel (:data:`ARGUMENTS`). Every
+derived value is formed once, by the optimizer, on the host: bias corrections (as the
+factors the kernel multiplies by), decoupled decays ``1 - lr*wd``, bias-corrected step sizes,
+Adagrad's decayed rate, Adafactor's relative step, Sophia's batch-scaled ``rho``. A kernel
+wrapper only casts what it receives to the storage dtype, and may form the complement
+``1 - x`` of a rate it receives (``beta1``, ``alpha``, ``dampening``) or a square
+(Adafactor's ``eps1**2``) for its loop. Weight decay has three forms, one name each: ``l2``
+(coupled, torch's ``weight_decay`` of SGD/Adam/Adagrad/RMSprop: added to the gradient),
+``decay`` (decoupled: the parameter is multiplied by it first) and LAMB's ``weight_decay``
+(added to the update before the trust ratio).
+
 :func:`family` is the one way to get an implementation: by the array's backend and the
 ``impl`` a caller chose ("numba": the fast family of the backend, "reference": the oracle).
 """
@@ -39,7 +53,7 @@ FAMILIES = ("reference", "cpu", "cuda")
 IMPLS = ("numba", "reference")
 
 # name -> (domain, what it computes). Every family provides every name, with the reference's
-# argument names (tests/test_kernel_interface.py checks it).
+# argument names, kinds and defaults (tests/test_kernel_interface.py checks it).
 KERNELS = {
     "accumulate": ("reductions", "acc = w*g, or acc += w*g (a micro-batch into the gradient buffer)"),
     "accumulate_packed": ("reductions", "acc[d:d+n] (=|+=) w*src[s:s+n] per row (s, d, n): many gradients, one call"),
@@ -75,6 +89,44 @@ KERNELS = {
     "select_scatter": ("projection", "the kept coordinates back into their blocks, scaled"),
     "trend_predict": ("trend", "least-squares extrapolation of the recorded gradients, plus a correction"),
     "trend_correct": ("trend", "the correction EMA from a true gradient"),
+}
+
+
+# The keyword arguments of the optimizer kernels and what each means (every kernel that takes
+# one means this). "per parameter": an array indexed by segment (one value per parameter).
+ARGUMENTS = {
+    "gscale": "multiplies the gradient (clip factor / loss scale, accumulation mean, -1 for maximize)",
+    "lr": "per parameter: the learning rate of this step (scheduled; Adagrad's decayed lr/(1+(t-1)*lr_decay))",
+    "step_size": "per parameter: the bias-corrected learning rate lr/(1 - beta1^t) (Adam)",
+    "l2": "per parameter: coupled L2 decay, added to the gradient: d = gscale*g + l2*p",
+    "decay": "per parameter: decoupled decay, the factor 1 - lr*weight_decay the parameter is multiplied by",
+    "weight_decay": "per parameter: LAMB's decay, weight_decay*p added to the update before the trust ratio",
+    "rel_step": "per parameter: Adafactor's relative step size min(lr, 1/sqrt(t)) (torch's rho_t)",
+    "beta1": "first-moment decay rate",
+    "beta2": "second-moment decay rate",
+    "one_minus_beta2": "Adafactor's 1 - beta2_t = t**beta2_decay",
+    "inv_bc1": "1/(1 - beta1^t): the first moment's bias correction as a factor (LAMB)",
+    "inv_bc2": "1/(1 - beta2^t): the second moment's bias correction as a factor (LAMB)",
+    "inv_bc2_sqrt": "1/sqrt(1 - beta2^t): the bias correction of sqrt(v) as a factor (Adam)",
+    "eps": "added to the denominator (after the square root; Sophia: the denominator's floor)",
+    "eps_root": "added inside the square root (LAMB)",
+    "eps1": "Adafactor's floor of the second-moment estimate (squared) and of the row mean",
+    "eps2": "Adafactor's floor of the parameter RMS",
+    "d": "Adafactor's update-clipping threshold on RMS(U)",
+    "alpha": "RMSprop's smoothing constant of the squared-gradient average",
+    "momentum": "momentum factor (SGD, RMSprop); 0: no momentum buffer",
+    "dampening": "SGD's dampening of the momentum update",
+    "nesterov": "SGD: Nesterov momentum",
+    "first": "SGD: the first step (the momentum buffer starts at d)",
+    "centered": "RMSprop: subtract the squared mean gradient",
+    "amsgrad": "Adam: use the running maximum of v",
+    "rho_bs": "Sophia's rho times its batch-size factor bs (the clipping denominator's scale)",
+    "scale": "SAM's ascent factor rho*gscale/(norm + 1e-12)",
+    "adaptive": "SAM: ASAM's element-wise p^2 scaling",
+    "w": "low-precision working copy of the new weights (uint16 bits) or None",
+    "wkind": "kind of the working copy: LP_NONE, LP_BF16 or LP_F16",
+    "zero_grad": "zero the gradient in the same pass",
+    "mask": "pruning mask (uint8, 1 keep) or None: pruned weights written as exactly 0",
 }
 
 

@@ -149,7 +149,7 @@ class ReduceLROnPlateau(Callback):
     """Feed ``monitor`` to the engine's reduce-on-plateau schedule after every epoch.
 
     The engine must have been built with
-    ``schedule=arraytrain.schedules.ReduceOnPlateau(...)`` (or a schedule holding
+    ``schedule=arraytrain.schedules.ReduceLROnPlateau(...)`` (or a schedule holding
     one, e.g. inside a ``Warmup``); that schedule holds the mode, factor,
     patience and threshold, and decides when to cut the lr (its patience counts
     epochs, as it is fed once per epoch). The metric goes in with the number of
@@ -161,14 +161,14 @@ class ReduceLROnPlateau(Callback):
 
     def on_train_begin(self, trainer) -> None:
         try:
-            from ..schedules import ReduceOnPlateau, Schedule
+            from ..schedules import ReduceLROnPlateau as Plateau, Schedule
         except ImportError:
             raise MissingDependencyError("ReduceLROnPlateau needs arraytrain.schedules, "
                                          "which this build of arraytrain does not have") from None
         sched = getattr(trainer.engine, "schedule", None)
         if not isinstance(sched, Schedule) or not sched.stateful:
             raise ArgumentTypeError("ReduceLROnPlateau: the engine's schedule must be an "
-                                    f"arraytrain.schedules.{ReduceOnPlateau.__name__} (Engine(..., schedule=...)) "
+                                    f"arraytrain.schedules.{Plateau.__name__} (Engine(..., schedule=...)) "
                                     f"or hold one, got {type(sched).__name__}")
         self.schedule = sched
 

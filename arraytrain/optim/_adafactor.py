@@ -8,6 +8,7 @@ import math
 import numpy as np
 
 from .._checks import check_bool, check_number
+from .._deprecation import legacy_arguments
 from ..buffer import FlatBuffer, _xp
 from ..errors import HyperparameterError
 from ..layout import Layout
@@ -39,7 +40,9 @@ class Adafactor(Optimizer):
     shape. The three slots are FlatBuffers with the parameters' names and their own
     layouts (size 0 where a parameter does not use the slot). ``eps=(None, 1e-3)``: a
     ``None`` eps1 is the machine epsilon of the parameters' dtype. ``lr`` and
-    ``weight_decay`` may differ per parameter through ``overrides``.
+    ``weight_decay`` may differ per parameter through ``overrides``. The relative step
+    :math:`\rho_t` is derived from ``lr``, not an argument (torch's ``rho_t``; the
+    kernels' ``rel_step``).
 
     The RMS of the parameters and of the update need reductions before the update:
     see the pass list in :mod:`arraytrain.kernels.cpu.optimizers` (row, column, stats, apply
@@ -48,8 +51,9 @@ class Adafactor(Optimizer):
     or column statistics; here they stay zero).
     """
 
+    @legacy_arguments(old_positional=("lr", "beta2_decay", "eps", "d", "weight_decay", "maximize", "overrides"))
     def __init__(self, lr: float = 1e-2, beta2_decay: float = -0.8, eps=(None, 1e-3), d: float = 1.0,
-                 weight_decay: float = 0.0, maximize: bool = False, overrides=None):
+                 weight_decay: float = 0.0, *, maximize: bool = False, overrides=None):
         self.lr = check_number("lr", lr, 0.0)
         self.beta2_decay = check_number("beta2_decay", beta2_decay, hi=0.0)
         try:
@@ -85,9 +89,10 @@ class Adafactor(Optimizer):
         s = state.slots
         kernels.adafactor_step(
             params.flat, grads.flat, s["row_var"].flat, s["col_var"].flat, s["variance"].flat, params.layout.pieces,
-            geo.segs, geo.rows, geo.cols, geo.batches, self._signed(gscale),
-            np.minimum(lr, 1.0 / math.sqrt(t)), 1.0 - lr * wd, float(t) ** self.beta2_decay, eps1, self.eps[1],
-            self.d, *working_args(working), zero_grad, mask=mask_arg(mask, params),
+            geo.segs, geo.rows, geo.cols, geo.batches, gscale=self._signed(gscale),
+            rel_step=np.minimum(lr, 1.0 / math.sqrt(t)), decay=1.0 - lr * wd,
+            one_minus_beta2=float(t) ** self.beta2_decay, eps1=eps1, eps2=self.eps[1], d=self.d,
+            **working_args(working), zero_grad=zero_grad, mask=mask_arg(mask, params),
         )
         state.step = t
 

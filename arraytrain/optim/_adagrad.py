@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 from .._checks import check_bool, check_number
+from .._deprecation import legacy_arguments
 from ._base import Optimizer, mask_arg, working_args
 
 
@@ -21,8 +22,10 @@ class Adagrad(Optimizer):
     ``overrides`` (see :class:`Optimizer`); ``lr_decay`` applies to each.
     """
 
+    @legacy_arguments(old_positional=("lr", "lr_decay", "weight_decay", "initial_accumulator_value", "eps",
+                                      "maximize", "state_dtype", "overrides"))
     def __init__(self, lr: float = 1e-2, lr_decay: float = 0.0, weight_decay: float = 0.0,
-                 initial_accumulator_value: float = 0.0, eps: float = 1e-10, maximize: bool = False,
+                 initial_accumulator_value: float = 0.0, eps: float = 1e-10, *, maximize: bool = False,
                  state_dtype: str | None = None, overrides=None):
         self.lr = check_number("lr", lr, 0.0)
         self.lr_decay = check_number("lr_decay", lr_decay, 0.0)
@@ -52,8 +55,8 @@ class Adagrad(Optimizer):
     def update(self, kernels, params, grads, state, *, gscale=1.0, lr=None, zero_grad=False, working=None,
                mask=None):
         t = state.step + 1
-        clr = self._lr(state, lr) / (1.0 + (t - 1) * self.lr_decay)
-        kernels.adagrad_step(params.flat, grads.flat, self._slot(state, "sum"), params.layout.pieces, self._signed(gscale), clr,
-                             self.per_param(state, "weight_decay"), self.eps, *working_args(working), zero_grad,
-                             mask=mask_arg(mask, params))
+        clr = self._lr(state, lr) / (1.0 + (t - 1) * self.lr_decay)  # torch's decayed rate
+        kernels.adagrad_step(params.flat, grads.flat, self._slot(state, "sum"), params.layout.pieces,
+                             gscale=self._signed(gscale), lr=clr, l2=self.per_param(state, "weight_decay"),
+                             eps=self.eps, **working_args(working), zero_grad=zero_grad, mask=mask_arg(mask, params))
         state.step = t

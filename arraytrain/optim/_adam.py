@@ -4,9 +4,14 @@ import math
 
 import numpy as np
 
-from ..buffer import kernel_view
 from .._checks import check_betas, check_bool, check_number
+from .._deprecation import legacy_arguments
+from ..buffer import kernel_view
 from ._base import Optimizer, mask_arg, working_args
+
+
+# the positional order that shipped (state_dtype, maximize and overrides are keyword-only now)
+_OLD_POSITIONAL = ("lr", "betas", "eps", "weight_decay", "amsgrad", "state_dtype", "maximize", "overrides")
 
 
 class Adam(Optimizer):
@@ -35,9 +40,10 @@ class Adam(Optimizer):
 
     _decoupled = False
 
+    @legacy_arguments(old_positional=_OLD_POSITIONAL)
     def __init__(self, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.0, amsgrad: bool = False, state_dtype: str | None = None,
-                 maximize: bool = False, overrides=None):
+                 weight_decay: float = 0.0, amsgrad: bool = False, *, maximize: bool = False,
+                 state_dtype: str | None = None, overrides=None):
         self.lr = check_number("lr", lr, 0.0)
         self.betas = check_betas(betas)
         self.eps = check_number("eps", eps, 0.0, lo_open=True)
@@ -69,8 +75,9 @@ class Adam(Optimizer):
         s = {k: kernel_view(buf.flat) for k, buf in state.slots.items()}
         vmax = s["max_exp_avg_sq"] if self.amsgrad else s["exp_avg"][:0]
         kernels.adam_step(params.flat, grads.flat, s["exp_avg"], s["exp_avg_sq"], vmax, params.layout.pieces,
-                          self._signed(gscale), lr / (1.0 - b1**t), b1, b2, self.eps, math.sqrt(1.0 - b2**t),
-                          l2, decay, self.amsgrad, *working_args(working), zero_grad,
+                          gscale=self._signed(gscale), step_size=lr / (1.0 - b1**t), beta1=b1, beta2=b2,
+                          eps=self.eps, inv_bc2_sqrt=1.0 / math.sqrt(1.0 - b2**t), l2=l2, decay=decay,
+                          amsgrad=self.amsgrad, **working_args(working), zero_grad=zero_grad,
                           mask=mask_arg(mask, params))
         state.step = t
 
@@ -84,7 +91,9 @@ class AdamW(Adam):
 
     _decoupled = True
 
+    @legacy_arguments(old_positional=_OLD_POSITIONAL)
     def __init__(self, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 1e-2, amsgrad: bool = False, state_dtype: str | None = None,
-                 maximize: bool = False, overrides=None):
-        super().__init__(lr, betas, eps, weight_decay, amsgrad, state_dtype, maximize, overrides)
+                 weight_decay: float = 1e-2, amsgrad: bool = False, *, maximize: bool = False,
+                 state_dtype: str | None = None, overrides=None):
+        super().__init__(lr, betas, eps, weight_decay, amsgrad, maximize=maximize, state_dtype=state_dtype,
+                         overrides=overrides)

@@ -48,6 +48,12 @@ class Optimizer(ABC):
     parameter is an error when the optimizer meets the parameters (a typo would
     otherwise silently change nothing).
 
+    Names: torch's, in torch's positional order, where torch has the optimizer; the others
+    use the same names for the same things (``lr``, ``betas=(beta1, beta2)`` for the two
+    decay rates of the moments, ``eps``, ``weight_decay``), and the paper's or reference
+    code's names for the rest (Sophia's ``rho`` and ``bs``, LAMB's ``eps_root``).
+    ``maximize``, ``state_dtype`` and ``overrides`` are keyword-only everywhere.
+
     Every optimizer takes ``maximize`` (torch's flag: ascend, by negating the gradient
     before anything else, so L2 decay still pulls towards 0; the sign flip is exact), and
     every optimizer with element-wise state (all but Adafactor and Sophia) takes
@@ -193,6 +199,7 @@ def mask_arg(mask, params: FlatBuffer):
     return mask
 
 
-def working_args(working) -> tuple:
-    """``(w, wkind)`` kernel arguments for an optional working copy."""
-    return (None, 0) if working is None else working
+def working_args(working) -> dict:
+    """The kernels' ``w`` and ``wkind`` keywords for an optional working copy ``(bits, kind)``."""
+    w, wkind = (None, 0) if working is None else working
+    return {"w": w, "wkind": wkind}

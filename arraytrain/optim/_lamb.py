@@ -1,7 +1,9 @@
 from __future__ import annotations
 
+import numbers
 
-from .._checks import check_bool, check_number
+from .._checks import check_betas, check_bool, check_number
+from .._deprecation import legacy_arguments, renamed_attribute, value_at
 from ._base import Optimizer, mask_arg, working_args
 
 
@@ -10,7 +12,8 @@ class LAMB(Optimizer):
     in 76 minutes"), optax.lamb semantics.
 
     Adam's bias-corrected moments, decoupled weight decay added to the update,
-    then a trust ratio per parameter :math:`s` (per leaf, as optax):
+    then a trust ratio per parameter :math:`s` (per leaf, as optax), with ``betas``
+    :math:`= (\beta_1, \beta_2)` (optax's ``b1``, ``b2``):
 
     .. math::
         m_t = \beta_1 m_{t-1} + (1-\beta_1) g_t, \quad
@@ -30,12 +33,14 @@ class LAMB(Optimizer):
     per parameter through ``overrides`` (see :class:`Optimizer`).
     """
 
-    def __init__(self, lr: float = 1e-3, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-6,
-                 eps_root: float = 0.0, weight_decay: float = 0.0, maximize: bool = False,
+    @legacy_arguments(pairs={"betas": ("b1", "b2")}, old_call=value_at(1, numbers.Real),
+                      old_positional=("lr", "b1", "b2", "eps", "eps_root", "weight_decay", "maximize", "state_dtype",
+                                      "overrides"))
+    def __init__(self, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-6,
+                 weight_decay: float = 0.0, *, eps_root: float = 0.0, maximize: bool = False,
                  state_dtype: str | None = None, overrides=None):
         self.lr = check_number("lr", lr, 0.0)
-        self.b1 = check_number("b1", b1, 0.0, 1.0, hi_open=True)
-        self.b2 = check_number("b2", b2, 0.0, 1.0, hi_open=True)
+        self.betas = check_betas(betas)
         self.eps = check_number("eps", eps, 0.0, lo_open=True)
         self.eps_root = check_number("eps_root", eps_root, 0.0)
         self.weight_decay = check_number("weight_decay", weight_decay, 0.0)
@@ -44,22 +49,27 @@ class LAMB(Optimizer):
         self._set_overrides(overrides)
         self.trust_ratio = None
 
+    b1 = renamed_attribute("b1", "betas", 0)
+    b2 = renamed_attribute("b2", "betas", 1)
+
     @property
     def slot_names(self) -> tuple[str, ...]:
         return ("exp_avg", "exp_avg_sq")
 
     def hyperparameters(self) -> dict:
-        return {"lr": self.lr, "b1": self.b1, "b2": self.b2, "eps": self.eps, "eps_root": self.eps_root,
-                "weight_decay": self.weight_decay, "maximize": self.maximize,
+        return {"lr": self.lr, "betas": self.betas, "eps": self.eps, "weight_decay": self.weight_decay,
+                "eps_root": self.eps_root, "maximize": self.maximize,
                 "state_dtype": self.state_dtype, "overrides": self.overrides}
 
     def update(self, kernels, params, grads, state, *, gscale=1.0, lr=None, zero_grad=False, working=None,
                mask=None):
         t = state.step + 1
+        b1, b2 = self.betas
         ratio = kernels.lamb_step(params.flat, grads.flat, self._slot(state, "exp_avg"),
-                                  self._slot(state, "exp_avg_sq"), params.layout.pieces, self._signed(gscale), self._lr(state, lr),
-                                  self.per_param(state, "weight_decay"), self.b1, self.b2, self.eps, self.eps_root,
-                                  1.0 - self.b1**t, 1.0 - self.b2**t, *working_args(working), zero_grad,
-                                  mask=mask_arg(mask, params))
+                                  self._slot(state, "exp_avg_sq"), params.layout.pieces, gscale=self._signed(gscale),
+                                  lr=self._lr(state, lr), weight_decay=self.per_param(state, "weight_decay"),
+                                  beta1=b1, beta2=b2, eps=self.eps, eps_root=self.eps_root,
+                                  inv_bc1=1.0 / (1.0 - b1**t), inv_bc2=1.0 / (1.0 - b2**t),
+                                  **working_args(working), zero_grad=zero_grad, mask=mask_arg(mask, params))
         self.trust_ratio = ratio  # float64, on the buffers' device
         state.step = t

@@ -1,11 +1,16 @@
 from __future__ import annotations
 
-from .._checks import check_bool, check_number
+import numbers
+
+from .._checks import check_betas, check_bool, check_number
+from .._deprecation import legacy_arguments, renamed_attribute, value_at
 from ._base import Optimizer, mask_arg, working_args
 
 
 class Lion(Optimizer):
     r"""Lion (Chen et al., 2023, "Symbolic Discovery of Optimization Algorithms"), optax.lion semantics.
+
+    With ``betas`` :math:`= (\beta_1, \beta_2)` (optax's ``b1``, ``b2``):
 
     .. math::
         c_t = \beta_1 m_{t-1} + (1-\beta_1) g_t, \qquad
@@ -20,28 +25,34 @@ class Lion(Optimizer):
     may differ per parameter through ``overrides`` (see :class:`Optimizer`).
     """
 
-    def __init__(self, lr: float = 1e-4, b1: float = 0.9, b2: float = 0.99, weight_decay: float = 1e-3,
+    @legacy_arguments(pairs={"betas": ("b1", "b2")}, old_call=value_at(1, numbers.Real),
+                      old_positional=("lr", "b1", "b2", "weight_decay", "maximize", "state_dtype", "overrides"))
+    def __init__(self, lr: float = 1e-4, betas: tuple[float, float] = (0.9, 0.99), weight_decay: float = 1e-3, *,
                  maximize: bool = False, state_dtype: str | None = None, overrides=None):
         self.lr = check_number("lr", lr, 0.0)
-        self.b1 = check_number("b1", b1, 0.0, 1.0, hi_open=True)
-        self.b2 = check_number("b2", b2, 0.0, 1.0, hi_open=True)
+        self.betas = check_betas(betas)
         self.weight_decay = check_number("weight_decay", weight_decay, 0.0)
         self.maximize = check_bool("maximize", maximize)
         self._set_state_dtype(state_dtype)
         self._set_overrides(overrides)
+
+    b1 = renamed_attribute("b1", "betas", 0)
+    b2 = renamed_attribute("b2", "betas", 1)
 
     @property
     def slot_names(self) -> tuple[str, ...]:
         return ("exp_avg",)
 
     def hyperparameters(self) -> dict:
-        return {"lr": self.lr, "b1": self.b1, "b2": self.b2, "weight_decay": self.weight_decay,
+        return {"lr": self.lr, "betas": self.betas, "weight_decay": self.weight_decay,
                 "maximize": self.maximize, "state_dtype": self.state_dtype, "overrides": self.overrides}
 
     def update(self, kernels, params, grads, state, *, gscale=1.0, lr=None, zero_grad=False, working=None,
                mask=None):
-        kernels.lion_step(params.flat, grads.flat, self._slot(state, "exp_avg"), params.layout.pieces, self._signed(gscale),
-                          self._lr(state, lr), self.per_param(state, "weight_decay"), self.b1, self.b2,
-                          *working_args(working), zero_grad,
+        lr = self._lr(state, lr)
+        b1, b2 = self.betas
+        kernels.lion_step(params.flat, grads.flat, self._slot(state, "exp_avg"), params.layout.pieces,
+                          gscale=self._signed(gscale), lr=lr, decay=1.0 - lr * self.per_param(state, "weight_decay"),
+                          beta1=b1, beta2=b2, **working_args(working), zero_grad=zero_grad,
                           mask=mask_arg(mask, params))
         state.step += 1

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 from .._checks import check_bool, check_number
+from .._deprecation import legacy_arguments
 from ._base import Optimizer, mask_arg, working_args
 
 
@@ -24,8 +25,10 @@ class RMSprop(Optimizer):
     ``weight_decay`` may differ per parameter through ``overrides``.
     """
 
+    @legacy_arguments(old_positional=("lr", "alpha", "eps", "weight_decay", "momentum", "centered", "maximize",
+                                      "state_dtype", "overrides"))
     def __init__(self, lr: float = 1e-2, alpha: float = 0.99, eps: float = 1e-8, weight_decay: float = 0.0,
-                 momentum: float = 0.0, centered: bool = False, maximize: bool = False,
+                 momentum: float = 0.0, centered: bool = False, *, maximize: bool = False,
                  state_dtype: str | None = None, overrides=None):
         self.lr = check_number("lr", lr, 0.0)
         self.alpha = check_number("alpha", alpha, 0.0, 1.0, hi_open=True)
@@ -54,7 +57,8 @@ class RMSprop(Optimizer):
         gavg = self._slot(state, "grad_avg") if self.centered else empty
         buf = self._slot(state, "momentum_buffer") if self.momentum > 0 else empty
         kernels.rmsprop_step(params.flat, grads.flat, square_avg, gavg, buf, params.layout.pieces,
-                             self._signed(gscale), self._lr(state, lr), self.per_param(state, "weight_decay"), self.alpha, self.eps,
-                             self.momentum, self.centered, *working_args(working), zero_grad,
-                             mask=mask_arg(mask, params))
+                             gscale=self._signed(gscale), lr=self._lr(state, lr),
+                             l2=self.per_param(state, "weight_decay"), alpha=self.alpha, eps=self.eps,
+                             momentum=self.momentum, centered=self.centered, **working_args(working),
+                             zero_grad=zero_grad, mask=mask_arg(mask, params))
         state.step += 1

@@ -33,8 +33,10 @@ class SAM(Optimizer):
     optimizer's fused step with that gradient. :meth:`restore` undoes a perturbation
     without a step (a skipped, non-finite second window).
 
-    State: the base optimizer's slots plus ``sam_backup``. ``lr``, ``weight_decay``,
-    ``overrides`` and per-parameter values delegate to the base optimizer.
+    ``rho`` is the neighbourhood radius :math:`\rho` (the paper's and davda54/sam's name;
+    :class:`Sophia`'s ``rho`` is another quantity). State: the base optimizer's slots plus
+    ``sam_backup``. ``lr``, ``weight_decay``, ``overrides`` and per-parameter values
+    delegate to the base optimizer, which carries ``maximize``.
     """
 
     def __init__(self, base: Optimizer, rho: float = 0.05, adaptive: bool = False):
@@ -108,7 +110,8 @@ class SAM(Optimizer):
         else:
             norm = float(grad_norm)
         kernels.sam_perturb(params.flat, grads.flat, state.slots["sam_backup"].flat, pieces,
-                            self.rho * gscale / (norm + NORM_EPS), self.adaptive, zero_grad, mask=mask)
+                            scale=self.rho * gscale / (norm + NORM_EPS), adaptive=self.adaptive, zero_grad=zero_grad,
+                            mask=mask)
 
     def restore(self, kernels, params, state) -> None:
         """Copy the weights saved by :meth:`perturb` back (one pass; padding is zero in both)."""

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 from ..errors import HyperparameterError
 from .._checks import check_bool, check_number
+from .._deprecation import legacy_arguments
 from ._base import Optimizer, mask_arg, working_args
 
 
@@ -19,8 +20,10 @@ class SGD(Optimizer):
     differ per parameter through ``overrides`` (see :class:`Optimizer`).
     """
 
+    @legacy_arguments(old_positional=("lr", "momentum", "dampening", "weight_decay", "nesterov", "maximize",
+                                      "state_dtype", "overrides"))
     def __init__(self, lr: float = 1e-3, momentum: float = 0.0, dampening: float = 0.0,
-                 weight_decay: float = 0.0, nesterov: bool = False, maximize: bool = False,
+                 weight_decay: float = 0.0, nesterov: bool = False, *, maximize: bool = False,
                  state_dtype: str | None = None, overrides=None):
         self.lr = check_number("lr", lr, 0.0)
         self.momentum = check_number("momentum", momentum, 0.0)
@@ -46,8 +49,8 @@ class SGD(Optimizer):
     def update(self, kernels, params, grads, state, *, gscale=1.0, lr=None, zero_grad=False, working=None,
                mask=None):
         buf = self._slot(state, "momentum_buffer") if self.momentum != 0 else params.flat[:0]
-        kernels.sgd_step(params.flat, grads.flat, buf, params.layout.pieces, self._signed(gscale), self._lr(state, lr),
-                         self.per_param(state, "weight_decay"), self.momentum, self.dampening, self.nesterov,
-                         state.step == 0, *working_args(working), zero_grad,
-                         mask=mask_arg(mask, params))
+        kernels.sgd_step(params.flat, grads.flat, buf, params.layout.pieces, gscale=self._signed(gscale),
+                         lr=self._lr(state, lr), l2=self.per_param(state, "weight_decay"), momentum=self.momentum,
+                         dampening=self.dampening, nesterov=self.nesterov, first=state.step == 0,
+                         **working_args(working), zero_grad=zero_grad, mask=mask_arg(mask, params))
         state.step += 1

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 
 from .._checks import check_betas, check_bool, check_number
+from .._deprecation import legacy_arguments
 from ._base import Optimizer, mask_arg, working_args
 
 
@@ -34,10 +35,17 @@ class Sophia(Optimizer):
     denominator is used; the reference code's ``rho*bs*h + 1e-15`` differs from it
     only where ``rho*bs*h`` is within a few ``eps`` of zero. ``lr`` and
     ``weight_decay`` may differ per parameter through ``overrides``.
+
+    Names: the reference code's (``lr``, ``betas``, ``rho``, ``weight_decay`` positional,
+    as ``SophiaG`` takes them; ``eps``, ``bs`` and ``maximize`` keyword-only). ``rho`` is
+    the paper's clipping scale :math:`\rho`; SAM's ``rho`` (a neighbourhood radius) is
+    another quantity of the same paper-given name, and Adafactor's relative step
+    :math:`\rho_t` is not an argument (torch computes it from ``lr``).
     """
 
+    @legacy_arguments(old_positional=("lr", "betas", "rho", "weight_decay", "eps", "bs", "maximize", "overrides"))
     def __init__(self, lr: float = 1e-4, betas: tuple[float, float] = (0.965, 0.99), rho: float = 0.04,
-                 weight_decay: float = 1e-1, eps: float = 1e-15, bs: float = 5120, maximize: bool = False,
+                 weight_decay: float = 1e-1, *, eps: float = 1e-15, bs: float = 5120, maximize: bool = False,
                  overrides=None):
         self.lr = check_number("lr", lr, 0.0)
         self.betas = check_betas(betas)
@@ -62,8 +70,8 @@ class Sophia(Optimizer):
         wd = self.per_param(state, "weight_decay")
         s = state.slots
         kernels.sophia_step(params.flat, grads.flat, s["exp_avg"].flat, s["hessian"].flat, params.layout.pieces,
-                            self._signed(gscale), lr, 1.0 - lr * wd, self.betas[0],
-                            self.rho * self.bs, self.eps, *working_args(working), zero_grad,
+                            gscale=self._signed(gscale), lr=lr, decay=1.0 - lr * wd, beta1=self.betas[0],
+                            rho_bs=self.rho * self.bs, eps=self.eps, **working_args(working), zero_grad=zero_grad,
                             mask=mask_arg(mask, params))
         state.step += 1
 

@@ -10,13 +10,17 @@ from __future__ import annotations
 import numpy as np
 from numba import prange
 
+from ..interface import LP_NONE
 from ._jit import _pick, _twins
 from .codecs import load_state, piece_mask, store_masked, store_state, store_working
 from .reductions import piece_totals
 
 # -- optimizers -------------------------------------------------------------------------
 #
-# Convention shared by every optimizer kernel (and by its reference twin):
+# Convention shared by every optimizer kernel (and by its reference twin; the public
+# wrappers' arguments are those of arraytrain.kernels.interface: arrays, then keywords, every
+# derived value formed by the optimizer; a wrapper casts to the storage dtype and forms the
+# complements ``1 - x`` and squares its jitted twin reads):
 #   * the loop runs over ``pieces`` (rows ``[start, stop, segment]`` of the Layout), so a
 #     piece belongs to one parameter and per-parameter hyperparameters arrive as arrays
 #     indexed by segment (``lr[seg]``, ``wd[seg]`` ...): name-pattern overrides cost one
@@ -67,17 +71,17 @@ def seg_array(a, dtype):
     return np.ascontiguousarray(a, dtype=dtype)
 
 
-def sgd_step(p, g, buf, pieces, gscale, lr, weight_decay, momentum, dampening, nesterov, first, w, wkind, zero_grad,
-             mask=None):
+def sgd_step(p, g, buf, pieces, *, gscale, lr, l2, momentum, dampening, nesterov, first, w=None, wkind=LP_NONE,
+             zero_grad=False, mask=None):
     """Fused SGD update; see :func:`arraytrain.kernels.reference.sgd_step`."""
     t = p.dtype.type
     _pick(_SGD, p.size)(
-        p, g, buf, pieces, t(gscale), seg_array(lr, p.dtype), seg_array(weight_decay, p.dtype), t(momentum),
+        p, g, buf, pieces, t(gscale), seg_array(lr, p.dtype), seg_array(l2, p.dtype), t(momentum),
         t(1.0 - dampening), bool(nesterov), bool(first), w, int(wkind), bool(zero_grad), mask,
     )
 
 
-def _adam(p, g, m, v, vmax, pieces, gscale, step_size, beta1c, beta2, beta2c, eps, inv_bc2, l2, decay,
+def _adam(p, g, m, v, vmax, pieces, gscale, step_size, beta1c, beta2, beta2c, eps, inv_bc2_sqrt, l2, decay,
           amsgrad, w, wkind, zero_grad, mask):
     for j in prange(pieces.shape[0]):
         lo, hi, seg = pieces[j, 0], pieces[j, 1], pieces[j, 2]
@@ -96,7 +100,7 @@ def _adam(p, g, m, v, vmax, pieces, gscale, step_size, beta1c, beta2, beta2c, ep
             vi = store_state(vb, i, vi)
             if amsgrad:
                 vi = store_state(xb, i, max(load_state(xb, i), vi))
-            store_masked(pb, i, pi * dec - ss * mi / (np.sqrt(vi) * inv_bc2 + eps), kb)
+            store_masked(pb, i, pi * dec - ss * mi / (np.sqrt(vi) * inv_bc2_sqrt + eps), kb)
             if zero_grad:
                 gb[i] = 0
         if w is not None:
@@ -106,13 +110,13 @@ def _adam(p, g, m, v, vmax, pieces, gscale, step_size, beta1c, beta2, beta2c, ep
 _ADAM = _twins(_adam)
 
 
-def adam_step(p, g, m, v, vmax, pieces, gscale, step_size, beta1, beta2, eps, bc2_sqrt, l2, decay, amsgrad,
-              w, wkind, zero_grad, mask=None):
+def adam_step(p, g, m, v, vmax, pieces, *, gscale, step_size, beta1, beta2, eps, inv_bc2_sqrt, l2, decay, amsgrad,
+              w=None, wkind=LP_NONE, zero_grad=False, mask=None):
     """Fused Adam/AdamW update; see :func:`arraytrain.kernels.reference.adam_step`."""
     t = p.dtype.type
     _pick(_ADAM, p.size)(
         p, g, m, v, vmax, pieces, t(gscale), seg_array(step_size, p.dtype), t(1.0 - beta1), t(beta2),
-        t(1.0 - beta2), t(eps), t(1.0 / bc2_sqrt), seg_array(l2, p.dtype), seg_array(decay, p.dtype),
+        t(1.0 - beta2), t(eps), t(inv_bc2_sqrt), seg_array(l2, p.dtype), seg_array(decay, p.dtype),
         bool(amsgrad), w, int(wkind), bool(zero_grad), mask,
     )
 
@@ -120,17 +124,17 @@ def adam_step(p, g, m, v, vmax, pieces, gscale, step_size, beta1, beta2, eps, bc
 # -- adagrad, rmsprop, lion, lamb ---------------------------------------------------------
 
 
-def _adagrad(p, g, s, pieces, gscale, clr, wd, eps, w, wkind, zero_grad, mask):
+def _adagrad(p, g, s, pieces, gscale, lr, wd, eps, w, wkind, zero_grad, mask):
     for j in prange(pieces.shape[0]):
         lo, hi, seg = pieces[j, 0], pieces[j, 1], pieces[j, 2]
-        clr_j, wd_j = clr[seg], wd[seg]
+        lr_j, wd_j = lr[seg], wd[seg]
         pb, gb, sb = p[lo:hi], g[lo:hi], s[lo:hi]
         kb = piece_mask(mask, lo, hi)
         for i in range(pb.size):
             pi = pb[i]
             d = gscale * gb[i] + wd_j * pi
             si = store_state(sb, i, load_state(sb, i) + d * d)
-            store_masked(pb, i, pi - clr_j * (d / (np.sqrt(si) + eps)), kb)
+            store_masked(pb, i, pi - lr_j * (d / (np.sqrt(si) + eps)), kb)
             if zero_grad:
                 gb[i] = 0
         if w is not None:
@@ -140,11 +144,11 @@ def _adagrad(p, g, s, pieces, gscale, clr, wd, eps, w, wkind, zero_grad, mask):
 _ADAGRAD = _twins(_adagrad)
 
 
-def adagrad_step(p, g, sum_sq, pieces, gscale, clr, weight_decay, eps, w, wkind, zero_grad, mask=None):
+def adagrad_step(p, g, sum_sq, pieces, *, gscale, lr, l2, eps, w=None, wkind=LP_NONE, zero_grad=False, mask=None):
     """Fused Adagrad update; see :func:`arraytrain.kernels.reference.adagrad_step`."""
     t = p.dtype.type
     _pick(_ADAGRAD, p.size)(
-        p, g, sum_sq, pieces, t(gscale), seg_array(clr, p.dtype), seg_array(weight_decay, p.dtype), t(eps),
+        p, g, sum_sq, pieces, t(gscale), seg_array(lr, p.dtype), seg_array(l2, p.dtype), t(eps),
         w, int(wkind), bool(zero_grad), mask,
     )
 
@@ -181,18 +185,18 @@ def _rmsprop(p, g, sq, gavg, buf, pieces, gscale, lr, wd, alpha, alpha_c, eps, m
 _RMSPROP = _twins(_rmsprop)
 
 
-def rmsprop_step(p, g, square_avg, grad_avg, momentum_buffer, pieces, gscale, lr, weight_decay, alpha, eps,
-                 momentum, centered, w, wkind, zero_grad, mask=None):
+def rmsprop_step(p, g, square_avg, grad_avg, momentum_buffer, pieces, *, gscale, lr, l2, alpha, eps, momentum,
+                 centered, w=None, wkind=LP_NONE, zero_grad=False, mask=None):
     """Fused RMSprop update; see :func:`arraytrain.kernels.reference.rmsprop_step`."""
     t = p.dtype.type
     _pick(_RMSPROP, p.size)(
         p, g, square_avg, grad_avg, momentum_buffer, pieces, t(gscale), seg_array(lr, p.dtype),
-        seg_array(weight_decay, p.dtype), t(alpha), t(1.0 - alpha), t(eps), t(momentum), bool(centered),
+        seg_array(l2, p.dtype), t(alpha), t(1.0 - alpha), t(eps), t(momentum), bool(centered),
         bool(momentum > 0), w, int(wkind), bool(zero_grad), mask,
     )
 
 
-def _lion(p, g, m, pieces, gscale, lr, decay, b1, b1c, b2, b2c, w, wkind, zero_grad, mask):
+def _lion(p, g, m, pieces, gscale, lr, decay, beta1, beta1c, beta2, beta2c, w, wkind, zero_grad, mask):
     for j in prange(pieces.shape[0]):
         lo, hi, seg = pieces[j, 0], pieces[j, 1], pieces[j, 2]
         lr_j, dec = lr[seg], decay[seg]
@@ -202,8 +206,8 @@ def _lion(p, g, m, pieces, gscale, lr, decay, b1, b1c, b2, b2c, w, wkind, zero_g
             d = gscale * gb[i]
             mi = load_state(mb, i)
             # np.sign keeps NaN (a NaN gradient is not silently turned into a zero step)
-            c = np.sign(b1 * mi + b1c * d)
-            store_state(mb, i, b2 * mi + b2c * d)
+            c = np.sign(beta1 * mi + beta1c * d)
+            store_state(mb, i, beta2 * mi + beta2c * d)
             store_masked(pb, i, pb[i] * dec - lr_j * c, kb)
             if zero_grad:
                 gb[i] = 0
@@ -214,14 +218,13 @@ def _lion(p, g, m, pieces, gscale, lr, decay, b1, b1c, b2, b2c, w, wkind, zero_g
 _LION = _twins(_lion)
 
 
-def lion_step(p, g, m, pieces, gscale, lr, weight_decay, b1, b2, w, wkind, zero_grad, mask=None):
+def lion_step(p, g, m, pieces, *, gscale, lr, decay, beta1, beta2, w=None, wkind=LP_NONE, zero_grad=False,
+              mask=None):
     """Fused Lion update; see :func:`arraytrain.kernels.reference.lion_step`."""
     t = p.dtype.type
-    lr = np.asarray(lr, np.float64)
-    decay = 1.0 - lr * np.asarray(weight_decay, np.float64)
     _pick(_LION, p.size)(
-        p, g, m, pieces, t(gscale), seg_array(lr, p.dtype), seg_array(decay, p.dtype), t(b1), t(1.0 - b1),
-        t(b2), t(1.0 - b2), w, int(wkind), bool(zero_grad), mask,
+        p, g, m, pieces, t(gscale), seg_array(lr, p.dtype), seg_array(decay, p.dtype), t(beta1), t(1.0 - beta1),
+        t(beta2), t(1.0 - beta2), w, int(wkind), bool(zero_grad), mask,
     )
 
 
@@ -280,8 +283,8 @@ def _lamb(p, g, m, v, pieces, gscale, lr, wd, b1c, b2, b2c, inv_bc1, inv_bc2, ep
 _LAMB = _twins(_lamb)
 
 
-def lamb_step(p, g, m, v, pieces, gscale, lr, weight_decay, beta1, beta2, eps, eps_root, bc1, bc2, w, wkind,
-              zero_grad, mask=None):
+def lamb_step(p, g, m, v, pieces, *, gscale, lr, weight_decay, beta1, beta2, eps, eps_root, inv_bc1, inv_bc2,
+              w=None, wkind=LP_NONE, zero_grad=False, mask=None):
     """Fused LAMB update, returns the per-parameter trust ratios (float64).
 
     See :func:`arraytrain.kernels.reference.lamb_step`.
@@ -289,7 +292,7 @@ def lamb_step(p, g, m, v, pieces, gscale, lr, weight_decay, beta1, beta2, eps, e
     t = p.dtype.type
     return _pick(_LAMB, p.size)(
         p, g, m, v, pieces, t(gscale), seg_array(lr, p.dtype), seg_array(weight_decay, p.dtype), t(1.0 - beta1),
-        t(beta2), t(1.0 - beta2), t(1.0 / bc1), t(1.0 / bc2), t(eps), t(eps_root), w, int(wkind), bool(zero_grad), mask,
+        t(beta2), t(1.0 - beta2), t(inv_bc1), t(inv_bc2), t(eps), t(eps_root), w, int(wkind), bool(zero_grad), mask,
     )
 
 
@@ -310,7 +313,7 @@ def lamb_step(p, g, m, v, pieces, gscale, lr, weight_decay, beta1, beta2, eps, e
 #   3. rscale (tiny, per matrix): row_var / max(mean(row_var), eps1).
 #   4. stats  (every piece): factored pieces read g for the float64 sum of U^2; unfactored
 #                         pieces read p, g, variance, write the variance EMA and sum p^2, U^2.
-#   host:     alpha = max(eps2, RMS(p)) * rho_t, step = alpha / max(1, RMS(U) / d).
+#   host:     alpha = max(eps2, RMS(p)) * rel_step, step = alpha / max(1, RMS(U) / d).
 #   5. apply  (every piece): p = p * (1 - lr*wd) - step * U, U recomputed from the statistics.
 # The clipping denominator needs all of U before any element moves, so U is formed twice
 # (passes 4 and 5); the column sums could share pass 1 only through per-thread partial
@@ -465,12 +468,12 @@ def _seg_totals(part, pieces, nseg, extra, extra_seg):
     return out
 
 
-def adafactor_step(p, g, row, col, var, pieces, segs, rows, cols, batches, gscale, rho, decay, beta2c, eps1, eps2,
-                   d, w, wkind, zero_grad, mask=None):
+def adafactor_step(p, g, row, col, var, pieces, segs, rows, cols, batches, *, gscale, rel_step, decay,
+                   one_minus_beta2, eps1, eps2, d, w=None, wkind=LP_NONE, zero_grad=False, mask=None):
     """Fused Adafactor update (five passes, see above); see :func:`arraytrain.kernels.reference.adafactor_step`."""
     t = p.dtype.type
     n = p.size
-    gs, b2c = t(gscale), t(beta2c)
+    gs, b2c = t(gscale), t(one_minus_beta2)
     nseg = segs.shape[0]
     psq_rows = np.empty(rows.shape[0], dtype=np.float64)
     rscale = np.empty(row.size, dtype=p.dtype)
@@ -484,26 +487,26 @@ def adafactor_step(p, g, row, col, var, pieces, segs, rows, cols, batches, gscal
     _pick(_AF_STATS, n)(p, g, col, var, rscale, pieces, segs, gs, b2c, eps1sq, psq_part, usq_part)
     psq = _seg_totals(psq_part, pieces, nseg, psq_rows, rows[:, 3])
     usq = _seg_totals(usq_part, pieces, nseg, None, None)
-    step = adafactor_step_size(psq, usq, segs[:, 1], rho, eps2, d)
+    step = adafactor_step_size(psq, usq, segs[:, 1], rel_step, eps2, d)
     _pick(_AF_APPLY, n)(p, g, col, var, rscale, pieces, segs, gs, eps1sq, seg_array(step, p.dtype),
                         seg_array(decay, p.dtype), w, int(wkind), bool(zero_grad), mask)
 
 
-def adafactor_step_size(psq, usq, numel, rho, eps2, d):
-    """``max(eps2, RMS(p)) * rho / max(1, RMS(U) / d)`` per segment, in float64.
+def adafactor_step_size(psq, usq, numel, rel_step, eps2, d):
+    """``max(eps2, RMS(p)) * rel_step / max(1, RMS(U) / d)`` per segment, in float64.
 
     ``max`` as torch's Python ``max(constant, x)``: a NaN ``x`` gives the constant
     (``np.fmax``); the NaN still reaches the parameters through ``U``.
     """
     size = np.maximum(np.asarray(numel, np.float64), 1.0)
-    alpha = np.fmax(eps2, np.sqrt(psq / size)) * np.asarray(rho, np.float64)
+    alpha = np.fmax(eps2, np.sqrt(psq / size)) * np.asarray(rel_step, np.float64)
     return alpha / np.fmax(1.0, np.sqrt(usq / size) / d)
 
 
 # Sophia ------------------------------------------------------------------------------------
 
 
-def _sophia(p, g, m, h, pieces, gscale, lr, decay, beta1, beta1c, rho, eps, one, w, wkind, zero_grad, mask):
+def _sophia(p, g, m, h, pieces, gscale, lr, decay, beta1, beta1c, rho_bs, eps, one, w, wkind, zero_grad, mask):
     for j in prange(pieces.shape[0]):
         lo, hi, seg = pieces[j, 0], pieces[j, 1], pieces[j, 2]
         lr_j, dec = lr[seg], decay[seg]
@@ -512,8 +515,8 @@ def _sophia(p, g, m, h, pieces, gscale, lr, decay, beta1, beta1c, rho, eps, one,
         for i in range(pb.size):
             mi = beta1 * mb[i] + beta1c * (gscale * gb[i])
             mb[i] = mi
-            den = rho * hb[i]
-            den = eps if den < eps else den  # NaN-propagating max(rho*h, eps) > 0
+            den = rho_bs * hb[i]
+            den = eps if den < eps else den  # NaN-propagating max(rho_bs*h, eps) > 0
             # sign(m) * min(|m| / den, 1) == clip(m / den, -1, 1) for den > 0; NaN stays NaN
             r = mi / den
             r = one if r > one else r
@@ -528,12 +531,13 @@ def _sophia(p, g, m, h, pieces, gscale, lr, decay, beta1, beta1c, rho, eps, one,
 _SOPHIA = _twins(_sophia)
 
 
-def sophia_step(p, g, m, h, pieces, gscale, lr, decay, beta1, rho, eps, w, wkind, zero_grad, mask=None):
+def sophia_step(p, g, m, h, pieces, *, gscale, lr, decay, beta1, rho_bs, eps, w=None, wkind=LP_NONE,
+                zero_grad=False, mask=None):
     """Fused SophiaG update; see :func:`arraytrain.kernels.reference.sophia_step`."""
     t = p.dtype.type
     _pick(_SOPHIA, p.size)(
         p, g, m, h, pieces, t(gscale), seg_array(lr, p.dtype), seg_array(decay, p.dtype), t(beta1),
-        t(1.0 - beta1), t(rho), t(eps), t(1.0), w, int(wkind), bool(zero_grad), mask,
+        t(1.0 - beta1), t(rho_bs), t(eps), t(1.0), w, int(wkind), bool(zero_grad), mask,
     )
 
 
@@ -559,7 +563,7 @@ def _sam_perturb(p, g, backup, pieces, scale, adaptive, zero_grad, mask):
 _SAM_PERTURB = _twins(_sam_perturb)
 
 
-def sam_perturb(p, g, backup, pieces, scale, adaptive, zero_grad, mask=None):
+def sam_perturb(p, g, backup, pieces, *, scale, adaptive, zero_grad=False, mask=None):
     """``backup = p; p += scale * (p^2 if adaptive) * g``, pruned weights 0.
 
     See :func:`arraytrain.kernels.reference.sam_perturb`.

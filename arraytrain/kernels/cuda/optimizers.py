@@ -6,7 +6,10 @@ arguments of one kernel per optimizer (never near-copies): ``T`` the parameters'
 float/double, ``S`` the state's storage (``T``, or ``u16`` bfloat16 bits), ``WK`` the
 working copy (0 none, 1 bfloat16, 2 float16), ``MASK`` a pruning mask. The learning
 rate and every step-dependent value are kernel arguments, so a schedule never
-recompiles anything. Scalars are passed as NumPy scalars of the storage type.
+recompiles anything. Scalars are passed as NumPy scalars of the storage type. The
+wrappers take the arguments of :mod:`arraytrain.kernels.interface` (arrays, then keywords,
+every derived value formed by the optimizer) and only cast them, forming the complements
+``1 - x`` and squares the kernels read.
 
 LAMB's trust ratios are formed on the device (per-chunk float64 partials, then the
 fixed-order per-parameter reduction of :mod:`.reductions`), so a LAMB step does not
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..interface import LP_NONE
 from . import reductions
 from ._core import NULL, THREADS, DeviceScale, Source, chunks_for, ctype, cupy, launch, ptr, seg_arg
 
@@ -72,7 +76,7 @@ __global__ void arraytrain_sgd_step(T* __restrict__ p, T* __restrict__ g, S* __r
 template <typename T, typename S, int WK, bool MASK>
 __global__ void arraytrain_adam_step(T* __restrict__ p, T* __restrict__ g, S* __restrict__ m, S* __restrict__ v,
         S* __restrict__ vmax, const i64* __restrict__ chunks, T gscale_, const double* __restrict__ gate, const T* __restrict__ step_size, T step_size0,
-        T beta1c, T beta2, T beta2c, T eps, T inv_bc2, const T* __restrict__ l2, T l20, const T* __restrict__ decay,
+        T beta1c, T beta2, T beta2c, T eps, T inv_bc2_sqrt, const T* __restrict__ l2, T l20, const T* __restrict__ decay,
         T decay0, int amsgrad, """ + _TAIL + r""") {
     GATE_SCALE
     const int seg = (int)chunks[3 * (i64)blockIdx.x + 2];
@@ -87,7 +91,7 @@ __global__ void arraytrain_adam_step(T* __restrict__ p, T* __restrict__ g, S* __
         mi = state<S>::store(m, i, mi);
         vi = state<S>::store(v, i, vi);
         if (amsgrad) vi = state<S>::store(vmax, i, nan_max((T)state<S>::load(vmax, i), vi));
-        store_param<T, WK, MASK>(p, w, mask, i, pi * dec - ss * mi / (sqrt(vi) * inv_bc2 + eps));
+        store_param<T, WK, MASK>(p, w, mask, i, pi * dec - ss * mi / (sqrt(vi) * inv_bc2_sqrt + eps));
 """ + _CLOSE + r"""
 }
 
@@ -132,15 +136,15 @@ __global__ void arraytrain_rmsprop_step(T* __restrict__ p, T* __restrict__ g, S*
 template <typename T, typename S, int WK, bool MASK>
 __global__ void arraytrain_lion_step(T* __restrict__ p, T* __restrict__ g, S* __restrict__ m,
         const i64* __restrict__ chunks, T gscale_, const double* __restrict__ gate, const T* __restrict__ lr, T lr0, const T* __restrict__ decay, T decay0,
-        T b1, T b1c, T b2, T b2c, """ + _TAIL + r""") {
+        T beta1, T beta1c, T beta2, T beta2c, """ + _TAIL + r""") {
     GATE_SCALE
     const int seg = (int)chunks[3 * (i64)blockIdx.x + 2];
     const T lr_s = seg_value(lr, lr0, seg), dec = seg_value(decay, decay0, seg);
 """ + _OPEN + r"""
         const T d = gscale * g[i];
         const T mi = state<S>::load(m, i);
-        const T c = sign_of(b1 * mi + b1c * d);
-        state<S>::store(m, i, b2 * mi + b2c * d);
+        const T c = sign_of(beta1 * mi + beta1c * d);
+        state<S>::store(m, i, beta2 * mi + beta2c * d);
         store_param<T, WK, MASK>(p, w, mask, i, p[i] * dec - lr_s * c);
 """ + _CLOSE + r"""
 }
@@ -148,14 +152,14 @@ __global__ void arraytrain_lion_step(T* __restrict__ p, T* __restrict__ g, S* __
 template <typename T, typename S, int WK, bool MASK>
 __global__ void arraytrain_sophia_step(T* __restrict__ p, T* __restrict__ g, S* __restrict__ m, const S* __restrict__ h,
         const i64* __restrict__ chunks, T gscale_, const double* __restrict__ gate, const T* __restrict__ lr, T lr0, const T* __restrict__ decay, T decay0,
-        T beta1, T beta1c, T rho, T eps, """ + _TAIL + r""") {
+        T beta1, T beta1c, T rho_bs, T eps, """ + _TAIL + r""") {
     GATE_SCALE
     const int seg = (int)chunks[3 * (i64)blockIdx.x + 2];
     const T lr_s = seg_value(lr, lr0, seg), dec = seg_value(decay, decay0, seg);
 """ + _OPEN + r"""
         const T mi = state<S>::store(m, i, beta1 * (T)state<S>::load(m, i) + beta1c * (gscale * g[i]));
-        T den = rho * (T)state<S>::load(h, i);
-        den = den < eps ? eps : den;  // NaN-propagating max(rho*h, eps)
+        T den = rho_bs * (T)state<S>::load(h, i);
+        den = den < eps ? eps : den;  // NaN-propagating max(rho_bs*h, eps)
         T r = mi / den;
         r = r > (T)1 ? (T)1 : r;
         r = r < (T)-1 ? (T)-1 : r;
@@ -334,16 +338,16 @@ __global__ void arraytrain_af_stats(const T* __restrict__ p, const T* __restrict
     if (threadIdx.x == 0) { usq_part[blockIdx.x] = su; psq_part[blockIdx.x] = sp; }
 }
 
-// per segment: step = max(eps2, RMS(p)) * rho / max(1, RMS(U) / d)   (fmax: max(c, NaN) = c)
+// per segment: step = max(eps2, RMS(p)) * rel_step / max(1, RMS(U) / d)   (fmax: max(c, NaN) = c)
 template <typename T>
 __global__ void arraytrain_af_step(const double* __restrict__ psq_chunks, const double* __restrict__ psq_rows,
-        const double* __restrict__ usq, const i64* __restrict__ segs, const double* __restrict__ rho, double rho0,
+        const double* __restrict__ usq, const i64* __restrict__ segs, const double* __restrict__ rel_step, double rel_step0,
         double eps2, double d, int nseg, T* __restrict__ step, const double* __restrict__ gate) {
     GATE_SKIP
     const int s = blockIdx.x * blockDim.x + threadIdx.x;
     if (s >= nseg) return;
     const double size = fmax((double)segs[9 * (i64)s + 1], 1.0);
-    const double alpha = fmax(eps2, sqrt((psq_chunks[1 + s] + psq_rows[1 + s]) / size)) * seg_value(rho, rho0, s);
+    const double alpha = fmax(eps2, sqrt((psq_chunks[1 + s] + psq_rows[1 + s]) / size)) * seg_value(rel_step, rel_step0, s);
     step[s] = (T)(alpha / fmax(1.0, sqrt(usq[1 + s] / size) / d));
 }
 
@@ -418,57 +422,59 @@ def _gs(gscale, t):
     return t(gscale), NULL
 
 
-def sgd_step(p, g, buf, pieces, gscale, lr, weight_decay, momentum, dampening, nesterov, first, w, wkind, zero_grad,
-             mask=None):
+def sgd_step(p, g, buf, pieces, *, gscale, lr, l2, momentum, dampening, nesterov, first, w=None, wkind=LP_NONE,
+             zero_grad=False, mask=None):
     """Fused SGD update; see :func:`arraytrain.kernels.reference.sgd_step`."""
     t = p.dtype.type
     _run("sgd_step", p, buf, pieces, (p, g, buf),
-         (*_gs(gscale, t), *_seg(lr, p), *_seg(weight_decay, p), t(momentum), t(1.0 - dampening), np.int32(bool(nesterov)),
+         (*_gs(gscale, t), *_seg(lr, p), *_seg(l2, p), t(momentum), t(1.0 - dampening), np.int32(bool(nesterov)),
           np.int32(bool(first))), w, wkind, zero_grad, mask)
 
 
-def adam_step(p, g, m, v, vmax, pieces, gscale, step_size, beta1, beta2, eps, bc2_sqrt, l2, decay, amsgrad,
-              w, wkind, zero_grad, mask=None):
+def adam_step(p, g, m, v, vmax, pieces, *, gscale, step_size, beta1, beta2, eps, inv_bc2_sqrt, l2, decay, amsgrad,
+              w=None, wkind=LP_NONE, zero_grad=False, mask=None):
     """Fused Adam/AdamW update; see :func:`arraytrain.kernels.reference.adam_step`."""
     t = p.dtype.type
     _run("adam_step", p, m, pieces, (p, g, m, v, vmax),
-         (*_gs(gscale, t), *_seg(step_size, p), t(1.0 - beta1), t(beta2), t(1.0 - beta2), t(eps), t(1.0 / bc2_sqrt),
+         (*_gs(gscale, t), *_seg(step_size, p), t(1.0 - beta1), t(beta2), t(1.0 - beta2), t(eps), t(inv_bc2_sqrt),
           *_seg(l2, p), *_seg(decay, p), np.int32(bool(amsgrad))), w, wkind, zero_grad, mask)
 
 
-def adagrad_step(p, g, sum_sq, pieces, gscale, clr, weight_decay, eps, w, wkind, zero_grad, mask=None):
+def adagrad_step(p, g, sum_sq, pieces, *, gscale, lr, l2, eps, w=None, wkind=LP_NONE, zero_grad=False, mask=None):
     """Fused Adagrad update; see :func:`arraytrain.kernels.reference.adagrad_step`."""
     t = p.dtype.type
     _run("adagrad_step", p, sum_sq, pieces, (p, g, sum_sq),
-         (*_gs(gscale, t), *_seg(clr, p), *_seg(weight_decay, p), t(eps)), w, wkind, zero_grad, mask)
+         (*_gs(gscale, t), *_seg(lr, p), *_seg(l2, p), t(eps)), w, wkind, zero_grad, mask)
 
 
-def rmsprop_step(p, g, square_avg, grad_avg, momentum_buffer, pieces, gscale, lr, weight_decay, alpha, eps,
-                 momentum, centered, w, wkind, zero_grad, mask=None):
+def rmsprop_step(p, g, square_avg, grad_avg, momentum_buffer, pieces, *, gscale, lr, l2, alpha, eps, momentum,
+                 centered, w=None, wkind=LP_NONE, zero_grad=False, mask=None):
     """Fused RMSprop update; see :func:`arraytrain.kernels.reference.rmsprop_step`."""
     t = p.dtype.type
     _run("rmsprop_step", p, square_avg, pieces, (p, g, square_avg, grad_avg, momentum_buffer),
-         (*_gs(gscale, t), *_seg(lr, p), *_seg(weight_decay, p), t(alpha), t(1.0 - alpha), t(eps), t(momentum),
+         (*_gs(gscale, t), *_seg(lr, p), *_seg(l2, p), t(alpha), t(1.0 - alpha), t(eps), t(momentum),
           np.int32(bool(centered)), np.int32(bool(momentum > 0))), w, wkind, zero_grad, mask)
 
 
-def lion_step(p, g, m, pieces, gscale, lr, weight_decay, b1, b2, w, wkind, zero_grad, mask=None):
+def lion_step(p, g, m, pieces, *, gscale, lr, decay, beta1, beta2, w=None, wkind=LP_NONE, zero_grad=False,
+              mask=None):
     """Fused Lion update; see :func:`arraytrain.kernels.reference.lion_step`."""
     t = p.dtype.type
-    lr = np.asarray(lr, np.float64)
-    decay = 1.0 - lr * np.asarray(weight_decay, np.float64)
     _run("lion_step", p, m, pieces, (p, g, m),
-         (*_gs(gscale, t), *_seg(lr, p), *_seg(decay, p), t(b1), t(1.0 - b1), t(b2), t(1.0 - b2)), w, wkind, zero_grad, mask)
+         (*_gs(gscale, t), *_seg(lr, p), *_seg(decay, p), t(beta1), t(1.0 - beta1), t(beta2), t(1.0 - beta2)),
+         w, wkind, zero_grad, mask)
 
 
-def sophia_step(p, g, m, h, pieces, gscale, lr, decay, beta1, rho, eps, w, wkind, zero_grad, mask=None):
+def sophia_step(p, g, m, h, pieces, *, gscale, lr, decay, beta1, rho_bs, eps, w=None, wkind=LP_NONE,
+                zero_grad=False, mask=None):
     """Fused SophiaG update; see :func:`arraytrain.kernels.reference.sophia_step`."""
     t = p.dtype.type
     _run("sophia_step", p, m, pieces, (p, g, m, h),
-         (*_gs(gscale, t), *_seg(lr, p), *_seg(decay, p), t(beta1), t(1.0 - beta1), t(rho), t(eps)), w, wkind, zero_grad, mask)
+         (*_gs(gscale, t), *_seg(lr, p), *_seg(decay, p), t(beta1), t(1.0 - beta1), t(rho_bs), t(eps)),
+         w, wkind, zero_grad, mask)
 
 
-def sam_perturb(p, g, backup, pieces, scale, adaptive, zero_grad, mask=None):
+def sam_perturb(p, g, backup, pieces, *, scale, adaptive, zero_grad=False, mask=None):
     """``backup = p; p += scale * (p^2 if adaptive) * g``, pruned weights 0.
 
     See :func:`arraytrain.kernels.reference.sam_perturb`.
@@ -479,8 +485,8 @@ def sam_perturb(p, g, backup, pieces, scale, adaptive, zero_grad, mask=None):
                                              np.int32(bool(zero_grad)), ptr(mask)))
 
 
-def lamb_step(p, g, m, v, pieces, gscale, lr, weight_decay, beta1, beta2, eps, eps_root, bc1, bc2, w, wkind,
-              zero_grad, mask=None):
+def lamb_step(p, g, m, v, pieces, *, gscale, lr, weight_decay, beta1, beta2, eps, eps_root, inv_bc1, inv_bc2,
+              w=None, wkind=LP_NONE, zero_grad=False, mask=None):
     """Fused LAMB update; returns the per-parameter trust ratios (float64, on the device).
 
     Three launches and no synchronisation: moments with per-chunk norms, the trust
@@ -493,7 +499,7 @@ def lamb_step(p, g, m, v, pieces, gscale, lr, weight_decay, beta1, beta2, eps, e
     wd = _seg(weight_decay, p)
     gs = _gs(gscale, t)
     gate = gs[1]
-    inv_bc1, inv_bc2 = t(1.0 / bc1), t(1.0 / bc2)
+    inv_bc1, inv_bc2 = t(inv_bc1), t(inv_bc2)
     ratio = cp.ones(nseg, dtype=cp.float64)
     if ch.count == 0:
         return ratio
@@ -541,8 +547,8 @@ def _af_tables(segs, rows, cols, batches) -> _AfTables:
     return tables
 
 
-def adafactor_step(p, g, row, col, var, pieces, segs, rows, cols, batches, gscale, rho, decay, beta2c, eps1, eps2,
-                   d, w, wkind, zero_grad, mask=None):
+def adafactor_step(p, g, row, col, var, pieces, segs, rows, cols, batches, *, gscale, rel_step, decay,
+                   one_minus_beta2, eps1, eps2, d, w=None, wkind=LP_NONE, zero_grad=False, mask=None):
     """Fused Adafactor update: the CPU family's five passes as eight launches, no synchronisation.
 
     Rows, columns and the per-matrix row scale as in :mod:`arraytrain.kernels.cpu.optimizers`; the
@@ -553,7 +559,7 @@ def adafactor_step(p, g, row, col, var, pieces, segs, rows, cols, batches, gscal
     nseg = segs.shape[0]
     ch = chunks_for(pieces)
     tab = _af_tables(segs, rows, cols, batches)
-    gs, b2c, eps1sq = _gs(gscale, t), t(beta2c), t(eps1 * eps1)
+    gs, b2c, eps1sq = _gs(gscale, t), t(one_minus_beta2), t(eps1 * eps1)
     gate = gs[1]
     nrows = rows.shape[0]
     psq_rows = cp.zeros(max(nrows, 1), cp.float64)
@@ -574,7 +580,7 @@ def adafactor_step(p, g, row, col, var, pieces, segs, rows, cols, batches, gscal
     reductions.seg_reduce(psq_rows, tab.row_lo, tab.row_hi, nseg, pr, total=False)
     step = cp.empty(max(nseg, 1), p.dtype)
     launch(fn(f"arraytrain_af_step<{tn}>"), -(-nseg // THREADS),
-           (pn, pr, un, tab.segs, *seg_arg(rho, np.float64), np.float64(eps2), np.float64(d), np.int32(nseg), step, gate))
+           (pn, pr, un, tab.segs, *seg_arg(rel_step, np.float64), np.float64(eps2), np.float64(d), np.int32(nseg), step, gate))
     wk = 0 if w is None else int(wkind)
     launch(fn(f"arraytrain_af_apply<{tn},{wk},{'true' if mask is not None else 'false'}>"), ch.count,
            (p, g, col, ptr(var), rscale, ch.table, tab.segs, *gs, eps1sq, step, *_seg(decay, p), ptr(w),

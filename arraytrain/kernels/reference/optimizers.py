@@ -4,14 +4,19 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..interface import LP_NONE
 from ._common import _f64, _segments, _store, _store_at, apply_mask
 from .reductions import cast_working
 
-def sgd_step(p, g, buf, pieces, gscale, lr, weight_decay, momentum, dampening, nesterov, first, w, wkind, zero_grad,
-             mask=None):
+# Arrays first, then every scalar and per-parameter value keyword-only: the argument
+# conventions of arraytrain.kernels.interface.
+
+
+def sgd_step(p, g, buf, pieces, *, gscale, lr, l2, momentum, dampening, nesterov, first, w=None, wkind=LP_NONE,
+             zero_grad=False, mask=None):
     """SGD with momentum, dampening, Nesterov and L2 weight decay (torch.optim.SGD).
 
-    Per element of segment ``s``: ``d = gscale*g + weight_decay[s]*p``; with momentum
+    Per element of segment ``s``: ``d = gscale*g + l2[s]*p``; with momentum
     ``b = d`` on the first step, else ``b = momentum*b + (1 - dampening)*d``;
     ``d = d + momentum*b`` (Nesterov) or ``d = b``; then ``p -= lr[s]*d``. ``buf`` is
     ignored when momentum is 0. Only the elements covered by ``pieces`` are touched.
@@ -20,7 +25,7 @@ def sgd_step(p, g, buf, pieces, gscale, lr, weight_decay, momentum, dampening, n
     (:func:`apply_mask`), before the working copy is written.
     """
     i, s = _segments(pieces, p.size)
-    lr, wd = np.asarray(lr, np.float64)[s], np.asarray(weight_decay, np.float64)[s]
+    lr, wd = np.asarray(lr, np.float64)[s], np.asarray(l2, np.float64)[s]
     pp = _f64(p[i])
     d = gscale * _f64(g[i]) + wd * pp
     if momentum != 0.0:
@@ -40,15 +45,15 @@ def _finish(p, g, w, wkind, pieces, i, zero_grad, mask=None):
         g[i] = 0
 
 
-def adam_step(p, g, m, v, vmax, pieces, gscale, step_size, beta1, beta2, eps, bc2_sqrt, l2, decay, amsgrad,
-              w, wkind, zero_grad, mask=None):
+def adam_step(p, g, m, v, vmax, pieces, *, gscale, step_size, beta1, beta2, eps, inv_bc2_sqrt, l2, decay, amsgrad,
+              w=None, wkind=LP_NONE, zero_grad=False, mask=None):
     """Adam / AdamW (Kingma & Ba 2015; Loshchilov & Hutter 2019), torch's form.
 
     Per element of segment ``s``: ``d = gscale*g + l2[s]*p``; ``p *= decay[s]``
     (decoupled: ``1 - lr*wd``); ``m += (1 - beta1)*(d - m)``; ``v = beta2*v + (1 - beta2)*d^2``;
     AMSGrad: ``vmax = max(vmax, v)`` replaces ``v`` below;
-    ``p -= step_size[s] * m / (sqrt(v)/bc2_sqrt + eps)`` with ``step_size = lr/(1 - beta1^t)``
-    and ``bc2_sqrt = sqrt(1 - beta2^t)``. ``m``, ``v``, ``vmax`` may be uint16 arrays of
+    ``p -= step_size[s] * m / (sqrt(v)*inv_bc2_sqrt + eps)`` with ``step_size = lr/(1 - beta1^t)``
+    and ``inv_bc2_sqrt = 1/sqrt(1 - beta2^t)``. ``m``, ``v``, ``vmax`` may be uint16 arrays of
     bfloat16 bits (low-precision state): the update then continues from the rounded values.
     """
     i, s = _segments(pieces, p.size)
@@ -59,7 +64,7 @@ def adam_step(p, g, m, v, vmax, pieces, gscale, step_size, beta1, beta2, eps, bc
     vv = _store_at(v, i, beta2 * _f64(v[i]) + (1.0 - beta2) * d * d)
     if amsgrad:
         vv = _store_at(vmax, i, np.maximum(_f64(vmax[i]), vv))
-    denom = np.sqrt(vv) / bc2_sqrt + eps
+    denom = np.sqrt(vv) * inv_bc2_sqrt + eps
     p[i] = pp * np.asarray(decay, np.float64)[s] - np.asarray(step_size, np.float64)[s] * mm / denom
     _finish(p, g, w, wkind, pieces, i, zero_grad, mask)
 
@@ -67,26 +72,26 @@ def adam_step(p, g, m, v, vmax, pieces, gscale, step_size, beta1, beta2, eps, bc
 # -- adagrad, rmsprop, lion, lamb ---------------------------------------------------------
 
 
-def adagrad_step(p, g, sum_sq, pieces, gscale, clr, weight_decay, eps, w, wkind, zero_grad, mask=None):
+def adagrad_step(p, g, sum_sq, pieces, *, gscale, lr, l2, eps, w=None, wkind=LP_NONE, zero_grad=False, mask=None):
     """Adagrad (Duchi, Hazan & Singer 2011), torch.optim.Adagrad's form.
 
-    Per element of segment ``s``: ``d = gscale*g + weight_decay[s]*p``;
-    ``sum_sq += d^2``; ``p -= clr[s] * d / (sqrt(sum_sq) + eps)`` with the decayed
-    rate ``clr = lr / (1 + (t - 1)*lr_decay)`` computed by the caller.
+    Per element of segment ``s``: ``d = gscale*g + l2[s]*p``;
+    ``sum_sq += d^2``; ``p -= lr[s] * d / (sqrt(sum_sq) + eps)`` with ``lr`` the
+    decayed rate ``lr / (1 + (t - 1)*lr_decay)`` (torch's ``clr``) formed by the optimizer.
     """
     i, s = _segments(pieces, p.size)
     pp = _f64(p[i])
-    d = gscale * _f64(g[i]) + np.asarray(weight_decay, np.float64)[s] * pp
+    d = gscale * _f64(g[i]) + np.asarray(l2, np.float64)[s] * pp
     ss = _store_at(sum_sq, i, _f64(sum_sq[i]) + d * d)
-    p[i] = pp - np.asarray(clr, np.float64)[s] * (d / (np.sqrt(ss) + eps))
+    p[i] = pp - np.asarray(lr, np.float64)[s] * (d / (np.sqrt(ss) + eps))
     _finish(p, g, w, wkind, pieces, i, zero_grad, mask)
 
 
-def rmsprop_step(p, g, square_avg, grad_avg, momentum_buffer, pieces, gscale, lr, weight_decay, alpha, eps,
-                 momentum, centered, w, wkind, zero_grad, mask=None):
+def rmsprop_step(p, g, square_avg, grad_avg, momentum_buffer, pieces, *, gscale, lr, l2, alpha, eps, momentum,
+                 centered, w=None, wkind=LP_NONE, zero_grad=False, mask=None):
     """RMSprop (Hinton, Coursera lecture 6e, 2012; centered: Graves 2013), torch.optim.RMSprop's form.
 
-    Per element of segment ``s``: ``d = gscale*g + weight_decay[s]*p``;
+    Per element of segment ``s``: ``d = gscale*g + l2[s]*p``;
     ``square_avg = alpha*square_avg + (1 - alpha)*d^2``; centered:
     ``grad_avg += (1 - alpha)*(d - grad_avg)`` and ``q = square_avg - grad_avg^2``, else
     ``q = square_avg``; ``u = d / (sqrt(q) + eps)``; with ``momentum > 0``:
@@ -95,7 +100,7 @@ def rmsprop_step(p, g, square_avg, grad_avg, momentum_buffer, pieces, gscale, lr
     """
     i, s = _segments(pieces, p.size)
     pp = _f64(p[i])
-    d = gscale * _f64(g[i]) + np.asarray(weight_decay, np.float64)[s] * pp
+    d = gscale * _f64(g[i]) + np.asarray(l2, np.float64)[s] * pp
     q = _store_at(square_avg, i, alpha * _f64(square_avg[i]) + (1.0 - alpha) * d * d)
     if centered:
         a = _f64(grad_avg[i])
@@ -108,30 +113,31 @@ def rmsprop_step(p, g, square_avg, grad_avg, momentum_buffer, pieces, gscale, lr
     _finish(p, g, w, wkind, pieces, i, zero_grad, mask)
 
 
-def lion_step(p, g, m, pieces, gscale, lr, weight_decay, b1, b2, w, wkind, zero_grad, mask=None):
+def lion_step(p, g, m, pieces, *, gscale, lr, decay, beta1, beta2, w=None, wkind=LP_NONE, zero_grad=False,
+              mask=None):
     """Lion (Chen et al. 2023, "Symbolic Discovery of Optimization Algorithms"), optax.lion's form.
 
-    Per element of segment ``s``: ``d = gscale*g``; ``c = sign(b1*m + (1 - b1)*d)``;
-    ``p -= lr[s]*(c + weight_decay[s]*p)`` (decoupled decay, scaled by the lr);
-    ``m = b2*m + (1 - b2)*d``. ``sign`` keeps NaN.
+    Per element of segment ``s``: ``d = gscale*g``; ``c = sign(beta1*m + (1 - beta1)*d)``;
+    ``p = p*decay[s] - lr[s]*c`` with ``decay = 1 - lr*weight_decay`` (decoupled, scaled by
+    the lr: optax's ``p - lr*(c + wd*p)``); ``m = beta2*m + (1 - beta2)*d``. ``sign`` keeps NaN.
     """
     i, s = _segments(pieces, p.size)
     pp, mm, d = _f64(p[i]), _f64(m[i]), gscale * _f64(g[i])
-    c = np.sign(b1 * mm + (1.0 - b1) * d)
-    _store_at(m, i, b2 * mm + (1.0 - b2) * d)
-    lr = np.asarray(lr, np.float64)[s]
-    p[i] = pp - lr * (c + np.asarray(weight_decay, np.float64)[s] * pp)
+    c = np.sign(beta1 * mm + (1.0 - beta1) * d)
+    _store_at(m, i, beta2 * mm + (1.0 - beta2) * d)
+    p[i] = pp * np.asarray(decay, np.float64)[s] - np.asarray(lr, np.float64)[s] * c
     _finish(p, g, w, wkind, pieces, i, zero_grad, mask)
 
 
-def lamb_step(p, g, m, v, pieces, gscale, lr, weight_decay, beta1, beta2, eps, eps_root, bc1, bc2, w, wkind,
-              zero_grad, mask=None):
+def lamb_step(p, g, m, v, pieces, *, gscale, lr, weight_decay, beta1, beta2, eps, eps_root, inv_bc1, inv_bc2,
+              w=None, wkind=LP_NONE, zero_grad=False, mask=None):
     """LAMB (You et al. 2020, "Large Batch Optimization for Deep Learning"), optax.lamb's form.
 
     Per element of segment ``s``: ``d = gscale*g``; ``m += (1 - beta1)*(d - m)``;
     ``v = beta2*v + (1 - beta2)*d^2``;
-    ``u = (m/bc1) / (sqrt(v/bc2 + eps_root) + eps) + weight_decay[s]*p`` with
-    ``bc1 = 1 - beta1^t``, ``bc2 = 1 - beta2^t``; per parameter the trust ratio
+    ``u = (m*inv_bc1) / (sqrt(v*inv_bc2 + eps_root) + eps) + weight_decay[s]*p`` with
+    ``inv_bc1 = 1/(1 - beta1^t)``, ``inv_bc2 = 1/(1 - beta2^t)`` (the decay is added to the
+    update, before the trust ratio, as optax does); per parameter the trust ratio
     ``r[s] = ||p_s|| / ||u_s||``, or 1 when either norm is 0; then
     ``p -= lr[s]*r[s]*u``. Returns ``r`` (float64, one per parameter).
     """
@@ -141,7 +147,7 @@ def lamb_step(p, g, m, v, pieces, gscale, lr, weight_decay, beta1, beta2, eps, e
     mm = _f64(m[i])
     mm = _store_at(m, i, mm + (1.0 - beta1) * (d - mm))
     vv = _store_at(v, i, beta2 * _f64(v[i]) + (1.0 - beta2) * d * d)
-    u = (mm / bc1) / (np.sqrt(vv / bc2 + eps_root) + eps) + np.asarray(weight_decay, np.float64)[s] * pp
+    u = (mm * inv_bc1) / (np.sqrt(vv * inv_bc2 + eps_root) + eps) + np.asarray(weight_decay, np.float64)[s] * pp
     pn = np.sqrt(np.bincount(s, weights=pp * pp, minlength=nseg)) if len(s) else np.zeros(nseg)
     un = np.sqrt(np.bincount(s, weights=u * u, minlength=nseg)) if len(s) else np.zeros(nseg)
     with np.errstate(invalid="ignore", divide="ignore"):
@@ -159,22 +165,23 @@ def _nanmax(x, floor):
     return np.where(np.isnan(x), x, np.maximum(x, floor))
 
 
-def adafactor_step(p, g, row, col, var, pieces, segs, rows, cols, batches, gscale, rho, decay, beta2c, eps1, eps2,
-                   d, w, wkind, zero_grad, mask=None):
+def adafactor_step(p, g, row, col, var, pieces, segs, rows, cols, batches, *, gscale, rel_step, decay,
+                   one_minus_beta2, eps1, eps2, d, w=None, wkind=LP_NONE, zero_grad=False, mask=None):
     """Adafactor (Shazeer & Stern 2018) in torch.optim.Adafactor's form, one parameter at a time.
 
     For segment ``s`` (``segs[s] = [p_off, numel, factored, B, R, C, row_off, col_off,
-    var_off]``) with ``G = gscale * g``: a factored parameter (B matrices R x C) updates
-    ``row += beta2c * (mean_c G^2 - row)``, ``col += beta2c * (mean_r G^2 - col)`` and
-    estimates ``V = row (x) col / max(mean_r row, eps1)``; otherwise
-    ``V = var += beta2c * (G^2 - var)``. Then ``U = G / sqrt(max(V, eps1^2))``,
-    ``p = p * decay[s] - step * U`` with ``step = max(eps2, RMS(p)) * rho[s] / max(1, RMS(U) / d)``
-    (``max(c, NaN) = c``, as torch's Python ``max``). ``beta2c = t**beta2_decay``, ``rho =
-    min(lr, 1/sqrt(t))``, ``decay = 1 - lr * weight_decay``. ``rows``, ``cols``,
+    var_off]``) with ``G = gscale * g`` and ``k = one_minus_beta2``: a factored parameter
+    (B matrices R x C) updates ``row += k * (mean_c G^2 - row)``, ``col += k * (mean_r G^2 - col)``
+    and estimates ``V = row (x) col / max(mean_r row, eps1)``; otherwise
+    ``V = var += k * (G^2 - var)``. Then ``U = G / sqrt(max(V, eps1^2))``,
+    ``p = p * decay[s] - step * U`` with ``step = max(eps2, RMS(p)) * rel_step[s] / max(1, RMS(U) / d)``
+    (``max(c, NaN) = c``, as torch's Python ``max``). ``one_minus_beta2 = t**beta2_decay``,
+    ``rel_step = min(lr, 1/sqrt(t))`` (the paper's relative step size, torch's ``rho_t``),
+    ``decay = 1 - lr * weight_decay``. ``rows``, ``cols``,
     ``batches`` (the fast kernel's work tables) are not needed here. Zero-size parameters
     are skipped: their statistics stay as they are.
     """
-    rho, decay = np.asarray(rho, np.float64), np.asarray(decay, np.float64)
+    rel_step, decay, k = np.asarray(rel_step, np.float64), np.asarray(decay, np.float64), one_minus_beta2
     for s, (off, n, factored, nb, nr, nc, ro, co, vo) in enumerate(np.asarray(segs).tolist()):
         if n == 0:
             continue
@@ -184,39 +191,40 @@ def adafactor_step(p, g, row, col, var, pieces, segs, rows, cols, batches, gscal
             G2 = (gg * gg).reshape(nb, nr, nc)
             r_old = _f64(row[ro : ro + nb * nr]).reshape(nb, nr)
             c_old = _f64(col[co : co + nb * nc]).reshape(nb, nc)
-            r_new = _store(row[ro : ro + nb * nr], (r_old + beta2c * (G2.mean(axis=2) - r_old)).ravel()).reshape(nb, nr)
-            c_new = _store(col[co : co + nb * nc], (c_old + beta2c * (G2.mean(axis=1) - c_old)).ravel()).reshape(nb, nc)
+            r_new = _store(row[ro : ro + nb * nr], (r_old + k * (G2.mean(axis=2) - r_old)).ravel()).reshape(nb, nr)
+            c_new = _store(col[co : co + nb * nc], (c_old + k * (G2.mean(axis=1) - c_old)).ravel()).reshape(nb, nc)
             rmean = _nanmax(r_new.mean(axis=1), eps1)
             V = ((r_new / rmean[:, None])[:, :, None] * c_new[:, None, :]).ravel()
         else:
             v_old = _f64(var[vo : vo + n])
-            V = _store(var[vo : vo + n], v_old + beta2c * (gg * gg - v_old))
+            V = _store(var[vo : vo + n], v_old + k * (gg * gg - v_old))
         U = gg / np.sqrt(_nanmax(V, eps1 * eps1))
-        step = np.fmax(eps2, np.sqrt(np.dot(pp, pp) / n)) * rho[s] / np.fmax(1.0, np.sqrt(np.dot(U, U) / n) / d)
+        step = np.fmax(eps2, np.sqrt(np.dot(pp, pp) / n)) * rel_step[s] / np.fmax(1.0, np.sqrt(np.dot(U, U) / n) / d)
         p[off : off + n] = pp * decay[s] - step * U
     i, _ = _segments(pieces, p.size)
     _finish(p, g, w, wkind, pieces, i, zero_grad, mask)
 
 
-def sophia_step(p, g, m, h, pieces, gscale, lr, decay, beta1, rho, eps, w, wkind, zero_grad, mask=None):
+def sophia_step(p, g, m, h, pieces, *, gscale, lr, decay, beta1, rho_bs, eps, w=None, wkind=LP_NONE,
+                zero_grad=False, mask=None):
     """SophiaG (Liu et al. 2023, the authors' reference implementation's update).
 
     Per element of segment ``s``: ``m = beta1*m + (1 - beta1)*gscale*g``;
-    ``p = p*decay[s] - lr[s] * sign(m) * min(|m| / max(rho*h, eps), 1)`` with
-    ``decay = 1 - lr*weight_decay`` (decoupled). ``rho`` here already includes the
-    batch-size factor. ``h`` is read only (fed by the Hessian EMA). NaN propagates.
+    ``p = p*decay[s] - lr[s] * sign(m) * min(|m| / max(rho_bs*h, eps), 1)`` with
+    ``decay = 1 - lr*weight_decay`` (decoupled) and ``rho_bs = rho * bs`` (the optimizer's
+    ``rho`` times the batch-size factor). ``h`` is read only (fed by the Hessian EMA). NaN propagates.
     """
     i, s = _segments(pieces, p.size)
     mm = beta1 * _f64(m[i]) + (1.0 - beta1) * gscale * _f64(g[i])
     m[i] = mm
-    den = _nanmax(rho * _f64(h[i]), eps)
+    den = _nanmax(rho_bs * _f64(h[i]), eps)
     ratio = np.abs(mm) / den
     ratio = np.where(ratio > 1.0, 1.0, ratio)
     p[i] = _f64(p[i]) * np.asarray(decay, np.float64)[s] - np.asarray(lr, np.float64)[s] * np.sign(mm) * ratio
     _finish(p, g, w, wkind, pieces, i, zero_grad, mask)
 
 
-def sam_perturb(p, g, backup, pieces, scale, adaptive, zero_grad, mask=None):
+def sam_perturb(p, g, backup, pieces, *, scale, adaptive, zero_grad=False, mask=None):
     """SAM's ascent (Foret et al. 2021; ASAM, Kwon et al. 2021): ``backup = p``, then
     ``p += scale * g`` or, adaptive, ``p += scale * p^2 * g`` (``scale = rho * gscale / (norm + 1e-12)``);
     pruned weights (``mask == 0``) are 0 at the ascent point."""
