@@ -64,7 +64,7 @@ def test_dense_data_parallel_equals_one_process_with_the_global_batch(name, rank
     """Clipping, weighted accumulation, loss scaling and a NaN window on one rank."""
     steps, micro = 7, 2
     grads, weights = _windows(steps, ranks, micro, nan_at=3)
-    settings = dict(max_grad_norm=2.0, schedule=at.schedules.Cosine(10))
+    settings = dict(max_grad_norm=2.0, schedule=at.schedules.CosineAnnealingLR(10))
 
     def rank_run(rank, comm):
         eng = _engine(OPTIMIZERS[name](), comm, seed=rank,  # rank 0's weights are broadcast
@@ -194,7 +194,7 @@ def _run_group(ranks, steps, grads, make_comp, path=None, save_at=None, load=Non
 
     def rank_run(rank, comm):
         eng = _engine(at.optim.AdamW(lr=1e-2), comm, compressor=make_comp(), accumulation_steps=micro,
-                      schedule=at.schedules.Cosine(20))
+                      schedule=at.schedules.CosineAnnealingLR(20))
         done = (-1, micro - 1)
         if load is not None:
             at.load(load[0], eng)
@@ -231,7 +231,7 @@ def test_residuals_refuse_another_number_of_ranks_everywhere_and_change_nothing(
     _run_group(3, 4, grads, make, path=path, save_at=(2, 0))
 
     def rank_run(rank, comm):
-        eng = _engine(at.optim.AdamW(lr=1e-2), comm, compressor=make(), schedule=at.schedules.Cosine(20))
+        eng = _engine(at.optim.AdamW(lr=1e-2), comm, compressor=make(), schedule=at.schedules.CosineAnnealingLR(20))
         before = eng.params.flat.copy()
         with pytest.raises(at.CheckpointError, match="saved by 3 processes, this group has 2"):
             at.load(path, eng)
@@ -239,7 +239,7 @@ def test_residuals_refuse_another_number_of_ranks_everywhere_and_change_nothing(
         return True
 
     assert ThreadGroup(2).run(rank_run) == [True, True]
-    one = _engine(at.optim.AdamW(lr=1e-2), compressor=make(), schedule=at.schedules.Cosine(20))
+    one = _engine(at.optim.AdamW(lr=1e-2), compressor=make(), schedule=at.schedules.CosineAnnealingLR(20))
     with pytest.raises(at.CheckpointError, match="error-feedback residuals are per rank"):
         at.load(path, one)
 
@@ -249,7 +249,7 @@ def test_a_dense_boundary_checkpoint_resumes_on_any_number_of_ranks(tmp_path):
     path = tmp_path / "d.safetensors"
     saved = _run_group(3, 6, grads, lambda: None, path=path, save_at=(2, 0))[0]
     two = _run_group(2, 3, grads, lambda: None, load=(path, (2, 0)))  # nothing left to run: just the load
-    one = _engine(at.optim.AdamW(lr=1e-2), schedule=at.schedules.Cosine(20))
+    one = _engine(at.optim.AdamW(lr=1e-2), schedule=at.schedules.CosineAnnealingLR(20))
     at.load(path, one)
     for eng in [*two, one]:
         assert eng.state.step == 3
@@ -260,7 +260,7 @@ def test_a_mid_window_checkpoint_refuses_another_number_of_ranks(tmp_path):
     grads, _ = _windows(4, 2, 2, seed=6)
     path = tmp_path / "m.safetensors"
     _run_group(2, 4, grads, lambda: None, path=path, save_at=(1, 0), micro=2)
-    one = _engine(at.optim.AdamW(lr=1e-2), accumulation_steps=2, schedule=at.schedules.Cosine(20))
+    one = _engine(at.optim.AdamW(lr=1e-2), accumulation_steps=2, schedule=at.schedules.CosineAnnealingLR(20))
     with pytest.raises(at.CheckpointError, match="accumulated part-way"):
         at.load(path, one)
 
