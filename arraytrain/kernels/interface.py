@@ -100,9 +100,10 @@ ARGUMENTS = {
     "step_size": "per parameter: the bias-corrected learning rate lr/(1 - beta1^t) (Adam)",
     "l2": "per parameter: coupled L2 decay, added to the gradient: d = gscale*g + l2*p",
     "decay": "per parameter: decoupled decay, the factor 1 - lr*weight_decay the parameter is multiplied by",
-    "weight_decay": "per parameter: LAMB's decay, weight_decay*p added to the update before the trust ratio",
+    "weight_decay": "per parameter: weight_decay*p added to the update (LAMB: before the trust ratio; "
+                    "schedule-free: at y, before the lr)",
     "rel_step": "per parameter: Adafactor's relative step size min(lr, 1/sqrt(t)) (torch's rho_t)",
-    "beta1": "first-moment decay rate",
+    "beta1": "first-moment decay rate (schedule-free: the weight of x in y = beta1*x + (1 - beta1)*z)",
     "beta2": "second-moment decay rate",
     "one_minus_beta2": "Adafactor's 1 - beta2_t = t**beta2_decay",
     "inv_bc1": "1/(1 - beta1^t): the first moment's bias correction as a factor (LAMB)",
@@ -129,6 +130,26 @@ ARGUMENTS = {
     "mask": "pruning mask (uint8, 1 keep) or None: pruned weights written as exactly 0",
 }
 
+
+# -- Muon and schedule-free AdamW ----------------------------------------------------------
+# Muon's step walks a table of matrices (``mats``: one row per Muon parameter, see
+# arraytrain.optim._muon) in a work buffer: per matrix, a fused element-wise kernel for the
+# momentum (into the work buffer, with the float64 sum of squares the iteration normalises
+# by), the Newton-Schulz iteration's GEMMs on BLAS/cuBLAS through NumPy/CuPy matmul, and a
+# fused element-wise apply.
+KERNELS.update({
+    "muon_step": ("optimizers", "Muon: momentum, Newton-Schulz orthogonalisation per matrix, apply (torch.optim.Muon)"),
+    "schedule_free_adamw_step": ("optimizers", "Schedule-Free AdamW: v, z, the averaging weight, y "
+                                               "(optax.contrib.schedule_free_adamw)"),
+})
+ARGUMENTS.update({
+    "adjusted_lr": "per parameter: Muon's lr times its shape factor (torch's adjust_lr_fn)",
+    "eps_norm": "Muon: the floor of the Frobenius norm the matrix is divided by (torch's eps)",
+    "ns_coefficients": "Muon: (a, b, c) of the quintic X <- a X + (b A + c A^2) X, A = X X^T",
+    "ns_steps": "Muon: Newton-Schulz iterations",
+    "weight_lr": "per parameter: schedule-free's lr of the averaging weights (max_lr tracks it)",
+    "weight_lr_power": "schedule-free: the weight of a step is max_lr**weight_lr_power",
+})
 
 def family_name(backend: str, impl: str = "numba") -> str:
     """``"reference"``, ``"cpu"`` or ``"cuda"`` for arrays of ``backend`` ("numpy"/"cupy")."""

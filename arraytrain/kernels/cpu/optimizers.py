@@ -8,10 +8,11 @@ Scalars arrive cast to the storage dtype, so float32 buffers get float32 math.
 from __future__ import annotations
 
 import numpy as np
-from numba import prange
+from numba import njit, prange
 
+from .. import _newton_schulz as newton_schulz
 from ..interface import LP_NONE
-from ._jit import _pick, _twins
+from ._jit import JIT, _pick, _twins
 from .codecs import load_state, piece_mask, store_masked, store_state, store_working
 from .reductions import piece_totals
 
@@ -569,3 +570,135 @@ def sam_perturb(p, g, backup, pieces, *, scale, adaptive, zero_grad=False, mask=
     See :func:`arraytrain.kernels.reference.sam_perturb`.
     """
     _pick(_SAM_PERTURB, p.size)(p, g, backup, pieces, p.dtype.type(scale), bool(adaptive), bool(zero_grad), mask)
+
+
+# Muon ---------------------------------------------------------------------------------------
+#
+# Per matrix of the ``mats`` table (one Muon parameter): the momentum kernel writes the update
+# to orthogonalise into the work buffer (``u[i - offset]``) and sums its squares in float64 per
+# piece (added in piece order: thread-count independent); the Newton-Schulz iteration runs its
+# GEMMs on NumPy's BLAS in the storage dtype, in the rest of the work buffer; the apply kernel
+# writes the parameters (mask, working copy). Per-matrix calls keep the scratch at the largest
+# matrix instead of a copy of every Muon parameter.
+
+
+def _muon_momentum(g, buf, u, pieces, off, gscale, mc, nesterov, zero_grad, part):
+    for j in prange(pieces.shape[0]):
+        lo, hi = pieces[j, 0], pieces[j, 1]
+        gb, bb, ub = g[lo:hi], buf[lo:hi], u[lo - off : hi - off]
+        s = 0.0
+        for i in range(gb.size):
+            d = gscale * gb[i]
+            b = load_state(bb, i)
+            b = store_state(bb, i, b + mc * (d - b))
+            x = b + mc * (d - b) if nesterov else b
+            ub[i] = x
+            x64 = np.float64(ub[i])
+            s += x64 * x64
+            if zero_grad:
+                gb[i] = 0
+        part[j] = s
+    total = 0.0
+    for j in range(pieces.shape[0]):
+        total += part[j]
+    return total
+
+
+_MUON_MOMENTUM = _twins(_muon_momentum)
+
+
+def _muon_apply(p, o, pieces, off, alr, decay, w, wkind, mask):
+    for j in prange(pieces.shape[0]):
+        lo, hi, seg = pieces[j, 0], pieces[j, 1], pieces[j, 2]
+        a, dec = alr[seg], decay[seg]
+        pb, ob = p[lo:hi], o[lo - off : hi - off]
+        kb = piece_mask(mask, lo, hi)
+        for i in range(pb.size):
+            store_masked(pb, i, pb[i] * dec - a * ob[i], kb)
+        if w is not None:
+            store_working(w[lo:hi], pb, wkind)
+
+
+_MUON_APPLY = _twins(_muon_apply)
+
+
+def muon_step(p, g, buf, work, mats, pieces, *, gscale, momentum, nesterov, adjusted_lr, decay, eps_norm,
+              ns_coefficients, ns_steps, w=None, wkind=LP_NONE, zero_grad=False, mask=None):
+    """Muon, one matrix at a time (see above); see :func:`arraytrain.kernels.reference.muon_step`."""
+    t = p.dtype.type
+    gs, mc = t(gscale), t(1.0 - momentum)
+    alr, dec = seg_array(adjusted_lr, p.dtype), seg_array(decay, p.dtype)
+    part = np.empty(pieces.shape[0], np.float64)
+    for _, off, rows, cols, lo, hi in np.asarray(mats).tolist():
+        if lo == hi:
+            continue
+        n = rows * cols
+        pc, u = pieces[lo:hi], work[:n]
+        sumsq = _pick(_MUON_MOMENTUM, n)(g, buf, u, pc, off, gs, mc, bool(nesterov), bool(zero_grad), part[lo:hi])
+        u *= t(1.0 / max(float(np.sqrt(sumsq)), eps_norm))  # X / max(||X||, eps), torch's normalisation
+        o = newton_schulz.iterate(u.reshape(rows, cols), work[n:], ns_coefficients, ns_steps)
+        _pick(_MUON_APPLY, n)(p, o.reshape(-1), pc, off, alr, dec, w, int(wkind), mask)
+
+
+# Schedule-free AdamW ------------------------------------------------------------------------
+
+
+@njit(**JIT)
+def _sf_weights(max_lr, weight_sum, weight_lr, power, ck):
+    # optax's schedule_free: max_lr = max(max_lr, lr) (NaN-propagating), w = max_lr**power,
+    # weight_sum += w, ck = w / weight_sum with 0/0 -> 0 and NaN kept
+    for s in range(max_lr.size):
+        m, x = max_lr[s], weight_lr[s]
+        if np.isnan(m) or np.isnan(x):
+            m = np.nan
+        elif x > m:
+            m = x
+        max_lr[s] = m
+        w = m**power
+        total = weight_sum[s] + w
+        weight_sum[s] = total
+        r = w / total
+        ck[s] = 0.0 if (np.isnan(r) and not (np.isnan(w) or np.isnan(total))) else r
+
+
+def _sf_adamw(p, g, z, v, pieces, gscale, lr, wd, ck, b1, b1c, beta2, beta2c, eps, inv_bc2_sqrt, w, wkind,
+              zero_grad, mask):
+    one = p.dtype.type(1.0)
+    for j in prange(pieces.shape[0]):
+        lo, hi, seg = pieces[j, 0], pieces[j, 1], pieces[j, 2]
+        lr_j, wd_j, c = lr[seg], wd[seg], ck[seg]
+        # y' = b1 x' + (1 - b1) z' with x' = (1 - c) x + c z' and x = (y - (1 - b1) z) / b1:
+        # y' = (1 - c)(y - (1 - b1) z) + (b1 c + 1 - b1) z', no division by b1
+        keep, take = one - c, b1 * c + b1c
+        pb, gb, zb, vb = p[lo:hi], g[lo:hi], z[lo:hi], v[lo:hi]
+        kb = piece_mask(mask, lo, hi)
+        for i in range(pb.size):
+            y = pb[i]
+            d = gscale * gb[i]
+            vi = store_state(vb, i, beta2 * load_state(vb, i) + beta2c * d * d)
+            u = d / (np.sqrt(vi) * inv_bc2_sqrt + eps) + wd_j * y
+            zo = zb[i]
+            zn = zo - lr_j * u
+            store_masked(zb, i, zn, kb)
+            store_masked(pb, i, keep * (y - b1c * zo) + take * zn, kb)
+            if zero_grad:
+                gb[i] = 0
+        if w is not None:
+            store_working(w[lo:hi], pb, wkind)
+
+
+_SF_ADAMW = _twins(_sf_adamw)
+
+
+def schedule_free_adamw_step(p, g, z, v, max_lr, weight_sum, pieces, *, gscale, lr, weight_lr, weight_lr_power,
+                             weight_decay, beta1, beta2, eps, inv_bc2_sqrt, w=None, wkind=LP_NONE, zero_grad=False,
+                             mask=None):
+    """Fused Schedule-Free AdamW step; see :func:`arraytrain.kernels.reference.schedule_free_adamw_step`."""
+    ck = np.empty(max_lr.size, np.float64)
+    _sf_weights(max_lr, weight_sum, seg_array(weight_lr, np.float64), float(weight_lr_power), ck)
+    t = p.dtype.type
+    _pick(_SF_ADAMW, p.size)(
+        p, g, z, v, pieces, t(gscale), seg_array(lr, p.dtype), seg_array(weight_decay, p.dtype), seg_array(ck, p.dtype),
+        t(beta1), t(1.0 - beta1), t(beta2), t(1.0 - beta2), t(eps), t(inv_bc2_sqrt), w, int(wkind), bool(zero_grad),
+        mask,
+    )

@@ -30,6 +30,10 @@ from .optimizers import (  # noqa: F401
     sgd_step,
     sophia_step,
 )
+from .optimizers import (  # noqa: F401  Muon and schedule-free AdamW
+    muon_step,
+    schedule_free_adamw_step,
+)
 from .compression import (  # noqa: F401
     gather,
     int8_decode,

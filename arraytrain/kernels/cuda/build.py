@@ -21,7 +21,8 @@ def sources() -> dict:
     from . import compression, optimizers, projection, reductions, trend
 
     return {"reductions": reductions.SOURCE, "optimizers": optimizers.SOURCE, "compression": compression.SOURCE,
-            "projection": projection.SOURCE, "trend": trend.SOURCE}
+            "projection": projection.SOURCE, "trend": trend.SOURCE,
+            "optimizers-muon-sf": optimizers.MUON_SF_SOURCE}
 
 
 def compile_source(name: str, arch: str, workdir) -> subprocess.CompletedProcess:

@@ -22,7 +22,7 @@ import numpy as np
 
 from ..interface import LP_NONE
 from . import reductions
-from ._core import NULL, THREADS, DeviceScale, Source, chunks_for, ctype, cupy, launch, ptr, seg_arg
+from ._core import CHUNK, NULL, THREADS, DeviceScale, Source, chunks_for, ctype, cupy, launch, ptr, seg_arg
 
 # Shared head of every update loop; the per-optimizer body (one element ``i``) sits between
 # OPEN and CLOSE. Each thread takes ILP elements a blockDim apart per outer iteration, in an
@@ -42,7 +42,9 @@ _CLOSE = r"""
 """
 _TAIL = "u16* __restrict__ w, int zero_grad, const unsigned char* __restrict__ mask"
 
-SOURCE = Source(r"""
+# What every optimizer source shares after the common header: the unroll factor, the device
+# gate and two NaN-keeping helpers.
+_PRELUDE = r"""
 #define ILP 4
 // The device gate (the engine's CUDA path): gate[0] multiplies gscale (the clip factor over
 // the loss scale, formed on the device from the norm pass), gate[1] != 0 (a non-finite
@@ -52,6 +54,9 @@ SOURCE = Source(r"""
 template <typename T> __device__ __forceinline__ T nan_max(T a, T b) { return (isnan(a) || isnan(b)) ? a + b : (a > b ? a : b); }
 // sign that keeps NaN (np.sign)
 template <typename T> __device__ __forceinline__ T sign_of(T x) { return x > (T)0 ? (T)1 : (x < (T)0 ? (T)-1 : x); }
+"""
+
+SOURCE = Source(_PRELUDE + r"""
 
 template <typename T, typename S, int WK, bool MASK>
 __global__ void arraytrain_sgd_step(T* __restrict__ p, T* __restrict__ g, S* __restrict__ buf,
@@ -585,3 +590,182 @@ def adafactor_step(p, g, row, col, var, pieces, segs, rows, cols, batches, *, gs
     launch(fn(f"arraytrain_af_apply<{tn},{wk},{'true' if mask is not None else 'false'}>"), ch.count,
            (p, g, col, ptr(var), rscale, ch.table, tab.segs, *gs, eps1sq, step, *_seg(decay, p), ptr(w),
             np.int32(bool(zero_grad)), ptr(mask)))
+
+
+# -- Muon and schedule-free AdamW: a source of their own (compiled and build-checked apart) ----
+#
+# Muon, per matrix of the ``mats`` table (see the CPU family): the momentum kernel over the
+# matrix's chunks (a range of the layout's chunk table) writes the update into the work buffer
+# and float64 partial sums of its squares, one block adds them in a fixed order; the
+# normalisation 1/max(||X||, eps) is applied on the device from that sum (no synchronisation);
+# the Newton-Schulz GEMMs go to cuBLAS through CuPy's matmul; the apply kernel writes the
+# parameters. The gate reaches the momentum and apply kernels: a skipped step changes nothing.
+# Schedule-free AdamW: one thread per parameter updates max_lr and weight_sum and forms the
+# averaging weight (gated), then one launch updates v, z and y.
+
+_MUON_SF_LOOP_CLOSE = r"""
+      }
+    }
+"""
+
+MUON_SF_SOURCE = Source(_PRELUDE + r"""
+template <typename T, typename S>
+__global__ void arraytrain_muon_momentum(T* __restrict__ g, S* __restrict__ buf, T* __restrict__ u,
+        const i64* __restrict__ chunks, i64 off, T gscale_, const double* __restrict__ gate, T mc, int nesterov,
+        int zero_grad, double* __restrict__ part) {
+    GATE_SCALE
+    double s = 0.0;
+""" + _OPEN + r"""
+        const T d = gscale * g[i];
+        T b = state<S>::load(buf, i);
+        b = state<S>::store(buf, i, b + mc * (d - b));
+        const T x = nesterov ? b + mc * (d - b) : b;
+        u[i - off] = x;
+        s += (double)x * (double)x;
+""" + _CLOSE + r"""
+    s = block_reduce<false>(s);
+    if (threadIdx.x == 0) part[blockIdx.x] = s;
+}
+
+// One block: the matrix's partials in a fixed order, then scale = 1 / max(sqrt(sum), eps).
+__global__ void arraytrain_muon_norm(const double* __restrict__ part, i64 count, double eps, double* __restrict__ out) {
+    double s = 0.0;
+    for (i64 j = threadIdx.x; j < count; j += blockDim.x) s += part[j];
+    s = block_reduce<false>(s);
+    if (threadIdx.x == 0) { const double r = sqrt(s); out[0] = 1.0 / (r > eps ? r : eps); }
+}
+
+template <typename T>
+__global__ void arraytrain_muon_scale(T* __restrict__ x, i64 n, const double* __restrict__ scale) {
+    const T f = (T)scale[0];
+    const i64 stride = (i64)gridDim.x * blockDim.x;
+    for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n; i += stride) x[i] *= f;
+}
+
+template <typename T, int WK, bool MASK>
+__global__ void arraytrain_muon_apply(T* __restrict__ p, const T* __restrict__ o, const i64* __restrict__ chunks,
+        i64 off, const double* __restrict__ gate, const T* __restrict__ alr, T alr0, const T* __restrict__ decay,
+        T decay0, u16* __restrict__ w, const unsigned char* __restrict__ mask) {
+    GATE_SKIP
+    const int seg = (int)chunks[3 * (i64)blockIdx.x + 2];
+    const T a = seg_value(alr, alr0, seg), dec = seg_value(decay, decay0, seg);
+""" + _OPEN + r"""
+        store_param<T, WK, MASK>(p, w, mask, i, p[i] * dec - a * o[i - off]);
+""" + _MUON_SF_LOOP_CLOSE + r"""
+}
+
+// Schedule-free: per parameter, max_lr = max(max_lr, weight_lr) (NaN-propagating),
+// w = max_lr^power, weight_sum += w, ck = w / weight_sum (0 for 0/0, NaN kept).
+__global__ void arraytrain_sf_weights(double* __restrict__ max_lr, double* __restrict__ weight_sum,
+        const double* __restrict__ wlr, double wlr0, double power, int nseg, double* __restrict__ ck,
+        const double* __restrict__ gate) {
+    GATE_SKIP
+    const int s = blockIdx.x * blockDim.x + threadIdx.x;
+    if (s >= nseg) return;
+    double m = max_lr[s];
+    const double x = seg_value(wlr, wlr0, s);
+    m = (isnan(m) || isnan(x)) ? m + x : (x > m ? x : m);
+    max_lr[s] = m;
+    const double wt = pow(m, power), total = weight_sum[s] + wt;
+    weight_sum[s] = total;
+    const double r = wt / total;
+    ck[s] = (isnan(r) && !(isnan(wt) || isnan(total))) ? 0.0 : r;
+}
+
+template <typename T, typename S, int WK, bool MASK>
+__global__ void arraytrain_sf_adamw_step(T* __restrict__ p, T* __restrict__ g, T* __restrict__ z, S* __restrict__ v,
+        const i64* __restrict__ chunks, T gscale_, const double* __restrict__ gate, const T* __restrict__ lr, T lr0,
+        const T* __restrict__ wd, T wd0, const double* __restrict__ ck, T b1, T b1c, T beta2, T beta2c, T eps,
+        T inv_bc2_sqrt, """ + _TAIL + r""") {
+    GATE_SCALE
+    const int seg = (int)chunks[3 * (i64)blockIdx.x + 2];
+    const T lr_s = seg_value(lr, lr0, seg), wd_s = seg_value(wd, wd0, seg), cw = (T)ck[seg];
+    // y' = b1 x' + (1 - b1) z' with x' = (1 - cw) x + cw z' and x = (y - (1 - b1) z) / b1
+    const T keep = (T)1 - cw, take = b1 * cw + b1c;
+""" + _OPEN + r"""
+        const T y = p[i];
+        const T d = gscale * g[i];
+        const T vi = state<S>::store(v, i, beta2 * (T)state<S>::load(v, i) + beta2c * d * d);
+        const T upd = d / (sqrt(vi) * inv_bc2_sqrt + eps) + wd_s * y;
+        const T zo = z[i];
+        const T zn = zo - lr_s * upd;
+        store_param<T, 0, MASK>(z, (u16*)0, mask, i, zn);
+        store_param<T, WK, MASK>(p, w, mask, i, keep * (y - b1c * zo) + take * zn);
+""" + _CLOSE + r"""
+}
+""", [])
+
+
+def _muon_sf_instances():
+    out = ["arraytrain_muon_norm", "arraytrain_sf_weights"]
+    for t in ("float", "double"):
+        out += [f"arraytrain_muon_momentum<{t},{s}>" for s in _states(t, True)] + [f"arraytrain_muon_scale<{t}>"]
+        out += [f"arraytrain_muon_apply<{t},{wk},{m}>" for _, wk, m in _variants(t, False)]
+        out += [f"arraytrain_sf_adamw_step<{t},{s},{wk},{m}>" for s, wk, m in _variants(t, True)]
+    return out
+
+
+MUON_SF_SOURCE.instances = tuple(_muon_sf_instances())
+
+
+def muon_step(p, g, buf, work, mats, pieces, *, gscale, momentum, nesterov, adjusted_lr, decay, eps_norm,
+              ns_coefficients, ns_steps, w=None, wkind=LP_NONE, zero_grad=False, mask=None):
+    """Muon, one matrix at a time, no synchronisation; see :func:`arraytrain.kernels.reference.muon_step`.
+
+    Per matrix: momentum (one launch over its chunks), its norm and scale (two small
+    launches), the Newton-Schulz GEMMs on cuBLAS, the apply (one launch).
+    """
+    from .. import _newton_schulz as newton_schulz
+    from .reductions import _grid
+
+    cp, t, tn = cupy(), p.dtype.type, ctype(p.dtype)
+    fn = MUON_SF_SOURCE.function
+    ch = chunks_for(pieces)
+    if ch.count == 0:
+        return
+    # each piece is cut into ceil(size / CHUNK) consecutive chunks: a matrix's chunk range
+    sizes = np.asarray(pieces)[:, 1] - np.asarray(pieces)[:, 0]
+    first_chunk = np.concatenate([[0], np.cumsum(-(-sizes // CHUNK))])
+    gs = _gs(gscale, t)
+    gate = gs[1]
+    alr, dec = _seg(adjusted_lr, p), _seg(decay, p)
+    momentum_fn = fn(f"arraytrain_muon_momentum<{tn},{ctype(buf.dtype)}>")
+    wk = 0 if w is None else int(wkind)
+    apply_fn = fn(f"arraytrain_muon_apply<{tn},{wk},{'true' if mask is not None else 'false'}>")
+    part = cp.empty(ch.count, cp.float64)
+    scale = cp.empty(1, cp.float64)
+    for _, off, rows, cols, lo, hi in np.asarray(mats).tolist():
+        if lo == hi:
+            continue
+        n = rows * cols
+        c0, c1 = int(first_chunk[lo]), int(first_chunk[hi])
+        table, count = ch.table[c0:c1], c1 - c0
+        u = work[:n]
+        launch(momentum_fn, count, (g, buf, u, table, np.int64(off), *gs, t(1.0 - momentum), np.int32(bool(nesterov)),
+                                    np.int32(bool(zero_grad)), part))
+        launch(fn("arraytrain_muon_norm"), 1, (part, np.int64(count), np.float64(eps_norm), scale))
+        launch(fn(f"arraytrain_muon_scale<{tn}>"), _grid(n), (u, np.int64(n), scale))
+        o = newton_schulz.iterate(u.reshape(rows, cols), work[n:], ns_coefficients, ns_steps, xp=cp)
+        launch(apply_fn, count, (p, o.reshape(-1), table, np.int64(off), gate, *alr, *dec, ptr(w), ptr(mask)))
+
+
+def schedule_free_adamw_step(p, g, z, v, max_lr, weight_sum, pieces, *, gscale, lr, weight_lr, weight_lr_power,
+                             weight_decay, beta1, beta2, eps, inv_bc2_sqrt, w=None, wkind=LP_NONE, zero_grad=False,
+                             mask=None):
+    """Schedule-Free AdamW in two launches, no synchronisation; see
+    :func:`arraytrain.kernels.reference.schedule_free_adamw_step`."""
+    cp, t = cupy(), p.dtype.type
+    nseg = max_lr.size
+    gs = _gs(gscale, t)
+    ck = cp.empty(max(nseg, 1), cp.float64)
+    if nseg:
+        launch(MUON_SF_SOURCE.function("arraytrain_sf_weights"), -(-nseg // THREADS),
+               (max_lr, weight_sum, *seg_arg(weight_lr, np.float64), np.float64(weight_lr_power), np.int32(nseg), ck,
+                gs[1]))
+    t_name, s_name = ctype(p.dtype), ctype(v.dtype)
+    wk = 0 if w is None else int(wkind)
+    ch = chunks_for(pieces)
+    expr = f"arraytrain_sf_adamw_step<{t_name},{s_name},{wk},{'true' if mask is not None else 'false'}>"
+    launch(MUON_SF_SOURCE.function(expr), ch.count,
+           (p, g, z, v, ch.table, *gs, *_seg(lr, p), *_seg(weight_decay, p), ck, t(beta1), t(1.0 - beta1), t(beta2),
+            t(1.0 - beta2), t(eps), t(inv_bc2_sqrt), ptr(w), np.int32(bool(zero_grad)), ptr(mask)))

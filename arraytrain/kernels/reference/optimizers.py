@@ -237,3 +237,91 @@ def sam_perturb(p, g, backup, pieces, *, scale, adaptive, zero_grad=False, mask=
         apply_mask(p, mask, i)
     if zero_grad:
         g[i] = 0
+
+
+# -- Muon, schedule-free AdamW -------------------------------------------------------------
+
+
+def muon_step(p, g, buf, work, mats, pieces, *, gscale, momentum, nesterov, adjusted_lr, decay, eps_norm,
+              ns_coefficients, ns_steps, w=None, wkind=LP_NONE, zero_grad=False, mask=None):
+    """Muon (Jordan et al. 2024), torch.optim.Muon's form, one matrix at a time in float64.
+
+    ``mats`` rows ``[seg, offset, rows, cols, piece_lo, piece_hi]``: a parameter of segment
+    ``seg`` seen as a ``rows x cols`` matrix (row-major from ``offset``), its elements the
+    pieces ``pieces[piece_lo:piece_hi]``. Per element, ``d = gscale*g``:
+    ``buf = buf + (1 - momentum)*(d - buf)`` (torch's ``buf.lerp_(grad, 1 - momentum)``);
+    the update ``U = buf + (1 - momentum)*(d - buf)`` with Nesterov (torch's
+    ``grad.lerp(buf, momentum)`` written from ``buf``'s side, as torch's lerp does for a
+    weight >= 0.5), else ``U = buf``. Per matrix, with ``X = U^T`` for a tall one (more rows
+    than columns), else ``U``: ``X /= max(||X||_F, eps_norm)``, then ``ns_steps`` times
+    ``A = X X^T``, ``X = a X + (b A + c A^2) X`` with ``(a, b, c) = ns_coefficients``; ``O``
+    is ``X`` (transposed back). Then ``p = p*decay[s] - adjusted_lr[s]*O`` with
+    ``decay = 1 - lr*weight_decay`` (the unadjusted lr, as torch) and ``adjusted_lr`` the lr
+    times the matrix's shape factor. ``work`` (the fast kernels' scratch) is not needed here.
+    """
+    a, b, c = ns_coefficients
+    alr, dec = np.asarray(adjusted_lr, np.float64), np.asarray(decay, np.float64)
+    for seg, _, rows, cols, lo, hi in np.asarray(mats).tolist():
+        if lo == hi:
+            continue
+        i, _ = _segments(pieces[lo:hi], p.size)
+        d = gscale * _f64(g[i])
+        bb = _f64(buf[i])
+        bb = _store_at(buf, i, bb + (1.0 - momentum) * (d - bb))
+        X = (bb + (1.0 - momentum) * (d - bb) if nesterov else bb).reshape(rows, cols)
+        tall = rows > cols
+        if tall:
+            X = X.T
+        X = X / max(float(np.linalg.norm(X)), eps_norm)
+        for _ in range(ns_steps):
+            A = X @ X.T
+            X = a * X + (b * A + c * (A @ A)) @ X
+        p[i] = _f64(p[i]) * dec[seg] - alr[seg] * (X.T if tall else X).reshape(-1)
+        if zero_grad:
+            g[i] = 0
+    i, _ = _segments(pieces, p.size)
+    _finish(p, g, w, wkind, pieces, i, False, mask)
+
+
+def _schedule_free_weights(max_lr, weight_sum, weight_lr, weight_lr_power):
+    """Schedule-free's averaging weight per parameter, updating ``max_lr`` and ``weight_sum`` (float64).
+
+    optax's ``schedule_free``: ``max_lr = max(max_lr, weight_lr)``, ``w = max_lr**power``,
+    ``weight_sum += w``, ``ck = w / weight_sum`` (0 for 0/0, NaN when ``w`` or the sum is NaN).
+    """
+    max_lr[...] = np.maximum(max_lr, np.asarray(weight_lr, np.float64))
+    weight = max_lr**weight_lr_power
+    weight_sum += weight
+    with np.errstate(invalid="ignore", divide="ignore"):
+        ck = np.where(np.isnan(weight) | np.isnan(weight_sum), np.nan,
+                      np.nan_to_num(weight / weight_sum, nan=0.0, posinf=np.inf))
+    return ck
+
+
+def schedule_free_adamw_step(p, g, z, v, max_lr, weight_sum, pieces, *, gscale, lr, weight_lr, weight_lr_power,
+                             weight_decay, beta1, beta2, eps, inv_bc2_sqrt, w=None, wkind=LP_NONE, zero_grad=False,
+                             mask=None):
+    """Schedule-Free AdamW (Defazio et al. 2024), optax.contrib.schedule_free_adamw's form.
+
+    ``p`` holds y, where the gradient is taken; ``z`` the base sequence; x is not stored
+    (``x = (y - (1 - beta1) z) / beta1``). First the averaging weight per parameter
+    (:func:`_schedule_free_weights`: ``max_lr``, ``weight_sum`` updated, ``ck``), then per
+    element of segment ``s``, ``d = gscale*g``: ``v = beta2*v + (1 - beta2)*d^2``;
+    ``u = d / (sqrt(v)*inv_bc2_sqrt + eps) + weight_decay[s]*y``; ``z' = z - lr[s]*u``;
+    ``x = (y - (1 - beta1) z) / beta1``, ``x' = (1 - ck) x + ck z'``, ``y' = beta1 x' + (1 - beta1) z'``.
+    With a mask, pruned elements of both y and z are written as 0 (so x is 0 there too).
+    """
+    ck = _schedule_free_weights(max_lr, weight_sum, weight_lr, weight_lr_power)
+    i, s = _segments(pieces, p.size)
+    y, d = _f64(p[i]), gscale * _f64(g[i])
+    vv = _store_at(v, i, beta2 * _f64(v[i]) + (1.0 - beta2) * d * d)
+    u = d / (np.sqrt(vv) * inv_bc2_sqrt + eps) + np.asarray(weight_decay, np.float64)[s] * y
+    z_old = _f64(z[i])
+    z_new = z_old - np.asarray(lr, np.float64)[s] * u
+    c = ck[s]
+    x_new = (1.0 - c) * ((y - (1.0 - beta1) * z_old) / beta1) + c * z_new
+    z[i] = z_new
+    if mask is not None:
+        apply_mask(z, mask, i)
+    p[i] = beta1 * x_new + (1.0 - beta1) * z_new
+    _finish(p, g, w, wkind, pieces, i, zero_grad, mask)
