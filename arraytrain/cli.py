@@ -189,6 +189,8 @@ def _optimizer(args):
         if key not in params:
             raise UsageError(f"{PROG} train: error: --{flag.replace('_', '-')}: {args.optimizer} has no {key}")
         kwargs[key] = value
+    if cls is optim.Muon:  # Muon takes the weight matrices; the biases go to AdamW (its defaults)
+        kwargs["fallback"] = optim.AdamW()
     return cls(**kwargs)
 
 

@@ -74,6 +74,9 @@ def _exclusive(method):
     @functools.wraps(method)
     def guarded(self, *args, **kwargs):
         with self._guard(f"{method.__name__}()"):
+            if self._evaluating:
+                raise ConcurrentUseError(f"{method.__name__}(): inside engine.evaluation() the parameters hold the "
+                                         "evaluation weights; leave the block first")
             return method(self, *args, **kwargs)
 
     return guarded
@@ -266,6 +269,7 @@ class Engine:
             raise HyperparameterError(f"working_dtype: working copies need float32 parameters, got {self.params.dtype}")
         self._kernels = kernels_for(self.params.flat, kernels)
         self._guard = _CallGuard()
+        self._evaluating = False
         if not comm.is_local:
             _agree(comm, self.params, optimizer, compressor, accumulation_steps=accumulation_steps,
                    reduction=reduction, max_grad_norm=max_grad_norm, clip_eps=clip_eps,
@@ -345,6 +349,36 @@ class Engine:
         if self.working is not None:
             w, kind = self._working_args()
             self._kernels.cast_working(w, self.params.flat, self.layout.pieces, kind)
+
+    @contextmanager
+    def evaluation(self):
+        """A block in which ``engine.params`` hold the optimizer's evaluation weights.
+
+        Schedule-free optimizers (:class:`~arraytrain.optim.ScheduleFreeAdamW`) take gradients
+        at y, which ``engine.params`` hold while training, and are evaluated at x, the average
+        they keep implicitly. Inside ``with engine.evaluation():`` the parameters (and the
+        working copy) hold x, computed in place from y and the optimizer state; y waits in a
+        temporary copy and is put back bit for bit when the block ends, so evaluating changes
+        nothing about training. For every other optimizer the block changes nothing. Calls
+        that read or change the training state (``step``, ``state_dict``, ``save``, ...) are
+        refused inside it. Yields ``engine.params``.
+        """
+        if not self.optimizer.has_eval_params:
+            yield self.params
+            return
+        with self._guard("evaluation()"):
+            if self._evaluating:
+                raise ConcurrentUseError("evaluation(): already inside engine.evaluation()")
+            y = self.params.flat.copy()
+            self.optimizer.eval_params(self.params, self.state, out=self.params)
+            self._refresh_working()
+            self._evaluating = True
+        try:
+            yield self.params
+        finally:
+            self.params.flat[...] = y
+            self._refresh_working()
+            self._evaluating = False
 
     # -- the step ---------------------------------------------------------------------
     @_exclusive

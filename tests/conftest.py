@@ -106,6 +106,13 @@ def assert_padding_zero(flat: np.ndarray, layout: Layout, what: str = "buffer") 
 # oracle (torch.optim, optax, or none) is given by ``oracle(row)`` below:
 # test_optim_torch.py runs TORCH_CONFIGS, test_optim_table.py OPTAX_CONFIGS,
 # test_convergence.py every row.
+def _fallback_adamw():
+    """Muon's rows: AdamW for the parameters that are not matrices (a fresh instance per row)."""
+    from arraytrain import optim
+
+    return optim.AdamW(lr=1e-2, weight_decay=0.5)
+
+
 OPTIMIZER_CONFIGS = [
     ("sgd", "SGD", {"lr": 1e-4}),
     ("sgd_wd", "SGD", {"lr": 1e-4, "weight_decay": 10.0}),
@@ -151,6 +158,21 @@ OPTIMIZER_CONFIGS = [
     ("sophia", "Sophia", {"lr": 2e-2, "betas": (0.5, 0.99), "weight_decay": 0.0}),
 ]
 
+# Muon and Schedule-Free AdamW. Muon takes the matrices (torch refuses other parameters): its
+# rows give an AdamW fallback for the rest and are compared with torch.optim.Muon + AdamW in
+# test_muon_torch.py (oracle "none" here); Schedule-Free AdamW meets optax.contrib.
+OPTIMIZER_CONFIGS += [
+    ("muon", "Muon", {"lr": 0.01, "fallback": _fallback_adamw()}),
+    ("muon_plain_wd_maximize", "Muon", {"lr": 0.02, "momentum": 0.9, "nesterov": False, "weight_decay": 0.5,
+                                        "adjust_lr_fn": "match_rms_adamw", "fallback": _fallback_adamw(),
+                                        "maximize": True}),
+    ("schedule_free_adamw", "ScheduleFreeAdamW", {"lr": 1e-2}),
+    # (a warm-up holds optax's first step at lr 0, which the convergence test's "better after every
+    # step" would not take: test_schedule_free.py meets optax with warm-ups)
+    ("schedule_free_adamw_wd_power", "ScheduleFreeAdamW", {"lr": 2e-2, "betas": (0.8, 0.99), "eps": 1e-3,
+                                                           "weight_decay": 0.5, "weight_lr_power": 1.0}),
+]
+
 
 class Oracle(NamedTuple):
     """The independent implementation a row of OPTIMIZER_CONFIGS is compared with.
@@ -190,6 +212,28 @@ ORACLE_BY_CLASS = {
 }
 ORACLE_BY_ROW: dict[str, Oracle] = {}
 ORACLE_BY_CLASS.update({"Adafactor": Oracle("none"), "Sophia": Oracle("none")})
+
+
+def _optax_schedule_free_adamw(lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, warmup_steps=0,
+                               weight_lr_power=2.0):
+    import optax
+
+    return optax.contrib.schedule_free_adamw(learning_rate=lr, warmup_steps=warmup_steps or None, b1=betas[0],
+                                             b2=betas[1], eps=eps, weight_decay=weight_decay,
+                                             weight_lr_power=weight_lr_power)
+
+
+def _schedule_free_slots(st):
+    # optax keeps one max_lr and weight sum; arraytrain one per parameter (each equal to optax's here)
+    return {"z": st.z, "exp_avg_sq": st.base_optimizer_state[0].nu,
+            "max_lr": {k: st.max_lr for k in st.z}, "weight_sum": {k: st.weight_sum for k in st.z}}
+
+
+ORACLE_BY_CLASS.update({
+    "Muon": Oracle("none"),  # test_muon_torch.py: torch.optim.Muon on the matrices, AdamW on the rest
+    "ScheduleFreeAdamW": Oracle("optax", _optax_schedule_free_adamw, _schedule_free_slots,
+                                lambda st: int(st.step_count) - 1),
+})
 
 
 def oracle(row) -> Oracle:

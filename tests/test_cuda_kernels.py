@@ -17,8 +17,10 @@ import test_amp
 import test_intake_fast
 import test_kernels
 import test_kernels_optim
+import test_muon
 import test_prune
 import test_sam
+import test_schedule_free
 import test_sophia
 from cuda_family import ON_DEVICE, require_cuda
 
@@ -53,7 +55,17 @@ from test_sam import test_perturb_kernel_matches_reference, test_sumsq_product_m
 from test_sophia import test_kernel_matches_reference as test_sophia_kernel_matches_reference  # noqa: F401
 from test_sophia import test_nonfinite_propagates_as_in_the_reference  # noqa: F401
 
-MODULES = (test_adafactor, test_amp, test_intake_fast, test_kernels, test_kernels_optim, test_prune, test_sam, test_sophia)
+from test_muon import test_bfloat16_momentum_matches_reference  # noqa: F401
+from test_muon import test_kernel_matches_reference as test_muon_kernel_matches_reference  # noqa: F401
+from test_muon import test_nonfinite_propagates_as_in_the_reference as test_muon_nonfinite  # noqa: F401
+from test_muon import test_working_copy_and_mask as test_muon_working_copy_and_mask  # noqa: F401
+from test_schedule_free import test_bfloat16_second_moment_matches_reference  # noqa: F401
+from test_schedule_free import test_kernel_matches_reference as test_schedule_free_kernel_matches_reference  # noqa: F401
+from test_schedule_free import test_nonfinite_propagates_as_in_the_reference as test_schedule_free_nonfinite  # noqa: F401
+from test_schedule_free import test_working_copy_and_mask as test_schedule_free_working_copy_and_mask  # noqa: F401
+
+MODULES = (test_adafactor, test_amp, test_intake_fast, test_kernels, test_kernels_optim, test_prune, test_sam, test_sophia,
+           test_muon, test_schedule_free)
 
 
 @pytest.fixture(autouse=True)

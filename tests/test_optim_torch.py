@@ -115,9 +115,10 @@ def test_table_covers_every_optimizer_class():
     classes = {type(make_at()) for _, make_at, _ in OPTIMIZERS}
     # every arraytrain optimizer that torch.optim also has is in the table, but Adafactor:
     # torch's divides by zero on the zero-size parameters of SHAPES, so test_adafactor.py
-    # compares it with torch on its own shapes
+    # compares it with torch on its own shapes; and Muon: torch's takes 2-D parameters only
+    # (and no foreach), so test_muon_torch.py compares it with torch's Muon + AdamW
     assert classes == {getattr(optim, n) for n in optim.__all__
-                       if n not in ("Optimizer", "OptState", "Adafactor") and hasattr(torch.optim, n)}
+                       if n not in ("Optimizer", "OptState", "Adafactor", "Muon") and hasattr(torch.optim, n)}
     for _, make_at, make_torch in OPTIMIZERS:
         assert type(make_torch([torch.zeros(1, requires_grad=True)])).__name__ == type(make_at()).__name__
 

@@ -106,6 +106,13 @@ SURFACE = {
                "state_dtype=None, overrides=None)",
         "Sophia": "(lr=0.0001, betas=(0.965, 0.99), rho=0.04, weight_decay=0.1, *, eps=1e-15, bs=5120, "
                   "maximize=False, overrides=None)",
+        # torch.optim.Muon's names and order; the routing to a fallback optimizer keyword-only
+        "Muon": "(lr=0.001, weight_decay=0.1, momentum=0.95, nesterov=True, ns_coefficients=(3.4445, -4.775, 2.0315), "
+                "eps=1e-07, ns_steps=5, adjust_lr_fn=None, *, fallback=None, fallback_for=(), maximize=False, "
+                "state_dtype=None, overrides=None)",
+        # optax's defaults under the shared names (betas = (b1, b2)), the reference code's order
+        "ScheduleFreeAdamW": "(lr=0.0025, betas=(0.9, 0.999), eps=1e-08, weight_decay=0.0, warmup_steps=0, "
+                             "weight_lr_power=2.0, *, maximize=False, state_dtype=None, overrides=None)",
     },
     # torch's class and argument names where torch has the schedule (see the module docstring)
     "arraytrain.schedules": {

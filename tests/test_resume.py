@@ -25,6 +25,8 @@ OPTIMIZERS = {
     "adafactor": lambda: optim.Adafactor(lr=1e-2),
     "sophia": lambda: optim.Sophia(lr=1e-3, bs=1),
     "sam-adamw": lambda: optim.SAM(optim.AdamW(lr=1e-2), rho=0.05),
+    "muon": lambda: optim.Muon(lr=0.02, fallback=optim.AdamW(lr=1e-2), fallback_for=("t",), state_dtype="bfloat16"),
+    "schedule-free-adamw": lambda: optim.ScheduleFreeAdamW(lr=1e-2, warmup_steps=3),
 }
 
 

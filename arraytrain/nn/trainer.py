@@ -240,16 +240,21 @@ class Trainer:
         return logs
 
     def evaluate(self, x, y) -> dict:
-        """Loss (mean over samples) and, for classification, the metrics, without training."""
+        """Loss (mean over samples) and, for classification, the metrics, without training.
+
+        At the optimizer's evaluation weights (:meth:`arraytrain.Engine.evaluation`): a
+        schedule-free optimizer's x; the parameters themselves for the others.
+        """
         batches = Batches(x, y, self.eval_batch_size, shuffle=False)
         loss_sum, seen, preds = 0.0, 0, []
-        for xb, yb in batches.epoch(0):
-            out = self.model.predict(xb)
-            loss, _ = self.loss_fn(out, yb)
-            loss_sum += loss * xb.shape[0]
-            seen += xb.shape[0]
-            if self.num_classes is not None:
-                preds.append(to_numpy(array_namespace(out).argmax(out, axis=1)))
+        with self.engine.evaluation():  # a schedule-free optimizer's x, not y (a no-op for the others)
+            for xb, yb in batches.epoch(0):
+                out = self.model.predict(xb)
+                loss, _ = self.loss_fn(out, yb)
+                loss_sum += loss * xb.shape[0]
+                seen += xb.shape[0]
+                if self.num_classes is not None:
+                    preds.append(to_numpy(array_namespace(out).argmax(out, axis=1)))
         logs = {"loss": loss_sum / max(seen, 1)}
         if self.num_classes is not None:
             pred = np.concatenate(preds) if preds else np.zeros(0, np.int64)

@@ -10,6 +10,8 @@ from ._rmsprop import RMSprop
 from ._sam import SAM
 from ._sgd import SGD
 from ._sophia import Sophia
+from ._muon import Muon
+from ._schedule_free import ScheduleFreeAdamW
 
 __all__ = [
     "SGD",
@@ -24,4 +26,6 @@ __all__ = [
     "SAM",
     "Optimizer",
     "OptState",
+    "Muon",
+    "ScheduleFreeAdamW",
 ]

@@ -51,6 +51,8 @@ class Adafactor(Optimizer):
     or column statistics; here they stay zero).
     """
 
+    fallback_capable = False  # its statistics have layouts of their own
+
     @legacy_arguments(old_positional=("lr", "beta2_decay", "eps", "d", "weight_decay", "maximize", "overrides"))
     def __init__(self, lr: float = 1e-2, beta2_decay: float = -0.8, eps=(None, 1e-3), d: float = 1.0,
                  weight_decay: float = 0.0, *, maximize: bool = False, overrides=None):

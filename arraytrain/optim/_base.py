@@ -111,13 +111,17 @@ class Optimizer(ABC):
         return hp
 
     def init(self, params: FlatBuffer) -> OptState:
-        dtype = None
-        if self.state_dtype is not None and np.dtype(self.state_dtype) != params.dtype:
-            if params.dtype != np.float32:
-                raise HyperparameterError(f"state_dtype: {self.state_dtype} state needs float32 parameters, "
-                                          f"got {params.dtype}")
-            dtype = np.dtype(self.state_dtype)
+        dtype = self._slot_dtype(params)
         return OptState(0, {name: params.zeros_like(dtype) for name in self.slot_names}, self.resolve(params.layout))
+
+    def _slot_dtype(self, params: FlatBuffer):
+        """The storage of element-wise slots: None (the parameters' dtype) or ``state_dtype``'s."""
+        if self.state_dtype is None or np.dtype(self.state_dtype) == params.dtype:
+            return None
+        if params.dtype != np.float32:
+            raise HyperparameterError(f"state_dtype: {self.state_dtype} state needs float32 parameters, "
+                                      f"got {params.dtype}")
+        return np.dtype(self.state_dtype)
 
     @staticmethod
     def _slot(state: OptState, name: str):
@@ -170,6 +174,23 @@ class Optimizer(ABC):
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in self.hyperparameters().items())
         return f"{type(self).__name__}({args})"
+
+    # Declared capabilities (class attributes, overridden where they differ):
+    # ``fallback_capable``: another optimizer may run this one on a subset of the parameters
+    # (Muon's ``fallback``): its slots share the parameters' layout, ``init`` needs nothing
+    # but the parameters, and ``update`` touches only ``params.layout.pieces`` and needs no
+    # engine hook of its own. ``has_eval_params``: the weights to evaluate the model at are not
+    # the parameters themselves (schedule-free optimizers: ``params`` hold y, :meth:`eval_params`
+    # gives x); :meth:`arraytrain.Engine.evaluation` swaps them in for a block.
+    fallback_capable = True
+    has_eval_params = False
+
+    def eval_params(self, params: FlatBuffer, state: OptState, out: FlatBuffer | None = None) -> FlatBuffer:
+        """The weights to evaluate the model at: ``params`` themselves here (a copy into ``out`` if given)."""
+        if out is None:
+            return params
+        out.flat[...] = params.flat
+        return out
 
 
 def mask_arg(mask, params: FlatBuffer):

@@ -39,6 +39,8 @@ class SAM(Optimizer):
     delegate to the base optimizer, which carries ``maximize``.
     """
 
+    fallback_capable = False  # two gradient windows per step
+
     def __init__(self, base: Optimizer, rho: float = 0.05, adaptive: bool = False):
         if not isinstance(base, Optimizer) or isinstance(base, SAM):
             raise HyperparameterError(f"base: expected an Optimizer (not SAM), got {base!r}")
@@ -72,6 +74,13 @@ class SAM(Optimizer):
 
     def per_param(self, state, key):
         return self.base.per_param(state, key)
+
+    @property
+    def has_eval_params(self):
+        return self.base.has_eval_params
+
+    def eval_params(self, params, state, out=None):
+        return self.base.eval_params(params, state, out)
 
     @property
     def slot_names(self) -> tuple[str, ...]:

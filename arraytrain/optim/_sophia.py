@@ -43,6 +43,8 @@ class Sophia(Optimizer):
     :math:`\rho_t` is not an argument (torch computes it from ``lr``).
     """
 
+    fallback_capable = False  # fed by engine.update_hessian
+
     @legacy_arguments(old_positional=("lr", "betas", "rho", "weight_decay", "eps", "bs", "maximize", "overrides"))
     def __init__(self, lr: float = 1e-4, betas: tuple[float, float] = (0.965, 0.99), rho: float = 0.04,
                  weight_decay: float = 1e-1, *, eps: float = 1e-15, bs: float = 5120, maximize: bool = False,
