@@ -13,7 +13,7 @@ import functools
 
 import arraytrain as at
 
-from .bench_optim import OPTIMIZERS, TRAFFIC
+from .bench_optim import MATRIX_OPTIMIZERS, OPTIMIZERS, matrix_shapes, step_bytes
 from .common import QUICK, split
 
 CUDA_OPTIMIZERS = [k for k in OPTIMIZERS if k != "SAM-AdamW"]  # SAM: two calls a step (engine-level)
@@ -70,8 +70,10 @@ class CudaOptimizerStep:
     def setup(self, name, n):
         cp = _require()
         self.cp = cp
-        self.p = at.FlatBuffer.from_arrays(_cuda_params(n))
-        self.g = at.FlatBuffer.from_arrays(_cuda_params(n, 1))
+        shaped = (lambda a: {k: v.reshape(s) for (k, v), s in zip(a.items(), matrix_shapes(n))}) \
+            if name in MATRIX_OPTIMIZERS else (lambda a: a)  # Muon takes matrices only
+        self.p = at.FlatBuffer.from_arrays(shaped(_cuda_params(n)))
+        self.g = at.FlatBuffer.from_arrays(shaped(_cuda_params(n, 1)))
         self.opt = OPTIMIZERS[name]()
         self.state = self.opt.init(self.p)
         from arraytrain.backend import kernels_for
@@ -91,10 +93,7 @@ class CudaOptimizerStep:
             t0 = time.perf_counter()
             self.time_step(name, n)
             best = min(best, time.perf_counter() - t0)
-        per_param, per_state = TRAFFIC[name]
-        state_bytes = self.state.slots[next(iter(self.state.slots))].flat.itemsize if self.state.slots else 4
-        nbytes = n * (4 * per_param + state_bytes * per_state)
-        return nbytes / best / 1e9 / copy_gbs()
+        return step_bytes(name, self.p, self.state) / best / 1e9 / copy_gbs()
 
     track_fraction_of_copy.unit = "fraction"
 

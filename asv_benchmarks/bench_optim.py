@@ -27,7 +27,13 @@ OPTIMIZERS = {
     "Adafactor": lambda: at.optim.Adafactor(lr=1e-2),
     "Sophia": lambda: at.optim.Sophia(lr=1e-4),
     "SAM-AdamW": lambda: at.optim.SAM(at.optim.AdamW(lr=1e-3), rho=0.05),
+    "Muon": lambda: at.optim.Muon(lr=0.02),
+    "Muon-bf16-state": lambda: at.optim.Muon(lr=0.02, state_dtype="bfloat16"),
+    "ScheduleFreeAdamW": lambda: at.optim.ScheduleFreeAdamW(lr=2.5e-3),
+    "ScheduleFreeAdamW-bf16-state": lambda: at.optim.ScheduleFreeAdamW(lr=2.5e-3, state_dtype="bfloat16"),
 }
+# 2-D parameters (Adafactor factors them, Muon orthogonalises them)
+MATRIX_OPTIMIZERS = ("Adafactor", "Muon", "Muon-bf16-state")
 
 # Element accesses per parameter that one step must make, as (params-dtype arrays, state arrays):
 # each read or write of a parameter-sized array counts once; a state array counts at the
@@ -60,6 +66,14 @@ TRAFFIC = {
     # 2) read the backup, g, m, v; write p, m, v. arraytrain restores p from the backup in a
     # pass of its own (read backup, write p): 13 accesses instead of 11.
     "SAM-AdamW": (7, 4),
+    # the element-wise part: read p, g, the momentum; write p, the momentum. The Newton-Schulz
+    # GEMMs (O(rows^2 cols) flops per matrix) dominate, so the time is the figure; arraytrain
+    # also writes and reads the update once in a work matrix (2 more accesses)
+    "Muon": (3, 2),
+    "Muon-bf16-state": (3, 2),
+    # read y, g, z, v; write y, z, v (z in the parameters' dtype, v the state's)
+    "ScheduleFreeAdamW": (5, 2),
+    "ScheduleFreeAdamW-bf16-state": (5, 2),
 }
 
 
@@ -83,7 +97,8 @@ def step_bytes(name: str, params: at.FlatBuffer, state) -> int:
     """The bytes of :data:`TRAFFIC` for these buffers (the state's itemsize from its slots)."""
     full, slots = TRAFFIC[name]
     n = sum(params.layout.sizes)  # padding is never touched
-    state_items = [s.flat.itemsize for k, s in state.slots.items() if k != "sam_backup"]
+    # the moments' itemsize (SAM's backup and schedule-free's z are in the parameters' dtype)
+    state_items = [s.flat.itemsize for k, s in state.slots.items() if k not in ("sam_backup", "z", "max_lr", "weight_sum")]
     state_item = state_items[0] if state_items else params.flat.itemsize
     return (full * params.flat.itemsize + slots * state_item) * n
 
@@ -91,7 +106,8 @@ def step_bytes(name: str, params: at.FlatBuffer, state) -> int:
 class OptimizerStep(_Bandwidth):
     """``optimizer.update`` alone (no norm pass), as GB/s of its minimal traffic (:data:`TRAFFIC`).
 
-    Adafactor gets 2-D parameters (factored second moments); Sophia's Hessian estimate
+    Adafactor and Muon get 2-D parameters (factored second moments, orthogonalised updates);
+    Sophia's Hessian estimate
     is fed once in setup; SAM times a perturb + update pair (one optimizer step, two
     gradient windows) with the gradient norm given, as the engine's norm pass gives it.
     bfloat16 state needs float32 parameters: the float64 row is skipped.
@@ -101,9 +117,9 @@ class OptimizerStep(_Bandwidth):
     param_names = ["optimizer", "size", "dtype"]
 
     def setup(self, name, n, dtype):
-        if name == "AdamW-bf16-state" and dtype != "float32":
+        if name.endswith("-bf16-state") and dtype != "float32":
             raise NotImplementedError("bfloat16 moments need float32 parameters")
-        arrays = make_matrices(n, dtype) if name == "Adafactor" else make_params(n, dtype)
+        arrays = make_matrices(n, dtype) if name in MATRIX_OPTIMIZERS else make_params(n, dtype)
         self.p = at.FlatBuffer.from_arrays(arrays)
         self.g = self.p.zeros_like()
         self.g.flat[:] = np.random.default_rng(1).standard_normal(self.g.flat.size)

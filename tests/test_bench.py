@@ -13,6 +13,8 @@ from arraytrain.bench import compare
 PAIRS = [(name, opt) for opt in compare.OPTIMIZERS for name in compare.CONTESTANTS
          if not name.startswith("arraytrain") and (name, opt) not in compare.NOT_AVAILABLE]
 BF16 = [opt for opt in compare.OPTIMIZERS if ("arraytrain-bf16", opt) not in compare.NOT_AVAILABLE]
+BFLOAT16_NEWTON_SCHULZ = {("torch-forloop", "muon")}
+NOT_MOMENTS = {"z", "max_lr", "weight_sum"}  # schedule-free's iterate and float64 weights stay as they are
 
 
 @pytest.mark.parametrize("name,opt", PAIRS, ids=[f"{n}-{o}" for n, o in PAIRS])
@@ -32,6 +34,12 @@ def test_contestant_matches_arraytrain(name, opt):
         ours()
         theirs()
     start, _ = compare._data(n, opt=opt)
+    if (name, opt) in BFLOAT16_NEWTON_SCHULZ:
+        # torch.optim.Muon iterates Newton-Schulz in bfloat16 (arraytrain and the NumPy contestant
+        # in float32): the same steps to bfloat16's precision, per matrix (measured 2% of the displacement)
+        for a, b, a0 in zip(ours.params(), theirs.params(), start, strict=True):
+            assert np.linalg.norm((b - a0) - (a - a0)) <= 5e-2 * np.linalg.norm(a - a0)
+        return
     for a, b, a0 in zip(ours.params(), theirs.params(), start, strict=True):
         assert a.shape == b.shape
         np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-6)
@@ -50,8 +58,12 @@ def test_bfloat16_state_contestant_follows_arraytrain(opt):
         bf16()
     start, _ = compare._data(n, opt=opt)
     for a, b, a0 in zip(ours.params(), bf16.params(), start, strict=True):
-        np.testing.assert_allclose(b - a0, a - a0, rtol=2e-2, atol=2e-5)
-    assert all(s.dtype == np.dtype("bfloat16") for s in bf16.engine.state.slots.values())
+        if opt == "muon":  # the orthogonalised update is a matrix's: compared per matrix
+            assert np.linalg.norm((b - a0) - (a - a0)) <= 2e-2 * np.linalg.norm(a - a0)
+        else:
+            np.testing.assert_allclose(b - a0, a - a0, rtol=2e-2, atol=2e-5)
+    slots = bf16.engine.state.slots
+    assert all(s.dtype == np.dtype("bfloat16") for k, s in slots.items() if k not in NOT_MOMENTS)
 
 
 def test_every_optimizer_has_an_outside_contestant():
@@ -59,7 +71,7 @@ def test_every_optimizer_has_an_outside_contestant():
         outside = [c for c in compare.CONTESTANTS
                    if not c.startswith("arraytrain") and (c, opt) not in compare.NOT_AVAILABLE]
         assert outside, opt
-    assert len(PAIRS) == 28  # every (contestant, optimizer) pair that the matching test checks
+    assert len(PAIRS) == 32  # every (contestant, optimizer) pair that the matching test checks
 
 
 @pytest.mark.parametrize("name,opt", sorted(compare.NOT_AVAILABLE))

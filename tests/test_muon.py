@@ -27,7 +27,7 @@ from arraytrain.errors import HyperparameterError
 from arraytrain.kernels import cpu
 from arraytrain.kernels import reference as ref
 from arraytrain.optim._muon import routing
-from conftest import SIZES, assert_close, assert_padding_zero, live_mask, random_flat, tol
+from conftest import SIZES, assert_close, assert_padding_zero, live_mask, random_flat
 
 STEPS = 6
 LP_TOL = {"rtol": 5e-3, "atol": 5e-3}

@@ -3,7 +3,8 @@
 Per optimizer and parameter count, in one run. The default optimizers are
 AdamW, Adam and SGD with momentum; ``--optimizers`` adds Adagrad, RMSprop
 (momentum 0.9, centered), Adafactor (2-D parameters, so its second moments are
-factored), Lion and LAMB. Contestants:
+factored), Lion, LAMB, Muon (2-D parameters: its cost is the Newton-Schulz GEMMs) and
+Schedule-Free AdamW. Contestants:
 
 * ``arraytrain``: ``engine.step()`` on the zero-copy path: one read-only norm
   pass, then the optimizer's fused kernel (LAMB and Adafactor take more passes,
@@ -61,6 +62,10 @@ LION = {"lr": 1e-4, "betas": (0.9, 0.99), "weight_decay": WD}
 # eps after the square root of the bias-corrected v, eps_root inside it (0): optax.lamb's
 # form, which arraytrain.optim.LAMB follows, so both sides are configured alike
 LAMB = {"lr": LR, "betas": BETAS, "eps": 1e-6, "eps_root": 0.0, "weight_decay": WD}
+# torch.optim.Muon's names (its default coefficients and 5 Newton-Schulz steps); optax's
+# schedule_free_adamw under the shared names, constant lr (no warm-up)
+MUON = {"lr": 0.02, "weight_decay": WD, "momentum": 0.95, "nesterov": True}
+SCHEDULE_FREE = {"lr": 2.5e-3, "betas": BETAS, "eps": EPS, "weight_decay": WD}
 
 # Element accesses per parameter of one clipped step after the norm pass's read of g:
 # reads and writes of parameter-sized arrays that the method cannot avoid.
@@ -77,6 +82,10 @@ OPTIMIZERS = {
     # factored statistics (O(rows + cols)) left out; the step size needs the update's RMS,
     # which needs the row/column sums of all of g: read g; read p, g; read p, g, write p
     "adafactor": 6,
+    # the element-wise part (read p, g, momentum; write p, momentum); the Newton-Schulz GEMMs
+    # (O(rows^2 cols) per matrix) dominate, so time, not GB/s, is Muon's figure
+    "muon": 5,
+    "schedule_free_adamw": 7,  # read y, g, z, v; write y, z, v
 }
 DEFAULT_OPTIMIZERS = ("adamw", "adam", "sgd")
 
@@ -92,6 +101,11 @@ NOT_AVAILABLE = {
     ("optax", "rmsprop"): "optax.rmsprop applies momentum after the learning rate; not configured here",
     ("optax", "adafactor"): "optax.adafactor is the paper's variant (update clipping, parameter scale, "
                             "factoring from 128 rows), not torch's",
+    **{(c, "muon"): "torch.optim.Muon has one implementation, per tensor: see torch-forloop"
+       for c in ("torch-foreach", "torch-fused")},
+    ("optax", "muon"): "optax.contrib.muon is another variant (bias-corrected momentum, its own shape scaling)",
+    **{(c, "schedule_free_adamw"): "torch.optim has no schedule-free AdamW"
+       for c in ("torch-foreach", "torch-fused", "torch-forloop")},
 }
 
 
@@ -135,7 +149,7 @@ def _matrix(k: int) -> tuple[int, int]:
 def _data(n: int, seed: int = 0, opt: str = ""):
     """100 parameters and gradients of ``n`` elements in all; matrices for Adafactor (so it factors)."""
     rng = np.random.default_rng(seed)
-    shapes = [_matrix(k) if opt == "adafactor" else (k,) for k in _split(n)]
+    shapes = [_matrix(k) if opt in ("adafactor", "muon") else (k,) for k in _split(n)]
     params = [rng.standard_normal(s, dtype=np.float32) for s in shapes]
     grads = [rng.standard_normal(s, dtype=np.float32) for s in shapes]
     return params, grads
@@ -173,7 +187,9 @@ def arraytrain_optimizer(opt: str, state_dtype: str | None = None):
             "rmsprop": lambda: at.optim.RMSprop(**RMSPROP),
             "adafactor": lambda: at.optim.Adafactor(**ADAFACTOR),
             "lion": lambda: at.optim.Lion(**LION),
-            "lamb": lambda: at.optim.LAMB(**LAMB)}[opt]()
+            "lamb": lambda: at.optim.LAMB(**LAMB),
+            "muon": lambda: at.optim.Muon(**MUON),
+            "schedule_free_adamw": lambda: at.optim.ScheduleFreeAdamW(**SCHEDULE_FREE)}[opt]()
 
 
 def make_engine(opt: str, params: list, grads: list, zero_grad: bool = False, state_dtype: str | None = None):
@@ -195,7 +211,9 @@ def torch_optimizer(opt: str, ps: list, flag: dict):
             "sgd": lambda: torch.optim.SGD(ps, LR, momentum=MOMENTUM, **flag),
             "adagrad": lambda: torch.optim.Adagrad(ps, **ADAGRAD, **flag),
             "rmsprop": lambda: torch.optim.RMSprop(ps, **RMSPROP, **flag),
-            "adafactor": lambda: torch.optim.Adafactor(ps, **ADAFACTOR, **flag)}[opt]()
+            "adafactor": lambda: torch.optim.Adafactor(ps, **ADAFACTOR, **flag),
+            # torch's Muon is per tensor only and takes no foreach flag (its Newton-Schulz in bfloat16)
+            "muon": lambda: torch.optim.Muon(ps, **MUON)}[opt]()
 
 
 def make_arraytrain(opt: str, n: int, zero_grad: bool = False, state_dtype: str | None = None):
@@ -374,22 +392,72 @@ def _np_lamb(p, g, slots, t, d, tmp):
     p += d
 
 
+def _np_muon(p, g, slots, t, d, tmp):
+    # torch.optim.Muon on one matrix: buf += (1-mu)(g - buf); u = buf + (1-mu)(g - buf) (Nesterov);
+    # X = u / ||u|| (transposed when tall); 5 x: A = X X^T, X = a X + (b A + c A^2) X; decay, step
+    (buf,) = slots
+    mu, lr = MUON["momentum"], MUON["lr"]
+    a, b, c = 3.4445, -4.7750, 2.0315
+    u, t2 = d.reshape(p.shape), tmp.reshape(p.shape)
+    np.subtract(g, buf, out=t2)
+    t2 *= 1 - mu
+    buf += t2
+    np.subtract(g, buf, out=u)
+    u *= 1 - mu
+    u += buf
+    tall = p.shape[0] > p.shape[1]
+    x = u.T if tall else u
+    x /= max(float(np.linalg.norm(x)), 1e-7)
+    for _ in range(5):
+        gram = x @ x.T
+        x = a * x + (b * gram + c * (gram @ gram)) @ x
+    p *= 1 - lr * MUON["weight_decay"]
+    p -= (lr * np.sqrt(max(1.0, p.shape[0] / p.shape[1]))) * (x.T if tall else x)
+
+
+def _np_schedule_free(p, g, slots, t, d, tmp):
+    # optax's schedule_free_adamw at a constant lr (c = 1/t): v = b2 v + (1-b2) g^2;
+    # z' = z - lr (g / (sqrt(v / (1-b2^t)) + eps) + wd y); y' = (1-c)(y - (1-b1) z) + (b1 c + 1 - b1) z'
+    z, v = slots
+    (b1, b2), lr, ck = SCHEDULE_FREE["betas"], SCHEDULE_FREE["lr"], 1.0 / t
+    np.multiply(g, g, out=tmp)
+    tmp *= 1 - b2
+    v *= b2
+    v += tmp
+    np.multiply(v, 1 / (1 - b2**t), out=tmp)
+    np.sqrt(tmp, out=tmp)
+    tmp += SCHEDULE_FREE["eps"]
+    np.divide(g, tmp, out=d)
+    np.multiply(p, SCHEDULE_FREE["weight_decay"], out=tmp)
+    d += tmp
+    np.multiply(z, 1 - b1, out=tmp)
+    p -= tmp
+    p *= 1 - ck
+    d *= lr
+    z -= d
+    np.multiply(z, b1 * ck + 1 - b1, out=tmp)
+    p += tmp
+
+
 # optimizer -> (per-tensor in-place step, number of state slots)
 _NUMPY_STEPS = {"adagrad": (_np_adagrad, 1), "rmsprop": (_np_rmsprop, 3), "lion": (_np_lion, 1),
-                "lamb": (_np_lamb, 2)}
+                "lamb": (_np_lamb, 2), "muon": (_np_muon, 1), "schedule_free_adamw": (_np_schedule_free, 2)}
 
 
 def _make_numpy_other(opt: str, n: int, zero_grad: bool):
-    """Adagrad, RMSprop, Lion, LAMB by hand: clip in place, then one in-place update per tensor."""
+    """Adagrad, RMSprop, Lion, LAMB, Muon, Schedule-Free AdamW by hand: clip in place, then one update per tensor."""
     params, grads = _data(n, opt=opt)
     update, nslots = _NUMPY_STEPS[opt]
     slots = [[np.zeros_like(p) for _ in range(nslots)] for p in params]
+    if opt == "schedule_free_adamw":  # z starts at the parameters
+        for s, p in zip(slots, params):
+            s[0][...] = p
     big = max(p.size for p in params)
     d, tmp = np.empty(big, np.float32), np.empty(big, np.float32)
     t = [0]
 
     def step():
-        norm = np.sqrt(sum(float(np.dot(g, g)) for g in grads))
+        norm = np.sqrt(sum(float(np.vdot(g, g)) for g in grads))
         coef = min(1.0, MAX_NORM / (norm + 1e-6))
         t[0] += 1
         for p, g, s in zip(params, grads, slots):
@@ -415,7 +483,10 @@ def make_optax(opt: str, n: int, zero_grad: bool = False):
              "sgd": lambda: optax.sgd(LR, momentum=MOMENTUM),
              "lion": lambda: optax.lion(LION["lr"], *LION["betas"], weight_decay=LION["weight_decay"]),
              "lamb": lambda: optax.lamb(LAMB["lr"], *LAMB["betas"], LAMB["eps"], LAMB["eps_root"],
-                                        LAMB["weight_decay"])}[opt]()
+                                        LAMB["weight_decay"]),
+             "schedule_free_adamw": lambda: optax.contrib.schedule_free_adamw(
+                 SCHEDULE_FREE["lr"], None, *SCHEDULE_FREE["betas"], SCHEDULE_FREE["eps"],
+                 SCHEDULE_FREE["weight_decay"])}[opt]()
     tx = optax.chain(optax.clip_by_global_norm(MAX_NORM), inner)
     p = [jnp.asarray(x) for x in params]
     g = [jnp.asarray(x) for x in grads]

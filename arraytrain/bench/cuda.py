@@ -29,11 +29,11 @@ CONTESTANTS = ("arraytrain", "torch-fused", "torch-foreach")
 
 
 def _cuda_data(n: int, seed: int = 0, opt: str = ""):
-    """100 parameters and gradients of ``n`` elements in all; matrices for Adafactor (so it factors)."""
+    """100 parameters and gradients of ``n`` elements in all; matrices for Adafactor (so it factors) and Muon."""
     import cupy as cp
 
     rs = cp.random.RandomState(seed)
-    shapes = [_matrix(k) if opt == "adafactor" else (k,) for k in _split(n)]
+    shapes = [_matrix(k) if opt in ("adafactor", "muon") else (k,) for k in _split(n)]
     return ([rs.standard_normal(s, dtype=cp.float32) for s in shapes],
             [rs.standard_normal(s, dtype=cp.float32) for s in shapes])
 
