@@ -579,7 +579,10 @@ def sam_perturb(p, g, backup, pieces, *, scale, adaptive, zero_grad=False, mask=
 # piece (added in piece order: thread-count independent); the Newton-Schulz iteration runs its
 # GEMMs on NumPy's BLAS in the storage dtype, in the rest of the work buffer; the apply kernel
 # writes the parameters (mask, working copy). Per-matrix calls keep the scratch at the largest
-# matrix instead of a copy of every Muon parameter.
+# matrix instead of a copy of every Muon parameter. The element-wise kernels are compiled in
+# their serial form only: between two GEMMs BLAS's threads own the cores (OpenBLAS's spin
+# after each call, see arraytrain.threads), and the O(rows*cols) passes are small next to the
+# O(rows^2*cols) GEMMs.
 
 
 def _muon_momentum(g, buf, u, pieces, off, gscale, mc, nesterov, zero_grad, part):
@@ -604,7 +607,7 @@ def _muon_momentum(g, buf, u, pieces, off, gscale, mc, nesterov, zero_grad, part
     return total
 
 
-_MUON_MOMENTUM = _twins(_muon_momentum)
+_MUON_MOMENTUM = njit(**JIT)(_muon_momentum)  # serial: see above
 
 
 def _muon_apply(p, o, pieces, off, alr, decay, w, wkind, mask):
@@ -619,7 +622,7 @@ def _muon_apply(p, o, pieces, off, alr, decay, w, wkind, mask):
             store_working(w[lo:hi], pb, wkind)
 
 
-_MUON_APPLY = _twins(_muon_apply)
+_MUON_APPLY = njit(**JIT)(_muon_apply)  # serial: see above
 
 
 def muon_step(p, g, buf, work, mats, pieces, *, gscale, momentum, nesterov, adjusted_lr, decay, eps_norm,
@@ -634,10 +637,10 @@ def muon_step(p, g, buf, work, mats, pieces, *, gscale, momentum, nesterov, adju
             continue
         n = rows * cols
         pc, u = pieces[lo:hi], work[:n]
-        sumsq = _pick(_MUON_MOMENTUM, n)(g, buf, u, pc, off, gs, mc, bool(nesterov), bool(zero_grad), part[lo:hi])
+        sumsq = _MUON_MOMENTUM(g, buf, u, pc, off, gs, mc, bool(nesterov), bool(zero_grad), part[lo:hi])
         u *= t(1.0 / max(float(np.sqrt(sumsq)), eps_norm))  # X / max(||X||, eps), torch's normalisation
         o = newton_schulz.iterate(u.reshape(rows, cols), work[n:], ns_coefficients, ns_steps)
-        _pick(_MUON_APPLY, n)(p, o.reshape(-1), pc, off, alr, dec, w, int(wkind), mask)
+        _MUON_APPLY(p, o.reshape(-1), pc, off, alr, dec, w, int(wkind), mask)
 
 
 # Schedule-free AdamW ------------------------------------------------------------------------
