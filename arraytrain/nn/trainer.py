@@ -40,6 +40,19 @@ from .metrics import classification_report
 PHASES = ("data", "forward", "backward", "optimizer", "callbacks", "metrics", "evaluation")
 
 
+def _at_evaluation_weights(evaluate):
+    """``Trainer.evaluate`` inside :meth:`arraytrain.Engine.evaluation`: at a schedule-free
+    optimizer's x rather than y (the parameters themselves for every other optimizer)."""
+    from functools import wraps
+
+    @wraps(evaluate)
+    def at_evaluation_weights(self, *args, **kwargs):
+        with self.engine.evaluation():
+            return evaluate(self, *args, **kwargs)
+
+    return at_evaluation_weights
+
+
 class Trainer:
     """Fit an :class:`MLP` bound to an :class:`~arraytrain.Engine`.
 
@@ -240,26 +253,23 @@ class Trainer:
         return logs
 
     def evaluate(self, x, y) -> dict:
-        """Loss (mean over samples) and, for classification, the metrics, without training.
-
-        At the optimizer's evaluation weights (:meth:`arraytrain.Engine.evaluation`): a
-        schedule-free optimizer's x; the parameters themselves for the others.
-        """
+        """Loss (mean over samples) and, for classification, the metrics, without training."""
         batches = Batches(x, y, self.eval_batch_size, shuffle=False)
         loss_sum, seen, preds = 0.0, 0, []
-        with self.engine.evaluation():  # a schedule-free optimizer's x, not y (a no-op for the others)
-            for xb, yb in batches.epoch(0):
-                out = self.model.predict(xb)
-                loss, _ = self.loss_fn(out, yb)
-                loss_sum += loss * xb.shape[0]
-                seen += xb.shape[0]
-                if self.num_classes is not None:
-                    preds.append(to_numpy(array_namespace(out).argmax(out, axis=1)))
+        for xb, yb in batches.epoch(0):
+            out = self.model.predict(xb)
+            loss, _ = self.loss_fn(out, yb)
+            loss_sum += loss * xb.shape[0]
+            seen += xb.shape[0]
+            if self.num_classes is not None:
+                preds.append(to_numpy(array_namespace(out).argmax(out, axis=1)))
         logs = {"loss": loss_sum / max(seen, 1)}
         if self.num_classes is not None:
             pred = np.concatenate(preds) if preds else np.zeros(0, np.int64)
             logs.update(classification_report(to_numpy(y), pred, self.num_classes))
         return logs
+
+    evaluate = _at_evaluation_weights(evaluate)
 
 
 @dataclass
