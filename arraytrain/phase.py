@@ -572,10 +572,7 @@ class PhaseController:
         ``correction_beta`` stay the controller's own.
         """
         self._between_steps("load_state_dict")
-        keys = ("version", "step", "schedule", "stats", "predictor")
-        if not isinstance(state, Mapping) or set(state) != set(keys):
-            got = list(state) if isinstance(state, Mapping) else type(state).__name__
-            raise StateDictError(f"phase state: expected the keys {sorted(keys)}, got {got}")
+        _check_keys("phase state", state, ("version", "step", "schedule", "stats", "predictor"))
         if state["version"] != STATE_VERSION:
             raise StateDictError(f"phase state: version {shown(state['version'])} is not {STATE_VERSION}")
         step = check_count("step", state["step"], error=StateDictError)
@@ -624,12 +621,20 @@ def _check_engine(engine: Engine) -> None:
         raise HyperparameterError("loss_scaler: gradient prediction needs an engine without a loss scaler")
 
 
+def _check_keys(what: str, state, keys: tuple) -> None:
+    if not isinstance(state, Mapping):
+        raise StateDictError(f"{what}: expected a mapping, got {type(state).__name__}")
+    missing = [k for k in keys if k not in state]
+    unexpected = [k for k in state if k not in keys]
+    if missing or unexpected:
+        raise StateDictError(f"{what}: " + "; ".join(([f"lacks {missing}"] if missing else [])
+                                                     + ([f"has unexpected {unexpected}"] if unexpected else [])))
+
+
 def _check_stats(state) -> PhaseStats:
     counters = ("full_steps", "predict_steps", "correct_steps", "unrecorded")
     tables = ("seconds", "timed", "loss_sum", "loss_count")
-    if not isinstance(state, Mapping) or set(state) != set(counters + tables):
-        got = list(state) if isinstance(state, Mapping) else type(state).__name__
-        raise StateDictError(f"stats: expected the keys {sorted(counters + tables)}, got {got}")
+    _check_keys("stats", state, counters + tables)
     phases = [p.value for p in Phase]
     for name in tables:
         if not isinstance(state[name], Mapping) or sorted(state[name]) != sorted(phases):
