@@ -72,6 +72,7 @@ import numbers
 import time
 from collections import deque
 from collections.abc import Mapping
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -675,6 +676,11 @@ class _Checkpointed:
                                   "this engine runs over a group of processes")
         self.controller, self.engine = controller, engine
 
+    def guard(self, what: str):
+        """The engine's call guard, held while the file is written or read: another thread's
+        ``engine.step()`` would change the buffers (:func:`arraytrain.save` holds it the same way)."""
+        return nullcontext() if self.engine is None else self.engine._guard(what)
+
     def state_dict(self, copy: bool = True) -> dict:
         tree = {} if self.engine is None else dict(self.engine.state_dict(copy=copy))
         if PHASE_KEY in tree:
@@ -696,7 +702,9 @@ def save(path, controller: PhaseController, *, extra: Mapping | None = None) -> 
     tensors, the predictor's ring and correction included), ``extra`` as
     there. Between steps only (:class:`PhaseOrderError` inside one).
     """
-    checkpoint.save(path, _Checkpointed(controller, "save"), extra=extra)
+    state = _Checkpointed(controller, "save")
+    with state.guard("arraytrain.phase.save()"):
+        checkpoint.save(path, state, extra=extra)
 
 
 def load(path, controller: PhaseController) -> dict:
@@ -708,4 +716,6 @@ def load(path, controller: PhaseController) -> dict:
     by :func:`arraytrain.save` has no phase state and is refused (load it with
     :func:`arraytrain.load` to start prediction afresh from its weights).
     """
-    return checkpoint.load(path, _Checkpointed(controller, "load"))
+    state = _Checkpointed(controller, "load")
+    with state.guard("arraytrain.phase.load()"):
+        return checkpoint.load(path, state)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import math
+import threading
 from collections.abc import Mapping
 
 import numpy as np
@@ -446,6 +447,33 @@ def test_inside_a_step_nothing_is_saved_or_loaded(tmp_path):
     with pytest.raises(PhaseOrderError, match="state_dict"):
         ctl.state_dict()
     assert (tmp_path / "c.safetensors").read_bytes() == kept
+
+
+def test_save_and_load_hold_the_engine(tmp_path):
+    """Another thread's engine call in progress: save and load refuse at once and change nothing."""
+    _, engine, ctl = driven(4)
+    save(tmp_path / "c.safetensors", ctl)
+    kept, before = (tmp_path / "c.safetensors").read_bytes(), snapshot(engine, ctl)
+    holding, release = threading.Event(), threading.Event()
+
+    def hold():
+        with engine._guard("step()"):
+            holding.set()
+            release.wait(30)
+
+    t = threading.Thread(target=hold)
+    t.start()
+    try:
+        assert holding.wait(30)
+        with pytest.raises(at.ConcurrentUseError, match=r"arraytrain.phase.save\(\)"):
+            save(tmp_path / "c.safetensors", ctl)
+        with pytest.raises(at.ConcurrentUseError, match=r"arraytrain.phase.load\(\)"):
+            load(tmp_path / "c.safetensors", ctl)
+    finally:
+        release.set()
+        t.join()
+    assert (tmp_path / "c.safetensors").read_bytes() == kept
+    assert_same(before, snapshot(engine, ctl))
 
 
 # -- calls out of order and bad arguments --------------------------------------------------------------------
