@@ -382,7 +382,7 @@ class PhaseController:
         self.layout = self.predictor.layout
         self._initial = (self.schedule.full_steps, self.schedule.predict_steps)
         self._scratch: FlatBuffer | None = None  # gradients given by name, predictions without an engine
-        self._warm: set = set()                  # phases timed in this process (the first one compiles)
+        self._warm: set = set()                  # phases whose first, untimed step (it compiles) ran here
         self._clear()
 
     def _clear(self) -> None:
@@ -464,7 +464,8 @@ class PhaseController:
         ``out``: a FlatBuffer or flat array of the layout to write into; by
         default ``engine.grads`` with an engine (the next ``engine.step()``
         applies it), else a buffer of the controller's, rewritten by its next
-        call (copy what you keep).
+        call (copy what you keep). Raises :class:`~arraytrain.NoGradientsError` before
+        any gradient was recorded (every FULL one had a NaN/Inf), the step still open.
         """
         self._require("get_predicted_gradients", (Phase.PREDICT,))
         if out is None:
@@ -512,8 +513,11 @@ class PhaseController:
                                    loss_sum=dict(s.loss_sum), loss_count=dict(s.loss_count))
 
     def reset(self) -> None:
-        """Back to the start: the first FULL step, the constructor's lengths, no records, no stats."""
-        self._between_steps("reset")
+        """Back to the start: the first FULL step, the constructor's lengths, no records, no stats.
+
+        An open step is dropped (e.g. a PREDICT step whose prediction raised
+        :class:`~arraytrain.NoGradientsError` because every recorded gradient had a NaN/Inf).
+        """
         sched = self.schedule
         sched.apply_state({"phase": Phase.FULL, "phase_step": 0, "cycle": 0, "full_steps": self._initial[0],
                            "predict_steps": self._initial[1], "losses": []})

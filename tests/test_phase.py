@@ -190,6 +190,19 @@ def test_seed_api_transitions_and_step_ratio():
     assert (ctl.step, ctl.phase, ctl.cycle, ctl.predictor.count, ctl.stats().steps) == (0, Phase.FULL, 0, 0, 0)
 
 
+def test_predict_before_any_record_raises_and_reset_starts_over():
+    layout = at.Layout({"w": (3,)})
+    ctl = PhaseController(layout, full_steps=1, predict_steps=2, correct_every=5)
+    ctl.begin_step()
+    assert ctl.record_full_gradients({"w": np.array([1.0, np.nan, 0.0], np.float32)}) is False  # not recorded
+    ctl.end_step(1.0)
+    assert ctl.begin_step() is Phase.PREDICT and ctl.stats().unrecorded == 1
+    with pytest.raises(at.NoGradientsError, match="no gradient has been recorded"):
+        ctl.get_predicted_gradients()
+    ctl.reset()  # drops the open step
+    assert not ctl.in_step and ctl.begin_step() is Phase.FULL
+
+
 def test_stats_wall_speedup():
     s = PhaseStats(full_steps=2, predict_steps=6, correct_steps=2,
                    seconds={"full": 0.2, "predict": 0.05, "correct": 0.2},
@@ -502,7 +515,6 @@ ORDER = [
     (PhaseOrderError, "recorded already", 0, True, _twice),
     (PhaseOrderError, "has not called record_full_gradients", 0, True, lambda c, g: c.end_step(1.0)),
     (PhaseOrderError, "has not called get_predicted_gradients", 2, True, lambda c, g: c.end_step()),
-    (PhaseOrderError, "reset", 0, True, lambda c, g: c.reset()),
     (ArgumentTypeError, "grads: None stands for the engine's", 0, True, lambda c, g: c.record_full_gradients()),
     (LayoutError, r"missing arrays for \['b'\]", 0, True, lambda c, g: c.record_full_gradients({"w": g["w"]})),
     (UnknownParameterError, "'x'", 0, True, lambda c, g: c.record_full_gradients({**g, "x": g["b"]})),
