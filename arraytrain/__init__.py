@@ -5,7 +5,7 @@ parameter is a named view. Gradients arrive as arrays from any framework and
 one fused numba kernel per stage does the rest of the training step.
 """
 
-from . import compress, nn, optim, prune, quantize, schedules, threads
+from . import compress, nn, optim, phase, prune, quantize, schedules, threads
 from .accumulate import AccumulationConfig, AccumulationStats, GradientAccumulator
 from .amp import LossScaler
 from .buffer import FlatBuffer

@@ -36,7 +36,7 @@ from .losses import (
     softmax_cross_entropy,
 )
 from .metrics import accuracy, classification_report, confusion_matrix, precision_recall_f1
-from .phase import Phase, PhaseSchedule, PhaseStats, PhaseTrainer
+from .phase import Phase, PhaseCheckpoint, PhaseSchedule, PhaseStats, PhaseTrainer
 from .trainer import Trainer
 
 __all__ = [
@@ -54,6 +54,7 @@ __all__ = [
     "LambdaCallback",
     "MissingDependencyError",
     "Phase",
+    "PhaseCheckpoint",
     "PhaseSchedule",
     "PhaseStats",
     "PhaseTrainer",
