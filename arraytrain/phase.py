@@ -81,7 +81,7 @@ from ._checks import check_bool, check_count, check_int, check_number, shown
 from .backend import module_of_backend
 from .buffer import FlatBuffer
 from .engine import Engine
-from .errors import ArgumentTypeError, ArrayTrainError, CheckpointError, HyperparameterError, StateDictError
+from .errors import ArgumentTypeError, CheckpointError, HyperparameterError, PhaseOrderError, StateDictError
 from .predict import GradientPredictor
 
 __all__ = ["LOSS_WINDOW", "Phase", "PhaseController", "PhaseOrderError", "PhaseSchedule", "PhaseStats", "load",
@@ -92,13 +92,6 @@ LOSS_MEAN = 10      # early / late means over this many losses
 LOSS_MIN = 20       # losses needed before the lengths adapt
 STATE_VERSION = 1   # of PhaseController.state_dict()
 PHASE_KEY = "phase"  # the controller's state in a checkpoint's tree, beside the engine's keys
-
-
-class PhaseOrderError(ArrayTrainError, RuntimeError):
-    """A :class:`PhaseController` call out of order (e.g. a prediction asked for on a FULL step).
-
-    Raised before anything changes: the call can be made again in its place.
-    """
 
 
 class Phase(str, Enum):
