@@ -46,14 +46,24 @@ the next collective; at exit, ``MPI_Finalize`` then waits for them too, so the
 job hangs. :func:`abort_on_error` (a context manager and decorator) prints the
 traceback with the rank and calls ``MPI_Abort`` on ``COMM_WORLD``, which ends
 every rank, and ``mpiexec`` exits non-zero — what ``python -m mpi4py
-script.py`` does for a whole script. ``arraytrain train`` runs under it.
+script.py`` does for a whole script.
+
+:func:`launch` starts ``K`` ranks under ``mpiexec`` from Python with a time
+limit (the tests and ``python -m arraytrain.bench distributed`` use it): a
+distributed bug is a hang until proven otherwise.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
+import shutil
+import signal
+import subprocess
 import sys
+import time
 import traceback
+from pathlib import Path
 
 import numpy as np
 
@@ -219,8 +229,8 @@ class NCCLComm(Exchange):
         try:
             from .backend import require_cuda
 
-            nccl = _nccl()
             require_cuda("NCCLComm")
+            nccl = _nccl()
         except BackendUnavailableError as exc:
             problem = str(exc)
         # every rank learns of any rank's failure before rank 0 broadcasts, so none waits alone
@@ -313,3 +323,46 @@ def _abort_if_distributed(exc: BaseException, stream) -> None:
         stream.flush()
     finally:
         world.Abort(1)
+        os._exit(1)  # MPICH's Abort may return once the launcher has been told: never run on
+
+
+def find_mpiexec() -> str | None:
+    """The ``mpiexec`` beside this interpreter (the ``mpich`` wheel's, in a virtualenv), else on PATH."""
+    here = Path(sys.executable).parent / "mpiexec"
+    if here.is_file() and os.access(here, os.X_OK):
+        return str(here)
+    return shutil.which("mpiexec")
+
+
+def launch(ranks: int, argv, *, timeout: float, env=None) -> subprocess.CompletedProcess:
+    """Run ``mpiexec -n ranks argv...`` to completion within ``timeout`` seconds; output captured as text.
+
+    The job gets ``MPIEXEC_TIMEOUT`` (Hydra ends its own job at that limit)
+    and, should that fail, ``mpiexec`` is sent SIGTERM, on which it ends every
+    rank, and then SIGKILL; :class:`subprocess.TimeoutExpired` is raised either
+    way, with the output so far. ``env``: variables added to this process's.
+    A job that fails on its own returns its non-zero exit status; one that
+    runs to the limit raises, whatever the status Hydra gives it.
+    """
+    ranks = check_int("ranks", ranks, 1)
+    exe = find_mpiexec()
+    if exe is None:
+        raise BackendUnavailableError(f"no mpiexec beside {sys.executable} or on PATH: {INSTALL_HINT}")
+    full = dict(os.environ, MPIEXEC_TIMEOUT=str(max(1, int(timeout))), **(env or {}))
+    cmd = [exe, "-n", str(ranks), *map(str, argv)]
+    start = time.monotonic()
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=full,
+                          start_new_session=True) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout + 10)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGTERM)  # Hydra forwards it and cleans up every rank
+            try:
+                out, err = proc.communicate(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                out, err = proc.communicate()
+            raise subprocess.TimeoutExpired(cmd, timeout, output=out, stderr=err) from None
+    if time.monotonic() - start >= timeout:  # Hydra's own limit ended it (with status 255 or, at times, 0)
+        raise subprocess.TimeoutExpired(cmd, timeout, output=out, stderr=err)
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)

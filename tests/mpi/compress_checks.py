@@ -1,0 +1,1 @@
+"""The compressors' multi-rank exchange (run by ``checks.py compress``)."""
