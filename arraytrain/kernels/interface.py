@@ -77,7 +77,7 @@ KERNELS = {
     "randk_indices": ("compression", "k distinct indices of n from the counter RNG (Floyd's sampling)"),
     "gather": ("compression", "out = x[idx]"),
     "scatter": ("compression", "out[idx] += factor * values"),
-    "int8_encode": ("compression", "absmax-per-block int8 codes (optionally stochastic rounding)"),
+    "int8_encode": ("compression", "absmax-per-block int8 codes (optionally stochastic rounding; or against given scales)"),
     "int8_decode": ("compression", "out = codes * scale per block"),
     "sign_encode": ("compression", "sign bits (8 per byte) and an L1 scale per block"),
     "sign_decode": ("compression", "out = +-scale per block"),
