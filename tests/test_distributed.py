@@ -47,8 +47,8 @@ def ranks(n: int, *args, timeout: float = TIMEOUT) -> subprocess.CompletedProces
 
 
 @pytest.mark.parametrize("n", [2, 4])
-def test_collectives_and_compressed_exchange(n):
-    proc = ranks(n, CHECKS, "comm", "compress")
+def test_collectives_compressed_exchange_and_engine(n):
+    proc = ranks(n, CHECKS, "comm", "compress", "engine")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     summary = proc.stdout.strip().splitlines()[-1]
     assert summary.startswith("all ") and f"checks passed on {n} ranks" in summary, proc.stdout + proc.stderr

@@ -9,6 +9,7 @@ status is 0, or the failures and status 1.
 
 Groups: ``comm`` (the collectives, set-up agreement, bad input),
 ``compress`` (every compressor's multi-rank exchange and error feedback),
+``engine`` (the engine over MPIComm: data parallel, compressed, a resumed checkpoint),
 ``crash`` (the last rank fails inside :func:`abort_on_error` while the others
 wait in a collective: the job must end, non-zero, with the error printed).
 """
@@ -25,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from arraytrain.distributed import MPIComm, abort_on_error  # noqa: E402
 
-GROUPS = {"comm": "comm_checks", "compress": "compress_checks"}
+GROUPS = {"comm": "comm_checks", "compress": "compress_checks", "engine": "engine_checks"}
 
 
 def checks_of(module: str) -> list:
