@@ -2,7 +2,8 @@
 
 :class:`MPIComm` implements :class:`arraytrain.exchange.Exchange` with
 mpi4py's buffer collectives on NumPy arrays; :class:`NCCLComm` implements it
-with NCCL (through ``cupy.cuda.nccl``) on CuPy arrays, one process per GPU.
+with NCCL (through ``cupy.cuda.nccl``) on CuPy arrays, one process per GPU
+(and MPI for the NumPy arrays it is given).
 Both are imported lazily: ``import arraytrain`` never imports mpi4py or CuPy,
 and without them the constructors raise
 :class:`~arraytrain.errors.BackendUnavailableError` naming the extra to
@@ -82,6 +83,7 @@ _MPI_TYPES = {
     np.dtype(np.uint8): "UINT8_T", np.dtype(np.uint16): "UINT16_T",
     np.dtype(np.uint32): "UINT32_T", np.dtype(np.uint64): "UINT64_T",
 }
+_NCCL_INT_COUNT = 2**31 - 1  # the most elements one call of CuPy's NcclCommunicator.bcast takes
 # numpy dtype -> the name of its NCCL datatype constant in cupy.cuda.nccl
 _NCCL_TYPES = {
     np.dtype(np.float16): "NCCL_FLOAT16", np.dtype(np.float32): "NCCL_FLOAT32",
@@ -107,13 +109,10 @@ def _checked(x, name: str, backend: str, types: dict, writeable: bool):
         kind = NUMPY if type(x) is np.ndarray else backend_of(x)  # the common case first: a call's overhead
     except BackendError:
         raise BackendError(f"{name}: expected a {backend} array, got {type(x).__name__}") from None
-    if kind != backend:
-        if kind == CUPY:
-            raise BackendError(f"{name}: a CuPy array given to MPIComm, which moves host buffers only (the MPICH "
-                               "from PyPI is not CUDA-aware, and arraytrain never copies between device and host "
-                               "implicitly): use arraytrain.distributed.NCCLComm for CuPy buffers")
-        raise BackendError(f"{name}: a NumPy array given to NCCLComm, which moves CuPy (device) buffers only: "
-                           "use arraytrain.distributed.MPIComm for NumPy buffers")
+    if kind != backend:  # NCCLComm sends NumPy arrays through MPI itself: only MPIComm gets here
+        raise BackendError(f"{name}: a CuPy array given to MPIComm, which moves host buffers only (the MPICH "
+                           "from PyPI is not CUDA-aware, and arraytrain never copies between device and host "
+                           "implicitly): use arraytrain.distributed.NCCLComm for CuPy buffers")
     dt = types.get(x.dtype)
     if dt is None:
         raise DTypeError(f"{name}: expected one of {', '.join(str(t) for t in types)}, got {x.dtype}")
@@ -208,11 +207,14 @@ class NCCLComm(Exchange):
     """The exchange over NCCL, on CuPy buffers: one process per GPU, started by ``mpiexec``.
 
     MPI starts the processes, broadcasts NCCL's unique id from rank 0 and
-    carries :meth:`gather_objects`; the arrays go through NCCL on the current
+    carries :meth:`gather_objects`; CuPy arrays go through NCCL on the current
     CuPy stream, so the collectives are ordered after the kernels that wrote
-    them and before those that read them, with no host synchronisation. Select
-    each rank's GPU before constructing it (e.g.
-    ``cupy.cuda.Device(local_rank).use()``); NCCL refuses two ranks on one GPU.
+    them and before those that read them, with no host synchronisation. NumPy
+    arrays (the engine's host scalars: weight sums, skip flags) go through the
+    MPI communicator :attr:`mpi`, each array over the link of its own memory —
+    nothing is copied between host and device. Select each rank's GPU before
+    constructing it (e.g. ``cupy.cuda.Device(local_rank).use()``); NCCL refuses
+    two ranks on one GPU.
 
     Parameters
     ----------
@@ -254,6 +256,8 @@ class NCCLComm(Exchange):
 
     def allreduce(self, x, op: str = "sum") -> None:
         """``x`` becomes the element-wise ``op`` over ranks, in place, on the current stream."""
+        if isinstance(x, np.ndarray):
+            return self.mpi.allreduce(x, op)
         nccl_op = _check_op(op, self._ops)
         dt = _checked(x, "x", CUPY, self._types, True)
         if x.size:
@@ -261,6 +265,8 @@ class NCCLComm(Exchange):
 
     def allgather(self, x) -> list:
         """Every rank's ``x``, in rank order: views of one ``(size, *x.shape)`` device array."""
+        if isinstance(x, np.ndarray):
+            return self.mpi.allgather(x)
         dt = _checked(x, "x", CUPY, self._types, False)
         recv = self._cupy.empty((self.size, *x.shape), x.dtype)
         if x.size:
@@ -269,10 +275,14 @@ class NCCLComm(Exchange):
 
     def broadcast(self, x, root: int = 0) -> None:
         """``x`` becomes rank ``root``'s ``x``, in place, on the current stream."""
+        if isinstance(x, np.ndarray):
+            return self.mpi.broadcast(x, root)
         root = check_int("root", root, 0, self.size - 1, error=ArgumentTypeError)
         dt = _checked(x, "x", CUPY, self._types, True)
-        if x.size:
-            self._comm.bcast(x.data.ptr, x.size, dt, root, self._stream())
+        step = _NCCL_INT_COUNT  # CuPy's bcast takes a C int count: a large buffer goes in pieces
+        for lo in range(0, x.size, step):
+            n = min(step, x.size - lo)
+            self._comm.bcast(x.data.ptr + lo * x.itemsize, n, dt, root, self._stream())
 
     def gather_objects(self, obj) -> list:
         """Every rank's ``obj`` over MPI (set-up only)."""

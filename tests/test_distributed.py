@@ -123,7 +123,11 @@ def test_nccl_one_rank_on_one_gpu():
         y = cp.ones(5, cp.float64); c.broadcast(y, 0); assert float(y.sum()) == 5.0
         c.allreduce(cp.zeros(0, cp.float32))
         assert c.gather_objects("a") == ["a"]
-        for call, err in ((lambda: c.allreduce(np.ones(3, np.float32)), BackendError),
+        h = np.arange(3, dtype=np.float64)  # host arrays go over MPI
+        c.allreduce(h); c.broadcast(h, 0)
+        assert h.tolist() == [0.0, 1.0, 2.0] and c.allgather(h)[0].tolist() == [0.0, 1.0, 2.0]
+        assert isinstance(c.allgather(h)[0], np.ndarray)
+        for call, err in ((lambda: c.allreduce([1.0]), BackendError),
                           (lambda: c.allreduce(cp.ones(3, cp.int16)), DTypeError),
                           (lambda: c.allreduce(cp.ones(4, cp.float32)[::2]), TypeError)):
             try:
