@@ -15,7 +15,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from .._checks import check_bool, check_int
-from ..backend import array_module
+from ..backend import CUPY, array_module
 from ..kernels.counter_rng import step_key
 from ._base import Compressor, Domain, check_wire
 from ._summed import Summed
@@ -53,9 +53,10 @@ class Int8Block(Summed, Compressor):
     codes against :math:`S_b = \max_r s_{b,r}`), so the codes add up,
     :math:`\sum_r \hat x_r = S_b \sum_r q_r`, and are all-reduced and decoded
     once. A sum of K codes needs more than 8 bits: the codes travel as int16
-    (K <= 258; int32 beyond), and the payload holds them so, ``2n +
-    ceil(n / block) * itemsize`` bytes — what each process puts on the wire,
-    the shared scales' all-reduce included. Stochastic rounding draws
+    (K <= 258; int32 beyond; CuPy arrays through NCCL, which has no int16, as
+    float16 — exact for these integers — up to K = 16), and the payload holds
+    them so, ``2n + ceil(n / block) * itemsize`` bytes — what each process
+    puts on the wire, the shared scales' all-reduce included. Stochastic rounding draws
     independently on each process (the call's key mixed with the rank), so
     the rounding errors of the sum are independent too.
     """
@@ -73,9 +74,17 @@ class Int8Block(Summed, Compressor):
         self._nblocks = -(-domain.size // self.block)
 
     def _codes_dtype(self) -> np.dtype:
-        """int8 for one process; in a group, a type that holds the sum of every process's codes."""
+        """int8 for one process; in a group, a type that holds the sum of every process's codes exactly.
+
+        int16 over MPI; NCCL (CuPy arrays) has no int16, and float16 holds every integer up to
+        2048 exactly — every partial sum of up to 16 processes' codes, in any order.
+        """
         k = self.comm.size
-        return np.dtype(np.int8 if k == 1 else np.int16 if 127 * k <= 2**15 - 1 else np.int32)
+        if k == 1:
+            return np.dtype(np.int8)
+        if self._backend == CUPY:
+            return np.dtype(np.float16 if 127 * k <= 2048 else np.int32)
+        return np.dtype(np.int16 if 127 * k <= 2**15 - 1 else np.int32)
 
     def _encode(self, x: np.ndarray, meta: dict) -> dict[str, np.ndarray]:
         xp = self._xp()
