@@ -338,6 +338,7 @@ def part_accuracy(args) -> dict:
 
 def plot(path: str, results: dict) -> None:
     from matplotlib.figure import Figure
+    from matplotlib.ticker import NullFormatter
 
     panels = [p for p in ("allreduce", "projection", "accuracy") if p in results]
     fig = Figure(figsize=(5.2 * len(panels), 4.2))
@@ -367,10 +368,11 @@ def plot(path: str, results: dict) -> None:
                 marker = "s" if s["ef"] else "o"
                 color = "gray" if s["method"] == "none" else ("tab:blue" if s["ef"] else "tab:red")
                 ax.scatter(s["bytes_per_step"], 100 * s["accuracy"], marker=marker, color=color)
-                ax.annotate(s["method"], (s["bytes_per_step"], 100 * s["accuracy"]), fontsize=7,
-                            xytext=(3, 2), textcoords="offset points")
+                ax.annotate(s["method"], (s["bytes_per_step"], 100 * s["accuracy"]), fontsize=7, color=color,
+                            xytext=(4, 3 if s["ef"] else -8), textcoords="offset points")
             ax.set(xscale="log", xlabel="bytes sent per process per step", ylabel="test accuracy (%)",
-                   title=f"digits, {res['ranks']} processes (squares: error feedback)")
+                   title=f"digits, {res['ranks']} processes (blue squares: error feedback)")
+        ax.xaxis.set_minor_formatter(NullFormatter())
         ax.grid(alpha=0.3, which="both")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
