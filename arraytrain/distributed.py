@@ -198,7 +198,7 @@ def _nccl():
         raise BackendUnavailableError(f"NCCLComm needs CuPy's NCCL binding (pip install nvidia-nccl-cu12, or "
                                       f"-cu13, matching CuPy): {exc}") from None
     if not getattr(nccl, "available", True):
-        raise BackendUnavailableError("NCCLComm: CuPy was built without NCCL "
+        raise BackendUnavailableError("NCCLComm: CuPy could not load the NCCL library "
                                       "(pip install nvidia-nccl-cu12, or -cu13, matching CuPy)")
     return nccl
 
