@@ -194,7 +194,9 @@ class Ternary(_BlockScaled):
     Payload: ``codes`` (uint8, four 2-bit codes per byte, element ``4j + t``
     in bits ``2t`` and ``2t + 1`` of byte ``j``; 0 = zero, 1 = ``+s``, 2 =
     ``-s``) and ``scales`` (float32): ``ceil(n / 4) + 4 * nblocks`` bytes.
-    Two passes over the gradient (block maxima, then codes).
+    Two passes over the gradient (block maxima, then codes). In a group of processes the
+    payloads are gathered, and each process rounds with its own draws (the call's key
+    mixed with the rank), so the rounding errors of the sum are independent.
     """
 
     method = "ternary"
@@ -204,7 +206,10 @@ class Ternary(_BlockScaled):
         xp = self._xp()
         codes = xp.empty(-(-x.size // 4), np.uint8)
         scales = xp.empty(self._nblocks, np.float32)
-        self._kern.ternary_encode(x, self._block, meta["key"], codes, scales)
+        key = meta["key"]
+        if not self.comm.is_local:  # each process rounds independently (decoding needs no key)
+            key = step_key(key, self.comm.rank, 2)
+        self._kern.ternary_encode(x, self._block, key, codes, scales)
         return {"codes": codes, "scales": scales}
 
     def _decode(self, arrays: Mapping[str, np.ndarray], meta: Mapping, out: np.ndarray) -> None:

@@ -35,7 +35,7 @@ METHODS = {
 # exchange == one process's round trip of the summed gradient
 LINEAR = {"randomk", "randomk_contract", "powersgd", "powersgd_ref", "vsa", "vsa_contract"}
 # this rank's payload does not depend on the others': its residual equals a lone twin's
-OWN_PAYLOAD = {"topk", "randomk", "randomk_contract", "sign", "ternary", "vsa", "vsa_contract"}
+OWN_PAYLOAD = {"topk", "randomk", "randomk_contract", "sign", "vsa", "vsa_contract"}  # ternary: own draws per rank
 TOL = {np.dtype(np.float64): dict(rtol=1e-11, atol=1e-11), np.dtype(np.float32): dict(rtol=2e-5, atol=2e-5)}
 
 
