@@ -141,5 +141,5 @@ class PhaseCheckpoint(Checkpoint):
             raise ArgumentTypeError(f"PhaseCheckpoint: expected a PhaseTrainer, got {type(trainer).__name__} "
                                     "(use Checkpoint)")
         path = self.path.format(epoch=epoch)
-        save(path, trainer.controller, extra={**self.extra, "epoch": epoch})
+        save(path, trainer.controller, extra=self._extra(trainer, epoch))
         self.saved.append(path)
