@@ -238,6 +238,8 @@ class Profiler(Callback):
     Adds ``time_split`` (phase -> seconds in this epoch) to the logs and keeps
     the list in ``epochs``; :meth:`summary` gives the whole run's seconds and
     fractions. The trainer times every phase anyway; this callback reports it.
+    The warm-up micro-batches (the first of each kind, which compile or load
+    kernels) are in none of the phases: ``trainer.warmup_seconds`` holds them.
     """
 
     def on_train_begin(self, trainer) -> None:
