@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import time
 
-from ..errors import ArgumentTypeError
+from ..engine import Engine
+from ..errors import ArgumentTypeError, HyperparameterError
 from ..phase import LOSS_MEAN, LOSS_MIN, LOSS_WINDOW, Phase, PhaseController, PhaseSchedule, PhaseStats, save
 from .callbacks import Checkpoint
-from .trainer import Trainer
+from .trainer import Trainer, _checked_numerics
 
 __all__ = ["LOSS_MEAN", "LOSS_MIN", "LOSS_WINDOW", "Phase", "PhaseCheckpoint", "PhaseSchedule", "PhaseStats",
            "PhaseTrainer"]
@@ -45,8 +46,9 @@ class PhaseTrainer(Trainer):
     per second, as for the Trainer).
 
     The engine must take one micro-batch per optimizer step
-    (``accumulation_steps=1``), and have no SAM optimizer and no loss scaler
-    (a recorded gradient would not be comparable from step to step).
+    (``accumulation_steps=1``), and have no SAM optimizer, no loss scaler
+    (a recorded gradient would not be comparable from step to step) and no
+    working copy.
 
     Resuming mid-phase: :class:`PhaseCheckpoint` (or
     :func:`arraytrain.phase.save` with ``trainer.controller``) writes the engine
@@ -60,6 +62,9 @@ class PhaseTrainer(Trainer):
                  adaptive: bool = False, loss_threshold: float = 0.1, full_bounds=(5, 50),
                  predict_bounds=(10, 100), history: int = 4, correction_beta: float = 0.9,
                  kernels: str = "numba", **trainer_kwargs):
+        if isinstance(engine, Engine) and engine.working is not None:
+            raise HyperparameterError("working_dtype: gradient prediction records the gradient in engine.grads; "
+                                      "an engine with a working copy takes its gradients through step(grads)")
         super().__init__(model, engine, **trainer_kwargs)
         self.controller = PhaseController(engine, full_steps=full_steps, predict_steps=predict_steps,
                                           correct_every=correct_every, adaptive=adaptive,
@@ -81,8 +86,8 @@ class PhaseTrainer(Trainer):
         """A snapshot of the controller's :class:`~arraytrain.phase.PhaseStats`."""
         return self.controller.stats()
 
-    def _train_batch(self, xb, yb, tally) -> None:
-        engine, timings, ctl = self.engine, self.timings, self.controller
+    def _train_batch(self, xb, yb, tally) -> tuple[str, dict]:
+        engine, ctl = self.engine, self.controller
         phase = ctl.begin_step()
         t1 = time.perf_counter()
         if phase is Phase.PREDICT:
@@ -93,10 +98,11 @@ class PhaseTrainer(Trainer):
             t5 = t6 = time.perf_counter()
             loss, n = None, 0
         else:
-            out = self.model.forward(xb)
-            loss, dout = self.loss_fn(out, yb)
-            t2 = time.perf_counter()
-            self.model.backward(dout)
+            with _checked_numerics(xb):
+                out = self.model.forward(xb)
+                loss, dout = self.loss_fn(out, yb)
+                t2 = time.perf_counter()
+                self.model.backward(dout)
             t3 = time.perf_counter()
             ctl.record_full_gradients()
             t4 = time.perf_counter()
@@ -110,12 +116,10 @@ class PhaseTrainer(Trainer):
             cb.on_batch_end(self, self.steps, {"loss": 0.0 if loss is None else loss, "report": tally.report,
                                                "size": n, "phase": phase.value})
         t7 = time.perf_counter()
-        timings["forward"] += t2 - t1
-        timings["backward"] += t3 - t2
-        timings["predict"] += t4 - t3
-        timings["optimizer"] += t5 - t4
-        timings["metrics"] += t6 - t5
-        timings["callbacks"] += t7 - t6
+        # each phase runs kernels of its own (the trend fit, the prediction, the correction)
+        kind = "skipped" if tally.report.skipped else phase.value
+        return kind, {"forward": t2 - t1, "backward": t3 - t2, "predict": t4 - t3, "optimizer": t5 - t4,
+                      "metrics": t6 - t5, "callbacks": t7 - t6}
 
     def _epoch_logs(self, e: int, tally, t_epoch: float) -> dict:
         logs = super()._epoch_logs(e, tally, t_epoch)
@@ -137,5 +141,5 @@ class PhaseCheckpoint(Checkpoint):
             raise ArgumentTypeError(f"PhaseCheckpoint: expected a PhaseTrainer, got {type(trainer).__name__} "
                                     "(use Checkpoint)")
         path = self.path.format(epoch=epoch)
-        save(path, trainer.controller, extra={**self.extra, "epoch": epoch})
+        save(path, trainer.controller, extra=self._extra(trainer, epoch))
         self.saved.append(path)
