@@ -94,14 +94,10 @@ from .exchange import PerRank
 
 def __getattr__(name: str):
     """``safetensors`` and its NumPy API (``_st_numpy``) as module attributes, imported on first use."""
-    if name == "safetensors":
-        import safetensors
+    if name in ("safetensors", "_st_numpy"):
+        import safetensors.numpy
 
-        return safetensors
-    if name == "_st_numpy":
-        from safetensors import numpy as _st_numpy
-
-        return _st_numpy
+        return safetensors if name == "safetensors" else safetensors.numpy
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
