@@ -303,3 +303,39 @@ def test_import_compiles_nothing():
     compiled = {k: v for k, v in found["dispatchers"].items() if v}
     assert compiled == {}
     assert not found["cupy"] and not found["cuda_kernels"]
+
+
+LIGHT_IMPORT_PROBE = textwrap.dedent(
+    """
+    import json, sys
+    import arraytrain
+    heavy = ("numba", "llvmlite", "scipy", "safetensors", "ml_dtypes", "cupy")
+    at_import = sorted(m for m in heavy if m in sys.modules)
+    arraytrain.Engine, arraytrain.optim.AdamW, arraytrain.compress.TopK, arraytrain.nn.MLP
+    from arraytrain import load, save, schedules
+    at_engine = sorted(m for m in heavy if m in sys.modules)
+    print(json.dumps({"at_import": at_import, "at_engine": at_engine, "names": sorted(dir(arraytrain))}))
+    """
+)
+
+
+def test_import_loads_no_heavy_dependency():
+    """``import arraytrain`` imports none of numba, scipy, safetensors, ml_dtypes (and no kernel);
+    reaching the engine, the optimizers, the compressors and nn imports no numba, scipy or safetensors
+    either: numba loads with the first CPU kernel, safetensors with the first save or load."""
+    out = subprocess.run([sys.executable, "-c", LIGHT_IMPORT_PROBE], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    found = json.loads(out.stdout.strip().splitlines()[-1])
+    assert found["at_import"] == []
+    assert not {"numba", "llvmlite", "scipy", "safetensors", "cupy"} & set(found["at_engine"])
+    assert set(arraytrain.__all__) <= set(found["names"])  # dir() lists the lazily imported names
+
+
+def test_lazy_names_are_the_modules_objects():
+    from arraytrain import checkpoint, engine, optim, prune
+
+    assert arraytrain.Engine is engine.Engine and arraytrain.save is checkpoint.save
+    assert arraytrain.optim is optim and arraytrain.magnitude_mask is prune.magnitude_mask
+    assert arraytrain.kernels.interface.DOMAINS  # submodules are reachable as attributes, as before
+    with pytest.raises(AttributeError):
+        arraytrain.no_such_name  # noqa: B018
