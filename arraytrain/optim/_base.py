@@ -24,12 +24,15 @@ class OptState:
     ``hp`` maps each per-parameter hyperparameter (``lr``, ``weight_decay``) to a
     float64 array with one value per parameter resolved from the optimizer's
     name-pattern ``overrides``, NaN where the optimizer's own (possibly changed
-    since) value applies; it is derived, not saved.
+    since) value applies; it is derived, not saved. ``scalars``: state that is one
+    float for the whole buffer (NAdam's ``mu_product``), kept on the host, saved
+    and restored with the slots.
     """
 
     step: int = 0
     slots: dict[str, FlatBuffer] = field(default_factory=dict)
     hp: dict[str, np.ndarray] = field(default_factory=dict)
+    scalars: dict[str, float] = field(default_factory=dict)
 
 
 class Optimizer(ABC):
