@@ -635,7 +635,8 @@ class Engine:
                 "hyperparameters": self.optimizer.hyperparameters(),
                 "step": self.state.step,
                 "slots": {k: buf.as_dict(copy=copy) for k, buf in self.state.slots.items()},
-                "scalars": dict(self.state.scalars),
+                # only where the optimizer keeps any (NAdam): the other states read as before
+                **({"scalars": dict(self.state.scalars)} if self.state.scalars else {}),
             },
             "accumulation": acc,
             "schedule": None if self.schedule is None else self.schedule.state_dict(),
@@ -699,7 +700,7 @@ class Engine:
             acc = state["accumulation"]
             params = state["params"]
             slots = opt["slots"]
-            scalars = opt.get("scalars", {})  # absent in states saved before any optimizer kept one
+            scalars = opt.get("scalars", {})  # absent where the optimizer keeps none
             step = opt["step"]
             skips, perturbed = state["consecutive_skips"], state["perturbed"]
             parts = {key: state[key] for key, _, _ in self._PARTS}

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .._checks import check_number
+from .._checks import check_bool, check_number
 from ..buffer import FlatBuffer, kernel_view
 from ..errors import ArgumentTypeError, DTypeError, HyperparameterError, LayoutError
 from ..layout import Layout
@@ -150,6 +150,16 @@ class Optimizer(ABC):
     # each slot is read and written through the kernels' one state accessor.
     STATE_DTYPES: tuple = ("float32", "bfloat16")
     state_dtype: str | None = None
+
+    def _set_basics(self, lr, eps, weight_decay, maximize, state_dtype, overrides) -> None:
+        """Check and set what every optimizer names alike: ``lr >= 0``, ``eps > 0``, ``weight_decay >= 0``,
+        ``maximize``, ``state_dtype`` and ``overrides``."""
+        self.lr = check_number("lr", lr, 0.0)
+        self.eps = check_number("eps", eps, 0.0, lo_open=True)
+        self.weight_decay = check_number("weight_decay", weight_decay, 0.0)
+        self.maximize = check_bool("maximize", maximize)
+        self._set_state_dtype(state_dtype)
+        self._set_overrides(overrides)
 
     def _set_state_dtype(self, state_dtype) -> None:
         if state_dtype is not None and state_dtype not in self.STATE_DTYPES:
