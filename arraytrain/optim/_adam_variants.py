@@ -87,7 +87,7 @@ class NAdam(_AdamVariant):
         state.scalars["mu_product"] = 1.0
         return state
 
-    def mu(self, t: int) -> float:
+    def _mu(self, t: int) -> float:
         """The momentum schedule :math:`\\mu_t = \\beta_1 (1 - 0.5 \\cdot 0.96^{t \\psi})` (torch's formula)."""
         return self.betas[0] * (1.0 - 0.5 * (0.96 ** (t * self.momentum_decay)))
 
@@ -95,7 +95,7 @@ class NAdam(_AdamVariant):
                mask=None):
         lr = self._lr(state, lr)
         t = state.step + 1
-        mu, mu_next = self.mu(t), self.mu(t + 1)
+        mu, mu_next = self._mu(t), self._mu(t + 1)
         mu_product = state.scalars["mu_product"] * mu
         kernels.nadam_step(*self._arrays(state, params, grads),
                            grad_step=lr * (1.0 - mu) / (1.0 - mu_product),
@@ -141,7 +141,7 @@ class RAdam(_AdamVariant):
                 "decoupled_weight_decay": self.decoupled_weight_decay, "maximize": self.maximize,
                 "state_dtype": self.state_dtype, "overrides": self.overrides}
 
-    def rectification(self, t: int) -> float | None:
+    def _rectification(self, t: int) -> float | None:
         """:math:`r_t \\sqrt{1-\\beta_2^t}` at step ``t``, or None where :math:`\\rho_t \\le 5` (no adaptive step)."""
         b2 = self.betas[1]
         bc2 = 1.0 - b2**t
@@ -155,7 +155,7 @@ class RAdam(_AdamVariant):
                mask=None):
         lr = self._lr(state, lr)
         t = state.step + 1
-        rect = self.rectification(t)
+        rect = self._rectification(t)
         kernels.radam_step(*self._arrays(state, params, grads), step_size=lr / (1.0 - self.betas[0] ** t),
                            rect=0.0 if rect is None else rect, rectified=rect is not None, **self._decays(state, lr),
                            **self._common_args(params, gscale, working, zero_grad, mask))
