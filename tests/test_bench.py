@@ -98,6 +98,7 @@ def test_cli_writes_json_and_flags_baseline(tmp_path, capsys):
     assert rc == 0
     doc = json.loads(out.read_text())
     assert {r["optimizer"] for r in doc["rows"]} == {"sgd"} and doc["triad_gbs"] > 0 and doc["inplace_gbs"] > 0
+    assert all(0 < r["inplace_gbs"] <= doc["inplace_gbs"] for r in doc["rows"])  # each row's own reference
     printed = capsys.readouterr().out
     assert "| sgd | 1e+03 | arraytrain |" in printed and "| % in-place |" in printed
     slow = dict(doc, rows=[dict(r, times={"arraytrain": [t / 10 for t in r["times"]["arraytrain"]]})

@@ -33,7 +33,9 @@ compilation are excluded; min and median are reported. "GB/s" counts the bytes
 a fused clipped step cannot avoid (a read of the gradients for the norm, then
 read p, g and every state slot, write p and every slot; per optimizer in
 :data:`OPTIMIZERS`), the same for every contestant, so it is proportional to
-speed; "% triad" and "% in-place" compare that to the two. A contestant without an
+speed; "% triad" compares that to the triad's best over the run, "% in-place" to the
+in-place update's best in the same row's rounds (this VM's bandwidth drifts within a
+run, and a burst would otherwise set every row's reference). A contestant without an
 implementation of an optimizer is listed under the table with the reason. ``--json`` writes every figure; ``--baseline OLD.json`` flags
 arraytrain slowdowns against an earlier run (see :func:`regressions`).
 """
@@ -619,8 +621,11 @@ def run(optimizers, sizes, reps, names=DEFAULT_CONTESTANTS, zero_grad=False, log
                     fn()  # untimed: absorbs the previous contestant's idle threads winding down
                     times[name] += _timeit(fn, BLOCK)
             triad_times += times.pop("triad")
-            inplace_times += times.pop("in-place")
-            rows.append({"optimizer": opt, "n": n, "times": times})
+            row_inplace = times.pop("in-place")
+            inplace_times += row_inplace
+            # the VM's bandwidth drifts within a run: each row keeps the in-place figure of its own rounds
+            rows.append({"optimizer": opt, "n": n, "times": times,
+                         "inplace_gbs": inplace_bytes / min(row_inplace) / 1e9})
             log(f"  timed {opt} n={n:.0e}: " + ", ".join(f"{k} {min(v) * 1e3:.2f} ms" for k, v in times.items()))
             contestants.clear()
     for name, why in missing.items():
@@ -630,20 +635,22 @@ def run(optimizers, sizes, reps, names=DEFAULT_CONTESTANTS, zero_grad=False, log
 
 
 def table(rows, triad_gbs, inplace_gbs=None) -> str:
-    """The Markdown table; with ``inplace_gbs``, a last column: GB/s as a share of the in-place update's."""
+    """The Markdown table; with ``inplace_gbs``, a last column: GB/s as a share of the in-place update's,
+    timed in the same row's rounds where the row has it (``row["inplace_gbs"]``), else ``inplace_gbs``."""
     extra = ("", "") if inplace_gbs is None else (" % in-place |", "---:|")
     out = ["| optimizer | params | contestant | min ms | median ms | GB/s | % triad | time / arraytrain |" + extra[0],
            "|---|---:|---|---:|---:|---:|---:|---:|" + extra[1]]
     for row in rows:
         opt, n, times = row["optimizer"], row["n"], row["times"]
         ours = min(times["arraytrain"]) if "arraytrain" in times else None
+        inplace = row.get("inplace_gbs", inplace_gbs)
         for name, ts in times.items():
             best = min(ts)
             gbs = step_bytes(opt) * n / best / 1e9
             ratio = f"{best / ours:.2f}" if ours else "-"
             out.append(f"| {opt} | {n:.0e} | {name} | {best * 1e3:.2f} | {statistics.median(ts) * 1e3:.2f} | "
                        f"{gbs:.1f} | {gbs / triad_gbs:.0%} | {ratio} |"
-                       + ("" if inplace_gbs is None else f" {gbs / inplace_gbs:.0%} |"))
+                       + ("" if inplace_gbs is None else f" {gbs / inplace:.0%} |"))
     return "\n".join(out)
 
 
@@ -737,7 +744,8 @@ def main(argv=None) -> int:
     print(f"machine: {platform.machine()}, {os.cpu_count()} cores; python {platform.python_version()}, "
           f"numpy {np.__version__}; {policy}")
     print(f"numba triad bandwidth (best over the run, timed in the same rotation): {tri:.1f} GB/s")
-    print(f"numba in-place a += s*b bandwidth (likewise): {inp:.1f} GB/s\n")
+    print(f"numba in-place a += s*b bandwidth (likewise): {inp:.1f} GB/s; '% in-place' compares each row with "
+          f"the in-place update timed in that row's own rounds\n")
     print(table(rows, tri, inp))
     if unavailable:
         print("\nnot available: " + "; ".join(f"{k}: {v}" for k, v in unavailable.items()))
