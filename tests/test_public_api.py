@@ -99,7 +99,7 @@ SURFACE = {
                 "state_dtype=None, overrides=None)",
         "Lion": "(lr=0.0001, betas=(0.9, 0.99), weight_decay=0.001, *, maximize=False, state_dtype=None, "
                 "overrides=None)",
-        "OptState": "(step=0, slots=<factory>, hp=<factory>)",
+        "OptState": "(step=0, slots=<factory>, hp=<factory>, scalars=<factory>)",
         "Optimizer": "()",
         "RMSprop": "(lr=0.01, alpha=0.99, eps=1e-08, weight_decay=0.0, momentum=0.0, centered=False, *, "
                    "maximize=False, state_dtype=None, overrides=None)",
@@ -108,6 +108,14 @@ SURFACE = {
                "state_dtype=None, overrides=None)",
         "Sophia": "(lr=0.0001, betas=(0.965, 0.99), rho=0.04, weight_decay=0.1, *, eps=1e-15, bs=5120, "
                   "maximize=False, overrides=None)",
+        "NAdam": "(lr=0.002, betas=(0.9, 0.999), eps=1e-08, weight_decay=0.0, momentum_decay=0.004, "
+                 "decoupled_weight_decay=False, *, maximize=False, state_dtype=None, overrides=None)",
+        "RAdam": "(lr=0.001, betas=(0.9, 0.999), eps=1e-08, weight_decay=0.0, decoupled_weight_decay=False, *, "
+                 "maximize=False, state_dtype=None, overrides=None)",
+        "Adamax": "(lr=0.002, betas=(0.9, 0.999), eps=1e-08, weight_decay=0.0, *, maximize=False, state_dtype=None, "
+                  "overrides=None)",
+        "Adadelta": "(lr=1.0, rho=0.9, eps=1e-06, weight_decay=0.0, *, maximize=False, state_dtype=None, "
+                    "overrides=None)",
     },
     # torch's class and argument names where torch has the schedule (see the module docstring)
     "arraytrain.schedules": {

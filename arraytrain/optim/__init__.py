@@ -10,6 +10,8 @@ from ._rmsprop import RMSprop
 from ._sam import SAM
 from ._sgd import SGD
 from ._sophia import Sophia
+from ._adam_variants import Adamax, NAdam, RAdam
+from ._adadelta import Adadelta
 
 __all__ = [
     "SGD",
@@ -22,6 +24,10 @@ __all__ = [
     "Adafactor",
     "Sophia",
     "SAM",
+    "NAdam",
+    "RAdam",
+    "Adamax",
+    "Adadelta",
     "Optimizer",
     "OptState",
 ]

@@ -26,6 +26,12 @@ from .optimizers import (  # noqa: F401
     sgd_step,
     sophia_step,
 )
+from .optimizers import (  # noqa: F401
+    adadelta_step,
+    adamax_step,
+    nadam_step,
+    radam_step,
+)
 from .compression import (  # noqa: F401
     gather,
     int8_decode,
