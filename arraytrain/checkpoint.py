@@ -87,11 +87,19 @@ except ImportError:  # not POSIX: no stale-file cleanup (see _clean_stale)
     fcntl = None
 
 import numpy as np
-import safetensors
-from safetensors import numpy as _st_numpy
 
 from .errors import ArgumentTypeError, CheckpointError, StateDictError
 from .exchange import PerRank
+
+
+def __getattr__(name: str):
+    """``safetensors`` and its NumPy API (``_st_numpy``) as module attributes, imported on first use."""
+    if name in ("safetensors", "_st_numpy"):
+        import safetensors.numpy
+
+        return safetensors if name == "safetensors" else safetensors.numpy
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = ["FORMAT", "FORMAT_VERSION", "CheckpointError", "load", "save"]
 
@@ -311,6 +319,9 @@ def _summary(tree, tensors: dict) -> str:
 
 
 def _write_atomic(where: str, tensors: dict, metadata: dict) -> None:
+    import safetensors  # imported by the first save or load, not by ``import arraytrain``
+    from safetensors import numpy as _st_numpy
+
     directory, base = os.path.split(os.path.abspath(where))
     # A private directory holds everything this save writes: our file and safetensors' own
     # temporary file (it writes ".tmpXXXXXX" beside its target, then renames). A crash leaves
@@ -443,6 +454,8 @@ class _Ref:
 
 def _read(where: str, template) -> tuple:
     """The validated tree (arrays read) and extra of the checkpoint at ``where``."""
+    import safetensors
+
     st = os.stat(where)  # a missing or unreadable file: the OSError says so
     if not stat.S_ISREG(st.st_mode):
         raise CheckpointError(f"{where}: not a regular file")
@@ -514,6 +527,8 @@ def _check_header_keys(where: str, size: int) -> None:
 
 
 def _guard(where: str, fn, *args):
+    import safetensors
+
     try:
         return fn(*args)
     except safetensors.SafetensorError as exc:

@@ -5,8 +5,19 @@ scikit-learn, no download), split train / validation / test from the seed and
 standardised with the training statistics. ``--data FILE.npz`` trains on the
 arrays ``X``, ``y`` (and optionally ``X_test``, ``y_test``) instead.
 
-Bad arguments, bad data files and missing optional packages end with one line
-on stderr and exit status 2; nothing prints a traceback on purpose.
+The library's capabilities each have a flag: ``--compress``/``--error-feedback``
+(the engine's compressor), ``--predict`` (the :class:`~arraytrain.nn.PhaseTrainer`),
+``--prune``/``--prune-epochs`` (:class:`~arraytrain.nn.callbacks.MagnitudePruning`),
+``--quantize-eval int8`` (:mod:`arraytrain.quantize`, evaluation only),
+``--precision bf16|fp16`` (the engine's working copy, and a loss scaler for fp16),
+``--device cuda`` and ``mpiexec -n K``.
+
+Everything that can be checked without the data is checked before they are
+loaded (flags and their combinations, the directories of ``--save``/``--json``/
+``--plot``, the plot format, the input files, optional packages): bad
+arguments, bad data files and missing optional packages end with one line on
+stderr and exit status 2, before any training; nothing prints a traceback on
+purpose.
 """
 
 from __future__ import annotations
@@ -23,7 +34,8 @@ import numpy as np
 
 from . import optim
 from .engine import Engine
-from .errors import ArrayTrainError
+from .errors import ArrayTrainError, NonFiniteError
+from .nn.callbacks import MagnitudePruning
 
 PROG = "arraytrain"
 SCHEDULES = ("constant", "cosine", "step", "plateau")
@@ -32,6 +44,10 @@ ACTIVATIONS = ("relu", "gelu", "tanh", "sigmoid")
 
 class UsageError(Exception):
     """A command-line problem, reported as one line."""
+
+
+def _usage(message: str) -> UsageError:
+    return UsageError(f"{PROG} train: error: {message}")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -132,47 +148,131 @@ def _value(text: str):
     return text
 
 
+PREDICT_KEYS = {"full": "full_steps", "predict": "predict_steps", "correct": "correct_every", "history": "history",
+                "beta": "correction_beta", "adaptive": "adaptive"}
+
+
+def _predict_defaults() -> dict:
+    # the cycle `python -m arraytrain.bench predict` settled on for this model (see its docstring)
+    from .bench.predict import BETA, CORRECT_EVERY, FULL_STEPS, HISTORY, PREDICT_STEPS
+
+    return {"full_steps": FULL_STEPS, "predict_steps": PREDICT_STEPS, "correct_every": CORRECT_EVERY,
+            "history": HISTORY, "correction_beta": BETA, "adaptive": False}
+
+
+def _predict_spec(text):
+    """``[full=F,predict=P,correct=C,history=H,beta=B,adaptive=true]`` -> PhaseTrainer's keyword arguments."""
+    spec = _predict_defaults()
+    for item in filter(None, (p.strip() for p in text.split(","))):
+        key, eq, value = item.partition("=")
+        key = key.strip()
+        if not eq or key not in PREDICT_KEYS:
+            raise argparse.ArgumentTypeError(f"expected key=value with key one of {', '.join(PREDICT_KEYS)}, "
+                                             f"got {item!r}")
+        v = _value(value)
+        if key == "adaptive":
+            if not isinstance(v, bool):
+                raise argparse.ArgumentTypeError(f"adaptive: expected true or false, got {value!r}")
+        elif key == "beta":
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 1:
+                raise argparse.ArgumentTypeError(f"beta: expected a number in [0, 1], got {value!r}")
+            v = float(v)
+        elif isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise argparse.ArgumentTypeError(f"{key}: expected a whole number >= 1, got {value!r}")
+        spec[PREDICT_KEYS[key]] = v
+    return spec
+
+
+def _epoch_range(text):
+    """``N`` or ``N-M`` -> (N, M), 1 <= N <= M."""
+    first, dash, last = text.partition("-")
+    try:
+        lo = int(first)
+        hi = int(last) if dash else lo
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an epoch N or a range N-M, got {text!r}") from None
+    if not 1 <= lo <= hi:
+        raise argparse.ArgumentTypeError(f"expected 1 <= N <= M, got {text!r}")
+    return lo, hi
+
+
+PRECISIONS = {"fp32": None, "bf16": "bfloat16", "fp16": "float16"}
+DESCRIPTION = ("Train the built-in MLP and report what happened. With no arguments it trains on scikit-learn's "
+               "handwritten digits (shipped with scikit-learn, no download), split train / validation / test from "
+               "the seed and standardised with the training statistics; --data FILE.npz trains on the arrays X, y "
+               "(and optionally X_test, y_test) instead. Every option is checked before the first epoch: a bad "
+               "one ends with one line on stderr and exit status 2.")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog=PROG, description="arraytrain: a training engine on flat NumPy buffers.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     t = sub.add_parser("train", help="train the built-in MLP (default: scikit-learn's digits)",
-                       description=__doc__.split("\n\n")[1].replace("\n", " "))
+                       description=DESCRIPTION)
     opt_names = sorted(optimizers())
     t.add_argument("--optimizer", default="adamw", choices=opt_names, help="default: adamw")
     t.add_argument("--lr", type=_positive(float), help="learning rate (default: the optimizer's own; sgd 0.05)")
-    t.add_argument("--weight-decay", type=_nonnegative(float), help="weight decay (default: the optimizer's own)")
-    t.add_argument("--momentum", type=_nonnegative(float), help="momentum, for optimizers that have it")
-    t.add_argument("--batch-size", type=_positive(int), default=32, help="default: 32")
-    t.add_argument("--hidden", type=_hidden, default=[128, 64], help="hidden layer widths (default: 128,64)")
+    t.add_argument("--weight-decay", type=_nonnegative(float), metavar="WD", help="weight decay (default: the optimizer's own)")
+    t.add_argument("--momentum", type=_nonnegative(float), metavar="M",
+                   help="momentum, for optimizers that have it (default: the optimizer's own)")
+    t.add_argument("--batch-size", type=_positive(int), default=32, metavar="N", help="default: 32")
+    t.add_argument("--hidden", type=_hidden, default=[128, 64], metavar="W1,W2,...", help="hidden layer widths (default: 128,64)")
     t.add_argument("--activation", default="relu", choices=ACTIVATIONS, help="default: relu")
-    t.add_argument("--epochs", type=_positive(int), default=20, help="total epochs, resumed ones included (default: 20)")
-    t.add_argument("--accumulation", type=_positive(int), default=1, help="micro-batches per optimizer step")
-    t.add_argument("--clip", type=_positive(float), help="clip the global gradient L2 norm to this value")
+    t.add_argument("--epochs", type=_positive(int), default=20, metavar="N", help="total epochs, resumed ones included (default: 20)")
+    t.add_argument("--accumulation", type=_positive(int), default=1, metavar="K",
+                   help="micro-batches per optimizer step (default: 1)")
+    t.add_argument("--clip", type=_positive(float), metavar="NORM",
+                   help="clip the global gradient L2 norm to NORM (default: no clipping)")
     t.add_argument("--schedule", default="constant", choices=SCHEDULES, help="lr schedule (default: constant)")
-    t.add_argument("--warmup", type=_nonnegative(int), default=0, help="linear warm-up optimizer steps in front")
-    t.add_argument("--step-epochs", type=_positive(int), help="--schedule step: epochs between decays "
+    t.add_argument("--warmup", type=_nonnegative(int), default=0, metavar="STEPS",
+                   help="linear warm-up over this many optimizer steps (default: 0)")
+    t.add_argument("--step-epochs", type=_positive(int), metavar="N", help="--schedule step: epochs between decays "
                    "(default: a third of --epochs)")
     t.add_argument("--gamma", type=_fraction, default=0.1, help="--schedule step: decay factor (default: 0.1)")
-    t.add_argument("--plateau-patience", type=_nonnegative(int), default=2,
-                   help="--schedule plateau: epochs without a better val_loss before the lr is cut 10x")
-    t.add_argument("--patience", type=_positive(int), help="early stopping on val_loss after this many epochs")
-    t.add_argument("--seed", type=_nonnegative(int), default=0, help="seed of the split, weights and batch order")
-    t.add_argument("--dtype", default="float32", choices=("float32", "float64"))
+    t.add_argument("--plateau-patience", type=_nonnegative(int), default=2, metavar="N",
+                   help="--schedule plateau: epochs without a better val_loss before the lr is cut 10x (default: 2)")
+    t.add_argument("--patience", type=_positive(int), metavar="N",
+                   help="stop early after N epochs without a better val_loss (default: never)")
+    t.add_argument("--seed", type=_nonnegative(int), default=0,
+                   help="seed of the split, weights and batch order (default: 0)")
+    t.add_argument("--dtype", default="float32", choices=("float32", "float64"), help="default: float32")
+    t.add_argument("--precision", default="fp32", choices=tuple(PRECISIONS),
+                   help="bf16/fp16: the forward and backward passes read a bfloat16/float16 working copy of the "
+                        "float32 master weights, and each micro-batch's weight gradient is rounded to it; fp16 "
+                        "adds dynamic loss scaling (default: fp32)")
     t.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
-                   help="where the model, the data and the engine live (cuda: CuPy, extra cuda12/cuda13)")
+                   help="where the model, the data and the engine live (cuda: CuPy, extra cuda12/cuda13; "
+                        "default: cpu)")
     t.add_argument("--compress", type=_compress_spec, metavar="METHOD[:k=v,...]",
                    help=f"compress the gradient every step ({', '.join(COMPRESSORS)}), e.g. topk:ratio=0.01; "
                         "the keys are the compressor's arguments (arraytrain.compress)")
     t.add_argument("--error-feedback", action="store_true", help="with --compress: keep what was not sent")
+    t.add_argument("--predict", type=_predict_spec, nargs="?", const="", metavar="k=v,...",
+                   help="gradient prediction (PhaseTrainer): cycles of 'full' steps with forward and backward, "
+                        "then 'predict' steps on a gradient extrapolated from the last 'history' true ones, every "
+                        "'correct'-th of them a true one; keys full, predict, correct, history, beta, adaptive "
+                        "(default: full=2,predict=6,correct=3,history=4,beta=1)")
+    t.add_argument("--prune", type=_fraction, metavar="RATIO",
+                   help="magnitude pruning: zero this fraction of the weights (not the biases), one global cut, "
+                        "kept at zero by every optimizer step")
+    t.add_argument("--prune-epochs", type=_epoch_range, metavar="N[-M]",
+                   help="with --prune: prune at the end of epoch N, or gradually (cubic schedule) at the end of "
+                        "each epoch N..M (default: 1 to half of --epochs)")
+    t.add_argument("--quantize-eval", choices=("int8",),
+                   help="also report the test accuracy with the weights quantized to int8 (symmetric, per output "
+                        "channel; biases and activations stay float)")
     t.add_argument("--data", metavar="FILE.npz", help="arrays X, y and optionally X_test, y_test")
-    t.add_argument("--val-fraction", type=_fraction, default=0.15, help="default: 0.15")
-    t.add_argument("--test-fraction", type=_fraction, default=0.2, help="without X_test (default: 0.2)")
-    t.add_argument("--save", metavar="FILE", help="save the engine (and the epoch) at the end")
+    t.add_argument("--val-fraction", type=_fraction, default=0.15, metavar="F", help="default: 0.15")
+    t.add_argument("--test-fraction", type=_fraction, default=0.2, metavar="F", help="without X_test (default: 0.2)")
+    t.add_argument("--save", metavar="FILE", help="save the run (engine, epoch, history) at the end; "
+                   "{epoch} in FILE is replaced by the epoch")
     t.add_argument("--checkpoint-every", type=_positive(int), metavar="N", help="with --save: also every N epochs")
     t.add_argument("--resume", metavar="FILE", help="continue from a checkpoint written by --save")
     t.add_argument("--json", metavar="FILE", help="write a JSON summary")
-    t.add_argument("--plot", metavar="FILE.png", help="draw the loss and accuracy curves (matplotlib)")
-    t.add_argument("--no-progress", action="store_true", help="no progress bar")
+    t.add_argument("--plot", metavar="FILE.png", help="draw the loss and accuracy curves (matplotlib; the "
+                   "extension picks the format)")
+    t.add_argument("--no-progress", action="store_true",
+                   help="no progress bar (there is none anyway when stderr is not a terminal)")
     t.set_defaults(func=train)
     return parser
 
@@ -187,7 +287,7 @@ def _optimizer(args):
         if value is None:
             continue
         if key not in params:
-            raise UsageError(f"{PROG} train: error: --{flag.replace('_', '-')}: {args.optimizer} has no {key}")
+            raise _usage(f"--{flag.replace('_', '-')}: {args.optimizer} has no {key}")
         kwargs[key] = value
     if cls is optim.Muon:  # Muon takes the weight matrices; the biases go to AdamW (its defaults)
         kwargs["fallback"] = optim.AdamW()
@@ -200,8 +300,8 @@ def _schedule(args, steps_per_epoch: int):
     try:
         from . import schedules
     except ImportError:
-        raise UsageError(f"{PROG} train: error: --schedule/--warmup need arraytrain.schedules, "
-                         "which this build of arraytrain does not have") from None
+        raise _usage("--schedule/--warmup need arraytrain.schedules, which this build of arraytrain "
+                     "does not have") from None
     total = max(1, steps_per_epoch * args.epochs - args.warmup)
     if args.schedule == "constant":
         sched = schedules.Constant()
@@ -217,8 +317,6 @@ def _schedule(args, steps_per_epoch: int):
 
 def _compressor(args):
     if args.compress is None:
-        if args.error_feedback:
-            raise UsageError(f"{PROG} train: error: --error-feedback needs --compress METHOD")
         return None
     from . import compress
 
@@ -227,7 +325,7 @@ def _compressor(args):
     try:
         inspect.signature(cls).bind(**kwargs)
     except TypeError as exc:
-        raise UsageError(f"{PROG} train: error: --compress {method}: {exc}") from None
+        raise _usage(f"--compress {method}: {exc}") from None
     comp = cls(**kwargs)
     return compress.ErrorFeedback(comp) if args.error_feedback else comp
 
@@ -260,15 +358,29 @@ def _load_data(args):
 
 
 def _jsonable(v):
+    """Plain JSON values: arrays as lists, NumPy scalars as Python ones, NaN/Inf as None."""
     if isinstance(v, dict):
         return {k: _jsonable(x) for k, x in v.items()}
     if isinstance(v, (list, tuple)):
         return [_jsonable(x) for x in v]
     if isinstance(v, np.ndarray):
-        return v.tolist()
+        return _jsonable(v.tolist())
     if isinstance(v, np.generic):
-        return v.item()
+        v = v.item()
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
     return v
+
+
+def _history(history: list, batches_per_epoch: int) -> list:
+    """The epochs' logs as JSON (confusion matrices left out), each with its running totals named
+    by their unit: ``optimizer_steps`` and ``micro_batches``."""
+    out = []
+    for h in history:
+        entry = {k: v for k, v in h.items() if not k.endswith("confusion_matrix") and k != "steps"}
+        entry["micro_batches"] = h["epoch"] * batches_per_epoch
+        out.append(_jsonable(entry))
+    return out
 
 
 def _plot(path, history, test_accuracy):
@@ -313,22 +425,142 @@ def _to_cuda(data):
     return dataclasses.replace(data, **arrays)
 
 
+# -- checks before anything runs ---------------------------------------------------------------------
+def _check_output(flag: str, path: str) -> str:
+    """``path`` can be written: its directory exists and is writable, and it is not a directory."""
+    full = os.path.abspath(path)
+    if os.path.isdir(full):
+        raise _usage(f"{flag} {path}: is a directory")
+    parent = os.path.dirname(full)
+    if not os.path.isdir(parent):
+        raise _usage(f"{flag} {path}: no such directory {parent}")
+    if not os.access(parent, os.W_OK | os.X_OK) or (os.path.exists(full) and not os.access(full, os.W_OK)):
+        raise _usage(f"{flag} {path}: not writable")
+    return full
+
+
+def _check_input(flag: str, path: str) -> str:
+    full = os.path.abspath(path)
+    if not os.path.exists(full):
+        raise _usage(f"{flag} {path}: no such file")
+    if os.path.isdir(full):
+        raise _usage(f"{flag} {path}: is a directory")
+    if not os.access(full, os.R_OK):
+        raise _usage(f"{flag} {path}: not readable")
+    return full
+
+
+def _check_plot_format(path: str) -> None:
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    kinds = FigureCanvasBase.get_supported_filetypes()
+    ext = os.path.splitext(path)[1].lstrip(".").lower()
+    if ext not in kinds:
+        got = f"a .{ext} file" if ext else "a file name without an extension"
+        raise _usage(f"--plot {path}: matplotlib cannot write {got}; use one of {', '.join(sorted(kinds))}")
+
+
+def _validate(args, comm) -> bool:
+    """Every check that needs no data: flags, their combinations, files and optional packages.
+
+    Runs before the data are loaded, so a bad option costs no training. Returns
+    whether the progress bar is shown.
+    """
+    from .nn.data import require
+
+    _check_flags(args, comm)
+    _check_files(args)
+    show_bar = not args.no_progress and (comm is None or comm.rank == 0) and sys.stderr.isatty()
+    if show_bar:
+        require("tqdm", "train", "the progress bar")
+    if args.plot:
+        require("matplotlib", "plot", "--plot")
+        _check_plot_format(args.plot)
+    return show_bar
+
+
+def _check_flags(args, comm) -> None:
+    """The flags' combinations."""
+    if args.checkpoint_every and not args.save:
+        raise _usage("--checkpoint-every needs --save FILE")
+    if args.step_epochs and args.schedule != "step":
+        raise _usage("--step-epochs applies to --schedule step only")
+    if args.error_feedback and args.compress is None:
+        raise _usage("--error-feedback needs --compress METHOD")
+    if args.prune_epochs is not None:
+        if args.prune is None:
+            raise _usage("--prune-epochs needs --prune RATIO")
+        if args.prune_epochs[1] > args.epochs:
+            raise _usage(f"--prune-epochs {_fmt_range(args.prune_epochs)}: past --epochs {args.epochs}")
+    if args.predict is not None:
+        if args.accumulation != 1:
+            raise _usage(f"--predict needs one micro-batch per optimizer step (--accumulation 1), "
+                         f"got --accumulation {args.accumulation}")
+        if args.precision != "fp32":
+            raise _usage("--predict with --precision: gradient prediction records the float32 gradient "
+                         "buffer, which a working copy bypasses; use one or the other")
+        if comm is not None:
+            raise _usage("--predict runs in one process (the PhaseTrainer does not shard batches over mpiexec's "
+                         "processes)")
+        if args.predict["adaptive"]:
+            from .phase import PhaseSchedule
+
+            try:
+                PhaseSchedule(args.predict["full_steps"], args.predict["predict_steps"],
+                              args.predict["correct_every"], adaptive=True)
+            except ArrayTrainError as exc:
+                raise _usage(f"--predict: {exc}") from None
+    if args.precision != "fp32":
+        if args.dtype != "float32":
+            raise _usage(f"--precision {args.precision} keeps float32 master weights: it needs --dtype float32")
+        if args.device != "cpu":
+            raise _usage(f"--precision {args.precision} runs on the CPU only in this build (--device cpu)")
+
+
+def _check_files(args) -> None:
+    """The outputs can be written, the inputs read, and no file is named twice."""
+    outputs = {}
+    if args.save:
+        try:
+            first = args.save.format(epoch=1)
+        except (KeyError, IndexError, ValueError):
+            raise _usage(f"--save {args.save}: the only field a file name may hold is {{epoch}}") from None
+        outputs["--save"] = _check_output("--save", first)
+    if args.json:
+        outputs["--json"] = _check_output("--json", args.json)
+    if args.plot:
+        outputs["--plot"] = _check_output("--plot", args.plot)
+    inputs = {}
+    if args.data:
+        inputs["--data"] = _check_input("--data", args.data)
+    if args.resume:
+        inputs["--resume"] = _check_input("--resume", args.resume)
+    seen = {}
+    for flag, path in [*outputs.items(), *inputs.items()]:
+        other = seen.setdefault(path, flag)
+        if other != flag and {flag, other} != {"--save", "--resume"}:
+            raise _usage(f"{other} and {flag} name the same file {path}")
+
+
+def _prune_epochs(args) -> tuple[int, int]:
+    """The first and last epoch at whose end --prune prunes (default: 1 to half of --epochs)."""
+    return args.prune_epochs or (1, max(1, args.epochs // 2))
+
+
+def _fmt_range(epochs: tuple) -> str:
+    lo, hi = epochs
+    return str(lo) if lo == hi else f"{lo}-{hi}"
+
+
 # -- the command -----------------------------------------------------------------------------------
 def train(args) -> int:
     from . import nn
-    from .nn.data import require
 
     comm = _comm()
     lead = comm is None or comm.rank == 0  # only rank 0 prints and writes files
     out = sys.stdout if lead else open(os.devnull, "w")  # noqa: SIM115 - closed with the process
-    if not args.no_progress:
-        require("tqdm", "train", "the progress bar")
-    if args.plot:
-        require("matplotlib", "plot", "--plot")
-    if args.checkpoint_every and not args.save:
-        raise UsageError(f"{PROG} train: error: --checkpoint-every needs --save FILE")
-    if args.step_epochs and args.schedule != "step":
-        raise UsageError(f"{PROG} train: error: --step-epochs applies to --schedule step only")
+    show_bar = _validate(args, comm)
+    optimizer, compressor = _optimizer(args), _compressor(args)  # their argument checks, before the data
 
     data = _load_data(args)
     if args.device == "cuda":
@@ -339,102 +571,249 @@ def train(args) -> int:
     batches = math.ceil(len(data.y_train) / args.batch_size)
     sched = _schedule(args, max(1, batches // args.accumulation))
     extra_engine = {"schedule": sched} if sched is not None else {}
+    if args.precision != "fp32":
+        extra_engine["working_dtype"] = PRECISIONS[args.precision]
+    if args.precision == "fp16":
+        from .amp import LossScaler
+
+        extra_engine["loss_scaler"] = LossScaler()
     try:
-        engine = Engine(params, _optimizer(args), accumulation_steps=args.accumulation, max_grad_norm=args.clip,
-                        zero_grad_on_step=False, device=args.device, compressor=_compressor(args), comm=comm,
+        engine = Engine(params, optimizer, accumulation_steps=args.accumulation, max_grad_norm=args.clip,
+                        zero_grad_on_step=False, device=args.device, compressor=compressor, comm=comm,
                         **extra_engine)
     except TypeError as exc:
         if "schedule" in str(exc):
-            raise UsageError(f"{PROG} train: error: --schedule/--warmup: this build's Engine takes no schedule") from None
+            raise _usage("--schedule/--warmup: this build's Engine takes no schedule") from None
         raise
+    if args.prune is not None:  # a mask from the start, so that every checkpoint of the run holds one
+        from .prune import MaskBuffer
+
+        engine.set_mask(MaskBuffer.ones(engine.layout))
     model.bind(engine)
     config = {k: v for k, v in vars(args).items() if k != "func"}
 
-    start = 0
-    if args.resume:
-        from .nn.callbacks import _checkpoint_io
-
-        _, load = _checkpoint_io()
-        extra = load(args.resume, engine)
-        start = extra.get("epoch") if isinstance(extra, dict) else None
-        if not isinstance(start, int) or isinstance(start, bool) or start < 0:
-            raise UsageError(f"{PROG} train: error: --resume {args.resume}: the checkpoint has no epoch count "
-                             "(was it written by arraytrain train --save?)")
-        if start > args.epochs:
-            raise UsageError(f"{PROG} train: error: --resume {args.resume}: the checkpoint is at epoch {start}, "
-                             f"past --epochs {args.epochs}")
+    callbacks = []
+    progress = nn.ProgressBar(disable=False) if show_bar else None
+    if progress is not None:
+        callbacks.append(progress)
+    if args.prune is not None:
+        lo, hi = _prune_epochs(args)
+        callbacks.append(MagnitudePruning(args.prune, lo, hi))
 
     def show(trainer, epoch, logs):
         line = f"epoch {epoch}/{args.epochs}  loss {logs['loss']:.4f}  lr {logs['lr']:.3g}"
         if "val_accuracy" in logs:
             line += f"  val_loss {logs['val_loss']:.4f}  val_accuracy {logs['val_accuracy']:.4f}"
-        print(line + f"  ({logs['time']:.2f} s)", file=out, flush=True)
+        if "sparsity" in logs:
+            line += f"  sparsity {logs['sparsity']:.3f}"
+        if logs.get("skipped_steps"):
+            line += f"  skipped {logs['skipped_steps']}"
+        if "loss_scale" in logs:
+            line += f"  loss_scale {logs['loss_scale']:g}"
+        line += f"  ({logs['time']:.2f} s)"
+        if progress is not None:
+            progress.write(line, file=out)
+        else:
+            print(line, file=out, flush=True)
 
     profiler = nn.Profiler()
-    callbacks = [] if args.no_progress or not lead else [nn.ProgressBar()]
     payload = _PayloadBytes()
     callbacks += [nn.LambdaCallback(on_epoch_end=show, on_batch_end=payload.add), profiler]
     if args.patience:
         callbacks.append(nn.EarlyStopping("val_loss", patience=args.patience))
     if args.schedule == "plateau":
         callbacks.append(nn.ReduceLROnPlateau("val_loss"))
+
+    def run_extra(trainer) -> dict:  # what a checkpoint keeps besides the engine (and the epoch)
+        return {"config": _jsonable(config), "history": _history(trainer.history, batches)}
+
     if args.save and args.checkpoint_every:
-        callbacks.append(nn.Checkpoint(args.save, every=args.checkpoint_every, extra={"config": _jsonable(config)}))
-    trainer = nn.Trainer(model, engine, batch_size=args.batch_size, seed=args.seed, callbacks=callbacks)
+        kind = nn.PhaseCheckpoint if args.predict is not None else nn.Checkpoint
+        callbacks.append(kind(args.save, every=args.checkpoint_every, extra=run_extra))
+    common = dict(batch_size=args.batch_size, seed=args.seed, callbacks=callbacks)
+    if args.predict is not None:
+        trainer = nn.PhaseTrainer(model, engine, **args.predict, **common)
+    else:
+        trainer = nn.Trainer(model, engine, **common)
 
-    how = "" if comm is None else f", {comm.size} processes (each a shard of every batch)"
-    if engine.compressor is not None:
-        how += f", compressed: {engine.compressor!r}"
-    print(f"{data.summary()}; model {list(model.sizes)} ({model.num_params} parameters), "
-          f"{engine.optimizer!r}{how}" + (f", resumed at epoch {start}" if start else ""), file=out)
-    with _abort_on_error(comm):  # one rank failing mid-run must not leave the others waiting
-        history = trainer.fit(data.x_train, data.y_train, epochs=args.epochs, validation=(data.x_val, data.y_val),
-                              initial_epoch=start)
+    start = _resume(args, trainer) if args.resume else 0
+    print(_header(args, data, model, engine, comm, start), file=out)
+    try:
+        with _abort_on_error(comm):  # one rank failing mid-run must not leave the others waiting
+            history = trainer.fit(data.x_train, data.y_train, epochs=args.epochs,
+                                  validation=(data.x_val, data.y_val), initial_epoch=start)
+    except NonFiniteError as exc:
+        raise type(exc)(f"{exc}; the training diverged: try a smaller --lr (now {engine.optimizer.lr:g})") from None
     test = trainer.evaluate(data.x_test, data.y_test)
-    summary = profiler.summary(trainer)["seconds"]
-    print(f"test accuracy {test['accuracy']:.4f} ({len(data.y_test)} samples), macro F1 {test['f1']:.4f}", file=out)
-    print(f"{trainer.samples_per_second:,.0f} samples/s over {max(trainer.steps - 1, 0)} steps after the first; "
-          f"time split: {_fmt_split(summary)}", file=out)
-    if payload.steps:
-        print(f"compression: {payload.sent / payload.steps:,.0f} bytes/step sent by each process vs "
-              f"{payload.dense / payload.steps:,.0f} dense ({payload.dense / payload.sent:.1f}x fewer)", file=out)
-
+    quant = _int8_evaluation(trainer, model, engine, data) if args.quantize_eval else None
+    split = profiler.summary(trainer)["seconds"]
+    for line in _summary(args, trainer, test, quant, split, payload, len(data.y_test)):
+        print(line, file=out)
     if args.save:
+        saved = args.save.format(epoch=trainer.epoch)
         if not args.checkpoint_every:  # else the Checkpoint callback has written the last epoch
-            from .nn.callbacks import _checkpoint_io
-
-            save, _ = _checkpoint_io()
-            save(args.save, engine, extra={"epoch": trainer.epoch, "config": _jsonable(config)})
-        print(f"saved {args.save} (epoch {trainer.epoch})", file=out)
+            _save(args, trainer, saved, {**run_extra(trainer), "epoch": trainer.epoch})
+        print(f"saved {saved} (epoch {trainer.epoch})", file=out)
     if not lead:
         return 0
     if args.json:
-        report = {
-            "test_accuracy": test["accuracy"],
-            "test_loss": test["loss"],
-            "test_f1": test["f1"],
-            "test_precision": test["precision"],
-            "test_recall": test["recall"],
-            "test_confusion_matrix": test["confusion_matrix"],
-            "samples_per_second": trainer.samples_per_second,
-            "epochs": trainer.epoch,
-            "final_loss": history[-1]["loss"] if history else None,
-            "final_val_accuracy": history[-1].get("val_accuracy") if history else None,
-            "optimizer_steps": engine.state.step,
-            "processes": 1 if comm is None else comm.size,
-            "payload_bytes_per_step": payload.sent / payload.steps if payload.steps else None,
-            "dense_bytes_per_step": payload.dense / payload.steps if payload.steps else None,
-            "time_split_seconds": summary,
-            "dataset": data.summary(),
-            "parameters": model.num_params,
-            "history": [{k: v for k, v in h.items() if not k.endswith("confusion_matrix")} for h in history],
-            "config": config,
-        }
+        report = _report(args, trainer, test, quant, split, payload, batches)
+        report.update(processes=1 if comm is None else comm.size, dataset=data.summary(),
+                      parameters=model.num_params, config=config)
         with open(args.json, "w") as f:
             json.dump(_jsonable(report), f, indent=2)
     if args.plot:
-        _plot(args.plot, history, test["accuracy"])
+        _plot(args.plot, _history(history, batches), test["accuracy"])
     return 0
+
+
+def _summary(args, trainer, test, quant, split, payload, n_test) -> list[str]:
+    """The lines after training: test figures, warm-up, throughput and time split, each capability's."""
+    engine, ran = trainer.engine, trainer.steps
+    lines = [f"test accuracy {test['accuracy']:.4f} ({n_test} samples), macro F1 {test['f1']:.4f}"]
+    if quant is not None:
+        lines.append(f"int8 weights (symmetric, per output channel): test accuracy {quant['test_accuracy']:.4f} "
+                     f"({100 * (quant['test_accuracy'] - test['accuracy']):+.2f} points), weights "
+                     f"{quant['int8_bytes']:,} bytes instead of {quant['float_bytes']:,}")
+    lines.append(f"warm-up: {trainer.warmup_seconds:.2f} s in {trainer.warmup_batches} micro-batch"
+                 f"{'es' if trainer.warmup_batches != 1 else ''} (the first of each kind: kernel compile or cache "
+                 "load), left out of the figures below")
+    lines.append(f"{trainer.samples_per_second:,.0f} samples/s over {ran - trainer.warmup_batches} of the {ran} "
+                 f"micro-batches of this run ({engine.state.step} optimizer steps in all); "
+                 f"time split: {_fmt_split(split)}")
+    if args.predict is not None:
+        st = trainer.stats
+        speed = "not measured" if st.wall_speedup is None else f"{st.wall_speedup:.2f}x"
+        lines.append(f"gradient prediction: {st.steps} optimizer steps, {st.backward_passes} backward passes "
+                     f"(step ratio {st.step_ratio:.2f}, a count); speedup by the per-phase wall clock {speed}")
+    if args.prune is not None:
+        lines.append(f"pruning: {100 * MagnitudePruning.sparsity(engine):.1f}% of the weights are zero")
+    if args.precision != "fp32":
+        skipped = sum(h.get("skipped_steps") or 0 for h in trainer.history)
+        lines.append(f"precision {args.precision}: {skipped} optimizer steps skipped for a non-finite gradient"
+                     + (f", loss scale now {engine.loss_scale:g}" if engine.loss_scaler is not None else ""))
+    if payload.steps:
+        lines.append(f"compression: {payload.sent / payload.steps:,.0f} bytes/step sent by each process vs "
+                     f"{payload.dense / payload.steps:,.0f} dense ({payload.dense / payload.sent:.1f}x fewer)")
+    return lines
+
+
+def _report(args, trainer, test, quant, split, payload, batches) -> dict:
+    """The JSON summary's figures (the caller adds the data set, model and config)."""
+    engine, history = trainer.engine, trainer.history
+    return {
+        "test_accuracy": test["accuracy"],
+        "test_loss": test["loss"],
+        "test_f1": test["f1"],
+        "test_precision": test["precision"],
+        "test_recall": test["recall"],
+        "test_confusion_matrix": test["confusion_matrix"],
+        "samples_per_second": trainer.samples_per_second,
+        "warmup_seconds": trainer.warmup_seconds,
+        "warmup_micro_batches": trainer.warmup_batches,
+        "epochs": trainer.epoch,
+        "final_loss": history[-1]["loss"] if history else None,
+        "final_val_accuracy": history[-1].get("val_accuracy") if history else None,
+        "optimizer_steps": engine.state.step,
+        "micro_batches": trainer.epoch * batches,
+        "micro_batches_this_run": trainer.steps,
+        "precision": args.precision,
+        "loss_scale": engine.loss_scale if engine.loss_scaler is not None else None,
+        "prediction": _prediction_report(trainer) if args.predict is not None else None,
+        "sparsity": MagnitudePruning.sparsity(engine) if args.prune is not None else None,
+        "quantized": quant,
+        "payload_bytes_per_step": payload.sent / payload.steps if payload.steps else None,
+        "dense_bytes_per_step": payload.dense / payload.steps if payload.steps else None,
+        "time_split_seconds": split,
+        "history": _history(history, batches),
+    }
+
+
+def _header(args, data, model, engine, comm, start) -> str:
+    """The line that says what is about to run."""
+    how = "" if comm is None else f", {comm.size} processes (each a shard of every batch)"
+    if engine.compressor is not None:
+        how += f", compressed: {engine.compressor!r}"
+    if args.precision != "fp32":
+        how += f", precision {args.precision} (float32 master weights"
+        how += ", dynamic loss scaling)" if engine.loss_scaler is not None else ")"
+    if args.predict is not None:
+        p = args.predict
+        how += (f", gradient prediction: full {p['full_steps']}, predict {p['predict_steps']}, correct every "
+                f"{p['correct_every']}, history {p['history']}, beta {p['correction_beta']:g}"
+                + (", adaptive" if p["adaptive"] else ""))
+    if args.prune is not None:
+        lo, hi = _prune_epochs(args)
+        how += (f", pruning {100 * args.prune:g}% of the weights at the end of epoch{'s' if hi > lo else ''} "
+                f"{_fmt_range((lo, hi))}")
+    if args.quantize_eval:
+        how += f", {args.quantize_eval} evaluation"
+    return (f"{data.summary()}; model {list(model.sizes)} ({model.num_params} parameters), "
+            f"{engine.optimizer!r}{how}" + (f", resumed at epoch {start}" if start else ""))
+
+
+def _resume(args, trainer) -> int:
+    """Load ``--resume`` into the trainer's engine (and phase controller); return its epoch."""
+    if args.predict is not None:
+        from .phase import load
+
+        extra = load(args.resume, trainer.controller)
+    else:
+        from .nn.callbacks import _checkpoint_io
+
+        _, load = _checkpoint_io()
+        extra = load(args.resume, trainer.engine)
+    start = extra.get("epoch") if isinstance(extra, dict) else None
+    if not isinstance(start, int) or isinstance(start, bool) or start < 0:
+        raise _usage(f"--resume {args.resume}: the checkpoint has no epoch count "
+                     "(was it written by arraytrain train --save?)")
+    if start > args.epochs:
+        raise _usage(f"--resume {args.resume}: the checkpoint is at epoch {start}, past --epochs {args.epochs}")
+    history = extra.get("history")
+    if isinstance(history, list):  # the epochs before the checkpoint, so the JSON and the plot cover the run
+        trainer.history = [h for h in history if isinstance(h, dict) and isinstance(h.get("epoch"), int)
+                           and h["epoch"] <= start]
+    return start
+
+
+def _save(args, trainer, path, extra) -> None:
+    if args.predict is not None:
+        from .phase import save
+
+        save(path, trainer.controller, extra=extra)
+    else:
+        from .nn.callbacks import _checkpoint_io
+
+        save, _ = _checkpoint_io()
+        save(path, trainer.engine, extra=extra)
+
+
+def _prediction_report(trainer) -> dict:
+    st = trainer.stats
+    return {"optimizer_steps": st.steps, "backward_passes": st.backward_passes, "step_ratio": st.step_ratio,
+            "wall_speedup": st.wall_speedup, "full_steps": trainer.schedule.full_steps,
+            "predict_steps": trainer.schedule.predict_steps}
+
+
+def _int8_evaluation(trainer, model, engine, data) -> dict:
+    """The test figures of the model with its weights quantized to int8 and back (the biases stay float)."""
+    from . import nn
+    from .buffer import FlatBuffer
+    from .nn._array import array_namespace, to_numpy
+    from .quantize import dequantize_params, quantize_params
+
+    host = FlatBuffer(engine.layout, to_numpy(engine.params.flat).copy())
+    # Dense weights are (in, out): axis 1 is the output channel
+    q = quantize_params(host, scheme="symmetric", granularity="channel", axis=1)
+    float_bytes = sum(host[name].nbytes for name in q)
+    dequantize_params(q, into=host)
+    qmodel = nn.MLP(model.sizes, activation=model.activation, dtype=model.dtype)
+    xp = array_namespace(data.x_test)
+    qmodel.bind({name: xp.asarray(host[name]) for name in qmodel.shapes})
+    test = trainer.evaluate(data.x_test, data.y_test, model=qmodel)
+    return {"scheme": "int8, symmetric, per output channel", "test_accuracy": test["accuracy"],
+            "test_loss": test["loss"], "test_f1": test["f1"], "int8_bytes": sum(t.nbytes for t in q.values()),
+            "float_bytes": float_bytes}
 
 
 class _PayloadBytes:

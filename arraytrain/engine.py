@@ -534,11 +534,13 @@ class Engine:
         k = self._kernels
         sums, gate = k.sumsq_gate(self.grads.flat, self.layout.pieces, len(self.layout), unscale,
                                   self.max_grad_norm, self.clip_eps)
+        scalars = dict(self.state.scalars)
         self._update(k.DeviceScale(gate), lrs)
         total, per_seg = k.read_sums(sums)
         if math.isfinite(total):
             return NormPass(math.sqrt(total), np.sqrt(per_seg), False), True
         self.state.step = step  # the gate held every kernel back: nothing moved
+        self.state.scalars.update(scalars)  # nor does the host's scalar state (NAdam's mu_product)
         return norm_pass(k, self.grads.flat, self.layout), False
 
     def _skip(self, step: int, lr: float) -> StepReport:
@@ -667,6 +669,8 @@ class Engine:
                 "hyperparameters": self.optimizer.hyperparameters(),
                 "step": self.state.step,
                 "slots": {k: buf.as_dict(copy=copy) for k, buf in self.state.slots.items()},
+                # only where the optimizer keeps any (NAdam): the other states read as before
+                **({"scalars": dict(self.state.scalars)} if self.state.scalars else {}),
             },
             "accumulation": acc,
             "schedule": None if self.schedule is None else self.schedule.state_dict(),
@@ -730,6 +734,7 @@ class Engine:
             acc = state["accumulation"]
             params = state["params"]
             slots = opt["slots"]
+            scalars = opt.get("scalars", {})  # absent where the optimizer keeps none
             step = opt["step"]
             skips, perturbed = state["consecutive_skips"], state["perturbed"]
             parts = {key: state[key] for key, _, _ in self._PARTS}
@@ -749,6 +754,7 @@ class Engine:
         if not isinstance(slots, Mapping) or set(slots) != set(self.state.slots):
             got = sorted(slots) if isinstance(slots, Mapping) else type(slots).__name__
             raise StateDictError(f"optimizer slots: expected {sorted(self.state.slots)}, got {got}")
+        scalars = self._check_scalars(scalars)
         step = check_count("optimizer step", step, 0, error=StateDictError)
         micro = check_int("micro_batches", micro, 0, self.accumulation_steps - 1, error=StateDictError)
         wsum = self._check_weight_sum(micro, wsum)
@@ -787,7 +793,15 @@ class Engine:
         except (LayoutError, KeyError, ValueError, TypeError) as exc:
             raise StateDictError(f"state dict does not match the engine: {exc}") from exc
         writes.append(functools.partial(self._set_counters, step, micro, wsum, skips, perturbed))
+        writes.append(functools.partial(self.state.scalars.update, scalars))
         return writes
+
+    def _check_scalars(self, scalars) -> dict:
+        """The optimizer's saved scalar state: the same names as the engine's, finite numbers."""
+        if not isinstance(scalars, Mapping) or set(scalars) != set(self.state.scalars):
+            got = sorted(scalars) if isinstance(scalars, Mapping) else type(scalars).__name__
+            raise StateDictError(f"optimizer scalars: expected {sorted(self.state.scalars)}, got {got}")
+        return {k: check_number(f"optimizer scalars[{k!r}]", v, error=StateDictError) for k, v in scalars.items()}
 
     def _own_share(self, acc, comp):
         """This rank's accumulation and compression state out of a state saved by some number of ranks.

@@ -94,6 +94,13 @@ class ConcurrentUseError(ArrayTrainError, RuntimeError):
     """
 
 
+class PhaseOrderError(ArrayTrainError, RuntimeError):
+    """A :class:`PhaseController` call out of order (e.g. a prediction asked for on a FULL step).
+
+    Raised before anything changes: the call can be made again in its place.
+    """
+
+
 class NonFiniteError(ArrayTrainError, FloatingPointError):
     """Too many consecutive steps were skipped for NaN/Inf gradients."""
 

@@ -49,6 +49,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from ._checks import check_count, check_int, check_number
+from ._intake import ready_to_assign
 from .backend import CUPY, NUMPY, backend_of, kernel_family, module_of_backend, require_cuda
 from .buffer import FlatBuffer
 from .errors import (
@@ -303,6 +304,14 @@ class GradientPredictor:
 
     def load_state_dict(self, state: Mapping) -> None:
         """Load :meth:`state_dict` output; everything is validated before anything is written."""
+        self.apply_state(self.check_state(state))
+
+    def check_state(self, state: Mapping) -> tuple:
+        """Validate a :meth:`state_dict` against this predictor; change nothing.
+
+        Returns what :meth:`apply_state` takes (the engine's protocol for its
+        parts: a caller loading several parts checks them all, then applies).
+        """
         try:
             hist, corr = state["history"], state["correction"]
             steps, count, head, size = state["steps"], state["count"], state["head"], state["history_size"]
@@ -322,12 +331,21 @@ class GradientPredictor:
             raise StateDictError(f"steps: recorded steps must increase from the oldest slot on, got {steps}")
         if not isinstance(hist, Mapping) or set(hist) != {str(k) for k in range(self.history)}:
             raise StateDictError(f"history: expected slots {[str(k) for k in range(self.history)]}")
+        # sources that overlap the ring or the correction (a state_dict(copy=False) of this
+        # predictor, slots permuted) are copied here, so the writes cannot depend on their order
+        protect = (self._ring, self.correction.flat)
         try:
-            checked = [(self._slots[k], self._slots[k].check(hist[str(k)])) for k in range(self.history)]
-            checked.append((self.correction, self.correction.check(corr)))
+            checked = [(buf, ready_to_assign(buf, buf.check(arrays), protect))
+                       for buf, arrays in [*((self._slots[k], hist[str(k)]) for k in range(self.history)),
+                                           (self.correction, corr)]]
         except (LayoutError, KeyError, ValueError, TypeError) as exc:
             raise StateDictError(f"predictor state dict does not match the layout: {exc}") from exc
-        for buf, arrays in checked:
+        return checked, steps, count, head
+
+    def apply_state(self, checked: tuple) -> None:
+        """Load a state validated by :meth:`check_state` (same-dtype copies: cannot fail)."""
+        buffers, steps, count, head = checked
+        for buf, arrays in buffers:
             buf.assign(arrays)
         self._steps[...] = steps
         self.count, self._head = count, head

@@ -27,6 +27,12 @@ OPTIMIZERS = {
     "Adafactor": lambda: at.optim.Adafactor(lr=1e-2),
     "Sophia": lambda: at.optim.Sophia(lr=1e-4),
     "SAM-AdamW": lambda: at.optim.SAM(at.optim.AdamW(lr=1e-3), rho=0.05),
+    "NAdam": lambda: at.optim.NAdam(lr=2e-3),
+    "NAdam-decoupled-bf16-state": lambda: at.optim.NAdam(lr=2e-3, weight_decay=1e-2, decoupled_weight_decay=True,
+                                                         state_dtype="bfloat16"),
+    "RAdam": lambda: at.optim.RAdam(lr=1e-3),
+    "Adamax": lambda: at.optim.Adamax(lr=2e-3),
+    "Adadelta": lambda: at.optim.Adadelta(lr=1.0),
     "Muon": lambda: at.optim.Muon(lr=0.02),
     "Muon-bf16-state": lambda: at.optim.Muon(lr=0.02, state_dtype="bfloat16"),
     "ScheduleFreeAdamW": lambda: at.optim.ScheduleFreeAdamW(lr=2.5e-3),
@@ -66,6 +72,11 @@ TRAFFIC = {
     # 2) read the backup, g, m, v; write p, m, v. arraytrain restores p from the backup in a
     # pass of its own (read backup, write p): 13 accesses instead of 11.
     "SAM-AdamW": (7, 4),
+    "NAdam": (3, 4),                      # read p, g, m, v; write p, m, v
+    "NAdam-decoupled-bf16-state": (3, 4),
+    "RAdam": (3, 4),
+    "Adamax": (3, 4),                     # read p, g, exp_avg, exp_inf; write p, exp_avg, exp_inf
+    "Adadelta": (3, 4),                   # read p, g, square_avg, acc_delta; write p, square_avg, acc_delta
     # the element-wise part: read p, g, the momentum; write p, the momentum. The Newton-Schulz
     # GEMMs (O(rows^2 cols) flops per matrix) dominate, so the time is the figure; arraytrain
     # also writes and reads the update once in a work matrix (2 more accesses)
@@ -117,7 +128,7 @@ class OptimizerStep(_Bandwidth):
     param_names = ["optimizer", "size", "dtype"]
 
     def setup(self, name, n, dtype):
-        if name.endswith("-bf16-state") and dtype != "float32":
+        if name.endswith("bf16-state") and dtype != "float32":
             raise NotImplementedError("bfloat16 moments need float32 parameters")
         arrays = make_matrices(n, dtype) if name in MATRIX_OPTIMIZERS else make_params(n, dtype)
         self.p = at.FlatBuffer.from_arrays(arrays)

@@ -156,6 +156,26 @@ OPTIMIZER_CONFIGS = [
     ("adafactor", "Adafactor", {"lr": 0.3}),
     ("adafactor_wd", "Adafactor", {"lr": 0.3, "weight_decay": 0.1, "d": 2.0}),
     ("sophia", "Sophia", {"lr": 2e-2, "betas": (0.5, 0.99), "weight_decay": 0.0}),
+    # NAdam / RAdam / Adamax / Adadelta: torch's names. RAdam moves by lr * m (~1e3) until
+    # rho_t > 5, hence its small lr and short beta2 (rectified from step 6 on); Adadelta's
+    # first steps are ~sqrt(eps), hence its lr
+    ("nadam", "NAdam", {"lr": 1e-2}),
+    ("nadam_betas_eps", "NAdam", {"lr": 1e-2, "betas": (0.8, 0.99), "eps": 5.0}),
+    ("nadam_momentum_decay_wd", "NAdam", {"lr": 1e-2, "momentum_decay": 6e-3, "weight_decay": 10.0}),
+    ("nadamw", "NAdam", {"lr": 1e-2, "weight_decay": 0.5, "decoupled_weight_decay": True}),
+    ("nadam_wd_maximize", "NAdam", {"lr": 1e-2, "weight_decay": 10.0, "maximize": True}),
+    ("radam", "RAdam", {"lr": 4e-4, "betas": (0.8, 0.9)}),
+    ("radam_eps", "RAdam", {"lr": 5e-4, "betas": (0.5, 0.9), "eps": 100.0}),
+    ("radam_wd", "RAdam", {"lr": 4e-4, "betas": (0.8, 0.9), "weight_decay": 10.0}),
+    ("radamw", "RAdam", {"lr": 4e-4, "betas": (0.8, 0.9), "weight_decay": 0.5, "decoupled_weight_decay": True}),
+    ("radam_wd_maximize", "RAdam", {"lr": 4e-4, "betas": (0.8, 0.9), "weight_decay": 10.0, "maximize": True}),
+    ("adamax", "Adamax", {"lr": 2e-2}),
+    ("adamax_betas_eps_wd", "Adamax", {"lr": 2e-2, "betas": (0.8, 0.9), "eps": 100.0, "weight_decay": 10.0}),
+    ("adamax_wd_maximize", "Adamax", {"lr": 2e-2, "weight_decay": 10.0, "maximize": True}),
+    ("adadelta", "Adadelta", {"lr": 10.0}),
+    ("adadelta_eps", "Adadelta", {"lr": 5.0, "eps": 1e-5}),
+    ("adadelta_rho_wd", "Adadelta", {"lr": 10.0, "rho": 0.8, "weight_decay": 10.0}),
+    ("adadelta_wd_maximize", "Adadelta", {"lr": 10.0, "weight_decay": 10.0, "maximize": True}),
 ]
 
 # Muon and Schedule-Free AdamW. Muon takes the matrices (torch refuses other parameters): its
@@ -271,7 +291,7 @@ def engine_snapshot(engine) -> dict:
     slot, the step count, the accumulation window, the skip counter and SAM's
     flag, the schedule's state, the loss scale and its growth tracker, the
     compressor's state (call count, residuals, warm-start factors), the pruning
-    mask and the working copy are all bitwise equal.
+    mask, the working copy and the optimizer's scalar state are all bitwise equal.
     """
 
     def bits(a):
@@ -293,4 +313,5 @@ def engine_snapshot(engine) -> dict:
         "compression": None if engine.compressor is None else repr(_frozen(engine.compressor.state_dict())),
         "mask": None if engine.mask is None else bits(engine.mask.flat),
         "working": None if engine.working is None else bits(engine.working.flat),
+        "scalars": repr(_frozen(engine.state.scalars)),
     }

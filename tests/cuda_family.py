@@ -22,7 +22,7 @@ from arraytrain.kernels import reference as ref
 
 # per-parameter values and the layout's tables: host arrays in the CUDA family's signatures too
 HOST_ARGS = {"pieces", "segs", "rows", "cols", "batches", "lr", "weight_decay", "step_size", "l2", "decay",
-             "rel_step"}
+             "rel_step", "grad_step", "moment_step"}
 HOST_ARGS |= {"mats", "adjusted_lr", "weight_lr"}  # Muon's matrix table, Muon's and schedule-free's per-parameter lrs
 
 

@@ -39,6 +39,7 @@ from conftest import engine_snapshot
 
 from arraytrain.optim import LAMB, SGD, Adagrad, Adam, AdamW, Lion, RMSprop
 from arraytrain.optim import SAM, Adafactor, Sophia
+from arraytrain.optim import Adadelta, Adamax, NAdam, RAdam
 
 SHAPES = {"W": (2, 3), "z": (0,), "b": (3,)}
 
@@ -120,6 +121,30 @@ def _bad_state(key, value):
         section = sd["optimizer"] if key == "step" else sd["accumulation"]
         section[key] = value
         return e.load_state_dict(sd)
+    return call
+
+
+def _bad_scalars(value):
+    """Load a state whose optimizer scalars are ``value`` (the table's engine is an Adam: it keeps none)."""
+    def call(e):
+        sd = e.state_dict()
+        sd["optimizer"]["scalars"] = value
+        return e.load_state_dict(sd)
+    return call
+
+
+def _bad_mu_product(value):
+    """A NAdam engine refuses a saved ``mu_product`` of ``value`` and keeps its own state."""
+    def call(e):
+        nadam = Engine({n: np.zeros(s, np.float32) for n, s in SHAPES.items()}, NAdam(lr=0.1))
+        nadam.step({n: np.ones(s) for n, s in SHAPES.items()})
+        sd = nadam.state_dict()
+        sd["optimizer"]["scalars"]["mu_product"] = value
+        before = engine_snapshot(nadam)
+        try:
+            return nadam.load_state_dict(sd)
+        finally:
+            assert engine_snapshot(nadam) == before
     return call
 
 
@@ -229,6 +254,26 @@ CASES: list[Case] = [
     Case("sophia-beta2-one", lambda e: Sophia(betas=(0.9, 1.0)), HyperparameterError, "betas[1]"),
     Case("sophia-bs-negative", lambda e: Sophia(bs=-1.0), HyperparameterError, "bs"),
     Case("sam-rho-negative", lambda e: SAM(SGD(), rho=-0.05), HyperparameterError, "rho"),
+    Case("nadam-lr-negative", lambda e: NAdam(lr=-1e-3), HyperparameterError, "lr"),
+    Case("nadam-beta1-one", lambda e: NAdam(betas=(1.0, 0.999)), HyperparameterError, "betas[0]"),
+    Case("nadam-eps-zero", lambda e: NAdam(eps=0.0), HyperparameterError, "eps"),
+    Case("nadam-momentum-decay-negative", lambda e: NAdam(momentum_decay=-4e-3), HyperparameterError,
+         "momentum_decay"),
+    Case("nadam-decoupled-not-bool", lambda e: NAdam(decoupled_weight_decay=1), HyperparameterError,
+         "decoupled_weight_decay"),
+    Case("radam-beta2-one", lambda e: RAdam(betas=(0.9, 1.0)), HyperparameterError, "betas[1]"),
+    Case("radam-weight-decay-negative", lambda e: RAdam(weight_decay=-0.1), HyperparameterError, "weight_decay"),
+    Case("radam-decoupled-not-bool", lambda e: RAdam(decoupled_weight_decay="yes"), HyperparameterError,
+         "decoupled_weight_decay"),
+    Case("adamax-eps-zero", lambda e: Adamax(eps=0.0), HyperparameterError, "eps"),
+    Case("adamax-lr-inf", lambda e: Adamax(lr=INF), HyperparameterError, "lr"),
+    Case("adamax-state-dtype-float16", lambda e: Adamax(state_dtype="float16"), HyperparameterError, "state_dtype"),
+    Case("adadelta-rho-above-one", lambda e: Adadelta(rho=1.5), HyperparameterError, "rho"),
+    Case("adadelta-rho-negative", lambda e: Adadelta(rho=-0.1), HyperparameterError, "rho"),
+    Case("adadelta-eps-zero", lambda e: Adadelta(eps=0.0), HyperparameterError, "eps"),
+    Case("adadelta-lr-nan", lambda e: Adadelta(lr=NAN), HyperparameterError, "lr"),
+    Case("adadelta-overrides-rho", lambda e: Adadelta(overrides={"*": {"rho": 0.5}}), HyperparameterError,
+         ("overrides", "'rho'")),
     Case("sam-base-not-optimizer", lambda e: SAM("sgd"), HyperparameterError, "base"),
     Case("engine-accumulation-steps-0", _engine_with(accumulation_steps=0), HyperparameterError,
          "accumulation_steps"),
@@ -264,6 +309,10 @@ CASES: list[Case] = [
     Case("state-micro-out-of-range", _bad_state("micro_batches", 5), StateDictError, "micro_batches"),
     Case("state-weight-sum-inf", _bad_state("weight_sum", INF), StateDictError, "weight_sum"),
     Case("state-weight-sum-bool", _bad_state("weight_sum", True), StateDictError, "weight_sum"),
+    Case("state-scalars-unexpected", _bad_scalars({"mu_product": 0.5}), StateDictError, ("scalars", "mu_product")),
+    Case("state-scalars-not-mapping", _bad_scalars([0.5]), StateDictError, ("scalars", "list")),
+    Case("state-mu-product-nan", _bad_mu_product(NAN), StateDictError, "mu_product"),
+    Case("state-mu-product-str", _bad_mu_product("0.5"), StateDictError, "mu_product"),
     # -- layouts -------------------------------------------------------------------------------------
     Case("layout-float-dim", lambda e: Layout({"w": (2.5,)}), LayoutError, "'w'"),
     Case("layout-str-dim", lambda e: Layout({"w": ("3",)}), LayoutError, "'w'"),

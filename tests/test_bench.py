@@ -71,7 +71,7 @@ def test_every_optimizer_has_an_outside_contestant():
         outside = [c for c in compare.CONTESTANTS
                    if not c.startswith("arraytrain") and (c, opt) not in compare.NOT_AVAILABLE]
         assert outside, opt
-    assert len(PAIRS) == 32  # every (contestant, optimizer) pair that the matching test checks
+    assert len(PAIRS) == 47  # every (contestant, optimizer) pair that the matching test checks
 
 
 @pytest.mark.parametrize("name,opt", sorted(compare.NOT_AVAILABLE))
@@ -109,8 +109,10 @@ def test_cli_writes_json_and_flags_baseline(tmp_path, capsys):
                        "--reps", "3", "--json", str(out)])
     assert rc == 0
     doc = json.loads(out.read_text())
-    assert {r["optimizer"] for r in doc["rows"]} == {"sgd"} and doc["triad_gbs"] > 0
-    assert "| sgd | 1e+03 | arraytrain |" in capsys.readouterr().out
+    assert {r["optimizer"] for r in doc["rows"]} == {"sgd"} and doc["triad_gbs"] > 0 and doc["inplace_gbs"] > 0
+    assert all(0 < r["inplace_gbs"] <= doc["inplace_gbs"] for r in doc["rows"])  # each row's own reference
+    printed = capsys.readouterr().out
+    assert "| sgd | 1e+03 | arraytrain |" in printed and "| % in-place |" in printed
     slow = dict(doc, rows=[dict(r, times={"arraytrain": [t / 10 for t in r["times"]["arraytrain"]]})
                            for r in doc["rows"]])
     (tmp_path / "fast.json").write_text(json.dumps(slow))

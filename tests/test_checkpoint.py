@@ -21,6 +21,7 @@ import arraytrain
 from arraytrain import ArgumentTypeError, Engine, StateDictError, checkpoint
 from arraytrain.checkpoint import FORMAT, FORMAT_VERSION, CheckpointError, load, save
 from arraytrain.optim import SGD, Adam, AdamW
+from arraytrain.optim import Adadelta, Adamax, NAdam, RAdam
 from conftest import engine_snapshot
 
 # Names that a separator-joined key would confuse: dots, slashes, spaces, unicode, a tag
@@ -37,6 +38,11 @@ OPTIMIZERS = {
     "adamw": (lambda: AdamW(lr=0.02, weight_decay=0.1), (np.float64, np.float32)),
     # bfloat16 moments: slot leaves of another dtype than the parameters
     "adamw-bf16-state": (lambda: AdamW(lr=0.02, weight_decay=0.1, state_dtype="bfloat16"), (np.float32,)),
+    # NAdam: a scalar of the optimizer's state (mu_product) next to the slots
+    "nadam": (lambda: NAdam(lr=0.02, weight_decay=0.1, decoupled_weight_decay=True), (np.float64, np.float32)),
+    "radam-bf16-state": (lambda: RAdam(lr=0.02, betas=(0.9, 0.9), state_dtype="bfloat16"), (np.float32,)),
+    "adamax": (lambda: Adamax(lr=0.02, weight_decay=0.01), (np.float64,)),
+    "adadelta": (lambda: Adadelta(lr=1.0, weight_decay=0.01), (np.float32,)),
 }
 RESUME = [pytest.param(opt, dtype, id=f"{opt}-{np.dtype(dtype).name}")
           for opt, (_, dtypes) in OPTIMIZERS.items() for dtype in dtypes]

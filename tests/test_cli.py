@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import inspect
+import io
 import json
 import subprocess
 import sys
+import time
+import warnings
 
 import numpy as np
 import pytest
 
 import arraytrain as at
+from arraytrain import cli
 from arraytrain.cli import main, optimizers
 
 HAS_SCHEDULE = "schedule" in inspect.signature(at.Engine).parameters
@@ -36,6 +40,11 @@ def small_npz(path, with_test=False, n=90, seed=0):
     return path
 
 
+class _Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
 def test_default_dataset_json(tmp_path, capsys):
     pytest.importorskip("sklearn")
     js = tmp_path / "out.json"
@@ -50,15 +59,26 @@ def test_default_dataset_json(tmp_path, capsys):
     assert set(summary["time_split_seconds"]) >= {"forward", "backward", "optimizer", "callbacks"}
 
 
-def test_progress_bar_and_options(tmp_path, capsys):
+def test_progress_bar_on_a_terminal_only(tmp_path, capsys, monkeypatch):
     pytest.importorskip("tqdm")
     data = small_npz(tmp_path / "d.npz")
-    rc, out, err = run(capsys, "--data", str(data), "--epochs", "2", "--optimizer", "sgd", "--momentum", "0.9",
-                       "--hidden", "16", "--activation", "tanh", "--accumulation", "2", "--clip", "1.0",
-                       "--batch-size", "8", "--dtype", "float64", "--patience", "5")
-    assert rc == 0, err
-    assert "epoch 1/2" in err  # the tqdm bar
+    args = ["--data", str(data), "--epochs", "2", "--optimizer", "sgd", "--momentum", "0.9", "--hidden", "16",
+            "--activation", "tanh", "--accumulation", "2", "--clip", "1.0", "--batch-size", "8", "--dtype",
+            "float64", "--patience", "5"]
+    rc, out, err = run(capsys, *args)  # stderr is not a terminal here: no bar, nothing on stderr
+    assert rc == 0 and err == "", err
     assert "model [5, 16, 3]" in out and "SGD(lr=0.05, momentum=0.9" in out
+    term = _Terminal()
+    monkeypatch.setattr(sys, "stderr", term)
+    rc, out, _ = run(capsys, *args)
+    assert rc == 0
+    bar = term.getvalue()
+    # one bar over the run: 8 micro-batches an epoch, 16 in all, with the epoch, loss and accuracy
+    assert "16/16" in bar and "epoch=2/2" in bar and "loss=" in bar and "acc=" in bar
+    assert "/8 " not in bar  # no bar per epoch
+    assert out.count("epoch 1/2") == 1 and "epoch 1/2" not in bar  # the epoch lines go to stdout
+    rc, _, _ = run(capsys, *args, "--no-progress")
+    assert rc == 0 and len(term.getvalue()) == len(bar)
 
 
 @pytest.mark.parametrize("with_test", [False, True])
@@ -130,10 +150,7 @@ BAD_ARGS = [
     (["--schedule", "linear"], "argument --schedule: invalid choice"),
     (["--val-fraction", "1.5"], "argument --val-fraction"),
     (["--frobnicate"], "unrecognized arguments: --frobnicate"),
-    (["--checkpoint-every", "2"], "--checkpoint-every needs --save"),
-    (["--optimizer", "adam", "--momentum", "0.9"], "--momentum: adam has no momentum"),
     (["--step-epochs", "2"], "--step-epochs applies to --schedule step only"),
-    (["--data", "{tmp}/missing.npz"], "missing.npz: no such file"),
     (["--data", "{tmp}/junk.npz"], "junk.npz: cannot read as .npz"),
     (["--data", "{tmp}/noy.npz"], "missing array(s) ['y']"),
     (["--data", "{tmp}/rows.npz"], "X has 10 rows, y has 9"),
@@ -145,11 +162,7 @@ BAD_ARGS = [
     (["--data", "{tmp}/testwidth.npz"], "X_test has 3 features, X has 2"),
     (["--compress", "zip"], "argument --compress: expected METHOD[:key=value,...]"),
     (["--compress", "topk:ratio"], "argument --compress: expected key=value after topk:"),
-    (["--data", "{tmp}/good.npz", "--compress", "topk:bogus=1"], "--compress topk: got an unexpected keyword"),
     (["--data", "{tmp}/good.npz", "--compress", "topk:ratio=2"], "ratio"),
-    (["--data", "{tmp}/good.npz", "--error-feedback"], "--error-feedback needs --compress"),
-    (["--data", "{tmp}/good.npz", "--resume", "{tmp}/missing.ckpt"],
-     "missing.ckpt" if HAS_CHECKPOINT else "checkpoints need arraytrain.save"),
 ]
 
 
@@ -165,7 +178,106 @@ def test_bad_arguments_one_line(tmp_path, capsys, args, text):
 
 
 def test_bad_arguments_count():
-    assert len(BAD_ARGS) == 29
+    assert len(BAD_ARGS) == 23
+
+
+# Refused before the data are loaded: no training, nothing on stdout, one line on stderr, exit 2.
+# "{tmp}" is a scratch directory holding good.npz.
+EARLY = [
+    (["--save", "/nonexistent_dir/x.safetensors"], "--save /nonexistent_dir/x.safetensors: no such directory"),
+    (["--json", "/nonexistent_dir/x.json"], "--json /nonexistent_dir/x.json: no such directory"),
+    (["--plot", "/nonexistent_dir/x.png"], "--plot /nonexistent_dir/x.png: no such directory"),
+    (["--json", "{tmp}/good.npz/x.json"], "no such directory"),  # the "directory" is a file
+    (["--json", "{tmp}"], "is a directory"),
+    (["--plot", "{tmp}/curves.txt"], "matplotlib cannot write a .txt file; use one of"),
+    (["--plot", "{tmp}/curves"], "matplotlib cannot write a file name without an extension"),
+    (["--save", "{tmp}/run-{step}.safetensors"], "the only field a file name may hold is {{epoch}}"),
+    (["--json", "{tmp}/same.png", "--plot", "{tmp}/same.png"], "--json and --plot name the same file"),
+    (["--save", "{tmp}/good.npz", "--data", "{tmp}/good.npz"], "--save and --data name the same file"),
+    (["--data", "{tmp}/missing.npz"], "--data {tmp}/missing.npz: no such file"),
+    (["--data", "{tmp}"], "--data {tmp}: is a directory"),
+    (["--resume", "{tmp}/missing.ckpt"], "--resume {tmp}/missing.ckpt: no such file"),
+    (["--checkpoint-every", "2"], "--checkpoint-every needs --save"),
+    (["--optimizer", "adam", "--momentum", "0.9"], "--momentum: adam has no momentum"),
+    (["--error-feedback"], "--error-feedback needs --compress"),
+    (["--compress", "topk:bogus=1"], "--compress topk: got an unexpected keyword"),
+    (["--predict", "--accumulation", "2"], "--predict needs one micro-batch per optimizer step"),
+    (["--predict", "--precision", "bf16"], "--predict with --precision"),
+    (["--predict", "full=0"], "argument --predict: full: expected a whole number >= 1"),
+    (["--predict", "bogus=1"], "argument --predict: expected key=value with key one of full, predict"),
+    (["--predict", "beta=2"], "argument --predict: beta: expected a number in [0, 1]"),
+    (["--predict", "adaptive=true"], "full_steps: 2 is outside its bounds [5, 50]"),
+    (["--prune", "1.5"], "argument --prune: expected a number in (0, 1)"),
+    (["--prune-epochs", "2"], "--prune-epochs needs --prune RATIO"),
+    (["--prune", "0.5", "--prune-epochs", "3-30"], "--prune-epochs 3-30: past --epochs 20"),
+    (["--prune", "0.5", "--prune-epochs", "4-2"], "argument --prune-epochs: expected 1 <= N <= M"),
+    (["--quantize-eval", "int4"], "argument --quantize-eval: invalid choice"),
+    (["--precision", "bf16", "--dtype", "float64"], "--precision bf16 keeps float32 master weights"),
+    (["--precision", "fp16", "--device", "cuda"], "--precision fp16 runs on the CPU only"),
+]
+
+
+@pytest.mark.parametrize("args, text", EARLY, ids=[" ".join(a[0][:2]) + f" {i}" for i, a in enumerate(EARLY)])
+def test_refused_before_training(tmp_path, capsys, monkeypatch, args, text):
+    if any(a.startswith("--plot") for a in args):
+        pytest.importorskip("matplotlib")
+    small_npz(tmp_path / "good.npz")
+    loaded = []
+    monkeypatch.setattr(cli, "_load_data", lambda a: loaded.append(a))  # the first step of a run
+    t0 = time.perf_counter()
+    rc, out, err = run(capsys, *QUIET, *[a.format(tmp=tmp_path, step="{step}") for a in args])
+    seconds = time.perf_counter() - t0
+    assert rc == 2 and out == "" and not loaded
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("arraytrain train: error:") and text.format(tmp=tmp_path) in lines[0], lines[0]
+    assert seconds < 5.0  # the ordering above is the real test; this only bounds a loaded machine
+
+
+def test_refused_before_training_count():
+    assert len(EARLY) == 30
+
+
+def test_lr_too_high_ends_in_one_line_without_numpy_warnings(capsys):
+    pytest.importorskip("sklearn")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        rc, out, err = run(capsys, *QUIET, "--lr", "1e6", "--epochs", "3")
+    assert rc == 2
+    assert [w for w in caught if issubclass(w.category, RuntimeWarning)] == []
+    assert err.count("\n") == 1 and "training diverged: try a smaller --lr (now 1e+06)" in err
+    assert "epoch 1/3" in out and "skipped" in out  # the epoch line counts the skipped steps
+
+
+def test_figures_name_their_units(tmp_path, capsys):
+    """Micro-batches and optimizer steps are told apart, and the warm-up is reported on its own."""
+    js = tmp_path / "s.json"
+    rc, out, err = run(capsys, "--data", str(small_npz(tmp_path / "d.npz")), "--epochs", "3", *QUIET,
+                       "--batch-size", "8", "--accumulation", "4", "--json", str(js))
+    assert rc == 0, err
+    summary = json.loads(js.read_text())
+    # 58 training samples in batches of 8: 8 micro-batches an epoch, 2 optimizer steps
+    assert summary["micro_batches"] == summary["micro_batches_this_run"] == 24
+    assert summary["optimizer_steps"] == 6
+    assert [h["micro_batches"] for h in summary["history"]] == [8, 16, 24]
+    assert [h["optimizer_steps"] for h in summary["history"]] == [2, 4, 6]
+    assert all("steps" not in h for h in summary["history"])
+    # the first accumulated and the first applied micro-batch compile: both are the warm-up
+    assert summary["warmup_micro_batches"] == 2 and summary["warmup_seconds"] > 0
+    assert "warm-up: " in out and "in 2 micro-batches" in out
+    assert "over 22 of the 24 micro-batches of this run (6 optimizer steps in all)" in out
+
+
+def test_trainer_keeps_the_warmup_out_of_the_figures():
+    x, y = np.random.default_rng(0).standard_normal((64, 5)).astype(np.float32), np.arange(64) % 3
+    model = at.nn.MLP([5, 8, 3])
+    engine = at.Engine(model.init(seed=0), at.optim.AdamW(), accumulation_steps=4, zero_grad_on_step=False)
+    trainer = at.nn.Trainer(model, engine, batch_size=8)
+    trainer.fit(x, y, epochs=2)
+    assert trainer.steps == 16 and trainer.warmup_batches == 2
+    assert trainer._timed_samples == 64 * 2 - 16
+    per_batch = sum(trainer.timings[k] for k in ("data", "forward", "backward", "optimizer"))
+    assert per_batch <= trainer._timed_seconds  # no phase holds warm-up time
 
 
 def test_missing_extras_one_line(capsys, monkeypatch):
@@ -175,7 +287,10 @@ def test_missing_extras_one_line(capsys, monkeypatch):
     assert rc == 2 and err.strip() == ("arraytrain train: error: the digits data set needs sklearn: "
                                        "pip install 'arraytrain[train]'")
     monkeypatch.setitem(sys.modules, "tqdm", None)
-    rc, _, err = run(capsys)
+    monkeypatch.setattr(sys, "stderr", _Terminal())  # the bar is wanted on a terminal only
+    rc = main(["train"])
+    err = sys.stderr.getvalue()
+    monkeypatch.undo()
     assert rc == 2 and "pip install 'arraytrain[train]'" in err and len(err.strip().splitlines()) == 1
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     rc, _, err = run(capsys, *QUIET, "--plot", "x.png")
@@ -186,7 +301,18 @@ def test_no_command_and_help(capsys):
     assert main([]) == 2
     assert "train" in capsys.readouterr().err
     assert main(["train", "--help"]) == 0
-    assert "--optimizer" in capsys.readouterr().out
+    text = capsys.readouterr().out
+    assert "--optimizer" in text and "``" not in text
+    help_of, flag = {}, None
+    for line in text.split("options:")[1].splitlines():  # "  --flag ARG   help" with continuation lines
+        if line.startswith("  -"):
+            flag = line.split()[0]
+            help_of[flag] = line
+        elif flag:
+            help_of[flag] += " " + line.strip()
+    for name in ("--accumulation", "--clip", "--momentum", "--precision", "--prune-epochs", "--predict",
+                 "--warmup", "--epochs", "--batch-size", "--seed"):
+        assert "default:" in help_of[name], help_of[name]
 
 
 def test_python_dash_m(tmp_path):
@@ -223,6 +349,12 @@ def test_save_resume_continues_bitwise(tmp_path, capsys):
     sa, sb = json.loads(ja.read_text()), json.loads(jb.read_text())
     assert sb["epochs"] == 4 and sa["final_loss"] == sb["final_loss"]
     assert sa["test_accuracy"] == sb["test_accuracy"]
+    # the history covers the whole run, the epochs before the checkpoint included, with the real lr
+    assert [h["epoch"] for h in sb["history"]] == [1, 2, 3, 4]
+    for key in ("loss", "lr", "val_accuracy", "optimizer_steps", "micro_batches"):
+        assert [h[key] for h in sb["history"]] == [h[key] for h in sa["history"]], key
+    assert all(h["lr"] == 0.001 for h in sb["history"])
+    assert sb["micro_batches"] == sa["micro_batches"] and sb["micro_batches_this_run"] < sa["micro_batches"]
     assert a.read_bytes() != b""
     from arraytrain import nn
 

@@ -182,6 +182,29 @@ def per_element(scales, block, n):
     return np.repeat(np.asarray(scales, np.float64), block)[:n]
 
 
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_int8_shared_scales_kernel_matches_reference(dtype, n, rng):
+    """Codes against given scales (a group's maximum): numba == reference; own scales == the plain encode."""
+    block = 64
+    x = (rng.standard_normal(n) * 3).astype(dtype)
+    nb_ = -(-n // block)
+    for stochastic in (False, True):
+        codes, own = np.empty(n, np.int8), np.empty(nb_, dtype)
+        nb.int8_encode(x, block, 7, stochastic, codes, own)
+        again = np.empty(n, np.int8)
+        nb.int8_encode(x, block, 7, stochastic, again, own.copy(), shared=True)
+        np.testing.assert_array_equal(again, codes)  # the block's own scale: the same codes
+        shared = own * dtype(rng.uniform(1, 4)) if n else own  # a larger scale, as another rank's
+        got, want = np.empty(n, np.int8), np.empty(n, np.int8)
+        given = shared.copy()
+        nb.int8_encode(x, block, 7, stochastic, got, given, shared=True)
+        ref.int8_encode(x, block, 7, stochastic, want, shared.copy(), shared=True)
+        np.testing.assert_array_equal(given, shared)  # read, not written
+        np.testing.assert_array_equal(got, want)
+        assert n == 0 or np.abs(got.astype(int)).max() < 127
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("stochastic", [False, True])
 def test_int8_error_bound(stochastic, dtype, rng):

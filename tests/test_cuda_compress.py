@@ -164,6 +164,11 @@ def test_quantizer_kernels_bitwise_on_block_and_piece_edges(block, dtype, rng):
         compress_reference.int8_encode(x, b, key, stochastic, *want)
         np.testing.assert_array_equal(got[1], want[1], err_msg=f"int8 scales block={b} stochastic={stochastic}")
         np.testing.assert_array_equal(got[0], want[0], err_msg=f"int8 codes block={b} stochastic={stochastic}")
+        given = want[1] * dtype(2.5)  # shared scales (a group's maximum): read, codes against them
+        got_shared, want_shared = np.empty(n, np.int8), np.empty(n, np.int8)
+        COMPRESS_ON_DEVICE.int8_encode(x, b, key, stochastic, got_shared, given.copy(), shared=True)
+        compress_reference.int8_encode(x, b, key, stochastic, want_shared, given.copy(), shared=True)
+        np.testing.assert_array_equal(got_shared, want_shared, err_msg=f"int8 shared codes block={b}")
         out, ref_out = np.empty(n, dtype), np.empty(n, dtype)
         COMPRESS_ON_DEVICE.int8_decode(*want, b, out)
         compress_reference.int8_decode(*want, b, ref_out)

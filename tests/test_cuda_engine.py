@@ -94,12 +94,16 @@ def test_norm_pass_is_bitwise_repeatable():
     assert out[0][0] == pytest.approx(ref, rel=1e-12)
 
 
-def test_nonfinite_step_changes_nothing_on_the_device():
+@pytest.mark.parametrize("make", [lambda: at.optim.AdamW(lr=1e-2), lambda: at.optim.NAdam(lr=1e-2)],
+                         ids=["adamw", "nadam"])
+def test_nonfinite_step_changes_nothing_on_the_device(make):
+    """The device gate holds the update back; NAdam's host-side mu_product is put back too."""
     rng = np.random.default_rng(2)
-    eng = at.Engine(_params(rng), at.optim.AdamW(lr=1e-2), device="cuda", loss_scaler=at.LossScaler())
+    eng = at.Engine(_params(rng), make(), device="cuda", loss_scaler=at.LossScaler())
     g = {k: _cp().asarray(rng.standard_normal(s).astype(np.float32)) for k, s in SHAPES.items()}
     eng.step(g)
     before = {k: v.get().tobytes() for k, v in [("p", eng.params.flat)] + list((s, b.flat) for s, b in eng.state.slots.items())}
+    scalars = dict(eng.state.scalars)
     scale = eng.loss_scale
     bad = dict(g)
     bad["fc1.bias"] = bad["fc1.bias"].copy()
@@ -107,7 +111,7 @@ def test_nonfinite_step_changes_nothing_on_the_device():
     r = eng.step(bad)
     assert r.skipped and not r.applied and eng.state.step == 1 and eng.loss_scale == scale / 2
     after = {k: v.get().tobytes() for k, v in [("p", eng.params.flat)] + list((s, b.flat) for s, b in eng.state.slots.items())}
-    assert after == before
+    assert after == before and eng.state.scalars == scalars
 
 
 def test_numpy_gradient_to_a_cuda_engine_is_refused_and_nothing_changes():
@@ -142,7 +146,9 @@ def test_device_argument_moves_once_and_back():
 
 @pytest.mark.parametrize("make", [lambda: at.optim.AdamW(lr=1e-2, state_dtype="bfloat16"),
                                   lambda: at.optim.SGD(lr=1e-2, momentum=0.9),
-                                  lambda: at.optim.LAMB(lr=1e-2)], ids=["adamw_bf16", "sgd", "lamb"])
+                                  lambda: at.optim.LAMB(lr=1e-2),
+                                  lambda: at.optim.NAdam(lr=1e-2, decoupled_weight_decay=True, weight_decay=0.1)],
+                         ids=["adamw_bf16", "sgd", "lamb", "nadam"])
 def test_checkpoint_moves_between_devices_bitwise(make, tmp_path):
     """GPU engine -> file -> CPU engine -> file -> GPU engine: params and every slot bit for bit."""
     rng = np.random.default_rng(6)
@@ -152,7 +158,7 @@ def test_checkpoint_moves_between_devices_bitwise(make, tmp_path):
     at.save(tmp_path / "gpu.safetensors", gpu)
     cpu = at.Engine(_params(np.random.default_rng(99)), make(), schedule=at.schedules.CosineAnnealingLR(100))
     at.load(tmp_path / "gpu.safetensors", cpu)
-    assert cpu.state.step == gpu.state.step
+    assert cpu.state.step == gpu.state.step and cpu.state.scalars == gpu.state.scalars
     for name in SHAPES:
         np.testing.assert_array_equal(cpu.params[name].view(np.uint8), gpu.params[name].get().view(np.uint8))
         for slot in gpu.state.slots:

@@ -4,12 +4,16 @@
 against ``torch.optim.AdamW`` (for-loop mode), and ``examples/jax_interop.py``
 (JAX gradients handed over through DLPack) against ``optax.adamw``: same
 initialisation, same batches, every parameter compared after every step at
-the float32 tolerance. Both scripts also run as scripts.
+the float32 tolerance. Both scripts also run as scripts. ``examples/torch_phase.py``
+(gradient prediction driven from a torch loop by ``arraytrain.phase.PhaseController``):
+backward passes on FULL/CORRECT steps only, the bound engine and ``torch.optim.AdamW``
+on one trajectory, a run resumed from a checkpoint bitwise the uninterrupted one.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import os
 import re
 import subprocess
 import sys
@@ -146,3 +150,72 @@ def test_example_runs_as_a_script(name):
     assert out.count("step ") >= 6  # progress lines
     final = float(re.search(r"final test accuracy ([0-9.]+)", out).group(1))
     assert final > 0.8  # 4 Gaussian classes; chance is 0.25
+
+
+# -- examples/torch_phase.py: gradient prediction driven from a torch loop ------------------------------------
+
+
+@pytest.fixture(scope="module")
+def phase_example():
+    torch = pytest.importorskip("torch")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a tiny MLP: more threads only contend
+    yield load_example("torch_phase")
+    torch.set_num_threads(threads)
+
+
+def test_torch_phase_example_backward_only_on_full_and_correct_steps(phase_example, monkeypatch):
+    ex = phase_example
+    x, y = ex.blobs(512, seed=1)
+    calls = []
+    forward_loss = ex.forward_loss
+    monkeypatch.setattr(ex, "forward_loss", lambda *a: calls.append(1) or forward_loss(*a))
+    model, engine, ctl = ex.bound(seed=3)
+    ex.train(model, engine, ctl, x, y, 0, 40, log=lambda _: None)
+    s = ctl.stats()
+    assert len(calls) == s.backward_passes == s.full_steps + s.correct_steps < 40 == s.steps == engine.state.step
+    assert s.step_ratio == 40 / s.backward_passes
+    assert _shares([p.grad.numpy() for p in model.parameters()], engine.grads.flat)  # still zero-copy
+
+
+def test_torch_phase_example_two_ways_agree(phase_example):
+    """The engine's AdamW fed through the bound model and torch's AdamW fed by name: one trajectory."""
+    ex = phase_example
+    x, y = ex.blobs(512, seed=1)
+    ours, engine, ctl = ex.bound(seed=0)
+    ex.train(ours, engine, ctl, x, y, 0, 30, log=lambda _: None)
+    theirs, their_ctl = ex.train_with_torch_optimizer(x, y, 30)
+    assert their_ctl.stats().counts() == ctl.stats().counts()
+    for name, p in theirs.named_parameters():
+        assert_close(engine.params[name], p.detach().numpy(), err_msg=name)
+
+
+@pytest.mark.parametrize("split", [4, 6, 10])  # after a PREDICT, a CORRECT and a FULL step
+def test_torch_phase_example_resumes_bitwise(phase_example, tmp_path, split):
+    import torch
+
+    ex = phase_example
+    x, y = ex.blobs(512, seed=1)
+    model, engine, ctl = ex.bound(seed=0)
+    ex.train(model, engine, ctl, x, y, 0, 24, log=lambda _: None)
+    first, first_engine, first_ctl = ex.bound(seed=0)
+    ex.train(first, first_engine, first_ctl, x, y, 0, split, log=lambda _: None)
+    assert first_ctl.phase.value == {4: "predict", 6: "correct", 10: "full"}[split]
+    at.phase.save(tmp_path / "p.safetensors", first_ctl, extra={"step": split})
+    again, again_engine, again_ctl = ex.bound(seed=5)
+    start = at.phase.load(tmp_path / "p.safetensors", again_ctl)["step"]
+    ex.train(again, again_engine, again_ctl, x, y, start, 24, log=lambda _: None)
+    assert np.array_equal(again_engine.params.flat, engine.params.flat)
+    assert all(torch.equal(p.detach(), q.detach()) for p, q in zip(again.parameters(), model.parameters()))
+    assert again_ctl.predictor.steps == ctl.predictor.steps
+
+
+def test_torch_phase_example_runs_as_a_script():
+    pytest.importorskip("torch")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, str(EXAMPLES / "torch_phase.py")], capture_output=True, text=True,
+                         check=True, timeout=300, env=env).stdout
+    assert out.count("step ") >= 6
+    assert "resumed: bitwise the uninterrupted run: True" in out
+    assert float(re.search(r"step ratio ([0-9.]+)", out).group(1)) > 2
+    assert float(re.search(r"final test accuracy ([0-9.]+)", out).group(1)) > 0.8

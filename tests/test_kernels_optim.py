@@ -1,4 +1,5 @@
-"""Adagrad, RMSprop, Lion and LAMB kernels (arraytrain.kernels.cpu) against their reference twins.
+"""Adagrad, RMSprop, Lion, LAMB, NAdam, RAdam, Adamax and Adadelta kernels (arraytrain.kernels.cpu)
+against their reference twins.
 
 STEPS consecutive steps on params and every state slot, at every size in SIZES
 with zero-size parameters first, middle and last (conftest.padded_layout), for
@@ -80,6 +81,49 @@ def _sgd(momentum=0.9, nesterov=True):
     return ("momentum_buffer",), run
 
 
+def _nadam(decoupled, b1=0.9, b2=0.99, eps=1e-3, psi=4e-3):
+    # the optimizer's host side, from torch's formulas: mu_t and the running product over steps 1..t
+    def mu(k):
+        return b1 * (1.0 - 0.5 * 0.96 ** (k * psi))
+
+    def run(k, p, g, s, layout, t, lr, wd, gscale, w, wkind, zg):
+        prod = float(np.prod([mu(i) for i in range(1, t + 1)]))
+        k.nadam_step(p, g, s["exp_avg"], s["exp_avg_sq"], layout.pieces, gscale=gscale,
+                     grad_step=lr * (1 - mu(t)) / (1 - prod), moment_step=lr * mu(t + 1) / (1 - prod * mu(t + 1)),
+                     beta1=b1, beta2=b2, eps=eps, inv_bc2_sqrt=1 / np.sqrt(1 - b2**t),
+                     l2=0 * wd if decoupled else wd, decay=1 - lr * wd if decoupled else 1 + 0 * wd,
+                     w=w, wkind=wkind, zero_grad=zg)
+    return ("exp_avg", "exp_avg_sq"), run
+
+
+# beta2 = 0.9: rho_t crosses 5 at step 6 of STEPS, so both of RAdam's steps are checked
+def _radam(decoupled, b1=0.9, b2=0.9, eps=1e-3):
+    def run(k, p, g, s, layout, t, lr, wd, gscale, w, wkind, zg):
+        rho_inf = 2 / (1 - b2) - 1
+        rho = rho_inf - 2 * t * b2**t / (1 - b2**t)
+        rectified = rho > 5
+        rect = np.sqrt((rho - 4) * (rho - 2) * rho_inf / ((rho_inf - 4) * (rho_inf - 2) * rho) * (1 - b2**t)) \
+            if rectified else 0.0
+        k.radam_step(p, g, s["exp_avg"], s["exp_avg_sq"], layout.pieces, gscale=gscale, step_size=lr / (1 - b1**t),
+                     beta1=b1, beta2=b2, eps=eps, rect=rect, rectified=rectified, l2=0 * wd if decoupled else wd,
+                     decay=1 - lr * wd if decoupled else 1 + 0 * wd, w=w, wkind=wkind, zero_grad=zg)
+    return ("exp_avg", "exp_avg_sq"), run
+
+
+def _adamax(b1=0.9, b2=0.99, eps=1e-3):
+    def run(k, p, g, s, layout, t, lr, wd, gscale, w, wkind, zg):
+        k.adamax_step(p, g, s["exp_avg"], s["exp_inf"], layout.pieces, gscale=gscale, step_size=lr / (1 - b1**t),
+                      beta1=b1, beta2=b2, eps=eps, l2=wd, w=w, wkind=wkind, zero_grad=zg)
+    return ("exp_avg", "exp_inf"), run
+
+
+def _adadelta(rho=0.9, eps=1e-2):
+    def run(k, p, g, s, layout, t, lr, wd, gscale, w, wkind, zg):
+        k.adadelta_step(p, g, s["square_avg"], s["acc_delta"], layout.pieces, gscale=gscale, lr=lr * 100, l2=wd,
+                        rho=rho, eps=eps, w=w, wkind=wkind, zero_grad=zg)
+    return ("square_avg", "acc_delta"), run
+
+
 VARIANTS = {
     "sgd_nesterov": _sgd(),
     "adagrad": _adagrad(),
@@ -89,6 +133,12 @@ VARIANTS = {
     "rmsprop_centered_momentum": _rmsprop(0.5, True),
     "lion": _lion(),
     "lamb": _lamb(),
+    "nadam": _nadam(False),
+    "nadam_decoupled": _nadam(True),
+    "radam": _radam(False),
+    "radam_decoupled": _radam(True),
+    "adamax": _adamax(),
+    "adadelta": _adadelta(),
 }
 variants = pytest.mark.parametrize("variant", list(VARIANTS))
 

@@ -204,6 +204,12 @@ OVERRIDE_CASES = [
     ("rmsprop", optim.RMSprop, {"lr": 1e-3, "momentum": 0.5, "centered": True, "weight_decay": 0.5}),
     ("lion", optim.Lion, {"lr": 1e-2, "weight_decay": 0.5}),
     ("lamb", optim.LAMB, {"lr": 0.05, "weight_decay": 0.5}),
+    ("nadam", optim.NAdam, {"lr": 1e-2, "weight_decay": 0.5}),
+    ("nadamw", optim.NAdam, {"lr": 1e-2, "weight_decay": 0.5, "decoupled_weight_decay": True}),
+    ("radam", optim.RAdam, {"lr": 1e-3, "betas": (0.9, 0.9), "weight_decay": 0.5}),
+    ("radamw", optim.RAdam, {"lr": 1e-3, "betas": (0.9, 0.9), "weight_decay": 0.5, "decoupled_weight_decay": True}),
+    ("adamax", optim.Adamax, {"lr": 1e-2, "weight_decay": 0.5}),
+    ("adadelta", optim.Adadelta, {"lr": 1.0, "weight_decay": 0.5}),
 ]
 
 
@@ -256,6 +262,10 @@ MAXIMIZE_CASES = {
     "LAMB": {"lr": 1e-2, "weight_decay": 0.1},
     "Adafactor": {"lr": 1e-2, "weight_decay": 0.1},
     "Sophia": {"lr": 1e-2},
+    "NAdam": {"lr": 1e-2, "weight_decay": 0.1},
+    "RAdam": {"lr": 1e-2, "weight_decay": 0.1, "decoupled_weight_decay": True, "betas": (0.9, 0.9)},
+    "Adamax": {"lr": 1e-2, "weight_decay": 0.1},
+    "Adadelta": {"lr": 1.0, "weight_decay": 0.1},
 }
 MAXIMIZE_CASES.update({
     "Muon": {"lr": 1e-2, "fallback": optim.AdamW(lr=1e-2)},  # the fallback takes Muon's sign
@@ -289,7 +299,7 @@ def test_maximize_equals_the_negated_gradient_bitwise(name, kernels):
 BF16_STATE = {name: kw for name, kw in MAXIMIZE_CASES.items() if name not in ("Adafactor", "Sophia")}
 # learning rates that bring the quadratic below half its start in 60 steps
 BF16_LR = {"SGD": 0.03, "Adam": 0.03, "AdamW": 0.03, "Adagrad": 0.3, "RMSprop": 0.03, "Lion": 0.03, "LAMB": 0.03,
-           "Muon": 0.05, "ScheduleFreeAdamW": 0.03}
+           "NAdam": 0.03, "RAdam": 0.03, "Adamax": 0.03, "Adadelta": 30.0, "Muon": 0.05, "ScheduleFreeAdamW": 0.03}
 # slots state_dtype leaves alone: schedule-free's iterate z and its per-parameter float64 weights
 NOT_MOMENTS = {"ScheduleFreeAdamW": {"z", "max_lr", "weight_sum"}}
 

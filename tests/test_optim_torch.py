@@ -3,12 +3,16 @@
 One table drives every comparison: a row is (name, arraytrain optimizer
 factory, torch optimizer factory); add a row to test a new optimizer. Both
 sides start from identical parameters and receive identical large gradients;
-parameters are compared after every step.
+parameters are compared after every step. torch's own optimizer test matrix
+(``optim_db``) drives a second comparison (see OPTIM_DB below).
 """
 
 from __future__ import annotations
 
+import json
 import re
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -88,6 +92,10 @@ def _compare_state(engine, topt, tparams, np_dtype):
             np.testing.assert_allclose(buf[k], desired, rtol=t["rtol"], atol=atol, err_msg=f"{slot}[{k!r}]")
         if "step" in tstate:
             assert int(tstate["step"]) == engine.state.step
+        # scalar state (NAdam's mu_product): one value here, a tensor per parameter in torch, kept in
+        # torch's default float32 whatever the parameters' dtype; a product of ~0.5**t, hence relative
+        for name, value in engine.state.scalars.items():
+            np.testing.assert_allclose(value, float(tstate[name]), rtol=1e-5, atol=0, err_msg=f"{name}[{k!r}]")
 
 
 @optimizers
@@ -185,3 +193,88 @@ def test_boundary_hyperparameters_are_accepted(make):
     for value in hp.values():
         assert not isinstance(value, np.generic)  # stored as plain Python numbers
     assert type(opt).__name__ in repr(opt)
+
+
+# -- torch's optimizer test matrix ----------------------------------------------------------------
+#
+# Every configuration torch's ``optim_db`` (torch.testing._internal.common_optimizers) lists for
+# these optimizers runs here as above: 50 steps of large gradients, params after every step, then
+# every slot and scalar. The matrix is read in a subprocess: importing torch's test utilities
+# disables torch.backends' global flags for the rest of the process (other tests set them), and
+# needs ``expecttest``. The CPU list is run; the configurations torch adds for CUDA devices are
+# listed too and skipped, each with the reason (arraytrain has no counterpart of the flag).
+OPTIM_DB_CLASSES = ("NAdam", "RAdam", "Adamax", "Adadelta")
+UNSUPPORTED = {
+    "capturable": "capturable: torch's CUDA-graph mode (step and lr on the device); arraytrain forms its "
+                  "step-dependent scalars on the host, and its CUDA update needs no such mode",
+    "differentiable": "differentiable: autograd through the optimizer step; arraytrain has no autograd",
+    "foreach": "foreach: a choice of torch's implementation (the oracle here runs foreach=False)",
+    "fused": "fused: a choice of torch's implementation (the oracle here runs foreach=False)",
+    "tensor lr": "a tensor lr: arraytrain takes a float lr per parameter (and a schedule)",
+}
+_READ_OPTIM_DB = f"""
+import json
+import torch
+from torch.testing._internal.common_optimizers import optim_db
+
+rows, seen = [], set()
+for info in optim_db:
+    name = info.optim_cls.__name__
+    if name not in {OPTIM_DB_CLASSES!r}:
+        continue
+    for device in ("cpu", "cuda"):
+        for inp in info.optim_inputs_func(device=device):
+            kwargs = {{k: {{"tensor": float(v)}} if isinstance(v, torch.Tensor) else v for k, v in inp.kwargs.items()}}
+            key = (name, json.dumps(kwargs, sort_keys=True))
+            if key not in seen:
+                seen.add(key)
+                rows.append({{"optimizer": name, "device": device, "desc": inp.desc, "kwargs": kwargs}})
+print(json.dumps(rows))
+"""
+
+
+def _optim_db():
+    out = subprocess.run([sys.executable, "-c", _READ_OPTIM_DB], capture_output=True, text=True, timeout=300)
+    if out.returncode:
+        why = (out.stderr.strip().splitlines() or ["no output"])[-1]
+        return [pytest.param(None, id="optim_db", marks=pytest.mark.skip(reason=f"torch's optim_db: {why}"))]
+    rows = json.loads(out.stdout.strip().splitlines()[-1])
+    ids = [f"{r['optimizer']}-{r['device']}-{re.sub(r'[^a-z0-9]+', '_', r['desc'].lower()).strip('_')}" for r in rows]
+    return [pytest.param(r, id=i) for r, i in zip(rows, ids)]
+
+
+OPTIM_DB = _optim_db()
+
+
+def _unsupported(kwargs) -> list[str]:
+    found = [UNSUPPORTED[k] for k in kwargs if k in UNSUPPORTED and kwargs[k]]
+    if isinstance(kwargs.get("lr"), dict):
+        found.append(UNSUPPORTED["tensor lr"])
+    return found
+
+
+@pytest.mark.parametrize("config", OPTIM_DB)
+@dtypes
+def test_matches_torch_optim_db(config, dtype_name):
+    kwargs = {k: tuple(v) if isinstance(v, list) else v for k, v in config["kwargs"].items()}
+    why = _unsupported(kwargs)
+    if why:
+        pytest.skip("; ".join(why))
+    at_cls, torch_cls = getattr(optim, config["optimizer"]), getattr(torch.optim, config["optimizer"])
+    engine, topt, tparams, _, init = _run_both(lambda: at_cls(**kwargs),
+                                               lambda ps: torch_cls(ps, foreach=False, **kwargs), dtype_name)
+    np_dtype = DTYPES[dtype_name][0]
+    _compare_state(engine, topt, tparams, np_dtype)
+    # not vacuous: the parameters moved well beyond the tolerance (Adadelta at lr 0.01: ~6e-4)
+    moved = max(float(np.max(np.abs(engine.params[k] - v), initial=0.0)) for k, v in init.items())
+    assert moved > 10 * tol(np_dtype)["atol"]
+
+
+def test_optim_db_covers_the_classes():
+    """The matrix was read and lists each class, on the CPU, at least with its defaults."""
+    rows = [p.values[0] for p in OPTIM_DB]
+    if rows == [None]:
+        pytest.skip(OPTIM_DB[0].marks[0].kwargs["reason"])
+    for name in OPTIM_DB_CLASSES:
+        assert any(r["optimizer"] == name and r["device"] == "cpu" and r["kwargs"] == {} for r in rows), name
+    assert all(_unsupported(r["kwargs"]) for r in rows if r["device"] == "cuda")  # CUDA adds only such flags

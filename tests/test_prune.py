@@ -33,7 +33,7 @@ from conftest import assert_close, assert_padding_zero, live_mask, padded_shapes
 
 STEPS = 8
 KERNELS = ("sgd_step", "adam_step", "adagrad_step", "rmsprop_step", "lion_step", "lamb_step", "adafactor_step",
-           "sophia_step", "sam_perturb")
+           "sophia_step", "sam_perturb", "nadam_step", "radam_step", "adamax_step", "adadelta_step")
 
 # every optimizer kernel through its optimizer class (SAM: perturb + update each step)
 OPTIMIZERS = {
@@ -50,9 +50,14 @@ OPTIMIZERS = {
     "sophia": lambda: optim.Sophia(lr=1e-2, rho=0.05, bs=10.0, weight_decay=0.1),
     "sam_adamw": lambda: optim.SAM(optim.AdamW(lr=1e-2, weight_decay=0.5), rho=0.05),
     "asam_sgd": lambda: optim.SAM(optim.SGD(lr=1e-2, momentum=0.9, weight_decay=0.1), rho=0.5, adaptive=True),
+    "nadamw": lambda: optim.NAdam(lr=1e-2, weight_decay=0.5, decoupled_weight_decay=True),
+    "radam_wd": lambda: optim.RAdam(lr=1e-2, betas=(0.9, 0.9), weight_decay=0.1),  # rectified from step 6
+    "adamax_wd": lambda: optim.Adamax(lr=1e-2, weight_decay=0.1),
+    "adadelta_wd": lambda: optim.Adadelta(lr=1.0, eps=1e-2, weight_decay=0.1),
 }
 # element-wise updates: an unpruned weight's trajectory does not depend on the pruned ones
-ELEMENTWISE = ("sgd_momentum_wd", "adam_amsgrad", "adamw", "adagrad", "rmsprop_centered_momentum", "lion", "sophia")
+ELEMENTWISE = ("sgd_momentum_wd", "adam_amsgrad", "adamw", "adagrad", "rmsprop_centered_momentum", "lion", "sophia",
+               "nadamw", "radam_wd", "adamax_wd", "adadelta_wd")
 
 
 def _layout(n):

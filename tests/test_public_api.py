@@ -59,6 +59,7 @@ SURFACE = {
         "MissingGradientError": "error",
         "NoGradientsError": "error",
         "NonFiniteError": "error",
+        "PhaseOrderError": "error",
         "QuantizedTensor": "(codes, scale, zero_point, shape, scheme, granularity, axis, dtype)",
         "ReadOnlyError": "error",
         "ShapeMismatchError": "(name, expected, got, what='grad')",
@@ -73,6 +74,7 @@ SURFACE = {
                           "names=None)",
         "nn": "module",
         "optim": "module",
+        "phase": "module",
         "prune": "module",
         "quantize": "module",
         "quantize_params": "(params, *, names=None, **kw)",
@@ -97,7 +99,7 @@ SURFACE = {
                 "state_dtype=None, overrides=None)",
         "Lion": "(lr=0.0001, betas=(0.9, 0.99), weight_decay=0.001, *, maximize=False, state_dtype=None, "
                 "overrides=None)",
-        "OptState": "(step=0, slots=<factory>, hp=<factory>)",
+        "OptState": "(step=0, slots=<factory>, hp=<factory>, scalars=<factory>)",
         "Optimizer": "()",
         "RMSprop": "(lr=0.01, alpha=0.99, eps=1e-08, weight_decay=0.0, momentum=0.0, centered=False, *, "
                    "maximize=False, state_dtype=None, overrides=None)",
@@ -106,6 +108,14 @@ SURFACE = {
                "state_dtype=None, overrides=None)",
         "Sophia": "(lr=0.0001, betas=(0.965, 0.99), rho=0.04, weight_decay=0.1, *, eps=1e-15, bs=5120, "
                   "maximize=False, overrides=None)",
+        "NAdam": "(lr=0.002, betas=(0.9, 0.999), eps=1e-08, weight_decay=0.0, momentum_decay=0.004, "
+                 "decoupled_weight_decay=False, *, maximize=False, state_dtype=None, overrides=None)",
+        "RAdam": "(lr=0.001, betas=(0.9, 0.999), eps=1e-08, weight_decay=0.0, decoupled_weight_decay=False, *, "
+                 "maximize=False, state_dtype=None, overrides=None)",
+        "Adamax": "(lr=0.002, betas=(0.9, 0.999), eps=1e-08, weight_decay=0.0, *, maximize=False, state_dtype=None, "
+                  "overrides=None)",
+        "Adadelta": "(lr=1.0, rho=0.9, eps=1e-06, weight_decay=0.0, *, maximize=False, state_dtype=None, "
+                    "overrides=None)",
         # torch.optim.Muon's names and order; the routing to a fallback optimizer keyword-only
         "Muon": "(lr=0.001, weight_decay=0.1, momentum=0.95, nesterov=True, ns_coefficients=(3.4445, -4.775, 2.0315), "
                 "eps=1e-07, ns_steps=5, adjust_lr_fn=None, *, fallback=None, fallback_for=(), maximize=False, "
@@ -192,6 +202,7 @@ ERRORS = {
     "StateDictError": ValueError,
     "CheckpointError": ValueError,
     "NonFiniteError": FloatingPointError,
+    "PhaseOrderError": RuntimeError,
     "ConcurrentUseError": RuntimeError,
     "DataError": ValueError,
     "MissingDependencyError": ImportError,
@@ -307,3 +318,39 @@ def test_import_compiles_nothing():
     compiled = {k: v for k, v in found["dispatchers"].items() if v}
     assert compiled == {}
     assert not found["cupy"] and not found["cuda_kernels"]
+
+
+LIGHT_IMPORT_PROBE = textwrap.dedent(
+    """
+    import json, sys
+    import arraytrain
+    heavy = ("numba", "llvmlite", "scipy", "safetensors", "ml_dtypes", "cupy")
+    at_import = sorted(m for m in heavy if m in sys.modules)
+    arraytrain.Engine, arraytrain.optim.AdamW, arraytrain.compress.TopK, arraytrain.nn.MLP
+    from arraytrain import load, save, schedules
+    at_engine = sorted(m for m in heavy if m in sys.modules)
+    print(json.dumps({"at_import": at_import, "at_engine": at_engine, "names": sorted(dir(arraytrain))}))
+    """
+)
+
+
+def test_import_loads_no_heavy_dependency():
+    """``import arraytrain`` imports none of numba, scipy, safetensors, ml_dtypes (and no kernel);
+    reaching the engine, the optimizers, the compressors and nn imports no numba, scipy or safetensors
+    either: numba loads with the first CPU kernel, safetensors with the first save or load."""
+    out = subprocess.run([sys.executable, "-c", LIGHT_IMPORT_PROBE], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    found = json.loads(out.stdout.strip().splitlines()[-1])
+    assert found["at_import"] == []
+    assert not {"numba", "llvmlite", "scipy", "safetensors", "cupy"} & set(found["at_engine"])
+    assert set(arraytrain.__all__) <= set(found["names"])  # dir() lists the lazily imported names
+
+
+def test_lazy_names_are_the_modules_objects():
+    from arraytrain import checkpoint, engine, optim, prune
+
+    assert arraytrain.Engine is engine.Engine and arraytrain.save is checkpoint.save
+    assert arraytrain.optim is optim and arraytrain.magnitude_mask is prune.magnitude_mask
+    assert arraytrain.kernels.interface.DOMAINS  # submodules are reachable as attributes, as before
+    with pytest.raises(AttributeError):
+        arraytrain.no_such_name  # noqa: B018

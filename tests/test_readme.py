@@ -23,6 +23,8 @@ def test_readme_block_runs(index):
     code = BLOCKS[index]
     if re.search(r"^import torch", code, flags=re.M):
         pytest.importorskip("torch")
+    if "arraytrain.distributed" in code:
+        pytest.importorskip("mpi4py")  # the extra mpi; run alone, the example is a group of one process
     if 'device="cuda"' in code:
         from cuda_family import require_cuda
 

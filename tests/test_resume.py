@@ -9,6 +9,7 @@ import pytest
 
 import arraytrain as at
 from arraytrain import optim
+from conftest import _frozen
 
 SHAPES = {"w": (6, 5), "empty": (0,), "b": (5,), "t": (2, 3, 4)}
 
@@ -25,6 +26,11 @@ OPTIMIZERS = {
     "adafactor": lambda: optim.Adafactor(lr=1e-2),
     "sophia": lambda: optim.Sophia(lr=1e-3, bs=1),
     "sam-adamw": lambda: optim.SAM(optim.AdamW(lr=1e-2), rho=0.05),
+    "nadam": lambda: optim.NAdam(lr=1e-2, weight_decay=0.1, decoupled_weight_decay=True),  # + mu_product
+    "radam": lambda: optim.RAdam(lr=1e-3, betas=(0.9, 0.9)),  # rectified from step 6: after the cut
+    "adamax-bf16": lambda: optim.Adamax(lr=1e-2, weight_decay=0.01, state_dtype="bfloat16"),
+    "adadelta": lambda: optim.Adadelta(lr=1.0, weight_decay=0.01),
+    "sam-nadam": lambda: optim.SAM(optim.NAdam(lr=1e-2), rho=0.05),
     "muon": lambda: optim.Muon(lr=0.02, fallback=optim.AdamW(lr=1e-2), fallback_for=("t",), state_dtype="bfloat16"),
     "schedule-free-adamw": lambda: optim.ScheduleFreeAdamW(lr=1e-2, warmup_steps=3),
 }
@@ -63,7 +69,7 @@ def _feed(engine, grads, start=0):
 
 def _bits(engine):
     return (engine.params.flat.tobytes(), {k: b.flat.tobytes() for k, b in engine.state.slots.items()},
-            engine.state.step, engine.loss_scale, engine.lr, engine.perturbed)
+            engine.state.step, engine.loss_scale, engine.lr, engine.perturbed, _frozen(engine.state.scalars))
 
 
 @pytest.mark.parametrize("name", list(OPTIMIZERS))

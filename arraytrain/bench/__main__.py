@@ -1,4 +1,4 @@
-"""``python -m arraytrain.bench [compare|threads|mlp|predict|compression|compress|intake] ...``
+"""``python -m arraytrain.bench [compare|threads|mlp|predict|compression|compress|intake|distributed] ...``
 
 ``compare`` (the default): one clipped optimizer step, arraytrain beside
 torch.optim (foreach and fused), hand-written NumPy and optax, with the
@@ -16,6 +16,10 @@ without error feedback; see :mod:`arraytrain.bench.compression`.
 ``intake``: the dict path's cost per tensor, before and after the structure
 cache, beside the zero-copy path and torch's fused AdamW; see
 :mod:`arraytrain.bench.intake`.
+``distributed``: processes over MPI (it launches mpiexec itself): MPIComm's
+all-reduce beside mpi4py's, engine step time at 1/2/4 processes, each
+compressor's bytes and projected step time at 1/10/100 Gb/s, and digits
+accuracy with 4 processes; see :mod:`arraytrain.bench.distributed`.
 """
 
 from __future__ import annotations
@@ -25,7 +29,8 @@ import sys
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    command = argv.pop(0) if argv and argv[0] in ("compare", "threads", "mlp", "predict", "compression", "compress", "intake") else "compare"
+    command = argv.pop(0) if argv and argv[0] in ("compare", "threads", "mlp", "predict", "compression", "compress", "intake",
+                                                 "distributed") else "compare"
     if command == "threads":
         from .threads import main as run
     elif command == "mlp":
@@ -38,6 +43,8 @@ def main(argv=None) -> int:
         from .compress import main as run
     elif command == "intake":
         from .intake import main as run
+    elif command == "distributed":
+        from .distributed import main as run
     else:
         from .compare import main as run
     return run(argv)

@@ -3,8 +3,8 @@
 Per optimizer and parameter count, in one run. The default optimizers are
 AdamW, Adam and SGD with momentum; ``--optimizers`` adds Adagrad, RMSprop
 (momentum 0.9, centered), Adafactor (2-D parameters, so its second moments are
-factored), Lion, LAMB, Muon (2-D parameters: its cost is the Newton-Schulz GEMMs) and
-Schedule-Free AdamW. Contestants:
+factored), Lion, LAMB, NAdam, RAdam, Adamax, Adadelta, Muon (2-D parameters: its cost is the
+Newton-Schulz GEMMs) and Schedule-Free AdamW. Contestants:
 
 * ``arraytrain``: ``engine.step()`` on the zero-copy path: one read-only norm
   pass, then the optimizer's fused kernel (LAMB and Adafactor take more passes,
@@ -18,11 +18,12 @@ Schedule-Free AdamW. Contestants:
   (not for Adafactor: factored statistics and two RMS reductions per tensor are
   no simple in-place loop);
 * ``optax``: ``clip_by_global_norm`` chained with the optimizer, ``jax.jit``
-  with donated buffers, on the CPU (AdamW, Adam, SGD, Lion, LAMB: optax's
-  Adagrad, RMSprop and Adafactor are other variants of those methods, see
-  :data:`NOT_AVAILABLE`);
-* the machine's streaming bandwidth: a numba triad ``a = b + s*c`` over 5e7
-  float32 elements (12 B/element), timed in every round beside the others.
+  with donated buffers, on the CPU (AdamW, Adam, SGD, Lion, LAMB, RAdam, Adamax,
+  Adadelta: optax's Adagrad, RMSprop, Adafactor and NAdam are other variants of
+  those methods, see :data:`NOT_AVAILABLE`);
+* the machine's streaming bandwidth: a numba triad ``a = b + s*c`` and a numba
+  in-place update ``a += s*b`` over 5e7 float32 elements (12 B/element each),
+  timed in every round beside the others.
 
 Each contestant's parameters are split into 100 tensors (arraytrain: 100
 named views of one buffer), with identical hyperparameters. A contestant whose
@@ -33,7 +34,9 @@ compilation are excluded; min and median are reported. "GB/s" counts the bytes
 a fused clipped step cannot avoid (a read of the gradients for the norm, then
 read p, g and every state slot, write p and every slot; per optimizer in
 :data:`OPTIMIZERS`), the same for every contestant, so it is proportional to
-speed; "% triad" compares that to the triad. A contestant without an
+speed; "% triad" compares that to the triad's best over the run, "% in-place" to the
+in-place update's best in the same row's rounds (this VM's bandwidth drifts within a
+run, and a burst would otherwise set every row's reference). A contestant without an
 implementation of an optimizer is listed under the table with the reason. ``--json`` writes every figure; ``--baseline OLD.json`` flags
 arraytrain slowdowns against an earlier run (see :func:`regressions`).
 """
@@ -62,6 +65,11 @@ LION = {"lr": 1e-4, "betas": (0.9, 0.99), "weight_decay": WD}
 # eps after the square root of the bias-corrected v, eps_root inside it (0): optax.lamb's
 # form, which arraytrain.optim.LAMB follows, so both sides are configured alike
 LAMB = {"lr": LR, "betas": BETAS, "eps": 1e-6, "eps_root": 0.0, "weight_decay": WD}
+# torch's defaults (RAdam's update is rectified from step 6 with beta2 = 0.999: see WARM_STEPS)
+NADAM = {"lr": 2e-3, "betas": BETAS, "eps": EPS, "momentum_decay": 4e-3}
+RADAM = {"lr": LR, "betas": BETAS, "eps": EPS}
+ADAMAX = {"lr": 2e-3, "betas": BETAS, "eps": EPS}
+ADADELTA = {"lr": 1.0, "rho": 0.9, "eps": 1e-6}
 # torch.optim.Muon's names (its default coefficients and 5 Newton-Schulz steps); optax's
 # schedule_free_adamw under the shared names, constant lr (no warm-up)
 MUON = {"lr": 0.02, "weight_decay": WD, "momentum": 0.95, "nesterov": True}
@@ -82,11 +90,18 @@ OPTIMIZERS = {
     # factored statistics (O(rows + cols)) left out; the step size needs the update's RMS,
     # which needs the row/column sums of all of g: read g; read p, g; read p, g, write p
     "adafactor": 6,
+    "nadam": 7,      # read p, g, m, v; write p, m, v
+    "radam": 7,
+    "adamax": 7,     # read p, g, exp_avg, exp_inf; write p, exp_avg, exp_inf
+    "adadelta": 7,   # read p, g, square_avg, acc_delta; write p, square_avg, acc_delta
     # the element-wise part (read p, g, momentum; write p, momentum); the Newton-Schulz GEMMs
     # (O(rows^2 cols) per matrix) dominate, so time, not GB/s, is Muon's figure
     "muon": 5,
     "schedule_free_adamw": 7,  # read y, g, z, v; write y, z, v
 }
+# steps each contestant takes before it is timed (default 1, the warm-up): RAdam's steps before
+# rho_t > 5 skip the second moment's square root and division, so its timed steps start after them
+WARM_STEPS = {"radam": 6}
 DEFAULT_OPTIMIZERS = ("adamw", "adam", "sgd")
 
 # (contestant, optimizer) pairs without an implementation, and why
@@ -101,6 +116,10 @@ NOT_AVAILABLE = {
     ("optax", "rmsprop"): "optax.rmsprop applies momentum after the learning rate; not configured here",
     ("optax", "adafactor"): "optax.adafactor is the paper's variant (update clipping, parameter scale, "
                             "factoring from 128 rows), not torch's",
+    **{("torch-fused", o): f"torch.optim.{title} has no fused implementation"
+       for o, title in (("nadam", "NAdam"), ("radam", "RAdam"), ("adamax", "Adamax"), ("adadelta", "Adadelta"))},
+    ("optax", "nadam"): "optax.nadam is Dozat's NAdam with a constant beta1 momentum, not torch's momentum_decay "
+                        "schedule",
     **{(c, "muon"): "torch.optim.Muon has one implementation, per tensor: see torch-forloop"
        for c in ("torch-foreach", "torch-fused")},
     ("optax", "muon"): "optax.contrib.muon is another variant (bias-corrected momentum, its own shape scaling)",
@@ -169,8 +188,33 @@ def make_triad(n: int = 50_000_000):
     return (lambda: triad(a, b, c, s)), 12 * n
 
 
-# -- contestants: each returns a zero-argument step function, already warm (one step taken), -----
-# -- whose ``.params()`` lists the parameters after the steps taken so far -------------------
+def make_inplace(n: int = 50_000_000):
+    """A numba in-place update ``a += s*b`` over ``n`` float32 elements (12 B/element), compiled and warm.
+
+    An optimizer step is in place too (it writes only arrays it has read), so this is the
+    streaming bandwidth such a step can reach; the triad's store to an array it has not
+    read costs a write-allocate read that its 12 B/element do not count.
+    """
+    from numba import njit, prange
+
+    @njit(parallel=True, cache=False)
+    def inplace(a, b, s):
+        for i in prange(a.size):
+            a[i] += s * b[i]
+
+    a, b, s = np.zeros(n, np.float32), np.ones(n, np.float32), np.float32(1e-3)
+    inplace(a, b, s)
+    return (lambda: inplace(a, b, s)), 12 * n
+
+
+# -- contestants: each returns a zero-argument step function, already warm (one step taken, -----
+# -- or WARM_STEPS), whose ``.params()`` lists the parameters after the steps taken so far -----
+
+
+def _warm(step, opt: str):
+    for _ in range(WARM_STEPS.get(opt, 1)):
+        step()
+    return step
 
 
 def arraytrain_optimizer(opt: str, state_dtype: str | None = None):
@@ -188,6 +232,10 @@ def arraytrain_optimizer(opt: str, state_dtype: str | None = None):
             "adafactor": lambda: at.optim.Adafactor(**ADAFACTOR),
             "lion": lambda: at.optim.Lion(**LION),
             "lamb": lambda: at.optim.LAMB(**LAMB),
+            "nadam": lambda: at.optim.NAdam(**NADAM),
+            "radam": lambda: at.optim.RAdam(**RADAM),
+            "adamax": lambda: at.optim.Adamax(**ADAMAX),
+            "adadelta": lambda: at.optim.Adadelta(**ADADELTA),
             "muon": lambda: at.optim.Muon(**MUON),
             "schedule_free_adamw": lambda: at.optim.ScheduleFreeAdamW(**SCHEDULE_FREE)}[opt]()
 
@@ -212,6 +260,10 @@ def torch_optimizer(opt: str, ps: list, flag: dict):
             "adagrad": lambda: torch.optim.Adagrad(ps, **ADAGRAD, **flag),
             "rmsprop": lambda: torch.optim.RMSprop(ps, **RMSPROP, **flag),
             "adafactor": lambda: torch.optim.Adafactor(ps, **ADAFACTOR, **flag),
+            "nadam": lambda: torch.optim.NAdam(ps, **NADAM, **flag),
+            "radam": lambda: torch.optim.RAdam(ps, **RADAM, **flag),
+            "adamax": lambda: torch.optim.Adamax(ps, **ADAMAX, **flag),
+            "adadelta": lambda: torch.optim.Adadelta(ps, **ADADELTA, **flag),
             # torch's Muon is per tensor only and takes no foreach flag (its Newton-Schulz in bfloat16)
             "muon": lambda: torch.optim.Muon(ps, **MUON)}[opt]()
 
@@ -225,8 +277,7 @@ def make_arraytrain(opt: str, n: int, zero_grad: bool = False, state_dtype: str 
 
     step.params = lambda: [engine.params[f"p{i}"] for i in range(len(params))]
     step.engine = engine
-    step()
-    return step
+    return _warm(step, opt)
 
 
 def _make_torch(opt: str, n: int, mode: str, zero_grad: bool = False):
@@ -247,8 +298,7 @@ def _make_torch(opt: str, n: int, mode: str, zero_grad: bool = False):
             optimizer.zero_grad(set_to_none=False)
 
     step.params = lambda: [p.detach().numpy() for p in ps]
-    step()
-    return step
+    return _warm(step, opt)
 
 
 def make_torch_foreach(opt, n, zero_grad=False):
@@ -310,8 +360,7 @@ def make_numpy(opt: str, n: int, zero_grad: bool = False):
                 g[...] = 0
 
     step.params = lambda: params
-    step()
-    return step
+    return _warm(step, opt)
 
 
 def _np_adagrad(p, g, slots, t, d, tmp):
@@ -367,17 +416,23 @@ def _np_lion(p, g, slots, t, d, tmp):
     p -= d
 
 
+def _np_moments(g, m, v, b1, b2, tmp):
+    """Adam's moments in place: m = b1 m + (1-b1) g;  v = b2 v + (1-b2) g^2 (unless v is None)."""
+    np.multiply(g, 1 - b1, out=tmp)
+    m *= b1
+    m += tmp
+    if v is not None:
+        np.multiply(g, g, out=tmp)
+        tmp *= 1 - b2
+        v *= b2
+        v += tmp
+
+
 def _np_lamb(p, g, slots, t, d, tmp):
     # u = m_hat / (sqrt(v_hat + eps_root) + eps) + wd p;  p -= lr (||p|| / ||u||) u  (ratio 1 if a norm is 0)
     m, v = slots
     b1, b2 = LAMB["betas"]
-    np.multiply(g, 1 - b1, out=tmp)
-    m *= b1
-    m += tmp
-    np.multiply(g, g, out=tmp)
-    tmp *= 1 - b2
-    v *= b2
-    v += tmp
+    _np_moments(g, m, v, b1, b2, tmp)
     np.multiply(v, 1 / (1 - b2**t), out=tmp)
     tmp += LAMB["eps_root"]
     np.sqrt(tmp, out=tmp)
@@ -390,6 +445,82 @@ def _np_lamb(p, g, slots, t, d, tmp):
     ratio = 1.0 if pn == 0 or un == 0 else pn / un
     d *= -LAMB["lr"] * ratio
     p += d
+
+
+def _nadam_mu(t):
+    b1, psi = NADAM["betas"][0], NADAM["momentum_decay"]
+    return b1 * (1.0 - 0.5 * 0.96 ** (t * psi))
+
+
+def _np_nadam(p, g, slots, t, d, tmp):
+    # m, v as Adam;  p -= lr ((1-mu_t)/(1-P_t) g + mu_{t+1}/(1-P_t mu_{t+1}) m) / (sqrt(v / bc2) + eps)
+    m, v = slots
+    (b1, b2), lr = NADAM["betas"], NADAM["lr"]
+    prod = float(np.prod([_nadam_mu(k) for k in range(1, t + 1)]))  # torch's mu_product after step t
+    mu, mu_next = _nadam_mu(t), _nadam_mu(t + 1)
+    _np_moments(g, m, v, b1, b2, tmp)
+    np.multiply(v, 1 / (1 - b2**t), out=d)
+    np.sqrt(d, out=d)
+    d += NADAM["eps"]
+    np.multiply(m, lr * mu_next / (1 - prod * mu_next), out=tmp)
+    tmp += lr * (1 - mu) / (1 - prod) * g
+    tmp /= d
+    p -= tmp
+
+
+def _np_radam(p, g, slots, t, d, tmp):
+    # m, v as Adam;  rho_t > 5: p -= lr/bc1 r_t sqrt(bc2) m / (sqrt(v) + eps);  else p -= lr/bc1 m
+    m, v = slots
+    (b1, b2), lr = RADAM["betas"], RADAM["lr"]
+    _np_moments(g, m, v, b1, b2, tmp)
+    rho_inf = 2 / (1 - b2) - 1
+    rho = rho_inf - 2 * t * b2**t / (1 - b2**t)
+    step = lr / (1 - b1**t)
+    if rho > 5:
+        r = np.sqrt((rho - 4) * (rho - 2) * rho_inf / ((rho_inf - 4) * (rho_inf - 2) * rho))
+        np.sqrt(v, out=d)
+        d += RADAM["eps"]
+        np.divide(m, d, out=tmp)
+        tmp *= step * r * np.sqrt(1 - b2**t)
+    else:
+        np.multiply(m, step, out=tmp)
+    p -= tmp
+
+
+def _np_adamax(p, g, slots, t, d, tmp):
+    # m as Adam;  u = max(b2 u, |g| + eps);  p -= lr/bc1 m / u
+    m, u = slots
+    (b1, b2), lr = ADAMAX["betas"], ADAMAX["lr"]
+    _np_moments(g, m, None, b1, b2, tmp)
+    np.abs(g, out=tmp)
+    tmp += ADAMAX["eps"]
+    u *= b2
+    np.maximum(u, tmp, out=u)
+    np.divide(m, u, out=tmp)
+    tmp *= lr / (1 - b1**t)
+    p -= tmp
+
+
+def _np_adadelta(p, g, slots, t, d, tmp):
+    # s = rho s + (1-rho) g^2;  delta = sqrt(a + eps) / sqrt(s + eps) g;  a = rho a + (1-rho) delta^2;  p -= lr delta
+    sq, acc = slots
+    rho, eps = ADADELTA["rho"], ADADELTA["eps"]
+    np.multiply(g, g, out=tmp)
+    tmp *= 1 - rho
+    sq *= rho
+    sq += tmp
+    np.add(sq, eps, out=tmp)
+    np.sqrt(tmp, out=tmp)
+    np.add(acc, eps, out=d)
+    np.sqrt(d, out=d)
+    d /= tmp
+    d *= g
+    np.multiply(d, d, out=tmp)
+    tmp *= 1 - rho
+    acc *= rho
+    acc += tmp
+    d *= ADADELTA["lr"]
+    p -= d
 
 
 def _np_muon(p, g, slots, t, d, tmp):
@@ -441,11 +572,13 @@ def _np_schedule_free(p, g, slots, t, d, tmp):
 
 # optimizer -> (per-tensor in-place step, number of state slots)
 _NUMPY_STEPS = {"adagrad": (_np_adagrad, 1), "rmsprop": (_np_rmsprop, 3), "lion": (_np_lion, 1),
-                "lamb": (_np_lamb, 2), "muon": (_np_muon, 1), "schedule_free_adamw": (_np_schedule_free, 2)}
+                "lamb": (_np_lamb, 2), "nadam": (_np_nadam, 2), "radam": (_np_radam, 2), "adamax": (_np_adamax, 2),
+                "adadelta": (_np_adadelta, 2), "muon": (_np_muon, 1),
+                "schedule_free_adamw": (_np_schedule_free, 2)}
 
 
 def _make_numpy_other(opt: str, n: int, zero_grad: bool):
-    """Adagrad, RMSprop, Lion, LAMB, Muon, Schedule-Free AdamW by hand: clip in place, then one update per tensor."""
+    """The other optimizers by hand: clip in place, then one in-place update per tensor."""
     params, grads = _data(n, opt=opt)
     update, nslots = _NUMPY_STEPS[opt]
     slots = [[np.zeros_like(p) for _ in range(nslots)] for p in params]
@@ -467,8 +600,7 @@ def _make_numpy_other(opt: str, n: int, zero_grad: bool):
                 g[...] = 0
 
     step.params = lambda: params
-    step()
-    return step
+    return _warm(step, opt)
 
 
 def make_optax(opt: str, n: int, zero_grad: bool = False):
@@ -484,6 +616,11 @@ def make_optax(opt: str, n: int, zero_grad: bool = False):
              "lion": lambda: optax.lion(LION["lr"], *LION["betas"], weight_decay=LION["weight_decay"]),
              "lamb": lambda: optax.lamb(LAMB["lr"], *LAMB["betas"], LAMB["eps"], LAMB["eps_root"],
                                         LAMB["weight_decay"]),
+             # optax.radam adds eps after the bias correction of sqrt(v) (torch: before); at eps = 1e-8
+             # the two steps agree far within the benchmark's checks
+             "radam": lambda: optax.radam(RADAM["lr"], *RADAM["betas"], RADAM["eps"]),
+             "adamax": lambda: optax.adamax(ADAMAX["lr"], *ADAMAX["betas"], ADAMAX["eps"]),
+             "adadelta": lambda: optax.adadelta(ADADELTA["lr"], ADADELTA["rho"], ADADELTA["eps"]),
              "schedule_free_adamw": lambda: optax.contrib.schedule_free_adamw(
                  SCHEDULE_FREE["lr"], None, *SCHEDULE_FREE["betas"], SCHEDULE_FREE["eps"],
                  SCHEDULE_FREE["weight_decay"])}[opt]()
@@ -504,8 +641,7 @@ def make_optax(opt: str, n: int, zero_grad: bool = False):
         jax.block_until_ready(box["p"])
 
     step.params = lambda: [np.asarray(x) for x in box["p"]]
-    step()
-    return step
+    return _warm(step, opt)
 
 
 def make_arraytrain_bf16(opt: str, n: int, zero_grad: bool = False):
@@ -533,11 +669,12 @@ def run(optimizers, sizes, reps, names=DEFAULT_CONTESTANTS, zero_grad=False, log
     """Time every contestant per (optimizer, size).
 
     Returns the rows, the best triad GB/s, the contestants whose library is
-    missing (name -> error) and the pairs without an implementation
-    (``"contestant/optimizer"`` -> reason).
+    missing (name -> error), the pairs without an implementation
+    (``"contestant/optimizer"`` -> reason) and the best in-place GB/s.
     """
     triad, triad_bytes = make_triad()
-    triad_times, rows, missing, unavailable = [], [], {}, {}
+    inplace, inplace_bytes = make_inplace()
+    triad_times, inplace_times, rows, missing, unavailable = [], [], [], {}, {}
     for opt in optimizers:
         for n in sizes:
             contestants = {}
@@ -548,7 +685,7 @@ def run(optimizers, sizes, reps, names=DEFAULT_CONTESTANTS, zero_grad=False, log
                     missing[name] = str(exc)
                 except NotAvailable as exc:
                     unavailable[f"{name}/{opt}"] = str(exc)
-            contestants["triad"] = triad
+            contestants["triad"], contestants["in-place"] = triad, inplace
             times = {k: [] for k in contestants}
             rounds = max(3, (reps if n < 50_000_000 else max(3, reps // 3)) // BLOCK)
             for _ in range(rounds):
@@ -556,26 +693,36 @@ def run(optimizers, sizes, reps, names=DEFAULT_CONTESTANTS, zero_grad=False, log
                     fn()  # untimed: absorbs the previous contestant's idle threads winding down
                     times[name] += _timeit(fn, BLOCK)
             triad_times += times.pop("triad")
-            rows.append({"optimizer": opt, "n": n, "times": times})
+            row_inplace = times.pop("in-place")
+            inplace_times += row_inplace
+            # the VM's bandwidth drifts within a run: each row keeps the in-place figure of its own rounds
+            rows.append({"optimizer": opt, "n": n, "times": times,
+                         "inplace_gbs": inplace_bytes / min(row_inplace) / 1e9})
             log(f"  timed {opt} n={n:.0e}: " + ", ".join(f"{k} {min(v) * 1e3:.2f} ms" for k, v in times.items()))
             contestants.clear()
     for name, why in missing.items():
         log(f"  skipped {name}: {why}")
-    return rows, triad_bytes / min(triad_times) / 1e9, missing, unavailable
+    return (rows, triad_bytes / min(triad_times) / 1e9, missing, unavailable,
+            inplace_bytes / min(inplace_times) / 1e9)
 
 
-def table(rows, triad_gbs) -> str:
-    out = ["| optimizer | params | contestant | min ms | median ms | GB/s | % triad | time / arraytrain |",
-           "|---|---:|---|---:|---:|---:|---:|---:|"]
+def table(rows, triad_gbs, inplace_gbs=None) -> str:
+    """The Markdown table; with ``inplace_gbs``, a last column: GB/s as a share of the in-place update's,
+    timed in the same row's rounds where the row has it (``row["inplace_gbs"]``), else ``inplace_gbs``."""
+    extra = ("", "") if inplace_gbs is None else (" % in-place |", "---:|")
+    out = ["| optimizer | params | contestant | min ms | median ms | GB/s | % triad | time / arraytrain |" + extra[0],
+           "|---|---:|---|---:|---:|---:|---:|---:|" + extra[1]]
     for row in rows:
         opt, n, times = row["optimizer"], row["n"], row["times"]
         ours = min(times["arraytrain"]) if "arraytrain" in times else None
+        inplace = row.get("inplace_gbs", inplace_gbs)
         for name, ts in times.items():
             best = min(ts)
             gbs = step_bytes(opt) * n / best / 1e9
             ratio = f"{best / ours:.2f}" if ours else "-"
             out.append(f"| {opt} | {n:.0e} | {name} | {best * 1e3:.2f} | {statistics.median(ts) * 1e3:.2f} | "
-                       f"{gbs:.1f} | {gbs / triad_gbs:.0%} | {ratio} |")
+                       f"{gbs:.1f} | {gbs / triad_gbs:.0%} | {ratio} |"
+                       + ("" if inplace_gbs is None else f" {gbs / inplace:.0%} |"))
     return "\n".join(out)
 
 
@@ -664,15 +811,17 @@ def main(argv=None) -> int:
     from arraytrain import threads
 
     policy = threads.describe()
-    rows, tri, missing, unavailable = run(optimizers, sizes, args.reps, names, args.zero_grad,
-                                          log=lambda s: print(s, file=sys.stderr))
+    rows, tri, missing, unavailable, inp = run(optimizers, sizes, args.reps, names, args.zero_grad,
+                                               log=lambda s: print(s, file=sys.stderr))
     print(f"machine: {platform.machine()}, {os.cpu_count()} cores; python {platform.python_version()}, "
           f"numpy {np.__version__}; {policy}")
-    print(f"numba triad bandwidth (best over the run, timed in the same rotation): {tri:.1f} GB/s\n")
-    print(table(rows, tri))
+    print(f"numba triad bandwidth (best over the run, timed in the same rotation): {tri:.1f} GB/s")
+    print(f"numba in-place a += s*b bandwidth (likewise): {inp:.1f} GB/s; '% in-place' compares each row with "
+          f"the in-place update timed in that row's own rounds\n")
+    print(table(rows, tri, inp))
     if unavailable:
         print("\nnot available: " + "; ".join(f"{k}: {v}" for k, v in unavailable.items()))
-    doc = {"triad_gbs": tri, "threads": policy, "rows": rows, "missing": missing, "unavailable": unavailable,
+    doc = {"triad_gbs": tri, "inplace_gbs": inp, "threads": policy, "rows": rows, "missing": missing, "unavailable": unavailable,
            "zero_grad": args.zero_grad, "machine": platform.machine(), "cpus": os.cpu_count()}
     if args.startup:
         with tempfile.TemporaryDirectory() as cache:

@@ -551,15 +551,18 @@ class ErrorFeedback:
         if backend is not None and backend_of(self.residual.flat) != backend:
             self.residual = FlatBuffer(self.residual.layout, module_of_backend(backend).asarray(self.residual.flat))
 
-    def compress(self, x: np.ndarray) -> Payload:
-        """Compress ``g + r`` and keep what was not sent in ``r`` (``x`` is read only)."""
+    def _send(self, x: np.ndarray) -> Payload:
+        """``r += x`` and the payload of ``r`` (``x`` checked, the residual placed on its backend)."""
         self.compressor._need_bound()
         self.compressor._check_flat(x, "x")
         self._place(backend_of(x))
-        r = self.residual.flat
-        r += x
-        payload = self.compressor.compress(r)
-        r -= self.compressor.decompress(payload)
+        self.residual.flat += x
+        return self.compressor.compress(self.residual.flat)
+
+    def compress(self, x: np.ndarray) -> Payload:
+        """Compress ``g + r`` and keep what was not sent in ``r`` (``x`` is read only)."""
+        payload = self._send(x)
+        self.residual.flat -= self.compressor.decompress(payload)
         return payload
 
     def decompress(self, payload: Payload, out: np.ndarray | None = None) -> np.ndarray:
@@ -567,14 +570,9 @@ class ErrorFeedback:
 
     def roundtrip(self, x: np.ndarray) -> Payload:
         """As :meth:`compress`, then ``x`` = the decoded gradient; no scratch buffer."""
-        self.compressor._need_bound()
-        self.compressor._check_flat(x, "x")
-        self._place(backend_of(x))
-        r = self.residual.flat
-        r += x
-        payload = self.compressor.compress(r)
+        payload = self._send(x)
         self.compressor.decompress(payload, x)
-        r -= x
+        self.residual.flat -= x
         return payload
 
     def exchange(self, x: np.ndarray) -> Payload:
@@ -586,14 +584,9 @@ class ErrorFeedback:
         """
         if self.comm.is_local:
             return self.roundtrip(x)
-        self.compressor._need_bound()
-        self.compressor._check_flat(x, "x")
-        self._place(backend_of(x))
-        r = self.residual.flat
-        r += x
-        payload = self.compressor.compress(r)
+        payload = self._send(x)
         self.compressor.sent(payload, x)  # x is free now: it holds what this process sent
-        r -= x
+        self.residual.flat -= x
         self.compressor.aggregate(payload, x)
         return payload
 

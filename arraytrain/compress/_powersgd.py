@@ -30,9 +30,22 @@ Payload: ``"P:<name>"`` (``n x r``, orthonormal columns) and ``"Q:<name>"``
 ``(n + m) * r * itemsize`` bytes. A domain parameter with ``ndim < 2``, or
 whose factors would not be smaller than it (``(n + m) * r >= n * m``, which
 includes every ``r >= min(n, m)``; torch's ``min_compression_rate=1``),
-travels uncompressed as ``"M:<name>"``. In a multi-rank exchange ``P`` and
-``Q`` are the all-reduced factors; in the single-process exchange of
-:meth:`~arraytrain.compress.Compressor.roundtrip` they are this rank's.
+travels uncompressed as ``"M:<name>"``.
+
+**In a group of processes** (``bind(..., comm=...)``), as torch's DDP hook:
+every process starts from the same :math:`Q` (the shared seed; after that the
+group's), computes :math:`P_r = M_r Q`, and :meth:`compress` all-reduces the
+``P`` of every matrix (one collective, inside the encode — every process must
+call it) before orthogonalising, so :math:`P` spans :math:`(\sum_r M_r) Q`
+and is the same everywhere. Each process's ``Q`` is then
+:math:`Q_r = M_r^\top P`, and :meth:`aggregate` all-reduces the ``Q`` s (and
+the ``M`` s) and decodes once, :math:`P (\sum_r Q_r)^\top = P P^\top \sum_r M_r`.
+The warm start keeps the group's :math:`\sum_r Q_r`, identical on every
+process, as torch does. What a process *sent* (what its error feedback
+subtracts) is :math:`P Q_r^\top = P P^\top M_r`, its own part of the sum —
+torch's hook subtracts the group's mean instead; here each residual holds
+exactly what its own process failed to send. The bytes on the wire are the
+payload's, ``(n + m) * r * itemsize`` per matrix, however many processes.
 
 **Bias.** :math:`\hat M` is a projection of :math:`M`, not an unbiased
 estimate: without error feedback whatever lies outside the subspace is lost
@@ -71,6 +84,7 @@ from .._checks import check_bool, check_int
 from ..backend import array_module
 from ..errors import StateDictError
 from ._base import Compressor, Domain, array_backend, check_wire
+from ._summed import Summed, allreduce_arrays
 
 
 def orthonormalize_qr(p):
@@ -107,7 +121,7 @@ def orthonormalize_gram_schmidt(p: np.ndarray) -> np.ndarray:
     return p
 
 
-class PowerSGD(Compressor):
+class PowerSGD(Summed, Compressor):
     """Rank-``rank`` PowerSGD with warm start, per matrix of the domain.
 
     Parameters
@@ -159,23 +173,43 @@ class PowerSGD(Compressor):
     def _encode(self, x: np.ndarray, meta: dict) -> dict[str, np.ndarray]:
         ref = self.kernels == "reference"
         xp = self._xp()
-        arrays = {}
+        local = self.comm.is_local
+        mats, ps = [], []
         for i, name, start, n, m in self._mats:
             mat = x[start:start + n * m].reshape(n, m)
             q = self._q[name] if self.warm_start else xp.asarray(self._draw_q(i, m, meta["step"]))
             if ref:
                 mat = mat.astype(np.float64)
-                p = orthonormalize_gram_schmidt(mat @ q.astype(np.float64))
-            else:
-                p = orthonormalize_qr(mat @ q)
+                q = q.astype(np.float64)
+            mats.append(mat)
+            ps.append(mat @ q)
+        if not local:
+            allreduce_arrays(self.comm, ps)  # sum_r M_r Q: the same Q everywhere, so the group's P
+        arrays = {}
+        for (_, name, _, _, _), mat, p in zip(self._mats, mats, ps):
+            p = orthonormalize_gram_schmidt(p) if ref else orthonormalize_qr(p)
             q_new = mat.T @ p
             arrays[f"P:{name}"] = xp.ascontiguousarray(p, dtype=self._dt)
             arrays[f"Q:{name}"] = q_new = xp.ascontiguousarray(q_new, dtype=self._dt)
-            if self.warm_start and bool(xp.all(xp.isfinite(q_new)) & xp.all(xp.any(q_new != 0, axis=0))):
-                self._q[name] = q_new.copy()
+            if local:
+                self._keep(name, q_new)
         for name, start, size in self._raw:
             arrays[f"M:{name}"] = x[start:start + size].copy()
         return arrays
+
+    def _keep(self, name: str, q_new) -> None:
+        """Warm start: keep ``q_new`` unless it has a zero or non-finite column."""
+        xp = self._xp()
+        if self.warm_start and bool(xp.all(xp.isfinite(q_new)) & xp.all(xp.any(q_new != 0, axis=0))):
+            self._q[name] = q_new.copy()
+
+    def _summed(self, payload) -> list[str]:
+        return [f"Q:{name}" for _, name, _, _, _ in self._mats] + [f"M:{name}" for name, _, _ in self._raw]
+
+    def _summed_hook(self, payload) -> None:
+        if not payload.meta.get("warmup"):  # the group's Q, the same on every process
+            for _, name, _, _, _ in self._mats:
+                self._keep(name, payload.arrays[f"Q:{name}"])
 
     def _decode(self, arrays: Mapping[str, np.ndarray], meta: Mapping, out: np.ndarray) -> None:
         ref = self.kernels == "reference"

@@ -15,7 +15,10 @@ from collections.abc import Mapping
 import numpy as np
 
 from .._checks import check_bool, check_int
+from ..backend import CUPY, array_module
+from ..kernels.counter_rng import step_key
 from ._base import Compressor, Domain, check_wire
+from ._summed import Summed
 
 
 def _check_block(block, allow_none: bool):
@@ -24,7 +27,7 @@ def _check_block(block, allow_none: bool):
     return check_int("block", block, 1)
 
 
-class Int8Block(Compressor):
+class Int8Block(Summed, Compressor):
     r"""Blockwise absmax int8 (as in Dettmers et al. 2022, 8-bit optimizers, for gradients).
 
     Per block ``b`` of ``block`` elements:
@@ -44,6 +47,18 @@ class Int8Block(Compressor):
     Payload: ``codes`` (int8, one per element) and ``scales`` (the gradient
     dtype, one per block): ``n + ceil(n / block) * itemsize`` bytes. One pass
     over the gradient.
+
+    **In a group of K processes** the scale is shared: each process's block
+    maxima are max-all-reduced before the codes are taken (a second pass, the
+    codes against :math:`S_b = \max_r s_{b,r}`), so the codes add up,
+    :math:`\sum_r \hat x_r = S_b \sum_r q_r`, and are all-reduced and decoded
+    once. A sum of K codes needs more than 8 bits: the codes travel as int16
+    (K <= 258; int32 beyond; CuPy arrays through NCCL, which has no int16, as
+    float16 — exact for these integers — up to K = 16), and the payload holds
+    them so, ``2n + ceil(n / block) * itemsize`` bytes — what each process
+    puts on the wire, the shared scales' all-reduce included. Stochastic rounding draws
+    independently on each process (the call's key mixed with the rank), so
+    the rounding errors of the sum are independent too.
     """
 
     method = "int8block"
@@ -58,20 +73,58 @@ class Int8Block(Compressor):
     def _bind(self, domain: Domain) -> None:
         self._nblocks = -(-domain.size // self.block)
 
+    def _codes_dtype(self) -> np.dtype:
+        """int8 for one process; in a group, a type that holds the sum of every process's codes exactly.
+
+        int16 over MPI; NCCL (CuPy arrays) has no int16, and float16 holds every integer up to
+        2048 exactly — every partial sum of up to 16 processes' codes, in any order.
+        """
+        k = self.comm.size
+        if k == 1:
+            return np.dtype(np.int8)
+        if self._backend == CUPY:
+            return np.dtype(np.float16 if 127 * k <= 2048 else np.int32)
+        return np.dtype(np.int16 if 127 * k <= 2**15 - 1 else np.int32)
+
     def _encode(self, x: np.ndarray, meta: dict) -> dict[str, np.ndarray]:
         xp = self._xp()
         codes = xp.empty(x.size, np.int8)
         scales = xp.empty(self._nblocks, x.dtype)
-        self._kern.int8_encode(x, self.block, meta.get("key", 0), self.stochastic_rounding, codes, scales)
-        return {"codes": codes, "scales": scales}
+        key = meta.get("key", 0)
+        if self.comm.is_local:
+            self._kern.int8_encode(x, self.block, key, self.stochastic_rounding, codes, scales)
+            return {"codes": codes, "scales": scales}
+        self._kern.int8_encode(x, self.block, key, False, codes, scales)  # this process's scales
+        self.comm.allreduce(scales, "max")  # max_r(absmax_r * fl(1/127)) == max_r(absmax_r) * fl(1/127)
+        if self.stochastic_rounding:
+            key = step_key(key, self.comm.rank, 2)
+        self._kern.int8_encode(x, self.block, key, self.stochastic_rounding, codes, scales, shared=True)
+        return {"codes": codes.astype(self._codes_dtype()), "scales": scales}
 
     def _decode(self, arrays: Mapping[str, np.ndarray], meta: Mapping, out: np.ndarray) -> None:
-        codes = check_wire(arrays, "codes", (out.size,), np.int8, out)
+        codes = check_wire(arrays, "codes", (out.size,), self._codes_dtype(), out)
         scales = check_wire(arrays, "scales", (self._nblocks,), out.dtype, out)
-        self._kern.int8_decode(codes, scales, self.block, out)
+        if codes.dtype == np.int8:
+            self._kern.int8_decode(codes, scales, self.block, out)
+        else:
+            _decode_wide(codes, scales, self.block, out)
+
+    def _summed(self, payload) -> list[str]:
+        return ["codes"]  # the scales are the group's already
 
     def hyperparameters(self) -> dict:
         return {"block": self.block, "stochastic_rounding": self.stochastic_rounding, **super().hyperparameters()}
+
+
+def _decode_wide(codes, scales, block: int, out) -> None:
+    """``out_i = codes_i * scale_b`` for codes wider than int8 (a group's sums), NumPy or CuPy."""
+    xp = array_module(out)
+    n = out.size
+    full = n - n % block
+    if full:
+        xp.multiply(codes[:full].reshape(-1, block), scales[:full // block, None], out=out[:full].reshape(-1, block))
+    if full < n:
+        xp.multiply(codes[full:], scales[-1], out=out[full:])
 
 
 class _BlockScaled(Compressor):
@@ -141,7 +194,9 @@ class Ternary(_BlockScaled):
     Payload: ``codes`` (uint8, four 2-bit codes per byte, element ``4j + t``
     in bits ``2t`` and ``2t + 1`` of byte ``j``; 0 = zero, 1 = ``+s``, 2 =
     ``-s``) and ``scales`` (float32): ``ceil(n / 4) + 4 * nblocks`` bytes.
-    Two passes over the gradient (block maxima, then codes).
+    Two passes over the gradient (block maxima, then codes). In a group of processes the
+    payloads are gathered, and each process rounds with its own draws (the call's key
+    mixed with the rank), so the rounding errors of the sum are independent.
     """
 
     method = "ternary"
@@ -151,7 +206,10 @@ class Ternary(_BlockScaled):
         xp = self._xp()
         codes = xp.empty(-(-x.size // 4), np.uint8)
         scales = xp.empty(self._nblocks, np.float32)
-        self._kern.ternary_encode(x, self._block, meta["key"], codes, scales)
+        key = meta["key"]
+        if not self.comm.is_local:  # each process rounds independently (decoding needs no key)
+            key = step_key(key, self.comm.rank, 2)
+        self._kern.ternary_encode(x, self._block, key, codes, scales)
         return {"codes": codes, "scales": scales}
 
     def _decode(self, arrays: Mapping[str, np.ndarray], meta: Mapping, out: np.ndarray) -> None:

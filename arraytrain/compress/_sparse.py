@@ -1,7 +1,10 @@
 r"""Sparsifiers: top-k and random-k over the whole compressed domain.
 
 Both select ``k`` of the domain's ``n`` elements and send their values; the
-receiver writes them into a zero vector. ``k`` is given directly or as a
+receiver writes them into a zero vector. In a group of processes, top-k's
+selections differ from process to process: its payloads are gathered and
+each decoded (:meth:`~arraytrain.compress.Compressor.aggregate`); random-k's
+indices are shared, so its values are all-reduced. ``k`` is given directly or as a
 fraction: ``ratio`` in (0, 1] gives ``k = max(1, ceil(ratio * n))``, with
 ``ratio`` read as its shortest decimal repr (``ratio=0.07`` of 100 elements is
 7, not the 8 that ``ceil(0.07 * 100)`` in binary floating point gives).
@@ -22,6 +25,7 @@ import numpy as np
 from .._checks import check_bool, check_int, check_number
 from ..errors import ArgumentTypeError, HyperparameterError
 from ._base import Compressor, Domain, check_wire
+from ._summed import Summed
 
 
 class _Sparsifier(Compressor):
@@ -99,7 +103,7 @@ class TopK(_Sparsifier):
         self._kern.scatter(idx, values, 1, out)
 
 
-class RandomK(_Sparsifier):
+class RandomK(Summed, _Sparsifier):
     r"""Random-k sparsification (Stich, Cordonnier and Jaggi 2018, "Sparsified SGD with memory").
 
     ``k`` indices drawn uniformly without replacement (Floyd's algorithm on the
@@ -117,6 +121,11 @@ class RandomK(_Sparsifier):
     sent: a receiver re-derives them from the draw key in ``payload.meta``
     (the shared seed and the call number), which is the point of random-k
     over top-k at equal ``k``: half the bytes for float32.
+
+    In a group of processes (``bind(..., comm=...)``) every process draws the
+    same indices (the shared seed and call number), so the payloads add up:
+    :meth:`aggregate` all-reduces the values and decodes once, and each
+    process sends ``k * itemsize`` bytes however many there are.
     """
 
     method = "randomk"
@@ -146,6 +155,9 @@ class RandomK(_Sparsifier):
             raise ArgumentTypeError(f"payload.meta['key']: expected the draw key (an int), got {key!r}")
         factor = out.size / self._k if self.rescale else 1.0
         self._kern.scatter(self._indices(key), values, factor, out)
+
+    def _summed(self, payload) -> list[str]:
+        return ["values"]
 
     def hyperparameters(self) -> dict:
         hp = super().hyperparameters()

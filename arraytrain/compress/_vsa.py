@@ -52,6 +52,11 @@ Kernels (``kernels="numba"``): :mod:`arraytrain.kernels.cpu.projection` on NumPy
 gradients, :mod:`arraytrain.kernels.cuda.projection` on CuPy ones (the same
 signs and kept positions: a payload encoded on one device decodes on the other);
 the reference twins are :mod:`arraytrain.kernels.reference.projection`.
+
+In a group of processes every process draws the same key and selection (the
+shared seed and call number), so :math:`y` is linear in :math:`x` with the
+same :math:`S H D` everywhere: the processes' ``values`` are all-reduced and
+decoded once, :math:`\sum_r \hat x_r = c\, D H S^\top \sum_r y_r`.
 """
 
 from __future__ import annotations
@@ -64,9 +69,10 @@ from .._checks import check_bool, check_int, check_number
 from ..errors import HyperparameterError
 from ..kernels.counter_rng import step_key
 from ._base import Compressor, Domain, check_wire
+from ._summed import Summed
 
 
-class VSA(Compressor):
+class VSA(Summed, Compressor):
     """Randomized Hadamard projection to ``d`` coordinates (bind, mix, bundle); O(n) memory.
 
     Parameters
@@ -149,6 +155,9 @@ class VSA(Compressor):
         self._kern.select_scatter(y, sel_key, self.block_used, self.scale, z)
         self._kern.fwht(z, self.block_used)
         self._kern.sign_bind(z, sign_key, out)
+
+    def _summed(self, payload) -> list[str]:
+        return ["values"]
 
     def hyperparameters(self) -> dict:
         size = {"ratio": self.ratio} if self.ratio is not None else {"dim": self.dim}

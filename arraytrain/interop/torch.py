@@ -280,9 +280,8 @@ class TorchEngine(Engine):
             self._lp_grads.zero_()
 
     # -- state: the engine's, plus the module's frozen parameters and buffers ----------------
-    @_exclusive
-    def state_dict(self, copy: bool = True) -> dict:
-        state = super().state_dict(copy=copy)
+    def _state(self, copy: bool, gather: bool) -> dict:
+        state = super()._state(copy, gather)
         torch = self._torch
         state["module"] = {
             "buffers": {n: _host(t, torch, copy) for n, t in self.buffers.items()},

@@ -14,7 +14,6 @@ numba kernels and their reference twins draw identical numbers.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
 
 _PHI = np.uint64(0x9E3779B97F4A7C15)
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
@@ -40,14 +39,26 @@ def step_key(seed: int, step: int, stream: int = 0) -> int:
     return _mix_int((z + (int(step) + 1) * 0xD1B54A32D192ED03) & _MASK)
 
 
-@njit(inline="always", cache=True)
-def uniform(key, i):
+def _uniform(key, i):
     """A double in [0, 1) for element ``i`` of draw ``key`` (``key``: np.uint64)."""
     z = key + (np.uint64(i) + _ONE) * _PHI
     z = (z ^ (z >> _S30)) * _M1
     z = (z ^ (z >> _S27)) * _M2
     z = z ^ (z >> _S31)
     return np.float64(z >> _S11) * _INV53
+
+
+def __getattr__(name: str):
+    """``uniform``: :func:`_uniform` as a numba function, made on first use so that numba is imported
+    only by the CPU kernels (the host's :func:`step_key` and the NumPy twin need none)."""
+    if name != "uniform":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    from numba import njit
+
+    global uniform
+    _uniform.__name__ = _uniform.__qualname__ = "uniform"
+    uniform = njit(inline="always", cache=True)(_uniform)
+    return uniform
 
 
 def uniform_np(key: int, idx) -> np.ndarray:

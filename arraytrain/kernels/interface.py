@@ -73,11 +73,15 @@ KERNELS = {
     "adafactor_step": ("optimizers", "Adafactor, factored second moments (torch.optim.Adafactor)"),
     "sophia_step": ("optimizers", "SophiaG (the authors' update)"),
     "sam_perturb": ("optimizers", "SAM/ASAM's ascent: backup = p; p += scale * (p^2 if adaptive) * g"),
+    "nadam_step": ("optimizers", "NAdam, momentum schedule, decoupled decay (torch.optim.NAdam)"),
+    "radam_step": ("optimizers", "RAdam, rectified or plain momentum step, decoupled decay (torch.optim.RAdam)"),
+    "adamax_step": ("optimizers", "Adamax, the infinity-norm moment (torch.optim.Adamax)"),
+    "adadelta_step": ("optimizers", "Adadelta (torch.optim.Adadelta)"),
     "topk": ("compression", "exact global top-k by |x| (ties to the lowest index, NaN first)"),
     "randk_indices": ("compression", "k distinct indices of n from the counter RNG (Floyd's sampling)"),
     "gather": ("compression", "out = x[idx]"),
     "scatter": ("compression", "out[idx] += factor * values"),
-    "int8_encode": ("compression", "absmax-per-block int8 codes (optionally stochastic rounding)"),
+    "int8_encode": ("compression", "absmax-per-block int8 codes (optionally stochastic rounding; or against given scales)"),
     "int8_decode": ("compression", "out = codes * scale per block"),
     "sign_encode": ("compression", "sign bits (8 per byte) and an L1 scale per block"),
     "sign_decode": ("compression", "out = +-scale per block"),
@@ -128,6 +132,11 @@ ARGUMENTS = {
     "wkind": "kind of the working copy: LP_NONE, LP_BF16 or LP_F16",
     "zero_grad": "zero the gradient in the same pass",
     "mask": "pruning mask (uint8, 1 keep) or None: pruned weights written as exactly 0",
+    "grad_step": "per parameter: NAdam's step of the gradient term, lr*(1 - mu_t)/(1 - mu_1*...*mu_t)",
+    "moment_step": "per parameter: NAdam's step of the first moment, lr*mu_{t+1}/(1 - mu_1*...*mu_{t+1})",
+    "rect": "RAdam's rectification r_t times sqrt(1 - beta2^t): the factor of m/(sqrt(v) + eps)",
+    "rectified": "RAdam: rho_t > 5, the rectified adaptive step; else the plain step_size*m",
+    "rho": "Adadelta's decay rate of the squared-gradient and squared-update averages",
 }
 
 

@@ -18,6 +18,7 @@ from .callbacks import (
     EarlyStopping,
     GradientMonitor,
     LambdaCallback,
+    MagnitudePruning,
     Profiler,
     ProgressBar,
     ReduceLROnPlateau,
@@ -36,7 +37,7 @@ from .losses import (
     softmax_cross_entropy,
 )
 from .metrics import accuracy, classification_report, confusion_matrix, precision_recall_f1
-from .phase import Phase, PhaseSchedule, PhaseStats, PhaseTrainer
+from .phase import Phase, PhaseCheckpoint, PhaseSchedule, PhaseStats, PhaseTrainer
 from .trainer import Trainer
 
 __all__ = [
@@ -52,8 +53,10 @@ __all__ = [
     "EarlyStopping",
     "GradientMonitor",
     "LambdaCallback",
+    "MagnitudePruning",
     "MissingDependencyError",
     "Phase",
+    "PhaseCheckpoint",
     "PhaseSchedule",
     "PhaseStats",
     "PhaseTrainer",

@@ -121,19 +121,29 @@ class Checkpoint(Callback):
 
     ``path`` may hold ``{epoch}`` to keep one file per epoch; otherwise each save
     replaces the previous one. The epoch number is stored in the checkpoint's
-    ``extra`` (with anything given in ``extra``), for a resume.
+    ``extra`` (with anything given in ``extra``), for a resume. ``extra`` is a
+    dict, or a function ``extra(trainer) -> dict`` called at each save (e.g. to
+    store the history so far).
     """
 
-    def __init__(self, path, every: int = 1, extra: dict | None = None):
+    def __init__(self, path, every: int = 1, extra=None):
         self.save, _ = _checkpoint_io()
         self.path = os.fspath(path)
         self.every = check_int("every", every, 1)
-        self.extra = dict(extra or {})
+        if extra is not None and not callable(extra) and not isinstance(extra, dict):
+            raise ArgumentTypeError(f"extra: expected a dict, a function trainer -> dict or None, "
+                                    f"got {type(extra).__name__}")
+        self.extra = extra if callable(extra) else dict(extra or {})
         self.saved: list[str] = []
+
+    def _extra(self, trainer, epoch) -> dict:
+        """What goes into the checkpoint's ``extra``: ``self.extra`` (or its value) and the epoch."""
+        base = self.extra(trainer) if callable(self.extra) else self.extra
+        return {**base, "epoch": epoch}
 
     def _write(self, trainer, epoch) -> None:
         path = self.path.format(epoch=epoch)
-        self.save(path, trainer.engine, extra={**self.extra, "epoch": epoch})
+        self.save(path, trainer.engine, extra=self._extra(trainer, epoch))
         self.saved.append(path)
 
     def on_epoch_end(self, trainer, epoch, logs) -> None:
@@ -228,6 +238,8 @@ class Profiler(Callback):
     Adds ``time_split`` (phase -> seconds in this epoch) to the logs and keeps
     the list in ``epochs``; :meth:`summary` gives the whole run's seconds and
     fractions. The trainer times every phase anyway; this callback reports it.
+    The warm-up micro-batches (the first of each kind, which compile or load
+    kernels) are in none of the phases: ``trainer.warmup_seconds`` holds them.
     """
 
     def on_train_begin(self, trainer) -> None:
@@ -248,31 +260,116 @@ class Profiler(Callback):
         return {"seconds": seconds, "fraction": {k: (v / total if total else 0.0) for k, v in seconds.items()}}
 
 
-class ProgressBar(Callback):
-    """A tqdm bar per epoch (needs ``pip install 'arraytrain[train]'``), showing the running loss."""
+class MagnitudePruning(Callback):
+    r"""Prune the weights by magnitude to ``ratio``, at the end of epochs ``start`` to ``end``.
 
-    def __init__(self, file=None, leave: bool = False, every: int = 10):
+    At the end of the :math:`j`-th of the :math:`k = end - start + 1` pruning epochs
+    the target is :math:`s_j = ratio \, (1 - (1 - j/k)^3)`, the cubic schedule of
+    Zhu & Gupta 2017 ("To prune, or not to prune"), so ``start == end`` prunes to
+    ``ratio`` at once. Each time, :func:`arraytrain.prune.magnitude_mask` (one global
+    magnitude cut over the weights, every parameter of ``ndim >= 2``; biases are
+    kept) gives the mask, combined with the previous one (a pruned weight stays
+    pruned), and :meth:`Engine.set_mask <arraytrain.Engine.set_mask>` installs it:
+    the pruned weights are zeroed and every optimizer step keeps them 0. The epochs
+    count from the start of training, so a resumed run continues the schedule (the
+    mask is in the engine's checkpoint). A CUDA engine's weights are read to the host
+    for the cut.
+
+    Adds ``sparsity`` (the fraction of the weights that are pruned) to every epoch's logs.
+    """
+
+    def __init__(self, ratio: float, start: int = 1, end: int | None = None):
+        self.ratio = check_number("ratio", ratio, 0.0, 1.0, hi_open=True)
+        self.start = check_int("start", start, 1)
+        self.end = self.start if end is None else check_int("end", end, self.start)
+
+    def target(self, epoch: int) -> float | None:
+        """The sparsity to prune to at the end of ``epoch``, or None if it prunes nothing then."""
+        if not self.start <= epoch <= self.end:
+            return None
+        k = self.end - self.start + 1
+        return self.ratio * (1.0 - (1.0 - (epoch - self.start + 1) / k) ** 3)
+
+    def on_epoch_end(self, trainer, epoch, logs) -> None:
+        from ..buffer import FlatBuffer
+        from ..prune import magnitude_mask
+        from ._array import to_numpy
+
+        engine = trainer.engine
+        target = self.target(epoch)
+        if target is not None:
+            host = FlatBuffer(engine.layout, to_numpy(engine.params.flat))
+            mask = magnitude_mask(host, ratio=target)
+            if engine.mask is not None:
+                mask.flat &= to_numpy(engine.mask.flat)
+            engine.set_mask(mask)
+        logs["sparsity"] = self.sparsity(engine)
+
+    @staticmethod
+    def sparsity(engine) -> float:
+        """The fraction of the weights (parameters of ``ndim >= 2``) that the engine's mask prunes."""
+        from ..prune import select_names
+        from ._array import to_numpy
+
+        if engine.mask is None:
+            return 0.0
+        names = select_names(engine.layout, None)
+        total = sum(engine.mask[n].size for n in names)
+        kept = sum(int(to_numpy(engine.mask[n]).sum()) for n in names)
+        return (total - kept) / total if total else 0.0
+
+
+class ProgressBar(Callback):
+    """One tqdm bar over the whole fit (needs ``pip install 'arraytrain[train]'``).
+
+    It counts micro-batches across every epoch, with the epoch, the epoch's running
+    loss and the last epoch's accuracy (validation accuracy when there is one) as
+    its postfix. ``disable=None`` (the default) shows it only when ``file``
+    (default stderr) is a terminal, so a pipe or a log file gets no bar residue;
+    True hides it, False forces it. :meth:`write` prints a line above the bar.
+    """
+
+    def __init__(self, file=None, leave: bool = True, every: int = 10, disable: bool | None = None):
         self._tqdm = require("tqdm", "train", "the progress bar").tqdm
-        self.file, self.leave = file, bool(leave)
+        self.file, self.leave, self.disable = file, bool(leave), disable
         self.every = check_int("every", every, 1)
         self.bar = None
 
+    def on_train_begin(self, trainer) -> None:
+        total = (trainer.epochs - trainer.epoch) * len(trainer.batches)
+        self.bar = self._tqdm(total=total, unit="batch", leave=self.leave, file=self.file or sys.stderr,
+                              dynamic_ncols=True, disable=self.disable)
+        self._post = {}
+
     def on_epoch_begin(self, trainer, epoch) -> None:
-        self.bar = self._tqdm(total=len(trainer.batches), desc=f"epoch {epoch}/{trainer.epochs}",
-                              unit="batch", leave=self.leave, file=self.file or sys.stderr,
-                              dynamic_ncols=True)
+        self._post["epoch"] = f"{epoch}/{trainer.epochs}"
         self._loss, self._n, self._i = 0.0, 0, 0
 
     def on_batch_end(self, trainer, step, logs) -> None:
         self._loss += logs["loss"] * logs["size"]
         self._n += logs["size"]
         self._i += 1
-        if self._i % self.every == 0:
-            self.bar.set_postfix(loss=f"{self._loss / self._n:.4f}", refresh=False)
+        if self._i % self.every == 0 and self._n:
+            self._post["loss"] = f"{self._loss / self._n:.4f}"
+            self.bar.set_postfix(self._post, refresh=False)
         self.bar.update(1)
 
     def on_epoch_end(self, trainer, epoch, logs) -> None:
+        self._post["loss"] = f"{logs['loss']:.4f}"
+        for key in ("val_accuracy", "accuracy"):
+            if key in logs:
+                self._post[key.replace("accuracy", "acc")] = f"{logs[key]:.4f}"
+                break
+        self.bar.set_postfix(self._post)
+
+    def on_train_end(self, trainer) -> None:
         if self.bar is not None:
             self.bar.close()
             self.bar = None
 
+    def write(self, line: str, file=None) -> None:
+        """Print ``line`` (to ``file``, default stdout) without breaking the bar."""
+        if self.bar is None or self.bar.disable:
+            print(line, file=file or sys.stdout, flush=True)
+        else:
+            self._tqdm.write(line, file=file or sys.stdout)

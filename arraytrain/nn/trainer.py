@@ -14,6 +14,31 @@ share ``n_r / n``, so the engine's exchange sums to the global batch's mean
 gradient: the same trajectory as one process up to float rounding. The epoch's
 loss and metrics are computed over every rank's shard.
 
+Mixed precision: with an engine that keeps a low-precision working copy
+(``Engine(working_dtype="bfloat16" | "float16")``) the model reads its weights
+from that copy (upcast exactly to float32, once per micro-batch) and the batch
+is rounded to the working dtype too; the matmuls, activations and the loss are
+computed in float32 (NumPy has no bfloat16 matmul, and its float16 one no BLAS).
+Each micro-batch's parameter gradient is rounded to the working dtype and handed
+to ``engine.step`` as such (the engine accumulates it into its float32 master
+gradient): in float16 a gradient above 65504 becomes inf and a tiny one 0, which
+is what dynamic loss scaling (``Engine(loss_scaler=...)``) is for. The loss is
+multiplied by ``engine.loss_scale`` before the backward pass whenever the engine
+has a loss scaler; the engine unscales.
+
+Non-finite values: the forward and backward passes of a training step run with
+NumPy's overflow and invalid-value warnings off, because their result is
+checked instead: a NaN/Inf gradient makes the engine skip the step (and after
+``max_consecutive_skips`` in a row raise :class:`~arraytrain.errors.NonFiniteError`);
+an epoch's logs count its skipped steps (``skipped_steps``) and its batches
+whose loss was not finite (``nonfinite_losses``). Evaluation likewise reports
+a non-finite loss as NaN rather than warning.
+
+Warm-up: the first micro-batch of each kind (accumulated, applied, skipped; for
+the :class:`~arraytrain.nn.PhaseTrainer` each phase) compiles or loads the
+kernels it needs; its time is kept apart in :attr:`Trainer.warmup_seconds`
+and is in neither ``timings`` nor :attr:`Trainer.samples_per_second`.
+
 Determinism: the initial weights come from the model's seed, the batch order of
 epoch ``e`` from ``default_rng([seed, e])``, and the engine's kernels reduce in a
 fixed order, so two runs with the same seeds are bitwise equal on one machine.
@@ -21,6 +46,8 @@ fixed order, so two runs with the same seeds are bitwise equal on one machine.
 
 from __future__ import annotations
 
+import contextlib
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -74,7 +101,10 @@ class Trainer:
 
     After :meth:`fit`: ``history`` (one dict per epoch), ``timings`` (seconds per
     phase: data, forward (with the loss), backward, optimizer (``engine.step``),
-    callbacks, metrics, evaluation), :attr:`samples_per_second`.
+    callbacks, metrics, evaluation; the warm-up micro-batches left out),
+    ``warmup_seconds`` and ``warmup_batches`` (the first micro-batch of each
+    kind: kernel compile or cache load), :attr:`samples_per_second`; ``steps``
+    counts micro-batches, ``engine.state.step`` optimizer steps.
     """
 
     def __init__(self, model: MLP, engine: Engine, *, loss: str | Callable = "cross_entropy",
@@ -103,7 +133,10 @@ class Trainer:
         self.seed = check_int("seed", seed, 0)
         self.shuffle, self.drop_last = bool(shuffle), bool(drop_last)
         self.model, self.engine, self.callbacks = model, engine, callbacks
-        if model._engine is not engine:
+        self._working = None
+        if engine.working is not None:
+            self._working = _WorkingCopy(engine, model)
+        elif model._engine is not engine:
             model.bind(engine)
         self.history: list[dict] = []
         self.timings = dict.fromkeys(PHASES, 0.0)
@@ -112,16 +145,21 @@ class Trainer:
         self.epochs = 0          # target of the current fit()
         self.batches: Batches | None = None
         self.steps = 0           # micro-batches seen
+        self.warmup_seconds = 0.0
+        self.warmup_batches = 0
+        self._kinds_seen: set[str] = set()
         self._timed_samples = 0
         self._timed_seconds = 0.0
 
     # -- throughput ------------------------------------------------------------------------
     @property
     def samples_per_second(self) -> float:
-        """Training samples per second over every step after the first (JIT compile excluded).
+        """Training samples per second over the micro-batches after the warm-up.
 
-        A step is fetching the batch, forward and loss, backward, ``engine.step()``
-        and the per-batch callbacks; evaluation between epochs is not in it.
+        A micro-batch is fetching the batch, forward and loss, backward,
+        ``engine.step()`` and the per-batch callbacks; evaluation between epochs
+        is not in it, nor is the first micro-batch of each kind (accumulated,
+        applied, skipped...), which compiles or loads kernels (``warmup_seconds``).
         """
         return self._timed_samples / self._timed_seconds if self._timed_seconds > 0 else 0.0
 
@@ -186,47 +224,70 @@ class Trainer:
                 xb, yb = next(it)
             except StopIteration:
                 break
-            self.timings["data"] += time.perf_counter() - t0
-            self._train_batch(xb, yb, tally)
-            if self.steps > 0:  # the first step compiles the kernels
+            t_data = time.perf_counter() - t0
+            kind, split = self._train_batch(xb, yb, tally)
+            seconds = time.perf_counter() - t0
+            tally.skipped += tally.report.skipped
+            if kind in self._kinds_seen:
+                self.timings["data"] += t_data
+                for k, v in split.items():
+                    self.timings[k] += v
                 self._timed_samples += xb.shape[0]  # the global batch (every rank's shard)
-                self._timed_seconds += time.perf_counter() - t0
+                self._timed_seconds += seconds
+            else:  # the first of its kind compiles (or loads from the cache) what it runs
+                self._kinds_seen.add(kind)
+                self.warmup_seconds += seconds
+                self.warmup_batches += 1
             self.steps += 1
         return self._epoch_logs(e, tally, t_epoch)
 
-    def _train_batch(self, xb, yb, tally: "_Tally") -> None:
-        """One batch: forward and loss, backward, ``engine.step()``, metrics, callbacks (timed)."""
-        timings = self.timings
+    def _train_batch(self, xb, yb, tally: "_Tally") -> tuple[str, dict]:
+        """One batch: forward and loss, backward, ``engine.step()``, metrics, callbacks.
+
+        Returns the step's kind (see :func:`_step_kind`) and its seconds per phase.
+        """
+        engine, work = self.engine, self._working
         t1 = time.perf_counter()
         weight = None
-        comm = self.engine.comm
+        comm = engine.comm
         if not comm.is_local:  # this rank's shard, weighted by its share of the batch
             n = xb.shape[0]
             lo, hi = n * comm.rank // comm.size, n * (comm.rank + 1) // comm.size
             xb, yb, weight = xb[lo:hi], yb[lo:hi], (hi - lo) / n
-        out = self.model.forward(xb)
-        loss, dout = self.loss_fn(out, yb)
-        if weight is not None:
-            dout = dout * weight  # the zero-copy path: weighted gradients are multiplied by their weight
-        t2 = time.perf_counter()
-        self.model.backward(dout)
-        t3 = time.perf_counter()
-        tally.report = self.engine.step(weight=weight)
+        with _checked_numerics(xb):
+            if work is not None:
+                work.refresh()
+                xb = work.round_input(xb)
+            out = self.model.forward(xb)
+            loss, dout = self.loss_fn(out, yb)
+            if weight is not None and work is None:
+                dout = dout * weight  # the zero-copy path: weighted gradients are multiplied by their weight
+            if engine.loss_scaler is not None:
+                dout = dout * engine.loss_scale
+            t2 = time.perf_counter()
+            if work is None:
+                self.model.backward(dout)
+            else:
+                self.model.backward(dout, accumulate=False)
+            t3 = time.perf_counter()
+        if work is None:
+            tally.report = engine.step(weight=weight)
+        else:
+            tally.report = engine.step(work.gradients(), weight=weight)
         t4 = time.perf_counter()
         self._tally(tally, loss, out, yb)
         t5 = time.perf_counter()
         for cb in self.callbacks:
             cb.on_batch_end(self, self.steps, {"loss": loss, "report": tally.report, "size": xb.shape[0]})
         t6 = time.perf_counter()
-        timings["forward"] += t2 - t1
-        timings["backward"] += t3 - t2
-        timings["optimizer"] += t4 - t3
-        timings["metrics"] += t5 - t4
-        timings["callbacks"] += t6 - t5
+        return _step_kind(tally.report), {"forward": t2 - t1, "backward": t3 - t2, "optimizer": t4 - t3,
+                                          "metrics": t5 - t4, "callbacks": t6 - t5}
 
     def _tally(self, tally: "_Tally", loss: float, out, yb) -> None:
         """Add a batch's loss (weighted by its size) and, for classifiers, its predictions."""
         n = out.shape[0]
+        if not math.isfinite(loss):
+            tally.nonfinite += 1
         tally.loss_sum += loss * n
         tally.seen += n
         if self.num_classes is not None:
@@ -236,14 +297,20 @@ class Trainer:
     def _epoch_logs(self, e: int, tally: "_Tally", t_epoch: float) -> dict:
         engine = self.engine
         if not engine.comm.is_local:  # the epoch's figures over every rank's shard
-            parts = engine.comm.gather_objects((tally.loss_sum, tally.seen, tally.preds, tally.labels))
+            parts = engine.comm.gather_objects((tally.loss_sum, tally.seen, tally.preds, tally.labels,
+                                                tally.nonfinite))
             tally.loss_sum = sum(p[0] for p in parts)
             tally.seen = sum(p[1] for p in parts)
             tally.preds = [a for p in parts for a in p[2]]
             tally.labels = [a for p in parts for a in p[3]]
+            tally.nonfinite = sum(p[4] for p in parts)
         logs = {"epoch": e + 1, "loss": tally.loss_sum / tally.seen if tally.seen else float("nan"),
-                "lr": tally.report.lr if tally.report is not None else engine.optimizer.lr,
-                "steps": engine.state.step}
+                "lr": float(tally.report.lr if tally.report is not None else engine.lr),
+                "steps": engine.state.step, "optimizer_steps": engine.state.step,
+                "skipped_steps": tally.skipped,
+                "nonfinite_losses": tally.nonfinite}
+        if engine.loss_scaler is not None:
+            logs["loss_scale"] = engine.loss_scale
         if self.num_classes is not None and tally.preds:
             t = time.perf_counter()
             logs.update(classification_report(np.concatenate(tally.labels), np.concatenate(tally.preds),
@@ -252,13 +319,26 @@ class Trainer:
         logs["time"] = time.perf_counter() - t_epoch
         return logs
 
-    def evaluate(self, x, y) -> dict:
-        """Loss (mean over samples) and, for classification, the metrics, without training."""
+    def evaluate(self, x, y, *, model: MLP | None = None) -> dict:
+        """Loss (mean over samples) and, for classification, the metrics, without training.
+
+        ``model``: another model with the same inputs and outputs (a quantized copy,
+        say) to evaluate instead of the trainer's, as it is bound.
+        """
+        if model is not None and not isinstance(model, MLP):
+            raise ArgumentTypeError(f"model: expected an arraytrain.nn.MLP or None, got {type(model).__name__}")
+        work = self._working if model is None else None
+        model = self.model if model is None else model
         batches = Batches(x, y, self.eval_batch_size, shuffle=False)
         loss_sum, seen, preds = 0.0, 0, []
+        if work is not None:
+            work.refresh()
         for xb, yb in batches.epoch(0):
-            out = self.model.predict(xb)
-            loss, _ = self.loss_fn(out, yb)
+            with _checked_numerics(xb):  # a diverged model's loss is reported as NaN
+                if work is not None:
+                    xb = work.round_input(xb)
+                out = model.predict(xb)
+                loss, _ = self.loss_fn(out, yb)
             loss_sum += loss * xb.shape[0]
             seen += xb.shape[0]
             if self.num_classes is not None:
@@ -281,3 +361,56 @@ class _Tally:
     preds: list = field(default_factory=list)
     labels: list = field(default_factory=list)
     report: object = None
+    skipped: int = 0       # optimizer boundaries skipped for a NaN/Inf gradient
+    nonfinite: int = 0     # batches whose loss was NaN/Inf
+
+
+def _step_kind(report) -> str:
+    """What a micro-batch made the engine do: each kind runs kernels of its own."""
+    if report.skipped:
+        return "skipped"
+    if report.applied:
+        return "applied"
+    return "ascent" if report.perturbed else "accumulated"
+
+
+def _checked_numerics(x):
+    """NumPy's overflow / invalid-value warnings off around a computation whose result is
+    checked afterwards (the engine's NaN/Inf test, the epoch's non-finite loss count).
+    CuPy does not warn: nothing to switch off."""
+    if isinstance(x, np.ndarray):
+        return np.errstate(over="ignore", invalid="ignore")
+    return contextlib.nullcontext()
+
+
+class _WorkingCopy:
+    """An engine's low-precision working copy driving the model (see the module docstring).
+
+    The model is bound to ``weights`` (float32, the working copy's exact values) and
+    ``grads`` (float32, one micro-batch's gradient, overwritten each time); ``low``
+    holds that gradient rounded to the working dtype, which goes to ``engine.step``.
+    """
+
+    def __init__(self, engine: Engine, model: MLP):
+        if model.dtype != np.float32:
+            raise HyperparameterError(f"model: a working copy drives a float32 model, got {model.dtype}")
+        self.engine, self.dtype = engine, engine.working.dtype
+        self.weights = engine.params.zeros_like()
+        self.grads = engine.params.zeros_like()
+        self.low = engine.params.zeros_like(self.dtype)
+        self._low_views = self.low.as_dict()
+        self.refresh()
+        model.bind(self.weights.as_dict(), grads=self.grads.as_dict())
+
+    def refresh(self) -> None:
+        """Copy the working copy's values (exactly: every bfloat16/float16 is a float32)."""
+        self.weights.flat[...] = self.engine.working.flat
+
+    def round_input(self, x):
+        return x.astype(self.dtype).astype(np.float32)
+
+    def gradients(self) -> dict:
+        """This micro-batch's gradient rounded to the working dtype, as ``{name: view}``."""
+        with np.errstate(over="ignore"):  # float16 overflow gives inf: the engine skips the step
+            self.low.flat[...] = self.grads.flat
+        return self._low_views

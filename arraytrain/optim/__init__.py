@@ -10,6 +10,8 @@ from ._rmsprop import RMSprop
 from ._sam import SAM
 from ._sgd import SGD
 from ._sophia import Sophia
+from ._adam_variants import Adamax, NAdam, RAdam
+from ._adadelta import Adadelta
 from ._muon import Muon
 from ._schedule_free import ScheduleFreeAdamW
 
@@ -24,6 +26,10 @@ __all__ = [
     "Adafactor",
     "Sophia",
     "SAM",
+    "NAdam",
+    "RAdam",
+    "Adamax",
+    "Adadelta",
     "Optimizer",
     "OptState",
     "Muon",

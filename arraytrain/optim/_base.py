@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .._checks import check_number
+from .._checks import check_bool, check_number
 from ..buffer import FlatBuffer, kernel_view
 from ..errors import ArgumentTypeError, DTypeError, HyperparameterError, LayoutError
 from ..layout import Layout
@@ -24,12 +24,15 @@ class OptState:
     ``hp`` maps each per-parameter hyperparameter (``lr``, ``weight_decay``) to a
     float64 array with one value per parameter resolved from the optimizer's
     name-pattern ``overrides``, NaN where the optimizer's own (possibly changed
-    since) value applies; it is derived, not saved.
+    since) value applies; it is derived, not saved. ``scalars``: state that is one
+    float for the whole buffer (NAdam's ``mu_product``), kept on the host, saved
+    and restored with the slots.
     """
 
     step: int = 0
     slots: dict[str, FlatBuffer] = field(default_factory=dict)
     hp: dict[str, np.ndarray] = field(default_factory=dict)
+    scalars: dict[str, float] = field(default_factory=dict)
 
 
 class Optimizer(ABC):
@@ -151,6 +154,16 @@ class Optimizer(ABC):
     # each slot is read and written through the kernels' one state accessor.
     STATE_DTYPES: tuple = ("float32", "bfloat16")
     state_dtype: str | None = None
+
+    def _set_basics(self, lr, eps, weight_decay, maximize, state_dtype, overrides) -> None:
+        """Check and set what every optimizer names alike: ``lr >= 0``, ``eps > 0``, ``weight_decay >= 0``,
+        ``maximize``, ``state_dtype`` and ``overrides``."""
+        self.lr = check_number("lr", lr, 0.0)
+        self.eps = check_number("eps", eps, 0.0, lo_open=True)
+        self.weight_decay = check_number("weight_decay", weight_decay, 0.0)
+        self.maximize = check_bool("maximize", maximize)
+        self._set_state_dtype(state_dtype)
+        self._set_overrides(overrides)
 
     def _set_state_dtype(self, state_dtype) -> None:
         if state_dtype is not None and state_dtype not in self.STATE_DTYPES:

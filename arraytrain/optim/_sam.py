@@ -137,7 +137,8 @@ class SAM(Optimizer):
             raise ArgumentTypeError("SAM.update: the state has no 'sam_backup' slot; build it with SAM.init")
         mask_arg(mask, params)  # refused before the weights are restored
         self.restore(kernels, params, state)
-        inner = OptState(state.step, {k: v for k, v in state.slots.items() if k != "sam_backup"}, state.hp)
+        inner = OptState(state.step, {k: v for k, v in state.slots.items() if k != "sam_backup"}, state.hp,
+                         state.scalars)
         self.base.update(kernels, params, grads, inner, gscale=gscale, lr=lr, zero_grad=zero_grad, working=working,
                          mask=mask)
         state.step = inner.step

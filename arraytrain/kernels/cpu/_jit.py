@@ -13,6 +13,7 @@ call (``cache=True`` keeps the machine code on disk for later processes).
 from __future__ import annotations
 
 from numba import njit
+from numba.core.caching import Cache
 
 from ...threads import start_numba_threads
 
@@ -43,3 +44,37 @@ def _pick(pair, n):
         return pair[1]
     start_numba_threads()  # idempotent: numba's pool starts under arraytrain's policy (arraytrain.threads)
     return pair[0]
+
+
+def _load_cached_without_refresh(load_overload=Cache.load_overload):
+    """Load arraytrain's kernels from numba's on-disk cache without the full context refresh.
+
+    numba refreshes its target context before every cache load: the first time in a
+    process that imports and installs every implementation registry numba has (linalg,
+    which imports scipy.linalg, random, typed containers, ...), most of a first step's
+    time with a warm cache. Machine code loaded from the cache needs none of that, only
+    numba's runtime (NRT) symbols, so for arraytrain's own functions the load initialises
+    the runtime alone; a cache miss still compiles through numba's own path, which
+    refreshes the context itself. Other numba functions in the process are untouched.
+    """
+    if getattr(load_overload, "_arraytrain", False):
+        return
+    try:
+        from numba.core.runtime import rtsys
+
+        Cache._guard_against_spurious_io_errors, Cache._load_overload  # noqa: B018 - the parts used below
+    except (ImportError, AttributeError):  # another numba: keep its own path
+        return
+
+    def load(self, sig, target_context):
+        if not getattr(self._py_func, "__module__", "").startswith("arraytrain."):
+            return load_overload(self, sig, target_context)
+        rtsys.initialize(target_context)
+        with self._guard_against_spurious_io_errors():
+            return self._load_overload(sig, target_context)
+
+    load._arraytrain = True
+    Cache.load_overload = load
+
+
+_load_cached_without_refresh()

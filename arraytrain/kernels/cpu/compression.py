@@ -260,16 +260,19 @@ def scatter(idx, values, factor, out):
 # -- int8 blockwise ------------------------------------------------------------------------
 
 
-def _int8_encode(x, block, key, stochastic, c127, one, codes, scales):
+def _int8_encode(x, block, key, stochastic, shared, c127, one, codes, scales):
     n = x.size
     for b in prange(scales.size):
         lo = b * block
         xb, cb = x[lo : min(lo + block, n)], codes[lo : min(lo + block, n)]
-        amax = one - one
-        for i in range(xb.size):
-            amax = max(amax, abs(xb[i]))
-        scale = amax * c127
-        scales[b] = scale
+        if shared:
+            scale = scales[b]
+        else:
+            amax = one - one
+            for i in range(xb.size):
+                amax = max(amax, abs(xb[i]))
+            scale = amax * c127
+            scales[b] = scale
         inv = np.float64(one / scale) if scale > 0 else 0.0
         for i in range(xb.size):
             t = np.float64(xb[i]) * inv
@@ -284,11 +287,11 @@ def _int8_encode(x, block, key, stochastic, c127, one, codes, scales):
 _INT8_ENCODE = _twins(_int8_encode)
 
 
-def int8_encode(x, block, key, stochastic, codes, scales):
+def int8_encode(x, block, key, stochastic, codes, scales, shared=False):
     """Blockwise absmax int8, one pass; see :func:`arraytrain.kernels.reference.compression.int8_encode`."""
     dt = x.dtype.type
-    _pick(_INT8_ENCODE, x.size)(x, np.int64(block), np.uint64(key), bool(stochastic), dt(INV127), dt(1),
-                                codes, scales)
+    _pick(_INT8_ENCODE, x.size)(x, np.int64(block), np.uint64(key), bool(stochastic), bool(shared), dt(INV127),
+                                dt(1), codes, scales)
 
 
 def _int8_decode(codes, scales, block, out):

@@ -572,6 +572,133 @@ def sam_perturb(p, g, backup, pieces, *, scale, adaptive, zero_grad=False, mask=
     _pick(_SAM_PERTURB, p.size)(p, g, backup, pieces, p.dtype.type(scale), bool(adaptive), bool(zero_grad), mask)
 
 
+# NAdam, RAdam, Adamax, Adadelta -------------------------------------------------------------
+#
+# NAdam and RAdam share one template: Adam's moments, then, per element,
+#   adaptive:  p = p*decay - (a*d + b*m) * rect / (sqrt(v)*inv_bc2_sqrt + eps)
+#   otherwise: p = p*decay - b*m                     (RAdam while rho_t <= 5)
+# NAdam: a, b = grad_step, moment_step, rect = 1. RAdam: a = 0, b = step_size, inv_bc2_sqrt = 1
+# (torch adds eps to sqrt(v) before RAdam's bias correction, which rect carries); a*d = +-0
+# exactly for a finite d, and a non-finite d makes m and v non-finite too.
+
+
+def _nadam_radam(p, g, m, v, pieces, gscale, a, b, beta1c, beta2, beta2c, eps, inv_bc2_sqrt, rect, l2, decay,
+                 adaptive, w, wkind, zero_grad, mask):
+    for j in prange(pieces.shape[0]):
+        lo, hi, seg = pieces[j, 0], pieces[j, 1], pieces[j, 2]
+        a_j, b_j, l2_j, dec = a[seg], b[seg], l2[seg], decay[seg]
+        pb, gb, mb, vb = p[lo:hi], g[lo:hi], m[lo:hi], v[lo:hi]
+        kb = piece_mask(mask, lo, hi)
+        for i in range(pb.size):
+            pi = pb[i]
+            d = gscale * gb[i] + l2_j * pi
+            mi = load_state(mb, i)
+            mi = store_state(mb, i, mi + beta1c * (d - mi))
+            vi = store_state(vb, i, beta2 * load_state(vb, i) + beta2c * d * d)
+            if adaptive:
+                step = (a_j * d + b_j * mi) * rect / (np.sqrt(vi) * inv_bc2_sqrt + eps)
+            else:
+                step = b_j * mi
+            store_masked(pb, i, pi * dec - step, kb)
+            if zero_grad:
+                gb[i] = 0
+        if w is not None:
+            store_working(w[lo:hi], pb, wkind)
+
+
+_NADAM_RADAM = _twins(_nadam_radam)
+
+
+def _run_nadam_radam(p, g, m, v, pieces, gscale, a, b, beta1, beta2, eps, inv_bc2_sqrt, rect, l2, decay, adaptive,
+                     w, wkind, zero_grad, mask):
+    t = p.dtype.type
+    _pick(_NADAM_RADAM, p.size)(
+        p, g, m, v, pieces, t(gscale), seg_array(a, p.dtype), seg_array(b, p.dtype), t(1.0 - beta1), t(beta2),
+        t(1.0 - beta2), t(eps), t(inv_bc2_sqrt), t(rect), seg_array(l2, p.dtype), seg_array(decay, p.dtype),
+        bool(adaptive), w, int(wkind), bool(zero_grad), mask,
+    )
+
+
+def nadam_step(p, g, m, v, pieces, *, gscale, grad_step, moment_step, beta1, beta2, eps, inv_bc2_sqrt, l2, decay,
+               w=None, wkind=LP_NONE, zero_grad=False, mask=None):
+    """Fused NAdam update; see :func:`arraytrain.kernels.reference.nadam_step`."""
+    _run_nadam_radam(p, g, m, v, pieces, gscale, grad_step, moment_step, beta1, beta2, eps, inv_bc2_sqrt, 1.0, l2,
+                     decay, True, w, wkind, zero_grad, mask)
+
+
+def radam_step(p, g, m, v, pieces, *, gscale, step_size, beta1, beta2, eps, rect, rectified, l2, decay, w=None,
+               wkind=LP_NONE, zero_grad=False, mask=None):
+    """Fused RAdam update; see :func:`arraytrain.kernels.reference.radam_step`."""
+    _run_nadam_radam(p, g, m, v, pieces, gscale, np.zeros(np.shape(step_size)), step_size, beta1, beta2,
+                     eps, 1.0, rect, l2, decay, rectified, w, wkind, zero_grad, mask)
+
+
+def _adamax(p, g, m, u, pieces, gscale, step_size, beta1c, beta2, eps, l2, w, wkind, zero_grad, mask):
+    for j in prange(pieces.shape[0]):
+        lo, hi, seg = pieces[j, 0], pieces[j, 1], pieces[j, 2]
+        ss, l2_j = step_size[seg], l2[seg]
+        pb, gb, mb, ub = p[lo:hi], g[lo:hi], m[lo:hi], u[lo:hi]
+        kb = piece_mask(mask, lo, hi)
+        for i in range(pb.size):
+            pi = pb[i]
+            d = gscale * gb[i] + l2_j * pi
+            mi = load_state(mb, i)
+            mi = store_state(mb, i, mi + beta1c * (d - mi))
+            x, y = beta2 * load_state(ub, i), np.abs(d) + eps
+            ui = store_state(ub, i, y if y > x or y != y else x)  # torch.maximum: NaN if either is NaN
+            store_masked(pb, i, pi - ss * (mi / ui), kb)
+            if zero_grad:
+                gb[i] = 0
+        if w is not None:
+            store_working(w[lo:hi], pb, wkind)
+
+
+_ADAMAX = _twins(_adamax)
+
+
+def adamax_step(p, g, m, u, pieces, *, gscale, step_size, beta1, beta2, eps, l2, w=None, wkind=LP_NONE,
+                zero_grad=False, mask=None):
+    """Fused Adamax update; see :func:`arraytrain.kernels.reference.adamax_step`."""
+    t = p.dtype.type
+    _pick(_ADAMAX, p.size)(
+        p, g, m, u, pieces, t(gscale), seg_array(step_size, p.dtype), t(1.0 - beta1), t(beta2), t(eps),
+        seg_array(l2, p.dtype), w, int(wkind), bool(zero_grad), mask,
+    )
+
+
+def _adadelta(p, g, sq, acc, pieces, gscale, lr, wd, rho, rho_c, eps, w, wkind, zero_grad, mask):
+    for j in prange(pieces.shape[0]):
+        lo, hi, seg = pieces[j, 0], pieces[j, 1], pieces[j, 2]
+        lr_j, wd_j = lr[seg], wd[seg]
+        pb, gb, qb, ab = p[lo:hi], g[lo:hi], sq[lo:hi], acc[lo:hi]
+        kb = piece_mask(mask, lo, hi)
+        for i in range(pb.size):
+            pi = pb[i]
+            d = gscale * gb[i] + wd_j * pi
+            qi = store_state(qb, i, rho * load_state(qb, i) + rho_c * d * d)
+            ai = load_state(ab, i)
+            delta = np.sqrt(ai + eps) / np.sqrt(qi + eps) * d
+            store_state(ab, i, rho * ai + rho_c * delta * delta)
+            store_masked(pb, i, pi - lr_j * delta, kb)
+            if zero_grad:
+                gb[i] = 0
+        if w is not None:
+            store_working(w[lo:hi], pb, wkind)
+
+
+_ADADELTA = _twins(_adadelta)
+
+
+def adadelta_step(p, g, square_avg, acc_delta, pieces, *, gscale, lr, l2, rho, eps, w=None, wkind=LP_NONE,
+                  zero_grad=False, mask=None):
+    """Fused Adadelta update; see :func:`arraytrain.kernels.reference.adadelta_step`."""
+    t = p.dtype.type
+    _pick(_ADADELTA, p.size)(
+        p, g, square_avg, acc_delta, pieces, t(gscale), seg_array(lr, p.dtype), seg_array(l2, p.dtype), t(rho),
+        t(1.0 - rho), t(eps), w, int(wkind), bool(zero_grad), mask,
+    )
+
+
 # Muon ---------------------------------------------------------------------------------------
 #
 # Per matrix of the ``mats`` table (one Muon parameter): the momentum kernel writes the update

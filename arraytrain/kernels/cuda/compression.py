@@ -268,23 +268,28 @@ __global__ void arraytrain_scatter(const I* __restrict__ idx, const T* __restric
 // -- int8 blockwise: one warp per block ----------------------------------------------------------
 template <typename T>
 __global__ void arraytrain_int8_encode(const T* __restrict__ x, i64 n, i64 block, i64 nblocks, u64 key,
-                                       int stochastic, T c127, signed char* __restrict__ codes,
+                                       int stochastic, int shared, T c127, signed char* __restrict__ codes,
                                        T* __restrict__ scales) {
     const int lane = threadIdx.x & 31;
     const i64 b = blockIdx.x * (i64)(blockDim.x >> 5) + (threadIdx.x >> 5);
     if (b >= nblocks) return;  // a whole warp leaves together
     const i64 lo = b * block, hi = min(lo + block, n);
-    T amax = (T)0;
-    for (i64 i = lo + lane; i < hi; i += 32) {
-        const T a = fabs(x[i]);
-        amax = a > amax ? a : amax;
+    T scale;
+    if (shared) {  // the scale is given (the group's), read by every lane
+        scale = scales[b];
+    } else {  // uniform across the warp: every lane shuffles
+        T amax = (T)0;
+        for (i64 i = lo + lane; i < hi; i += 32) {
+            const T a = fabs(x[i]);
+            amax = a > amax ? a : amax;
+        }
+        for (int o = 16; o > 0; o >>= 1) {
+            const T y = __shfl_xor_sync(0xffffffffu, amax, o);
+            amax = y > amax ? y : amax;  // max is exact: every lane ends with the same value
+        }
+        scale = amax * c127;
+        if (lane == 0) scales[b] = scale;
     }
-    for (int o = 16; o > 0; o >>= 1) {
-        const T y = __shfl_xor_sync(0xffffffffu, amax, o);
-        amax = y > amax ? y : amax;  // max is exact: every lane ends with the same value
-    }
-    const T scale = amax * c127;
-    if (lane == 0) scales[b] = scale;
     const double inv = scale > (T)0 ? (double)((T)1 / scale) : 0.0;
     for (i64 i = lo + lane; i < hi; i += 32) {
         const double t = __dmul_rn((double)x[i], inv);
@@ -513,14 +518,14 @@ def scatter(idx, values, factor, out):
 # -- int8 blockwise --------------------------------------------------------------------------------
 
 
-def int8_encode(x, block, key, stochastic, codes, scales):
+def int8_encode(x, block, key, stochastic, codes, scales, shared=False):
     """Blockwise absmax int8, one warp per block; see :func:`arraytrain.kernels.reference.compression.int8_encode`."""
     n, nblocks = int(x.size), int(scales.size)
     if n == 0:
         return
     launch(SOURCE.function(f"arraytrain_int8_encode<{_t(x.dtype)}>"), _warps(nblocks),
            (x, np.int64(n), np.int64(block), np.int64(nblocks), np.uint64(key), np.int32(bool(stochastic)),
-            x.dtype.type(INV127), codes, scales))
+            np.int32(bool(shared)), x.dtype.type(INV127), codes, scales))
 
 
 def int8_decode(codes, scales, block, out):

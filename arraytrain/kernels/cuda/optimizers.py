@@ -372,11 +372,71 @@ __global__ void arraytrain_af_apply(T* __restrict__ p, T* __restrict__ g, const 
         if (zero_grad) g[i] = (T)0;
     }
 }
+
+// -- NAdam and RAdam: one template (see arraytrain.kernels.cpu.optimizers), Adam's moments, then
+//    adaptive: p = p*decay - (a*d + b*m) * rect / (sqrt(v)*inv_bc2_sqrt + eps); else p = p*decay - b*m
+template <typename T, typename S, int WK, bool MASK>
+__global__ void arraytrain_nadam_radam_step(T* __restrict__ p, T* __restrict__ g, S* __restrict__ m, S* __restrict__ v,
+        const i64* __restrict__ chunks, T gscale_, const double* __restrict__ gate, const T* __restrict__ a, T a0,
+        const T* __restrict__ b, T b0, T beta1c, T beta2, T beta2c, T eps, T inv_bc2_sqrt, T rect,
+        const T* __restrict__ l2, T l20, const T* __restrict__ decay, T decay0, int adaptive, """ + _TAIL + r""") {
+    GATE_SCALE
+    const int seg = (int)chunks[3 * (i64)blockIdx.x + 2];
+    const T a_s = seg_value(a, a0, seg), b_s = seg_value(b, b0, seg), l2_s = seg_value(l2, l20, seg),
+            dec = seg_value(decay, decay0, seg);
+""" + _OPEN + r"""
+        const T pi = p[i];
+        const T d = gscale * g[i] + l2_s * pi;
+        T mi = state<S>::load(m, i);
+        mi = state<S>::store(m, i, mi + beta1c * (d - mi));
+        const T vi = state<S>::store(v, i, beta2 * (T)state<S>::load(v, i) + beta2c * d * d);
+        const T step = adaptive ? (a_s * d + b_s * mi) * rect / (sqrt(vi) * inv_bc2_sqrt + eps) : b_s * mi;
+        store_param<T, WK, MASK>(p, w, mask, i, pi * dec - step);
+""" + _CLOSE + r"""
+}
+
+template <typename T, typename S, int WK, bool MASK>
+__global__ void arraytrain_adamax_step(T* __restrict__ p, T* __restrict__ g, S* __restrict__ m, S* __restrict__ u,
+        const i64* __restrict__ chunks, T gscale_, const double* __restrict__ gate, const T* __restrict__ step_size,
+        T step_size0, T beta1c, T beta2, T eps, const T* __restrict__ l2, T l20, """ + _TAIL + r""") {
+    GATE_SCALE
+    const int seg = (int)chunks[3 * (i64)blockIdx.x + 2];
+    const T ss = seg_value(step_size, step_size0, seg), l2_s = seg_value(l2, l20, seg);
+""" + _OPEN + r"""
+        const T pi = p[i];
+        const T d = gscale * g[i] + l2_s * pi;
+        T mi = state<S>::load(m, i);
+        mi = state<S>::store(m, i, mi + beta1c * (d - mi));
+        const T ui = state<S>::store(u, i, nan_max(beta2 * (T)state<S>::load(u, i), fabs(d) + eps));  // torch.maximum
+        store_param<T, WK, MASK>(p, w, mask, i, pi - ss * (mi / ui));
+""" + _CLOSE + r"""
+}
+
+template <typename T, typename S, int WK, bool MASK>
+__global__ void arraytrain_adadelta_step(T* __restrict__ p, T* __restrict__ g, S* __restrict__ sq, S* __restrict__ acc,
+        const i64* __restrict__ chunks, T gscale_, const double* __restrict__ gate, const T* __restrict__ lr, T lr0,
+        const T* __restrict__ wd, T wd0, T rho, T rho_c, T eps, """ + _TAIL + r""") {
+    GATE_SCALE
+    const int seg = (int)chunks[3 * (i64)blockIdx.x + 2];
+    const T lr_s = seg_value(lr, lr0, seg), wd_s = seg_value(wd, wd0, seg);
+""" + _OPEN + r"""
+        const T pi = p[i];
+        const T d = gscale * g[i] + wd_s * pi;
+        const T qi = state<S>::store(sq, i, rho * (T)state<S>::load(sq, i) + rho_c * d * d);
+        const T ai = state<S>::load(acc, i);
+        const T delta = sqrt(ai + eps) / sqrt(qi + eps) * d;
+        state<S>::store(acc, i, rho * ai + rho_c * delta * delta);
+        store_param<T, WK, MASK>(p, w, mask, i, pi - lr_s * delta);
+""" + _CLOSE + r"""
+}
 """, [])
 
 # Which state storages each optimizer instantiates besides the parameters' own type.
 _BF16_STATE = {"sgd", "adam", "adagrad", "rmsprop", "lion"}  # and LAMB (below); not Sophia, Adafactor
 _ELEMENTWISE = ("sgd", "adam", "adagrad", "rmsprop", "lion", "sophia")
+# NAdam and RAdam (one template), Adamax, Adadelta: element-wise, bfloat16 state offered
+_BF16_STATE |= {"nadam_radam", "adamax", "adadelta"}
+_ELEMENTWISE += ("nadam_radam", "adamax", "adadelta")
 
 
 def _states(t: str, bf16: bool):
@@ -590,6 +650,49 @@ def adafactor_step(p, g, row, col, var, pieces, segs, rows, cols, batches, *, gs
     launch(fn(f"arraytrain_af_apply<{tn},{wk},{'true' if mask is not None else 'false'}>"), ch.count,
            (p, g, col, ptr(var), rscale, ch.table, tab.segs, *gs, eps1sq, step, *_seg(decay, p), ptr(w),
             np.int32(bool(zero_grad)), ptr(mask)))
+
+
+# -- NAdam, RAdam, Adamax, Adadelta ------------------------------------------------------------
+
+
+def _nadam_radam(p, g, m, v, pieces, gscale, a, b, beta1, beta2, eps, inv_bc2_sqrt, rect, l2, decay, adaptive, w,
+                 wkind, zero_grad, mask):
+    """The shared NAdam/RAdam template (see :mod:`arraytrain.kernels.cpu.optimizers`)."""
+    t = p.dtype.type
+    _run("nadam_radam_step", p, m, pieces, (p, g, m, v),
+         (*_gs(gscale, t), *_seg(a, p), *_seg(b, p), t(1.0 - beta1), t(beta2), t(1.0 - beta2), t(eps),
+          t(inv_bc2_sqrt), t(rect), *_seg(l2, p), *_seg(decay, p), np.int32(bool(adaptive))), w, wkind, zero_grad, mask)
+
+
+def nadam_step(p, g, m, v, pieces, *, gscale, grad_step, moment_step, beta1, beta2, eps, inv_bc2_sqrt, l2, decay,
+               w=None, wkind=LP_NONE, zero_grad=False, mask=None):
+    """Fused NAdam update; see :func:`arraytrain.kernels.reference.nadam_step`."""
+    _nadam_radam(p, g, m, v, pieces, gscale, grad_step, moment_step, beta1, beta2, eps, inv_bc2_sqrt, 1.0, l2, decay,
+                 True, w, wkind, zero_grad, mask)
+
+
+def radam_step(p, g, m, v, pieces, *, gscale, step_size, beta1, beta2, eps, rect, rectified, l2, decay, w=None,
+               wkind=LP_NONE, zero_grad=False, mask=None):
+    """Fused RAdam update; see :func:`arraytrain.kernels.reference.radam_step`."""
+    _nadam_radam(p, g, m, v, pieces, gscale, np.zeros(np.shape(step_size)), step_size, beta1, beta2, eps, 1.0, rect,
+                 l2, decay, rectified, w, wkind, zero_grad, mask)
+
+
+def adamax_step(p, g, m, u, pieces, *, gscale, step_size, beta1, beta2, eps, l2, w=None, wkind=LP_NONE,
+                zero_grad=False, mask=None):
+    """Fused Adamax update; see :func:`arraytrain.kernels.reference.adamax_step`."""
+    t = p.dtype.type
+    _run("adamax_step", p, m, pieces, (p, g, m, u),
+         (*_gs(gscale, t), *_seg(step_size, p), t(1.0 - beta1), t(beta2), t(eps), *_seg(l2, p)),
+         w, wkind, zero_grad, mask)
+
+
+def adadelta_step(p, g, square_avg, acc_delta, pieces, *, gscale, lr, l2, rho, eps, w=None, wkind=LP_NONE,
+                  zero_grad=False, mask=None):
+    """Fused Adadelta update; see :func:`arraytrain.kernels.reference.adadelta_step`."""
+    t = p.dtype.type
+    _run("adadelta_step", p, square_avg, pieces, (p, g, square_avg, acc_delta),
+         (*_gs(gscale, t), *_seg(lr, p), *_seg(l2, p), t(rho), t(1.0 - rho), t(eps)), w, wkind, zero_grad, mask)
 
 
 # -- Muon and schedule-free AdamW: a source of their own (compiled and build-checked apart) ----

@@ -24,6 +24,12 @@ from .optimizers import (  # noqa: F401
     sgd_step,
     sophia_step,
 )
+from .optimizers import (  # noqa: F401
+    adadelta_step,
+    adamax_step,
+    nadam_step,
+    radam_step,
+)
 from .optimizers import (  # noqa: F401  Muon and schedule-free AdamW
     muon_step,
     schedule_free_adamw_step,

@@ -87,18 +87,20 @@ def _blocks(v, block, fill=0):
     return padded.reshape(nb, block)
 
 
-def int8_encode(x, block, key, stochastic, codes, scales):
+def int8_encode(x, block, key, stochastic, codes, scales, shared=False):
     r"""Blockwise absmax int8: ``scale_b = max_{i in b} |x_i| / 127``, ``codes = round(x / scale)``.
 
     ``scales`` (the gradient dtype) is ``absmax * fl(1/127)``; the codes are
     ``t = x * fl(1/scale)`` in float64, rounded to nearest (ties to even) or,
     when ``stochastic``, up with probability ``t - floor(t)`` (``u(key, i) <
     t - floor(t)``), clamped to ``[-127, 127]``. An all-zero block has scale 0
-    and codes 0.
+    and codes 0. ``shared``: ``scales`` is read, not written — a scale given
+    for every block (at least the block's own, e.g. the maximum over the
+    processes of a group), and the codes are taken against it.
     """
     dt = x.dtype.type
     blocks = _blocks(x, block)
-    scale = np.abs(blocks).max(axis=1) * dt(INV127)
+    scale = scales.astype(x.dtype) if shared else np.abs(blocks).max(axis=1) * dt(INV127)
     inv = np.zeros_like(scale)
     np.divide(dt(1), scale, out=inv, where=scale > 0)
     t = (blocks.astype(np.float64) * inv.astype(np.float64)[:, None]).reshape(-1)[: x.size]
@@ -108,7 +110,8 @@ def int8_encode(x, block, key, stochastic, codes, scales):
     else:
         q = np.rint(t)
     codes[...] = np.clip(q, -127, 127).astype(np.int8)
-    scales[...] = scale
+    if not shared:
+        scales[...] = scale
 
 
 def int8_decode(codes, scales, block, out):

@@ -45,6 +45,21 @@ def _finish(p, g, w, wkind, pieces, i, zero_grad, mask=None):
         g[i] = 0
 
 
+def _adam_moments(p, g, m, v, pieces, gscale, l2, beta1, beta2):
+    """Adam's moments: ``d = gscale*g + l2[s]*p``, then ``m`` and ``v`` updated and stored.
+
+    Returns the covered positions and their segments, ``p`` and ``d`` there, and the new
+    ``m`` and ``v`` as stored (float64 values of what the storage holds).
+    """
+    i, s = _segments(pieces, p.size)
+    pp = _f64(p[i])
+    d = gscale * _f64(g[i]) + np.asarray(l2, np.float64)[s] * pp
+    mm = _f64(m[i])
+    mm = _store_at(m, i, mm + (1.0 - beta1) * (d - mm))
+    vv = _store_at(v, i, beta2 * _f64(v[i]) + (1.0 - beta2) * d * d)
+    return i, s, pp, d, mm, vv
+
+
 def adam_step(p, g, m, v, vmax, pieces, *, gscale, step_size, beta1, beta2, eps, inv_bc2_sqrt, l2, decay, amsgrad,
               w=None, wkind=LP_NONE, zero_grad=False, mask=None):
     """Adam / AdamW (Kingma & Ba 2015; Loshchilov & Hutter 2019), torch's form.
@@ -56,12 +71,7 @@ def adam_step(p, g, m, v, vmax, pieces, *, gscale, step_size, beta1, beta2, eps,
     and ``inv_bc2_sqrt = 1/sqrt(1 - beta2^t)``. ``m``, ``v``, ``vmax`` may be uint16 arrays of
     bfloat16 bits (low-precision state): the update then continues from the rounded values.
     """
-    i, s = _segments(pieces, p.size)
-    pp = _f64(p[i])
-    d = gscale * _f64(g[i]) + np.asarray(l2, np.float64)[s] * pp
-    mm = _f64(m[i])
-    mm = _store_at(m, i, mm + (1.0 - beta1) * (d - mm))
-    vv = _store_at(v, i, beta2 * _f64(v[i]) + (1.0 - beta2) * d * d)
+    i, s, pp, d, mm, vv = _adam_moments(p, g, m, v, pieces, gscale, l2, beta1, beta2)
     if amsgrad:
         vv = _store_at(vmax, i, np.maximum(_f64(vmax[i]), vv))
     denom = np.sqrt(vv) * inv_bc2_sqrt + eps
@@ -237,6 +247,78 @@ def sam_perturb(p, g, backup, pieces, *, scale, adaptive, zero_grad=False, mask=
         apply_mask(p, mask, i)
     if zero_grad:
         g[i] = 0
+
+
+# -- nadam, radam, adamax, adadelta ---------------------------------------------------------
+
+
+def nadam_step(p, g, m, v, pieces, *, gscale, grad_step, moment_step, beta1, beta2, eps, inv_bc2_sqrt, l2, decay,
+               w=None, wkind=LP_NONE, zero_grad=False, mask=None):
+    """NAdam (Dozat 2016), torch.optim.NAdam's form (momentum schedule, NAdamW's decoupled decay).
+
+    Per element of segment ``s``: ``d = gscale*g + l2[s]*p``; ``p *= decay[s]``;
+    ``m += (1 - beta1)*(d - m)``; ``v = beta2*v + (1 - beta2)*d^2``;
+    ``p -= (grad_step[s]*d + moment_step[s]*m) / (sqrt(v)*inv_bc2_sqrt + eps)`` with
+    ``grad_step = lr*(1 - mu_t)/(1 - mu_1...mu_t)``, ``moment_step = lr*mu_{t+1}/(1 - mu_1...mu_{t+1})``
+    and ``inv_bc2_sqrt = 1/sqrt(1 - beta2^t)``, all formed by the optimizer.
+    """
+    i, s, pp, d, mm, vv = _adam_moments(p, g, m, v, pieces, gscale, l2, beta1, beta2)
+    step = np.asarray(grad_step, np.float64)[s] * d + np.asarray(moment_step, np.float64)[s] * mm
+    p[i] = pp * np.asarray(decay, np.float64)[s] - step / (np.sqrt(vv) * inv_bc2_sqrt + eps)
+    _finish(p, g, w, wkind, pieces, i, zero_grad, mask)
+
+
+def radam_step(p, g, m, v, pieces, *, gscale, step_size, beta1, beta2, eps, rect, rectified, l2, decay, w=None,
+               wkind=LP_NONE, zero_grad=False, mask=None):
+    """RAdam (Liu et al. 2020), torch.optim.RAdam's form.
+
+    Per element of segment ``s``: ``d = gscale*g + l2[s]*p``; ``p *= decay[s]``;
+    ``m += (1 - beta1)*(d - m)``; ``v = beta2*v + (1 - beta2)*d^2``; then
+    ``p -= step_size[s] * m * rect / (sqrt(v) + eps)`` when ``rectified`` (rho_t > 5; ``rect``
+    is r_t*sqrt(1 - beta2^t)), else ``p -= step_size[s] * m``; ``step_size = lr/(1 - beta1^t)``.
+    """
+    i, s, pp, d, mm, vv = _adam_moments(p, g, m, v, pieces, gscale, l2, beta1, beta2)
+    u = mm * rect / (np.sqrt(vv) + eps) if rectified else mm
+    p[i] = pp * np.asarray(decay, np.float64)[s] - np.asarray(step_size, np.float64)[s] * u
+    _finish(p, g, w, wkind, pieces, i, zero_grad, mask)
+
+
+def adamax_step(p, g, m, u, pieces, *, gscale, step_size, beta1, beta2, eps, l2, w=None, wkind=LP_NONE,
+                zero_grad=False, mask=None):
+    """Adamax (Kingma & Ba 2015, section 7.1), torch.optim.Adamax's form.
+
+    Per element of segment ``s``: ``d = gscale*g + l2[s]*p``; ``m += (1 - beta1)*(d - m)``;
+    ``u = max(beta2*u, |d| + eps)`` (NaN propagates, as torch.maximum);
+    ``p -= step_size[s] * m / u`` with ``step_size = lr/(1 - beta1^t)``.
+    """
+    i, s = _segments(pieces, p.size)
+    pp = _f64(p[i])
+    d = gscale * _f64(g[i]) + np.asarray(l2, np.float64)[s] * pp
+    mm = _f64(m[i])
+    mm = _store_at(m, i, mm + (1.0 - beta1) * (d - mm))
+    uu = _store_at(u, i, np.maximum(beta2 * _f64(u[i]), np.abs(d) + eps))
+    p[i] = pp - np.asarray(step_size, np.float64)[s] * (mm / uu)
+    _finish(p, g, w, wkind, pieces, i, zero_grad, mask)
+
+
+def adadelta_step(p, g, square_avg, acc_delta, pieces, *, gscale, lr, l2, rho, eps, w=None, wkind=LP_NONE,
+                  zero_grad=False, mask=None):
+    """Adadelta (Zeiler 2012), torch.optim.Adadelta's form.
+
+    Per element of segment ``s``: ``d = gscale*g + l2[s]*p``;
+    ``square_avg = rho*square_avg + (1 - rho)*d^2``;
+    ``delta = sqrt(acc_delta + eps) / sqrt(square_avg + eps) * d`` (the old ``acc_delta``);
+    ``acc_delta = rho*acc_delta + (1 - rho)*delta^2``; ``p -= lr[s]*delta``.
+    """
+    i, s = _segments(pieces, p.size)
+    pp = _f64(p[i])
+    d = gscale * _f64(g[i]) + np.asarray(l2, np.float64)[s] * pp
+    q = _store_at(square_avg, i, rho * _f64(square_avg[i]) + (1.0 - rho) * d * d)
+    a = _f64(acc_delta[i])
+    delta = np.sqrt(a + eps) / np.sqrt(q + eps) * d
+    _store_at(acc_delta, i, rho * a + (1.0 - rho) * delta * delta)
+    p[i] = pp - np.asarray(lr, np.float64)[s] * delta
+    _finish(p, g, w, wkind, pieces, i, zero_grad, mask)
 
 
 # -- Muon, schedule-free AdamW -------------------------------------------------------------

@@ -1,0 +1,379 @@
+"""Processes: the exchange over MPI (NumPy buffers) and NCCL (CuPy buffers).
+
+:class:`MPIComm` implements :class:`arraytrain.exchange.Exchange` with
+mpi4py's buffer collectives on NumPy arrays; :class:`NCCLComm` implements it
+with NCCL (through ``cupy.cuda.nccl``) on CuPy arrays, one process per GPU
+(and MPI for the NumPy arrays it is given).
+Both are imported lazily: ``import arraytrain`` never imports mpi4py or CuPy,
+and without them the constructors raise
+:class:`~arraytrain.errors.BackendUnavailableError` naming the extra to
+install (``pip install "arraytrain[mpi]"``: mpi4py and MPICH from PyPI).
+
+Run one process per rank under ``mpiexec``::
+
+    mpiexec -n 4 python train.py          # COMM_WORLD: 4 ranks
+
+The collectives
+---------------
+``allreduce`` works **in place** (``MPI_IN_PLACE``): the flat gradient buffer
+is the fusion buffer and goes on the wire as it lies, one call per step, no
+copy on the host. ``allgather`` receives every rank's array into one new
+buffer and returns one view of it per rank. Buffers must be C-contiguous
+arrays of float32, float64 or a fixed-width integer type (NCCL: no 16-bit
+integers, float16 too); buffers written into must be writeable. Bad input is
+refused with a typed error naming the argument **before** any collective is
+entered, so this process's call changes nothing — but its peers are then
+waiting in that collective: run the step path under :func:`abort_on_error` so
+that the error ends every rank instead of leaving them blocked.
+
+Every rank must pass arrays of the same shape and dtype, in the same order of
+calls; that is not checked on each call (it would cost a collective per
+collective). Set-up checks use :meth:`~arraytrain.exchange.Exchange.agree`,
+which raises the same typed error on every rank.
+
+CuPy arrays and MPI
+-------------------
+:class:`MPIComm` refuses CuPy arrays (:class:`~arraytrain.errors.BackendError`
+pointing to :class:`NCCLComm`) rather than staging them through the host. The
+MPICH wheel from PyPI is not CUDA-aware, so handing it a device pointer would
+crash; a silent device-to-host copy and back would break arraytrain's rule
+that nothing moves between host and device behind the caller's back, and
+would cost two PCIe transfers a step that NCCL does not pay.
+
+Failure
+-------
+An exception on one rank inside the step path leaves the others blocked in
+the next collective; at exit, ``MPI_Finalize`` then waits for them too, so the
+job hangs. :func:`abort_on_error` (a context manager and decorator) prints the
+traceback with the rank and calls ``MPI_Abort`` on ``COMM_WORLD``, which ends
+every rank, and ``mpiexec`` exits non-zero — what ``python -m mpi4py
+script.py`` does for a whole script.
+
+:func:`launch` starts ``K`` ranks under ``mpiexec`` from Python with a time
+limit (the tests and ``python -m arraytrain.bench distributed`` use it): a
+distributed bug is a hang until proven otherwise.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import numpy as np
+
+from ._checks import check_int
+from .backend import CUPY, NUMPY, backend_of
+from .errors import ArgumentTypeError, BackendError, BackendUnavailableError, DTypeError, ReadOnlyError
+from .exchange import OPS, Exchange
+
+INSTALL_HINT = 'pip install "arraytrain[mpi]" (mpi4py and the MPICH library from PyPI)'
+
+# numpy dtype -> the name of its MPI datatype (fixed-width named types, which reductions accept)
+_MPI_TYPES = {
+    np.dtype(np.float32): "FLOAT", np.dtype(np.float64): "DOUBLE",
+    np.dtype(np.int8): "INT8_T", np.dtype(np.int16): "INT16_T",
+    np.dtype(np.int32): "INT32_T", np.dtype(np.int64): "INT64_T",
+    np.dtype(np.uint8): "UINT8_T", np.dtype(np.uint16): "UINT16_T",
+    np.dtype(np.uint32): "UINT32_T", np.dtype(np.uint64): "UINT64_T",
+}
+_NCCL_INT_COUNT = 2**31 - 1  # the most elements one call of CuPy's NcclCommunicator.bcast takes
+# numpy dtype -> the name of its NCCL datatype constant in cupy.cuda.nccl
+_NCCL_TYPES = {
+    np.dtype(np.float16): "NCCL_FLOAT16", np.dtype(np.float32): "NCCL_FLOAT32",
+    np.dtype(np.float64): "NCCL_FLOAT64",
+    np.dtype(np.int8): "NCCL_INT8", np.dtype(np.int32): "NCCL_INT32", np.dtype(np.int64): "NCCL_INT64",
+    np.dtype(np.uint8): "NCCL_UINT8", np.dtype(np.uint32): "NCCL_UINT32", np.dtype(np.uint64): "NCCL_UINT64",
+}
+
+
+def mpi():
+    """mpi4py's ``MPI`` module (importing it initialises MPI); a clear error when it is missing."""
+    try:
+        from mpi4py import MPI
+    except ImportError as exc:
+        raise BackendUnavailableError(f"processes over MPI need mpi4py and an MPI library: {INSTALL_HINT} "
+                                      f"({exc})") from None
+    return MPI
+
+
+def _checked(x, name: str, backend: str, types: dict, writeable: bool):
+    """The datatype for array ``x`` after checking its backend, layout and dtype (nothing is touched)."""
+    try:
+        kind = NUMPY if type(x) is np.ndarray else backend_of(x)  # the common case first: a call's overhead
+    except BackendError:
+        raise BackendError(f"{name}: expected a {backend} array, got {type(x).__name__}") from None
+    if kind != backend:  # NCCLComm sends NumPy arrays through MPI itself: only MPIComm gets here
+        raise BackendError(f"{name}: a CuPy array given to MPIComm, which moves host buffers only (the MPICH "
+                           "from PyPI is not CUDA-aware, and arraytrain never copies between device and host "
+                           "implicitly): use arraytrain.distributed.NCCLComm for CuPy buffers")
+    dt = types.get(x.dtype)
+    if dt is None:
+        raise DTypeError(f"{name}: expected one of {', '.join(str(t) for t in types)}, got {x.dtype}")
+    flags = x.flags
+    if not flags.c_contiguous:
+        raise ArgumentTypeError(f"{name}: expected a C-contiguous array (collectives move one buffer), "
+                                f"got strides {x.strides} for shape {x.shape}")
+    if writeable and not flags.writeable:
+        raise ReadOnlyError(f"{name}: the collective writes its result into it, but the array is read-only")
+    return dt
+
+
+def _check_op(op, ops: dict):
+    found = ops.get(op) if isinstance(op, str) else None
+    if found is None:
+        raise ArgumentTypeError(f"op: expected one of {OPS}, got {op!r}")
+    return found
+
+
+class MPIComm(Exchange):
+    """The exchange over MPI, on NumPy buffers (see the module docstring).
+
+    Parameters
+    ----------
+    comm : mpi4py communicator, optional
+        An ``mpi4py.MPI.Intracomm`` (``COMM_WORLD`` by default, or a
+        communicator split from it). ``rank`` and ``size`` are its own.
+
+    Attributes
+    ----------
+    comm : the mpi4py communicator, for anything outside the four collectives.
+    """
+
+    def __init__(self, comm=None):
+        MPI = mpi()
+        if comm is None:
+            comm = MPI.COMM_WORLD
+        elif not isinstance(comm, MPI.Intracomm):
+            raise ArgumentTypeError(f"comm: expected an mpi4py intracommunicator (e.g. MPI.COMM_WORLD), "
+                                    f"got {type(comm).__name__}")
+        self.comm = comm
+        self.rank = comm.Get_rank()
+        self.size = comm.Get_size()
+        self._in_place = MPI.IN_PLACE
+        self._ops = {"sum": MPI.SUM, "max": MPI.MAX}
+        self._types = {dt: getattr(MPI, name) for dt, name in _MPI_TYPES.items()}
+
+    def allreduce(self, x, op: str = "sum") -> None:
+        """``x`` becomes the element-wise ``op`` over ranks, in place (``MPI_Allreduce`` with ``MPI_IN_PLACE``)."""
+        mpi_op = _check_op(op, self._ops)
+        dt = _checked(x, "x", NUMPY, self._types, True)
+        self.comm.Allreduce(self._in_place, [x, dt], mpi_op)
+
+    def allgather(self, x) -> list:
+        """Every rank's ``x``, in rank order: views of one received ``(size, *x.shape)`` array."""
+        dt = _checked(x, "x", NUMPY, self._types, False)
+        recv = np.empty((self.size, *x.shape), x.dtype)
+        self.comm.Allgather([x, dt], [recv, dt])
+        return [recv[i, ...] for i in range(self.size)]
+
+    def broadcast(self, x, root: int = 0) -> None:
+        """``x`` becomes rank ``root``'s ``x``, in place (``MPI_Bcast``)."""
+        root = check_int("root", root, 0, self.size - 1, error=ArgumentTypeError)
+        dt = _checked(x, "x", NUMPY, self._types, True)
+        self.comm.Bcast([x, dt], root=root)
+
+    def gather_objects(self, obj) -> list:
+        """Every rank's ``obj`` (pickled), in rank order: set-up checks, never the step's hot path."""
+        return self.comm.allgather(obj)
+
+    def __repr__(self) -> str:
+        return f"MPIComm(rank={self.rank}, size={self.size})"
+
+
+def _nccl():
+    """``cupy.cuda.nccl``; a clear error when CuPy or its NCCL binding is missing."""
+    from .kernels.cuda._core import cupy
+
+    cupy()
+    try:
+        from cupy.cuda import nccl
+    except ImportError as exc:
+        raise BackendUnavailableError(f"NCCLComm needs CuPy's NCCL binding (pip install nvidia-nccl-cu12, or "
+                                      f"-cu13, matching CuPy): {exc}") from None
+    if not getattr(nccl, "available", True):
+        raise BackendUnavailableError("NCCLComm: CuPy could not load the NCCL library "
+                                      "(pip install nvidia-nccl-cu12, or -cu13, matching CuPy)")
+    return nccl
+
+
+class NCCLComm(Exchange):
+    """The exchange over NCCL, on CuPy buffers: one process per GPU, started by ``mpiexec``.
+
+    MPI starts the processes, broadcasts NCCL's unique id from rank 0 and
+    carries :meth:`gather_objects`; CuPy arrays go through NCCL on the current
+    CuPy stream, so the collectives are ordered after the kernels that wrote
+    them and before those that read them, with no host synchronisation. NumPy
+    arrays (the engine's host scalars: weight sums, skip flags) go through the
+    MPI communicator :attr:`mpi`, each array over the link of its own memory —
+    nothing is copied between host and device. Select each rank's GPU before
+    constructing it (e.g. ``cupy.cuda.Device(local_rank).use()``); NCCL refuses
+    two ranks on one GPU.
+
+    Parameters
+    ----------
+    comm : mpi4py communicator, optional
+        As for :class:`MPIComm`; its ranks are the NCCL ranks.
+
+    Set-up failures (no CuPy, no NCCL, no usable GPU on some rank) raise
+    :class:`~arraytrain.errors.BackendUnavailableError` on every rank.
+    """
+
+    def __init__(self, comm=None):
+        self.mpi = MPIComm(comm)
+        self.rank, self.size = self.mpi.rank, self.mpi.size
+        problem = None
+        try:
+            from .backend import require_cuda
+
+            require_cuda("NCCLComm")
+            nccl = _nccl()
+        except BackendUnavailableError as exc:
+            problem = str(exc)
+        # every rank learns of any rank's failure before rank 0 broadcasts, so none waits alone
+        problems = self.mpi.gather_objects(problem)
+        bad = [r for r, p in enumerate(problems) if p is not None]
+        if bad:
+            raise BackendUnavailableError(f"NCCLComm: rank {bad[0]} of {self.size} cannot run NCCL "
+                                          f"({len(bad)} rank(s) failed): {problems[bad[0]]}")
+        import cupy
+
+        self._cupy = cupy
+        uid = self.mpi.comm.bcast(nccl.get_unique_id() if self.rank == 0 else None, root=0)
+        self.device = cupy.cuda.Device()
+        self._comm = nccl.NcclCommunicator(self.size, uid, self.rank)
+        self._ops = {"sum": nccl.NCCL_SUM, "max": nccl.NCCL_MAX}
+        self._types = {dt: getattr(nccl, name) for dt, name in _NCCL_TYPES.items()}
+
+    def _stream(self) -> int:
+        return self._cupy.cuda.get_current_stream().ptr
+
+    def allreduce(self, x, op: str = "sum") -> None:
+        """``x`` becomes the element-wise ``op`` over ranks, in place, on the current stream."""
+        if isinstance(x, np.ndarray):
+            return self.mpi.allreduce(x, op)
+        nccl_op = _check_op(op, self._ops)
+        dt = _checked(x, "x", CUPY, self._types, True)
+        if x.size:
+            self._comm.allReduce(x.data.ptr, x.data.ptr, x.size, dt, nccl_op, self._stream())
+
+    def allgather(self, x) -> list:
+        """Every rank's ``x``, in rank order: views of one ``(size, *x.shape)`` device array."""
+        if isinstance(x, np.ndarray):
+            return self.mpi.allgather(x)
+        dt = _checked(x, "x", CUPY, self._types, False)
+        recv = self._cupy.empty((self.size, *x.shape), x.dtype)
+        if x.size:
+            self._comm.allGather(x.data.ptr, recv.data.ptr, x.size, dt, self._stream())
+        return [recv[i, ...] for i in range(self.size)]
+
+    def broadcast(self, x, root: int = 0) -> None:
+        """``x`` becomes rank ``root``'s ``x``, in place, on the current stream."""
+        if isinstance(x, np.ndarray):
+            return self.mpi.broadcast(x, root)
+        root = check_int("root", root, 0, self.size - 1, error=ArgumentTypeError)
+        dt = _checked(x, "x", CUPY, self._types, True)
+        step = _NCCL_INT_COUNT  # CuPy's bcast takes a C int count: a large buffer goes in pieces
+        for lo in range(0, x.size, step):
+            n = min(step, x.size - lo)
+            self._comm.bcast(x.data.ptr + lo * x.itemsize, n, dt, root, self._stream())
+
+    def gather_objects(self, obj) -> list:
+        """Every rank's ``obj`` over MPI (set-up only)."""
+        return self.mpi.gather_objects(obj)
+
+    def __repr__(self) -> str:
+        return f"NCCLComm(rank={self.rank}, size={self.size}, device={self.device.id})"
+
+
+@contextlib.contextmanager
+def abort_on_error(stream=None):
+    """On an exception in the block, end every rank of the job (``MPI_Abort``) instead of hanging.
+
+    The traceback is printed to ``stream`` (stderr) with this rank's number,
+    then ``COMM_WORLD.Abort(1)`` ends every process and ``mpiexec`` exits
+    non-zero. ``SystemExit(0)`` passes through. Outside a multi-process job —
+    mpi4py not imported, MPI finalized, or one process — the exception
+    propagates as usual. Also a decorator::
+
+        with abort_on_error():
+            for batch in batches:
+                engine.step(grads(batch))
+    """
+    try:
+        yield
+    except SystemExit as exc:
+        if exc.code in (None, 0):
+            raise
+        _abort_if_distributed(exc, stream)
+        raise
+    except BaseException as exc:
+        _abort_if_distributed(exc, stream)
+        raise
+
+
+def _abort_if_distributed(exc: BaseException, stream) -> None:
+    MPI = sys.modules.get("mpi4py.MPI")  # never initialise MPI only to abort it
+    if MPI is None or not MPI.Is_initialized() or MPI.Is_finalized():
+        return
+    world = MPI.COMM_WORLD
+    if world.Get_size() == 1:
+        return
+    stream = sys.stderr if stream is None else stream
+    rank, size = world.Get_rank(), world.Get_size()
+    text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    try:
+        sys.stdout.flush()
+        stream.write(f"arraytrain: rank {rank} of {size} failed; aborting all {size} ranks (MPI_Abort)\n{text}")
+        stream.flush()
+    finally:
+        world.Abort(1)
+        os._exit(1)  # MPICH's Abort may return once the launcher has been told: never run on
+
+
+def find_mpiexec() -> str | None:
+    """The ``mpiexec`` beside this interpreter (the ``mpich`` wheel's, in a virtualenv), else on PATH."""
+    here = Path(sys.executable).parent / "mpiexec"
+    if here.is_file() and os.access(here, os.X_OK):
+        return str(here)
+    return shutil.which("mpiexec")
+
+
+def launch(ranks: int, argv, *, timeout: float, env=None) -> subprocess.CompletedProcess:
+    """Run ``mpiexec -n ranks argv...`` to completion within ``timeout`` seconds; output captured as text.
+
+    The job gets ``MPIEXEC_TIMEOUT`` (Hydra ends its own job at that limit)
+    and, should that fail, ``mpiexec`` is sent SIGTERM, on which it ends every
+    rank, and then SIGKILL; :class:`subprocess.TimeoutExpired` is raised either
+    way, with the output so far. ``env``: variables added to this process's.
+    A job that fails on its own returns its non-zero exit status; one that
+    runs to the limit raises, whatever the status Hydra gives it.
+    """
+    ranks = check_int("ranks", ranks, 1)
+    exe = find_mpiexec()
+    if exe is None:
+        raise BackendUnavailableError(f"no mpiexec beside {sys.executable} or on PATH: {INSTALL_HINT}")
+    full = dict(os.environ, MPIEXEC_TIMEOUT=str(max(1, int(timeout))), **(env or {}))
+    cmd = [exe, "-n", str(ranks), *map(str, argv)]
+    start = time.monotonic()
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=full,
+                          start_new_session=True) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout + 10)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGTERM)  # Hydra forwards it and cleans up every rank
+            try:
+                out, err = proc.communicate(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                out, err = proc.communicate()
+            raise subprocess.TimeoutExpired(cmd, timeout, output=out, stderr=err) from None
+    if time.monotonic() - start >= timeout:  # Hydra's own limit ended it (with status 255 or, at times, 0)
+        raise subprocess.TimeoutExpired(cmd, timeout, output=out, stderr=err)
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)

@@ -1,0 +1,718 @@
+r"""Phase training from any loop: FULL, PREDICT and CORRECT steps, their state and their checkpoints.
+
+A cycle, in vsa-optim-rs's ``PhaseTrainer`` rule (``get_next_phase`` /
+``transition_phase`` / ``adjust_phase_lengths``), which :class:`PhaseSchedule`
+transcribes:
+
+* FULL for ``full_steps`` steps: forward, backward, the true gradient is
+  recorded into a :class:`~arraytrain.predict.GradientPredictor`, the optimizer steps.
+* then PREDICT: no forward and no backward; the predicted gradient (a linear
+  trend over the recorded ones plus a correction) takes the true one's place
+  (with an engine: written into ``engine.grads``, so that ``engine.step()``'s
+  clipping, schedule, optimizer and NaN/Inf skipping work as on any step).
+* ``phase_step`` counts the steps since the cycle's PREDICT phase began
+  (CORRECT steps included); when a PREDICT step finds ``phase_step > 0`` and
+  ``phase_step % correct_every == 0`` the step is CORRECT instead: forward and
+  backward, the correction is updated with the trend's residual and the true
+  gradient recorded and applied. When ``phase_step >= predict_steps`` (checked
+  after the correction test) or a CORRECT step leaves no PREDICT steps, the
+  next cycle starts with FULL.
+
+Example, ``full_steps=2, predict_steps=4, correct_every=2``: F F P P C P C | F F ...
+
+Adaptive lengths (``adaptive=True``, vsa-optim-rs's rule): the losses of the last
+100 FULL/CORRECT steps are kept (PREDICT steps have no forward pass, hence no
+loss). When a cycle starts and at least 20 are held, ``early`` and ``late`` are
+the means of the oldest and newest 10: if ``late > early * (1 + loss_threshold)``
+the loss is rising and ``full_steps += 5``, ``predict_steps -= 10``; if
+``late < 0.95 * early`` it is falling well and ``full_steps -= 2``,
+``predict_steps += 5``; each then clamped to its bounds (vsa-optim-rs's: full in
+[5, 50], predict in [10, 100]).
+
+Driving it from a loop of your own (vsa-optim-rs's ``begin_step`` /
+``record_full_gradients`` / ``get_predicted_gradients`` / ``end_step``), here
+with a torch model bound to an engine (:mod:`arraytrain.interop.torch`)::
+
+    ctl = PhaseController(engine, full_steps=2, predict_steps=6, correct_every=3)
+    for x, y in batches:
+        if ctl.begin_step() is Phase.PREDICT:
+            ctl.get_predicted_gradients()     # into engine.grads: no forward, no backward
+            loss = None
+        else:
+            loss = loss_fn(model(x), y)
+            loss.backward()                   # into engine.grads
+            ctl.record_full_gradients()       # the engine's gradient buffer
+            loss = loss.item()
+        engine.step()
+        ctl.end_step(loss)
+    print(ctl.stats().step_ratio, ctl.stats().wall_speedup)
+
+Without an engine (a torch or optax optimizer applies the gradients) the
+controller is built on a :class:`~arraytrain.Layout` (or a mapping name ->
+array), takes ``record_full_gradients({name: grad})`` and returns the
+prediction as ``{name: array}``.
+
+Accounting (:class:`PhaseStats`): the step ratio is steps / backward passes,
+vsa-optim-rs's "speedup"; it is a count, *not* a speedup. The controller also
+measures wall clock per phase, from ``begin_step`` to ``end_step``, and
+:attr:`PhaseStats.wall_speedup` is the speedup those measurements give.
+
+Checkpoints: :func:`save` writes the engine's state and the controller's
+(phase, counters, current lengths, kept losses, stats, the predictor's ring
+and correction) into one safetensors file of :mod:`arraytrain.checkpoint`'s
+format, the controller's under the key ``"phase"`` beside the engine's; :func:`load`
+validates all of it, engine and controller, before it writes either. A run
+saved between two steps and resumed continues bitwise as the uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import numbers
+import time
+from collections import deque
+from collections.abc import Mapping
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from enum import Enum
+
+from . import checkpoint
+from ._checks import check_bool, check_count, check_int, check_number, shown
+from .backend import module_of_backend
+from .buffer import FlatBuffer
+from .engine import Engine
+from .errors import ArgumentTypeError, CheckpointError, HyperparameterError, PhaseOrderError, StateDictError
+from .predict import GradientPredictor
+
+__all__ = ["LOSS_WINDOW", "Phase", "PhaseController", "PhaseOrderError", "PhaseSchedule", "PhaseStats", "load",
+           "save"]
+
+LOSS_WINDOW = 100   # FULL/CORRECT losses kept for the adaptive rule (vsa-optim-rs's deque capacity)
+LOSS_MEAN = 10      # early / late means over this many losses
+LOSS_MIN = 20       # losses needed before the lengths adapt
+STATE_VERSION = 1   # of PhaseController.state_dict()
+PHASE_KEY = "phase"  # the controller's state in a checkpoint's tree, beside the engine's keys
+
+
+class Phase(str, Enum):
+    """A step's kind: FULL and CORRECT run forward and backward, PREDICT neither."""
+
+    FULL = "full"
+    PREDICT = "predict"
+    CORRECT = "correct"
+
+
+def _bounds(name: str, value) -> tuple[int, int]:
+    try:
+        lo, hi = value
+    except (TypeError, ValueError):
+        raise HyperparameterError(f"{name}: expected a pair (low, high), got {value!r}") from None
+    lo = check_int(f"{name}[0]", lo, 1)
+    hi = check_int(f"{name}[1]", hi, lo)
+    return lo, hi
+
+
+def _real(name: str, value, error=StateDictError) -> float:
+    """A float from an int or float (NaN/Inf included: a loss may be one), else ``error``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise error(f"{name}: expected a number, got {shown(value)}")
+    return float(value)
+
+
+class PhaseSchedule:
+    """The phase state machine alone: :meth:`begin` gives the phase of the next step,
+    :meth:`end` closes it (with its loss on FULL/CORRECT steps, None on PREDICT).
+
+    See the module docstring for the rule. ``full_steps`` and
+    ``predict_steps`` are the current lengths (the adaptive rule changes them).
+    """
+
+    def __init__(self, full_steps: int = 10, predict_steps: int = 40, correct_every: int = 10, *,
+                 adaptive: bool = False, loss_threshold: float = 0.1, full_bounds=(5, 50),
+                 predict_bounds=(10, 100)):
+        self.correct_every = check_int("correct_every", correct_every, 1)
+        self.adaptive = check_bool("adaptive", adaptive)
+        self.loss_threshold = check_number("loss_threshold", loss_threshold, 0.0)
+        self.full_bounds = _bounds("full_bounds", full_bounds)
+        self.predict_bounds = _bounds("predict_bounds", predict_bounds)
+        self.full_steps, self.predict_steps = self._lengths(full_steps, predict_steps, HyperparameterError)
+        self.phase = Phase.FULL
+        self.phase_step = 0
+        self.cycle = 0
+        self.losses: deque = deque(maxlen=LOSS_WINDOW)
+
+    def _lengths(self, full_steps, predict_steps, error) -> tuple[int, int]:
+        full = check_int("full_steps", full_steps, 1, error=error)
+        predict = check_int("predict_steps", predict_steps, 1, error=error)
+        if self.adaptive:
+            for name, v, (lo, hi) in (("full_steps", full, self.full_bounds),
+                                      ("predict_steps", predict, self.predict_bounds)):
+                if not lo <= v <= hi:
+                    raise error(f"{name}: {v} is outside its bounds [{lo}, {hi}] "
+                                f"({name.split('_')[0]}_bounds) with adaptive=True")
+        return full, predict
+
+    def _next(self) -> Phase:
+        if self.phase is Phase.FULL:
+            return Phase.PREDICT if self.phase_step >= self.full_steps else Phase.FULL
+        if self.phase is Phase.PREDICT:
+            if self.phase_step > 0 and self.phase_step % self.correct_every == 0:
+                return Phase.CORRECT
+            return Phase.FULL if self.phase_step >= self.predict_steps else Phase.PREDICT
+        return Phase.PREDICT if self.predict_steps > self.phase_step else Phase.FULL
+
+    def begin(self) -> Phase:
+        """Move to the phase of the next step and return it."""
+        new = self._next()
+        if new is not self.phase:
+            old, self.phase = self.phase, new
+            if new is Phase.FULL:
+                self.phase_step = 0
+                self.cycle += 1
+                if self.adaptive:
+                    self.adjust()
+            elif new is Phase.PREDICT and old is Phase.FULL:
+                self.phase_step = 0
+        return self.phase
+
+    def adjust(self) -> None:
+        """vsa-optim-rs's adaptive rule on the kept FULL/CORRECT losses (no-op below 20)."""
+        if len(self.losses) < LOSS_MIN:
+            return
+        losses = list(self.losses)
+        early = sum(losses[:LOSS_MEAN]) / LOSS_MEAN
+        late = sum(losses[-LOSS_MEAN:]) / LOSS_MEAN
+        (flo, fhi), (plo, phi) = self.full_bounds, self.predict_bounds
+        if late > early * (1.0 + self.loss_threshold):      # rising: more FULL, less PREDICT
+            self.full_steps = min(max(self.full_steps + 5, flo), fhi)
+            self.predict_steps = min(max(self.predict_steps - 10, plo), phi)
+        elif late < early * 0.95:                            # falling well: more PREDICT
+            self.full_steps = min(max(self.full_steps - 2, flo), fhi)
+            self.predict_steps = min(max(self.predict_steps + 5, plo), phi)
+
+    def end(self, loss: float | None = None) -> None:
+        """Close the step; ``loss`` of a FULL/CORRECT step feeds the adaptive rule."""
+        if loss is not None:
+            self.losses.append(float(loss))
+        self.phase_step += 1
+
+    # -- state -------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """The position in the cycle, the current lengths and the kept losses (JSON values).
+
+        ``correct_every``, ``adaptive``, ``loss_threshold`` and the bounds are
+        hyperparameters: a load keeps the schedule's own.
+        """
+        return {"phase": self.phase.value, "phase_step": self.phase_step, "cycle": self.cycle,
+                "full_steps": self.full_steps, "predict_steps": self.predict_steps, "losses": list(self.losses)}
+
+    def load_state_dict(self, state: Mapping) -> None:
+        """Load :meth:`state_dict` output; everything is validated before anything is written."""
+        self.apply_state(self.check_state(state))
+
+    def check_state(self, state: Mapping) -> dict:
+        """Validate a :meth:`state_dict` against this schedule; change nothing. Returns what
+        :meth:`apply_state` takes. With ``adaptive=True`` the lengths must lie in the bounds."""
+        keys = ("phase", "phase_step", "cycle", "full_steps", "predict_steps", "losses")
+        try:
+            phase, phase_step, cycle, full, predict, losses = (state[k] for k in keys)
+        except (KeyError, TypeError) as exc:
+            raise StateDictError(f"schedule state lacks {exc}") from None
+        try:
+            phase = Phase(phase)
+        except (ValueError, TypeError):
+            raise StateDictError(f"phase: expected one of {[p.value for p in Phase]}, got {shown(phase)}") from None
+        full, predict = self._lengths(full, predict, StateDictError)
+        if not isinstance(losses, (list, tuple)) or len(losses) > LOSS_WINDOW:
+            got = f"a list of {len(losses)}" if isinstance(losses, (list, tuple)) else type(losses).__name__
+            raise StateDictError(f"losses: expected a list of at most {LOSS_WINDOW} numbers, got {got}")
+        return {"phase": phase, "phase_step": check_count("phase_step", phase_step, error=StateDictError),
+                "cycle": check_count("cycle", cycle, error=StateDictError), "full_steps": full,
+                "predict_steps": predict, "losses": [_real(f"losses[{i}]", v) for i, v in enumerate(losses)]}
+
+    def apply_state(self, checked: dict) -> None:
+        """Load a state validated by :meth:`check_state` (assignments only: cannot fail)."""
+        self.phase, self.phase_step, self.cycle = checked["phase"], checked["phase_step"], checked["cycle"]
+        self.full_steps, self.predict_steps = checked["full_steps"], checked["predict_steps"]
+        self.losses = deque(checked["losses"], maxlen=LOSS_WINDOW)
+
+
+def _per_phase(value):
+    return field(default_factory=lambda: {p.value: value for p in Phase})
+
+
+@dataclass
+class PhaseStats:
+    """What a :class:`PhaseController` (or :class:`~arraytrain.nn.PhaseTrainer`) did.
+
+    Steps and backward passes per phase, wall clock per phase, losses per phase.
+    ``seconds[phase]`` is the wall clock of that phase's steps from
+    ``begin_step`` to ``end_step`` (forward, backward, prediction, the
+    optimizer step: what the caller does in between), summed over the
+    ``timed[phase]`` steps timed: the first step of each phase in a process is
+    not, since it compiles (or loads) kernels. ``loss_sum`` / ``loss_count``
+    are over the losses given to ``end_step``. ``step_ratio`` is steps /
+    backward passes, a count, not a speedup; :attr:`wall_speedup` is the one
+    the measured times give.
+    """
+
+    full_steps: int = 0
+    predict_steps: int = 0
+    correct_steps: int = 0
+    cycles: int = 0
+    unrecorded: int = 0   # FULL/CORRECT gradients with NaN/Inf, not recorded by the predictor
+    seconds: dict = _per_phase(0.0)
+    timed: dict = _per_phase(0)
+    loss_sum: dict = _per_phase(0.0)
+    loss_count: dict = _per_phase(0)
+
+    @property
+    def steps(self) -> int:
+        return self.full_steps + self.predict_steps + self.correct_steps
+
+    @property
+    def backward_passes(self) -> int:
+        return self.full_steps + self.correct_steps
+
+    @property
+    def step_ratio(self) -> float:
+        """Steps / backward passes (vsa-optim-rs's ``speedup``): a count."""
+        return self.steps / max(self.backward_passes, 1)
+
+    @property
+    def total_seconds(self) -> float:
+        return sum(self.seconds.values())
+
+    def counts(self) -> dict:
+        """Steps per phase: ``{"full": ..., "predict": ..., "correct": ...}``."""
+        return {"full": self.full_steps, "predict": self.predict_steps, "correct": self.correct_steps}
+
+    def seconds_per_step(self) -> dict:
+        """Mean seconds of a timed step per phase (0.0 where none was timed)."""
+        return {k: (self.seconds[k] / n if n else 0.0) for k, n in self.timed.items()}
+
+    def mean_losses(self) -> dict:
+        """Mean of the losses given to ``end_step`` per phase (None where none was given)."""
+        return {k: (self.loss_sum[k] / n if n else None) for k, n in self.loss_count.items()}
+
+    @property
+    def wall_speedup(self) -> float | None:
+        r"""The speedup the measured step times give, or None before every phase seen was timed.
+
+        :math:`\frac{S \, \bar t_b}{\sum_p n_p \bar t_p}`: the time of all
+        :math:`S` steps at the mean time :math:`\bar t_b` of a FULL/CORRECT
+        step (a step with a backward pass), over their time at each phase's
+        mean :math:`\bar t_p`. It covers what runs between ``begin_step`` and
+        ``end_step``; data loading and evaluation outside it are not in it.
+        """
+        counts, per_step = self.counts(), self.seconds_per_step()
+        backward_timed = self.timed["full"] + self.timed["correct"]
+        if not backward_timed or any(n and not self.timed[k] for k, n in counts.items()):
+            return None
+        spent = sum(n * per_step[k] for k, n in counts.items())
+        backward = (self.seconds["full"] + self.seconds["correct"]) / backward_timed
+        return self.steps * backward / spent if spent > 0 else None
+
+
+_COUNTED = {Phase.FULL: "full_steps", Phase.PREDICT: "predict_steps", Phase.CORRECT: "correct_steps"}
+
+
+def _loss(loss) -> float | None:
+    if loss is None:
+        return None
+    if not isinstance(loss, bool):
+        try:
+            return float(loss)  # a Python or NumPy number, a 0-d array or one-element tensor
+        except (TypeError, ValueError):
+            pass
+    raise ArgumentTypeError(f"loss: expected a number or None, got {type(loss).__name__}")
+
+
+class PhaseController:
+    """Gradient prediction driven step by step from any training loop.
+
+    Parameters
+    ----------
+    target : Engine, Layout, FlatBuffer or mapping name -> array
+        An :class:`~arraytrain.Engine`: ``record_full_gradients()`` reads
+        ``engine.grads`` and ``get_predicted_gradients()`` writes it, so the
+        next ``engine.step()`` applies the prediction. The engine must take one
+        micro-batch per optimizer step (``accumulation_steps=1``), and have no
+        SAM optimizer and no loss scaler (a recorded gradient would not be
+        comparable from step to step). Otherwise what the gradients look like
+        (a :class:`~arraytrain.Layout`, with ``dtype`` and ``device`` as for the
+        :class:`~arraytrain.predict.GradientPredictor`): gradients come in and
+        predictions go out as ``{name: array}``.
+    full_steps, predict_steps, correct_every, adaptive, loss_threshold, full_bounds, predict_bounds
+        The phase rule (:class:`PhaseSchedule`).
+    history, correction_beta, kernels, dtype, device
+        The :class:`~arraytrain.predict.GradientPredictor`.
+
+    A step: :meth:`begin_step` returns its :class:`Phase`; on FULL and CORRECT
+    steps compute the true gradient and call :meth:`record_full_gradients`
+    once; on PREDICT steps call :meth:`get_predicted_gradients`; then apply
+    the gradient (``engine.step()``, or your optimizer) and :meth:`end_step`
+    with the loss. The predictor's step index is :attr:`step`, the steps ended
+    so far. Calls out of this order raise :class:`PhaseOrderError` and change
+    nothing. Between steps :meth:`state_dict` and :func:`save` capture
+    everything a bitwise resume needs.
+    """
+
+    def __init__(self, target, *, full_steps: int = 10, predict_steps: int = 40, correct_every: int = 10,
+                 adaptive: bool = False, loss_threshold: float = 0.1, full_bounds=(5, 50),
+                 predict_bounds=(10, 100), history: int = 4, correction_beta: float = 0.9,
+                 kernels: str = "numba", dtype=None, device: str | None = None):
+        if isinstance(target, Engine):
+            _check_engine(target)
+            self.engine, grads = target, target.grads
+        else:
+            self.engine, grads = None, target
+        self.schedule = PhaseSchedule(full_steps, predict_steps, correct_every, adaptive=adaptive,
+                                      loss_threshold=loss_threshold, full_bounds=full_bounds,
+                                      predict_bounds=predict_bounds)
+        self.predictor = GradientPredictor(grads, history, correction_beta, kernels=kernels, dtype=dtype,
+                                           device=device)
+        self.layout = self.predictor.layout
+        self._initial = (self.schedule.full_steps, self.schedule.predict_steps)
+        self._scratch: FlatBuffer | None = None  # gradients given by name, predictions without an engine
+        self._warm: set = set()                  # phases whose first, untimed step (it compiles) ran here
+        self._clear()
+
+    def _clear(self) -> None:
+        self.step = 0          # steps ended: the predictor's step index of the next step
+        self.phase_changed = False
+        self._stats = PhaseStats()
+        self._open: Phase | None = None  # the phase of the step begun and not yet ended
+        self._done = False               # its gradient recorded (FULL/CORRECT) or predicted (PREDICT)
+        self._t0 = 0.0
+
+    # -- where it stands ----------------------------------------------------------------
+    @property
+    def phase(self) -> Phase:
+        """The phase of the current (or last) step."""
+        return self.schedule.phase
+
+    @property
+    def phase_step(self) -> int:
+        return self.schedule.phase_step
+
+    @property
+    def cycle(self) -> int:
+        return self.schedule.cycle
+
+    @property
+    def in_step(self) -> bool:
+        """True between :meth:`begin_step` and :meth:`end_step`."""
+        return self._open is not None
+
+    @property
+    def needs_backward(self) -> bool:
+        """Whether the current step computes the true gradient (FULL and CORRECT)."""
+        return self.schedule.phase is not Phase.PREDICT
+
+    # -- the step -----------------------------------------------------------------------
+    def begin_step(self) -> Phase:
+        """Start a step: move to its phase (``phase_changed`` says whether it changed) and return it."""
+        if self._open is not None:
+            raise PhaseOrderError(f"begin_step: the {self._open.value} step {self.step} is still open; "
+                                  "call end_step(loss) first")
+        before = self.schedule.phase
+        phase = self.schedule.begin()
+        self.phase_changed = phase is not before
+        self._open, self._done = phase, False
+        self._t0 = time.perf_counter()
+        return phase
+
+    def _require(self, what: str, phases: tuple) -> Phase:
+        if self._open is None:
+            raise PhaseOrderError(f"{what}: no step is open; call begin_step() first")
+        if self._open not in phases:
+            raise PhaseOrderError(f"{what}: the step is {self._open.value.upper()}, this call belongs to "
+                                  + " and ".join(p.value.upper() for p in phases) + " steps")
+        return self._open
+
+    def record_full_gradients(self, grads=None) -> bool:
+        """Record the true gradient of a FULL or CORRECT step (once per step).
+
+        ``grads``: None for the engine's gradient buffer (before ``engine.step()``,
+        which may zero it); a mapping name -> array of every parameter (any
+        framework; cast to the predictor's dtype); a :class:`FlatBuffer` or
+        flat array of the layout. On a CORRECT step the correction is updated
+        with the trend's residual first. Returns False when the gradient has a
+        NaN or Inf: it is not recorded (``stats().unrecorded`` counts it).
+        """
+        phase = self._require("record_full_gradients", (Phase.FULL, Phase.CORRECT))
+        if self._done:
+            raise PhaseOrderError(f"record_full_gradients: step {self.step}'s gradient was recorded already")
+        flat = self._incoming(grads)
+        record = self.predictor.record if phase is Phase.FULL else self.predictor.correct
+        ok = record(flat, self.step)
+        self._done = True
+        self._stats.unrecorded += not ok
+        return ok
+
+    def get_predicted_gradients(self, out=None) -> dict:
+        """The predicted gradient of a PREDICT step, as ``{name: array}`` views of where it was written.
+
+        ``out``: a FlatBuffer or flat array of the layout to write into; by
+        default ``engine.grads`` with an engine (the next ``engine.step()``
+        applies it), else a buffer of the controller's, rewritten by its next
+        call (copy what you keep). Raises :class:`~arraytrain.NoGradientsError` before
+        any gradient was recorded (every FULL one had a NaN/Inf), the step still open.
+        """
+        self._require("get_predicted_gradients", (Phase.PREDICT,))
+        if out is None:
+            buf = self.engine.grads if self.engine is not None else self._scratch_buffer()
+            self.predictor.predict(self.step, out=buf.flat)
+        elif isinstance(out, FlatBuffer):
+            buf = out
+            self.predictor.predict(self.step, out=buf)  # the predictor checks its layout
+        else:
+            buf = FlatBuffer(self.layout, self.predictor.predict(self.step, out=out))
+        self._done = True
+        return buf.as_dict()
+
+    def end_step(self, loss=None) -> None:
+        """Close the step with its loss (None on PREDICT steps, which have no forward pass).
+
+        The losses of FULL/CORRECT steps feed the adaptive rule; a loss given
+        on a PREDICT step only enters ``stats().loss_sum``.
+        """
+        phase = self._open
+        if phase is None:
+            raise PhaseOrderError("end_step: no step is open; call begin_step() first")
+        if not self._done:
+            missing = "get_predicted_gradients()" if phase is Phase.PREDICT else "record_full_gradients()"
+            raise PhaseOrderError(f"end_step: the {phase.value} step {self.step} has not called {missing}")
+        loss = _loss(loss)
+        seconds = time.perf_counter() - self._t0
+        stats = self._stats
+        setattr(stats, _COUNTED[phase], getattr(stats, _COUNTED[phase]) + 1)
+        if phase in self._warm:
+            stats.seconds[phase.value] += seconds
+            stats.timed[phase.value] += 1
+        self._warm.add(phase)
+        if loss is not None:
+            stats.loss_sum[phase.value] += loss
+            stats.loss_count[phase.value] += 1
+        self.schedule.end(None if phase is Phase.PREDICT else loss)
+        self.step += 1
+        self._open = None
+
+    def stats(self) -> PhaseStats:
+        """A snapshot of the counts, times and losses (``cycles`` included)."""
+        s = self._stats
+        return dataclasses.replace(s, cycles=self.schedule.cycle, seconds=dict(s.seconds), timed=dict(s.timed),
+                                   loss_sum=dict(s.loss_sum), loss_count=dict(s.loss_count))
+
+    def reset(self) -> None:
+        """Back to the start: the first FULL step, the constructor's lengths, no records, no stats.
+
+        An open step is dropped (e.g. a PREDICT step whose prediction raised
+        :class:`~arraytrain.NoGradientsError` because every recorded gradient had a NaN/Inf).
+        """
+        sched = self.schedule
+        sched.apply_state({"phase": Phase.FULL, "phase_step": 0, "cycle": 0, "full_steps": self._initial[0],
+                           "predict_steps": self._initial[1], "losses": []})
+        self.predictor.reset()
+        self._clear()
+
+    # -- gradients in and out -----------------------------------------------------------
+    def _scratch_buffer(self) -> FlatBuffer:
+        if self._scratch is None:
+            self._scratch = FlatBuffer.zeros(self.layout, self.predictor.dtype,
+                                             module_of_backend(self.predictor.backend))
+        return self._scratch
+
+    def _incoming(self, grads):
+        """The flat gradient to record (validated by the predictor; a mapping is packed first)."""
+        if grads is None:
+            if self.engine is None:
+                raise ArgumentTypeError("grads: None stands for the engine's gradient buffer, and this controller "
+                                        "has no engine; pass a mapping name -> array")
+            return self.engine.grads.flat
+        if isinstance(grads, Mapping):
+            scratch = self._scratch_buffer()
+            scratch.assign(scratch.check(grads))  # every name, each shape; floats of another precision cast
+            return scratch.flat
+        return grads
+
+    # -- state ---------------------------------------------------------------------------
+    def _between_steps(self, what: str) -> None:
+        if self._open is not None:
+            raise PhaseOrderError(f"{what}: the {self._open.value} step {self.step} is open (after begin_step, "
+                                  "before end_step); its state is only whole between steps")
+
+    def state_dict(self, copy: bool = True) -> dict:
+        """Everything a bitwise resume needs, between steps: the schedule, the step, the stats and the
+        predictor's arrays (``copy=False``: views of its buffers, for a writer that reads them at once)."""
+        self._between_steps("state_dict")
+        s = self._stats
+        return {
+            "version": STATE_VERSION,
+            "step": self.step,
+            "schedule": self.schedule.state_dict(),
+            "stats": {"full_steps": s.full_steps, "predict_steps": s.predict_steps,
+                      "correct_steps": s.correct_steps, "unrecorded": s.unrecorded, "seconds": dict(s.seconds),
+                      "timed": dict(s.timed), "loss_sum": dict(s.loss_sum), "loss_count": dict(s.loss_count)},
+            "predictor": self.predictor.state_dict(copy=copy),
+        }
+
+    def load_state_dict(self, state: Mapping) -> None:
+        """Load :meth:`state_dict` output; a refused state raises :class:`StateDictError` and changes nothing."""
+        self.apply_state(self.check_state(state))
+
+    def check_state(self, state: Mapping) -> tuple:
+        """Validate a :meth:`state_dict` (every part, and their agreement); change nothing.
+
+        Returns what :meth:`apply_state` takes. The schedule's hyperparameters
+        (``correct_every``, ``adaptive``, ...) and the predictor's
+        ``correction_beta`` stay the controller's own.
+        """
+        self._between_steps("load_state_dict")
+        _check_keys("phase state", state, ("version", "step", "schedule", "stats", "predictor"))
+        if state["version"] != STATE_VERSION:
+            raise StateDictError(f"phase state: version {shown(state['version'])} is not {STATE_VERSION}")
+        step = check_count("step", state["step"], error=StateDictError)
+        sched = self.schedule.check_state(state["schedule"])
+        stats = _check_stats(state["stats"])
+        predictor = self.predictor.check_state(state["predictor"])
+        counts = stats.counts()
+        if stats.steps != step:
+            raise StateDictError(f"step: {step}, but the stats count {counts} steps ({stats.steps})")
+        for what, per_phase in (("timed", stats.timed), ("loss_count", stats.loss_count)):
+            if any(per_phase[k] > n for k, n in counts.items()):
+                raise StateDictError(f"stats {what}: {per_phase} exceeds the steps per phase {counts}")
+        if stats.unrecorded > stats.backward_passes:
+            raise StateDictError(f"stats unrecorded: {stats.unrecorded} > the {stats.backward_passes} "
+                                 "FULL/CORRECT steps")
+        if sched["cycle"] > step or (step == 0 and (sched["phase"], sched["phase_step"]) != (Phase.FULL, 0)):
+            raise StateDictError(f"schedule: {sched['phase'].value} step {sched['phase_step']} of cycle "
+                                 f"{sched['cycle']} after {step} steps")
+        _, steps, count, head = predictor
+        if count and steps[(head - 1) % len(steps)] >= step:
+            raise StateDictError(f"predictor: a gradient recorded at step {steps[(head - 1) % len(steps)]}, "
+                                 f"but only {step} steps were taken")
+        return step, sched, stats, predictor
+
+    def apply_state(self, checked: tuple) -> None:
+        """Load a state validated by :meth:`check_state` (copies and assignments: cannot fail)."""
+        step, sched, stats, predictor = checked
+        self.schedule.apply_state(sched)
+        self.predictor.apply_state(predictor)
+        self.step, self._stats, self.phase_changed = step, stats, False
+
+    def __repr__(self) -> str:
+        s = self.schedule
+        return (f"PhaseController({'engine' if self.engine is not None else 'layout'}, full_steps={s.full_steps}, "
+                f"predict_steps={s.predict_steps}, correct_every={s.correct_every}, step={self.step}, "
+                f"phase={s.phase.value}, {self.predictor!r})")
+
+
+def _check_engine(engine: Engine) -> None:
+    if engine.accumulation_steps != 1:
+        raise HyperparameterError(f"accumulation_steps: gradient prediction needs an engine with "
+                                  f"accumulation_steps=1, got {engine.accumulation_steps}")
+    if callable(getattr(engine.optimizer, "perturb", None)):
+        raise HyperparameterError("optimizer: gradient prediction cannot drive a two-window optimizer (SAM)")
+    if engine.loss_scaler is not None:
+        raise HyperparameterError("loss_scaler: gradient prediction needs an engine without a loss scaler")
+
+
+def _check_keys(what: str, state, keys: tuple) -> None:
+    if not isinstance(state, Mapping):
+        raise StateDictError(f"{what}: expected a mapping, got {type(state).__name__}")
+    missing = [k for k in keys if k not in state]
+    unexpected = [k for k in state if k not in keys]
+    if missing or unexpected:
+        raise StateDictError(f"{what}: " + "; ".join(([f"lacks {missing}"] if missing else [])
+                                                     + ([f"has unexpected {unexpected}"] if unexpected else [])))
+
+
+def _check_stats(state) -> PhaseStats:
+    counters = ("full_steps", "predict_steps", "correct_steps", "unrecorded")
+    tables = ("seconds", "timed", "loss_sum", "loss_count")
+    _check_keys("stats", state, counters + tables)
+    phases = [p.value for p in Phase]
+    for name in tables:
+        if not isinstance(state[name], Mapping) or sorted(state[name]) != sorted(phases):
+            got = list(state[name]) if isinstance(state[name], Mapping) else type(state[name]).__name__
+            raise StateDictError(f"stats {name}: expected a value per phase {phases}, got {got}")
+
+    def table(name, check):
+        return {p: check(f"stats {name}[{p!r}]", state[name][p]) for p in phases}
+
+    def seconds(name, v):
+        return check_number(name, v, 0.0, error=StateDictError)
+
+    def count(name, v):
+        return check_count(name, v, error=StateDictError)
+
+    return PhaseStats(**{k: count(f"stats {k}", state[k]) for k in counters},
+                      seconds=table("seconds", seconds), timed=table("timed", count),
+                      loss_sum=table("loss_sum", _real), loss_count=table("loss_count", count))
+
+
+# -- checkpoints --------------------------------------------------------------------------------
+class _Checkpointed:
+    """What :func:`arraytrain.save` / :func:`arraytrain.load` are handed: the engine's state tree with
+    the controller's added under ``"phase"`` (only the controller's without an engine).
+
+    Loading checks the controller's part, then lets the engine check and load its own
+    (a refusal there changes nothing), then loads the controller's: all or nothing.
+    """
+
+    def __init__(self, controller: "PhaseController", what: str):
+        if not isinstance(controller, PhaseController):
+            raise ArgumentTypeError(f"controller: expected an arraytrain.phase.PhaseController, "
+                                    f"got {type(controller).__name__}")
+        controller._between_steps(what)
+        engine = controller.engine
+        if engine is not None and not engine.comm.is_local:
+            raise CheckpointError(f"{what}: a PhaseController's checkpoint is written and read by one process; "
+                                  "this engine runs over a group of processes")
+        self.controller, self.engine = controller, engine
+
+    def guard(self, what: str):
+        """The engine's call guard, held while the file is written or read: another thread's
+        ``engine.step()`` would change the buffers (:func:`arraytrain.save` holds it the same way)."""
+        return nullcontext() if self.engine is None else self.engine._guard(what)
+
+    def state_dict(self, copy: bool = True) -> dict:
+        tree = {} if self.engine is None else dict(self.engine.state_dict(copy=copy))
+        if PHASE_KEY in tree:
+            raise CheckpointError(f"the engine's state has a key {PHASE_KEY!r} of its own")
+        tree[PHASE_KEY] = self.controller.state_dict(copy=copy)
+        return tree
+
+    def load_state_dict(self, tree: Mapping) -> None:
+        checked = self.controller.check_state(tree[PHASE_KEY])
+        if self.engine is not None:
+            self.engine.load_state_dict({k: v for k, v in tree.items() if k != PHASE_KEY})
+        self.controller.apply_state(checked)
+
+
+def save(path, controller: PhaseController, *, extra: Mapping | None = None) -> None:
+    """Write ``controller``'s engine (if any) and the controller's own state to ``path``, atomically.
+
+    One safetensors file of :func:`arraytrain.save`'s format (arrays as
+    tensors, the predictor's ring and correction included), ``extra`` as
+    there. Between steps only (:class:`PhaseOrderError` inside one).
+    """
+    state = _Checkpointed(controller, "save")
+    with state.guard("arraytrain.phase.save()"):
+        checkpoint.save(path, state, extra=extra)
+
+
+def load(path, controller: PhaseController) -> dict:
+    """Load a checkpoint written by :func:`save` into ``controller`` and its engine; return ``extra``.
+
+    The file, the engine's part and the controller's part are all validated
+    before anything is written; a refused file raises
+    :class:`~arraytrain.CheckpointError` and changes neither. A file written
+    by :func:`arraytrain.save` has no phase state and is refused (load it with
+    :func:`arraytrain.load` to start prediction afresh from its weights).
+    """
+    state = _Checkpointed(controller, "load")
+    with state.guard("arraytrain.phase.load()"):
+        return checkpoint.load(path, state)

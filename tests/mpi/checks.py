@@ -1,0 +1,84 @@
+"""Checks that run on every rank under mpiexec: ``mpiexec -n K python tests/mpi/checks.py GROUP...``.
+
+``tests/test_distributed.py`` launches this with a timeout; run it by hand to
+debug a failure. One launch runs many checks (process start-up and numba's
+import are the cost). After each check every rank reports its outcome in one
+collective, so the ranks stay in step and rank 0 prints every rank's failures;
+the last line is ``all N checks passed on K ranks (C cases)`` and the exit
+status is 0, or the failures and status 1.
+
+Groups: ``comm`` (the collectives, set-up agreement, bad input),
+``compress`` (every compressor's multi-rank exchange and error feedback),
+``engine`` (the engine over MPIComm: data parallel, compressed, a resumed checkpoint),
+``crash`` (the last rank fails inside :func:`abort_on_error` while the others
+wait in a collective: the job must end, non-zero, with the error printed).
+"""
+
+from __future__ import annotations
+
+import sys
+import traceback
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from arraytrain.distributed import MPIComm, abort_on_error  # noqa: E402
+
+GROUPS = {"comm": "comm_checks", "compress": "compress_checks", "engine": "engine_checks"}
+
+
+def checks_of(module: str) -> list:
+    """The module's ``check_*`` functions ``fn(comm) -> number of cases``, in the order they are defined."""
+    mod = __import__(module)
+    return [fn for name, fn in vars(mod).items() if name.startswith("check_") and callable(fn)]
+
+
+def run(comm: MPIComm, groups) -> int:
+    failed, checks, cases = [], 0, 0
+    for group in groups:
+        for fn in checks_of(GROUPS[group]):
+            name = f"{group}.{fn.__name__[6:]}"
+            if comm.rank == 0:
+                print(name, flush=True)
+            try:
+                n, err = int(fn(comm) or 1), None
+            except Exception:
+                n, err = 0, traceback.format_exc()
+            errs = comm.gather_objects(err)
+            checks, cases = checks + 1, cases + n
+            failed += [(name, r, e) for r, e in enumerate(errs) if e is not None]
+    if comm.rank == 0:
+        for name, r, e in failed:
+            print(f"FAILED {name} on rank {r}:\n{e}", flush=True)
+        if not failed:
+            print(f"all {checks} checks passed on {comm.size} ranks ({cases} cases)", flush=True)
+    return 1 if failed else 0
+
+
+def crash(comm: MPIComm) -> None:
+    """The last rank's bad input raises a typed error before the collective; the others wait in it."""
+    x = np.ones(8, np.float32)
+    with abort_on_error():
+        if comm.rank == comm.size - 1:
+            comm.allreduce(x[::2])
+        else:
+            comm.allreduce(x)
+    print(f"rank {comm.rank}: unreachable: the job should have been aborted", flush=True)
+
+
+def main(argv) -> int:
+    comm = MPIComm()
+    if argv == ["crash"]:
+        crash(comm)
+        return 3
+    unknown = [g for g in argv if g not in GROUPS]
+    if unknown or not argv:
+        print(f"groups: expected some of {sorted(GROUPS)} or 'crash' alone, got {argv}", file=sys.stderr)
+        return 2
+    return run(comm, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

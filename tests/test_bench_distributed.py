@@ -1,0 +1,77 @@
+"""The distributed benchmark runs end to end on tiny settings (it launches mpiexec itself)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+
+from arraytrain import cli
+from arraytrain.bench import compression
+from arraytrain.bench import distributed as bench
+from arraytrain.distributed import find_mpiexec
+
+
+def _need_mpi():
+    if importlib.util.find_spec("mpi4py") is None or find_mpiexec() is None:
+        pytest.skip('needs mpi4py and mpiexec: pip install "arraytrain[mpi]"')
+
+
+def test_wire_bytes_of_the_ring_algorithms():
+    assert bench.wire_bytes(1000, 1, True) == 0
+    assert bench.wire_bytes(1000, 4, True) == 1500  # all-reduce: 2 (K-1)/K
+    assert bench.wire_bytes(1000, 4, False) == 3000  # all-gather: (K-1)
+    assert bench.wire_bytes(1000, 2, True) == bench.wire_bytes(1000, 2, False)
+
+
+@pytest.mark.parametrize("key", sorted(compression.METHODS))
+@pytest.mark.parametrize("ef", [False, True])
+def test_the_cli_spec_builds_the_same_compressor(key, ef):
+    comp = compression.METHODS[key][1](3, ef)
+    method, kwargs = cli._compress_spec(bench.cli_spec(comp))
+    again = getattr(__import__("arraytrain").compress, cli.COMPRESSORS[method])(**kwargs)
+    assert again.describe() == comp.describe()
+
+
+def test_allreduce_scaling_and_projection_on_tiny_settings(tmp_path, capsys):
+    _need_mpi()
+    pytest.importorskip("matplotlib")
+    out_json, out_png = tmp_path / "d.json", tmp_path / "d.png"
+    rc = bench.main(["--parts", "allreduce,scaling,projection", "--sizes", "1e3", "--rounds", "1", "--reps", "3",
+                     "--scaling-ranks", "1,2", "--scaling-size", "1e4", "--compress-size", "2e4",
+                     "--methods", "topk,int8", "--steps", "2", "--timeout", "240",
+                     "--json", str(out_json), "--plot", str(out_png)])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "% of mpi4py |" in text and "| 2 |" in text and "| top-k 1% + EF | all-gather |" in text
+    data = json.loads(out_json.read_text())
+    rows = {r["method"]: r for r in data["projection"]["rows"]}
+    assert set(rows) == {"dense", "topk", "int8"}
+    assert rows["topk"]["summed"] is False and rows["int8"]["summed"] is True and rows["dense"]["summed"]
+    n = rows["int8"]["dense_bytes"] // 4
+    assert rows["int8"]["payload_bytes"] == 2 * n + 4 * -(-n // 256)  # int16 sums of codes in a group
+    assert rows["dense"]["payload_bytes"] == 4 * n
+    assert data["allreduce"]["rows"][0]["fraction"] > 0
+    assert [r["ranks"] for r in data["scaling"]["rows"]] == [1, 2]
+    assert out_png.stat().st_size > 10_000
+
+
+def test_accuracy_on_tiny_settings(tmp_path, capsys):
+    _need_mpi()
+    pytest.importorskip("sklearn")
+    out_json = tmp_path / "a.json"
+    rc = bench.main(["--parts", "accuracy", "--methods", "topk", "--accuracy-ranks", "2", "--epochs", "1",
+                     "--timeout", "240", "--json", str(out_json)])
+    assert rc == 0
+    assert "| top-k 1% | yes |" in capsys.readouterr().out
+    data = json.loads(out_json.read_text())
+    runs = {(r["method"], r["ef"]): r for r in data["accuracy"]["runs"]}
+    assert set(runs) == {("none", False), ("topk", False), ("topk", True)}
+    assert all(0 <= r["accuracy"] <= 1 and r["processes"] == 2 for r in runs.values())
+    assert runs[("topk", True)]["bytes_per_step"] * 16 < runs[("none", False)]["bytes_per_step"]
+
+
+def test_bad_arguments(capsys):
+    assert bench.main(["--parts", "nope"]) == 2
+    assert "unknown ['nope']" in capsys.readouterr().err

@@ -1,0 +1,143 @@
+"""Processes over MPI: the multi-rank checks of ``tests/mpi/`` under mpiexec, each launch bounded.
+
+Every multi-rank test launches ``mpiexec -n K python tests/mpi/checks.py GROUP...``
+through :func:`arraytrain.distributed.launch` with a timeout (a distributed bug is a
+hang until proven otherwise) and is skipped when mpi4py or mpiexec is missing
+(``pip install "arraytrain[mpi]"``). Many checks share one launch: start-up is the cost.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+import arraytrain
+from arraytrain.distributed import abort_on_error, find_mpiexec, launch
+from arraytrain.errors import BackendUnavailableError
+
+HERE = Path(__file__).resolve().parent
+CHECKS = HERE / "mpi" / "checks.py"
+# the arraytrain this process imports, for the ranks too (a source checkout beside an installed copy)
+SOURCE = str(Path(arraytrain.__file__).resolve().parents[1])
+TIMEOUT = 300  # seconds per launch; the checks take a few seconds on 2 cores
+
+
+def rank_env() -> dict:
+    """Skip without MPI; else the variables for the ranks (this arraytrain, one numba thread each)."""
+    if importlib.util.find_spec("mpi4py") is None or find_mpiexec() is None:
+        pytest.skip('needs mpi4py and mpiexec: pip install "arraytrain[mpi]"')
+    path = os.pathsep.join(p for p in (SOURCE, os.environ.get("PYTHONPATH")) if p)
+    return {"PYTHONPATH": path, "NUMBA_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def ranks(n: int, *args, timeout: float = TIMEOUT) -> subprocess.CompletedProcess:
+    env = rank_env()
+    try:
+        return launch(n, [sys.executable, *args], timeout=timeout, env=env)
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"mpiexec -n {n} {args} did not finish in {timeout} s (a hang?)\n"
+                    f"stdout:\n{exc.output}\nstderr:\n{exc.stderr}")
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_collectives_compressed_exchange_and_engine(n):
+    proc = ranks(n, CHECKS, "comm", "compress", "engine")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    summary = proc.stdout.strip().splitlines()[-1]
+    assert summary.startswith("all ") and f"checks passed on {n} ranks" in summary, proc.stdout + proc.stderr
+    print(summary)
+
+
+def test_a_crashing_rank_ends_the_job_with_its_error():
+    """The last rank fails before a collective the others wait in: abort_on_error ends every rank."""
+    t0 = time.monotonic()
+    proc = ranks(2, CHECKS, "crash", timeout=120)
+    assert proc.returncode != 0
+    assert time.monotonic() - t0 < 100
+    assert "arraytrain: rank 1 of 2 failed; aborting all 2 ranks (MPI_Abort)" in proc.stderr, proc.stderr
+    assert "ArgumentTypeError: x: expected a C-contiguous array" in proc.stderr, proc.stderr
+    assert "unreachable" not in proc.stdout
+    assert proc.stderr.count("Traceback") == 1, proc.stderr
+
+
+def test_launch_ends_a_hung_job_at_its_timeout():
+    code = "import time; from mpi4py import MPI; MPI.COMM_WORLD.Barrier(); time.sleep(600)"
+    env = rank_env()
+    t0 = time.monotonic()
+    with pytest.raises(subprocess.TimeoutExpired):
+        launch(2, [sys.executable, "-c", code], timeout=3, env=env)
+    assert time.monotonic() - t0 < 30
+
+
+def test_without_mpi4py_a_clear_error_names_the_extra(monkeypatch):
+    from arraytrain.distributed import MPIComm
+
+    monkeypatch.setitem(sys.modules, "mpi4py", None)  # import mpi4py -> ImportError
+    with pytest.raises(BackendUnavailableError, match=r'pip install "arraytrain\[mpi\]"'):
+        MPIComm()
+    with pytest.raises(ImportError):  # the builtin a caller would catch
+        MPIComm()
+
+
+def test_import_arraytrain_does_not_import_mpi4py():
+    code = "import sys, arraytrain, arraytrain.distributed; print('mpi4py' in sys.modules, 'cupy' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120,
+                         env=dict(os.environ, PYTHONPATH=SOURCE)).stdout
+    assert out.split() == ["False", "False"]
+
+
+def test_abort_on_error_outside_a_job_lets_the_exception_through():
+    # MPI not initialised in this process (or one rank): nothing to abort, the error propagates
+    with pytest.raises(KeyError, match="x"):
+        with abort_on_error():
+            raise KeyError("x")
+    with pytest.raises(SystemExit):
+        with abort_on_error():
+            raise SystemExit(0)
+
+
+def test_nccl_one_rank_on_one_gpu():
+    from cuda_family import require_cuda
+
+    require_cuda()
+    code = textwrap.dedent("""
+        import cupy as cp, numpy as np
+        from arraytrain.distributed import NCCLComm
+        from arraytrain.errors import BackendError, ReadOnlyError, DTypeError
+        c = NCCLComm()
+        assert (c.rank, c.size, c.is_local) == (0, 1, True)
+        for dtype in (np.float32, np.float64, np.int32, np.uint8):
+            x = cp.arange(1037, dtype=dtype)
+            ptr = x.data.ptr
+            c.allreduce(x); c.allreduce(x, op="max")
+            assert x.data.ptr == ptr and bool((x == cp.arange(1037, dtype=dtype)).all())
+        got = c.allgather(cp.arange(6, dtype=cp.float32).reshape(2, 3))
+        assert len(got) == 1 and got[0].shape == (2, 3) and float(got[0].sum()) == 15.0
+        y = cp.ones(5, cp.float64); c.broadcast(y, 0); assert float(y.sum()) == 5.0
+        c.allreduce(cp.zeros(0, cp.float32))
+        assert c.gather_objects("a") == ["a"]
+        h = np.arange(3, dtype=np.float64)  # host arrays go over MPI
+        c.allreduce(h); c.broadcast(h, 0)
+        assert h.tolist() == [0.0, 1.0, 2.0] and c.allgather(h)[0].tolist() == [0.0, 1.0, 2.0]
+        assert isinstance(c.allgather(h)[0], np.ndarray)
+        for call, err in ((lambda: c.allreduce([1.0]), BackendError),
+                          (lambda: c.allreduce(cp.ones(3, cp.int16)), DTypeError),
+                          (lambda: c.allreduce(cp.ones(4, cp.float32)[::2]), TypeError)):
+            try:
+                call()
+            except err:
+                pass
+            else:
+                raise AssertionError(err)
+        cp.cuda.get_current_stream().synchronize()
+        print("nccl ok")
+    """)
+    proc = ranks(1, "-c", code, timeout=300)
+    assert proc.returncode == 0 and "nccl ok" in proc.stdout, proc.stdout + proc.stderr
