@@ -53,7 +53,7 @@ def check_grads(grads: Mapping, buf: FlatBuffer, protect: tuple = ()) -> dict:
     for name, g in grads.items():
         if name not in buf:
             raise UnknownParameterError(f"{name!r}: gradient for an unknown parameter; known: {list(buf.names)}")
-        arr = as_array(g, name)
+        arr = as_array(g, name, backend)
         same_backend(arr, backend, name)
         expected = buf.layout.shape(name)
         if tuple(arr.shape) != expected:

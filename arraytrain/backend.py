@@ -102,11 +102,14 @@ def _probe(x: object, attr: str, name: str) -> bool:
     return True
 
 
-def as_array(x: object, name: str = "array"):
+def as_array(x: object, name: str = "array", backend: str | None = None):
     """Return ``x`` as a NumPy or CuPy array without copying where possible.
 
     Raises :class:`BackendError` for objects that are not arrays and
     :class:`DTypeError` for non-floating dtypes; ``name`` is used in messages.
+    ``backend`` (``"numpy"`` or ``"cupy"``): the side the array must be on; an
+    object on the other side is refused before it is read (a DLPack exporter is
+    never asked to export).
     A NumPy subclass is read as a plain ``ndarray`` view of the same memory
     (``np.matrix``, whose ``reshape(-1)`` stays 2-D, ``np.memmap``, ...), except a
     masked array, which is refused: the kernels cannot honour its mask.
@@ -117,6 +120,7 @@ def as_array(x: object, name: str = "array"):
                                "(pass x.filled(0) or x.data)")
         arr = x if type(x) is np.ndarray else x.view(np.ndarray)
     elif type(x).__module__.partition(".")[0] == "cupy":
+        _expect(CUPY, backend, name)
         arr = x
     elif _probe(x, "__dlpack_device__", name) and _probe(x, "__dlpack__", name):
         try:
@@ -124,8 +128,10 @@ def as_array(x: object, name: str = "array"):
         except Exception as exc:  # a broken exporter
             raise BackendError(f"{name!r}: __dlpack_device__ failed: {exc}") from None
         if device in (_DL_CPU, _DL_CUDA_HOST):
+            _expect(NUMPY, backend, name)
             reader = np.from_dlpack
         elif device in (_DL_CUDA, _DL_CUDA_MANAGED, _DL_ROCM):
+            _expect(CUPY, backend, name)
             reader = _cupy(name).from_dlpack
         else:
             raise BackendError(f"{name!r}: unsupported DLPack device type {device}")
@@ -136,6 +142,7 @@ def as_array(x: object, name: str = "array"):
             # raise anything (AttributeError included): all of it means "cannot read this"
             raise BackendError(f"{name!r}: could not read {type(x).__name__} via DLPack: {exc}") from None
     elif _probe(x, "__cuda_array_interface__", name):
+        _expect(CUPY, backend, name)
         arr = _cupy(name).asarray(x)
     else:
         try:
@@ -164,8 +171,11 @@ def check_float_dtype(dtype, name: str) -> None:
 
 
 def same_backend(arr, expected: str, name: str) -> None:
-    got = backend_of(arr)
-    if got != expected:
+    _expect(backend_of(arr), expected, name)
+
+
+def _expect(got: str, expected: str | None, name: str) -> None:
+    if expected is not None and got != expected:
         raise BackendError(
             f"{name!r}: a {got} array was given to a {expected} buffer; "
             "arraytrain never moves data between host and device implicitly"

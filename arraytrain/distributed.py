@@ -120,7 +120,7 @@ def _checked(x, name: str, backend: str, types: dict, writeable: bool):
     if not flags.c_contiguous:
         raise ArgumentTypeError(f"{name}: expected a C-contiguous array (collectives move one buffer), "
                                 f"got strides {x.strides} for shape {x.shape}")
-    if writeable and not flags.writeable:
+    if writeable and not getattr(flags, "writeable", True):  # CuPy's flags have no writeable: always
         raise ReadOnlyError(f"{name}: the collective writes its result into it, but the array is read-only")
     return dt
 

@@ -137,6 +137,21 @@ def test_nccl_one_rank_on_one_gpu():
             else:
                 raise AssertionError(err)
         cp.cuda.get_current_stream().synchronize()
+        # the engine over NCCLComm (one rank): every step equals the engine without a comm, bitwise,
+        # dense and with error-feedback top-k (a gathered exchange)
+        import arraytrain as at
+        rs = np.random.default_rng(0)
+        p = {"w": rs.standard_normal((7, 5)).astype(np.float32), "b": rs.standard_normal(5).astype(np.float32)}
+        grads = [{k: 3 * rs.standard_normal(v.shape).astype(np.float32) for k, v in p.items()} for _ in range(6)]
+        for make in (lambda: None, lambda: at.compress.ErrorFeedback(at.compress.TopK(ratio=0.2))):
+            engines = [at.Engine(p, at.optim.AdamW(lr=1e-2), max_grad_norm=0.5, device="cuda", comm=comm,
+                                 accumulation_steps=2, compressor=make()) for comm in (None, c)]
+            for g in grads:
+                for e in engines:
+                    e.step({k: cp.asarray(v) for k, v in g.items()})
+            assert engines[1].state.step == 3
+            for k in p:
+                assert bool((engines[0].params[k] == engines[1].params[k]).all()), k
         print("nccl ok")
     """)
     proc = ranks(1, "-c", code, timeout=300)

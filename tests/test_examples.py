@@ -112,6 +112,11 @@ def test_jax_example_follows_optax_adamw(jax_example):
 
     optax = pytest.importorskip("optax")
     ex = jax_example
+    with jax.default_device(jax.devices("cpu")[0]):  # the example's engine is a CPU one; so is the reference
+        _follow_optax_adamw(ex, jax, jnp, optax)
+
+
+def _follow_optax_adamw(ex, jax, jnp, optax):
     x, y = ex.make_data(1024, seed=1)
     init = ex.init_params(seed=3)
     engine = at.Engine(ex.aligned_params(init), at.optim.AdamW(LR, BETAS, EPS, WD))

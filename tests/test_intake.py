@@ -66,8 +66,8 @@ def _torch(g):
 
 
 def _jax(g):
-    jnp = pytest.importorskip("jax.numpy")
-    return jnp.asarray(g)
+    jax = pytest.importorskip("jax")
+    return jax.device_put(g, jax.devices("cpu")[0])  # JAX's default device is a GPU where there is one
 
 
 SOURCES = {
