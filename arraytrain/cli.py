@@ -513,8 +513,6 @@ def _check_flags(args, comm) -> None:
     if args.precision != "fp32":
         if args.dtype != "float32":
             raise _usage(f"--precision {args.precision} keeps float32 master weights: it needs --dtype float32")
-        if args.device != "cpu":
-            raise _usage(f"--precision {args.precision} runs on the CPU only in this build (--device cpu)")
 
 
 def _check_files(args) -> None:

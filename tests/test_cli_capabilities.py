@@ -127,6 +127,37 @@ def test_compression_with_error_feedback(tmp_path):
     assert abs(run["test_accuracy"] - plain10["test_accuracy"]) < 0.02
 
 
+CAPABILITIES = {
+    "bf16": ["--precision", "bf16"],
+    "fp16": ["--precision", "fp16"],
+    "topk-ef": ["--compress", "topk:ratio=0.01", "--error-feedback"],
+    "predict": ["--predict"],
+    "prune-int8": ["--prune", "0.5", "--quantize-eval", "int8"],
+}
+
+
+@pytest.mark.parametrize("flags", list(CAPABILITIES.values()), ids=list(CAPABILITIES))
+def test_capability_on_the_gpu_as_on_the_cpu(tmp_path, flags):
+    """Each capability flag with ``--device cuda`` trains as the CPU run with the same flags does
+    (the kernels agree to rounding; over six epochs the test accuracies stay within a few samples)."""
+    from cuda_family import require_cuda
+
+    require_cuda()
+    _, cpu = train(tmp_path, *flags, name="cpu")
+    out, gpu = train(tmp_path, *flags, "--device", "cuda", name="gpu")
+    assert gpu["config"]["device"] == "cuda" and cpu["config"]["device"] == "cpu"
+    assert abs(gpu["test_accuracy"] - cpu["test_accuracy"]) < 0.015, (cpu["test_accuracy"], gpu["test_accuracy"])
+    for key in ("precision", "prediction", "sparsity", "loss_scale"):
+        if isinstance(cpu.get(key), (str, type(None))):
+            assert gpu.get(key) == cpu.get(key), key
+    if "--prune" in flags:
+        assert gpu["sparsity"] == pytest.approx(cpu["sparsity"], abs=0.01)
+    if "--quantize-eval" in flags:
+        assert abs(gpu["quantized"]["test_accuracy"] - cpu["quantized"]["test_accuracy"]) < 0.015
+    if "--predict" in flags:
+        assert gpu["prediction"]["backward_passes"] == cpu["prediction"]["backward_passes"]
+
+
 # -- the Trainer's working copy, which --precision drives ----------------------------------------
 def _blobs(n=96, seed=0):
     rng = np.random.default_rng(seed)
