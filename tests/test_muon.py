@@ -45,8 +45,10 @@ def _shape(n: int, tall: bool) -> tuple[int, int]:
 
 
 def _layout(n: int, tall: bool) -> Layout:
+    # "small2" and "flat" share the shapes of "small" and "conv" (as a matrix): the CUDA family
+    # iterates each such pair as one stack
     return Layout({"empty0": (0, 3), "m": _shape(n, tall), "bias": (6,), "empty1": (0,), "small": (5, 3),
-                   "empty2": (4, 0), "conv": (2, 3, 2)})
+                   "empty2": (4, 0), "conv": (2, 3, 2), "small2": (5, 3), "flat": (2, 6)})
 
 
 def _run(kernels, p, g, buf, layout, work, t, alr, dec, nesterov, zg, w=None, wkind=0, mask=None):
@@ -260,3 +262,39 @@ def test_any_elementwise_fallback_equals_running_it_alone(fallback):
         np.testing.assert_array_equal(both.params[k], alone.params[k])
         for slot in alone.state.slots:
             np.testing.assert_array_equal(both.state.slots["fallback." + slot][k], alone.state.slots[slot][k])
+
+
+@pytest.mark.parametrize("tall", [False, True], ids=["wide", "tall"])
+def test_newton_schulz_on_a_stack_equals_each_matrix_alone(tall, rng):
+    """The CUDA family iterates same-shape matrices as one stack (batched GEMMs); stacked or one
+    at a time, each matrix gets the same iterate (NumPy's stacked matmul: to rounding)."""
+    from arraytrain.kernels import _newton_schulz as ns
+
+    rows, cols = (9, 4) if tall else (4, 9)
+    x = rng.standard_normal((3, rows, cols)).astype(np.float32)
+    x /= np.linalg.norm(x, axis=(1, 2), keepdims=True)
+    work = np.empty(3 * ns.work_size(rows, cols), np.float32)
+    stacked = ns.iterate(x.copy(), work, optim._muon.NS_COEFFICIENTS, 5).copy()
+    for j in range(3):
+        one = np.empty(ns.work_size(rows, cols), np.float32)
+        alone = ns.iterate(x[j].copy(), one, optim._muon.NS_COEFFICIENTS, 5)
+        np.testing.assert_allclose(stacked[j], alone, rtol=1e-5, atol=1e-6)
+
+
+def test_cuda_stacks_group_same_shapes_and_are_cut_at_the_limit(monkeypatch):
+    """Which matrices the CUDA family iterates together (pure table work: runs without a GPU)."""
+    from arraytrain.kernels.cuda import optimizers as cuda_opt
+
+    layout = _layout(1037, tall=False)
+    route = routing(layout)
+    sizes = route.pieces[:, 1] - route.pieces[:, 0]
+    first = np.concatenate([[0], np.cumsum(-(-sizes // cuda_opt.CHUNK))])
+    offsets = {layout.offsets[layout.names.index(k)]: k for k in layout.names}
+    grouped = [(shape, [offsets[off] for off, _, _ in batch]) for shape, batch in cuda_opt._muon_batches(route.mats, first)]
+    assert grouped == [(_shape(1037, False), ["m"]), ((5, 3), ["small", "small2"]), ((2, 6), ["conv", "flat"])]
+    for shape, batch in cuda_opt._muon_batches(route.mats, first):  # each matrix's own chunk range
+        for off, c0, c1 in batch:
+            assert c1 > c0
+    monkeypatch.setattr(cuda_opt, "MUON_BATCH_ELEMENTS", 24)  # one 5x3 matrix, two 2x6 ones
+    cut = [[offsets[off] for off, _, _ in batch] for _, batch in cuda_opt._muon_batches(route.mats, first)]
+    assert cut == [["m"], ["small"], ["small2"], ["conv", "flat"]]

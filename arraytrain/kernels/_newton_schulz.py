@@ -17,35 +17,41 @@ def work_size(rows: int, cols: int) -> int:
 def iterate(x, work, ns_coefficients, ns_steps, xp=np):
     """``ns_steps`` quintic steps on ``x`` (already divided by its norm); returns the array holding the result.
 
-    ``work`` holds at least ``x.size + 2*min(x.shape)**2`` elements of ``x``'s dtype (see
-    :func:`work_size`): the iterate ping-pongs between ``x`` and the first ``x.size``, and the
-    Gram matrix ``A`` and the polynomial ``B = a I + b A + c A^2`` take one ``m x m`` block
-    each, so one GEMM applies a step: ``X <- B X``, torch's ``a X + (b A + c A^2) X``
-    associated differently (one GEMM and no ``m x n`` pass fewer). A tall matrix (more rows
-    than columns) is iterated as its transpose without a copy: ``A = x^T x``, ``x <- x B^T``.
-    The math is in ``x``'s dtype (float32 GEMMs for float32 parameters, where torch.optim.Muon
-    iterates in bfloat16). ``xp``: NumPy, or CuPy for device arrays.
+    ``x``: one ``rows x cols`` matrix, or a stack ``(k, rows, cols)`` of them iterated
+    together (batched GEMMs: one launch per product for the whole stack on a GPU).
+    ``work`` holds at least ``x.size + 2*k*min(rows, cols)**2`` elements of ``x``'s dtype
+    (see :func:`work_size`, per matrix): the iterate ping-pongs between ``x`` and the first
+    ``x.size``, and the Gram matrix ``A`` and the polynomial ``B = a I + b A + c A^2`` take
+    one ``m x m`` block each per matrix, so one GEMM applies a step: ``X <- B X``, torch's
+    ``a X + (b A + c A^2) X`` associated differently (one GEMM and no ``m x n`` pass fewer).
+    A tall matrix (more rows than columns) is iterated as its transpose without a copy:
+    ``A = x^T x``, ``x <- x B^T``. The math is in ``x``'s dtype (float32 GEMMs for float32
+    parameters, where torch.optim.Muon iterates in bfloat16). ``xp``: NumPy, or CuPy for
+    device arrays.
     """
-    rows, cols = x.shape
+    rows, cols = x.shape[-2:]
+    lead = x.shape[:-2]
+    k = x.size // (rows * cols) if x.size else 0
     t = x.dtype.type
-    a, b, c = (t(k) for k in ns_coefficients)
-    tall, m, n = rows > cols, min(rows, cols), rows * cols
-    nxt = work[:n].reshape(rows, cols)
-    gram = work[n : n + m * m].reshape(m, m)
-    poly = work[n + m * m : n + 2 * m * m].reshape(m, m)
+    a, b, c = (t(v) for v in ns_coefficients)
+    tall, m, n = rows > cols, min(rows, cols), x.size
+    nxt = work[:n].reshape(x.shape)
+    gram = work[n : n + k * m * m].reshape(*lead, m, m)
+    poly = work[n + k * m * m : n + 2 * k * m * m].reshape(*lead, m, m)
+    diagonal = poly.reshape(k, m * m)[:, :: m + 1]
     cur = x
     for _ in range(ns_steps):
         if tall:
-            xp.matmul(cur.T, cur, out=gram)
+            xp.matmul(cur.swapaxes(-1, -2), cur, out=gram)
         else:
-            xp.matmul(cur, cur.T, out=gram)
+            xp.matmul(cur, cur.swapaxes(-1, -2), out=gram)
         xp.matmul(gram, gram, out=poly)
         poly *= c
         gram *= b
         poly += gram
-        poly.reshape(-1)[:: m + 1] += a
+        diagonal += a
         if tall:
-            xp.matmul(cur, poly.T, out=nxt)
+            xp.matmul(cur, poly.swapaxes(-1, -2), out=nxt)
         else:
             xp.matmul(poly, cur, out=nxt)
         cur, nxt = nxt, cur

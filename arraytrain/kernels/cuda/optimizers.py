@@ -698,11 +698,12 @@ def adadelta_step(p, g, square_avg, acc_delta, pieces, *, gscale, lr, l2, rho, e
 # -- Muon and schedule-free AdamW: a source of their own (compiled and build-checked apart) ----
 #
 # Muon, per matrix of the ``mats`` table (see the CPU family): the momentum kernel over the
-# matrix's chunks (a range of the layout's chunk table) writes the update into the work buffer
-# and float64 partial sums of its squares, one block adds them in a fixed order; the
-# normalisation 1/max(||X||, eps) is applied on the device from that sum (no synchronisation);
-# the Newton-Schulz GEMMs go to cuBLAS through CuPy's matmul; the apply kernel writes the
-# parameters. The gate reaches the momentum and apply kernels: a skipped step changes nothing.
+# matrix's chunks (a range of the layout's chunk table) writes the update into a stack of its
+# shape and float64 partial sums of its squares, one block adds them in a fixed order into the
+# normalisation 1/max(||X||, eps), applied on the device (no synchronisation); the
+# Newton-Schulz GEMMs go to cuBLAS through CuPy's matmul, batched over matrices of one shape;
+# the apply kernel writes the parameters. The gate reaches the momentum and apply kernels: a
+# skipped step changes nothing.
 # Schedule-free AdamW: one thread per parameter updates max_lr and weight_sum and forms the
 # averaging weight (gated), then one launch updates v, z and y.
 
@@ -736,13 +737,6 @@ __global__ void arraytrain_muon_norm(const double* __restrict__ part, i64 count,
     for (i64 j = threadIdx.x; j < count; j += blockDim.x) s += part[j];
     s = block_reduce<false>(s);
     if (threadIdx.x == 0) { const double r = sqrt(s); out[0] = 1.0 / (r > eps ? r : eps); }
-}
-
-template <typename T>
-__global__ void arraytrain_muon_scale(T* __restrict__ x, i64 n, const double* __restrict__ scale) {
-    const T f = (T)scale[0];
-    const i64 stride = (i64)gridDim.x * blockDim.x;
-    for (i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x; i < n; i += stride) x[i] *= f;
 }
 
 template <typename T, int WK, bool MASK>
@@ -802,7 +796,7 @@ __global__ void arraytrain_sf_adamw_step(T* __restrict__ p, T* __restrict__ g, T
 def _muon_sf_instances():
     out = ["arraytrain_muon_norm", "arraytrain_sf_weights"]
     for t in ("float", "double"):
-        out += [f"arraytrain_muon_momentum<{t},{s}>" for s in _states(t, True)] + [f"arraytrain_muon_scale<{t}>"]
+        out += [f"arraytrain_muon_momentum<{t},{s}>" for s in _states(t, True)]
         out += [f"arraytrain_muon_apply<{t},{wk},{m}>" for _, wk, m in _variants(t, False)]
         out += [f"arraytrain_sf_adamw_step<{t},{s},{wk},{m}>" for s, wk, m in _variants(t, True)]
     return out
@@ -811,15 +805,24 @@ def _muon_sf_instances():
 MUON_SF_SOURCE.instances = tuple(_muon_sf_instances())
 
 
+# the most elements a stack of same-shape matrices iterated together may hold (its iterate;
+# the scratch beside it is at most as large again, twice that for wide Gram matrices)
+MUON_BATCH_ELEMENTS = 1 << 25
+
+
 def muon_step(p, g, buf, work, mats, pieces, *, gscale, momentum, nesterov, adjusted_lr, decay, eps_norm,
               ns_coefficients, ns_steps, w=None, wkind=LP_NONE, zero_grad=False, mask=None):
-    """Muon, one matrix at a time, no synchronisation; see :func:`arraytrain.kernels.reference.muon_step`.
+    """Muon without synchronisation; see :func:`arraytrain.kernels.reference.muon_step`.
 
-    Per matrix: momentum (one launch over its chunks), its norm and scale (two small
-    launches), the Newton-Schulz GEMMs on cuBLAS, the apply (one launch).
+    Matrices of one shape are iterated together: per matrix, the momentum kernel (one
+    launch over its chunks) writes its update into a stack and the float64 partials of its
+    squares, and one block forms its scale from them; per stack (at most
+    ``MUON_BATCH_ELEMENTS`` elements), one scaling and the Newton-Schulz steps as batched
+    cuBLAS GEMMs; per matrix, the apply. A model's many same-shape matrices (the layers of
+    a transformer) thus cost 3 launches each plus ~20 per stack, not ~40 each. The stacks
+    and their scratch come from CuPy's memory pool (``work`` is the CPU family's scratch).
     """
     from .. import _newton_schulz as newton_schulz
-    from .reductions import _grid
 
     cp, t, tn = cupy(), p.dtype.type, ctype(p.dtype)
     fn = MUON_SF_SOURCE.function
@@ -833,23 +836,36 @@ def muon_step(p, g, buf, work, mats, pieces, *, gscale, momentum, nesterov, adju
     gate = gs[1]
     alr, dec = _seg(adjusted_lr, p), _seg(decay, p)
     momentum_fn = fn(f"arraytrain_muon_momentum<{tn},{ctype(buf.dtype)}>")
+    norm_fn = fn("arraytrain_muon_norm")
     wk = 0 if w is None else int(wkind)
     apply_fn = fn(f"arraytrain_muon_apply<{tn},{wk},{'true' if mask is not None else 'false'}>")
     part = cp.empty(ch.count, cp.float64)
-    scale = cp.empty(1, cp.float64)
-    for _, off, rows, cols, lo, hi in np.asarray(mats).tolist():
-        if lo == hi:
-            continue
-        n = rows * cols
-        c0, c1 = int(first_chunk[lo]), int(first_chunk[hi])
-        table, count = ch.table[c0:c1], c1 - c0
-        u = work[:n]
-        launch(momentum_fn, count, (g, buf, u, table, np.int64(off), *gs, t(1.0 - momentum), np.int32(bool(nesterov)),
-                                    np.int32(bool(zero_grad)), part))
-        launch(fn("arraytrain_muon_norm"), 1, (part, np.int64(count), np.float64(eps_norm), scale))
-        launch(fn(f"arraytrain_muon_scale<{tn}>"), _grid(n), (u, np.int64(n), scale))
-        o = newton_schulz.iterate(u.reshape(rows, cols), work[n:], ns_coefficients, ns_steps, xp=cp)
-        launch(apply_fn, count, (p, o.reshape(-1), table, np.int64(off), gate, *alr, *dec, ptr(w), ptr(mask)))
+    for (rows, cols), batch in _muon_batches(np.asarray(mats), first_chunk):
+        m = min(rows, cols)
+        stack = cp.empty((len(batch), rows, cols), p.dtype)
+        scratch = cp.empty(stack.size + 2 * len(batch) * m * m, p.dtype)
+        scales = cp.empty(len(batch), cp.float64)
+        for j, (off, c0, c1) in enumerate(batch):
+            launch(momentum_fn, c1 - c0, (g, buf, stack[j], ch.table[c0:c1], np.int64(off), *gs, t(1.0 - momentum),
+                                          np.int32(bool(nesterov)), np.int32(bool(zero_grad)), part[c0:c1]))
+            launch(norm_fn, 1, (part[c0:c1], np.int64(c1 - c0), np.float64(eps_norm), scales[j:j + 1]))
+        stack *= scales.astype(p.dtype)[:, None, None]  # as the scale kernel: the factor cast to T, then multiplied
+        o = newton_schulz.iterate(stack, scratch, ns_coefficients, ns_steps, xp=cp)
+        for j, (off, c0, c1) in enumerate(batch):
+            launch(apply_fn, c1 - c0, (p, o[j], ch.table[c0:c1], np.int64(off), gate, *alr, *dec, ptr(w), ptr(mask)))
+
+
+def _muon_batches(mats: np.ndarray, first_chunk: np.ndarray):
+    """``((rows, cols), [(offset, chunk_lo, chunk_hi), ...])`` per stack: Muon's matrices with chunks,
+    grouped by shape in order of first appearance, each group cut at ``MUON_BATCH_ELEMENTS``."""
+    groups: dict = {}
+    for _, off, rows, cols, lo, hi in mats.tolist():
+        if lo != hi:
+            groups.setdefault((rows, cols), []).append((off, int(first_chunk[lo]), int(first_chunk[hi])))
+    for shape, members in groups.items():
+        per = max(1, MUON_BATCH_ELEMENTS // (shape[0] * shape[1]))
+        for i in range(0, len(members), per):
+            yield shape, members[i:i + per]
 
 
 def schedule_free_adamw_step(p, g, z, v, max_lr, weight_sum, pieces, *, gscale, lr, weight_lr, weight_lr_power,
