@@ -77,7 +77,7 @@ def make_torch(opt: str, n: int, mode: str):
     for p, g in zip(ps, grads):
         p.grad = torch.from_dlpack(g)
     try:
-        optimizer = torch_optimizer(opt, ps, {mode: True})
+        optimizer = torch_optimizer(opt, ps, {"foreach": False} if mode == "forloop" else {mode: True})
         optimizer.step()  # torch checks the device here (its fused Adagrad is CPU-only)
     except RuntimeError as exc:
         raise LookupError(f"torch.optim {opt} {mode}: {str(exc).splitlines()[0][:80]}") from None
