@@ -127,6 +127,16 @@ def test_compression_with_error_feedback(tmp_path):
     assert abs(run["test_accuracy"] - plain10["test_accuracy"]) < 0.02
 
 
+def test_random_k_with_error_feedback_is_not_rescaled(tmp_path, plain):
+    """Rescaled by n/k, random-k's residual grows every time an element is drawn and the run diverges
+    (NaN within 2 epochs at 5%); with --error-feedback the CLI sends the drawn values unscaled."""
+    out, run = train(tmp_path, "--compress", "randomk:ratio=0.25", "--error-feedback")
+    assert "RandomK(" in out and "rescale=False" in out
+    assert abs(run["test_accuracy"] - plain["test_accuracy"]) < 0.03
+    out, _ = train(tmp_path, "--compress", "randomk:ratio=0.05", "--epochs", "1", name="unbiased")
+    assert "rescale=True" in out  # without error feedback: the unbiased form, as the library's default
+
+
 CAPABILITIES = {
     "bf16": ["--precision", "bf16"],
     "fp16": ["--precision", "fp16"],

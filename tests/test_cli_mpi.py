@@ -50,3 +50,12 @@ def test_compressed_data_parallel_training(tmp_path):
     assert many["processes"] == 2 and many["test_accuracy"] > 0.8
     assert many["dense_bytes_per_step"] / many["payload_bytes_per_step"] > 8
     assert "bytes/step sent by each process" in proc.stdout
+
+
+def test_usage_error_is_printed_once_under_mpiexec(tmp_path):
+    """Every rank reads the same arguments and refuses them; rank 0 alone says so."""
+    pytest.importorskip("mpi4py")
+    cmd = [MPIEXEC, "-n", "2", sys.executable, "-m", "arraytrain", "train", "--prune", "0.5", "--prune-epochs", "4-2"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.count("error:") == 1 and "--prune-epochs" in proc.stderr, proc.stderr
