@@ -39,7 +39,7 @@ def grads(t: int, rank: int, m: int = 0, nan: bool = False) -> dict:
 def check_dense_data_parallel_equals_one_process_with_the_global_batch(comm) -> int:
     steps, micro, nan_at = 5, 2, 2
     last = comm.size - 1
-    kw = dict(max_grad_norm=2.0, schedule=at.schedules.Cosine(10))
+    kw = dict(max_grad_norm=2.0, schedule=at.schedules.CosineAnnealingLR(10))
     eng = at.Engine(params(comm.rank), at.optim.AdamW(lr=1e-2, weight_decay=0.01), comm=comm,
                     accumulation_steps=micro, **kw)  # rank 0's weights are broadcast
     one = at.Engine(params(0), at.optim.AdamW(lr=1e-2, weight_decay=0.01), accumulation_steps=micro * comm.size,
@@ -85,7 +85,7 @@ def check_a_group_checkpoint_resumes_bitwise_on_the_same_number_of_ranks(comm) -
 
     def engine():
         return at.Engine(params(0), at.optim.AdamW(lr=1e-2), comm=comm, compressor=C.ErrorFeedback(C.TopK(ratio=0.2)),
-                         schedule=at.schedules.Cosine(20))
+                         schedule=at.schedules.CosineAnnealingLR(20))
 
     try:
         full = engine()
@@ -105,3 +105,27 @@ def check_a_group_checkpoint_resumes_bitwise_on_the_same_number_of_ranks(comm) -
         if comm.rank == 0:
             shutil.rmtree(folder, ignore_errors=True)
     return 1
+
+
+def check_a_mismatched_set_up_raises_the_same_error_on_every_rank(comm) -> int:
+    """A layout, dtype or optimizer setting that differs on one rank: the same typed error everywhere, no hang."""
+    from arraytrain.errors import HyperparameterError, LayoutError
+
+    last = comm.rank == comm.size - 1
+    cases = [
+        (lambda: {**params(0), "extra": np.ones(3)} if last else params(0), lambda: at.optim.AdamW(lr=1e-2), LayoutError),
+        (lambda: {k: v.astype(np.float32) for k, v in params(0).items()} if last else params(0),
+         lambda: at.optim.AdamW(lr=1e-2), LayoutError),
+        (lambda: params(0), lambda: at.optim.AdamW(lr=2e-2 if last else 1e-2), HyperparameterError),
+    ]
+    for make_params, make_opt, error in cases:
+        try:
+            at.Engine(make_params(), make_opt(), comm=comm)
+        except error as exc:
+            got = type(exc).__name__
+        else:
+            got = None
+        names = comm.gather_objects(got)
+        assert names == [error.__name__] * comm.size, names
+    return len(cases)
+
