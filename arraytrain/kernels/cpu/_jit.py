@@ -3,7 +3,8 @@
 Every kernel is one pass over a flat 1-D buffer, split into fixed blocks of ``BLOCK``
 elements that numba's ``prange`` hands to its threads. Buffers up to ``SERIAL_BELOW``
 elements run a serial twin of the same code: a parallel launch costs more than it saves
-there, and a small step leaves the cores to BLAS.
+there, and a small step leaves the cores to BLAS. (Muon's per-matrix kernels are serial at
+every size: its Newton-Schulz GEMMs, on threaded BLAS, are the step's cost.)
 
 Floating-point rules: ``fastmath`` is restricted to flags that keep NaN/Inf semantics (no
 ``nnan``/``ninf``), so non-finite detection stays exact. Kernels compile lazily on first
