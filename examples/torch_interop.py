@@ -63,7 +63,7 @@ def bind(model: torch.nn.Module, optimizer: at.optim.Optimizer, **engine_kwargs)
     ``engine.params[name]`` and ``p.grad`` is ``engine.grads[name]`` (shared
     memory), and every ``engine.step()`` first checks that they still are
     (``model.zero_grad()``, frozen parameters and the rest are handled, see
-    the README). The engine zeroes its gradient buffer after every step
+    docs/guide.md). The engine zeroes its gradient buffer after every step
     (``zero_grad_on_step=True``) because ``backward()`` adds into ``.grad``.
     """
     return at_torch.bind(model, optimizer, **engine_kwargs)

@@ -2,7 +2,7 @@
 evaluation, low precision and compression with error feedback, each against plain training.
 
 Short runs on digits (6 epochs, where plain training reaches ~95% test accuracy): the bounds
-are looser than the 20-epoch figures in the README, but each would catch a flag that does
+are looser than the 20-epoch figures in docs/guide.md, but each would catch a flag that does
 nothing or breaks training.
 """
 

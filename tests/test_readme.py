@@ -1,4 +1,5 @@
-"""The README's Python examples run as written, and its two commands match CI."""
+"""The README's and docs/*.md's Python examples run as written, their links resolve, and the
+README's two commands match CI."""
 
 from __future__ import annotations
 
@@ -11,25 +12,70 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
-BLOCKS = re.findall(r"```python\n(.*?)```", README, flags=re.S)
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+def _blocks(text: str) -> list[str]:
+    return re.findall(r"```python\n(.*?)```", text, flags=re.S)
+
+
+BLOCKS = [(page.relative_to(ROOT).as_posix(), index, code)
+          for page in PAGES for index, code in enumerate(_blocks(page.read_text()))]
+
+# [text](target) and ![alt](target); the target ends at whitespace or ")" (an optional "title" follows)
+LINK = re.compile(r"!?\[[^\]]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
+
+
+def _outside_code(text: str) -> str:
+    """``text`` without fenced blocks and inline code spans, where brackets are not links."""
+    text = re.sub(r"^```.*?^```", "", text, flags=re.S | re.M)
+    return re.sub(r"`[^`\n]*`", "", text)
+
+
+def _relative_links(page: Path) -> list[str]:
+    targets = LINK.findall(_outside_code(page.read_text()))
+    return [t for t in targets if not re.match(r"[a-z][a-z0-9+.-]*:", t, flags=re.I) and not t.startswith("#")]
 
 
 def test_readme_has_examples():
-    assert len(BLOCKS) >= 2
+    readme = _blocks(README)
+    assert len(readme) >= 3  # the quickstarts: hand-written NumPy gradients, torch, JAX
+    assert any("at.Engine(" in b and "engine.step({" in b for b in readme)
+    assert any(re.search(r"^import torch", b, flags=re.M) and "interop import torch" in b for b in readme)
+    assert any(re.search(r"^import jax", b, flags=re.M) and "interop import jax" in b for b in readme)
+    assert {page for page, _, _ in BLOCKS} > {"README.md"}  # the docs pages have examples too
 
 
-@pytest.mark.parametrize("index", range(len(BLOCKS)))
-def test_readme_block_runs(index):
-    code = BLOCKS[index]
+@pytest.mark.parametrize(("page", "index", "code"), BLOCKS, ids=[f"{p}-{i}" for p, i, _ in BLOCKS])
+def test_block_runs(page, index, code):
     if re.search(r"^import torch", code, flags=re.M):
         pytest.importorskip("torch")
+    if re.search(r"^import jax", code, flags=re.M):
+        pytest.importorskip("jax")
     if "arraytrain.distributed" in code:
         pytest.importorskip("mpi4py")  # the extra mpi; run alone, the example is a group of one process
     if 'device="cuda"' in code:
         from cuda_family import require_cuda
 
         require_cuda()
-    exec(compile(code, f"README.md[python block {index}]", "exec"), {"__name__": "__readme__"})
+    exec(compile(code, f"{page}[python block {index}]", "exec"), {"__name__": "__readme__"})
+
+
+@pytest.mark.parametrize("page", PAGES, ids=[p.relative_to(ROOT).as_posix() for p in PAGES])
+def test_relative_links_point_at_files(page):
+    missing = []
+    for target in _relative_links(page):
+        path = target.split("#", 1)[0]
+        if not (page.parent / path).exists():
+            missing.append(target)
+    assert not missing, f"{page.relative_to(ROOT)}: links to missing files: {missing}"
+
+
+def test_link_check_sees_links_and_images(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text("[a](gone.md#part) ![b](pic.png) [c](https://example.org/x) [d](#here)\n"
+                    "`[e](in-code.md)`\n```\n[f](in-fence.md)\n```\n")
+    assert _relative_links(page) == ["gone.md#part", "pic.png"]
 
 
 def test_ci_runs_the_readme_commands():

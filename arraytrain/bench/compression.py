@@ -26,7 +26,7 @@ import time
 
 import numpy as np
 
-# name -> (label, factory(seed, ef)); the settings the README's table shows. Random-k and
+# name -> (label, factory(seed, ef)); the settings docs/guide.md's table shows. Random-k and
 # VSA are unbiased (scaled by n/k) without error feedback and plain contractions (no
 # scaling) with it: error feedback needs a contraction (Stich et al. 2018), and the
 # unbiased forms' variance makes its residual grow.
