@@ -348,6 +348,8 @@ class PhaseController:
     history, correction_beta, kernels, dtype, device
         The :class:`~arraytrain.predict.GradientPredictor`.
 
+    Notes
+    -----
     A step: :meth:`begin_step` returns its :class:`Phase`; on FULL and CORRECT
     steps compute the true gradient and call :meth:`record_full_gradients`
     once; on PREDICT steps call :meth:`get_predicted_gradients`; then apply

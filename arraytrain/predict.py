@@ -115,6 +115,8 @@ class GradientPredictor:
         Where the ring lives: None takes it from the parameters (the host for
         a Layout); a device other than the parameters' is an error.
 
+    Notes
+    -----
     Usage: :meth:`record` true gradients, :meth:`predict` into a buffer,
     :meth:`correct` with a true gradient (updates the correction and records
     it). Steps must increase strictly from one record to the next. A gradient

@@ -67,8 +67,8 @@ class QuantizedTensor:
     def error(self, original) -> dict:
         """What the quantization changed, against the array it was made from.
 
-        ``max_abs`` = max |x - x'|, ``rms`` = sqrt(mean (x - x')^2), ``relative_rms`` =
-        ||x - x'|| / ||x|| (0.0 for a zero ``x``), ``bound`` = max over channels of
+        ``max_abs`` = ``max |x - x'|``, ``rms`` = ``sqrt(mean (x - x')^2)``, ``relative_rms`` =
+        ``||x - x'|| / ||x||`` (0.0 for a zero ``x``), ``bound`` = max over channels of
         ``scale / 2``: the theoretical bound on every element's error (``x`` is never
         clipped: the range always covers it), up to the rounding of ``x'`` to its dtype.
         """

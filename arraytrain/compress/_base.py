@@ -201,10 +201,11 @@ class Compressor(ABC):
     Subclasses implement :meth:`_encode` and :meth:`_decode` on the dense
     domain vector and may override :meth:`_bind` (per-parameter set-up) and
     :meth:`_state` / :meth:`_load_state` (state that must survive a resume,
-    e.g. PowerSGD's warm-start factors).
+    e.g. PowerSGD's warm-start factors). Every compression method takes the
+    parameters below, as keywords.
 
-    Parameters common to every method
-    ---------------------------------
+    Parameters
+    ----------
     min_size : int
         Parameters with fewer elements travel uncompressed.
     warmup : int
