@@ -73,6 +73,7 @@ from .backend import CUPY, NUMPY, backend_of
 from .errors import ArgumentTypeError, BackendError, BackendUnavailableError, DTypeError, ReadOnlyError
 from .exchange import OPS, Exchange
 
+#: What to install for processes over MPI; the errors for a missing mpi4py or mpiexec quote it.
 INSTALL_HINT = 'pip install "arraytrain[mpi]" (mpi4py and the MPICH library from PyPI)'
 
 # numpy dtype -> the name of its MPI datatype (fixed-width named types, which reductions accept)

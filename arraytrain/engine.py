@@ -114,6 +114,7 @@ class StepReport:
 
     @property
     def accumulated(self) -> bool:
+        """True when the micro-batch was only accumulated: not applied, skipped or perturbed."""
         return not (self.applied or self.skipped or self.perturbed)
 
     @property
@@ -323,6 +324,7 @@ class Engine:
 
     @property
     def layout(self):
+        """The :class:`Layout` of the parameter buffer (``engine.params.layout``)."""
         return self.params.layout
 
     @property

@@ -65,6 +65,7 @@ from .errors import (
 )
 from .layout import Layout
 
+#: The values of ``kernels``: the fast kernels of the buffers' backend, or the reference twins.
 KERNELS = ("numba", "reference")
 
 
