@@ -29,6 +29,7 @@ from .errors import (
 from .layout import Layout, _check_shape
 from .ops import CLIP_EPS, clip_coef, norm_pass
 
+#: The values of ``reduction``: the (weighted) mean or the sum of the micro-batches.
 REDUCTIONS = ("mean", "sum")
 
 
@@ -83,6 +84,14 @@ class AccumulationConfig:
 
 @dataclass(frozen=True)
 class AccumulationStats:
+    """Counters of a :class:`GradientAccumulator`, from :meth:`GradientAccumulator.stats`.
+
+    ``total_micro_batches``: calls of ``step`` so far; ``total_updates``: calls of
+    ``reset`` (one per update); ``accumulation_steps``: micro-batches per update, from
+    the config; ``registered_params`` and ``total_param_elements``: the parameters
+    registered and their elements.
+    """
+
     total_micro_batches: int
     total_updates: int
     accumulation_steps: int
@@ -90,6 +99,7 @@ class AccumulationStats:
     total_param_elements: int
 
     def effective_batch_multiplier(self) -> int:
+        """Micro-batches per update: ``accumulation_steps``."""
         return self.accumulation_steps
 
 
@@ -204,6 +214,7 @@ class GradientAccumulator:
         self.total_updates += 1
 
     def stats(self) -> AccumulationStats:
+        """Counters of this accumulator so far, as an :class:`AccumulationStats`."""
         return AccumulationStats(
             total_micro_batches=self.total_micro_batches,
             total_updates=self.total_updates,

@@ -18,6 +18,7 @@ from .backend import BFLOAT16
 from .kernels.interface import LP_BF16, LP_F16
 from .errors import HyperparameterError, StateDictError
 
+#: ``working_dtype`` name -> (the working copy's dtype, its kind as the optimizer kernels take it).
 WORKING_DTYPES = {"bfloat16": (BFLOAT16, LP_BF16), "float16": (np.dtype(np.float16), LP_F16)}
 
 
@@ -57,10 +58,12 @@ class LossScaler:
                 self.scale = grown
 
     def config(self) -> dict:
+        """The configuration (growth, backoff, interval, maximum scale) as a dict."""
         return {"growth_factor": self.growth_factor, "backoff_factor": self.backoff_factor,
                 "growth_interval": self.growth_interval, "max_scale": self.max_scale}
 
     def state_dict(self) -> dict:
+        """The scale and growth tracker, with the configuration, as a dict (:meth:`load_state_dict` restores it)."""
         return {"scale": self.scale, "growth_tracker": self.growth_tracker, **self.config()}
 
     def check_state(self, state) -> tuple[float, int]:

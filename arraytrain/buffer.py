@@ -118,6 +118,7 @@ class FlatBuffer:
     # -- construction -----------------------------------------------------------
     @classmethod
     def zeros(cls, layout: Layout, dtype=np.float32, xp=np) -> "FlatBuffer":
+        """A new zero buffer of ``layout`` and ``dtype``, on ``xp``'s device (NumPy or CuPy)."""
         check_float_dtype(dtype, "dtype")
         return cls(layout, aligned_zeros(layout.size, dtype, xp))
 
@@ -148,6 +149,7 @@ class FlatBuffer:
         return FlatBuffer.zeros(self.layout, dtype or self.flat.dtype, _xp(self.flat))
 
     def copy(self) -> "FlatBuffer":
+        """An independent copy: same layout, dtype and backend, a new aligned flat array."""
         out = aligned_empty(self.flat.size, self.flat.dtype, _xp(self.flat))
         out[...] = self.flat
         return FlatBuffer(self.layout, out)
@@ -170,13 +172,16 @@ class FlatBuffer:
 
     @property
     def names(self) -> tuple[str, ...]:
+        """The parameter names, in buffer order (the layout's)."""
         return self.layout.names
 
     @property
     def dtype(self):
+        """The dtype of the flat array (every view has it)."""
         return self.flat.dtype
 
     def items(self):
+        """``(name, view)`` pairs, in buffer order."""
         return self._views.items()
 
     def as_dict(self, copy: bool = False) -> dict:

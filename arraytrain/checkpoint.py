@@ -103,7 +103,9 @@ def __getattr__(name: str):
 
 __all__ = ["FORMAT", "FORMAT_VERSION", "CheckpointError", "load", "save"]
 
+#: The metadata's ``format``: what marks a safetensors file as an arraytrain checkpoint.
 FORMAT = "arraytrain.checkpoint"
+#: The metadata's ``format_version``: the version of the file format this module writes and reads.
 FORMAT_VERSION = 1
 
 _TAGS = ("$tensor", "$tuple", "$float")

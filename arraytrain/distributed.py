@@ -73,6 +73,7 @@ from .backend import CUPY, NUMPY, backend_of
 from .errors import ArgumentTypeError, BackendError, BackendUnavailableError, DTypeError, ReadOnlyError
 from .exchange import OPS, Exchange
 
+#: What to install for processes over MPI; the errors for a missing mpi4py or mpiexec quote it.
 INSTALL_HINT = 'pip install "arraytrain[mpi]" (mpi4py and the MPICH library from PyPI)'
 
 # numpy dtype -> the name of its MPI datatype (fixed-width named types, which reductions accept)
@@ -143,7 +144,8 @@ class MPIComm(Exchange):
 
     Attributes
     ----------
-    comm : the mpi4py communicator, for anything outside the four collectives.
+    comm : mpi4py communicator
+        The communicator itself, for anything outside the four collectives.
     """
 
     def __init__(self, comm=None):
@@ -214,15 +216,14 @@ class NCCLComm(Exchange):
     MPI communicator :attr:`mpi`, each array over the link of its own memory —
     nothing is copied between host and device. Select each rank's GPU before
     constructing it (e.g. ``cupy.cuda.Device(local_rank).use()``); NCCL refuses
-    two ranks on one GPU.
+    two ranks on one GPU. Set-up failures (no CuPy, no NCCL, no usable GPU on
+    some rank) raise :class:`~arraytrain.errors.BackendUnavailableError` on
+    every rank.
 
     Parameters
     ----------
     comm : mpi4py communicator, optional
         As for :class:`MPIComm`; its ranks are the NCCL ranks.
-
-    Set-up failures (no CuPy, no NCCL, no usable GPU on some rank) raise
-    :class:`~arraytrain.errors.BackendUnavailableError` on every rank.
     """
 
     def __init__(self, comm=None):

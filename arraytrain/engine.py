@@ -114,6 +114,7 @@ class StepReport:
 
     @property
     def accumulated(self) -> bool:
+        """True when the micro-batch was only accumulated: not applied, skipped or perturbed."""
         return not (self.applied or self.skipped or self.perturbed)
 
     @property
@@ -133,6 +134,7 @@ class Engine:
         A mapping is copied into a new flat buffer (``dtype`` or the common
         floating dtype); a :class:`FlatBuffer` is used in place.
     optimizer : Optimizer
+        An optimizer from :mod:`arraytrain.optim`.
     accumulation_steps : int
         Micro-batches per optimizer step.
     max_grad_norm : float or None
@@ -145,6 +147,10 @@ class Engine:
     missing : "error" or "zero"
         A micro-batch without a gradient for some parameter: raise, or count
         it as zero (a parameter that did not take part).
+    dtype : dtype or None
+        The floating dtype of the new buffer a mapping is copied into (None:
+        the parameters' common floating dtype); a :class:`FlatBuffer` must
+        already hold it.
     zero_grad_on_step : bool
         Zero ``engine.grads`` after every boundary, inside the optimizer
         kernel (no extra pass). Needed when a framework *adds* into the
@@ -166,9 +172,10 @@ class Engine:
     max_consecutive_skips : int or None
         After this many boundaries in a row with NaN/Inf gradients raise
         :class:`NonFiniteError` instead of skipping forever (None: never).
-    compressor : a compressor from :mod:`arraytrain.compress`, optionally in
-        :class:`~arraytrain.compress.ErrorFeedback`, or None
-        At every applied boundary the reduced, unscaled gradient is compressed
+    compressor : Compressor, ErrorFeedback or None
+        A compressor from :mod:`arraytrain.compress`, optionally in
+        :class:`~arraytrain.compress.ErrorFeedback`. At every applied
+        boundary the reduced, unscaled gradient is compressed
         and replaced by what the receivers decode (with ``comm``: the sum over
         processes of every process's decoded share of the mean); the norm,
         clipping and the optimizer then work on that, as torch's DDP
@@ -193,7 +200,6 @@ class Engine:
         must agree on the layout, dtype, optimizer and settings (else a
         :class:`LayoutError` / :class:`HyperparameterError` on every rank), and
         rank 0's parameters and optimizer state are broadcast.
-
     device : None, "cpu" or "cuda"
         Where the buffers live. None: where ``params`` are (NumPy arrays: the
         CPU; CuPy arrays, or a FlatBuffer of them: the current CUDA device).
@@ -202,6 +208,8 @@ class Engine:
         device: a NumPy gradient is refused, never copied behind your back);
         "cpu" with CuPy parameters copies them to the host.
 
+    Notes
+    -----
     On a CUDA device every stage is a CuPy raw kernel, one launch over the
     whole buffer, and a step synchronises with the host once: after the norm
     pass, to read the global and per-parameter norms and the non-finite flag
@@ -316,6 +324,7 @@ class Engine:
 
     @property
     def layout(self):
+        """The :class:`Layout` of the parameter buffer (``engine.params.layout``)."""
         return self.params.layout
 
     @property

@@ -26,6 +26,7 @@ from abc import ABC, abstractmethod
 
 from .errors import ArgumentTypeError, LayoutError
 
+#: The element-wise operations of ``allreduce``.
 OPS = ("sum", "max")
 
 

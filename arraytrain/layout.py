@@ -71,27 +71,33 @@ class Layout:
 
     @classmethod
     def from_arrays(cls, arrays: Mapping[str, object], align: int = DEFAULT_ALIGN) -> "Layout":
+        """The layout of a mapping of arrays (or anything with a shape), in the mapping's order."""
         return cls({k: getattr(v, "shape", None) or np.shape(v) for k, v in arrays.items()}, align=align)
 
     # -- read-only views -------------------------------------------------
     @property
     def names(self) -> tuple[str, ...]:
+        """The parameter names, in buffer order."""
         return self._names
 
     @property
     def shapes(self) -> tuple[tuple[int, ...], ...]:
+        """The parameter shapes, in buffer order."""
         return self._shapes
 
     @property
     def offsets(self) -> tuple[int, ...]:
+        """Where each parameter's segment starts in the flat buffer (a multiple of :attr:`align`)."""
         return self._offsets
 
     @property
     def sizes(self) -> tuple[int, ...]:
+        """The parameters' element counts (padding excluded), in buffer order."""
         return self._sizes
 
     @property
     def align(self) -> int:
+        """Every segment starts at a multiple of this many elements."""
         return self._align
 
     @property
@@ -114,15 +120,18 @@ class Layout:
         return name in self._index
 
     def index(self, name: str) -> int:
+        """The position of ``name`` in the layout (its segment number); an error naming the known ones."""
         try:
             return self._index[name]
         except KeyError:
             raise UnknownParameterError(f"{name!r}: no such parameter; known: {list(self._names)}") from None
 
     def shape(self, name: str) -> tuple[int, ...]:
+        """The shape of parameter ``name``."""
         return self._shapes[self.index(name)]
 
     def slice(self, name: str) -> slice:
+        """The part of the flat buffer that holds parameter ``name`` (padding excluded)."""
         i = self.index(name)
         return slice(self._offsets[i], self._offsets[i] + self._sizes[i])
 

@@ -87,7 +87,7 @@ from .predict import GradientPredictor
 __all__ = ["LOSS_WINDOW", "Phase", "PhaseController", "PhaseOrderError", "PhaseSchedule", "PhaseStats", "load",
            "save"]
 
-LOSS_WINDOW = 100   # FULL/CORRECT losses kept for the adaptive rule (vsa-optim-rs's deque capacity)
+LOSS_WINDOW = 100   #: FULL/CORRECT losses kept for the adaptive rule (vsa-optim-rs's deque capacity)
 LOSS_MEAN = 10      # early / late means over this many losses
 LOSS_MIN = 20       # losses needed before the lengths adapt
 STATE_VERSION = 1   # of PhaseController.state_dict()
@@ -268,10 +268,12 @@ class PhaseStats:
 
     @property
     def steps(self) -> int:
+        """Steps of every phase together."""
         return self.full_steps + self.predict_steps + self.correct_steps
 
     @property
     def backward_passes(self) -> int:
+        """Steps that computed a true gradient: FULL and CORRECT."""
         return self.full_steps + self.correct_steps
 
     @property
@@ -281,6 +283,7 @@ class PhaseStats:
 
     @property
     def total_seconds(self) -> float:
+        """Timed wall clock of every phase together (``seconds`` summed)."""
         return sum(self.seconds.values())
 
     def counts(self) -> dict:
@@ -348,6 +351,8 @@ class PhaseController:
     history, correction_beta, kernels, dtype, device
         The :class:`~arraytrain.predict.GradientPredictor`.
 
+    Notes
+    -----
     A step: :meth:`begin_step` returns its :class:`Phase`; on FULL and CORRECT
     steps compute the true gradient and call :meth:`record_full_gradients`
     once; on PREDICT steps call :meth:`get_predicted_gradients`; then apply
@@ -394,10 +399,12 @@ class PhaseController:
 
     @property
     def phase_step(self) -> int:
+        """The schedule's ``phase_step``: steps since the FULL or PREDICT phase began (CORRECT counts with PREDICT)."""
         return self.schedule.phase_step
 
     @property
     def cycle(self) -> int:
+        """The schedule's ``cycle``: how many times a FULL phase began again (0 in the first cycle)."""
         return self.schedule.cycle
 
     @property

@@ -65,6 +65,7 @@ from .errors import (
 )
 from .layout import Layout
 
+#: The values of ``kernels``: the fast kernels of the buffers' backend, or the reference twins.
 KERNELS = ("numba", "reference")
 
 
@@ -115,6 +116,8 @@ class GradientPredictor:
         Where the ring lives: None takes it from the parameters (the host for
         a Layout); a device other than the parameters' is an error.
 
+    Notes
+    -----
     Usage: :meth:`record` true gradients, :meth:`predict` into a buffer,
     :meth:`correct` with a true gradient (updates the correction and records
     it). Steps must increase strictly from one record to the next. A gradient

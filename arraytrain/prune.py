@@ -24,7 +24,9 @@ from .buffer import FlatBuffer
 from .errors import ArgumentTypeError, DTypeError, HyperparameterError, LayoutError
 from .layout import Layout
 
+#: The values of ``scope``: one threshold over every selected parameter, or one per parameter.
 SCOPES = ("global", "parameter")
+#: The values of ``structure``: single weights, or whole rows (slices along axis 0).
 STRUCTURES = ("unstructured", "rows")
 
 

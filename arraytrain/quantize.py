@@ -18,10 +18,13 @@ from .buffer import FlatBuffer
 from .errors import ArgumentTypeError, DataError, HyperparameterError, UnknownParameterError
 from .prune import _choice, _params_of, select_names
 
+#: The values of ``scheme``: zero point 0 and codes in [-127, 127], or an integer zero point and the
+#: whole int8 range over ``[min(x), max(x)]`` widened to hold 0.
 SCHEMES = ("symmetric", "asymmetric")
+#: The values of ``granularity``: one scale for the tensor, or one per index along ``axis``.
 GRANULARITIES = ("tensor", "channel")
-# symmetric: [-127, 127], so the grid is symmetric about 0 and -x quantizes to -q
-# (torch's qint8 allows -128; nothing here produces it); asymmetric: the full int8 range
+#: scheme -> the codes' range. Symmetric: [-127, 127], so the grid is symmetric about 0 and -x quantizes to -q
+#: (torch's qint8 allows -128; nothing here produces it); asymmetric: the full int8 range.
 QRANGE = {"symmetric": (-127, 127), "asymmetric": (-128, 127)}
 
 
@@ -67,8 +70,8 @@ class QuantizedTensor:
     def error(self, original) -> dict:
         """What the quantization changed, against the array it was made from.
 
-        ``max_abs`` = max |x - x'|, ``rms`` = sqrt(mean (x - x')^2), ``relative_rms`` =
-        ||x - x'|| / ||x|| (0.0 for a zero ``x``), ``bound`` = max over channels of
+        ``max_abs`` = ``max |x - x'|``, ``rms`` = ``sqrt(mean (x - x')^2)``, ``relative_rms`` =
+        ``||x - x'|| / ||x||`` (0.0 for a zero ``x``), ``bound`` = max over channels of
         ``scale / 2``: the theoretical bound on every element's error (``x`` is never
         clipped: the range always covers it), up to the rounding of ``x'`` to its dtype.
         """

@@ -125,6 +125,7 @@ __all__ = [
     "SCHEDULE_FORMAT",
 ]
 
+#: The ``format`` of a schedule's :meth:`~Schedule.state_dict` (checked by :func:`from_state_dict`).
 SCHEDULE_FORMAT = 1
 # Schedules nest (Warmup(then=...), Sequential segments, ReduceLROnPlateau(inner=...)) at most this
 # deep, counting the outermost: far beyond any real composition, and far below Python's

@@ -36,7 +36,9 @@ from __future__ import annotations
 import os
 import threading
 
+#: numba's threading layer that the policy chooses.
 LAYER = "tbb"
+#: The environment variable that turns the policy off (``ARRAYTRAIN_THREAD_POLICY=off``).
 OPT_OUT = "ARRAYTRAIN_THREAD_POLICY"
 
 _lock = threading.Lock()

@@ -65,6 +65,7 @@ class Segment:
 
     @property
     def size(self) -> int:
+        """Elements of the parameter: the product of ``shape``."""
         return int(np.prod(self.shape, dtype=np.int64))
 
 
@@ -201,10 +202,11 @@ class Compressor(ABC):
     Subclasses implement :meth:`_encode` and :meth:`_decode` on the dense
     domain vector and may override :meth:`_bind` (per-parameter set-up) and
     :meth:`_state` / :meth:`_load_state` (state that must survive a resume,
-    e.g. PowerSGD's warm-start factors).
+    e.g. PowerSGD's warm-start factors). Every compression method takes the
+    parameters below, as keywords.
 
-    Parameters common to every method
-    ---------------------------------
+    Parameters
+    ----------
     min_size : int
         Parameters with fewer elements travel uncompressed.
     warmup : int
@@ -438,6 +440,11 @@ class Compressor(ABC):
         pass
 
     def state_dict(self) -> dict:
+        """What must survive a resume: the call count and the method's arrays (bound compressors only).
+
+        The arrays are e.g. PowerSGD's warm-start factors; ``"type"`` holds :meth:`describe`,
+        which :meth:`check_state` compares with the compressor's own.
+        """
         self._need_bound()
         return {"type": self.describe(), "step": self.step, "arrays": self._state()}
 
@@ -476,6 +483,7 @@ class Compressor(ABC):
         return kind
 
     def load_state_dict(self, state: Mapping) -> None:
+        """Restore a :meth:`state_dict`, validated first by :meth:`check_state`: a refused state changes nothing."""
         checked = self.check_state(state)
         self.apply_state(checked)
 
@@ -492,6 +500,7 @@ class Compressor(ABC):
         return repr(self)
 
     def hyperparameters(self) -> dict:
+        """The settings that change the payload, by name (the repr and :meth:`describe` show them)."""
         return {"min_size": self.min_size, "warmup": self.warmup, "seed": self.seed}
 
     def __repr__(self) -> str:
@@ -521,21 +530,26 @@ class ErrorFeedback:
 
     @property
     def method(self) -> str:
+        """The wrapped compressor's method name."""
         return self.compressor.method
 
     @property
     def step(self) -> int:
+        """The wrapped compressor's call count."""
         return self.compressor.step
 
     @property
     def layout(self) -> Layout | None:
+        """The layout the wrapped compressor is bound to (None before :meth:`bind`)."""
         return self.compressor.layout
 
     @property
     def comm(self):
+        """The process group the wrapped compressor sends its payloads through."""
         return self.compressor.comm
 
     def bind(self, layout: Layout, dtype=np.float32, comm=None) -> "ErrorFeedback":
+        """Bind the wrapped compressor (:meth:`Compressor.bind`) and create the zero residual."""
         self.compressor.bind(layout, dtype, comm)
         if self.residual is None:
             self.residual = FlatBuffer.zeros(layout, np.dtype(dtype))
@@ -566,6 +580,7 @@ class ErrorFeedback:
         return payload
 
     def decompress(self, payload: Payload, out: np.ndarray | None = None) -> np.ndarray:
+        """Decode ``payload`` into ``out`` as the wrapped compressor does (the residual is not involved)."""
         return self.compressor.decompress(payload, out)
 
     def roundtrip(self, x: np.ndarray) -> Payload:
@@ -596,11 +611,13 @@ class ErrorFeedback:
             self.residual.flat.fill(0)
 
     def state_dict(self) -> dict:
+        """The wrapped compressor's state plus ``"residual"``, the residual by parameter name."""
         state = self.compressor.state_dict()
         state["residual"] = self.residual.as_dict(copy=True)
         return state
 
     def check_state(self, state: Mapping) -> dict:
+        """Validate a :meth:`state_dict`, the residual included; raise StateDictError; change nothing."""
         try:
             residual = state["residual"]
         except (KeyError, TypeError):
@@ -617,14 +634,17 @@ class ErrorFeedback:
         return checked
 
     def load_state_dict(self, state: Mapping) -> None:
+        """Restore a :meth:`state_dict`, validated first by :meth:`check_state`: a refused state changes nothing."""
         self.apply_state(self.check_state(state))
 
     def apply_state(self, checked: dict) -> None:
+        """Restore what :meth:`check_state` returned (assignments only)."""
         self.compressor.apply_state(checked)
         self._follow()
         self.residual.assign(checked["residual"])
 
     def describe(self) -> str:
+        """The wrapper and the wrapped compressor's method and settings (saved with the state)."""
         return repr(self)
 
     def __repr__(self) -> str:

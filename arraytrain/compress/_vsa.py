@@ -94,6 +94,8 @@ class VSA(Summed, Compressor):
     min_size, warmup, seed, kernels
         As in :class:`~arraytrain.compress.Compressor`.
 
+    Notes
+    -----
     The payload holds one array, ``"values"``: the ``d`` kept coordinates in
     the gradient's dtype, so ``nbytes = d * itemsize`` (plus the ``raw``
     parameters below ``min_size``).

@@ -42,18 +42,23 @@ from types import ModuleType
 
 import numpy as np
 
-# Kinds of low-precision working copies, as the optimizer kernels take them (uint16 bits).
+#: Kinds of low-precision working copies, as the optimizer kernels take them (uint16 bits).
 LP_NONE, LP_BF16, LP_F16 = 0, 1, 2
 # Formats shared by every family's compression kernels.
-INV127 = 1.0 / 127.0  # int8 codes are round(x / absmax * 127): the scale is absmax / 127
-MAGNITUDE_MASK = {4: np.uint32(0x7FFFFFFF), 8: np.uint64(0x7FFFFFFFFFFFFFFF)}  # |x| as ordered bits
+#: int8 codes are ``round(x / absmax * 127)``: the scale is ``absmax / 127``.
+INV127 = 1.0 / 127.0
+#: Itemsize -> the mask that clears a float's sign bit: ``abs(x)`` as bits that order as unsigned integers.
+MAGNITUDE_MASK = {4: np.uint32(0x7FFFFFFF), 8: np.uint64(0x7FFFFFFFFFFFFFFF)}
 
+#: The domains a family's kernels are grouped in (one module of the family each).
 DOMAINS = ("reductions", "optimizers", "compression", "projection", "trend")
+#: The families that implement the interface.
 FAMILIES = ("reference", "cpu", "cuda")
+#: What a caller chooses: the fast family of the arrays' backend, or the reference.
 IMPLS = ("numba", "reference")
 
-# name -> (domain, what it computes). Every family provides every name, with the reference's
-# argument names, kinds and defaults (tests/test_kernel_interface.py checks it).
+#: name -> (domain, what it computes). Every family provides every name, with the reference's
+#: argument names, kinds and defaults (tests/test_kernel_interface.py checks it).
 KERNELS = {
     "accumulate": ("reductions", "acc = w*g, or acc += w*g (a micro-batch into the gradient buffer)"),
     "accumulate_packed": ("reductions", "acc[d:d+n] (=|+=) w*src[s:s+n] per row (s, d, n): many gradients, one call"),
@@ -96,8 +101,8 @@ KERNELS = {
 }
 
 
-# The keyword arguments of the optimizer kernels and what each means (every kernel that takes
-# one means this). "per parameter": an array indexed by segment (one value per parameter).
+#: The keyword arguments of the optimizer kernels and what each means (every kernel that takes
+#: one means this). "per parameter": an array indexed by segment (one value per parameter).
 ARGUMENTS = {
     "gscale": "multiplies the gradient (clip factor / loss scale, accumulation mean, -1 for maximize)",
     "lr": "per parameter: the learning rate of this step (scheduled; Adagrad's decayed lr/(1+(t-1)*lr_decay))",

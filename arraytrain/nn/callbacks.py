@@ -22,18 +22,25 @@ class Callback:
     """Base class: every hook does nothing."""
 
     def on_train_begin(self, trainer) -> None:
+        """Called once by :meth:`Trainer.fit <arraytrain.nn.Trainer.fit>` before the first epoch."""
         pass
 
     def on_epoch_begin(self, trainer, epoch: int) -> None:
+        """Called before each epoch; ``epoch`` counts from 1."""
         pass
 
     def on_batch_end(self, trainer, step: int, logs: dict) -> None:
         """``logs``: ``loss`` (float), ``report`` (the engine's StepReport), ``size`` (rows)."""
 
     def on_epoch_end(self, trainer, epoch: int, logs: dict) -> None:
+        """Called after each epoch and its validation, with the epoch's ``logs`` (a callback may add to them).
+
+        Setting ``trainer.stop_training = True`` ends the fit after this epoch.
+        """
         pass
 
     def on_train_end(self, trainer) -> None:
+        """Called once when the fit ends (after the last epoch, or an early stop)."""
         pass
 
 
@@ -255,6 +262,7 @@ class Profiler(Callback):
         logs["time_split"] = split
 
     def summary(self, trainer) -> dict:
+        """The whole run's seconds per phase and their fractions: ``{"seconds": ..., "fraction": ...}``."""
         seconds = {k: trainer.timings[k] - self._start.get(k, 0.0) for k in trainer.timings}
         total = sum(seconds.values())
         return {"seconds": seconds, "fraction": {k: (v / total if total else 0.0) for k, v in seconds.items()}}

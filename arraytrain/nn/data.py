@@ -90,6 +90,7 @@ class Standardizer:
         self.floor = check_number("floor", floor, 0.0)
 
     def fit(self, x: np.ndarray) -> "Standardizer":
+        """Fit the per-feature mean and (floored) standard deviation on ``x``; returns self."""
         self.mean = x.mean(axis=0)
         std = x.std(axis=0)
         std = np.maximum(std, self.floor * std.mean()) if std.size else std
@@ -97,6 +98,7 @@ class Standardizer:
         return self
 
     def transform(self, x: np.ndarray, dtype=np.float32) -> np.ndarray:
+        """``(x - mean) / std`` with the fitted statistics, as ``dtype``."""
         return ((x - self.mean) / self.std).astype(dtype)
 
 
@@ -137,9 +139,11 @@ class Dataset:
 
     @property
     def num_features(self) -> int:
+        """Columns of the feature matrices."""
         return self.x_train.shape[1]
 
     def summary(self) -> str:
+        """One line: the name, features, classes and the size of each split."""
         return (f"{self.name}: {self.num_features} features, {self.num_classes} classes; "
                 f"train {len(self.y_train)}, validation {len(self.y_val)}, test {len(self.y_test)}")
 

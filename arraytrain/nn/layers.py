@@ -59,10 +59,12 @@ class Dense:
 
     @property
     def shapes(self) -> dict:
+        """``{name: shape}`` of the layer's two parameters, ``<name>.weight`` and ``<name>.bias``."""
         return {f"{self.name}.weight": (self.in_features, self.out_features),
                 f"{self.name}.bias": (self.out_features,)}
 
     def bind(self, weight, bias, grad_weight, grad_bias) -> None:
+        """Point the layer at its parameter and gradient arrays (no copy, no check: :meth:`MLP.bind` checks)."""
         self.weight, self.bias, self.grad_weight, self.grad_bias = weight, bias, grad_weight, grad_bias
 
     def _check_bound(self):
@@ -105,6 +107,7 @@ class Activation:
         self._cache = None
 
     def forward(self, x, cache: bool = True, inplace: bool = False):
+        """The activation of ``x``; with ``cache`` what :meth:`backward` needs is kept."""
         xp = array_namespace(x)
         y, saved = self._forward(xp, x, inplace)
         if cache:
@@ -112,6 +115,10 @@ class Activation:
         return y
 
     def backward(self, dy, inplace: bool = False):
+        """The gradient with respect to the input, from ``dy`` and the cached forward (used once).
+
+        ``inplace=True`` may write it into ``dy``.
+        """
         if self._cache is None:
             raise LayoutError(f"{self.name}: backward() without a cached forward(x)")
         saved, self._cache = self._cache, None
@@ -253,6 +260,7 @@ class MLP:
 
     @property
     def num_params(self) -> int:
+        """Elements of every parameter together."""
         return sum(math.prod(s) for s in self.shapes.values())
 
     def init(self, seed: int = 0) -> dict:

@@ -75,10 +75,12 @@ class PhaseTrainer(Trainer):
 
     @property
     def schedule(self) -> PhaseSchedule:
+        """The controller's :class:`~arraytrain.phase.PhaseSchedule` (the phase rule and its state)."""
         return self.controller.schedule
 
     @property
     def predictor(self):
+        """The controller's :class:`~arraytrain.predict.GradientPredictor`."""
         return self.controller.predictor
 
     @property

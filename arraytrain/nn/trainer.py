@@ -98,7 +98,12 @@ class Trainer:
         Turns on classification metrics (accuracy, macro precision / recall /
         F1, confusion matrix); the default is the model's output width for the
         classification losses and off for the others.
+    eval_batch_size : int
+        Batch size of :meth:`evaluate` (and of ``fit``'s validation), forward
+        passes only.
 
+    Notes
+    -----
     After :meth:`fit`: ``history`` (one dict per epoch), ``timings`` (seconds per
     phase: data, forward (with the loss), backward, optimizer (``engine.step``),
     callbacks, metrics, evaluation; the warm-up micro-batches left out),

@@ -114,6 +114,7 @@ class Optimizer(ABC):
         return hp
 
     def init(self, params: FlatBuffer) -> OptState:
+        """A fresh :class:`OptState` for ``params``: step 0, zero slots and the overrides resolved by name."""
         dtype = self._slot_dtype(params)
         return OptState(0, {name: params.zeros_like(dtype) for name in self.slot_names}, self.resolve(params.layout))
 

@@ -51,10 +51,12 @@ class SAM(Optimizer):
     # -- delegation to the base optimizer -------------------------------------------------
     @property
     def PER_PARAM(self):  # noqa: N802 (the base class's constant)
+        """The base optimizer's per-parameter hyperparameters."""
         return self.base.PER_PARAM
 
     @property
     def lr(self):
+        """The base optimizer's learning rate (setting it sets the base optimizer's)."""
         return self.base.lr
 
     @lr.setter
@@ -63,10 +65,12 @@ class SAM(Optimizer):
 
     @property
     def weight_decay(self):
+        """The base optimizer's weight decay."""
         return self.base.weight_decay
 
     @property
     def overrides(self):
+        """The base optimizer's per-parameter overrides."""
         return self.base.overrides
 
     def resolve(self, layout):
@@ -77,6 +81,7 @@ class SAM(Optimizer):
 
     @property
     def has_eval_params(self):
+        """Whether the base optimizer evaluates the model at other weights than its parameters."""
         return self.base.has_eval_params
 
     def eval_params(self, params, state, out=None):
