@@ -336,22 +336,23 @@ def _compressor(args):
     return compress.ErrorFeedback(comp) if args.error_feedback else comp
 
 
-def _launched_ranks() -> int:
-    """The number of processes ``mpiexec`` started (1 when not under mpiexec)."""
-    for key in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MPI_LOCALNRANKS"):
+def _from_launcher(keys: tuple, default: int) -> int:
+    """The first of ``keys`` that the launcher (MPICH's Hydra, Open MPI) set, read without initialising MPI."""
+    for key in keys:
         value = os.environ.get(key, "")
         if value.isdigit():
             return int(value)
-    return 1
+    return default
+
+
+def _launched_ranks() -> int:
+    """The number of processes ``mpiexec`` started (1 when not under mpiexec)."""
+    return _from_launcher(("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MPI_LOCALNRANKS"), 1)
 
 
 def _launched_rank() -> int:
-    """This process's rank as ``mpiexec`` set it (0 when not under mpiexec); MPI is not initialised."""
-    for key in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "MPI_LOCALRANKID"):
-        value = os.environ.get(key, "")
-        if value.isdigit():
-            return int(value)
-    return 0
+    """This process's rank as ``mpiexec`` set it (0 when not under mpiexec)."""
+    return _from_launcher(("PMI_RANK", "OMPI_COMM_WORLD_RANK", "MPI_LOCALRANKID"), 0)
 
 
 def _comm():
