@@ -176,6 +176,39 @@ def test_a_gathered_exchange_sums_every_ranks_decode_and_feedback_stays_per_rank
         assert not np.array_equal(results[0][0][1], results[1][0][1])
 
 
+def test_a_gathered_exchange_all_reduces_its_dense_part():
+    """Top-k's warm-up (the whole gradient raw) and its small parameters travel by all-reduce: a
+    process receives them once, not once per process; the sum equals the one-process decode's."""
+    ranks = 3
+    layout = at.Layout(SHAPES)
+    rng = np.random.default_rng(5)
+    live = np.zeros(layout.size, bool)
+    for n in layout.names:
+        live[layout.slice(n)] = True
+    xs = [np.where(live, rng.standard_normal(layout.size), 0.0) for _ in range(ranks)]  # zero padding
+    group = ThreadGroup(ranks)
+
+    def rank_run(rank, comm):
+        c = C.TopK(ratio=0.1, min_size=16, warmup=1).bind(layout, np.float64, comm=comm)
+        out = []
+        for _ in range(2):  # the warm-up call, then a compressed one
+            x = xs[rank].copy()
+            c.exchange(x)
+            out.append(x)
+        return out
+
+    results = group.run(rank_run)
+    np.testing.assert_allclose(results[0][0], sum(xs), rtol=1e-13, atol=1e-13)  # warm-up: the dense sum
+    for rank in range(ranks):
+        gathers = [call[1] for call in group.calls[rank] if call[0] == "allgather"]
+        assert all(int(np.prod(shape)) < layout.size // 2 for shape in gathers), gathers
+        np.testing.assert_array_equal(results[rank][1], results[0][1])
+    small = [n for n in layout.names if int(np.prod(layout.shape(n))) < 16]
+    assert small
+    for n in small:  # the small parameters travel raw: the exact sum
+        np.testing.assert_allclose(results[0][1][layout.slice(n)], sum(xs)[layout.slice(n)], rtol=1e-13, atol=1e-13)
+
+
 @pytest.mark.parametrize("name", ["topk", "sign"])
 def test_compressed_data_parallel_keeps_the_ranks_identical(name):
     ranks, steps = 2, 5

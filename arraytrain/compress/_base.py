@@ -389,17 +389,26 @@ class Compressor(ABC):
         """The sum over processes of every process's decoded payload, into ``out``.
 
         Default (payloads that do not add up: top-k, sign, ternary): every process's
-        arrays are all-gathered and each is decoded and added. Methods whose payloads add
-        up override this with an all-reduce of the arrays and one decode.
+        arrays are all-gathered and each is decoded and added. The ``raw`` part (the
+        warm-up's whole gradient, the parameters below ``min_size``) is dense and adds up:
+        it is all-reduced in place, so a process receives it once, not once per process.
+        Methods whose payloads add up override this with an all-reduce of the arrays and
+        one decode.
         """
         if self.comm.is_local:
             return self.decompress(payload, out)
+        raw = None
+        if payload.raw is not None:  # a copy: the payload stays this process's own
+            raw = payload.raw.copy()
+            self.comm.allreduce(raw)
+        if not payload.arrays:  # the warm-up: nothing but the summed raw part
+            return self.decompress(Payload(payload.method, raw=raw, meta=dict(payload.meta)), out)
         gathered = {k: self.comm.allgather(a) for k, a in payload.arrays.items()}
-        raws = None if payload.raw is None else self.comm.allgather(payload.raw)
+        zeros = None if raw is None else self._xp().zeros_like(raw)
         scratch = self._xp().empty_like(out)
-        for r in range(self.comm.size):
+        for r in range(self.comm.size):  # the summed raw part decoded with rank 0's arrays, zeros after
             theirs = Payload(payload.method, arrays={k: v[r] for k, v in gathered.items()},
-                             raw=None if raws is None else raws[r], meta=self._meta_of(payload, r))
+                             raw=raw if r == 0 else zeros, meta=self._meta_of(payload, r))
             self.decompress(theirs, out if r == 0 else scratch)
             if r:
                 self._all.add(scratch, out)
