@@ -497,6 +497,10 @@ def _validate(args, comm) -> bool:
 
 def _check_flags(args, comm) -> None:
     """The flags' combinations."""
+    if args.device == "cuda" and comm is not None:
+        raise _usage(f"--device cuda under mpiexec ({comm.size} processes): the command exchanges through MPIComm, "
+                     "which moves host buffers only; for several GPUs drive Engine(comm=NCCLComm()) from Python, "
+                     "one process per GPU (docs/processes.md)")
     if args.checkpoint_every and not args.save:
         raise _usage("--checkpoint-every needs --save FILE")
     if args.step_epochs and args.schedule != "step":

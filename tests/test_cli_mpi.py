@@ -59,3 +59,14 @@ def test_usage_error_is_printed_once_under_mpiexec(tmp_path):
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert proc.stderr.count("error:") == 1 and "--prune-epochs" in proc.stderr, proc.stderr
+
+
+def test_cuda_under_mpiexec_is_refused_before_training(tmp_path):
+    """The command's exchange is MPIComm (host buffers): --device cuda over several processes is refused
+    up front, once, rather than failing on every rank at the first step."""
+    pytest.importorskip("mpi4py")
+    cmd = [MPIEXEC, "-n", "2", sys.executable, "-m", "arraytrain", "train", "--device", "cuda"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.count("error:") == 1 and "--device cuda under mpiexec (2 processes)" in proc.stderr, proc.stderr
+
