@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from arraytrain import compress as C
 from arraytrain.bench.compress import METHODS, layout_for, make
 
 from .common import QUICK, SIZES, _Bandwidth
@@ -67,7 +66,7 @@ class ErrorFeedbackRoundtrip(_Compress):
     params = [["topk-1%", "int8-256", "sign"] if QUICK else list(METHODS), SIZES_C]
 
     def _make(self, method):
-        return C.ErrorFeedback(make(method))
+        return make(method, error_feedback=True)
 
     def _call(self):
         self.c.roundtrip(self.g)

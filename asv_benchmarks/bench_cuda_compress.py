@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from arraytrain import compress as C
 from arraytrain.bench.compress import METHODS, layout_for, make
 
 from .bench_cuda import _require, copy_gbs
@@ -94,7 +93,7 @@ class CudaErrorFeedbackRoundtrip(_CudaCompress):
     """``ErrorFeedback(c).roundtrip(g)`` on the device: residual added, compressed, decoded into g, residual updated."""
 
     def _make(self, method):
-        return C.ErrorFeedback(make(method))
+        return make(method, error_feedback=True)
 
     def _call(self):
         self.c.roundtrip(self.g)

@@ -201,6 +201,7 @@ EARLY = [
     (["--optimizer", "adam", "--momentum", "0.9"], "--momentum: adam has no momentum"),
     (["--error-feedback"], "--error-feedback needs --compress"),
     (["--compress", "topk:bogus=1"], "--compress topk: got an unexpected keyword"),
+    (["--compress", "randomk:ratio=0.1,rescale=true", "--error-feedback"], "scales what it keeps up by n/k"),
     (["--predict", "--accumulation", "2"], "--predict needs one micro-batch per optimizer step"),
     (["--predict", "--precision", "bf16"], "--predict with --precision"),
     (["--predict", "full=0"], "argument --predict: full: expected a whole number >= 1"),
@@ -234,7 +235,7 @@ def test_refused_before_training(tmp_path, capsys, monkeypatch, args, text):
 
 
 def test_refused_before_training_count():
-    assert len(EARLY) == 29
+    assert len(EARLY) == 30
 
 
 def test_lr_too_high_ends_in_one_line_without_numpy_warnings(capsys):

@@ -353,7 +353,15 @@ def test_payload_nbytes_exact(cfg, dtype, rng):
 # -- error feedback -----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("cfg", sorted(CONFIGS))
+def test_error_feedback_refuses_a_compressor_that_scales_up():
+    """Rescaled random-k multiplies what it keeps by n/k: under error feedback the residual grows each call."""
+    with pytest.raises(HyperparameterError, match="rescale=False"):
+        ErrorFeedback(RandomK(ratio=0.05))
+    assert not RandomK(ratio=0.05).contraction and RandomK(ratio=0.05, rescale=False).contraction
+    assert ErrorFeedback(RandomK(ratio=0.05, rescale=False)).compressor.contraction
+
+
+@pytest.mark.parametrize("cfg", sorted(c for c in CONFIGS if CONFIGS[c]().contraction))
 def test_error_feedback_telescopes(cfg, rng):
     layout = layout_for(300)
     ef = ErrorFeedback(CONFIGS[cfg](min_size=MIN_SIZE, warmup=1, seed=9)).bind(layout, np.float64)

@@ -21,13 +21,13 @@ from conftest import engine_snapshot
 SHAPES = {"fc1.weight": (24, 16), "fc1.bias": (24,), "fc2.weight": (5, 24), "fc2.bias": (5,)}
 
 FACTORIES = {
-    "topk": lambda: C.TopK(ratio=0.1, min_size=32),
-    "randomk": lambda: C.RandomK(ratio=0.25, seed=3),
-    "int8": lambda: C.Int8Block(block=64, stochastic_rounding=True, seed=1),
-    "sign": lambda: C.Sign(min_size=32),
-    "ternary": lambda: C.Ternary(seed=2),
-    "powersgd": lambda: C.PowerSGD(rank=2, seed=4),
-    "vsa": lambda: C.VSA(ratio=0.5, seed=5),
+    "topk": lambda ef=False: C.TopK(ratio=0.1, min_size=32),
+    "randomk": lambda ef=False: C.RandomK(ratio=0.25, seed=3, rescale=not ef),  # EF: the contraction
+    "int8": lambda ef=False: C.Int8Block(block=64, stochastic_rounding=True, seed=1),
+    "sign": lambda ef=False: C.Sign(min_size=32),
+    "ternary": lambda ef=False: C.Ternary(seed=2),
+    "powersgd": lambda ef=False: C.PowerSGD(rank=2, seed=4),
+    "vsa": lambda ef=False: C.VSA(ratio=0.5, seed=5, unbiased=not ef),
 }
 
 
@@ -55,8 +55,8 @@ def _stream(steps, dtype=np.float64, seed=7):
 def test_the_optimizer_steps_with_the_decoded_gradient(name, ef):
     """An engine with a compressor == an engine without, fed what a twin compressor decodes."""
     make = FACTORIES[name]
-    comp = C.ErrorFeedback(make()) if ef else make()
-    twin = C.ErrorFeedback(make()) if ef else make()
+    comp = C.ErrorFeedback(make(ef)) if ef else make()
+    twin = C.ErrorFeedback(make(ef)) if ef else make()
     a = _engine(comp, max_grad_norm=3.0, accumulation_steps=2)
     b = _engine(None, max_grad_norm=3.0)
     twin.bind(b.layout, b.params.dtype)
@@ -113,15 +113,15 @@ def test_a_nonfinite_boundary_keeps_residuals_and_call_count():
 def test_resume_through_a_checkpoint_restores_residuals_bitwise(name, tmp_path):
     make = FACTORIES[name]
     stream = _stream(10)
-    full = _engine(C.ErrorFeedback(make()), schedule=at.schedules.CosineAnnealingLR(10))
+    full = _engine(C.ErrorFeedback(make(True)), schedule=at.schedules.CosineAnnealingLR(10))
     for g in stream:
         full.step(g)
-    first = _engine(C.ErrorFeedback(make()), schedule=at.schedules.CosineAnnealingLR(10))
+    first = _engine(C.ErrorFeedback(make(True)), schedule=at.schedules.CosineAnnealingLR(10))
     for g in stream[:5]:
         first.step(g)
     assert np.abs(first.compressor.residual.flat).max() > 0  # something to lose
     at.save(tmp_path / "ck.safetensors", first)
-    second = _engine(C.ErrorFeedback(make()), seed=1, schedule=at.schedules.CosineAnnealingLR(10))
+    second = _engine(C.ErrorFeedback(make(True)), seed=1, schedule=at.schedules.CosineAnnealingLR(10))
     at.load(tmp_path / "ck.safetensors", second)
     np.testing.assert_array_equal(second.compressor.residual.flat, first.compressor.residual.flat)
     assert second.compressor.step == 5

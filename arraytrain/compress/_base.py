@@ -224,6 +224,16 @@ class Compressor(ABC):
     stochastic: bool = False
     family: str | None = "compression"  # the kernel domain of :attr:`_kern` (None: no kernels)
 
+    @property
+    def contraction(self) -> bool:
+        """Whether the decode never scales up what it keeps: what :class:`ErrorFeedback` needs.
+
+        False for the unbiased forms that multiply the kept part by ``n/k`` (``RandomK(rescale=True)``,
+        ``VSA(unbiased=True)``): under error feedback their residual grows by about that factor
+        each call and training diverges.
+        """
+        return True
+
     def __init__(self, *, min_size: int = 0, warmup: int = 0, seed: int = 0, kernels: str = "numba"):
         self.min_size = check_int("min_size", min_size, 0)
         self.warmup = check_int("warmup", warmup, 0)
@@ -534,6 +544,11 @@ class ErrorFeedback:
     def __init__(self, compressor: Compressor):
         if not isinstance(compressor, Compressor):
             raise ArgumentTypeError(f"compressor: expected an arraytrain Compressor, got {type(compressor).__name__}")
+        if not compressor.contraction:
+            raise HyperparameterError(
+                f"compressor: {compressor!r} scales what it keeps up by n/k (unbiased), so the residual of error "
+                "feedback grows every call and training diverges; use its contraction (RandomK(rescale=False), "
+                "VSA(unbiased=False))")
         self.compressor = compressor
         self.residual: FlatBuffer | None = None
 

@@ -162,3 +162,7 @@ class RandomK(Summed, _Sparsifier):
     def hyperparameters(self) -> dict:
         hp = super().hyperparameters()
         return {**{k: hp.pop(k) for k in ("ratio", "k") if k in hp}, "rescale": self.rescale, **hp}
+
+    @property
+    def contraction(self) -> bool:
+        return not self.rescale

@@ -164,3 +164,7 @@ class VSA(Summed, Compressor):
     def hyperparameters(self) -> dict:
         size = {"ratio": self.ratio} if self.ratio is not None else {"dim": self.dim}
         return {**size, "block": self.block, "unbiased": self.unbiased, **super().hyperparameters()}
+
+    @property
+    def contraction(self) -> bool:
+        return not self.unbiased

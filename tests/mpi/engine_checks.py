@@ -66,7 +66,7 @@ def check_dense_data_parallel_equals_one_process_with_the_global_batch(comm) -> 
 def check_every_compressor_keeps_the_ranks_identical(comm) -> int:
     cases = 0
     for name, make in METHODS.items():
-        for ef in (False, True):
+        for ef in (False, True) if make().contraction else (False,):
             comp = C.ErrorFeedback(make()) if ef else make()
             eng = at.Engine(params(0), at.optim.AdamW(lr=1e-2), comm=comm, compressor=comp, max_grad_norm=5.0)
             reps = [eng.step(grads(t, comm.rank)) for t in range(3)]
