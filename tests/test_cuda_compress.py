@@ -276,7 +276,7 @@ def _compare_payloads(a, b, cfg, step):
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-@pytest.mark.parametrize("cfg", sorted(NATIVE))
+@pytest.mark.parametrize("cfg", sorted(c for c in NATIVE if NATIVE[c]().contraction))  # under error feedback
 def test_compressor_on_cupy_equals_numpy(cfg, dtype, rng):
     cp = _cp()
     layout = _native_layout(40_000)
@@ -447,10 +447,10 @@ def test_cuda_engine_with_error_feedback_topk_equals_cpu(accumulation, rng):
 def test_cuda_engine_resumes_from_its_state_dict(name, rng):
     """A fresh CUDA engine loads a stepped CUDA engine's in-memory state (device residual) and continues equal."""
     cp = _cp()
-    make = {"topk": lambda: C.TopK(ratio=0.05), "randomk": lambda: C.RandomK(ratio=0.1, seed=1),
+    make = {"topk": lambda: C.TopK(ratio=0.05), "randomk": lambda: C.RandomK(ratio=0.1, seed=1, rescale=False),
             "int8": lambda: C.Int8Block(block=64, stochastic_rounding=True, seed=2), "sign": lambda: C.Sign(),
             "ternary": lambda: C.Ternary(seed=3), "powersgd": lambda: C.PowerSGD(rank=2, seed=4),
-            "vsa": lambda: C.VSA(0.25, seed=5)}[name]
+            "vsa": lambda: C.VSA(0.25, seed=5, unbiased=False)}[name]
     grads = [{k: cp.asarray(rng.standard_normal(s).astype(np.float32)) for k, s in SHAPES.items()} for _ in range(8)]
     _, a = _engines(rng, lambda: ErrorFeedback(make()))
     for g in grads[:4]:
