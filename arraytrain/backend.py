@@ -108,13 +108,14 @@ def as_array(x: object, name: str = "array", backend: str | None = None):
     Raises :class:`BackendError` for objects that are not arrays and
     :class:`DTypeError` for non-floating dtypes; ``name`` is used in messages.
     ``backend`` (``"numpy"`` or ``"cupy"``): the side the array must be on; an
-    object on the other side is refused before it is read (a DLPack exporter is
-    never asked to export).
+    object on the other side is refused with :class:`BackendError` before it is
+    read (a DLPack exporter is never asked to export).
     A NumPy subclass is read as a plain ``ndarray`` view of the same memory
     (``np.matrix``, whose ``reshape(-1)`` stays 2-D, ``np.memmap``, ...), except a
     masked array, which is refused: the kernels cannot honour its mask.
     """
     if isinstance(x, np.ndarray):
+        _expect(NUMPY, backend, name)
         if isinstance(x, np.ma.MaskedArray):
             raise BackendError(f"{name!r}: a masked array; its mask cannot be applied by the kernels "
                                "(pass x.filled(0) or x.data)")
@@ -145,6 +146,7 @@ def as_array(x: object, name: str = "array", backend: str | None = None):
         _expect(CUPY, backend, name)
         arr = _cupy(name).asarray(x)
     else:
+        _expect(NUMPY, backend, name)
         try:
             arr = np.asarray(x)
         except Exception as exc:

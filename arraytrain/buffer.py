@@ -205,7 +205,6 @@ class FlatBuffer:
             if name not in self._views:
                 raise UnknownParameterError(f"{name!r}: no such parameter; known: {list(self.layout.names)}")
             arr = as_array(a, name, backend_of(self.flat))
-            same_backend(arr, backend_of(self.flat), name)
             if tuple(arr.shape) != self.layout.shape(name):
                 raise ShapeMismatchError(name, self.layout.shape(name), arr.shape, what="array")
             checked[name] = arr

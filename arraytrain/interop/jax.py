@@ -35,7 +35,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from ..backend import KERNEL_DTYPES, as_array, same_backend, backend_of
+from ..backend import KERNEL_DTYPES, as_array, backend_of
 from ..engine import Engine, _exclusive
 from ..errors import (
     AliasingError,
@@ -198,8 +198,7 @@ class JaxEngine(Engine):
 
     def _step_packed(self, packed, weight, padded: bool = False):
         w = self._check_weight(weight)
-        arr = as_array(packed, "grads")
-        same_backend(arr, backend_of(self.grads.flat), "grads")
+        arr = as_array(packed, "grads", backend_of(self.grads.flat))
         if isinstance(arr, np.ndarray) and any(np.may_share_memory(arr, f) for f in (self.params.flat,
                                                                                    self.grads.flat)):
             raise AliasingError("grads: the gradient shares memory with an engine buffer; write into "
