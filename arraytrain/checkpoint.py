@@ -58,8 +58,9 @@ its header covers the whole file, ``fsync``-ed, renamed over the target with
 exception the work directory is removed and an existing checkpoint is left as it
 was. A process killed mid-save leaves the old checkpoint and its one work
 directory; the next save to the same target removes every such directory whose
-lock no live writer holds (and the ``.<name>.<hex>.tmp`` files of older versions),
-so crashed saves never pile up: at most the one of the last crash remains. A new
+lock no live writer holds (and the ``.<name>.<hex>.tmp`` files of older versions)
+before it makes its own, so crashed saves never pile up: a kill at any instant,
+during that cleanup too, leaves at most one such entry. A new
 file's mode follows the umask. Arrays are written straight from the engine's
 buffers (safetensors reads them by pointer), without an in-memory copy of the state.
 
@@ -325,19 +326,22 @@ def _write_atomic(where: str, tensors: dict, metadata: dict) -> None:
     from safetensors import numpy as _st_numpy
 
     directory, base = os.path.split(os.path.abspath(where))
+    # What older crashed saves left goes first, before this save has a work directory of its
+    # own: a kill during the cleanup then leaves at most the one entry being removed, never it
+    # beside ours.
+    _phase_hook("start")
+    _clean_stale(directory, base)
     # A private directory holds everything this save writes: our file and safetensors' own
     # temporary file (it writes ".tmpXXXXXX" beside its target, then renames). A crash leaves
-    # that one directory; the next save to the same target removes it (see _clean_stale).
-    work = os.path.join(directory, f"{_tmp_prefix(base)}{secrets.token_hex(8)}.tmp")
-    os.mkdir(work, 0o700)  # fails if the name exists: it is ours
-    lock = _lock(work)
+    # that one directory; the next save to the same target removes it.
+    work, lock = _make_work_dir(directory, base)
     try:
-        _clean_stale(directory, base, work)
         tmp = os.path.join(work, "checkpoint.safetensors")
         # Created with 0o666, the file gets the umask's mode, as any new file would;
         # safetensors replaces it with a 0o600 file of its own, so the mode is restored.
         os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
         mode = stat.S_IMODE(os.stat(tmp).st_mode)
+        _phase_hook("write")
         _st_numpy.save_file(tensors, tmp, metadata=metadata)
         os.chmod(tmp, mode)
         fd = os.open(tmp, os.O_RDWR)
@@ -351,15 +355,48 @@ def _write_atomic(where: str, tensors: dict, metadata: dict) -> None:
                 pass
         except safetensors.SafetensorError as exc:
             raise CheckpointError(f"{where}: the file just written does not read back: {exc}") from None
+        _phase_hook("rename")
         os.replace(tmp, where)
+        _phase_hook("renamed")
     except BaseException:
-        shutil.rmtree(work, ignore_errors=True)
+        _remove_entry(work, "own")
         raise
     finally:
         if lock is not None:
             os.close(lock)
-    shutil.rmtree(work, ignore_errors=True)  # empty by now
+    _remove_entry(work, "own")  # empty by now
     _fsync_dir(directory)
+    _phase_hook("done")
+
+
+def _phase_hook(phase: str) -> None:
+    """Called as a save reaches each phase; does nothing.
+
+    The phases, in order: ``"start"`` (no work directory of its own yet),
+    ``"stale-emptied"`` (inside the cleanup: an older save's directory emptied,
+    not yet removed), ``"write"``, ``"rename"``, ``"renamed"``, ``"own-emptied"``
+    (the own work directory emptied, not yet removed) and ``"done"``. The crash
+    tests replace it in a writer process to stop, or report, a save at a known
+    instant; nothing else uses it.
+    """
+
+
+def _make_work_dir(directory: str, base: str) -> tuple:
+    """Create and lock this save's work directory; return ``(path, lock descriptor)``.
+
+    Between ``mkdir`` and ``flock`` another writer's cleanup can take the new,
+    not yet locked directory for a crashed one and remove it; a fresh name is then
+    tried (a few times: the other writer's cleanup has moved on by then).
+    """
+    for attempt in range(8):
+        work = os.path.join(directory, f"{_tmp_prefix(base)}{secrets.token_hex(8)}.tmp")
+        os.mkdir(work, 0o700)  # fails if the name exists: it is ours
+        try:
+            return work, _lock(work)
+        except OSError:
+            if attempt == 7:
+                raise
+            _remove_entry(work, "own")
 
 
 def _tmp_prefix(base: str) -> str:
@@ -391,7 +428,7 @@ def _lock(path: str):
     return fd
 
 
-def _clean_stale(directory: str, base: str, own: str) -> None:
+def _clean_stale(directory: str, base: str) -> None:
     """Remove what crashed saves to the same target left behind (best effort, never fails the save).
 
     Candidates are the entries named like a work directory for ``base``
@@ -408,7 +445,7 @@ def _clean_stale(directory: str, base: str, own: str) -> None:
         return
     for entry in entries:
         path = os.path.join(directory, entry)
-        if path == own or not _is_tmp_name(entry, prefix):
+        if not _is_tmp_name(entry, prefix):
             continue
         try:
             info = os.lstat(path)
@@ -422,15 +459,32 @@ def _clean_stale(directory: str, base: str, own: str) -> None:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError:
                 continue  # a live save holds it
-            if stat.S_ISDIR(info.st_mode):
-                shutil.rmtree(path, ignore_errors=True)
-            else:
-                try:
-                    os.unlink(path)
-                except OSError:
-                    pass
+            _remove_entry(path, "stale")
         finally:
             os.close(fd)
+
+
+def _remove_entry(path: str, whose: str) -> None:
+    """Remove a work directory (or an older version's temporary file), ignoring errors.
+
+    A directory's contents go first, then the directory itself in one
+    ``rmdir``: a kill in between leaves one empty directory, still one entry
+    named like a work directory, which the next save removes.
+    """
+    try:
+        if not os.path.isdir(path) or os.path.islink(path):
+            os.unlink(path)
+            return
+        with os.scandir(path) as entries:
+            for entry in entries:
+                if entry.is_dir(follow_symlinks=False):
+                    shutil.rmtree(entry.path, ignore_errors=True)
+                else:
+                    os.unlink(entry.path)
+        _phase_hook(f"{whose}-emptied")
+        os.rmdir(path)
+    except OSError:
+        pass
 
 
 def _fsync_dir(directory: str) -> None:

@@ -941,11 +941,24 @@ def test_untyped_count():
 
 SAVER = """
 import sys
+import time
+
 import numpy as np
+
+import arraytrain.checkpoint as checkpoint
 from arraytrain import Engine, save
 from arraytrain.optim import Adam
 
-path, i = sys.argv[1], int(sys.argv[2])
+path, i, stop = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+
+
+def report(phase):  # each phase a save reaches, on stdout; the phase named ``stop`` blocks
+    print(phase, flush=True)
+    if phase == stop:
+        time.sleep(600)
+
+
+checkpoint._phase_hook = report
 e = Engine({"w": np.zeros(1 << 20, np.float32), "b": np.zeros(7, np.float32)}, Adam(lr=0.1))
 print("ready", flush=True)
 while True:
@@ -955,51 +968,123 @@ while True:
     save(path, e, extra={"i": i})
 """
 
-
 def _strays(directory, name):
     return sorted(x for x in os.listdir(directory) if x != name)
 
 
-def test_killed_saves_always_leave_a_loadable_checkpoint_and_no_pile_of_temporaries(tmp_path):
-    """A process saving in a loop is SIGKILLed at random moments, 20 times."""
-    import signal
+def _saver(ck, last: int, stop: str = ""):
     import subprocess
     import sys
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(os.path.dirname(at.__file__)),
+                                                       os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen([sys.executable, "-c", SAVER, str(ck), str(last), stop], stdout=subprocess.PIPE,
+                            env=env, text=True)
+    assert proc.stdout.readline().strip() == "ready"
+    return proc
+
+
+def _kill(proc) -> list:
+    """SIGKILL the writer; return the phases it reported."""
+    import signal
+
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(30)
+    phases = proc.stdout.read().split()
+    proc.stdout.close()
+    return phases
+
+
+def _check_after_kill(tmp_path, ck, e, last: int) -> int:
+    """At most one leftover, named as a work directory; the checkpoint loads whole; return its ``i``."""
+    strays = _strays(tmp_path, ck.name)
+    assert len(strays) <= 1, strays  # at most the killed writer's own work directory, or the one it was removing
+    assert all(x.startswith(f".{ck.name}.") and x.endswith(".tmp") for x in strays), strays
+    if not ck.exists():
+        assert last == 0  # killed before the first save finished
+        return last
+    extra = at.load(ck, e)
+    assert extra["i"] >= last  # never goes back
+    assert all((v == extra["i"]).all() for v in e.params.as_dict().values())  # never a mix of two saves
+    return extra["i"]
+
+
+def _fresh_engine():
+    return Engine({"w": np.zeros(1 << 20, np.float32), "b": np.zeros(7, np.float32)}, Adam(lr=0.1))
+
+
+def test_killed_saves_always_leave_a_loadable_checkpoint_and_no_pile_of_temporaries(tmp_path):
+    """A process saving in a loop is SIGKILLed at random moments, 20 times.
+
+    Every other kill is timed from the first save's start, a few milliseconds, so
+    that kills land inside the cleanup of what the previous kill left (which only
+    the first save of each writer has to do); the others anywhere in the first 0.4 s.
+    """
     import time
 
     ck = tmp_path / "ck.safetensors"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(os.path.dirname(at.__file__)),
-                                                       os.environ.get("PYTHONPATH", "")])}
     rng = np.random.default_rng(11)
-    e = Engine({"w": np.zeros(1 << 20, np.float32), "b": np.zeros(7, np.float32)}, Adam(lr=0.1))
-    last, mid_save = 0, 0
+    e = _fresh_engine()
+    last, mid_save, in_cleanup = 0, 0, 0
     deadline = time.monotonic() + 240
     for kill in range(20):
         assert time.monotonic() < deadline, f"only {kill} kills in the time bound"
-        proc = subprocess.Popen([sys.executable, "-c", SAVER, str(ck), str(last)], stdout=subprocess.PIPE,
-                                env=env, text=True)
+        had_leftover = bool(_strays(tmp_path, ck.name))
+        proc, seen = _saver(ck, last), []
         try:
-            assert proc.stdout.readline().strip() == "ready"
-            time.sleep(rng.uniform(0.0, 0.4))
+            if kill % 2 and had_leftover:
+                seen.append(proc.stdout.readline().strip())
+                assert seen == ["start"]
+                time.sleep(rng.uniform(0.0, 0.003))
+            else:
+                time.sleep(rng.uniform(0.0, 0.4))
         finally:
-            proc.send_signal(signal.SIGKILL)
-            proc.wait(30)
-            proc.stdout.close()
-        strays = _strays(tmp_path, ck.name)
-        assert len(strays) <= 1, strays  # at most the killed writer's own work directory
-        assert all(x.startswith(f".{ck.name}.") and x.endswith(".tmp") for x in strays), strays
-        mid_save += bool(strays)
-        if not ck.exists():
-            assert kill == 0 or last == 0  # killed before the first save finished
-            continue
-        extra = at.load(ck, e)
-        assert extra["i"] >= last  # never goes back
-        last = extra["i"]
-        assert all((v == last).all() for v in e.params.as_dict().values())  # never a mix of two saves
+            phases = seen + _kill(proc)
+        last = _check_after_kill(tmp_path, ck, e, last)
+        mid_save += bool(_strays(tmp_path, ck.name))
+        in_cleanup += had_leftover and "write" not in phases and phases[-1:] in (["start"], ["stale-emptied"])
     at.save(ck, e)  # a clean save after the last crash removes its leftovers
     assert _strays(tmp_path, ck.name) == []
-    print(f"\ncrash test: 20 kills, {mid_save} inside a save, last checkpoint i={last}")
+    print(f"\ncrash test: 20 kills, {mid_save} left a work directory, {in_cleanup} inside the cleanup of an "
+          f"older one, last checkpoint i={last}")
     assert mid_save >= 1  # the kills did land inside saves
+
+
+#: The phases a writer is stopped at, in order, with the leftovers expected after its kill:
+#: each stop starts a new writer on what the previous kill left.
+PHASE_KILLS = [
+    ("start", 0),          # the very first save, before its work directory exists: nothing left
+    ("write", 1),          # its work directory, with a partial file
+    ("start", 1),          # the next save, before it cleans up: the previous one is still there
+    ("stale-emptied", 1),  # inside the cleanup: the older directory emptied, not yet removed
+    ("write", 1),          # the emptied one gone, the own one made
+    ("rename", 1),         # written, fsynced, not yet renamed
+    ("renamed", 1),        # renamed over the target: the own (empty) work directory remains
+    ("own-emptied", 1),    # the own work directory being removed
+    ("done", 0),           # a whole save
+]
+
+
+def test_a_save_killed_at_each_phase_leaves_at_most_one_leftover(tmp_path):
+    """Deterministic twin of the random crash test: a hook blocks the writer at a named phase."""
+    ck = tmp_path / "ck.safetensors"
+    e = _fresh_engine()
+    last = 0
+    for stop, leftovers in PHASE_KILLS:
+        proc = _saver(ck, last, stop)
+        try:
+            while (line := proc.stdout.readline().strip()) != stop:
+                assert line, f"the writer ended before reaching {stop!r}"
+        finally:
+            _kill(proc)
+        saved = last
+        last = _check_after_kill(tmp_path, ck, e, last)
+        assert len(_strays(tmp_path, ck.name)) == leftovers, (stop, _strays(tmp_path, ck.name))
+        # the file is replaced at the rename, no earlier: before it the previous save is what loads
+        assert last == saved + (stop in ("renamed", "own-emptied", "done")), stop
+    at.save(ck, e)
+    assert _strays(tmp_path, ck.name) == []
+    print(f"\ncrash phases: {len(PHASE_KILLS)} kills, one at each phase")
 
 
 def _stale_dir(directory, name, files=("checkpoint.safetensors", ".tmpAbC123")):
