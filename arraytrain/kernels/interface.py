@@ -58,7 +58,7 @@ FAMILIES = ("reference", "cpu", "cuda")
 IMPLS = ("numba", "reference")
 
 #: name -> (domain, what it computes). Every family provides every name, with the reference's
-#: argument names, kinds and defaults (tests/test_kernel_interface.py checks it).
+#: argument names, kinds and defaults (tests/kernels/test_kernel_interface.py checks it).
 KERNELS = {
     "accumulate": ("reductions", "acc = w*g, or acc += w*g (a micro-batch into the gradient buffer)"),
     "accumulate_packed": ("reductions", "acc[d:d+n] (=|+=) w*src[s:s+n] per row (s, d, n): many gradients, one call"),

@@ -1,4 +1,4 @@
-"""Pieces of the compressors' group exchange that need no MPI (the exchange itself: tests/mpi/).
+"""Pieces of the compressors' group exchange that need no MPI (the exchange itself: tests/distributed/mpi/).
 
 The all-reduce of summable payload arrays (one collective per dtype) over the thread-backed
 group of tests/thread_group.py, and int8's wire type for the sums of codes.

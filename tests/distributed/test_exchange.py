@@ -1,4 +1,4 @@
-"""The engine's exchange stages over a group of ranks (threads here; MPI in tests/test_distributed.py).
+"""The engine's exchange stages over a group of ranks (threads here; MPI in tests/distributed/test_distributed.py).
 
 Dense data parallelism must give what one process gives for the same global batch;
 compressed exchange must decode to the sum of every rank's own decode, with error

@@ -10,7 +10,12 @@ without a usable GPU.
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "optim"))  # the optimizers' kernel tests
 
 import test_adafactor
 import test_amp
