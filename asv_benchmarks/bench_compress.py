@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from arraytrain.bench.compress import METHODS, layout_for, make
+from arraytrain.bench.compression import THROUGHPUT_METHODS, throughput_compressor, throughput_layout
 
 from .common import QUICK, SIZES, _Bandwidth
 
@@ -19,12 +19,12 @@ SIZES_C = [s for s in SIZES if s <= 10_000_000]
 
 
 class _Compress(_Bandwidth):
-    params = [list(METHODS), SIZES_C]
+    params = [list(THROUGHPUT_METHODS), SIZES_C]
     param_names = ["method", "size"]
     timeout = 240
 
     def setup(self, method, n):
-        self.layout = layout_for(method, n)
+        self.layout = throughput_layout(method, n)
         rng = np.random.default_rng(0)
         self.g = np.zeros(self.layout.size, np.float32)
         self.g[:] = rng.standard_normal(self.layout.size)
@@ -35,7 +35,7 @@ class _Compress(_Bandwidth):
         self._call()  # compile outside the timed region
 
     def _make(self, method):
-        return make(method)
+        return throughput_compressor(method)
 
     def time_it(self, method, n):
         self._call()
@@ -63,10 +63,10 @@ class Decompress(_Compress):
 class ErrorFeedbackRoundtrip(_Compress):
     """``ErrorFeedback(c).roundtrip(g)``: add the residual, compress, decode into g, update the residual."""
 
-    params = [["topk-1%", "int8-256", "sign"] if QUICK else list(METHODS), SIZES_C]
+    params = [["topk-1%", "int8-256", "sign"] if QUICK else list(THROUGHPUT_METHODS), SIZES_C]
 
     def _make(self, method):
-        return make(method, error_feedback=True)
+        return throughput_compressor(method, error_feedback=True)
 
     def _call(self):
         self.c.roundtrip(self.g)

@@ -1,6 +1,6 @@
 """Gradient compressors on a GPU: compress, decompress and the error-feedback round trip on CuPy buffers.
 
-The same methods and layouts as :mod:`.bench_compress` (``arraytrain.bench.compress``), with
+The same methods and layouts as :mod:`.bench_compress` (``arraytrain.bench.compression``), with
 the gradient, the payload and the state on the device. Skipped (``NotImplementedError`` in
 ``setup``, asv's way) where no CUDA device runs a probe kernel. ``setup`` runs each call once,
 so NVRTC compilation never lands in a timed method; every timed call synchronises the device
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from arraytrain.bench.compress import METHODS, layout_for, make
+from arraytrain.bench.compression import THROUGHPUT_METHODS, throughput_compressor, throughput_layout
 
 from .bench_cuda import _require, copy_gbs
 from .common import QUICK
@@ -23,13 +23,13 @@ SIZES = [100_000] if QUICK else [1_000_000, 10_000_000]
 
 
 class _CudaCompress:
-    params = [list(METHODS), SIZES]
+    params = [list(THROUGHPUT_METHODS), SIZES]
     param_names = ["method", "size"]
     timeout = 300
 
     def setup(self, method, n):
         cp = self.cp = _require()
-        self.layout = layout_for(method, n)
+        self.layout = throughput_layout(method, n)
         rs = cp.random.RandomState(0)
         self.g = rs.standard_normal(self.layout.size, dtype=cp.float32)
         self.c = self._make(method).bind(self.layout, np.float32)
@@ -40,7 +40,7 @@ class _CudaCompress:
         cp.cuda.Device().synchronize()
 
     def _make(self, method):
-        return make(method)
+        return throughput_compressor(method)
 
     def _timed(self):
         self._call()
@@ -93,7 +93,7 @@ class CudaErrorFeedbackRoundtrip(_CudaCompress):
     """``ErrorFeedback(c).roundtrip(g)`` on the device: residual added, compressed, decoded into g, residual updated."""
 
     def _make(self, method):
-        return make(method, error_feedback=True)
+        return throughput_compressor(method, error_feedback=True)
 
     def _call(self):
         self.c.roundtrip(self.g)

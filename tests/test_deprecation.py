@@ -294,7 +294,7 @@ def test_the_scan_finds_old_spellings():
 
 def test_the_cli_and_every_optimizer_default_build_without_warnings():
     from arraytrain import cli
-    from arraytrain.bench.compare import OPTIMIZERS, arraytrain_optimizer
+    from arraytrain.bench.common import OPTIMIZERS, arraytrain_optimizer
 
     with warnings.catch_warnings():
         warnings.simplefilter("error", DeprecationWarning)

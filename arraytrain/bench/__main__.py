@@ -12,7 +12,7 @@ digits MLP; see :mod:`arraytrain.bench.predict`.
 ``compression``: the digits MLP trained with every compressor, with and
 without error feedback; see :mod:`arraytrain.bench.compression`.
 ``compress``: compressor throughput (GB/s, % of triad); see
-:mod:`arraytrain.bench.compress`.
+:mod:`arraytrain.bench.compression` too.
 ``intake``: the dict path's cost per tensor, before and after the structure
 cache, beside the zero-copy path and torch's fused AdamW; see
 :mod:`arraytrain.bench.intake`.
@@ -40,7 +40,7 @@ def main(argv=None) -> int:
     elif command == "compression":
         from .compression import main as run
     elif command == "compress":
-        from .compress import main as run
+        from .compression import throughput_main as run
     elif command == "intake":
         from .intake import main as run
     elif command == "distributed":

@@ -8,7 +8,7 @@ alternate in blocks; every call is timed with CUDA events on each side's stream 
 a synchronisation, so the figure is device time plus the host gaps inside the step.
 The device's copy bandwidth (a device-to-device copy of 2 GB, bytes read plus bytes
 written) is measured in the same rotation. GB/s counts the bytes a fused clipped step
-cannot avoid (:func:`arraytrain.bench.compare.step_bytes`), for everyone alike.
+cannot avoid (:func:`arraytrain.bench.common.step_bytes`), for everyone alike.
 """
 
 from __future__ import annotations
@@ -20,8 +20,16 @@ import tempfile
 
 import numpy as np
 
-from .compare import (MAX_NORM, N_TENSORS, NOT_AVAILABLE, _matrix, _split, first_step_seconds, make_engine,
-                      step_bytes, torch_optimizer)
+from .common import (
+    MAX_NORM,
+    N_TENSORS,
+    NOT_AVAILABLE,
+    first_step_seconds,
+    make_engine,
+    shapes,
+    step_bytes,
+    torch_optimizer,
+)
 
 BLOCK = 5
 DEFAULT_OPTIMIZERS = ("adamw", "adam", "sgd", "adagrad", "rmsprop", "lion", "lamb", "adafactor")
@@ -29,13 +37,13 @@ CONTESTANTS = ("arraytrain", "torch-fused", "torch-foreach")
 
 
 def _cuda_data(n: int, seed: int = 0, opt: str = ""):
-    """100 parameters and gradients of ``n`` elements in all; matrices for Adafactor (so it factors) and Muon."""
+    """100 parameters and gradients of ``n`` elements in all, CuPy float32; matrices for
+    :data:`~arraytrain.bench.common.MATRIX_OPTIMIZERS`."""
     import cupy as cp
 
     rs = cp.random.RandomState(seed)
-    shapes = [_matrix(k) if opt in ("adafactor", "muon") else (k,) for k in _split(n)]
-    return ([rs.standard_normal(s, dtype=cp.float32) for s in shapes],
-            [rs.standard_normal(s, dtype=cp.float32) for s in shapes])
+    return ([rs.standard_normal(s, dtype=cp.float32) for s in shapes(n, opt)],
+            [rs.standard_normal(s, dtype=cp.float32) for s in shapes(n, opt)])
 
 
 def _timer():
@@ -122,11 +130,12 @@ def stage_times(opt: str, n: int, reps: int = 20) -> dict:
     """
     import cupy as cp
 
+    from arraytrain.backend import kernels_for
     from arraytrain.ops import norm_pass
 
     step = make_arraytrain(opt, n)
     engine = step.engine
-    k = engine._kernels
+    k = kernels_for(engine.params.flat)  # the family the engine picked (kernels="numba": CUDA's on CuPy)
     time_call = _timer()
 
     def update():

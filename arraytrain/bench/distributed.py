@@ -180,12 +180,13 @@ def worker_projection(comm, cfg) -> dict:
 
 
 def _gathered(comp) -> bool:
-    """True for a method whose payloads are all-gathered (the base class's aggregate), not all-reduced."""
-    from ..compress import Compressor
-    from ..compress._summed import Summed
+    """True for a method whose payloads are all-gathered, not all-reduced: one that keeps
+    :meth:`Compressor.aggregate <arraytrain.compress.Compressor.aggregate>`'s default (methods
+    whose payloads add up override it with an all-reduce)."""
+    from ..compress import Compressor, ErrorFeedback
 
-    inner = getattr(comp, "compressor", comp)
-    return isinstance(inner, Compressor) and not isinstance(inner, Summed)
+    inner = comp.compressor if isinstance(comp, ErrorFeedback) else comp
+    return isinstance(inner, Compressor) and type(inner).aggregate is Compressor.aggregate
 
 
 WORKERS = {"allreduce": worker_allreduce, "scaling": worker_scaling, "projection": worker_projection}

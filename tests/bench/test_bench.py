@@ -7,12 +7,12 @@ import json
 import numpy as np
 import pytest
 
-from arraytrain.bench import compare
+from arraytrain.bench import common, compare
 
 
-PAIRS = [(name, opt) for opt in compare.OPTIMIZERS for name in compare.CONTESTANTS
-         if not name.startswith("arraytrain") and (name, opt) not in compare.NOT_AVAILABLE]
-BF16 = [opt for opt in compare.OPTIMIZERS if ("arraytrain-bf16", opt) not in compare.NOT_AVAILABLE]
+PAIRS = [(name, opt) for opt in common.OPTIMIZERS for name in compare.CONTESTANTS
+         if not name.startswith("arraytrain") and (name, opt) not in common.NOT_AVAILABLE]
+BF16 = [opt for opt in common.OPTIMIZERS if ("arraytrain-bf16", opt) not in common.NOT_AVAILABLE]
 BFLOAT16_NEWTON_SCHULZ = {("torch-forloop", "muon")}
 NOT_MOMENTS = {"z", "max_lr", "weight_sum"}  # schedule-free's iterate and float64 weights stay as they are
 
@@ -33,7 +33,7 @@ def test_contestant_matches_arraytrain(name, opt):
     for _ in range(3):  # the factories took one step already
         ours()
         theirs()
-    start, _ = compare._data(n, opt=opt)
+    start, _ = compare.make_data(n, opt=opt)
     if (name, opt) in BFLOAT16_NEWTON_SCHULZ:
         # torch.optim.Muon iterates Newton-Schulz in bfloat16 (arraytrain and the NumPy contestant
         # in float32): the same steps to bfloat16's precision, per matrix (measured 2% of the displacement)
@@ -56,7 +56,7 @@ def test_bfloat16_state_contestant_follows_arraytrain(opt):
     for _ in range(3):
         ours()
         bf16()
-    start, _ = compare._data(n, opt=opt)
+    start, _ = compare.make_data(n, opt=opt)
     for a, b, a0 in zip(ours.params(), bf16.params(), start, strict=True):
         if opt == "muon":  # the orthogonalised update is a matrix's: compared per matrix
             assert np.linalg.norm((b - a0) - (a - a0)) <= 2e-2 * np.linalg.norm(a - a0)
@@ -67,30 +67,30 @@ def test_bfloat16_state_contestant_follows_arraytrain(opt):
 
 
 def test_every_optimizer_has_an_outside_contestant():
-    for opt in compare.OPTIMIZERS:
+    for opt in common.OPTIMIZERS:
         outside = [c for c in compare.CONTESTANTS
-                   if not c.startswith("arraytrain") and (c, opt) not in compare.NOT_AVAILABLE]
+                   if not c.startswith("arraytrain") and (c, opt) not in common.NOT_AVAILABLE]
         assert outside, opt
     assert len(PAIRS) == 47  # every (contestant, optimizer) pair that the matching test checks
 
 
-@pytest.mark.parametrize("name,opt", sorted(compare.NOT_AVAILABLE))
+@pytest.mark.parametrize("name,opt", sorted(common.NOT_AVAILABLE))
 def test_unavailable_pairs_say_why(name, opt):
     with pytest.raises(compare.NotAvailable, match=r"\w"):
         compare.CONTESTANTS[name](opt, 100)
 
 
 def test_adafactor_contestants_get_matrices():
-    params, _ = compare._data(3000, opt="adafactor")
+    params, _ = compare.make_data(3000, opt="adafactor")
     assert len(params) == 100 and all(p.ndim == 2 for p in params)
     assert sum(p.size for p in params) == 3000
 
 
 def test_step_bytes():
-    assert compare.step_bytes("adamw") == 32  # norm read 4 + read p,g,m,v 16 + write p,m,v 12
-    assert compare.step_bytes("sgd") == 24
-    assert compare.step_bytes("lamb") == 44  # norm 4 + (read p,g,m,v; write m,v) 24 + (read p,m,v; write p) 16
-    assert compare.step_bytes("adafactor") == 28  # norm 4 + read g 4 + read p,g 8 + read p,g, write p 12
+    assert common.step_bytes("adamw") == 32  # norm read 4 + read p,g,m,v 16 + write p,m,v 12
+    assert common.step_bytes("sgd") == 24
+    assert common.step_bytes("lamb") == 44  # norm 4 + (read p,g,m,v; write m,v) 24 + (read p,m,v; write p) 16
+    assert common.step_bytes("adafactor") == 28  # norm 4 + read g 4 + read p,g 8 + read p,g, write p 12
 
 
 def _doc(seconds, triad):

@@ -7,8 +7,8 @@ import math
 
 import pytest
 
-from arraytrain.bench import compress as bench_compress
 from arraytrain.bench import compression
+from arraytrain.bench.__main__ import main as bench_main
 
 
 def test_compression_table_json_and_plot(tmp_path, capsys):
@@ -39,9 +39,14 @@ def test_compression_bad_method(capsys):
 
 
 def test_throughput_table(capsys):
-    rc = bench_compress.main(["--sizes", "2e4", "--rounds", "1", "--reps", "1",
-                              "--methods", "topk-1%,int8-256,powersgd-r4"])
+    rc = bench_main(["compress", "--sizes", "2e4", "--rounds", "1", "--reps", "1",
+                     "--methods", "topk-1%,int8-256,powersgd-r4"])
     assert rc == 0
     out = capsys.readouterr().out
     rows = [line for line in out.splitlines() if line.startswith("| ") and "method" not in line]
     assert [r.split(" | ")[0][2:] for r in rows] == ["topk-1%", "int8-256", "powersgd-r4", "np.argpartition 1%"]
+
+
+def test_throughput_bad_method(capsys):
+    assert compression.throughput_main(["--methods", "zip"]) == 2
+    assert "unknown ['zip']" in capsys.readouterr().err

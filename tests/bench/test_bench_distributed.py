@@ -34,6 +34,12 @@ def test_the_cli_spec_builds_the_same_compressor(key, ef):
     assert again.describe() == comp.describe()
 
 
+@pytest.mark.parametrize("ef", [False, True])
+def test_the_gathered_methods_are_those_whose_payloads_do_not_add_up(ef):
+    gathered = {key for key, (_, make) in compression.METHODS.items() if bench._gathered(make(0, ef))}
+    assert gathered == {"topk", "sign", "ternary"}
+
+
 def test_allreduce_scaling_and_projection_on_tiny_settings(tmp_path, capsys):
     _need_mpi()
     pytest.importorskip("matplotlib")
