@@ -130,12 +130,13 @@ def stage_times(opt: str, n: int, reps: int = 20) -> dict:
     """
     import cupy as cp
 
-    from arraytrain.backend import kernels_for
+    from arraytrain.backend import backend_of
+    from arraytrain.kernels.interface import family
     from arraytrain.ops import norm_pass
 
     step = make_arraytrain(opt, n)
     engine = step.engine
-    k = kernels_for(engine.params.flat)  # the family the engine picked (kernels="numba": CUDA's on CuPy)
+    k = family(backend_of(engine.params.flat))  # the family the engine runs (kernels="numba": CUDA's on CuPy)
     time_call = _timer()
 
     def update():
