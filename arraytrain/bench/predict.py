@@ -32,13 +32,9 @@ import time
 
 import numpy as np
 
+from ..cli import PREDICT_DEFAULTS
+
 EPOCHS = 20
-# Chosen by a sweep over 3 seeds at 20 epochs (cycles (2,6,3), (1,3,2), (1,3,3), (1,4,4); history
-# 1, 2, 4, 8; correction_beta 0, 0.5, 0.9, 0.99, 1): history 2 was worst (up to -7 points: a two-point
-# line extrapolates minibatch noise), every correction_beta < 1 lost 0.4-1 point against beta = 1
-# (the residuals of minibatch gradients are noise, and their average is stale noise), and
-# (2, 6, 3) with history 4 and beta 1 matched full training at 2.24x fewer backward passes.
-FULL_STEPS, PREDICT_STEPS, CORRECT_EVERY, HISTORY, BETA = 2, 6, 3, 4, 1.0
 MODES = ("full", "phase", "full, equal backward")
 
 
@@ -116,11 +112,12 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m arraytrain.bench predict", description=__doc__.splitlines()[0])
     ap.add_argument("--seeds", default="0,1,2,3,4", help="comma-separated seeds (split, weights, batch order)")
     ap.add_argument("--epochs", type=int, default=EPOCHS)
-    ap.add_argument("--full-steps", type=int, default=FULL_STEPS)
-    ap.add_argument("--predict-steps", type=int, default=PREDICT_STEPS)
-    ap.add_argument("--correct-every", type=int, default=CORRECT_EVERY)
-    ap.add_argument("--history", type=int, default=HISTORY)
-    ap.add_argument("--correction-beta", type=float, default=BETA)
+    # the defaults of `arraytrain train --predict` (arraytrain.cli.PREDICT_DEFAULTS: the sweep behind them there)
+    ap.add_argument("--full-steps", type=int, default=PREDICT_DEFAULTS["full_steps"])
+    ap.add_argument("--predict-steps", type=int, default=PREDICT_DEFAULTS["predict_steps"])
+    ap.add_argument("--correct-every", type=int, default=PREDICT_DEFAULTS["correct_every"])
+    ap.add_argument("--history", type=int, default=PREDICT_DEFAULTS["history"])
+    ap.add_argument("--correction-beta", type=float, default=PREDICT_DEFAULTS["correction_beta"])
     ap.add_argument("--adaptive", action="store_true", help="adaptive phase lengths (bounds: 1..4x the given ones)")
     ap.add_argument("--json", metavar="FILE", help="write every sample as JSON")
     args = ap.parse_args(argv)
