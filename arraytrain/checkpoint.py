@@ -80,7 +80,6 @@ import shutil
 import stat
 import struct
 from collections.abc import Mapping
-from contextlib import nullcontext
 
 try:
     import fcntl
@@ -90,6 +89,7 @@ except ImportError:  # not POSIX: no stale-file cleanup (see _clean_stale)
 import numpy as np
 
 from .errors import ArgumentTypeError, CheckpointError, StateDictError
+from .engine_state import checked_everywhere
 from .exchange import PerRank
 
 
@@ -140,7 +140,7 @@ def save(path, engine, *, extra: Mapping | None = None) -> None:
     where = _fspath(path)
     _check_engine(engine)
     comm = _comm_of(engine)
-    with _exclusive(engine, "save()"):  # no step may change the buffers while they are written
+    with engine.exclusive("save()"):  # no step may change the buffers while they are written
         if comm is None:
             _save_tree(where, engine.state_dict(copy=False), extra)
             return
@@ -177,29 +177,18 @@ def load(path, engine) -> dict:
     """
     where = _fspath(path)
     _check_engine(engine)
-    with _exclusive(engine, "load()"):
-        comm = _comm_of(engine)
-        if comm is None:
-            template = engine._state(copy=False, gather=False) if hasattr(engine, "_state") else \
-                engine.state_dict(copy=False)
-            tree, extra = _read(where, template)
-            try:
-                engine.load_state_dict(tree)
-            except StateDictError as exc:
-                raise CheckpointError(f"{where}: {exc}") from exc
-            return extra
-
-        # a group of processes: every rank reads the file (a file system they share), takes
-        # its own share, and no rank writes unless every rank's checks passed
+    with engine.exclusive("load()"):
+        # with a group of processes every rank reads the file (a file system they share) and
+        # takes its own share; no rank writes unless every rank's checks passed
         def check():
-            tree, extra = _read(where, engine._state(copy=False, gather=False))
+            tree, extra = _read(where, engine.state_template())
             try:
-                return engine._check_state(tree), extra
+                return engine.check_state(tree), extra
             except StateDictError as exc:
                 raise CheckpointError(f"{where}: {exc}") from exc
 
-        writes, extra = engine._checked_everywhere(check)
-        engine._apply_writes(writes)
+        checked, extra = checked_everywhere(engine.comm, check)
+        engine.apply_state(checked)
     return extra
 
 
@@ -858,19 +847,17 @@ def _fspath(path) -> str:
     return where
 
 
-def _exclusive(engine, what: str):
-    """The engine's call guard (another thread's step would change buffers being written or read)."""
-    from .engine import Engine
-
-    return engine._guard(what) if isinstance(engine, Engine) else nullcontext()
-
-
 def _comm_of(engine):
     """The engine's group of processes, or None for a single process."""
     comm = getattr(engine, "comm", None)
     return None if comm is None or comm.is_local else comm
 
 
+#: What :func:`save` and :func:`load` use of what they are handed (an :class:`~arraytrain.Engine`,
+#: a bound engine, or a phase controller's checkpoint): the engine's public state protocol.
+PROTOCOL = ("state_dict", "state_template", "check_state", "apply_state", "exclusive")
+
+
 def _check_engine(engine) -> None:
-    if not (callable(getattr(engine, "state_dict", None)) and callable(getattr(engine, "load_state_dict", None))):
+    if not all(callable(getattr(engine, name, None)) for name in PROTOCOL) or not hasattr(engine, "comm"):
         raise ArgumentTypeError(f"engine: expected an arraytrain.Engine, got {type(engine).__name__}")

@@ -2,127 +2,38 @@
 
 from __future__ import annotations
 
-import functools
 import math
-import threading
 from collections.abc import Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 
 import numpy as np
 
-from . import _intake
-from ._checks import check_count, check_int, check_number, check_positive, shown
+from . import _intake, engine_state
+from ._checks import check_int, check_number, check_positive
+from ._guard import CallGuard, guarded
+from .accumulate import REDUCTIONS
 from .amp import LossScaler, working_spec
 from .backend import NUMPY, array_module, backend_of, kernels_for, to_device
 from .buffer import FlatBuffer, aligned
 from .compress._base import check_compressor
-from .exchange import PerRank, check_exchange
+from .engine_state import Counters, StateParts, checked_everywhere
+from .exchange import agree_on_setup, check_exchange
 from .errors import (
     ArgumentTypeError,
-    BackendError,
     ConcurrentUseError,
-    DTypeError,
     HyperparameterError,
     LayoutError,
     MissingGradientError,
     NonFiniteError,
-    StateDictError,
 )
-from .ops import CLIP_EPS, NormPass, clip_coef, norm_pass
+from .ops import CLIP_EPS
 from .optim import Optimizer
 from .prune import MaskBuffer
 from .schedules import Schedule
+from .stages import StepReport, Verdict, exchange_dense, exchange_scalars
 
-STATE_FORMAT = 3
-REDUCTIONS = ("mean", "sum")
+STATE_FORMAT = engine_state.STATE_FORMAT
 MISSING = ("error", "zero")
-
-
-class _CallGuard:
-    """Refuses a call on an engine while a call from another thread is running on it.
-
-    A non-blocking re-entrant lock: the thread holding it may nest calls (``save``
-    holds it while it writes what ``state_dict`` returned); any other thread gets
-    :class:`ConcurrentUseError` at once, before its call changes anything.
-    """
-
-    def __init__(self):
-        self._lock = threading.RLock()
-        self._holder: tuple[str, str] | None = None
-
-    @contextmanager
-    def __call__(self, what: str):
-        if not self._lock.acquire(blocking=False):
-            thread, busy = self._holder or ("?", "another call")
-            raise ConcurrentUseError(
-                f"{what}: the engine is busy with {busy} on thread {thread!r}; an Engine is not "
-                "thread-safe: serialise the calls on one engine (e.g. with a lock of your own)"
-            )
-        outer = self._holder
-        self._holder = (threading.current_thread().name, what)
-        try:
-            yield
-        finally:
-            self._holder = outer
-            self._lock.release()
-
-
-def _exclusive(method):
-    """Run an Engine method under the engine's call guard."""
-
-    @functools.wraps(method)
-    def guarded(self, *args, **kwargs):
-        with self._guard(f"{method.__name__}()"):
-            if self._evaluating:
-                raise ConcurrentUseError(f"{method.__name__}(): inside engine.evaluation() the parameters hold the "
-                                         "evaluation weights; leave the block first")
-            return method(self, *args, **kwargs)
-
-    return guarded
-
-
-@dataclass(frozen=True, kw_only=True)
-class StepReport:
-    """What one call of :meth:`Engine.step` did.
-
-    ``applied``: the optimizer ran. ``skipped``: the accumulation boundary was
-    reached with a NaN/Inf gradient, so nothing changed and the window was
-    dropped. ``perturbed``: (SAM) the boundary moved the weights to the
-    ascent point; the next window's gradient, taken there, makes the update.
-    None of these: the micro-batch was accumulated. ``grad_norm`` is the
-    global L2 norm of the reduced (mean or sum), unscaled gradient before
-    clipping, and ``clip_coef`` the factor applied to it; both are None between
-    boundaries. With a compressor, ``payload_bytes`` is the measured size of the
-    step's payload and ``dense_bytes`` that of the uncompressed gradient. ``lr`` is the scheduled learning rate of parameters without
-    an ``lr`` override; ``loss_scale`` the scale to multiply the next loss by.
-    """
-
-    applied: bool
-    skipped: bool
-    step: int
-    micro_batches: int
-    lr: float
-    grad_norm: float | None = None
-    clip_coef: float | None = None
-    loss_scale: float = 1.0
-    perturbed: bool = False
-    _segment_norms: np.ndarray | None = field(default=None, repr=False)
-    _names: tuple = field(default=(), repr=False)
-    payload_bytes: int | None = None
-    dense_bytes: int | None = None
-
-    @property
-    def accumulated(self) -> bool:
-        """True when the micro-batch was only accumulated: not applied, skipped or perturbed."""
-        return not (self.applied or self.skipped or self.perturbed)
-
-    @property
-    def grad_norms(self) -> dict[str, float] | None:
-        """Per-parameter L2 norms of the reduced gradient (from the same pass)."""
-        if self._segment_norms is None:
-            return None
-        return {n: float(x) for n, x in zip(self._names, self._segment_norms)}
 
 
 class Engine:
@@ -276,13 +187,14 @@ class Engine:
         if wspec is not None and self.params.dtype != np.float32:
             raise HyperparameterError(f"working_dtype: working copies need float32 parameters, got {self.params.dtype}")
         self._kernels = kernels_for(self.params.flat, kernels)
-        self._guard = _CallGuard()
+        self._guard = CallGuard()
         self._evaluating = False
         if not comm.is_local:
-            _agree(comm, self.params, optimizer, compressor, accumulation_steps=accumulation_steps,
-                   reduction=reduction, max_grad_norm=max_grad_norm, clip_eps=clip_eps,
-                   loss_scaler=None if loss_scaler is None else loss_scaler.state_dict(),
-                   schedule=None if schedule is None else schedule.state_dict(), working_dtype=working_dtype)
+            agree_on_setup(comm, self.params, optimizer, compressor, accumulation_steps=accumulation_steps,
+                           reduction=reduction, max_grad_norm=max_grad_norm, clip_eps=clip_eps,
+                           loss_scaler=None if loss_scaler is None else loss_scaler.state_dict(),
+                           schedule=None if schedule is None else schedule.state_dict(),
+                           working_dtype=working_dtype)
         if compressor is not None:
             compressor.bind(self.params.layout, self.params.dtype, comm=comm)
         self.state = optimizer.init(self.params)  # validates overrides against the names
@@ -299,13 +211,10 @@ class Engine:
         self.schedule = schedule
         self.loss_scaler = loss_scaler
         self.max_consecutive_skips = max_consecutive_skips
-        self.consecutive_skips = 0
-        self._micro = 0
-        self._weight_sum = 0.0
+        self.counters = Counters()
         # SAM (an optimizer with ``perturb``) takes two windows per step; between
         # them the weights sit at the ascent point
         self._two_windows = callable(getattr(optimizer, "perturb", None))
-        self._perturbed = False
         self.compressor = compressor
         # CUDA without a compressor or SAM's two windows: the clip factor and the skip decision
         # stay on the device, and the update is launched before the step's one synchronisation
@@ -328,9 +237,19 @@ class Engine:
         return self.params.layout
 
     @property
+    def kernels(self):
+        """The kernel family this engine runs (:mod:`arraytrain.kernels`; numba, CUDA or the reference)."""
+        return self._kernels
+
+    @property
     def micro_batches(self) -> int:
         """Micro-batches accumulated in the current window."""
-        return self._micro
+        return self.counters.micro
+
+    @property
+    def consecutive_skips(self) -> int:
+        """Boundaries in a row whose gradients were not finite (0 after an applied step)."""
+        return self.counters.consecutive_skips
 
     @property
     def loss_scale(self) -> float:
@@ -340,7 +259,7 @@ class Engine:
     @property
     def perturbed(self) -> bool:
         """SAM: True between the ascent boundary and the update boundary."""
-        return self._perturbed
+        return self.counters.perturbed
 
     @property
     def lr(self) -> float:
@@ -357,7 +276,23 @@ class Engine:
         """Rebuild the working copy from the master weights (after a load or a SAM move)."""
         if self.working is not None:
             w, kind = self._working_args()
-            self._kernels.cast_working(w, self.params.flat, self.layout.pieces, kind)
+            self._kernels.cast_working(w, self.params.flat, self.layout.pieces, kind=kind)
+
+    @contextmanager
+    def exclusive(self, what: str):
+        """Hold the engine's call guard for a block (``what`` names the caller in messages).
+
+        Inside it no other thread's call on this engine runs (each is refused with
+        :class:`~arraytrain.errors.ConcurrentUseError`); the holding thread may nest
+        calls. :func:`arraytrain.save` and :func:`arraytrain.load` hold it while they
+        write or read, so no step changes the buffers meanwhile. Refused inside
+        :meth:`evaluation`, where the parameters hold the evaluation weights.
+        """
+        with self._guard(what):
+            if self._evaluating:
+                raise ConcurrentUseError(f"{what}: inside engine.evaluation() the parameters hold the "
+                                         "evaluation weights; leave the block first")
+            yield
 
     @contextmanager
     def evaluation(self):
@@ -390,7 +325,7 @@ class Engine:
             self._evaluating = False
 
     # -- the step ---------------------------------------------------------------------
-    @_exclusive
+    @guarded
     def step(self, grads: Mapping | None = None, *, weight: float | None = None) -> StepReport:
         """Take one micro-batch; at every ``accumulation_steps``-th call, apply the optimizer.
 
@@ -404,9 +339,58 @@ class Engine:
         zero, a larger value overflow), and with ``reduction="mean"`` the
         window's weight sum times the loss scale must stay in ``[1/max, 1/tiny]``
         of the dtype, so that the unscale factor ``1 / (sum * scale)`` is normal too.
+
+        The stages: intake (validate, then accumulate into ``engine.grads``); at a
+        boundary exchange -> norm pass and non-finite check -> skip or clip ->
+        update -> bookkeeping (see :mod:`arraytrain.stages`).
         """
-        w = self._check_weight(weight)
-        lr = self.lr  # the schedule's lr at this step: computed (and checked) before any write
+        w = self.check_weight(weight)
+        boundary = self.counters.micro + 1 >= self.accumulation_steps
+        # the schedule, evaluated once and checked before any write
+        lr, lrs = self._scheduled(boundary)
+        self._intake_stage(grads, w)
+        if not boundary:
+            return StepReport(applied=False, skipped=False, step=self.state.step, micro_batches=self.counters.micro,
+                              lr=lr, loss_scale=self.loss_scale)
+        return self._boundary(lr, lrs)
+
+    def check_weight(self, weight) -> float:
+        """``weight`` (None: 1.0) as :meth:`step` takes it, or the error step() would raise.
+
+        For a binding that writes a micro-batch into ``engine.grads`` itself and then
+        calls ``step()`` with no gradients: it checks the weight before it writes.
+        """
+        w = 1.0 if weight is None else check_positive("weight", weight)
+        info = np.finfo(self.params.dtype)
+        tiny, big = float(info.tiny), float(info.max)
+        if not tiny <= w <= big:
+            raise HyperparameterError(f"weight: expected a normal {self.params.dtype} number in [{tiny!r}, {big!r}] "
+                                      f"(the kernels multiply by it in {self.params.dtype}), got {w!r}")
+        if self.reduction == "mean":
+            wsum = self.counters.weight_sum + w
+            scaled = wsum * self.loss_scale
+            if not 1.0 / big <= scaled <= 1.0 / tiny:
+                raise HyperparameterError(
+                    f"weight: the window's weight sum {wsum!r} times the loss scale "
+                    f"{self.loss_scale!r} is {scaled!r}, outside [{1.0 / big!r}, {1.0 / tiny!r}], so its "
+                    f"inverse (the mean's factor) is not a normal {self.params.dtype} number"
+                )
+        return w
+
+    def _scheduled(self, boundary: bool):
+        """``(lr, lrs)``: the scheduled lr of parameters without an override, and at a boundary
+        the per-parameter rates (None without a schedule), from one evaluation of the schedule."""
+        base = self.optimizer.lr
+        if self.schedule is None:
+            return base, None
+        if not boundary:
+            return float(self.schedule(self.state.step, base)), None
+        rates = self.schedule(self.state.step, np.concatenate(([base], self.optimizer.per_param(self.state, "lr"))))
+        return float(rates[0]), rates[1:]
+
+    # -- the stages ---------------------------------------------------------------------------
+    def _intake_stage(self, grads, w: float) -> None:
+        """Intake: validate the whole micro-batch, then accumulate it (the window's first overwrites)."""
         if grads is not None:
             # validated against the last structure seen when names, shapes and dtype repeat
             # (see _intake.Intake); nothing is written before this returns
@@ -416,169 +400,131 @@ class Engine:
                 raise MissingGradientError(
                     f"no gradient for {absent} (policy missing='error'; use missing='zero' to count them as zero)"
                 )
-            overwrite = self._micro == 0
+            overwrite = self.counters.micro == 0
             if overwrite:
                 for name in absent:
                     self.grads[name][...] = 0
             self._intake.write(checked, w, overwrite)
-        self._micro += 1
-        self._weight_sum += w
-        if self._micro < self.accumulation_steps:
-            return StepReport(applied=False, skipped=False, step=self.state.step, micro_batches=self._micro, lr=lr,
-                              loss_scale=self.loss_scale)
-        return self._boundary(lr)
+        self.counters.micro += 1
+        self.counters.weight_sum += w
 
-    def _check_weight(self, weight) -> float:
-        """A micro-batch weight the kernels represent exactly enough (see :meth:`step`)."""
-        if weight is None:
-            w = 1.0
-        else:
-            w = check_positive("weight", weight)
-        info = np.finfo(self.params.dtype)
-        tiny, big = float(info.tiny), float(info.max)
-        if not tiny <= w <= big:
-            raise HyperparameterError(f"weight: expected a normal {self.params.dtype} number in [{tiny!r}, {big!r}] "
-                                      f"(the kernels multiply by it in {self.params.dtype}), got {w!r}")
-        if self.reduction == "mean":
-            scaled = (self._weight_sum + w) * self.loss_scale
-            if not 1.0 / big <= scaled <= 1.0 / tiny:
-                raise HyperparameterError(
-                    f"weight: the window's weight sum {self._weight_sum + w!r} times the loss scale "
-                    f"{self.loss_scale!r} is {scaled!r}, outside [{1.0 / big!r}, {1.0 / tiny!r}], so its "
-                    f"inverse (the mean's factor) is not a normal {self.params.dtype} number"
-                )
-        return w
-
-    # The stages of a boundary, in order: exchange (dense) -> norm pass and non-finite
-    # check -> skip or clip -> [compress + exchange] -> update -> bookkeeping. With one
-    # process the exchanges are the identity and cost nothing.
-    def _boundary(self, lr: float) -> StepReport:
+    def _boundary(self, lr: float, lrs) -> StepReport:
         step = self.state.step
-        # everything that may raise comes before the first write (here: the per-parameter lrs)
-        lrs = None if self.schedule is None else self.schedule(step, self.optimizer.per_param(self.state, "lr"))
-        ascent = self._two_windows and not self._perturbed
-        compressing = self.compressor is not None and not ascent
-        if compressing or (ascent and self.compressor is not None):
-            # compressed (or SAM's local ascent): no dense exchange; the ranks agree on the
-            # weight sum and on skipping before anything is compressed or moved
-            wsum, bad = self._exchange_scalars(self._weight_sum, not self._kernels.all_finite(self.grads.flat))
-            if bad:
-                self._micro, self._weight_sum = 0, 0.0
-                return self._skip(step, lr)
-        else:
-            wsum = self._exchange_dense(self._weight_sum)
-        # the gradient buffer holds sum(w * g) of the scaled loss: the mean
-        # gradient is flat * gscale with gscale = 1 / (weight sum * loss scale)
-        unscale = (wsum if self.reduction == "mean" else 1.0) * self.loss_scale
-        self._micro, self._weight_sum = 0, 0.0
-        payload = None
-        if compressing:
-            # compress + exchange: this rank's share of the mean, then the decoded sum over ranks
-            if unscale != 1.0:
-                self._kernels.scale(self.grads.flat, 1.0 / unscale)
-            payload, unscale = self.compressor.exchange(self.grads.flat), 1.0
-        applied = False
-        if self._device_gate:
-            found, applied = self._gated_update(unscale, step, lrs)
-        else:
-            found = norm_pass(self._kernels, self.grads.flat, self.layout)
-        if found.nonfinite:
+        ascent = self._two_windows and not self.counters.perturbed  # SAM's first window
+        unscale, payload = self._exchange_stage(self.counters.close_window(), ascent)
+        if unscale is None:  # a rank's gradient was not finite: nothing was compressed
             return self._skip(step, lr)
-        self.consecutive_skips = 0
-        norm = found.norm / unscale
-        coef = clip_coef(norm, self.max_grad_norm, self.clip_eps)
-        norms = found.segment_norms / unscale
+        verdict = self._norm_stage(unscale)
+        if verdict.nonfinite:
+            return self._skip(step, lr)
         if ascent:
-            self.optimizer.perturb(self._kernels, self.params, self.grads, self.state, gscale=1.0 / unscale,
-                                   grad_norm=norm, zero_grad=self.zero_grad_on_step, mask=self.mask)
-            self._perturbed = True
-            self._refresh_working()
-            return StepReport(applied=False, skipped=False, step=step, micro_batches=0, lr=lr, grad_norm=norm,
-                              clip_coef=coef, loss_scale=self.loss_scale, perturbed=True, _segment_norms=norms,
-                              _names=self.layout.names)
-        if not applied:
-            self._update(coef / unscale, lrs)
-        self._perturbed = False
-        if self.loss_scaler is not None:
-            self.loss_scaler.update(found_inf=False)
-        return StepReport(applied=True, skipped=False, step=self.state.step, micro_batches=0, lr=lr, grad_norm=norm,
-                          clip_coef=coef, loss_scale=self.loss_scale, _segment_norms=norms, _names=self.layout.names,
-                          payload_bytes=None if payload is None else payload.nbytes,
-                          dense_bytes=None if payload is None else payload.dense_nbytes)
+            return self._ascent_stage(verdict, step, lr)
+        if not self._update_stage(verdict, lrs):
+            return self._skip(step, lr)
+        return self._bookkeeping(verdict, lr, payload)
 
-    def _exchange_dense(self, wsum: float) -> float:
-        """The dense exchange: the gradient buffer and the weight sum become their sums over ranks.
+    def _exchange_stage(self, wsum: float, ascent: bool):
+        """Exchange: the window's gradient over ranks; returns ``(unscale, payload)``.
 
-        The flat buffer is the fusion buffer: one in-place all-reduce. A NaN/Inf on any rank
-        reaches every rank through the sum, so the norm pass that follows finds it everywhere.
+        The buffer then holds the gradient times ``unscale``. Dense: one all-reduce of
+        the buffer and the weight sum. With a compressor: the ranks agree on the weight
+        sum and on finiteness first (``(None, None)``: some rank's is not, skip), then
+        each compresses its share of the mean and receives the decoded sum (``payload``:
+        what it sent); SAM's ascent window keeps the exact local gradient.
         """
-        if self.comm.is_local:
-            return wsum
-        self.comm.allreduce(self.grads.flat, "sum")
-        return self._exchange_scalars(wsum, False)[0]
+        if self.compressor is None:
+            return self._unscale(exchange_dense(self.comm, self.grads.flat, wsum)), None
+        wsum, bad = exchange_scalars(self.comm, wsum, not self._kernels.all_finite(self.grads.flat))
+        if bad:
+            return None, None
+        unscale = self._unscale(wsum)
+        if ascent:
+            return unscale, None
+        if unscale != 1.0:
+            self._kernels.scale(self.grads.flat, factor=1.0 / unscale)
+        return 1.0, self.compressor.exchange(self.grads.flat)
 
-    def _exchange_scalars(self, wsum: float, bad: bool) -> tuple[float, bool]:
-        """The window's weight sum over ranks, and whether any rank's gradient is not finite."""
-        if self.comm.is_local:
-            return wsum, bad
-        both = np.array([wsum, float(bad)])
-        self.comm.allreduce(both, "sum")
-        return float(both[0]), bool(both[1])
+    def _unscale(self, wsum: float) -> float:
+        # the buffer holds sum(w * g) of the scaled loss: the mean gradient is flat / unscale
+        return (wsum if self.reduction == "mean" else 1.0) * self.loss_scale
+
+    def _norm_stage(self, unscale: float) -> Verdict:
+        """The norm pass and non-finite check: one read of the buffer. On CUDA (without a
+        compressor or SAM) the verdict stays on the device, a gate the update kernels read."""
+        how = Verdict.on_device if self._device_gate else Verdict.from_host
+        return how(self._kernels, self.grads.flat, self.layout, unscale=unscale, max_norm=self.max_grad_norm,
+                   eps=self.clip_eps)
+
+    def _update_stage(self, verdict: Verdict, lrs) -> bool:
+        """The optimizer's fused update, clip factor folded in; False when a device gate held it back."""
+        step, scalars = self.state.step, dict(self.state.scalars)
+        self._update(verdict.gscale(), lrs)
+        if verdict.settle():
+            return True
+        # the device gate held every kernel back: nothing moved, nor may the host's counters
+        # and scalar state (NAdam's mu_product) that the optimizer advanced
+        self.state.step = step
+        self.state.scalars.update(scalars)
+        if verdict.nonfinite:
+            return False
+        self._update(verdict.gscale(), lrs)  # finite after all (see Verdict.settle): apply with the host's norm
+        return True
 
     def _update(self, gscale, lrs) -> None:
-        """The optimizer's fused update (``lrs``: the scheduled per-parameter rates, or None)."""
         self.optimizer.update(self._kernels, self.params, self.grads, self.state, gscale=gscale, lr=lrs,
                               zero_grad=self.zero_grad_on_step, working=self._working_args(), mask=self.mask)
 
-    def _gated_update(self, unscale: float, step: int, lrs):
-        """CUDA: norm pass, clip factor and skip decision on the device, update launched, then one read.
+    def _ascent_stage(self, verdict: Verdict, step: int, lr: float) -> StepReport:
+        """SAM's first window: the update stage moves the weights to the ascent point instead."""
+        self.counters.consecutive_skips = 0
+        self.optimizer.perturb(self._kernels, self.params, self.grads, self.state, gscale=1.0 / verdict.unscale,
+                               grad_norm=verdict.norm, zero_grad=self.zero_grad_on_step, mask=self.mask)
+        self.counters.perturbed = True
+        self._refresh_working()
+        return StepReport(applied=False, skipped=False, step=step, micro_batches=0, lr=lr, grad_norm=verdict.norm,
+                          clip_coef=verdict.coef, loss_scale=self.loss_scale, perturbed=True,
+                          _segment_norms=verdict.segment_norms, _names=self.layout.names)
 
-        The update kernels take the clip factor from the device and return untouched when
-        the norm pass found a non-finite total, so the device never waits for the host
-        between the norm pass and the update. Returns ``(NormPass, applied)``. When the
-        total was not finite nothing was updated (the step count is put back); a float64
-        buffer whose finite values overflowed the sum of squares then gets the host's
-        overflow-safe norm and the update runs after all (the caller's path).
-        """
-        k = self._kernels
-        sums, gate = k.sumsq_gate(self.grads.flat, self.layout.pieces, len(self.layout), unscale,
-                                  self.max_grad_norm, self.clip_eps)
-        scalars = dict(self.state.scalars)
-        self._update(k.DeviceScale(gate), lrs)
-        total, per_seg = k.read_sums(sums)
-        if math.isfinite(total):
-            return NormPass(math.sqrt(total), np.sqrt(per_seg), False), True
-        self.state.step = step  # the gate held every kernel back: nothing moved
-        self.state.scalars.update(scalars)  # nor does the host's scalar state (NAdam's mu_product)
-        return norm_pass(k, self.grads.flat, self.layout), False
+    def _bookkeeping(self, verdict: Verdict, lr: float, payload) -> StepReport:
+        """An applied step: counters, the loss scaler, the report."""
+        self.counters.consecutive_skips = 0
+        self.counters.perturbed = False
+        if self.loss_scaler is not None:
+            self.loss_scaler.update(found_inf=False)
+        return StepReport(applied=True, skipped=False, step=self.state.step, micro_batches=0, lr=lr,
+                          grad_norm=verdict.norm, clip_coef=verdict.coef, loss_scale=self.loss_scale,
+                          _segment_norms=verdict.segment_norms, _names=self.layout.names,
+                          payload_bytes=None if payload is None else payload.nbytes,
+                          dense_bytes=None if payload is None else payload.dense_nbytes)
 
     def _skip(self, step: int, lr: float) -> StepReport:
         """A NaN/Inf boundary: drop the window; params, state, step and schedule stay."""
         self.grads.flat.fill(0)
-        if self._perturbed:  # SAM: back from the ascent point; the pair starts again
+        if self.counters.perturbed:  # SAM: back from the ascent point; the pair starts again
             self.optimizer.restore(self._kernels, self.params, self.state)
-            self._perturbed = False
+            self.counters.perturbed = False
             self._refresh_working()
         if self.loss_scaler is not None:
             self.loss_scaler.update(found_inf=True)
-        self.consecutive_skips += 1
-        if self.max_consecutive_skips is not None and self.consecutive_skips >= self.max_consecutive_skips:
+        self.counters.consecutive_skips += 1
+        skips = self.counters.consecutive_skips
+        if self.max_consecutive_skips is not None and skips >= self.max_consecutive_skips:
             raise NonFiniteError(
-                f"{self.consecutive_skips} consecutive steps had NaN/Inf gradients and were skipped "
+                f"{skips} consecutive steps had NaN/Inf gradients and were skipped "
                 f"(max_consecutive_skips={self.max_consecutive_skips}, loss scale {self.loss_scale:g}); "
                 "parameters and state are those of the last finite step"
             )
         return StepReport(applied=False, skipped=True, step=step, micro_batches=0, lr=lr, grad_norm=math.nan,
                           loss_scale=self.loss_scale)
 
-    @_exclusive
+    @guarded
     def observe(self, metric: float) -> None:
         """Feed a validation metric to the schedule (reduce-on-plateau); no-op for closed forms."""
         if self.schedule is None:
             raise ArgumentTypeError("observe: the engine has no schedule")
         self.schedule.observe(metric, step=self.state.step)
 
-    @_exclusive
+    @guarded
     def update_hessian(self, hessian: Mapping) -> None:
         """Feed a diagonal Hessian estimate by name (Sophia); validated before anything changes."""
         feed = getattr(self.optimizer, "update_hessian", None)
@@ -590,7 +536,7 @@ class Engine:
             raise MissingGradientError(f"update_hessian: no estimate for {absent}")
         feed(self._kernels, self.state, items, self.layout)
 
-    @_exclusive
+    @guarded
     def set_mask(self, mask) -> None:
         """Prune: keep ``mask`` (1 keep, 0 pruned) inside every optimizer step; None removes it.
 
@@ -603,30 +549,7 @@ class Engine:
         if mask is None:
             self.mask = None
             return
-        if isinstance(mask, FlatBuffer):
-            if mask.layout != self.layout:
-                raise LayoutError(f"mask: its layout {mask.layout!r} differs from the parameters' {self.layout!r}")
-            if mask.dtype != np.uint8:
-                raise DTypeError(f"mask: expected a uint8 buffer (1 keep, 0 pruned), got {mask.dtype}")
-            host = mask.flat.get() if backend_of(mask.flat) != NUMPY else mask.flat.copy()
-            new = MaskBuffer(self.layout, host)
-        elif isinstance(mask, Mapping):
-            for name, m in mask.items():
-                if isinstance(m, np.ma.MaskedArray):  # np.asarray would drop its mask
-                    raise BackendError(f"mask[{name!r}]: a masked array; pass 0/1 values (e.g. m.filled(0))")
-                if name not in self.layout:
-                    raise LayoutError(f"mask: {name!r} is not a parameter; names: {list(self.layout.names)}")
-                a = _host_array(m)
-                if a.shape != self.layout.shape(name):
-                    raise LayoutError(f"mask[{name!r}]: expected shape {self.layout.shape(name)}, got {a.shape}")
-                if not (a.dtype == np.bool_ or np.issubdtype(a.dtype, np.integer)) or not np.isin(a, (0, 1)).all():
-                    raise DTypeError(f"mask[{name!r}]: expected 0/1 values (bool or integer), got {a.dtype}")
-            new = MaskBuffer.ones(self.layout)
-            for name, m in mask.items():
-                new[name][...] = _host_array(m)
-        else:
-            raise ArgumentTypeError(f"mask: expected a uint8 FlatBuffer, a mapping name -> 0/1 array, or None; "
-                                    f"got {type(mask).__name__}")
+        new = MaskBuffer.from_user(mask, self.layout)
         if backend_of(self.params.flat) != NUMPY:  # validated on the host; set_mask is the explicit move
             new = MaskBuffer(self.layout, array_module(self.params.flat).asarray(new.flat))
         self.mask = new
@@ -634,14 +557,20 @@ class Engine:
         xp.multiply(self.params.flat, new.flat, out=self.params.flat, casting="unsafe")
         self._refresh_working()
 
-    @_exclusive
+    @guarded
     def zero_grad(self) -> None:
         """Zero ``engine.grads`` and drop a partly accumulated window."""
         self.grads.flat.fill(0)
-        self._micro, self._weight_sum = 0, 0.0
+        self.counters.close_window()
 
-    # -- state ----------------------------------------------------------------------------
-    @_exclusive
+    # -- state: the protocol of arraytrain.engine_state, on this engine's data ---------------
+    def _parts(self) -> StateParts:
+        return StateParts(params=self.params, grads=self.grads, optimizer=self.optimizer, opt_state=self.state,
+                          counters=self.counters, accumulation_steps=self.accumulation_steps,
+                          two_windows=self._two_windows, schedule=self.schedule, loss_scaler=self.loss_scaler,
+                          compressor=self.compressor, mask=self.mask, comm=self.comm)
+
+    @guarded
     def state_dict(self, copy: bool = True) -> dict:
         """Name-keyed arrays of everything a bitwise-exact resume needs, plus scalars.
 
@@ -655,42 +584,33 @@ class Engine:
         ``state["compression"]`` are then ``{"ranks": [rank 0's, rank 1's, ...]}``;
         everything else is shared (the same on every rank).
         """
-        return self._state(copy, gather=True)
+        return engine_state.state_dict(self._parts(), copy, gather=True)
 
-    def _state(self, copy: bool, gather: bool) -> dict:
-        acc = {
-            "micro_batches": self._micro,
-            "weight_sum": self._weight_sum,
-            "grads": self.grads.as_dict(copy=copy),
-        }
-        comp = None if self.compressor is None else self.compressor.state_dict()
-        if not gather:  # a template for checkpoint.load: one share, or any number shaped like this one
-            acc = PerRank(acc)
-            comp = None if comp is None else PerRank(comp)
-        elif not self.comm.is_local:
-            acc = {"ranks": _gather_by_rank(self.comm, acc)}
-            comp = None if comp is None else {"ranks": _gather_by_rank(self.comm, comp)}
-        return {
-            "format": STATE_FORMAT,
-            "params": self.params.as_dict(copy=copy),
-            "optimizer": {
-                "type": type(self.optimizer).__name__,
-                "hyperparameters": self.optimizer.hyperparameters(),
-                "step": self.state.step,
-                "slots": {k: buf.as_dict(copy=copy) for k, buf in self.state.slots.items()},
-                # only where the optimizer keeps any (NAdam): the other states read as before
-                **({"scalars": dict(self.state.scalars)} if self.state.scalars else {}),
-            },
-            "accumulation": acc,
-            "schedule": None if self.schedule is None else self.schedule.state_dict(),
-            "loss_scaler": None if self.loss_scaler is None else self.loss_scaler.state_dict(),
-            "consecutive_skips": self.consecutive_skips,
-            "perturbed": self._perturbed,
-            "compression": comp,
-            "mask": None if self.mask is None else self.mask.as_dict(copy=copy),
-        }
+    @guarded
+    def state_template(self) -> dict:
+        """This rank's own state as views, the per-rank parts marked
+        (:class:`~arraytrain.exchange.PerRank`): what a reader matches a saved state
+        against, whatever number of ranks saved it (not a collective)."""
+        return engine_state.state_dict(self._parts(), copy=False, gather=False)
 
-    @_exclusive
+    @guarded
+    def check_state(self, state: Mapping) -> list:
+        """Validate a whole state dict against this engine; return the checked writes.
+
+        Changes nothing; :meth:`apply_state` then loads them. A refused state raises
+        :class:`~arraytrain.errors.StateDictError`. Local to this process: with a group,
+        :meth:`load_state_dict` makes every rank refuse when one does.
+        """
+        return engine_state.check_state(self._parts(), state)
+
+    @guarded
+    def apply_state(self, checked: list) -> None:
+        """Load what :meth:`check_state` returned (writes that cannot fail), then rebuild the working copy."""
+        for write in checked:
+            write()
+        self._refresh_working()
+
+    @guarded
     def load_state_dict(self, state: Mapping) -> None:
         """Load :meth:`state_dict` output. Everything is validated before any buffer is written.
 
@@ -700,237 +620,12 @@ class Engine:
         the engine's own, which must be present exactly when the state has them.
         Counters are ints in ``[0, 2**53]`` (see ``arraytrain._checks.MAX_COUNT``).
 
-        Two phases: :meth:`_check_state` validates every part of ``state``
-        against the engine and returns what to write; only then are the writes
-        made, and they cannot fail (same-dtype copies and assignments). A refused
-        state raises :class:`StateDictError` and changes nothing.
+        :meth:`check_state` then :meth:`apply_state`; with a group of processes every
+        rank raises when any rank's check failed. A refused state raises
+        :class:`StateDictError` and changes nothing.
         """
-        self._apply_writes(self._checked_everywhere(lambda: self._check_state(state)))
-
-    def _apply_writes(self, writes: list) -> None:
-        for write in writes:
-            write()
-        self._refresh_working()
-
-    def _checked_everywhere(self, check):
-        """``check()``, with every rank of the group raising when any rank's check failed.
-
-        With a group of processes, a state refused on one rank (a file it cannot read,
-        a share that does not fit) must not leave the others loading alone: the ranks
-        compare outcomes (one small collective) and all raise before any rank writes.
-        """
-        if self.comm.is_local:
-            return check()
-        try:
-            result, failure = check(), None
-        except (StateDictError, OSError) as exc:
-            result, failure = None, exc
-        outcomes = self.comm.gather_objects(None if failure is None else f"{type(failure).__name__}: {failure}")
-        if failure is not None:
-            raise failure
-        bad = [(r, msg) for r, msg in enumerate(outcomes) if msg is not None]
-        if bad:
-            rank, msg = bad[0]
-            raise StateDictError(f"rank {rank} refused the state ({len(bad)} of {self.comm.size} ranks did), "
-                                 f"so no rank loads it: {msg}")
-        return result
-
-    def _check_state(self, state: Mapping) -> list:
-        """Validate a whole state dict; return the writes that load it (callables that cannot fail)."""
-        try:
-            fmt = state["format"]
-            opt = state["optimizer"]
-            acc = state["accumulation"]
-            params = state["params"]
-            slots = opt["slots"]
-            scalars = opt.get("scalars", {})  # absent where the optimizer keeps none
-            step = opt["step"]
-            skips, perturbed = state["consecutive_skips"], state["perturbed"]
-            parts = {key: state[key] for key, _, _ in self._PARTS}
-            mask = state["mask"]
-        except (KeyError, TypeError) as exc:
-            raise StateDictError(f"state dict lacks {exc}") from None
-        if fmt != STATE_FORMAT:
-            raise StateDictError(f"format: expected {STATE_FORMAT}, got {shown(fmt)}")
-        acc, parts["compression"] = self._own_share(acc, parts["compression"])
-        try:
-            micro, wsum, grads = acc["micro_batches"], acc["weight_sum"], acc["grads"]
-        except (KeyError, TypeError) as exc:
-            raise StateDictError(f"accumulation lacks {exc}") from None
-        if not isinstance(opt, Mapping) or opt.get("type") != type(self.optimizer).__name__:
-            got = opt.get("type") if isinstance(opt, Mapping) else type(opt).__name__
-            raise StateDictError(f"optimizer: state is for {got!r}, engine has {type(self.optimizer).__name__!r}")
-        if not isinstance(slots, Mapping) or set(slots) != set(self.state.slots):
-            got = sorted(slots) if isinstance(slots, Mapping) else type(slots).__name__
-            raise StateDictError(f"optimizer slots: expected {sorted(self.state.slots)}, got {got}")
-        scalars = self._check_scalars(scalars)
-        step = check_count("optimizer step", step, 0, error=StateDictError)
-        micro = check_int("micro_batches", micro, 0, self.accumulation_steps - 1, error=StateDictError)
-        wsum = self._check_weight_sum(micro, wsum)
-        skips = check_count("consecutive_skips", skips, 0, error=StateDictError)
-        if not isinstance(perturbed, bool) or (perturbed and not self._two_windows):
-            raise StateDictError(f"perturbed: expected a bool (True only for SAM), got {shown(perturbed)}")
-        # the optional parts: each present in the state exactly when the engine has one, each
-        # checked by its own check_state (which changes nothing) and loaded by its apply_state
-        writes = []
-        for key, attr, what in self._PARTS:
-            sub, mine = parts[key], getattr(self, attr)
-            if (sub is None) != (mine is None):
-                raise StateDictError(f"{key}: the state has {'none' if sub is None else what}, "
-                                     f"the engine has {'none' if mine is None else 'one'}")
-            if sub is not None:
-                try:
-                    checked = mine.check_state(sub)
-                except (ValueError, TypeError, KeyError) as exc:  # a custom part's own errors
-                    if isinstance(exc, StateDictError):
-                        raise
-                    raise StateDictError(f"{key}: {exc}") from exc
-                writes.append(functools.partial(mine.apply_state, checked))
-        if (mask is None) != (self.mask is None):
-            raise StateDictError(f"mask: the state has {'none' if mask is None else 'a pruning mask'}, the engine has "
-                                 f"{'none' if self.mask is None else 'one'} (set_mask(...) before loading a pruned run)")
-        if mask is not None:
-            writes.append(functools.partial(self.mask.assign, self._check_mask_state(mask)))
-        targets = [self.params, self.grads, *self.state.slots.values()]
-        protect = tuple(b.flat for b in targets)
-        try:
-            buffers = [(self.params, params), (self.grads, grads)]
-            buffers += [(self.state.slots[k], v) for k, v in slots.items()]
-            for buf, arrays in buffers:
-                checked = _intake.ready_to_assign(buf, buf.check(arrays), protect)
-                writes.append(functools.partial(buf.assign, checked))
-        except (LayoutError, KeyError, ValueError, TypeError) as exc:
-            raise StateDictError(f"state dict does not match the engine: {exc}") from exc
-        writes.append(functools.partial(self._set_counters, step, micro, wsum, skips, perturbed))
-        writes.append(functools.partial(self.state.scalars.update, scalars))
-        return writes
-
-    def _check_scalars(self, scalars) -> dict:
-        """The optimizer's saved scalar state: the same names as the engine's, finite numbers."""
-        if not isinstance(scalars, Mapping) or set(scalars) != set(self.state.scalars):
-            got = sorted(scalars) if isinstance(scalars, Mapping) else type(scalars).__name__
-            raise StateDictError(f"optimizer scalars: expected {sorted(self.state.scalars)}, got {got}")
-        return {k: check_number(f"optimizer scalars[{k!r}]", v, error=StateDictError) for k, v in scalars.items()}
-
-    def _own_share(self, acc, comp):
-        """This rank's accumulation and compression state out of a state saved by some number of ranks.
-
-        A state saved by K ranks holds K shares; on K ranks each takes its own. On another
-        number of ranks (one process included) it is refused when a share is rank-specific:
-        a window accumulated part-way, or error-feedback residuals (what each rank failed to
-        send); otherwise the shares are equal and rank 0's is taken. A single process's
-        state is one share.
-        """
-        shares = {}
-        for key, part in (("accumulation", acc), ("compression", comp)):
-            many = isinstance(part, Mapping) and set(part) == {"ranks"}
-            if many and (not isinstance(part["ranks"], (list, tuple)) or not part["ranks"]):
-                raise StateDictError(f"{key}: 'ranks' must be a non-empty list of per-rank states")
-            shares[key] = list(part["ranks"]) if many else [part]
-        saved = len(shares["accumulation"])
-        if comp is None:
-            shares["compression"] = [None] * saved
-        if len(shares["compression"]) != saved:
-            raise StateDictError(f"compression: {len(shares['compression'])} per-rank states, accumulation {saved}")
-        if saved == self.comm.size:
-            return shares["accumulation"][self.comm.rank], shares["compression"][self.comm.rank]
-        where = f"the state was saved by {saved} process{'es' if saved > 1 else ''}, this group has {self.comm.size}"
-        if any(not isinstance(a, Mapping) or a.get("micro_batches") != 0 for a in shares["accumulation"]):
-            raise StateDictError(f"accumulation: {where}, and a window was accumulated part-way (each rank's partial "
-                                 "gradient sum is its own): resume on the same number of ranks, or save at a boundary")
-        if any(isinstance(c, Mapping) and "residual" in c for c in shares["compression"]):
-            raise StateDictError(f"compression: {where}, and error-feedback residuals are per rank (what each rank "
-                                 "has not sent yet): resume on the same number of ranks")
-        return shares["accumulation"][0], shares["compression"][0]
-
-    # (state key, engine attribute, what the message calls it): parts with check_state/apply_state
-    _PARTS = (("schedule", "schedule", "one"), ("loss_scaler", "loss_scaler", "one"),
-              ("compression", "compressor", "a compressor"))
-
-    def _set_counters(self, step: int, micro: int, wsum: float, skips: int, perturbed: bool) -> None:
-        self.state.step = step
-        self._micro, self._weight_sum = micro, wsum
-        self.consecutive_skips, self._perturbed = skips, perturbed
-
-    def _check_weight_sum(self, micro: int, wsum) -> float:
-        """The saved window's weight sum: 0 for an empty window, else a sum step() could have made."""
-        wsum = check_number("weight_sum", wsum, 0.0, error=StateDictError)
-        big = float(np.finfo(self.params.dtype).max)
-        if (micro == 0) != (wsum == 0.0) or wsum > big:
-            raise StateDictError(f"weight_sum: expected 0 with micro_batches=0, else a value in "
-                                 f"[{float(np.finfo(self.params.dtype).tiny)!r}, {big!r}]; got {wsum!r} "
-                                 f"with micro_batches={micro}")
-        return wsum
-
-    def _check_mask_state(self, arrays) -> dict:
-        """A saved mask: uint8 arrays of 0/1 of every parameter's shape."""
-        if not isinstance(arrays, Mapping) or set(arrays) != set(self.layout.names):
-            got = sorted(arrays) if isinstance(arrays, Mapping) else type(arrays).__name__
-            raise StateDictError(f"mask: expected arrays for {list(self.layout.names)}, got {got}")
-        out = {}
-        for name in self.layout.names:
-            a = arrays[name]
-            if (type(a) is not type(self.params.flat) or a.dtype != np.uint8
-                    or a.shape != self.layout.shape(name)):
-                raise StateDictError(f"mask[{name!r}]: expected uint8 of shape {self.layout.shape(name)}, "
-                                     f"got {getattr(a, 'dtype', type(a).__name__)}{getattr(a, 'shape', '')}")
-            if a.size and a.max() > 1:
-                raise StateDictError(f"mask[{name!r}]: expected 0/1 values (1 keep, 0 pruned), got max {int(a.max())}")
-            out[name] = a.copy()  # the load may write the mask buffer this array views
-        return out
+        self.apply_state(checked_everywhere(self.comm, lambda: self.check_state(state)))
 
     def __repr__(self) -> str:
         return (f"Engine({self.params!r}, {self.optimizer!r}, accumulation_steps={self.accumulation_steps}, "
                 f"max_grad_norm={self.max_grad_norm}, backend={backend_of(self.params.flat)})")
-
-
-def _agree(comm, params: FlatBuffer, optimizer, compressor, **settings) -> None:
-    """Every rank has the same layout, dtype, backend, optimizer and settings (else LayoutError on every rank)."""
-    comm.agree("the parameter layout", (params.layout.names, params.layout.shapes, str(params.dtype),
-                                        backend_of(params.flat)))
-    comm.agree("the engine's settings", repr((type(optimizer).__name__, optimizer.hyperparameters(),
-                                              None if compressor is None else compressor.describe(),
-                                              sorted(settings.items()))),
-               error=HyperparameterError)
-
-
-def _gather_by_rank(comm, tree) -> list:
-    """Every rank's ``tree`` (same structure everywhere), in rank order: arrays all-gathered, values gathered."""
-    arrays: list = []
-
-    def strip(node):
-        if isinstance(node, Mapping):
-            return {k: strip(v) for k, v in node.items()}
-        if isinstance(node, (list, tuple)):
-            return type(node)(strip(v) for v in node)
-        if hasattr(node, "shape") and hasattr(node, "dtype"):
-            arrays.append(node)
-            return _Slot(len(arrays) - 1)
-        return node
-
-    skeleton = strip(tree)
-    skeletons = comm.gather_objects(skeleton)
-    received = [comm.allgather(a) for a in arrays]
-
-    def fill(node, rank):
-        if isinstance(node, _Slot):
-            return received[node.index][rank]
-        if isinstance(node, Mapping):
-            return {k: fill(v, rank) for k, v in node.items()}
-        if isinstance(node, (list, tuple)):
-            return type(node)(fill(v, rank) for v in node)
-        return node
-
-    return [fill(sk, r) for r, sk in enumerate(skeletons)]
-
-
-@dataclass(frozen=True)
-class _Slot:
-    index: int
-
-
-def _host_array(a) -> np.ndarray:
-    """A mask given by the caller, on the host for validation (a CuPy array is read back)."""
-    if type(a).__module__.partition(".")[0] == "cupy":
-        return a.get()
-    return np.asarray(a)

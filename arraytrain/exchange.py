@@ -24,7 +24,8 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
-from .errors import ArgumentTypeError, LayoutError
+from .backend import backend_of
+from .errors import ArgumentTypeError, HyperparameterError, LayoutError
 
 #: The element-wise operations of ``allreduce``.
 OPS = ("sum", "max")
@@ -103,3 +104,18 @@ def check_exchange(comm, name: str = "comm") -> Exchange:
         raise ArgumentTypeError(f"{name}: expected an arraytrain Exchange (e.g. arraytrain.distributed.MPIComm()), "
                                 f"got {type(comm).__name__}")
     return comm
+
+
+def agree_on_setup(comm: Exchange, params, optimizer, compressor, **settings) -> None:
+    """Every rank has the same layout, dtype, backend, optimizer and settings.
+
+    Else every rank raises the same :class:`~arraytrain.errors.LayoutError` (the
+    parameters) or :class:`~arraytrain.errors.HyperparameterError` (the settings),
+    never a hang. ``params`` is a :class:`~arraytrain.FlatBuffer`.
+    """
+    comm.agree("the parameter layout", (params.layout.names, params.layout.shapes, str(params.dtype),
+                                        backend_of(params.flat)))
+    comm.agree("the engine's settings", repr((type(optimizer).__name__, optimizer.hyperparameters(),
+                                              None if compressor is None else compressor.describe(),
+                                              sorted(settings.items()))),
+               error=HyperparameterError)

@@ -1,8 +1,6 @@
 r"""Phase training from any loop: FULL, PREDICT and CORRECT steps, their state and their checkpoints.
 
-A cycle, in vsa-optim-rs's ``PhaseTrainer`` rule (``get_next_phase`` /
-``transition_phase`` / ``adjust_phase_lengths``), which :class:`PhaseSchedule`
-transcribes:
+A cycle, as :class:`PhaseSchedule` runs it:
 
 * FULL for ``full_steps`` steps: forward, backward, the true gradient is
   recorded into a :class:`~arraytrain.predict.GradientPredictor`, the optimizer steps.
@@ -20,18 +18,17 @@ transcribes:
 
 Example, ``full_steps=2, predict_steps=4, correct_every=2``: F F P P C P C | F F ...
 
-Adaptive lengths (``adaptive=True``, vsa-optim-rs's rule): the losses of the last
+Adaptive lengths (``adaptive=True``): the losses of the last
 100 FULL/CORRECT steps are kept (PREDICT steps have no forward pass, hence no
 loss). When a cycle starts and at least 20 are held, ``early`` and ``late`` are
 the means of the oldest and newest 10: if ``late > early * (1 + loss_threshold)``
 the loss is rising and ``full_steps += 5``, ``predict_steps -= 10``; if
 ``late < 0.95 * early`` it is falling well and ``full_steps -= 2``,
-``predict_steps += 5``; each then clamped to its bounds (vsa-optim-rs's: full in
+``predict_steps += 5``; each then clamped to its bounds (by default: full in
 [5, 50], predict in [10, 100]).
 
-Driving it from a loop of your own (vsa-optim-rs's ``begin_step`` /
-``record_full_gradients`` / ``get_predicted_gradients`` / ``end_step``), here
-with a torch model bound to an engine (:mod:`arraytrain.interop.torch`)::
+Driving it from a loop of your own (``begin_step`` / ``record_full_gradients`` /
+``get_predicted_gradients`` / ``end_step``), here with a torch model bound to an engine (:mod:`arraytrain.interop.torch`)::
 
     ctl = PhaseController(engine, full_steps=2, predict_steps=6, correct_every=3)
     for x, y in batches:
@@ -53,7 +50,7 @@ array), takes ``record_full_gradients({name: grad})`` and returns the
 prediction as ``{name: array}``.
 
 Accounting (:class:`PhaseStats`): the step ratio is steps / backward passes,
-vsa-optim-rs's "speedup"; it is a count, *not* a speedup. The controller also
+a count, *not* a speedup. The controller also
 measures wall clock per phase, from ``begin_step`` to ``end_step``, and
 :attr:`PhaseStats.wall_speedup` is the speedup those measurements give.
 
@@ -81,13 +78,14 @@ from ._checks import check_bool, check_count, check_int, check_number, shown
 from .backend import module_of_backend
 from .buffer import FlatBuffer
 from .engine import Engine
+from .exchange import LocalExchange
 from .errors import ArgumentTypeError, CheckpointError, HyperparameterError, PhaseOrderError, StateDictError
 from .predict import GradientPredictor
 
 __all__ = ["LOSS_WINDOW", "Phase", "PhaseController", "PhaseOrderError", "PhaseSchedule", "PhaseStats", "load",
            "save"]
 
-LOSS_WINDOW = 100   #: FULL/CORRECT losses kept for the adaptive rule (vsa-optim-rs's deque capacity)
+LOSS_WINDOW = 100   #: FULL/CORRECT losses kept for the adaptive rule
 LOSS_MEAN = 10      # early / late means over this many losses
 LOSS_MIN = 20       # losses needed before the lengths adapt
 STATE_VERSION = 1   # of PhaseController.state_dict()
@@ -176,7 +174,7 @@ class PhaseSchedule:
         return self.phase
 
     def adjust(self) -> None:
-        """vsa-optim-rs's adaptive rule on the kept FULL/CORRECT losses (no-op below 20)."""
+        """The adaptive rule (see the module docstring) on the kept FULL/CORRECT losses (no-op below 20)."""
         if len(self.losses) < LOSS_MIN:
             return
         losses = list(self.losses)
@@ -278,7 +276,7 @@ class PhaseStats:
 
     @property
     def step_ratio(self) -> float:
-        """Steps / backward passes (vsa-optim-rs's ``speedup``): a count."""
+        """Steps / backward passes: a count, not a speedup (see :attr:`wall_speedup`)."""
         return self.steps / max(self.backward_passes, 1)
 
     @property
@@ -680,23 +678,37 @@ class _Checkpointed:
                                   "this engine runs over a group of processes")
         self.controller, self.engine = controller, engine
 
-    def guard(self, what: str):
+        self.comm = LocalExchange()
+
+    def exclusive(self, what: str):
         """The engine's call guard, held while the file is written or read: another thread's
         ``engine.step()`` would change the buffers (:func:`arraytrain.save` holds it the same way)."""
-        return nullcontext() if self.engine is None else self.engine._guard(what)
+        return nullcontext() if self.engine is None else self.engine.exclusive(what)
 
     def state_dict(self, copy: bool = True) -> dict:
-        tree = {} if self.engine is None else dict(self.engine.state_dict(copy=copy))
+        return self._with_phase({} if self.engine is None else self.engine.state_dict(copy=copy), copy)
+
+    def state_template(self) -> dict:
+        return self._with_phase({} if self.engine is None else self.engine.state_template(), False)
+
+    def _with_phase(self, tree: Mapping, copy: bool) -> dict:
+        tree = dict(tree)
         if PHASE_KEY in tree:
             raise CheckpointError(f"the engine's state has a key {PHASE_KEY!r} of its own")
         tree[PHASE_KEY] = self.controller.state_dict(copy=copy)
         return tree
 
-    def load_state_dict(self, tree: Mapping) -> None:
-        checked = self.controller.check_state(tree[PHASE_KEY])
+    def check_state(self, tree: Mapping) -> tuple:
+        mine = self.controller.check_state(tree[PHASE_KEY])
+        if self.engine is None:
+            return mine, None
+        return mine, self.engine.check_state({k: v for k, v in tree.items() if k != PHASE_KEY})
+
+    def apply_state(self, checked: tuple) -> None:
+        mine, engine = checked
         if self.engine is not None:
-            self.engine.load_state_dict({k: v for k, v in tree.items() if k != PHASE_KEY})
-        self.controller.apply_state(checked)
+            self.engine.apply_state(engine)
+        self.controller.apply_state(mine)
 
 
 def save(path, controller: PhaseController, *, extra: Mapping | None = None) -> None:
@@ -707,7 +719,7 @@ def save(path, controller: PhaseController, *, extra: Mapping | None = None) -> 
     there. Between steps only (:class:`PhaseOrderError` inside one).
     """
     state = _Checkpointed(controller, "save")
-    with state.guard("arraytrain.phase.save()"):
+    with state.exclusive("arraytrain.phase.save()"):
         checkpoint.save(path, state, extra=extra)
 
 
@@ -721,5 +733,5 @@ def load(path, controller: PhaseController) -> dict:
     :func:`arraytrain.load` to start prediction afresh from its weights).
     """
     state = _Checkpointed(controller, "load")
-    with state.guard("arraytrain.phase.load()"):
+    with state.exclusive("arraytrain.phase.load()"):
         return checkpoint.load(path, state)

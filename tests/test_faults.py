@@ -856,7 +856,7 @@ def test_two_threads_stepping_never_corrupt_silently():
 def test_same_thread_nesting_is_allowed():
     """save() holds the guard and calls state_dict(): one thread may nest calls."""
     e = _gated()
-    with e._guard("outer"):
+    with e.exclusive("outer"):
         e.state_dict()
         e.step(_grads())
 

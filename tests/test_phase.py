@@ -10,6 +10,7 @@ checkpoint changes neither the controller nor the engine.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import math
@@ -29,6 +30,7 @@ from arraytrain.errors import (
     StateDictError,
     UnknownParameterError,
 )
+from arraytrain.exchange import LocalExchange
 from arraytrain.phase import Phase, PhaseController, PhaseOrderError, PhaseStats, load, save
 
 CFG = dict(full_steps=2, predict_steps=4, correct_every=2, history=3)   # F F P P C P C | F F ...
@@ -372,15 +374,27 @@ def test_adaptive_lengths_outside_the_bounds_are_refused():
 
 
 class Tree:
-    """Anything with a state tree, for writing hand-made checkpoints with arraytrain.save."""
+    """Anything with the state protocol (arraytrain.checkpoint.PROTOCOL), for writing hand-made
+    checkpoints with arraytrain.save."""
+
+    comm = LocalExchange()
 
     def __init__(self, tree):
         self.tree = tree
 
+    def exclusive(self, what):
+        return contextlib.nullcontext()
+
     def state_dict(self, copy=True):
         return self.tree
 
-    def load_state_dict(self, state):
+    def state_template(self):
+        return self.tree
+
+    def check_state(self, state):
+        raise AssertionError("not loaded")
+
+    def apply_state(self, checked):
         raise AssertionError("not loaded")
 
 
@@ -462,7 +476,7 @@ def test_save_and_load_hold_the_engine(tmp_path):
     holding, release = threading.Event(), threading.Event()
 
     def hold():
-        with engine._guard("step()"):
+        with engine.exclusive("step()"):
             holding.set()
             release.wait(30)
 

@@ -56,7 +56,8 @@ import numpy as np
 
 from ..amp import LossScaler
 from ..backend import BFLOAT16, NUMPY, backend_of
-from ..engine import Engine, _exclusive
+from .._guard import guarded
+from ..engine import Engine
 from ..errors import (
     ArgumentTypeError,
     BackendError,
@@ -210,11 +211,11 @@ class TorchEngine(Engine):
                                f"bind under `with cupy.cuda.Device({device.index}):`")
 
     # -- the step -------------------------------------------------------------------------
-    @_exclusive
+    @guarded
     def step(self, grads: Mapping | None = None, *, weight: float | None = None):
         """:meth:`Engine.step`; with no ``grads``, first reconnect the module (see the module docstring)."""
         if grads is None:
-            self._check_weight(weight)  # refused before the gradients are touched
+            self.check_weight(weight)  # refused before the gradients are touched
             self._connect()
         return super().step(grads, weight=weight)
 
@@ -255,7 +256,7 @@ class TorchEngine(Engine):
                 grad.zero_()
                 p.grad = grad
             if self._lowp:
-                if self._micro == 0:
+                if self.micro_batches == 0:
                     self._grads_view.copy_(self._lp_grads)
                 else:
                     self._grads_view.add_(self._lp_grads)
@@ -272,7 +273,7 @@ class TorchEngine(Engine):
         if tuple(got.shape) != tuple(bound.shape):
             raise ShapeMismatchError(name, tuple(bound.shape), tuple(got.shape), what=what)
 
-    @_exclusive
+    @guarded
     def zero_grad(self) -> None:
         """:meth:`Engine.zero_grad`, and the low-precision gradient buffer of a bf16/fp16 module."""
         super().zero_grad()
@@ -280,8 +281,17 @@ class TorchEngine(Engine):
             self._lp_grads.zero_()
 
     # -- state: the engine's, plus the module's frozen parameters and buffers ----------------
-    def _state(self, copy: bool, gather: bool) -> dict:
-        state = super()._state(copy, gather)
+    @guarded
+    def state_dict(self, copy: bool = True) -> dict:
+        """:meth:`Engine.state_dict` plus ``"module"``: the module's frozen parameters and buffers."""
+        return self._with_module(super().state_dict(copy), copy)
+
+    @guarded
+    def state_template(self) -> dict:
+        """:meth:`Engine.state_template` plus the module's part."""
+        return self._with_module(super().state_template(), False)
+
+    def _with_module(self, state: dict, copy: bool) -> dict:
         torch = self._torch
         state["module"] = {
             "buffers": {n: _host(t, torch, copy) for n, t in self.buffers.items()},
@@ -289,16 +299,11 @@ class TorchEngine(Engine):
         }
         return state
 
-    @_exclusive
-    def load_state_dict(self, state: Mapping) -> None:
-        """:meth:`Engine.load_state_dict` plus the module's part; everything validated before any write."""
+    @guarded
+    def check_state(self, state: Mapping) -> list:
+        """:meth:`Engine.check_state` plus the module's part; the writes load both."""
         module_writes = self._check_module_state(state)
-        writes = self._check_state(state)
-        for write in writes:
-            write()
-        for write in module_writes:
-            write()
-        self._refresh_working()
+        return super().check_state(state) + module_writes
 
     def _check_module_state(self, state) -> list:
         torch = self._torch

@@ -1,0 +1,323 @@
+"""The engine's state protocol: what a state dict holds, how one is checked, and how it is loaded.
+
+It works on data, not on the engine: :class:`StateParts` names the buffers, the
+optimizer and its state, the window's :class:`Counters`, the optional parts (schedule,
+loss scaler, compressor, mask) and the communicator. The engine builds one per call and
+offers the protocol as public methods (``state_dict``, ``state_template``,
+``check_state``, ``apply_state``, ``load_state_dict``), which :mod:`arraytrain.checkpoint`,
+:mod:`arraytrain.phase` and the bindings use.
+
+Loading has two phases, as for the loss scaler, schedules and compressors: :func:`check_state`
+validates every part of a state against the engine and returns the writes that load it
+(callables that cannot fail: same-dtype copies and assignments); only then are they run.
+A refused state raises :class:`~arraytrain.errors.StateDictError` and changes nothing.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import _intake
+from ._checks import check_count, check_int, check_number, shown
+from .buffer import FlatBuffer
+from .errors import LayoutError, StateDictError
+from .exchange import PerRank
+
+#: The version of the state dict's structure (``state["format"]``).
+STATE_FORMAT = 3
+
+# (state key, StateParts field, what a message calls it): the optional parts, each with its
+# own check_state / apply_state
+_PARTS = (("schedule", "schedule", "one"), ("loss_scaler", "loss_scaler", "one"),
+          ("compression", "compressor", "a compressor"))
+
+
+@dataclass
+class Counters:
+    """The engine's counters that a state dict carries besides the optimizer's step.
+
+    ``micro`` micro-batches and their ``weight_sum`` in the open accumulation window,
+    ``consecutive_skips`` boundaries in a row with NaN/Inf gradients, and ``perturbed``
+    (SAM: the weights sit at the ascent point between its two windows).
+    """
+
+    micro: int = 0
+    weight_sum: float = 0.0
+    consecutive_skips: int = 0
+    perturbed: bool = False
+
+    def close_window(self) -> float:
+        """End the accumulation window; return its weight sum."""
+        wsum = self.weight_sum
+        self.micro, self.weight_sum = 0, 0.0
+        return wsum
+
+
+@dataclass(frozen=True)
+class StateParts:
+    """What the state protocol reads and writes: an engine's data, not the engine itself."""
+
+    params: FlatBuffer
+    grads: FlatBuffer
+    optimizer: object
+    opt_state: object
+    counters: Counters
+    accumulation_steps: int
+    two_windows: bool
+    schedule: object
+    loss_scaler: object
+    compressor: object
+    mask: object
+    comm: object
+
+
+def state_dict(parts: StateParts, copy: bool, gather: bool) -> dict:
+    """The state tree (see :meth:`arraytrain.Engine.state_dict`).
+
+    ``gather=True``: with a group of processes, the per-rank parts (the open window, the
+    compressor's state) are gathered by rank, a collective. ``gather=False``: this rank's
+    own share, the per-rank parts wrapped in :class:`~arraytrain.exchange.PerRank` (a
+    template for a reader that takes a state saved by any number of ranks).
+    """
+    c = parts.counters
+    acc = {"micro_batches": c.micro, "weight_sum": c.weight_sum, "grads": parts.grads.as_dict(copy=copy)}
+    comp = None if parts.compressor is None else parts.compressor.state_dict()
+    if not gather:
+        acc = PerRank(acc)
+        comp = None if comp is None else PerRank(comp)
+    elif not parts.comm.is_local:
+        acc = {"ranks": _gather_by_rank(parts.comm, acc)}
+        comp = None if comp is None else {"ranks": _gather_by_rank(parts.comm, comp)}
+    opt = parts.opt_state
+    return {
+        "format": STATE_FORMAT,
+        "params": parts.params.as_dict(copy=copy),
+        "optimizer": {
+            "type": type(parts.optimizer).__name__,
+            "hyperparameters": parts.optimizer.hyperparameters(),
+            "step": opt.step,
+            "slots": {k: buf.as_dict(copy=copy) for k, buf in opt.slots.items()},
+            # only where the optimizer keeps any (NAdam): the other states read as before
+            **({"scalars": dict(opt.scalars)} if opt.scalars else {}),
+        },
+        "accumulation": acc,
+        "schedule": None if parts.schedule is None else parts.schedule.state_dict(),
+        "loss_scaler": None if parts.loss_scaler is None else parts.loss_scaler.state_dict(),
+        "consecutive_skips": c.consecutive_skips,
+        "perturbed": c.perturbed,
+        "compression": comp,
+        "mask": None if parts.mask is None else parts.mask.as_dict(copy=copy),
+    }
+
+
+def check_state(parts: StateParts, state: Mapping) -> list:
+    """Validate a whole state dict against ``parts``; return the writes that load it."""
+    try:
+        fmt = state["format"]
+        opt = state["optimizer"]
+        acc = state["accumulation"]
+        params = state["params"]
+        slots = opt["slots"]
+        scalars = opt.get("scalars", {})  # absent where the optimizer keeps none
+        step = opt["step"]
+        skips, perturbed = state["consecutive_skips"], state["perturbed"]
+        optional = {key: state[key] for key, _, _ in _PARTS}
+        mask = state["mask"]
+    except (KeyError, TypeError) as exc:
+        raise StateDictError(f"state dict lacks {exc}") from None
+    if fmt != STATE_FORMAT:
+        raise StateDictError(f"format: expected {STATE_FORMAT}, got {shown(fmt)}")
+    acc, optional["compression"] = _own_share(parts.comm, acc, optional["compression"])
+    try:
+        micro, wsum, grads = acc["micro_batches"], acc["weight_sum"], acc["grads"]
+    except (KeyError, TypeError) as exc:
+        raise StateDictError(f"accumulation lacks {exc}") from None
+    kind = type(parts.optimizer).__name__
+    if not isinstance(opt, Mapping) or opt.get("type") != kind:
+        got = opt.get("type") if isinstance(opt, Mapping) else type(opt).__name__
+        raise StateDictError(f"optimizer: state is for {got!r}, engine has {kind!r}")
+    opt_state = parts.opt_state
+    if not isinstance(slots, Mapping) or set(slots) != set(opt_state.slots):
+        got = sorted(slots) if isinstance(slots, Mapping) else type(slots).__name__
+        raise StateDictError(f"optimizer slots: expected {sorted(opt_state.slots)}, got {got}")
+    scalars = _check_scalars(opt_state.scalars, scalars)
+    step = check_count("optimizer step", step, 0, error=StateDictError)
+    micro = check_int("micro_batches", micro, 0, parts.accumulation_steps - 1, error=StateDictError)
+    wsum = _check_weight_sum(parts.params.dtype, micro, wsum)
+    skips = check_count("consecutive_skips", skips, 0, error=StateDictError)
+    if not isinstance(perturbed, bool) or (perturbed and not parts.two_windows):
+        raise StateDictError(f"perturbed: expected a bool (True only for SAM), got {shown(perturbed)}")
+    # the optional parts: each present in the state exactly when the engine has one, each
+    # checked by its own check_state (which changes nothing) and loaded by its apply_state
+    writes = []
+    for key, field, what in _PARTS:
+        sub, mine = optional[key], getattr(parts, field)
+        if (sub is None) != (mine is None):
+            raise StateDictError(f"{key}: the state has {'none' if sub is None else what}, "
+                                 f"the engine has {'none' if mine is None else 'one'}")
+        if sub is not None:
+            try:
+                checked = mine.check_state(sub)
+            except (ValueError, TypeError, KeyError) as exc:  # a custom part's own errors
+                if isinstance(exc, StateDictError):
+                    raise
+                raise StateDictError(f"{key}: {exc}") from exc
+            writes.append(functools.partial(mine.apply_state, checked))
+    if (mask is None) != (parts.mask is None):
+        raise StateDictError(f"mask: the state has {'none' if mask is None else 'a pruning mask'}, the engine has "
+                             f"{'none' if parts.mask is None else 'one'} (set_mask(...) before loading a pruned run)")
+    if mask is not None:
+        writes.append(functools.partial(parts.mask.assign, _check_mask_state(parts.params, mask)))
+    targets = [parts.params, parts.grads, *opt_state.slots.values()]
+    protect = tuple(b.flat for b in targets)
+    try:
+        buffers = [(parts.params, params), (parts.grads, grads)]
+        buffers += [(opt_state.slots[k], v) for k, v in slots.items()]
+        for buf, arrays in buffers:
+            checked = _intake.ready_to_assign(buf, buf.check(arrays), protect)
+            writes.append(functools.partial(buf.assign, checked))
+    except (LayoutError, KeyError, ValueError, TypeError) as exc:
+        raise StateDictError(f"state dict does not match the engine: {exc}") from exc
+    writes.append(functools.partial(_set_counters, parts, step, micro, wsum, skips, perturbed))
+    writes.append(functools.partial(opt_state.scalars.update, scalars))
+    return writes
+
+
+def checked_everywhere(comm, check):
+    """``check()``, with every rank of the group raising when any rank's check failed.
+
+    With a group of processes, a state refused on one rank (a file it cannot read,
+    a share that does not fit) must not leave the others loading alone: the ranks
+    compare outcomes (one small collective) and all raise before any rank writes.
+    """
+    if comm.is_local:
+        return check()
+    try:
+        result, failure = check(), None
+    except (StateDictError, OSError) as exc:
+        result, failure = None, exc
+    outcomes = comm.gather_objects(None if failure is None else f"{type(failure).__name__}: {failure}")
+    if failure is not None:
+        raise failure
+    bad = [(r, msg) for r, msg in enumerate(outcomes) if msg is not None]
+    if bad:
+        rank, msg = bad[0]
+        raise StateDictError(f"rank {rank} refused the state ({len(bad)} of {comm.size} ranks did), "
+                             f"so no rank loads it: {msg}")
+    return result
+
+
+def _set_counters(parts: StateParts, step: int, micro: int, wsum: float, skips: int, perturbed: bool) -> None:
+    parts.opt_state.step = step
+    c = parts.counters
+    c.micro, c.weight_sum, c.consecutive_skips, c.perturbed = micro, wsum, skips, perturbed
+
+
+def _check_scalars(mine: Mapping, scalars) -> dict:
+    """The optimizer's saved scalar state: the same names as the engine's, finite numbers."""
+    if not isinstance(scalars, Mapping) or set(scalars) != set(mine):
+        got = sorted(scalars) if isinstance(scalars, Mapping) else type(scalars).__name__
+        raise StateDictError(f"optimizer scalars: expected {sorted(mine)}, got {got}")
+    return {k: check_number(f"optimizer scalars[{k!r}]", v, error=StateDictError) for k, v in scalars.items()}
+
+
+def _own_share(comm, acc, comp):
+    """This rank's accumulation and compression state out of a state saved by some number of ranks.
+
+    A state saved by K ranks holds K shares; on K ranks each takes its own. On another
+    number of ranks (one process included) it is refused when a share is rank-specific:
+    a window accumulated part-way, or error-feedback residuals (what each rank failed to
+    send); otherwise the shares are equal and rank 0's is taken. A single process's
+    state is one share.
+    """
+    shares = {}
+    for key, part in (("accumulation", acc), ("compression", comp)):
+        many = isinstance(part, Mapping) and set(part) == {"ranks"}
+        if many and (not isinstance(part["ranks"], (list, tuple)) or not part["ranks"]):
+            raise StateDictError(f"{key}: 'ranks' must be a non-empty list of per-rank states")
+        shares[key] = list(part["ranks"]) if many else [part]
+    saved = len(shares["accumulation"])
+    if comp is None:
+        shares["compression"] = [None] * saved
+    if len(shares["compression"]) != saved:
+        raise StateDictError(f"compression: {len(shares['compression'])} per-rank states, accumulation {saved}")
+    if saved == comm.size:
+        return shares["accumulation"][comm.rank], shares["compression"][comm.rank]
+    where = f"the state was saved by {saved} process{'es' if saved > 1 else ''}, this group has {comm.size}"
+    if any(not isinstance(a, Mapping) or a.get("micro_batches") != 0 for a in shares["accumulation"]):
+        raise StateDictError(f"accumulation: {where}, and a window was accumulated part-way (each rank's partial "
+                             "gradient sum is its own): resume on the same number of ranks, or save at a boundary")
+    if any(isinstance(c, Mapping) and "residual" in c for c in shares["compression"]):
+        raise StateDictError(f"compression: {where}, and error-feedback residuals are per rank (what each rank "
+                             "has not sent yet): resume on the same number of ranks")
+    return shares["accumulation"][0], shares["compression"][0]
+
+
+def _check_weight_sum(dtype, micro: int, wsum) -> float:
+    """The saved window's weight sum: 0 for an empty window, else a sum step() could have made."""
+    wsum = check_number("weight_sum", wsum, 0.0, error=StateDictError)
+    info = np.finfo(dtype)
+    big = float(info.max)
+    if (micro == 0) != (wsum == 0.0) or wsum > big:
+        raise StateDictError(f"weight_sum: expected 0 with micro_batches=0, else a value in "
+                             f"[{float(info.tiny)!r}, {big!r}]; got {wsum!r} with micro_batches={micro}")
+    return wsum
+
+
+def _check_mask_state(params: FlatBuffer, arrays) -> dict:
+    """A saved mask: uint8 arrays of 0/1 of every parameter's shape, of the parameters' backend."""
+    layout = params.layout
+    if not isinstance(arrays, Mapping) or set(arrays) != set(layout.names):
+        got = sorted(arrays) if isinstance(arrays, Mapping) else type(arrays).__name__
+        raise StateDictError(f"mask: expected arrays for {list(layout.names)}, got {got}")
+    out = {}
+    for name in layout.names:
+        a = arrays[name]
+        if type(a) is not type(params.flat) or a.dtype != np.uint8 or a.shape != layout.shape(name):
+            raise StateDictError(f"mask[{name!r}]: expected uint8 of shape {layout.shape(name)}, "
+                                 f"got {getattr(a, 'dtype', type(a).__name__)}{getattr(a, 'shape', '')}")
+        if a.size and a.max() > 1:
+            raise StateDictError(f"mask[{name!r}]: expected 0/1 values (1 keep, 0 pruned), got max {int(a.max())}")
+        out[name] = a.copy()  # the load may write the mask buffer this array views
+    return out
+
+
+def _gather_by_rank(comm, tree) -> list:
+    """Every rank's ``tree`` (same structure everywhere), in rank order: arrays all-gathered, values gathered."""
+    arrays: list = []
+
+    def strip(node):
+        if isinstance(node, Mapping):
+            return {k: strip(v) for k, v in node.items()}
+        if isinstance(node, (list, tuple)):
+            return type(node)(strip(v) for v in node)
+        if hasattr(node, "shape") and hasattr(node, "dtype"):
+            arrays.append(node)
+            return _Slot(len(arrays) - 1)
+        return node
+
+    skeleton = strip(tree)
+    skeletons = comm.gather_objects(skeleton)
+    received = [comm.allgather(a) for a in arrays]
+
+    def fill(node, rank):
+        if isinstance(node, _Slot):
+            return received[node.index][rank]
+        if isinstance(node, Mapping):
+            return {k: fill(v, rank) for k, v in node.items()}
+        if isinstance(node, (list, tuple)):
+            return type(node)(fill(v, rank) for v in node)
+        return node
+
+    return [fill(sk, r) for r, sk in enumerate(skeletons)]
+
+
+@dataclass(frozen=True)
+class _Slot:
+    """Where an array stood in a tree sent without its arrays (see :func:`_gather_by_rank`)."""
+
+    index: int
