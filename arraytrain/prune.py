@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import fnmatch
 import math
+from collections.abc import Mapping
 
 import numpy as np
 
 from ._checks import check_number
 from .backend import backend_of
 from .buffer import FlatBuffer
-from .errors import ArgumentTypeError, DTypeError, HyperparameterError, LayoutError
+from .errors import ArgumentTypeError, BackendError, DTypeError, HyperparameterError, LayoutError
 from .layout import Layout
 
 #: The values of ``scope``: one threshold over every selected parameter, or one per parameter.
@@ -53,9 +54,48 @@ class MaskBuffer(FlatBuffer):
     def copy(self) -> "MaskBuffer":
         return MaskBuffer(self.layout, self.flat.copy())
 
+    @classmethod
+    def from_user(cls, mask, layout: Layout) -> "MaskBuffer":
+        """A host mask for ``layout`` from what a user passes to :meth:`arraytrain.Engine.set_mask`.
+
+        A uint8 :class:`FlatBuffer` of the same layout (copied; a CuPy one read back),
+        or a mapping name -> array of 0/1 (bool or integer; names left out are kept
+        whole). Everything is validated before the mask is built.
+        """
+        if isinstance(mask, FlatBuffer):
+            if mask.layout != layout:
+                raise LayoutError(f"mask: its layout {mask.layout!r} differs from the parameters' {layout!r}")
+            if mask.dtype != np.uint8:
+                raise DTypeError(f"mask: expected a uint8 buffer (1 keep, 0 pruned), got {mask.dtype}")
+            return cls(layout, _host_array(mask.flat).copy())
+        if not isinstance(mask, Mapping):
+            raise ArgumentTypeError(f"mask: expected a uint8 FlatBuffer, a mapping name -> 0/1 array, or None; "
+                                    f"got {type(mask).__name__}")
+        for name, m in mask.items():
+            if isinstance(m, np.ma.MaskedArray):  # np.asarray would drop its mask
+                raise BackendError(f"mask[{name!r}]: a masked array; pass 0/1 values (e.g. m.filled(0))")
+            if name not in layout:
+                raise LayoutError(f"mask: {name!r} is not a parameter; names: {list(layout.names)}")
+            a = _host_array(m)
+            if a.shape != layout.shape(name):
+                raise LayoutError(f"mask[{name!r}]: expected shape {layout.shape(name)}, got {a.shape}")
+            if not (a.dtype == np.bool_ or np.issubdtype(a.dtype, np.integer)) or not np.isin(a, (0, 1)).all():
+                raise DTypeError(f"mask[{name!r}]: expected 0/1 values (bool or integer), got {a.dtype}")
+        new = cls.ones(layout)
+        for name, m in mask.items():
+            new[name][...] = _host_array(m)
+        return new
+
     def __repr__(self) -> str:
         kept = sum(int((v != 0).sum()) for v in self._views.values())
         return f"MaskBuffer({len(self)} params, {kept}/{self.layout.num_elements} kept)"
+
+
+def _host_array(a) -> np.ndarray:
+    """A mask given by the caller, on the host for validation (a CuPy array is read back)."""
+    if type(a).__module__.partition(".")[0] == "cupy":
+        return a.get()
+    return np.asarray(a)
 
 
 def _params_of(params, what: str = "params") -> FlatBuffer:
