@@ -61,10 +61,12 @@ class Verdict:
 
     @classmethod
     def from_host(cls, kernels, flat, layout, *, unscale, max_norm, eps) -> Verdict:
+        """The norm pass on the host (:func:`arraytrain.ops.norm_pass`): the finding is known at once."""
         return cls(norm_pass(kernels, flat, layout), unscale=unscale, max_norm=max_norm, eps=eps)
 
     @classmethod
     def on_device(cls, kernels, flat, layout, *, unscale, max_norm, eps) -> Verdict:
+        """CUDA: the norm pass and the gate (clip factor, or skip) stay on the device; no synchronisation."""
         sums, gate = kernels.sumsq_gate(flat, layout.pieces, nseg=len(layout), unscale=unscale,
                                         max_norm=max_norm, eps=eps)
         return cls(None, unscale=unscale, max_norm=max_norm, eps=eps, device=(kernels, sums, gate, flat, layout))
@@ -81,14 +83,17 @@ class Verdict:
 
     @property
     def norm(self) -> float:
+        """The global L2 norm of the true gradient (before clipping)."""
         return self.found.norm / self.unscale
 
     @property
     def segment_norms(self) -> np.ndarray:
+        """Per-parameter L2 norms of the true gradient."""
         return self.found.segment_norms / self.unscale
 
     @property
     def coef(self) -> float:
+        """The clip factor ``min(1, max_norm / (norm + eps))`` (1 without clipping)."""
         return clip_coef(self.norm, self._max_norm, self._eps)
 
     def gscale(self):

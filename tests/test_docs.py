@@ -42,6 +42,7 @@ MODULES = (
     "arraytrain.checkpoint",
     "arraytrain.compress",
     "arraytrain.distributed",
+    "arraytrain.engine_state",
     "arraytrain.errors",
     "arraytrain.exchange",
     "arraytrain.interop.jax",
@@ -54,6 +55,7 @@ MODULES = (
     "arraytrain.prune",
     "arraytrain.quantize",
     "arraytrain.schedules",
+    "arraytrain.stages",
     "arraytrain.threads",
 )
 
