@@ -1,9 +1,10 @@
 """Old spellings of public names, accepted for one release with a :class:`DeprecationWarning`.
 
 Each warning names the old spelling and the new one, and points at the caller's line.
-Constructors keep their new signature (what :func:`inspect.signature` shows and
-``tests/test_public_api.py`` pins); :func:`legacy_arguments` translates the old spellings
-before the constructor sees them.
+A renamed class stays reachable under its old name through its module's ``__getattr__``
+(:func:`renamed_names`), outside ``__all__`` and ``dir()``. Constructors keep their new
+signature (what :func:`inspect.signature` shows and ``tests/test_public_api.py`` pins);
+:func:`legacy_arguments` translates the old spellings before the constructor sees them.
 """
 
 from __future__ import annotations
@@ -117,3 +118,21 @@ def renamed_attribute(old: str, new: str, index: int | None = None) -> property:
 
     get.__name__ = old
     return property(get, doc=f"Deprecated: {where[1:]}.")
+
+
+def renamed_names(module: str, renamed: dict, namespace: dict) -> Callable[[str], object]:
+    """A module ``__getattr__`` for names that ``module`` renamed: ``renamed`` maps each old
+    name to the new one, looked up in ``namespace`` (the module's ``globals()``).
+
+    ``module.<old>`` and ``from module import <old>`` warn and give the new object; any
+    other missing name is an :class:`AttributeError`, as without the hook.
+    """
+
+    def __getattr__(name: str):
+        new = renamed.get(name)
+        if new is None:
+            raise AttributeError(f"module {module!r} has no attribute {name!r}")
+        warn(f"{module}.{name}", f"{module}.{new}")
+        return namespace[new]
+
+    return __getattr__

@@ -102,9 +102,8 @@ from itertools import accumulate
 
 import numpy as np
 
-from . import _deprecation
 from ._checks import check_bool, check_count, check_number, check_positive, shown
-from ._deprecation import legacy_arguments, renamed_attribute
+from ._deprecation import legacy_arguments, renamed_attribute, renamed_names
 from .errors import ArgumentTypeError, DTypeError, HyperparameterError, StateDictError
 
 __all__ = [
@@ -774,12 +773,7 @@ RENAMED = {
 }
 
 
-def __getattr__(name: str):
-    new = RENAMED.get(name)
-    if new is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    _deprecation.warn(f"arraytrain.schedules.{name}", f"arraytrain.schedules.{new}")
-    return _REGISTRY[new]
+__getattr__ = renamed_names(__name__, RENAMED, _REGISTRY)
 
 
 def _from_state_dict(d, path: str, depth: int = 1) -> Schedule:
