@@ -32,7 +32,7 @@ import sys
 
 import numpy as np
 
-from . import optim
+from . import optim, schedules
 from .engine import Engine
 from .errors import ArrayTrainError, NonFiniteError
 from .nn.callbacks import MagnitudePruning
@@ -300,11 +300,6 @@ def _optimizer(args):
 def _schedule(args, steps_per_epoch: int):
     if args.schedule == "constant" and not args.warmup:
         return None
-    try:
-        from . import schedules
-    except ImportError:
-        raise _usage("--schedule/--warmup need arraytrain.schedules, which this build of arraytrain "
-                     "does not have") from None
     total = max(1, steps_per_epoch * args.epochs - args.warmup)
     if args.schedule == "constant":
         sched = schedules.Constant()
@@ -589,21 +584,16 @@ def train(args) -> int:
     params = model.init(seed=args.seed)  # NumPy: the engine moves them to the device once
     batches = math.ceil(len(data.y_train) / args.batch_size)
     sched = _schedule(args, max(1, batches // args.accumulation))
-    extra_engine = {"schedule": sched} if sched is not None else {}
+    extra_engine = {}
     if args.precision != "fp32":
         extra_engine["working_dtype"] = PRECISIONS[args.precision]
     if args.precision == "fp16":
         from .amp import LossScaler
 
         extra_engine["loss_scaler"] = LossScaler()
-    try:
-        engine = Engine(params, optimizer, accumulation_steps=args.accumulation, max_grad_norm=args.clip,
-                        zero_grad_on_step=False, device=args.device, compressor=compressor, comm=comm,
-                        **extra_engine)
-    except TypeError as exc:
-        if "schedule" in str(exc):
-            raise _usage("--schedule/--warmup: this build's Engine takes no schedule") from None
-        raise
+    engine = Engine(params, optimizer, accumulation_steps=args.accumulation, max_grad_norm=args.clip,
+                    zero_grad_on_step=False, device=args.device, compressor=compressor, comm=comm, schedule=sched,
+                    **extra_engine)
     if args.prune is not None:  # a mask from the start, so that every checkpoint of the run holds one
         from .prune import MaskBuffer
 
@@ -641,7 +631,7 @@ def train(args) -> int:
     if args.patience:
         callbacks.append(nn.EarlyStopping("val_loss", patience=args.patience))
     if args.schedule == "plateau":
-        callbacks.append(nn.ReduceLROnPlateau("val_loss"))
+        callbacks.append(nn.ReduceLROnPlateauCallback("val_loss"))
 
     def run_extra(trainer) -> dict:  # what a checkpoint keeps besides the engine (and the epoch)
         return {"config": _jsonable(config), "history": _history(trainer.history, batches)}
@@ -778,9 +768,8 @@ def _resume(args, trainer) -> int:
 
         extra = load(args.resume, trainer.controller)
     else:
-        from .nn.callbacks import _checkpoint_io
+        from .checkpoint import load
 
-        _, load = _checkpoint_io()
         extra = load(args.resume, trainer.engine)
     start = extra.get("epoch") if isinstance(extra, dict) else None
     if not isinstance(start, int) or isinstance(start, bool) or start < 0:
@@ -801,9 +790,8 @@ def _save(args, trainer, path, extra) -> None:
 
         save(path, trainer.controller, extra=extra)
     else:
-        from .nn.callbacks import _checkpoint_io
+        from .checkpoint import save
 
-        save, _ = _checkpoint_io()
         save(path, trainer.engine, extra=extra)
 
 
@@ -818,7 +806,7 @@ def _int8_evaluation(trainer, model, engine, data) -> dict:
     """The test figures of the model with its weights quantized to int8 and back (the biases stay float)."""
     from . import nn
     from .buffer import FlatBuffer
-    from .nn._array import array_namespace, to_numpy
+    from .nn import array_namespace, to_numpy
     from .quantize import dequantize_params, quantize_params
 
     host = FlatBuffer(engine.layout, to_numpy(engine.params.flat).copy())

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
 import io
 import json
 import subprocess
@@ -17,8 +16,6 @@ import arraytrain as at
 from arraytrain import cli
 from arraytrain.cli import main, optimizers
 
-HAS_SCHEDULE = "schedule" in inspect.signature(at.Engine).parameters
-HAS_CHECKPOINT = hasattr(at, "save") and hasattr(at, "load")
 QUIET = ["--no-progress"]
 
 
@@ -323,7 +320,6 @@ def test_python_dash_m(tmp_path):
     assert "test accuracy" in res.stdout
 
 
-@pytest.mark.skipif(not HAS_SCHEDULE, reason="Engine(schedule=...) is not in this build")
 @pytest.mark.parametrize("schedule", ["cosine", "step", "plateau", "constant"])
 def test_schedules(tmp_path, capsys, schedule):
     js = tmp_path / "s.json"
@@ -335,7 +331,6 @@ def test_schedules(tmp_path, capsys, schedule):
         assert lrs[-1] < 0.01
 
 
-@pytest.mark.skipif(not HAS_CHECKPOINT, reason="arraytrain.save/load are not in this build")
 def test_save_resume_continues_bitwise(tmp_path, capsys):
     data = str(small_npz(tmp_path / "d.npz"))
     common = ["--data", data, *QUIET, "--batch-size", "16", "--accumulation", "3"]

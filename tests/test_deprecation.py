@@ -106,6 +106,50 @@ def test_an_old_schedule_name_warns_and_is_the_new_class(old, new):
     assert schedules.RENAMED == OLD_SCHEDULES
 
 
+# the callback names that shipped before (their old name is a schedule's)
+OLD_CALLBACKS = {"ReduceLROnPlateau": "ReduceLROnPlateauCallback"}
+
+
+@pytest.mark.parametrize("module", ["arraytrain.nn", "arraytrain.nn.callbacks"])
+@pytest.mark.parametrize("old, new", OLD_CALLBACKS.items())
+def test_an_old_callback_name_warns_and_is_the_new_class(module, old, new):
+    import importlib
+
+    mod = importlib.import_module(module)
+    with pytest.warns(DeprecationWarning, match=f"{module}.{old} is deprecated.*{module}.{new}") as record:
+        cls = getattr(mod, old)
+    assert record[0].filename == __file__
+    assert cls is getattr(mod, new) and cls is at.nn.ReduceLROnPlateauCallback
+    assert cls is not schedules.ReduceLROnPlateau
+    assert old not in getattr(mod, "__all__", ()) and old not in dir(mod)
+    scope: dict = {}
+    with pytest.warns(DeprecationWarning):
+        exec(f"from {module} import {old} as imported", scope)
+    assert scope["imported"] is cls
+    with pytest.raises(AttributeError, match="NoSuchCallback"):
+        mod.NoSuchCallback  # noqa: B018
+    from arraytrain.nn import callbacks
+
+    assert callbacks.RENAMED == OLD_CALLBACKS
+
+
+def test_the_old_callback_name_feeds_the_schedule_as_before():
+    from arraytrain import nn
+
+    rng = np.random.default_rng(0)
+    x, y = rng.standard_normal((64, 4)).astype(np.float32), rng.integers(0, 2, 64)
+    with pytest.warns(DeprecationWarning, match="ReduceLROnPlateauCallback"):
+        old = nn.ReduceLROnPlateau("loss")
+    lrs = []
+    for callback in (old, nn.ReduceLROnPlateauCallback("loss")):
+        model = nn.MLP([4, 8, 2])
+        sched = schedules.ReduceLROnPlateau(mode="max", factor=0.5, patience=0)  # every falling loss is a plateau
+        engine = Engine(model.init(seed=0), optim.SGD(lr=0.1), schedule=sched, zero_grad_on_step=False)
+        history = nn.Trainer(model, engine, batch_size=16, seed=0, callbacks=[callback]).fit(x, y, epochs=3)
+        lrs.append([h["lr"] for h in history])
+    assert lrs[0] == lrs[1] and lrs[0][-1] < lrs[0][0]
+
+
 def test_the_old_cosine_spelling_builds_what_it_built():
     with pytest.warns(DeprecationWarning) as record:
         old = schedules.Cosine(20, min_lr=0.01)
@@ -255,8 +299,13 @@ def _old_spellings(tree: ast.AST) -> list[str]:
         if isinstance(node, ast.Attribute) and node.attr in OLD_SCHEDULES and isinstance(node.value, ast.Name) \
                 and node.value.id == "schedules":
             found.append(f"schedules.{node.attr}")
+        if isinstance(node, ast.Attribute) and node.attr in OLD_CALLBACKS and isinstance(node.value, ast.Name) \
+                and node.value.id in ("nn", "callbacks"):
+            found.append(f"{node.value.id}.{node.attr}")
         if isinstance(node, ast.ImportFrom) and node.module and node.module.endswith("schedules"):
             found += [f"import {a.name}" for a in node.names if a.name in OLD_SCHEDULES]
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.endswith(("nn", "nn.callbacks")):
+            found += [f"import {a.name}" for a in node.names if a.name in OLD_CALLBACKS]
         if isinstance(node, ast.Call):
             f = node.func
             callee = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else None
@@ -286,9 +335,12 @@ def test_the_project_uses_no_old_spelling():
 def test_the_scan_finds_old_spellings():
     code = ("from arraytrain.schedules import Cosine\nx = schedules.OneCycle(5)\nopt = optim.Lion(b1=0.5)\n"
             "cfg = AccumulationConfig(normalize=False)\nsgd = SGD(0.1, 0.9, 0.0, 0.0, False, True)\n"
-            "ok = Adam(1e-3, (0.9, 0.99), 1e-8, 0.0, False, maximize=True)\n")
+            "ok = Adam(1e-3, (0.9, 0.99), 1e-8, 0.0, False, maximize=True)\n"
+            "cb = nn.ReduceLROnPlateau('val_loss')\nfrom arraytrain.nn.callbacks import ReduceLROnPlateau\n"
+            "fine = schedules.ReduceLROnPlateau(patience=2)\n")
     assert sorted(_old_spellings(ast.parse(code))) == ["AccumulationConfig(normalize=...)", "Lion(b1=...)",
                                                       "SGD() with 6 positional arguments", "import Cosine",
+                                                      "import ReduceLROnPlateau", "nn.ReduceLROnPlateau",
                                                       "schedules.OneCycle"]
 
 

@@ -1,14 +1,15 @@
 """The public surface: exported names and their signatures, the error hierarchy, and a cheap import.
 
-:data:`SURFACE` pins, for ``arraytrain``, ``arraytrain.optim``, ``arraytrain.schedules`` and
-``arraytrain.compress``, every public name and the signature of each public class's
-constructor and each function (parameter names, kinds and defaults), so that any change to
-the surface is a conscious edit of this table. Old spellings kept for one release live in
+:data:`SURFACE` pins, for ``arraytrain``, ``arraytrain.optim``, ``arraytrain.schedules``,
+``arraytrain.compress`` and ``arraytrain.nn``, every public name and the signature of each
+public class's constructor and each function (parameter names, kinds and defaults), so that
+any change to the surface is a conscious edit of this table. Old spellings kept for one release live in
 ``tests/test_deprecation.py``.
 """
 
 from __future__ import annotations
 
+import enum
 import inspect
 import json
 import subprocess
@@ -20,6 +21,7 @@ import pytest
 
 import arraytrain
 import arraytrain.compress
+import arraytrain.nn
 import arraytrain.optim
 import arraytrain.schedules
 from arraytrain import errors
@@ -157,16 +159,72 @@ SURFACE = {
         "Ternary": "(block=None, *, min_size=0, warmup=0, seed=0, kernels='numba')",
         "TopK": "(ratio=None, k=None, *, min_size=0, warmup=0, seed=0, kernels='numba')",
         "VSA": "(ratio=None, *, dim=None, block=4096, unbiased=True, min_size=0, warmup=0, seed=0, kernels='numba')",
+    },    # the layers, losses, metrics, data and training loop; a callback's name says it is one where a
+    # schedule has the same meaning (ReduceLROnPlateauCallback feeds arraytrain.schedules.ReduceLROnPlateau)
+    "arraytrain.nn": {
+        "Activation": "()",
+        "Batches": "(x, y=None, batch_size=32, *, shuffle=True, seed=0, drop_last=False)",
+        "Callback": "()",
+        "Checkpoint": "(path, every=1, extra=None)",
+        "DataError": "error",
+        "Dataset": "(name, x_train, y_train, x_val, y_val, x_test, y_test, num_classes, classes)",
+        "Dense": "(in_features, out_features, name='fc')",
+        "EarlyStopping": "(monitor='val_loss', patience=5, min_delta=0.0, mode='auto', restore_best=False)",
+        "GELU": "()",
+        "GradientMonitor": "()",
+        "LambdaCallback": "(**hooks)",
+        "MLP": "(sizes, activation='relu', dtype=<class 'numpy.float32'>, init=None)",
+        "MagnitudePruning": "(ratio, start=1, end=None)",
+        "MissingDependencyError": "error",
+        "Phase": "enum",
+        "PhaseCheckpoint": "(path, every=1, extra=None)",
+        "PhaseSchedule": "(full_steps=10, predict_steps=40, correct_every=10, *, adaptive=False, loss_threshold=0.1, "
+                         "full_bounds=(5, 50), predict_bounds=(10, 100))",
+        "PhaseStats": "(full_steps=0, predict_steps=0, correct_steps=0, cycles=0, unrecorded=0, seconds=<factory>, "
+                      "timed=<factory>, loss_sum=<factory>, loss_count=<factory>)",
+        "PhaseTrainer": "(model, engine, *, full_steps=10, predict_steps=40, correct_every=10, adaptive=False, "
+                        "loss_threshold=0.1, full_bounds=(5, 50), predict_bounds=(10, 100), history=4, "
+                        "correction_beta=0.9, kernels='numba', **trainer_kwargs)",
+        "Profiler": "()",
+        "ProgressBar": "(file=None, leave=True, every=10, disable=None)",
+        "ReLU": "()",
+        "ReduceLROnPlateauCallback": "(monitor='val_loss')",
+        "Sigmoid": "()",
+        "Standardizer": "(floor=0.25)",
+        "Tanh": "()",
+        "Trainer": "(model, engine, *, loss='cross_entropy', batch_size=32, shuffle=True, seed=0, drop_last=False, "
+                   "callbacks=(), num_classes=None, eval_batch_size=1024)",
+        "accuracy": "(y_true, y_pred)",
+        "activation": "(name)",
+        "array_namespace": "(*arrays)",
+        "binary_cross_entropy": "(logits, target)",
+        "classification_report": "(y_true, y_pred, num_classes)",
+        "confusion_matrix": "(y_true, y_pred, num_classes)",
+        "dice_loss": "(logits, labels, smooth=1.0)",
+        "focal_loss": "(logits, labels, gamma=2.0, alpha=1.0)",
+        "he_normal": "(rng, fan_in, fan_out, dtype=<class 'numpy.float32'>)",
+        "load_digits": "(seed=0, val_fraction=0.15, test_fraction=0.2, dtype=<class 'numpy.float32'>)",
+        "load_npz": "(path, seed=0, val_fraction=0.15, test_fraction=0.2, dtype=<class 'numpy.float32'>)",
+        "log_softmax": "(logits)",
+        "mse": "(pred, target)",
+        "poly1_cross_entropy": "(logits, labels, epsilon=1.0)",
+        "precision_recall_f1": "(cm)",
+        "softmax": "(logits)",
+        "softmax_cross_entropy": "(logits, labels, label_smoothing=0.0)",
+        "to_numpy": "(a)",
+        "xavier_uniform": "(rng, fan_in, fan_out, dtype=<class 'numpy.float32'>)",
     },
 }
 MODULES = {"arraytrain": arraytrain, "arraytrain.optim": arraytrain.optim, "arraytrain.schedules": arraytrain.schedules,
-           "arraytrain.compress": arraytrain.compress}
+           "arraytrain.compress": arraytrain.compress, "arraytrain.nn": arraytrain.nn}
 
 
 def spelled(obj) -> str:
     """How :data:`SURFACE` writes a public object: its signature without annotations, or its kind."""
     if isinstance(obj, types.ModuleType):
         return "module"
+    if isinstance(obj, type) and issubclass(obj, enum.Enum):  # its members are its surface, not a signature
+        return "enum"
     if isinstance(obj, type) and issubclass(obj, BaseException) and "__init__" not in vars(obj):
         return "error"
     if not callable(obj):

@@ -1,7 +1,8 @@
-"""Choosing the array module (NumPy or CuPy) from the arrays in hand."""
+"""Choosing the array module (NumPy or CuPy) from the arrays in hand, and what differs between the two."""
 
 from __future__ import annotations
 
+import contextlib
 from types import ModuleType
 
 import numpy as np
@@ -31,3 +32,12 @@ def to_numpy(a) -> np.ndarray:
     if isinstance(a, np.ndarray) or backend_of(a) == NUMPY:
         return a
     return a.get()
+
+
+def checked_numerics(x):
+    """NumPy's overflow / invalid-value warnings off around a computation whose result is
+    checked afterwards (the engine's NaN/Inf test, the epoch's non-finite loss count).
+    CuPy does not warn: nothing to switch off."""
+    if isinstance(x, np.ndarray):
+        return np.errstate(over="ignore", invalid="ignore")
+    return contextlib.nullcontext()

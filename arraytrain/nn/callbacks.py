@@ -13,9 +13,15 @@ import math
 import os
 import sys
 
+from .. import schedules
 from .._checks import check_int, check_number
+from .._deprecation import renamed_names
+from ..checkpoint import save
 from ..errors import ArgumentTypeError, HyperparameterError
-from .data import MissingDependencyError, require
+from .data import require
+
+# the callback names that shipped before: deprecated aliases (module __getattr__ at the end)
+RENAMED = {"ReduceLROnPlateau": "ReduceLROnPlateauCallback"}
 
 
 class Callback:
@@ -113,16 +119,6 @@ class EarlyStopping(Callback):
             trainer.engine.params.flat[...] = self._best_params
 
 
-def _checkpoint_io():
-    import arraytrain
-
-    save, load = getattr(arraytrain, "save", None), getattr(arraytrain, "load", None)
-    if save is None or load is None:
-        raise MissingDependencyError("checkpoints need arraytrain.save / arraytrain.load, "
-                                     "which this build of arraytrain does not have")
-    return save, load
-
-
 class Checkpoint(Callback):
     """Save the engine with :func:`arraytrain.save` every ``every`` epochs (and after the last).
 
@@ -134,7 +130,6 @@ class Checkpoint(Callback):
     """
 
     def __init__(self, path, every: int = 1, extra=None):
-        self.save, _ = _checkpoint_io()
         self.path = os.fspath(path)
         self.every = check_int("every", every, 1)
         if extra is not None and not callable(extra) and not isinstance(extra, dict):
@@ -150,7 +145,7 @@ class Checkpoint(Callback):
 
     def _write(self, trainer, epoch) -> None:
         path = self.path.format(epoch=epoch)
-        self.save(path, trainer.engine, extra=self._extra(trainer, epoch))
+        save(path, trainer.engine, extra=self._extra(trainer, epoch))
         self.saved.append(path)
 
     def on_epoch_end(self, trainer, epoch, logs) -> None:
@@ -162,35 +157,33 @@ class Checkpoint(Callback):
             self._write(trainer, trainer.epoch)
 
 
-class ReduceLROnPlateau(Callback):
-    """Feed ``monitor`` to the engine's reduce-on-plateau schedule after every epoch.
+class ReduceLROnPlateauCallback(Callback):
+    """Feed ``monitor`` to the engine's :class:`~arraytrain.schedules.ReduceLROnPlateau` schedule
+    after every epoch.
 
-    The engine must have been built with
-    ``schedule=arraytrain.schedules.ReduceLROnPlateau(...)`` (or a schedule holding
-    one, e.g. inside a ``Warmup``); that schedule holds the mode, factor,
-    patience and threshold, and decides when to cut the lr (its patience counts
-    epochs, as it is fed once per epoch). The metric goes in with the number of
-    optimizer steps applied so far, which routes it to the active segment.
+    The callback decides nothing: the schedule, given as
+    ``Engine(..., schedule=arraytrain.schedules.ReduceLROnPlateau(...))`` (or a schedule holding
+    one, e.g. inside a ``Warmup``), holds the mode, factor, patience and threshold and cuts the
+    lr (its patience counts epochs, as it is fed once per epoch). The metric goes in with the
+    number of optimizer steps applied so far, which routes it to the active segment.
+
+    Named ``ReduceLROnPlateau`` before (a deprecated alias for one release): that name is the
+    schedule's, as in torch.
     """
 
     def __init__(self, monitor: str = "val_loss"):
         self.monitor = monitor
 
     def on_train_begin(self, trainer) -> None:
-        try:
-            from ..schedules import ReduceLROnPlateau as Plateau, Schedule
-        except ImportError:
-            raise MissingDependencyError("ReduceLROnPlateau needs arraytrain.schedules, "
-                                         "which this build of arraytrain does not have") from None
-        sched = getattr(trainer.engine, "schedule", None)
-        if not isinstance(sched, Schedule) or not sched.stateful:
-            raise ArgumentTypeError("ReduceLROnPlateau: the engine's schedule must be an "
-                                    f"arraytrain.schedules.{Plateau.__name__} (Engine(..., schedule=...)) "
+        sched = trainer.engine.schedule
+        if not isinstance(sched, schedules.Schedule) or not sched.stateful:
+            raise ArgumentTypeError(f"{type(self).__name__}: the engine's schedule must be an "
+                                    "arraytrain.schedules.ReduceLROnPlateau (Engine(..., schedule=...)) "
                                     f"or hold one, got {type(sched).__name__}")
         self.schedule = sched
 
     def on_epoch_end(self, trainer, epoch, logs) -> None:
-        self.schedule.observe(_monitored("ReduceLROnPlateau", logs, self.monitor), trainer.engine.state.step)
+        self.schedule.observe(_monitored(type(self).__name__, logs, self.monitor), trainer.engine.state.step)
 
 
 def layer_of(name: str) -> str:
@@ -381,3 +374,6 @@ class ProgressBar(Callback):
             print(line, file=file or sys.stdout, flush=True)
         else:
             self._tqdm.write(line, file=file or sys.stdout)
+
+
+__getattr__ = renamed_names(__name__, RENAMED, globals())

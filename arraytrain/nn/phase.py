@@ -14,8 +14,9 @@ import time
 from ..engine import Engine
 from ..errors import ArgumentTypeError, HyperparameterError
 from ..phase import LOSS_MEAN, LOSS_MIN, LOSS_WINDOW, Phase, PhaseController, PhaseSchedule, PhaseStats, save
+from ._array import checked_numerics
 from .callbacks import Checkpoint
-from .trainer import Trainer, _checked_numerics
+from .trainer import Trainer
 
 __all__ = ["LOSS_MEAN", "LOSS_MIN", "LOSS_WINDOW", "Phase", "PhaseCheckpoint", "PhaseSchedule", "PhaseStats",
            "PhaseTrainer"]
@@ -100,7 +101,7 @@ class PhaseTrainer(Trainer):
             t5 = t6 = time.perf_counter()
             loss, n = None, 0
         else:
-            with _checked_numerics(xb):
+            with checked_numerics(xb):
                 out = self.model.forward(xb)
                 loss, dout = self.loss_fn(out, yb)
                 t2 = time.perf_counter()

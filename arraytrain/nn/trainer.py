@@ -46,7 +46,6 @@ fixed order, so two runs with the same seeds are bitwise equal on one machine.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -57,7 +56,7 @@ import numpy as np
 from .._checks import check_int
 from ..engine import Engine
 from ..errors import ArgumentTypeError, HyperparameterError
-from ._array import array_namespace, to_numpy
+from ._array import array_namespace, checked_numerics, to_numpy
 from .callbacks import Callback
 from .data import Batches
 from .layers import MLP
@@ -259,7 +258,7 @@ class Trainer:
             n = xb.shape[0]
             lo, hi = n * comm.rank // comm.size, n * (comm.rank + 1) // comm.size
             xb, yb, weight = xb[lo:hi], yb[lo:hi], (hi - lo) / n
-        with _checked_numerics(xb):
+        with checked_numerics(xb):
             if work is not None:
                 work.refresh()
                 xb = work.round_input(xb)
@@ -339,7 +338,7 @@ class Trainer:
         if work is not None:
             work.refresh()
         for xb, yb in batches.epoch(0):
-            with _checked_numerics(xb):  # a diverged model's loss is reported as NaN
+            with checked_numerics(xb):  # a diverged model's loss is reported as NaN
                 if work is not None:
                     xb = work.round_input(xb)
                 out = model.predict(xb)
@@ -377,15 +376,6 @@ def _step_kind(report) -> str:
     if report.applied:
         return "applied"
     return "ascent" if report.perturbed else "accumulated"
-
-
-def _checked_numerics(x):
-    """NumPy's overflow / invalid-value warnings off around a computation whose result is
-    checked afterwards (the engine's NaN/Inf test, the epoch's non-finite loss count).
-    CuPy does not warn: nothing to switch off."""
-    if isinstance(x, np.ndarray):
-        return np.errstate(over="ignore", invalid="ignore")
-    return contextlib.nullcontext()
 
 
 class _WorkingCopy:

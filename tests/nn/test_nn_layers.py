@@ -239,6 +239,6 @@ def test_public_surface():
     assert sorted(nn.__all__) == sorted(name for name in dir(nn) if not name.startswith("_")
                                         and name in nn.__all__)
     for name in ("MLP", "Dense", "ReLU", "GELU", "Tanh", "Sigmoid", "softmax_cross_entropy", "mse", "focal_loss",
-                 "Trainer", "Batches", "EarlyStopping", "Checkpoint", "ReduceLROnPlateau", "GradientMonitor",
+                 "Trainer", "Batches", "EarlyStopping", "Checkpoint", "ReduceLROnPlateauCallback", "GradientMonitor",
                  "Profiler", "ProgressBar", "array_namespace"):
         assert name in nn.__all__, name
