@@ -1,8 +1,8 @@
 """The hand-written MLP's operations, forward and backward, and end-to-end training throughput.
 
-The categories autograd benchmark suites track: matmul (a dense layer's
-forward and backward), elementwise activations, losses with their gradients,
-reductions, and whole training steps. float32 throughout, as the MLP trains.
+Each kind of work a training step is made of, timed apart: matmul (a dense
+layer's forward and backward), elementwise activations, losses with their
+gradients, reductions; then whole training steps. float32 throughout, as the MLP trains.
 ``ARRAYTRAIN_BENCH_QUICK=1`` keeps one small size per benchmark.
 """
 

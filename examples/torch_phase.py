@@ -1,6 +1,6 @@
 """Gradient prediction driven from a PyTorch training loop: ``arraytrain.phase.PhaseController``.
 
-The controller says what each step is (vsa-optim-rs's ``begin_step``): FULL and
+The controller says what each step is (``begin_step()`` returns its phase): FULL and
 CORRECT steps run forward and ``loss.backward()`` and hand the gradient over
 (``record_full_gradients``); PREDICT steps run neither, and the optimizer
 applies the gradient the predictor extrapolates from the recorded ones
@@ -36,7 +36,8 @@ import arraytrain as at
 from arraytrain.interop import torch as at_torch
 from arraytrain.phase import Phase, PhaseController
 
-# the cycle `python -m arraytrain.bench predict` settled on: F F P P P C P P C | ..., 4 gradients in the line fit
+# `arraytrain train --predict`'s default cycle (arraytrain.cli.PREDICT_DEFAULTS, measured on the digits MLP):
+# F F P P P C P P C | ..., 4 gradients in the line fit
 PHASES = dict(full_steps=2, predict_steps=6, correct_every=3, history=4, correction_beta=1.0)
 LR = 3e-3
 
