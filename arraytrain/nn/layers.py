@@ -263,6 +263,11 @@ class MLP:
         """Elements of every parameter together."""
         return sum(math.prod(s) for s in self.shapes.values())
 
+    @property
+    def engine(self) -> Engine | None:
+        """The :class:`~arraytrain.Engine` the model is bound to (:meth:`bind`), or None."""
+        return self._engine
+
     def init(self, seed: int = 0) -> dict:
         """Fresh parameters ``{name: array}`` drawn from ``seed`` (He or Xavier, zero biases).
 

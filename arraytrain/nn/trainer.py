@@ -140,7 +140,7 @@ class Trainer:
         self._working = None
         if engine.working is not None:
             self._working = _WorkingCopy(engine, model)
-        elif model._engine is not engine:
+        elif model.engine is not engine:
             model.bind(engine)
         self.history: list[dict] = []
         self.timings = dict.fromkeys(PHASES, 0.0)
