@@ -64,7 +64,7 @@ def measure(n_tensors: int, elements: int, calls: int = 20, repeats: int = 7) ->
     after = at.Engine(params, at.optim.AdamW(lr=LR, weight_decay=WD), **micro)
     src = np.ones(after.grads.flat.size, np.float32)
     fns = {"before": lambda: before.step(grads), "after": lambda: after.step(grads),
-           "floor": lambda: cpu.accumulate(after.grads.flat, src, 1.0, False)}
+           "floor": lambda: cpu.accumulate(after.grads.flat, src, w=1.0, overwrite=False)}
     try:
         import jax.numpy as jnp
 
