@@ -159,7 +159,7 @@ def test_layout_controller_with_mappings_equals_the_engine_bound_one(rng):
 
 
 def test_seed_api_transitions_and_step_ratio():
-    """vsa-optim-rs's own tests: the phase after two FULL steps, and 4 steps / 1 backward = 4.0."""
+    """The phase after two FULL steps, and 4 steps / 1 backward = 4.0 (the phase API's own examples)."""
     layout = at.Layout({"layer1.weight": (64, 128), "layer1.bias": (64,)})
     rng = np.random.default_rng(0)
     grads = {k: (0.1 * rng.standard_normal(layout.shape(k))).astype(np.float32) for k in layout.names}
