@@ -12,7 +12,7 @@ from .._deprecation import legacy_arguments
 from ..buffer import FlatBuffer, _xp
 from ..errors import HyperparameterError
 from ..layout import Layout
-from ._base import Optimizer, OptState, mask_arg, working_args
+from ._base import Optimizer, OptState, decoupled_decay, mask_arg, working_args
 
 # column block width of the fast kernel's column-sum pass (arraytrain.kernels.cpu.optimizers)
 _COL_BLOCK = 256
@@ -92,7 +92,7 @@ class Adafactor(Optimizer):
         kernels.adafactor_step(
             params.flat, grads.flat, s["row_var"].flat, s["col_var"].flat, s["variance"].flat, params.layout.pieces,
             geo.segs, geo.rows, geo.cols, geo.batches, gscale=self._signed(gscale),
-            rel_step=np.minimum(lr, 1.0 / math.sqrt(t)), decay=1.0 - lr * wd,
+            rel_step=np.minimum(lr, 1.0 / math.sqrt(t)), decay=decoupled_decay(lr, wd),
             one_minus_beta2=float(t) ** self.beta2_decay, eps1=eps1, eps2=self.eps[1], d=self.d,
             **working_args(working), zero_grad=zero_grad, mask=mask_arg(mask, params),
         )

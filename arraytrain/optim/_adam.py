@@ -7,7 +7,7 @@ import numpy as np
 from .._checks import check_betas, check_bool, check_number
 from .._deprecation import legacy_arguments
 from ..buffer import kernel_view
-from ._base import Optimizer, mask_arg, working_args
+from ._base import Optimizer, decoupled_decay, mask_arg, working_args
 
 
 # the positional order that shipped (state_dtype, maximize and overrides are keyword-only now)
@@ -69,7 +69,7 @@ class Adam(Optimizer):
         t = state.step + 1
         b1, b2 = self.betas
         if self._decoupled:
-            l2, decay = np.zeros_like(wd), 1.0 - lr * wd
+            l2, decay = np.zeros_like(wd), decoupled_decay(lr, wd)
         else:
             l2, decay = wd, np.ones_like(wd)
         s = {k: kernel_view(buf.flat) for k, buf in state.slots.items()}

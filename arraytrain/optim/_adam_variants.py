@@ -7,7 +7,7 @@ import math
 import numpy as np
 
 from .._checks import check_betas, check_bool, check_number
-from ._base import Optimizer, mask_arg, working_args
+from ._base import Optimizer, decoupled_decay, mask_arg, working_args
 
 
 class _AdamVariant(Optimizer):
@@ -30,7 +30,7 @@ class _AdamVariant(Optimizer):
         """The kernels' ``l2`` and ``decay`` per parameter: torch applies one of the two forms."""
         wd = self.per_param(state, "weight_decay")
         if self.decoupled_weight_decay:
-            return {"l2": np.zeros_like(wd), "decay": 1.0 - lr * wd}
+            return {"l2": np.zeros_like(wd), "decay": decoupled_decay(lr, wd)}
         return {"l2": wd, "decay": np.ones_like(wd)}
 
     def _common_args(self, params, gscale, working, zero_grad, mask) -> dict:

@@ -238,3 +238,12 @@ def working_args(working) -> dict:
     """The kernels' ``w`` and ``wkind`` keywords for an optional working copy ``(bits, kind)``."""
     w, wkind = (None, 0) if working is None else working
     return {"w": w, "wkind": wkind}
+
+
+def decoupled_decay(lr, weight_decay):
+    """The kernels' ``decay``: ``1 - lr * weight_decay`` per parameter, the factor a decoupled weight
+    decay multiplies the parameters by before the step (AdamW's rule, Loshchilov & Hutter 2019).
+
+    The one place the factor is formed, so every optimizer that decays this way has the same bits.
+    """
+    return 1.0 - lr * weight_decay

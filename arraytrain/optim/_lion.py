@@ -4,7 +4,7 @@ import numbers
 
 from .._checks import check_betas, check_bool, check_number
 from .._deprecation import legacy_arguments, renamed_attribute, value_at
-from ._base import Optimizer, mask_arg, working_args
+from ._base import Optimizer, decoupled_decay, mask_arg, working_args
 
 
 class Lion(Optimizer):
@@ -52,7 +52,8 @@ class Lion(Optimizer):
         lr = self._lr(state, lr)
         b1, b2 = self.betas
         kernels.lion_step(params.flat, grads.flat, self._slot(state, "exp_avg"), params.layout.pieces,
-                          gscale=self._signed(gscale), lr=lr, decay=1.0 - lr * self.per_param(state, "weight_decay"),
+                          gscale=self._signed(gscale), lr=lr,
+                          decay=decoupled_decay(lr, self.per_param(state, "weight_decay")),
                           beta1=b1, beta2=b2, **working_args(working), zero_grad=zero_grad,
                           mask=mask_arg(mask, params))
         state.step += 1

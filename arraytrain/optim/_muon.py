@@ -16,7 +16,7 @@ from ..backend import array_module
 from ..errors import HyperparameterError
 from ..kernels import _newton_schulz
 from ..layout import Layout
-from ._base import Optimizer, OptState, mask_arg, working_args
+from ._base import Optimizer, OptState, decoupled_decay, mask_arg, working_args
 
 # torch.optim.Muon's defaults (Keller Jordan's quintic coefficients and eps)
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
@@ -168,7 +168,7 @@ class Muon(Optimizer):
                               self._work(params.flat, route.work), route.mats, route.pieces, gscale=gs,
                               momentum=self.momentum, nesterov=self.nesterov,
                               adjusted_lr=lr * lr_ratios(params.layout, self.fallback_for, self.adjust_lr_fn),
-                              decay=1.0 - lr * wd, eps_norm=self.eps, ns_coefficients=self.ns_coefficients,
+                              decay=decoupled_decay(lr, wd), eps_norm=self.eps, ns_coefficients=self.ns_coefficients,
                               ns_steps=self.ns_steps, **working_args(working), zero_grad=zero_grad, mask=mask)
         if self.fallback is not None and route.fallback_pieces.shape[0]:
             # the fallback's own fused kernel over its parameters' pieces; gscale carries Muon's sign

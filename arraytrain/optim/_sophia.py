@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from .._checks import check_betas, check_bool, check_number
 from .._deprecation import legacy_arguments
-from ._base import Optimizer, mask_arg, working_args
+from ._base import Optimizer, decoupled_decay, mask_arg, working_args
 
 
 class Sophia(Optimizer):
@@ -72,7 +72,7 @@ class Sophia(Optimizer):
         wd = self.per_param(state, "weight_decay")
         s = state.slots
         kernels.sophia_step(params.flat, grads.flat, s["exp_avg"].flat, s["hessian"].flat, params.layout.pieces,
-                            gscale=self._signed(gscale), lr=lr, decay=1.0 - lr * wd, beta1=self.betas[0],
+                            gscale=self._signed(gscale), lr=lr, decay=decoupled_decay(lr, wd), beta1=self.betas[0],
                             rho_bs=self.rho * self.bs, eps=self.eps, **working_args(working), zero_grad=zero_grad,
                             mask=mask_arg(mask, params))
         state.step += 1
