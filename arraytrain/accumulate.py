@@ -1,4 +1,4 @@
-"""GradientAccumulator: the semantics of tensorlogic-train's accumulator, on a flat buffer.
+"""GradientAccumulator: per-parameter gradient sums over micro-batches, on a flat buffer.
 
 Each registered parameter keeps its own count of micro-batches seen (and the
 sum of their weights); ``get_gradients`` divides each parameter's sum by its

@@ -53,7 +53,8 @@ def clip_coef(norm: float, max_norm: float | None, eps: float = CLIP_EPS) -> flo
     """Global-norm clip factor ``min(1, max_norm / (norm + eps))``.
 
     ``eps=1e-6`` (:data:`CLIP_EPS`) is torch.nn.utils.clip_grad_norm_'s rule; ``eps=0``
-    scales to exactly ``max_norm`` (optax.clip_by_global_norm's and tensorlogic-train's rule).
+    scales to exactly ``max_norm`` (optax.clip_by_global_norm's rule: a clipped gradient's norm is
+    ``max_norm`` itself, not slightly below it).
     """
     if max_norm is None:
         return 1.0

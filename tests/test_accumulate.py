@@ -1,4 +1,4 @@
-"""GradientAccumulator: the seed crate's accumulator semantics, on a flat buffer."""
+"""GradientAccumulator: per-parameter sums, counts and weighted means over micro-batches, on a flat buffer."""
 
 from __future__ import annotations
 

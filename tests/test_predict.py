@@ -166,8 +166,14 @@ def test_state_dict_round_trip_is_bitwise(rng, kernels):
 # -- the phase rule ----------------------------------------------------------------------------
 
 
-def seed_rule(full, predict, every, n):
-    """vsa-optim-rs's get_next_phase / transition_phase / end_step, transcribed literally."""
+def written_out_rule(full, predict, every, n):
+    """The first ``n`` phases by the rule written out as a plain loop, apart from PhaseSchedule.
+
+    ``full`` full steps (F); then predicted steps (P), with a correction step (C) whenever the
+    number of steps since leaving F is a positive multiple of ``every``; back to F once
+    ``predict`` steps have passed since leaving F (a C step returns to P while fewer have).
+    The count restarts on entering F and on leaving it.
+    """
     phase, ps, out = "F", 0, []
     for _ in range(n):
         if phase == "F":
@@ -186,13 +192,13 @@ def seed_rule(full, predict, every, n):
 
 
 @pytest.mark.parametrize("full,predict,every", [(2, 4, 2), (2, 6, 3), (1, 3, 3), (3, 5, 10), (1, 1, 1), (4, 12, 4)])
-def test_phase_sequence_follows_the_seed(full, predict, every):
+def test_phase_sequence_follows_the_written_out_rule(full, predict, every):
     sched = PhaseSchedule(full, predict, every)
     got = ""
     for _ in range(60):
         got += sched.begin().value[0].upper()
         sched.end(1.0)
-    assert got == seed_rule(full, predict, every, 60)
+    assert got == written_out_rule(full, predict, every, 60)
     if (full, predict, every) == (2, 4, 2):
         assert got.startswith("FFPPCPC" "FFPPCPC")
 
@@ -265,7 +271,7 @@ def test_phase_trainer_skips_backward_and_counts(rng):
     wall = time.perf_counter() - t0
     s = tr.stats
     assert s.steps == engine.state.step == 36 == len(cb.phases)
-    assert "".join(p[0].upper() for p in cb.phases) == seed_rule(2, 4, 2, 36)
+    assert "".join(p[0].upper() for p in cb.phases) == written_out_rule(2, 4, 2, 36)
     assert calls["backward"] == calls["forward"] == s.backward_passes == s.full_steps + s.correct_steps
     assert s.predict_steps == cb.phases.count("predict") > 0
     assert s.step_ratio == pytest.approx(36 / s.backward_passes)
