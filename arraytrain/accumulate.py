@@ -16,7 +16,7 @@ import numpy as np
 from . import _deprecation, _intake
 from ._checks import check_bool, check_int, check_number, check_positive
 from ._deprecation import legacy_arguments, value_at
-from .backend import kernels_for
+from .backend import backend_of, check_kernel_dtype
 from .buffer import FlatBuffer
 from .errors import (
     ArgumentTypeError,
@@ -26,6 +26,7 @@ from .errors import (
     ShapeMismatchError,
     UnknownParameterError,
 )
+from .kernels.interface import family
 from .layout import Layout, _check_shape
 from .ops import CLIP_EPS, clip_coef, norm_pass
 
@@ -120,7 +121,8 @@ class GradientAccumulator:
         self._buf = FlatBuffer.zeros(Layout({}), dtype)
         self._counts = np.zeros(0, dtype=np.int64)
         self._weights = np.zeros(0, dtype=np.float64)
-        self._kernels = kernels_for(self._buf.flat)
+        check_kernel_dtype(self._buf.dtype)
+        self._kernels = family(backend_of(self._buf.flat))
         self.total_micro_batches = 0
         self.total_updates = 0
 

@@ -7,9 +7,9 @@ returns a NumPy array on the CPU or a CuPy array on a CUDA device. Nothing is
 ever copied between host and device behind the caller's back: a CUDA array
 handed to a CPU engine is an error, and so is the other way round.
 
-:func:`kernels_for` picks the kernel module for a buffer: ``cpu`` (numba) for
-NumPy, ``cuda`` (CuPy) for CuPy, or ``reference`` (pure NumPy, the test
-oracle) on request.
+:func:`check_kernel_dtype` says whether a buffer's dtype is one the kernels run on;
+the kernels themselves come from :func:`arraytrain.kernels.interface.family`, by
+:func:`backend_of` the buffer.
 """
 
 from __future__ import annotations
@@ -21,10 +21,8 @@ import ml_dtypes
 import numpy as np
 
 from .errors import BackendError, BackendUnavailableError, DTypeError, HyperparameterError
-from .kernels.interface import IMPLS
 
 NUMPY, CUPY = "numpy", "cupy"
-KERNEL_IMPLS = IMPLS  # the kernel implementations a caller may choose
 KERNEL_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 
 # DLPack device types (dlpack.h): CPU, CUDA, CUDA host-pinned, CUDA managed, ROCm.
@@ -184,27 +182,25 @@ def _expect(got: str, expected: str | None, name: str) -> None:
         )
 
 
-def kernels_for(flat, impl: str = "numba", domain: str | None = None) -> ModuleType:
-    """The kernel family for a flat buffer (``cpu``/``cuda``, or ``reference``), or one domain of it.
+def check_kernel_dtype(dtype, name: str = "buffer") -> None:
+    """Raise :class:`DTypeError` unless the kernels run on buffers of ``dtype`` (float32 or float64)."""
+    dtype = np.dtype(dtype)
+    if dtype not in KERNEL_DTYPES:
+        raise DTypeError(
+            f"{name} dtype {dtype}: the kernels run on float32 or float64 buffers "
+            "(float16 gradients are accepted and cast on intake)"
+        )
 
-    The one way every caller (engine, optimizers, compressors, predictor) gets kernels;
-    see :mod:`arraytrain.kernels.interface`.
+
+def kernels_for(flat, impl: str = "numba"):
+    """Temporary: :func:`check_kernel_dtype` and :func:`arraytrain.kernels.interface.family` of ``flat``.
+
+    Kept only while ``arraytrain.engine`` still imports it; removed once it calls those two.
     """
     from .kernels.interface import family
 
-    if flat.dtype not in KERNEL_DTYPES and domain in (None, "reductions", "optimizers"):
-        raise DTypeError(
-            f"buffer dtype {flat.dtype}: the kernels run on float32 or float64 buffers "
-            "(float16 gradients are accepted and cast on intake)"
-        )
-    return family(backend_of(flat), impl, domain)
-
-
-def kernel_family(domain: str, backend: str, impl: str = "numba") -> ModuleType:
-    """The ``domain`` kernels (see :data:`arraytrain.kernels.interface.DOMAINS`) for arrays of ``backend``."""
-    from .kernels.interface import family
-
-    return family(backend, impl, domain)
+    check_kernel_dtype(flat.dtype)
+    return family(backend_of(flat), impl)
 
 
 def module_of_backend(backend: str) -> ModuleType:

@@ -50,7 +50,7 @@ import numpy as np
 
 from ._checks import check_count, check_int, check_number
 from ._intake import ready_to_assign
-from .backend import CUPY, NUMPY, backend_of, kernel_family, module_of_backend, require_cuda
+from .backend import CUPY, NUMPY, backend_of, module_of_backend, require_cuda
 from .buffer import FlatBuffer
 from .errors import (
     AliasingError,
@@ -63,10 +63,11 @@ from .errors import (
     ReadOnlyError,
     StateDictError,
 )
+from .kernels.interface import IMPLS, family
 from .layout import Layout
 
 #: The values of ``kernels``: the fast kernels of the buffers' backend, or the reference twins.
-KERNELS = ("numba", "reference")
+KERNELS = IMPLS
 
 
 def trend_weights(steps, count: int, t: float) -> np.ndarray:
@@ -86,11 +87,6 @@ def trend_weights(steps, count: int, t: float) -> np.ndarray:
         d = ts - mean
         c[:count] = 1.0 / count + (float(t) - mean) * d / float(d @ d)
     return c
-
-
-def _kernels(impl: str, backend: str):
-    """``(trend kernels, reduction kernels for all_finite)`` for ``backend``."""
-    return kernel_family("trend", backend, impl), kernel_family("reductions", backend, impl)
 
 
 class GradientPredictor:
@@ -150,7 +146,8 @@ class GradientPredictor:
         if dtype not in (np.float32, np.float64):
             raise DTypeError(f"dtype: the trend kernels run on float32 or float64, got {dtype}")
         self.layout, self.dtype, self.kernels, self.backend = layout, dtype, kernels, backend
-        self._trend, self._base = _kernels(kernels, backend)  # refuses reference kernels on CuPy
+        # the trend kernels, and the reductions for all_finite (refused: reference kernels on CuPy)
+        self._trend, self._base = family(backend, kernels, "trend"), family(backend, kernels, "reductions")
         xp = self._xp = module_of_backend(backend)
         n = layout.size
         self._ring = xp.zeros((self.history, n), dtype=dtype)

@@ -78,9 +78,9 @@ class CudaOptimizerStep:
         self.g = at.FlatBuffer.from_arrays(shaped(_cuda_params(n, 1)))
         self.opt = OPTIMIZERS[name]()
         self.state = self.opt.init(self.p)
-        from arraytrain.backend import kernels_for
+        from arraytrain.kernels.interface import family
 
-        self.k = kernels_for(self.p.flat)
+        self.k = family("cupy")
         self.time_step(name, n)  # compile and warm
 
     def time_step(self, name, n):
@@ -110,10 +110,10 @@ class CudaNormPass:
         cp = _require()
         self.cp = cp
         self.g = at.FlatBuffer.from_arrays(_cuda_params(n))
-        from arraytrain.backend import kernels_for
+        from arraytrain.kernels.interface import family
         from arraytrain.ops import norm_pass
 
-        self.k, self.norm_pass = kernels_for(self.g.flat), norm_pass
+        self.k, self.norm_pass = family("cupy"), norm_pass
         self.time_norm_pass(n)
 
     def time_norm_pass(self, n):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 import arraytrain as at
-from arraytrain.backend import kernels_for
+from arraytrain.kernels.interface import family
 
 from .common import DTYPES, SIZES, _Bandwidth, make_params, split
 
@@ -136,7 +136,7 @@ class OptimizerStep(_Bandwidth):
         self.g.flat[:] = np.random.default_rng(1).standard_normal(self.g.flat.size)
         self.opt = OPTIMIZERS[name]()
         self.state = self.opt.init(self.p)
-        self.k = kernels_for(self.p.flat)
+        self.k = family("numpy")
         if name == "Sophia":
             h = {k: np.abs(self.g[k]).reshape(-1) for k in self.p.layout.names}
             self.opt.update_hessian(self.k, self.state, h, self.p.layout)

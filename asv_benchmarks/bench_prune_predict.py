@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 import arraytrain as at
-from arraytrain.backend import kernels_for
+from arraytrain.kernels.interface import family
 
 from .common import SIZES, _Bandwidth, make_params
 
@@ -23,7 +23,7 @@ class MaskedAdamWStep(_Bandwidth):
         self.g.flat[:] = np.random.default_rng(1).standard_normal(self.g.flat.size)
         self.opt = at.optim.AdamW(lr=1e-3)
         self.state = self.opt.init(self.p)
-        self.k = kernels_for(self.p.flat)
+        self.k = family("numpy")
         self.mask = at.magnitude_mask(self.p, ratio=0.5, names=["*"]) if mask == "mask" else None
         self._bytes = (28 + (1 if self.mask is not None else 0)) * self.p.layout.num_elements
         self._call()

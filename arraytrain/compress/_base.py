@@ -17,7 +17,7 @@ with ``ndarray.nbytes`` — the bytes a rank would put on the wire — not a
 nominal ratio.
 
 Backends: a compressor works on NumPy or CuPy gradients with the kernel family of
-their backend (:func:`arraytrain.backend.kernel_family`: numba or CUDA, same bits
+their backend (:func:`arraytrain.kernels.interface.family`: numba or CUDA, same bits
 for the same format), and its payload arrays live where the gradient does. Its
 state (error-feedback residual, PowerSGD's ``Q``, scratch) is created on the host
 at :meth:`Compressor.bind`; the first array the compressor is given — a gradient,
@@ -37,7 +37,7 @@ import numpy as np
 
 from .._checks import check_count, check_int, shown
 from .._intake import ready_to_assign
-from ..backend import KERNEL_IMPLS, NUMPY, backend_of, kernel_family, module_of_backend
+from ..backend import NUMPY, backend_of, module_of_backend
 from ..buffer import FlatBuffer
 from ..exchange import check_exchange
 from ..errors import (
@@ -50,6 +50,7 @@ from ..errors import (
     StateDictError,
 )
 from ..kernels.counter_rng import step_key
+from ..kernels.interface import IMPLS, family
 from ..layout import Layout
 
 FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
@@ -238,8 +239,8 @@ class Compressor(ABC):
         self.min_size = check_int("min_size", min_size, 0)
         self.warmup = check_int("warmup", warmup, 0)
         self.seed = check_int("seed", seed, 0, 2**63 - 1)
-        if kernels not in KERNEL_IMPLS:
-            raise HyperparameterError(f"kernels: expected one of {KERNEL_IMPLS}, got {kernels!r}")
+        if kernels not in IMPLS:
+            raise HyperparameterError(f"kernels: expected one of {IMPLS}, got {kernels!r}")
         self.kernels = kernels
         self.step = 0
         self.layout: Layout | None = None
@@ -263,7 +264,7 @@ class Compressor(ABC):
         if self._backend is not None:
             raise BackendError(f"{self!r} works on {self._backend} arrays (its state lives there), got a {backend} "
                                "array; arraytrain never moves data between host and device implicitly")
-        kern = None if self.family is None else kernel_family(self.family, backend, self.kernels)
+        kern = None if self.family is None else family(backend, self.kernels, self.family)
         if backend != NUMPY and self.kernels == "reference":
             raise BackendUnavailableError("kernels='reference': the reference twins run on NumPy arrays only")
         if backend != NUMPY:

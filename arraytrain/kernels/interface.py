@@ -31,8 +31,9 @@ wrapper only casts what it receives to the storage dtype, and may form the compl
 ``decay`` (decoupled: the parameter is multiplied by it first) and LAMB's ``weight_decay``
 (added to the update before the trust ratio).
 
-:func:`family` is the one way to get an implementation: by the array's backend and the
-``impl`` a caller chose ("numba": the fast family of the backend, "reference": the oracle).
+:func:`family` is the one way to get an implementation: by the arrays' backend and the
+``impl`` a caller chose (:data:`IMPLS`: "numba", the fast family of the backend, or
+"reference", the oracle).
 """
 
 from __future__ import annotations
@@ -179,7 +180,13 @@ def family_name(backend: str, impl: str = "numba") -> str:
 
 
 def family(backend: str, impl: str = "numba", domain: str | None = None) -> ModuleType:
-    """The family package for ``backend`` and ``impl`` (every kernel), or one ``domain`` module of it."""
+    """The kernels for arrays of ``backend`` ("numpy"/"cupy") and ``impl``: the family, or one ``domain`` of it.
+
+    The one way every caller (engine, optimizers, accumulator, compressors, predictor)
+    gets kernels. ``impl``: one of :data:`IMPLS`; "reference" runs on NumPy arrays only
+    (:class:`~arraytrain.errors.BackendUnavailableError` for "cupy"). A buffer's dtype
+    is the caller's to check (:func:`arraytrain.backend.check_kernel_dtype`).
+    """
     name = family_name(backend, impl)
     if domain is None:
         return importlib.import_module(f"{__package__}.{name}")

@@ -6,7 +6,7 @@ Three layers, every test skipped without a usable GPU (a probe runs a tiny kerne
   and ``test_predict``, rerun with the fast family swapped for the CUDA one behind NumPy
   arguments (``cuda_family.OnDevice``): the kernel-level tests through their module
   globals (``nb``, ``project``, ``trend``), the compressor- and predictor-level tests
-  through ``kernel_family`` (``kernels="numba"`` on a NumPy buffer then runs the CUDA
+  through ``kernels.interface.family`` (``kernels="numba"`` on a NumPy buffer then runs the CUDA
   kernels). Same sizes, keys and tolerances; bitwise where the CPU tests are bitwise.
 * Cross-device: a payload encoded by one family decodes on the other (random-k, top-k,
   int8 with deterministic rounding, sign, ternary, VSA), compressors run natively on CuPy
@@ -27,7 +27,6 @@ import test_compress_lowrank
 import test_predict
 from arraytrain import Layout
 from arraytrain import compress as C
-from arraytrain.backend import kernel_family
 from arraytrain.compress import ErrorFeedback, Payload, TopK
 from arraytrain.errors import ArgumentTypeError, BackendError, BackendUnavailableError
 from arraytrain.kernels.cpu import compression as nb_compress
@@ -37,6 +36,7 @@ from arraytrain.kernels.reference import compression as compress_reference
 from arraytrain.kernels.reference import projection as project_reference
 from arraytrain.kernels.reference import trend as trend_reference
 from arraytrain.kernels.counter_rng import step_key, uniform_np
+from arraytrain.kernels.interface import family as lookup
 from arraytrain.predict import GradientPredictor
 from conftest import assert_close, padded_layout, random_flat
 from cuda_family import ON_DEVICE, OnDevice, require_cuda
@@ -82,11 +82,11 @@ SHIMS = {"reductions": ON_DEVICE, "compression": COMPRESS_ON_DEVICE, "projection
          "trend": TREND_ON_DEVICE}
 
 
-def _family_on_device(family, backend, impl="numba"):
-    """``kernel_family`` with the numba families of NumPy buffers replaced by the CUDA shims."""
+def _family_on_device(backend, impl="numba", domain=None):
+    """``kernels.interface.family`` with the numba families of NumPy buffers replaced by the CUDA shims."""
     if backend == "numpy" and impl == "numba":
-        return SHIMS[family]
-    return kernel_family(family, backend, impl)
+        return SHIMS[domain]
+    return lookup(backend, impl, domain)
 
 
 @pytest.fixture(autouse=True)
@@ -97,8 +97,8 @@ def cuda_family(request, monkeypatch):
     monkeypatch.setattr(test_compress, "nb", COMPRESS_ON_DEVICE)
     monkeypatch.setattr(test_compress_lowrank, "project", PROJECT_ON_DEVICE)
     monkeypatch.setattr(test_predict, "trend", TREND_ON_DEVICE)
-    monkeypatch.setattr("arraytrain.compress._base.kernel_family", _family_on_device)
-    monkeypatch.setattr("arraytrain.predict.kernel_family", _family_on_device)
+    monkeypatch.setattr("arraytrain.compress._base.family", _family_on_device)
+    monkeypatch.setattr("arraytrain.predict.family", _family_on_device)
 
 
 def _cp():

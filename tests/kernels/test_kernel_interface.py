@@ -7,10 +7,11 @@ import inspect
 import numpy as np
 import pytest
 
-from arraytrain.backend import kernel_family, kernels_for
-from arraytrain.errors import BackendUnavailableError, HyperparameterError
+from arraytrain import predict
+from arraytrain.backend import check_kernel_dtype
+from arraytrain.errors import BackendUnavailableError, DTypeError, HyperparameterError
 from arraytrain.kernels import cpu, cuda, reference
-from arraytrain.kernels.interface import ARGUMENTS, DOMAINS, FAMILIES, KERNELS, family
+from arraytrain.kernels.interface import ARGUMENTS, DOMAINS, FAMILIES, IMPLS, KERNELS, family
 
 PACKAGES = {"reference": reference, "cpu": cpu, "cuda": cuda}
 
@@ -67,13 +68,28 @@ def test_a_positional_scalar_is_refused(fam):
 
 
 def test_one_way_to_get_a_family():
-    x = np.zeros(4, np.float32)
-    assert kernels_for(x) is cpu and kernels_for(x, "reference") is reference
-    assert kernels_for(x, domain="compression") is family("numpy", "numba", "compression")
-    assert kernel_family("trend", "cupy") is family("cupy", "numba", "trend")
+    assert family("numpy") is cpu and family("numpy", "reference") is reference
+    assert family("cupy") is cuda
+    assert family("numpy", "numba", "compression") is cpu.compression
+    assert family("cupy", domain="trend") is cuda.trend
     with pytest.raises(BackendUnavailableError, match="reference"):
-        kernel_family("trend", "cupy", "reference")
+        family("cupy", "reference", "trend")
     with pytest.raises(HyperparameterError, match="kernels"):
-        kernels_for(x, "cuda")
+        family("numpy", "cuda")
     with pytest.raises(KeyError, match="domain"):
         family("numpy", "numba", "optim")
+    import arraytrain.backend as backend
+
+    assert not hasattr(backend, "kernel_family") and not hasattr(backend, "KERNEL_IMPLS")
+    assert predict.KERNELS is IMPLS  # one spelling of the implementations
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.int32, "bfloat16"])
+def test_kernel_dtypes_are_float32_and_float64(dtype):
+    import ml_dtypes
+
+    dtype = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(dtype)
+    check_kernel_dtype(np.float32)
+    check_kernel_dtype(np.float64)
+    with pytest.raises(DTypeError, match=f"buffer dtype {dtype}: the kernels run on float32 or float64"):
+        check_kernel_dtype(dtype)
