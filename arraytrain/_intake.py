@@ -95,7 +95,7 @@ def write_grads(kernels, buf: FlatBuffer, grads: dict, weight: float, overwrite:
     layout = buf.layout
     for name, g in grads.items():
         if g.size:
-            kernels.accumulate(buf.flat[layout.slice(name)], g, weight, overwrite)
+            kernels.accumulate(buf.flat[layout.slice(name)], g, w=weight, overwrite=overwrite)
 
 
 # -- the engine's dict path: a validated structure, reused -------------------------------------
@@ -240,7 +240,7 @@ class Intake:
         for positions, table, staging in plan.groups:
             staged = values if positions is None else [values[i] for i in positions]
             np.concatenate(staged, axis=None, out=staging, casting="same_kind")
-            self._scatter(flat, staging, table, weight, overwrite)
+            self._scatter(flat, staging, table, w=weight, overwrite=overwrite)
         plain = weight == 1.0 and plan.dtype is flat.dtype and self._numpy_ok
         for i, where, view in plan.direct:
             g = values[i]
@@ -254,4 +254,4 @@ class Intake:
                 continue
             if g.dtype not in KERNEL_DTYPES:
                 g = g.astype(flat.dtype)
-            self.kernels.accumulate(flat[where], g.reshape(-1), weight, overwrite)
+            self.kernels.accumulate(flat[where], g.reshape(-1), w=weight, overwrite=overwrite)

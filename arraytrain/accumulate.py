@@ -196,12 +196,12 @@ class GradientAccumulator:
         if self.config.reduction == "mean":
             for i, name in enumerate(out.names):
                 if self._weights[i] > 0 and out.layout.sizes[i]:
-                    self._kernels.scale(out.flat[out.layout.slice(name)], 1.0 / self._weights[i])
+                    self._kernels.scale(out.flat[out.layout.slice(name)], factor=1.0 / self._weights[i])
         if self.config.max_grad_norm is not None:
             found = norm_pass(self._kernels, out.flat, out.layout)
             coef = clip_coef(found.norm, self.config.max_grad_norm, eps=self.config.clip_eps)
             if coef < 1.0:
-                self._kernels.scale(out.flat, coef)
+                self._kernels.scale(out.flat, factor=coef)
         return out.as_dict()
 
     def global_norm(self) -> float:

@@ -33,13 +33,13 @@ def norm_pass(kernels, flat, layout: Layout) -> NormPass:
     that rare case takes two more passes (a finite check, then the sum of
     ``(x / max|x|)^2``) so that huge finite gradients still get a finite norm.
     """
-    total, per_seg = kernels.sumsq(flat, layout.pieces, len(layout))
+    total, per_seg = kernels.sumsq(flat, layout.pieces, nseg=len(layout))
     if math.isfinite(total):
         return NormPass(math.sqrt(total), np.sqrt(per_seg), False)
     if flat.dtype.itemsize < 8 or not kernels.all_finite(flat):
         return NormPass(math.nan, np.full(len(layout), np.nan), True)
     peak = kernels.max_abs(flat, layout.pieces)
-    total, per_seg = kernels.sumsq_scaled(flat, layout.pieces, len(layout), 1.0 / peak)
+    total, per_seg = kernels.sumsq_scaled(flat, layout.pieces, nseg=len(layout), inv=1.0 / peak)
     return NormPass(peak * math.sqrt(total), peak * np.sqrt(per_seg), False)
 
 

@@ -274,8 +274,8 @@ class GradientPredictor:
         if self.count == 0:
             self._ring[self._head] = g
         else:
-            self._trend.trend_correct(self._ring, self.weights(step), self.correction.flat, g, self._head,
-                                      self.correction_beta)
+            self._trend.trend_correct(self._ring, self.weights(step), self.correction.flat, g, slot=self._head,
+                                      beta=self.correction_beta)
         self._commit(step)
         return True
 

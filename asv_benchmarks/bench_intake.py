@@ -33,7 +33,7 @@ class DictIntake:
         self.src = np.ones(self.engine.grads.flat.size, np.float32)
         for _ in range(2):  # JIT compilation and the structure cache: outside the timed method
             self.engine.step(self.grads)
-            cpu.accumulate(self.engine.grads.flat, self.src, 1.0, False)
+            cpu.accumulate(self.engine.grads.flat, self.src, w=1.0, overwrite=False)
         self.tensors = tensors
 
     def time_micro_batch(self, path, tensors):
@@ -43,7 +43,7 @@ class DictIntake:
         import timeit
 
         t = min(timeit.repeat(lambda: self.engine.step(self.grads), number=10, repeat=5)) / 10
-        floor = min(timeit.repeat(lambda: cpu.accumulate(self.engine.grads.flat, self.src, 1.0, False),
+        floor = min(timeit.repeat(lambda: cpu.accumulate(self.engine.grads.flat, self.src, w=1.0, overwrite=False),
                                   number=10, repeat=5)) / 10
         return (t - floor) / tensors * 1e6
 

@@ -33,7 +33,7 @@ class Accumulate(_Kernel):
     """``acc += w * g`` over the flat buffer (read acc, g; write acc)."""
 
     def _call(self):
-        self.k.accumulate(self.x, self.g, 0.5, False)
+        self.k.accumulate(self.x, self.g, w=0.5, overwrite=False)
 
     @property
     def _bytes(self):
@@ -44,7 +44,7 @@ class Scale(_Kernel):
     """``x *= s`` (read and write x)."""
 
     def _call(self):
-        self.k.scale(self.x, 1.0)
+        self.k.scale(self.x, factor=1.0)
 
     @property
     def _bytes(self):

@@ -196,8 +196,8 @@ def test_cast_working_is_bitwise_the_numpy_cast(kind, dtype):
     p = np.zeros(layout.size, np.float32)
     p[: x.size] = x
     w_fast, w_ref = np.zeros(layout.size, np.uint16), np.zeros(layout.size, np.uint16)
-    cpu.cast_working(w_fast, p, layout.pieces, kind)
-    ref.cast_working(w_ref, p, layout.pieces, kind)
+    cpu.cast_working(w_fast, p, layout.pieces, kind=kind)
+    ref.cast_working(w_ref, p, layout.pieces, kind=kind)
     expected = x.astype(dtype).view(np.uint16)
     nan = np.isnan(x)
     np.testing.assert_array_equal(w_fast[: x.size][~nan], expected[~nan])
@@ -225,7 +225,7 @@ def test_adam_bfloat16_state_kernel_matches_reference(n, amsgrad, rng):
             kern.adam_step(s["p"], g0.copy(), s["m"], s["v"], s["x"], layout.pieces, gscale=0.9,
                            step_size=1e-2 / (1 - 0.9**t) * one, beta1=0.9, beta2=0.99, eps=1e-8,
                            inv_bc2_sqrt=1 / math.sqrt(1 - 0.99**t), l2=0.0 * one, decay=(1 - 1e-3) * one,
-                           amsgrad=amsgrad, w=s["w"], wkind=cpu.LP_BF16)
+                           amsgrad=amsgrad, working=s["w"], kind=cpu.LP_BF16)
         for slot in ("m", "v", "x"):
             a, b = (st[k][slot].view(ml_dtypes.bfloat16).astype(np.float64) for k in ("cpu", "ref"))
             # within one bfloat16 ulp (2**-7 relative): the reference rounds float64 -> float32 ->

@@ -86,8 +86,8 @@ def test_accumulate_packed_matches_reference(n):
     for overwrite in (True, False):
         a = rng.standard_normal(3 * -(-n // 16) * 16 + 16).astype(np.float32)
         b = a.copy()
-        cpu.accumulate_packed(a, src, table, 0.37, overwrite)
-        ref.accumulate_packed(b, src, table, 0.37, overwrite)
+        cpu.accumulate_packed(a, src, table, w=0.37, overwrite=overwrite)
+        ref.accumulate_packed(b, src, table, w=0.37, overwrite=overwrite)
         np.testing.assert_allclose(a, b, rtol=1.3e-6 * 5, atol=1e-5 * 5)
 
 

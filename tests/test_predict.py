@@ -48,8 +48,8 @@ def test_trend_kernels_match_reference(rng, n, dtype, H):
         assert_close(out, out_ref, dtype)
         g = rng.standard_normal(n).astype(dtype)
         slot = j % H
-        trend.trend_correct(ring, c, corr, g, slot, 0.8)
-        trend_reference.trend_correct(ring_ref, c, corr_ref, g, slot, 0.8)
+        trend.trend_correct(ring, c, corr, g, slot=slot, beta=0.8)
+        trend_reference.trend_correct(ring_ref, c, corr_ref, g, slot=slot, beta=0.8)
         assert np.array_equal(ring, ring_ref)  # the record is a copy
         assert np.array_equal(ring[slot], g)
         assert_close(corr, corr_ref, dtype)

@@ -92,20 +92,21 @@ class Int8Block(Summed, Compressor):
         scales = xp.empty(self._nblocks, x.dtype)
         key = meta.get("key", 0)
         if self.comm.is_local:
-            self._kern.int8_encode(x, self.block, key, self.stochastic_rounding, codes, scales)
+            self._kern.int8_encode(x, codes, scales, block=self.block, key=key, stochastic=self.stochastic_rounding)
             return {"codes": codes, "scales": scales}
-        self._kern.int8_encode(x, self.block, key, False, codes, scales)  # this process's scales
+        self._kern.int8_encode(x, codes, scales, block=self.block, key=key, stochastic=False)  # this process's scales
         self.comm.allreduce(scales, "max")  # max_r(absmax_r * fl(1/127)) == max_r(absmax_r) * fl(1/127)
         if self.stochastic_rounding:
             key = step_key(key, self.comm.rank, 2)
-        self._kern.int8_encode(x, self.block, key, self.stochastic_rounding, codes, scales, shared=True)
+        self._kern.int8_encode(x, codes, scales, block=self.block, key=key, stochastic=self.stochastic_rounding,
+                               shared=True)
         return {"codes": codes.astype(self._codes_dtype()), "scales": scales}
 
     def _decode(self, arrays: Mapping[str, np.ndarray], meta: Mapping, out: np.ndarray) -> None:
         codes = check_wire(arrays, "codes", (out.size,), self._codes_dtype(), out)
         scales = check_wire(arrays, "scales", (self._nblocks,), out.dtype, out)
         if codes.dtype == np.int8:
-            self._kern.int8_decode(codes, scales, self.block, out)
+            self._kern.int8_decode(codes, scales, out, block=self.block)
         else:
             _decode_wide(codes, scales, self.block, out)
 
@@ -166,13 +167,13 @@ class Sign(_BlockScaled):
         xp = self._xp()
         bits = xp.empty(-(-x.size // 8), np.uint8)
         scales = xp.empty(self._nblocks, np.float32)
-        self._kern.sign_encode(x, self._block, bits, scales)
+        self._kern.sign_encode(x, bits, scales, block=self._block)
         return {"bits": bits, "scales": scales}
 
     def _decode(self, arrays: Mapping[str, np.ndarray], meta: Mapping, out: np.ndarray) -> None:
         bits = check_wire(arrays, "bits", (-(-out.size // 8),), np.uint8, out)
         scales = check_wire(arrays, "scales", (self._nblocks,), np.float32, out)
-        self._kern.sign_decode(bits, scales, self._block, out)
+        self._kern.sign_decode(bits, scales, out, block=self._block)
 
 
 class Ternary(_BlockScaled):
@@ -209,10 +210,10 @@ class Ternary(_BlockScaled):
         key = meta["key"]
         if not self.comm.is_local:  # each process rounds independently (decoding needs no key)
             key = step_key(key, self.comm.rank, 2)
-        self._kern.ternary_encode(x, self._block, key, codes, scales)
+        self._kern.ternary_encode(x, codes, scales, block=self._block, key=key)
         return {"codes": codes, "scales": scales}
 
     def _decode(self, arrays: Mapping[str, np.ndarray], meta: Mapping, out: np.ndarray) -> None:
         codes = check_wire(arrays, "codes", (-(-out.size // 4),), np.uint8, out)
         scales = check_wire(arrays, "scales", (self._nblocks,), np.float32, out)
-        self._kern.ternary_decode(codes, scales, self._block, out)
+        self._kern.ternary_decode(codes, scales, out, block=self._block)

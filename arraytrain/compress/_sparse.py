@@ -92,7 +92,7 @@ class TopK(_Sparsifier):
         xp = self._xp()
         idx = xp.empty(self._k, self._idx_dtype)
         values = xp.empty(self._k, x.dtype)
-        self._kern.topk(x, self._k, idx, values)
+        self._kern.topk(x, idx, values, k=self._k)
         return {"indices": idx, "values": values}
 
     def _decode(self, arrays: Mapping[str, np.ndarray], meta: Mapping, out: np.ndarray) -> None:
@@ -100,7 +100,7 @@ class TopK(_Sparsifier):
         values = check_wire(arrays, "values", (self._k,), out.dtype, out)
         if self._k and int(idx.max()) >= out.size:
             raise ArgumentTypeError(f"payload['indices']: expected indices < {out.size}, got {int(idx.max())}")
-        self._kern.scatter(idx, values, 1, out)
+        self._kern.scatter(idx, values, out, factor=1)
 
 
 class RandomK(Summed, _Sparsifier):
@@ -140,7 +140,7 @@ class RandomK(Summed, _Sparsifier):
     def _indices(self, key: int) -> np.ndarray:
         # encode and decode of one call draw the same indices: keep the last draw
         if self._last is None or self._last[0] != key:
-            self._last = (key, self._kern.randk_indices(self.domain.size, self._k, key))
+            self._last = (key, self._kern.randk_indices(n=self.domain.size, k=self._k, key=key))
         return self._last[1]
 
     def _encode(self, x: np.ndarray, meta: dict) -> dict[str, np.ndarray]:
@@ -154,7 +154,7 @@ class RandomK(Summed, _Sparsifier):
         if not isinstance(key, int):
             raise ArgumentTypeError(f"payload.meta['key']: expected the draw key (an int), got {key!r}")
         factor = out.size / self._k if self.rescale else 1.0
-        self._kern.scatter(self._indices(key), values, factor, out)
+        self._kern.scatter(self._indices(key), values, out, factor=factor)
 
     def _summed(self, payload) -> list[str]:
         return ["values"]

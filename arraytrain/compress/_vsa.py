@@ -143,20 +143,20 @@ class VSA(Summed, Compressor):
     def _encode(self, x: np.ndarray, meta: dict) -> dict[str, np.ndarray]:
         sign_key, sel_key = self._keys(meta)
         n, z = x.size, self._z
-        self._kern.sign_bind(x, sign_key, z[:n])
+        self._kern.sign_bind(x, z[:n], key=sign_key)
         z[n:] = 0
-        self._kern.fwht(z, self.block_used)
+        self._kern.fwht(z, block=self.block_used)
         y = self._xp().empty(self.d, z.dtype)
-        self._kern.select_gather(z, sel_key, self.block_used, y)
+        self._kern.select_gather(z, y, key=sel_key, block=self.block_used)
         return {"values": y}
 
     def _decode(self, arrays: Mapping[str, np.ndarray], meta: Mapping, out: np.ndarray) -> None:
         y = check_wire(arrays, "values", (self.d,), out.dtype, out)
         sign_key, sel_key = self._keys(meta)
         z = self._z
-        self._kern.select_scatter(y, sel_key, self.block_used, self.scale, z)
-        self._kern.fwht(z, self.block_used)
-        self._kern.sign_bind(z, sign_key, out)
+        self._kern.select_scatter(y, z, key=sel_key, block=self.block_used, factor=self.scale)
+        self._kern.fwht(z, block=self.block_used)
+        self._kern.sign_bind(z, out, key=sign_key)
 
     def _summed(self, payload) -> list[str]:
         return ["values"]

@@ -205,7 +205,7 @@ class JaxEngine(Engine):
                                 "engine.grads and call step() with no argument instead")
         if arr.dtype not in KERNEL_DTYPES:
             arr = arr.astype(self.params.dtype)
-        self._kernels.accumulate(self.grads.flat, arr, w, self._micro == 0)
+        self._kernels.accumulate(self.grads.flat, arr, w=w, overwrite=self._micro == 0)
         if padded and self._padding.size:  # padding of a gradient of flat() is no gradient: keep it 0
             self.grads.flat[self._padding] = 0
         return super().step(None, weight=w)

@@ -13,23 +13,25 @@ public layer validates); flat buffers are 1-D and contiguous; ``pieces`` is a La
 arrays indexed by segment; ``gscale`` multiplies the gradient inside the kernel (clip
 factor, accumulation mean, loss-scale unscale, the sign of ``maximize``); state arrays are
 float storage, or uint16 bfloat16 bits read and written through the family's one state
-accessor; ``w``/``wkind`` is an optional low-precision working copy of the new weights
+accessor; ``working``/``kind`` is an optional low-precision working copy of the new weights
 (uint16 bits, :data:`LP_BF16` or :data:`LP_F16`); ``zero_grad`` zeroes the gradient in the
 same pass; ``mask`` (uint8, 1 keep) writes pruned weights as exactly 0.
 
-The optimizer kernels' arguments (the ``optimizers`` domain): the arrays first (parameters,
-gradient, state slots, ``pieces`` and Adafactor's work tables), then every scalar and
-per-parameter value keyword-only, so a call names them and a swapped pair cannot pass
-silently. Each such keyword means the same in every kernel (:data:`ARGUMENTS`). Every
-derived value is formed once, by the optimizer, on the host: bias corrections (as the
-factors the kernel multiplies by), decoupled decays ``1 - lr*wd``, bias-corrected step sizes,
-Adagrad's decayed rate, Adafactor's relative step, Sophia's batch-scaled ``rho``. A kernel
-wrapper only casts what it receives to the storage dtype, and may form the complement
-``1 - x`` of a rate it receives (``beta1``, ``alpha``, ``dampening``) or a square
-(Adafactor's ``eps1**2``) for its loop. Weight decay has three forms, one name each: ``l2``
-(coupled, torch's ``weight_decay`` of SGD/Adam/Adagrad/RMSprop: added to the gradient),
-``decay`` (decoupled: the parameter is multiplied by it first) and LAMB's ``weight_decay``
-(added to the update before the trust ratio).
+Every kernel, in every domain, takes its arguments in one convention: the arrays first,
+positionally (buffers, state slots, outputs, and the tables that index them: ``pieces``,
+Adafactor's work tables, Muon's ``mats``, ``accumulate_packed``'s ``table``), then every
+scalar, flag and per-parameter value keyword-only, so a call names them and a swapped pair
+cannot pass silently. Each keyword means the same in every kernel that takes it
+(:data:`ARGUMENTS`). Every derived value is formed once, by the optimizer or the engine, on
+the host: bias corrections (as the factors the kernel multiplies by), decoupled decays
+``1 - lr*wd``, bias-corrected step sizes, Adagrad's decayed rate, Adafactor's relative step,
+Sophia's batch-scaled ``rho``, the norm pass's ``1/max|x|``. A kernel wrapper only casts what
+it receives to the storage dtype, and may form the complement ``1 - x`` of a rate it receives
+(``beta1``, ``alpha``, ``dampening``) or a square (Adafactor's ``eps1**2``) for its loop.
+Weight decay has three forms, one name each: ``l2`` (coupled, torch's ``weight_decay`` of
+SGD/Adam/Adagrad/RMSprop: added to the gradient), ``decay`` (decoupled: the parameter is
+multiplied by it first) and LAMB's ``weight_decay`` (added to the update before the trust
+ratio).
 
 :func:`family` is the one way to get an implementation: by the arrays' backend and the
 ``impl`` a caller chose (:data:`IMPLS`: "numba", the fast family of the backend, or
@@ -43,7 +45,7 @@ from types import ModuleType
 
 import numpy as np
 
-#: Kinds of low-precision working copies, as the optimizer kernels take them (uint16 bits).
+#: Kinds of low-precision working copies (uint16 bits), as the kernels take them (``kind``).
 LP_NONE, LP_BF16, LP_F16 = 0, 1, 2
 # Formats shared by every family's compression kernels.
 #: int8 codes are ``round(x / absmax * 127)``: the scale is ``absmax / 127``.
@@ -63,7 +65,7 @@ IMPLS = ("numba", "reference")
 KERNELS = {
     "accumulate": ("reductions", "acc = w*g, or acc += w*g (a micro-batch into the gradient buffer)"),
     "accumulate_packed": ("reductions", "acc[d:d+n] (=|+=) w*src[s:s+n] per row (s, d, n): many gradients, one call"),
-    "scale": ("reductions", "x *= s"),
+    "scale": ("reductions", "x *= factor"),
     "all_finite": ("reductions", "no NaN or Inf in x"),
     "sumsq": ("reductions", "float64 sums of squares over the pieces: (total, per segment), fixed order"),
     "max_abs": ("reductions", "largest |x| over the pieces (the overflow-safe norm's scale)"),
@@ -102,8 +104,8 @@ KERNELS = {
 }
 
 
-#: The keyword arguments of the optimizer kernels and what each means (every kernel that takes
-#: one means this). "per parameter": an array indexed by segment (one value per parameter).
+#: The keyword arguments of the kernels, every domain, and what each means (every kernel that
+#: takes one means this). "per parameter": an array indexed by segment (one value per parameter).
 ARGUMENTS = {
     "gscale": "multiplies the gradient (clip factor / loss scale, accumulation mean, -1 for maximize)",
     "lr": "per parameter: the learning rate of this step (scheduled; Adagrad's decayed lr/(1+(t-1)*lr_decay))",
@@ -119,7 +121,8 @@ ARGUMENTS = {
     "inv_bc1": "1/(1 - beta1^t): the first moment's bias correction as a factor (LAMB)",
     "inv_bc2": "1/(1 - beta2^t): the second moment's bias correction as a factor (LAMB)",
     "inv_bc2_sqrt": "1/sqrt(1 - beta2^t): the bias correction of sqrt(v) as a factor (Adam)",
-    "eps": "added to the denominator (after the square root; Sophia: the denominator's floor)",
+    "eps": "added to the denominator (after the square root; Sophia: the denominator's floor; "
+           "sumsq_gate: the clip factor's max_norm/(norm + eps))",
     "eps_root": "added inside the square root (LAMB)",
     "eps1": "Adafactor's floor of the second-moment estimate (squared) and of the row mean",
     "eps2": "Adafactor's floor of the parameter RMS",
@@ -134,8 +137,8 @@ ARGUMENTS = {
     "rho_bs": "Sophia's rho times its batch-size factor bs (the clipping denominator's scale)",
     "scale": "SAM's ascent factor rho*gscale/(norm + 1e-12)",
     "adaptive": "SAM: ASAM's element-wise p^2 scaling",
-    "w": "low-precision working copy of the new weights (uint16 bits) or None",
-    "wkind": "kind of the working copy: LP_NONE, LP_BF16 or LP_F16",
+    "working": "low-precision working copy of the new weights (uint16 bits) or None",
+    "kind": "kind of the low-precision working copy: LP_BF16 or LP_F16 (LP_NONE: none, with working=None)",
     "zero_grad": "zero the gradient in the same pass",
     "mask": "pruning mask (uint8, 1 keep) or None: pruned weights written as exactly 0",
     "grad_step": "per parameter: NAdam's step of the gradient term, lr*(1 - mu_t)/(1 - mu_1*...*mu_t)",
@@ -165,6 +168,38 @@ ARGUMENTS.update({
     "weight_lr": "per parameter: schedule-free's lr of the averaging weights (max_lr tracks it)",
     "weight_lr_power": "schedule-free: the weight of a step is max_lr**weight_lr_power",
 })
+
+# -- the other domains' keywords --------------------------------------------------------------
+ARGUMENTS.update({
+    # reductions
+    "w": "accumulate: the weight of the gradient written into the accumulator, acc (=|+=) w*g",
+    "overwrite": "accumulate: acc = w*g (the first micro-batch of a window) instead of acc += w*g",
+    "factor": "multiplies the values written: x *= factor (scale), out[idx] = factor*values (scatter), "
+              "the kept coordinates times factor (select_scatter)",
+    "nseg": "the number of segments (parameters) the pieces name: the length of the per-segment sums",
+    "inv": "x is multiplied by it before squaring (1/max|x|: the overflow-safe norm's second pass)",
+    "unscale": "the loss scale the gradient carries: the norm and the clip factor are of g/unscale",
+    "max_norm": "the global-norm clipping threshold: factor min(1, max_norm/(norm + eps)); None: no clipping",
+    # compression and projection
+    "k": "how many elements are kept (top-k) or drawn (random-k)",
+    "n": "the size of the range the indices are drawn from",
+    "key": "the counter RNG's key of this draw (uint64): element i's uniform is u(key, i)",
+    "block": "elements per block: one scale per block (int8, sign, ternary), the Walsh-Hadamard "
+             "transform's size, a power of two (fwht, select_*)",
+    "stochastic": "int8: round up with probability frac(t) (stochastic rounding) instead of to nearest",
+    "shared": "int8: the codes are taken against the given scales, which are read, not written",
+    # trend
+    "slot": "the ring slot (row of the history) the true gradient is recorded into",
+    "beta": "decay of the correction's moving average: corr = beta*corr + (1 - beta)*(g - trend)",
+})
+
+#: Kernels of the CUDA family alone, as KERNELS (the engine's device-side gate: the norm pass, the
+#: clip factor and the skip decision without a host synchronisation before the update).
+DEVICE_KERNELS = {
+    "sumsq_gate": ("reductions", "sumsq's sums and the gate (clip factor / unscale, skip flag) on the device"),
+    "read_sums": ("reductions", "(total, per segment) of sumsq_gate's sums: the one device-to-host read"),
+}
+
 
 def family_name(backend: str, impl: str = "numba") -> str:
     """``"reference"``, ``"cpu"`` or ``"cuda"`` for arrays of ``backend`` ("numpy"/"cupy")."""

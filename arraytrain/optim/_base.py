@@ -235,9 +235,9 @@ def mask_arg(mask, params: FlatBuffer):
 
 
 def working_args(working) -> dict:
-    """The kernels' ``w`` and ``wkind`` keywords for an optional working copy ``(bits, kind)``."""
-    w, wkind = (None, 0) if working is None else working
-    return {"w": w, "wkind": wkind}
+    """The kernels' ``working`` and ``kind`` keywords for an optional working copy ``(bits, kind)``."""
+    bits, kind = (None, 0) if working is None else working
+    return {"working": bits, "kind": kind}
 
 
 def decoupled_decay(lr, weight_decay):

@@ -118,9 +118,9 @@ class SAM(Optimizer):
         mask = mask_arg(mask, params)
         pieces, nseg = params.layout.pieces, len(params.layout)
         if self.adaptive:
-            norm = abs(gscale) * math.sqrt(kernels.sumsq_product(params.flat, grads.flat, pieces, nseg)[0])
+            norm = abs(gscale) * math.sqrt(kernels.sumsq_product(params.flat, grads.flat, pieces, nseg=nseg)[0])
         elif grad_norm is None:
-            norm = abs(gscale) * math.sqrt(kernels.sumsq(grads.flat, pieces, nseg)[0])
+            norm = abs(gscale) * math.sqrt(kernels.sumsq(grads.flat, pieces, nseg=nseg)[0])
         else:
             norm = float(grad_norm)
         kernels.sam_perturb(params.flat, grads.flat, state.slots["sam_backup"].flat, pieces,
@@ -129,7 +129,7 @@ class SAM(Optimizer):
 
     def restore(self, kernels, params, state) -> None:
         """Copy the weights saved by :meth:`perturb` back (one pass; padding is zero in both)."""
-        kernels.accumulate(params.flat, state.slots["sam_backup"].flat, 1.0, True)
+        kernels.accumulate(params.flat, state.slots["sam_backup"].flat, w=1.0, overwrite=True)
 
     def update(self, kernels, params, grads, state, *, gscale=1.0, lr=None, zero_grad=False, working=None,
                mask=None):

@@ -91,5 +91,5 @@ class Sophia(Optimizer):
         for name, est in items.items():
             view = h[layout.slice(name)]
             if view.size:
-                kernels.scale(view, b2)
-                kernels.accumulate(view, est, 1.0 - b2, False)
+                kernels.scale(view, factor=b2)
+                kernels.accumulate(view, est, w=1.0 - b2, overwrite=False)

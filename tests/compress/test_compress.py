@@ -146,12 +146,12 @@ def test_topk_ties_and_edge_cases(dtype):
     idx, val = np.empty(3, np.int64), np.empty(3, dtype)
     x = np.array([1, -2, 2, 1, -1, 2, 0], dtype)  # |2| three times: the lowest two of them, then ...
     for kern in (nb, ref):
-        kern.topk(x, 3, idx, val)
+        kern.topk(x, idx, val, k=3)
         np.testing.assert_array_equal(idx, [1, 2, 5])
-        kern.topk(np.ones(9, dtype), 3, idx, val)  # all equal: the first three
+        kern.topk(np.ones(9, dtype), idx, val, k=3)  # all equal: the first three
         np.testing.assert_array_equal(idx, [0, 1, 2])
         y = np.array([1, np.nan, -np.inf, 5, -7, 0], dtype)  # NaN ranks above every number
-        kern.topk(y, 3, idx, val)
+        kern.topk(y, idx, val, k=3)
         np.testing.assert_array_equal(idx, [1, 2, 4])
 
 
@@ -162,8 +162,8 @@ def test_topk_heavy_ties_parallel_path(dtype, rng):
     x = rng.choice(np.array([0.5, -0.5, 0.25, 1 + 2.0**-20, 1.0], dtype), size=300_000)
     for k in (1, 4_321, 150_000, 300_000):
         out = [(np.empty(k, np.int64), np.empty(k, dtype)) for _ in range(2)]
-        nb.topk(x, k, *out[0])
-        ref.topk(x, k, *out[1])
+        nb.topk(x, *out[0], k=k)
+        ref.topk(x, *out[1], k=k)
         np.testing.assert_array_equal(out[0][0], out[1][0])
         np.testing.assert_array_equal(out[0][1], out[1][1])
 
@@ -191,15 +191,15 @@ def test_int8_shared_scales_kernel_matches_reference(dtype, n, rng):
     nb_ = -(-n // block)
     for stochastic in (False, True):
         codes, own = np.empty(n, np.int8), np.empty(nb_, dtype)
-        nb.int8_encode(x, block, 7, stochastic, codes, own)
+        nb.int8_encode(x, codes, own, block=block, key=7, stochastic=stochastic)
         again = np.empty(n, np.int8)
-        nb.int8_encode(x, block, 7, stochastic, again, own.copy(), shared=True)
+        nb.int8_encode(x, again, own.copy(), block=block, key=7, stochastic=stochastic, shared=True)
         np.testing.assert_array_equal(again, codes)  # the block's own scale: the same codes
         shared = own * dtype(rng.uniform(1, 4)) if n else own  # a larger scale, as another rank's
         got, want = np.empty(n, np.int8), np.empty(n, np.int8)
         given = shared.copy()
-        nb.int8_encode(x, block, 7, stochastic, got, given, shared=True)
-        ref.int8_encode(x, block, 7, stochastic, want, shared.copy(), shared=True)
+        nb.int8_encode(x, got, given, block=block, key=7, stochastic=stochastic, shared=True)
+        ref.int8_encode(x, want, shared.copy(), block=block, key=7, stochastic=stochastic, shared=True)
         np.testing.assert_array_equal(given, shared)  # read, not written
         np.testing.assert_array_equal(got, want)
         assert n == 0 or np.abs(got.astype(int)).max() < 127
@@ -382,7 +382,7 @@ def test_error_feedback_telescopes(cfg, rng):
 @pytest.mark.parametrize("n,k", [(1, 1), (10, 10), (1037, 50), (70001, 7000)])
 def test_randk_indices_numba_equals_reference(n, k):
     for key in (0, 123456789, 2**64 - 1):
-        a, b = nb.randk_indices(n, k, key), ref.randk_indices(n, k, key)
+        a, b = nb.randk_indices(n=n, k=k, key=key), ref.randk_indices(n=n, k=k, key=key)
         np.testing.assert_array_equal(a, b)
         assert a.size == k and np.all(np.diff(a) > 0) and a[0] >= 0 and a[-1] < n
 

@@ -70,7 +70,7 @@ def test_the_optimizer_steps_with_the_decoded_gradient(name, ef):
         for n in SHAPES:
             mean[n][...] = stream[k][n]
             mean[n][...] += stream[k + 1][n]
-        cpu.scale(mean.flat, 0.5)
+        cpu.scale(mean.flat, factor=0.5)
         payload = twin.roundtrip(mean.flat)
         coef = clip_coef(norm_pass(cpu, mean.flat, b.layout).norm, 3.0)
         rb = b.step({n: mean[n] for n in SHAPES})

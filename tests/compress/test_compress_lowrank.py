@@ -235,11 +235,11 @@ FWHT_CASES = [(1, 0), (1, 1), (2, 7), (8, 129), (1024, 1), (1024, 70), (4096, 3)
 def test_fwht_kernel_equals_reference_and_is_orthonormal(block, nb, dtype, rng):
     x = rng.standard_normal(block * nb).astype(dtype)
     a, b = x.copy(), x.copy()
-    project.fwht(a, block)
-    project_reference.fwht(b, block)
+    project.fwht(a, block=block)
+    project_reference.fwht(b, block=block)
     assert_close(a, b)
     assert_close(np.linalg.norm(a.astype(np.float64)), np.linalg.norm(x.astype(np.float64)), dtype)
-    project.fwht(a, block)  # H is symmetric and orthogonal: its own inverse
+    project.fwht(a, block=block)  # H is symmetric and orthogonal: its own inverse
     assert_close(a, x)
 
 
@@ -247,7 +247,7 @@ def test_fwht_kernel_equals_reference_and_is_orthonormal(block, nb, dtype, rng):
 def test_fwht_non_finite_stays_in_its_block(impl, rng):
     x = rng.standard_normal(64 * 4)
     x[70], x[200] = np.nan, np.inf
-    impl.fwht(x, 64)
+    impl.fwht(x, block=64)
     finite = np.isfinite(x).reshape(4, 64)
     assert finite[0].all() and finite[2].all() and not finite[1].any() and not finite[3].any()
 
@@ -256,7 +256,7 @@ def test_fwht_non_finite_stays_in_its_block(impl, rng):
 def test_fwht_reference_equals_the_hadamard_matrix(block, rng):
     x = rng.standard_normal(block * 5)
     y = x.copy()
-    project_reference.fwht(y, block)
+    project_reference.fwht(y, block=block)
     h = scipy.linalg.hadamard(block) / math.sqrt(block)
     np.testing.assert_allclose(y.reshape(5, block), x.reshape(5, block) @ h.T, rtol=1e-12, atol=1e-12)
 
@@ -268,13 +268,13 @@ def test_sign_bind_kernel_equals_reference(n, dtype, rng):
     x[3::97], x[5::97] = np.nan, -np.inf
     key = step_key(11, 4)
     a, b = np.empty_like(x), np.empty_like(x)
-    project.sign_bind(x, key, a)
-    project_reference.sign_bind(x, key, b)
+    project.sign_bind(x, a, key=key)
+    project_reference.sign_bind(x, b, key=key)
     assert np.array_equal(a, b, equal_nan=True)
     assert np.array_equal(np.abs(a), np.abs(x), equal_nan=True)
     if n > 1000:
         assert abs(np.mean(a == x) - 0.5) < 0.05
-    project.sign_bind(a, key, a)  # in place; binding twice with one key unbinds
+    project.sign_bind(a, a, key=key)  # in place; binding twice with one key unbinds
     assert np.array_equal(a, x, equal_nan=True)
 
 
@@ -283,13 +283,13 @@ def test_selection_kernels_equal_reference(block, nb, d, rng):
     z = rng.standard_normal(block * nb)
     key = step_key(3, 9)
     ya, yb = np.empty(d), np.empty(d)
-    project.select_gather(z, key, block, ya)
-    project_reference.select_gather(z, key, block, yb)
+    project.select_gather(z, ya, key=key, block=block)
+    project_reference.select_gather(z, yb, key=key, block=block)
     assert np.array_equal(ya, yb)
     za, zb = np.empty_like(z), np.empty_like(z)
     y = rng.standard_normal(d)
-    project.select_scatter(y, key, block, 2.5, za)
-    project_reference.select_scatter(y, key, block, 2.5, zb)
+    project.select_scatter(y, za, key=key, block=block, factor=2.5)
+    project_reference.select_scatter(y, zb, key=key, block=block, factor=2.5)
     assert np.array_equal(za, zb)
     assert np.count_nonzero(za) == d
     assert math.isclose(np.dot(ya, y) * 2.5, np.dot(z, za), rel_tol=1e-12)  # scatter = scale * gather^T
@@ -300,7 +300,7 @@ def test_selection_keeps_every_coordinate_with_probability_d_over_n():
     hits = np.zeros(block * nb)
     for t in range(trials):
         z = np.zeros(block * nb)
-        project.select_scatter(np.ones(d), step_key(0, t), block, 1.0, z)
+        project.select_scatter(np.ones(d), z, key=step_key(0, t), block=block, factor=1.0)
         hits += z
     p = d / (block * nb)
     assert np.all(np.abs(hits / trials - p) < 4 * math.sqrt(p * (1 - p) / trials))

@@ -128,20 +128,20 @@ def test_topk_every_radix_pass_and_chunk_edge(dtype, rng):
         for k in sorted({1, min(7, n), n // 3 or 1, n - 1 or 1, n}):
             got = (np.empty(k, np.int64), np.empty(k, dtype))
             want = (np.empty(k, np.int64), np.empty(k, dtype))
-            COMPRESS_ON_DEVICE.topk(x, k, *got)
-            compress_reference.topk(x, k, *want)
+            COMPRESS_ON_DEVICE.topk(x, *got, k=k)
+            compress_reference.topk(x, *want, k=k)
             np.testing.assert_array_equal(got[0], want[0], err_msg=f"indices n={n} k={k} {np.dtype(dtype)}")
             np.testing.assert_array_equal(got[1], want[1], err_msg=f"values n={n} k={k} {np.dtype(dtype)}")
     idx = np.empty(5, np.uint32)  # the uint32 index instance
-    COMPRESS_ON_DEVICE.topk(np.arange(10, dtype=dtype), 5, idx, np.empty(5, dtype))
+    COMPRESS_ON_DEVICE.topk(np.arange(10, dtype=dtype), idx, np.empty(5, dtype), k=5)
     np.testing.assert_array_equal(idx, [5, 6, 7, 8, 9])
 
 
 @pytest.mark.parametrize("n,k", [(64, 63), (65, 1), (1_000_000, 100_000), (1_000_003, 999_999), (5_000_000, 50_000)])
 def test_randk_indices_large_equal_numba(n, k):
     for key in (7, step_key(3, 11)):
-        got = COMPRESS_ON_DEVICE.randk_indices(n, k, key)
-        want = nb_compress.randk_indices(n, k, key)
+        got = COMPRESS_ON_DEVICE.randk_indices(n=n, k=k, key=key)
+        want = nb_compress.randk_indices(n=n, k=k, key=key)
         assert got.dtype == np.int64 and got.shape == (k,), (got.dtype, got.shape)
         mismatch = np.flatnonzero(got != want)
         assert mismatch.size == 0, f"n={n} k={k} key={key}: {mismatch.size} positions differ, first {mismatch[:5]}"
@@ -160,25 +160,27 @@ def test_quantizer_kernels_bitwise_on_block_and_piece_edges(block, dtype, rng):
     for stochastic in (False, True):
         got = (np.empty(n, np.int8), np.empty(nblocks, dtype))
         want = (np.empty(n, np.int8), np.empty(nblocks, dtype))
-        COMPRESS_ON_DEVICE.int8_encode(x, b, key, stochastic, *got)
-        compress_reference.int8_encode(x, b, key, stochastic, *want)
+        COMPRESS_ON_DEVICE.int8_encode(x, *got, block=b, key=key, stochastic=stochastic)
+        compress_reference.int8_encode(x, *want, block=b, key=key, stochastic=stochastic)
         np.testing.assert_array_equal(got[1], want[1], err_msg=f"int8 scales block={b} stochastic={stochastic}")
         np.testing.assert_array_equal(got[0], want[0], err_msg=f"int8 codes block={b} stochastic={stochastic}")
         given = want[1] * dtype(2.5)  # shared scales (a group's maximum): read, codes against them
         got_shared, want_shared = np.empty(n, np.int8), np.empty(n, np.int8)
-        COMPRESS_ON_DEVICE.int8_encode(x, b, key, stochastic, got_shared, given.copy(), shared=True)
-        compress_reference.int8_encode(x, b, key, stochastic, want_shared, given.copy(), shared=True)
+        COMPRESS_ON_DEVICE.int8_encode(x, got_shared, given.copy(), block=b, key=key, stochastic=stochastic,
+                                       shared=True)
+        compress_reference.int8_encode(x, want_shared, given.copy(), block=b, key=key, stochastic=stochastic,
+                                       shared=True)
         np.testing.assert_array_equal(got_shared, want_shared, err_msg=f"int8 shared codes block={b}")
         out, ref_out = np.empty(n, dtype), np.empty(n, dtype)
-        COMPRESS_ON_DEVICE.int8_decode(*want, b, out)
-        compress_reference.int8_decode(*want, b, ref_out)
+        COMPRESS_ON_DEVICE.int8_decode(*want, out, block=b)
+        compress_reference.int8_decode(*want, ref_out, block=b)
         np.testing.assert_array_equal(out, ref_out, err_msg=f"int8 decode block={b}")
     for name, nbytes in (("sign", -(-n // 8)), ("ternary", -(-n // 4))):
         got = (np.empty(nbytes, np.uint8), np.empty(nblocks, np.float32))
         want = (np.empty(nbytes, np.uint8), np.empty(nblocks, np.float32))
-        extra = () if name == "sign" else (key,)
-        getattr(COMPRESS_ON_DEVICE, f"{name}_encode")(x, b, *extra, *got)
-        getattr(compress_reference, f"{name}_encode")(x, b, *extra, *want)
+        extra = {} if name == "sign" else {"key": key}
+        getattr(COMPRESS_ON_DEVICE, f"{name}_encode")(x, *got, block=b, **extra)
+        getattr(compress_reference, f"{name}_encode")(x, *want, block=b, **extra)
         np.testing.assert_array_equal(got[0], want[0], err_msg=f"{name} packed codes block={b}")
         if name == "sign":  # float64 L1 sums added in another order: at most one float32 ulp apart
             np.testing.assert_allclose(got[1], want[1], rtol=float(np.finfo(np.float32).eps), atol=0,
@@ -186,8 +188,8 @@ def test_quantizer_kernels_bitwise_on_block_and_piece_edges(block, dtype, rng):
         else:
             np.testing.assert_array_equal(got[1], want[1], err_msg=f"ternary scales block={b}")
         out, ref_out = np.empty(n, dtype), np.empty(n, dtype)
-        getattr(COMPRESS_ON_DEVICE, f"{name}_decode")(*want, b, out)
-        getattr(compress_reference, f"{name}_decode")(*want, b, ref_out)
+        getattr(COMPRESS_ON_DEVICE, f"{name}_decode")(*want, out, block=b)
+        getattr(compress_reference, f"{name}_decode")(*want, ref_out, block=b)
         np.testing.assert_array_equal(out, ref_out, err_msg=f"{name} decode block={b}")
 
 
@@ -196,10 +198,10 @@ def test_quantizer_kernels_bitwise_on_block_and_piece_edges(block, dtype, rng):
 def test_fwht_long_blocks_take_the_global_stages(block, nb, dtype, rng):
     x = rng.standard_normal(block * nb).astype(dtype)
     a, b = x.copy(), x.copy()
-    PROJECT_ON_DEVICE.fwht(a, block)
-    project_reference.fwht(b, block)
+    PROJECT_ON_DEVICE.fwht(a, block=block)
+    project_reference.fwht(b, block=block)
     assert_close(a, b, err_msg=f"block={block}")
-    PROJECT_ON_DEVICE.fwht(a, block)
+    PROJECT_ON_DEVICE.fwht(a, block=block)
     assert_close(a, x, err_msg=f"block={block}: H applied twice")
 
 
@@ -208,13 +210,13 @@ def test_selection_with_a_permutation_in_global_memory(block, nb, d, rng):
     z = rng.standard_normal(block * nb)
     key = step_key(8, 1)
     ya, yb = np.empty(d), np.empty(d)
-    PROJECT_ON_DEVICE.select_gather(z, key, block, ya)
-    project.select_gather(z, key, block, yb)
+    PROJECT_ON_DEVICE.select_gather(z, ya, key=key, block=block)
+    project.select_gather(z, yb, key=key, block=block)
     np.testing.assert_array_equal(ya, yb, err_msg=f"gather block={block} d={d}")
     y = rng.standard_normal(d)
     za, zb = np.full_like(z, np.nan), np.full_like(z, np.nan)
-    PROJECT_ON_DEVICE.select_scatter(y, key, block, 0.5, za)
-    project.select_scatter(y, key, block, 0.5, zb)
+    PROJECT_ON_DEVICE.select_scatter(y, za, key=key, block=block, factor=0.5)
+    project.select_scatter(y, zb, key=key, block=block, factor=0.5)
     np.testing.assert_array_equal(za, zb, err_msg=f"scatter block={block} d={d}")
 
 
@@ -224,7 +226,7 @@ def test_counter_rng_matches_the_host_bit_for_bit():
     for key in (0, 1, 2**63 + 5, 2**64 - 1):
         x = np.ones(n)
         out = np.empty(n)
-        PROJECT_ON_DEVICE.sign_bind(x, key, out)
+        PROJECT_ON_DEVICE.sign_bind(x, out, key=key)
         want = np.where(uniform_np(key, np.arange(n)) >= 0.5, -1.0, 1.0)
         bad = np.flatnonzero(out != want)
         assert bad.size == 0, f"key={key}: {bad.size} signs differ, first at {bad[:5]}"

@@ -10,8 +10,8 @@ import pytest
 from arraytrain import predict
 from arraytrain.backend import check_kernel_dtype
 from arraytrain.errors import BackendUnavailableError, DTypeError, HyperparameterError
-from arraytrain.kernels import cpu, cuda, reference
-from arraytrain.kernels.interface import ARGUMENTS, DOMAINS, FAMILIES, IMPLS, KERNELS, family
+from arraytrain.kernels import cpu, cuda, interface, reference
+from arraytrain.kernels.interface import ARGUMENTS, DEVICE_KERNELS, DOMAINS, FAMILIES, IMPLS, KERNELS
 
 PACKAGES = {"reference": reference, "cpu": cpu, "cuda": cuda}
 
@@ -19,12 +19,13 @@ PACKAGES = {"reference": reference, "cpu": cpu, "cuda": cuda}
 def test_the_table_names_every_public_kernel_of_the_reference_family():
     declared = set(KERNELS)
     for domain in DOMAINS:
-        mod = family("numpy", "reference", domain)
+        mod = interface.family("numpy", "reference", domain)
         public = {n for n, f in vars(mod).items()
                   if inspect.isfunction(f) and f.__module__ == mod.__name__ and not n.startswith("_")}
         helpers = {"magnitude_keys", "ternary_scales", "signs", "positions"}  # reference-only building blocks
         assert public - helpers == {n for n, (d, _) in KERNELS.items() if d == domain}, domain
     assert all(d in DOMAINS for d, _ in KERNELS.values()) and FAMILIES == tuple(PACKAGES)
+    assert all(d in DOMAINS and not hasattr(reference, n) for n, (d, _) in DEVICE_KERNELS.items())
 
 
 @pytest.mark.parametrize("fam", FAMILIES)
@@ -32,30 +33,43 @@ def test_the_table_names_every_public_kernel_of_the_reference_family():
 def test_every_family_provides_the_kernel_with_the_same_arguments(fam, name):
     domain = KERNELS[name][0]
     fn = getattr(PACKAGES[fam], name)
-    assert fn is getattr(family("numpy" if fam != "cuda" else "cupy", "reference" if fam == "reference" else "numba",
-                                domain), name), "the package re-exports its domain module's kernel"
+    assert fn is getattr(interface.family("numpy" if fam != "cuda" else "cupy",
+                                          "reference" if fam == "reference" else "numba", domain), name), \
+        "the package re-exports its domain module's kernel"
     expected = [(q.name, q.kind, q.default) for q in inspect.signature(getattr(reference, name)).parameters.values()]
     assert [(q.name, q.kind, q.default) for q in inspect.signature(fn).parameters.values()] == expected
 
 
-OPTIMIZER_KERNELS = [n for n, (d, _) in KERNELS.items() if d == "optimizers"]
+def _signature(name):
+    """The reference's signature of a kernel; the CUDA family's for the device-only ones."""
+    return inspect.signature(getattr(cuda if name in DEVICE_KERNELS else reference, name))
 
 
-@pytest.mark.parametrize("name", OPTIMIZER_KERNELS)
-def test_optimizer_kernels_take_scalars_by_keyword_only(name):
-    """Arrays first, then every scalar keyword-only, each one a documented name (ARGUMENTS)."""
-    params = inspect.signature(getattr(reference, name)).parameters.values()
+ALL_KERNELS = list(KERNELS) + list(DEVICE_KERNELS)
+# Positional names that are also documented keywords of other kernels: cast_working's first array is
+# the working copy ``w`` it writes (the optimizer kernels' keyword ``working``), not accumulate's weight.
+POSITIONAL_ARRAYS = {("cast_working", "w")}
+
+
+@pytest.mark.parametrize("name", ALL_KERNELS)
+def test_kernels_take_scalars_by_keyword_only(name):
+    """Arrays (and their tables) positional first, then every scalar keyword-only, each a documented name."""
+    params = _signature(name).parameters.values()
     positional = [q.name for q in params if q.kind is q.POSITIONAL_OR_KEYWORD]
     keywords = [q.name for q in params if q.kind is q.KEYWORD_ONLY]
-    assert [q.name for q in params] == positional + keywords
-    assert not set(positional) & set(ARGUMENTS), f"{name}: a scalar taken positionally"
+    assert [q.name for q in params] == positional + keywords, f"{name}: *args/**kwargs or keywords before arrays"
+    assert all(q.default is q.empty for q in params if q.kind is q.POSITIONAL_OR_KEYWORD), \
+        f"{name}: an optional positional argument"
+    scalars = {p for p in positional if p in ARGUMENTS and (name, p) not in POSITIONAL_ARRAYS}
+    assert not scalars, f"{name}: {sorted(scalars)} taken positionally"
     assert set(keywords) <= set(ARGUMENTS), f"{name}: undocumented {sorted(set(keywords) - set(ARGUMENTS))}"
-    assert positional[-1] in ("pieces", "batches")  # the arrays end with the layout's tables
+    if KERNELS.get(name, ("",))[0] == "optimizers":
+        assert positional[-1] in ("pieces", "batches")  # the arrays end with the layout's tables
 
 
 def test_every_documented_argument_is_used():
-    used = {q for n in OPTIMIZER_KERNELS for q in inspect.signature(getattr(reference, n)).parameters}
-    assert set(ARGUMENTS) <= used
+    used = {q for n in ALL_KERNELS for q, p in _signature(n).parameters.items() if p.kind is p.KEYWORD_ONLY}
+    assert set(ARGUMENTS) == used
 
 
 @pytest.mark.parametrize("fam", ["reference", "cpu"])
@@ -65,19 +79,29 @@ def test_a_positional_scalar_is_refused(fam):
     pieces = np.array([[0, 4, 0]], np.int64)
     with pytest.raises(TypeError):
         kernels.sgd_step(p, p.copy(), p[:0], pieces, 1.0, np.ones(1), np.zeros(1), 0.0, 0.0, False, True)
+    with pytest.raises(TypeError):
+        kernels.accumulate(p, p.copy(), 0.5, False)
+    with pytest.raises(TypeError):
+        kernels.scale(p, 2.0)
+    with pytest.raises(TypeError):
+        kernels.sumsq(p, pieces, 1)
+    with pytest.raises(TypeError):
+        kernels.fwht(p, 4)
+    with pytest.raises(TypeError):
+        kernels.topk(p, 2, np.zeros(2, np.int64), np.zeros(2))
 
 
 def test_one_way_to_get_a_family():
-    assert family("numpy") is cpu and family("numpy", "reference") is reference
-    assert family("cupy") is cuda
-    assert family("numpy", "numba", "compression") is cpu.compression
-    assert family("cupy", domain="trend") is cuda.trend
+    assert interface.family("numpy") is cpu and interface.family("numpy", "reference") is reference
+    assert interface.family("cupy") is cuda
+    assert interface.family("numpy", "numba", "compression") is cpu.compression
+    assert interface.family("cupy", domain="trend") is cuda.trend
     with pytest.raises(BackendUnavailableError, match="reference"):
-        family("cupy", "reference", "trend")
+        interface.family("cupy", "reference", "trend")
     with pytest.raises(HyperparameterError, match="kernels"):
-        family("numpy", "cuda")
+        interface.family("numpy", "cuda")
     with pytest.raises(KeyError, match="domain"):
-        family("numpy", "numba", "optim")
+        interface.family("numpy", "numba", "optim")
     import arraytrain.backend as backend
 
     assert not hasattr(backend, "kernel_family") and not hasattr(backend, "KERNEL_IMPLS")

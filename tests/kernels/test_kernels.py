@@ -63,8 +63,8 @@ def test_accumulate_matches_reference(n, dtype, overwrite, w, rng):
     acc0, g = random_flat(layout, dtype, rng), random_flat(layout, dtype, rng)
     fast, slow = acc0.copy(), acc0.copy()
     g_before = g.copy()
-    cpu.accumulate(fast, g, w, overwrite)
-    ref.accumulate(slow, g, w, overwrite)
+    cpu.accumulate(fast, g, w=w, overwrite=overwrite)
+    ref.accumulate(slow, g, w=w, overwrite=overwrite)
     assert fast.dtype == np.dtype(dtype)
     assert_close(fast, slow)
     expected = w * g.astype(np.float64) + (0.0 if overwrite else acc0.astype(np.float64))
@@ -80,8 +80,8 @@ def test_scale_matches_reference(n, dtype, s, rng):
     layout = padded_layout(n)
     x0 = random_flat(layout, dtype, rng)
     fast, slow = x0.copy(), x0.copy()
-    cpu.scale(fast, s)
-    ref.scale(slow, s)
+    cpu.scale(fast, factor=s)
+    ref.scale(slow, factor=s)
     assert_close(fast, slow)
     assert_close(fast, x0.astype(np.float64) * s, dtype)
     assert_padding_zero(fast, layout)
@@ -123,8 +123,8 @@ def test_all_finite_detects_nonfinite(n, dtype, bad, where, rng):
 def test_sumsq_matches_reference(n, dtype, rng):
     layout = padded_layout(n)
     x = random_flat(layout, dtype, rng, scale=3.0)
-    total, per_seg = cpu.sumsq(x, layout.pieces, len(layout))
-    rtotal, rper_seg = ref.sumsq(x, layout.pieces, len(layout))
+    total, per_seg = cpu.sumsq(x, layout.pieces, nseg=len(layout))
+    rtotal, rper_seg = ref.sumsq(x, layout.pieces, nseg=len(layout))
     assert isinstance(total, float)
     assert per_seg.dtype == np.float64 and per_seg.shape == (len(layout),)
     # float64 accumulation in both: compare at the float64 tolerance for either storage dtype
@@ -146,13 +146,13 @@ def test_reductions_do_not_read_padding(n, dtype, kernels, rng):
     dirty = clean.copy()
     dirty[~live_mask(layout)] = np.nan
     dirty_before = dirty.copy()
-    t_clean, s_clean = kernels.sumsq(clean, layout.pieces, len(layout))
-    t_dirty, s_dirty = kernels.sumsq(dirty, layout.pieces, len(layout))
+    t_clean, s_clean = kernels.sumsq(clean, layout.pieces, nseg=len(layout))
+    t_dirty, s_dirty = kernels.sumsq(dirty, layout.pieces, nseg=len(layout))
     assert t_clean == t_dirty
     np.testing.assert_array_equal(s_clean, s_dirty)
     assert kernels.max_abs(dirty, layout.pieces) == kernels.max_abs(clean, layout.pieces)
-    assert kernels.sumsq_scaled(dirty, layout.pieces, len(layout), 0.5)[0] == \
-        kernels.sumsq_scaled(clean, layout.pieces, len(layout), 0.5)[0]
+    assert kernels.sumsq_scaled(dirty, layout.pieces, nseg=len(layout), inv=0.5)[0] == \
+        kernels.sumsq_scaled(clean, layout.pieces, nseg=len(layout), inv=0.5)[0]
     np.testing.assert_array_equal(dirty, dirty_before)  # read-only
 
 
@@ -167,7 +167,7 @@ def test_sumsq_nonfinite_total(n, dtype, bad, where, rng):
     x[i] = bad
     seg = _segment_of(layout, i)
     for kernels in (cpu, ref):
-        total, per_seg = kernels.sumsq(x, layout.pieces, len(layout))
+        total, per_seg = kernels.sumsq(x, layout.pieces, nseg=len(layout))
         assert not math.isfinite(total), kernels.__name__
         assert not np.isfinite(per_seg[seg]), kernels.__name__
         others = np.delete(per_seg, seg)
@@ -191,7 +191,7 @@ def test_reductions_without_elements():
     x = np.zeros(layout.size)
     assert cpu.max_abs(x, layout.pieces) == ref.max_abs(x, layout.pieces) == 0.0
     for kernels in (cpu, ref):
-        total, per_seg = kernels.sumsq(x, layout.pieces, 2)
+        total, per_seg = kernels.sumsq(x, layout.pieces, nseg=2)
         assert total == 0.0 and per_seg.tolist() == [0.0, 0.0]
 
 
@@ -213,11 +213,11 @@ def test_max_abs_with_inf(n, dtype, bad, where, rng):
 def test_sumsq_scaled_matches_reference(n, dtype, inv, rng):
     layout = padded_layout(n)
     x = random_flat(layout, dtype, rng)
-    total, per_seg = cpu.sumsq_scaled(x, layout.pieces, len(layout), inv)
-    rtotal, rper_seg = ref.sumsq_scaled(x, layout.pieces, len(layout), inv)
+    total, per_seg = cpu.sumsq_scaled(x, layout.pieces, nseg=len(layout), inv=inv)
+    rtotal, rper_seg = ref.sumsq_scaled(x, layout.pieces, nseg=len(layout), inv=inv)
     assert_close(total, rtotal, np.float64)
     assert_close(per_seg, rper_seg, np.float64)
-    assert_close(total, ref.sumsq(x, layout.pieces, len(layout))[0] * inv * inv, np.float64)
+    assert_close(total, ref.sumsq(x, layout.pieces, nseg=len(layout))[0] * inv * inv, np.float64)
 
 
 # -- optimizer kernels ------------------------------------------------------------------------
@@ -402,8 +402,8 @@ def test_sumsq_bitwise_independent_of_thread_count(dtype, rng, restore_threads):
     results = {}
     for threads in (1, 2):
         numba.set_num_threads(threads)
-        total, per_seg = cpu.sumsq(x, layout.pieces, len(layout))
-        scaled, scaled_seg = cpu.sumsq_scaled(x, layout.pieces, len(layout), 1e-3)
+        total, per_seg = cpu.sumsq(x, layout.pieces, nseg=len(layout))
+        scaled, scaled_seg = cpu.sumsq_scaled(x, layout.pieces, nseg=len(layout), inv=1e-3)
         results[threads] = (total, per_seg.tobytes(), scaled, scaled_seg.tobytes(), cpu.max_abs(x, layout.pieces))
     assert results[1] == results[2]
 
@@ -420,7 +420,7 @@ def test_identical_runs_are_bitwise_equal(kernel, dtype, rng):
         out = []
         for t, g in enumerate(grads, 1):
             if kernel == "sumsq":
-                total, per_seg = cpu.sumsq(g, layout.pieces, len(layout))
+                total, per_seg = cpu.sumsq(g, layout.pieces, nseg=len(layout))
                 out.append((total, per_seg.tobytes()))
                 continue
             if kernel == "sgd_step":
@@ -447,7 +447,7 @@ def test_norm_pass_huge_float64_gradients(n, kernels, rng):
     layout = padded_layout(n)
     x = random_flat(layout, np.float64, rng, scale=1e200)
     live = live_mask(layout)
-    assert not math.isfinite(kernels.sumsq(x, layout.pieces, len(layout))[0])  # the first pass overflows
+    assert not math.isfinite(kernels.sumsq(x, layout.pieces, nseg=len(layout))[0])  # the first pass overflows
     peak = np.max(np.abs(x[live]))
     expected = peak * math.sqrt(np.sum((x[live] / peak) ** 2))
     found = norm_pass(kernels, x, layout)

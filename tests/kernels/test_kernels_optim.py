@@ -39,7 +39,7 @@ def _seg_values(layout, base, rng):
 def _adagrad(lr_decay=0.05, eps=1e-10):
     def run(k, p, g, s, layout, t, lr, wd, gscale, w, wkind, zg):
         k.adagrad_step(p, g, s["sum"], layout.pieces, gscale=gscale, lr=lr / (1 + (t - 1) * lr_decay), l2=wd, eps=eps,
-                       w=w, wkind=wkind, zero_grad=zg)
+                       working=w, kind=wkind, zero_grad=zg)
     return ("sum",), run
 
 
@@ -52,7 +52,7 @@ def _rmsprop(momentum, centered, alpha=0.9, eps=1e-2):
         empty = p[:0]
         k.rmsprop_step(p, g, s["square_avg"], s.get("grad_avg", empty), s.get("momentum_buffer", empty),
                        layout.pieces, gscale=gscale, lr=lr, l2=wd, alpha=alpha, eps=eps, momentum=momentum,
-                       centered=centered, w=w, wkind=wkind, zero_grad=zg)
+                       centered=centered, working=w, kind=wkind, zero_grad=zg)
     return slots, run
 
 
@@ -62,7 +62,7 @@ LION_B1 = 0.9
 def _lion(b1=LION_B1, b2=0.99):
     def run(k, p, g, s, layout, t, lr, wd, gscale, w, wkind, zg):
         k.lion_step(p, g, s["exp_avg"], layout.pieces, gscale=gscale, lr=lr, decay=1 - lr * wd, beta1=b1, beta2=b2,
-                    w=w, wkind=wkind, zero_grad=zg)
+                    working=w, kind=wkind, zero_grad=zg)
     return ("exp_avg",), run
 
 
@@ -70,14 +70,14 @@ def _lamb(b1=0.9, b2=0.99, eps=1e-6, eps_root=1e-8):
     def run(k, p, g, s, layout, t, lr, wd, gscale, w, wkind, zg):
         return k.lamb_step(p, g, s["exp_avg"], s["exp_avg_sq"], layout.pieces, gscale=gscale, lr=lr, weight_decay=wd,
                            beta1=b1, beta2=b2, eps=eps, eps_root=eps_root, inv_bc1=1 / (1 - b1**t),
-                           inv_bc2=1 / (1 - b2**t), w=w, wkind=wkind, zero_grad=zg)
+                           inv_bc2=1 / (1 - b2**t), working=w, kind=wkind, zero_grad=zg)
     return ("exp_avg", "exp_avg_sq"), run
 
 
 def _sgd(momentum=0.9, nesterov=True):
     def run(k, p, g, s, layout, t, lr, wd, gscale, w, wkind, zg):
         k.sgd_step(p, g, s["momentum_buffer"], layout.pieces, gscale=gscale, lr=lr, l2=wd, momentum=momentum,
-                   dampening=0.0, nesterov=nesterov, first=t == 1, w=w, wkind=wkind, zero_grad=zg)
+                   dampening=0.0, nesterov=nesterov, first=t == 1, working=w, kind=wkind, zero_grad=zg)
     return ("momentum_buffer",), run
 
 
@@ -92,7 +92,7 @@ def _nadam(decoupled, b1=0.9, b2=0.99, eps=1e-3, psi=4e-3):
                      grad_step=lr * (1 - mu(t)) / (1 - prod), moment_step=lr * mu(t + 1) / (1 - prod * mu(t + 1)),
                      beta1=b1, beta2=b2, eps=eps, inv_bc2_sqrt=1 / np.sqrt(1 - b2**t),
                      l2=0 * wd if decoupled else wd, decay=1 - lr * wd if decoupled else 1 + 0 * wd,
-                     w=w, wkind=wkind, zero_grad=zg)
+                     working=w, kind=wkind, zero_grad=zg)
     return ("exp_avg", "exp_avg_sq"), run
 
 
@@ -106,21 +106,21 @@ def _radam(decoupled, b1=0.9, b2=0.9, eps=1e-3):
             if rectified else 0.0
         k.radam_step(p, g, s["exp_avg"], s["exp_avg_sq"], layout.pieces, gscale=gscale, step_size=lr / (1 - b1**t),
                      beta1=b1, beta2=b2, eps=eps, rect=rect, rectified=rectified, l2=0 * wd if decoupled else wd,
-                     decay=1 - lr * wd if decoupled else 1 + 0 * wd, w=w, wkind=wkind, zero_grad=zg)
+                     decay=1 - lr * wd if decoupled else 1 + 0 * wd, working=w, kind=wkind, zero_grad=zg)
     return ("exp_avg", "exp_avg_sq"), run
 
 
 def _adamax(b1=0.9, b2=0.99, eps=1e-3):
     def run(k, p, g, s, layout, t, lr, wd, gscale, w, wkind, zg):
         k.adamax_step(p, g, s["exp_avg"], s["exp_inf"], layout.pieces, gscale=gscale, step_size=lr / (1 - b1**t),
-                      beta1=b1, beta2=b2, eps=eps, l2=wd, w=w, wkind=wkind, zero_grad=zg)
+                      beta1=b1, beta2=b2, eps=eps, l2=wd, working=w, kind=wkind, zero_grad=zg)
     return ("exp_avg", "exp_inf"), run
 
 
 def _adadelta(rho=0.9, eps=1e-2):
     def run(k, p, g, s, layout, t, lr, wd, gscale, w, wkind, zg):
         k.adadelta_step(p, g, s["square_avg"], s["acc_delta"], layout.pieces, gscale=gscale, lr=lr * 100, l2=wd,
-                        rho=rho, eps=eps, w=w, wkind=wkind, zero_grad=zg)
+                        rho=rho, eps=eps, working=w, kind=wkind, zero_grad=zg)
     return ("square_avg", "acc_delta"), run
 
 

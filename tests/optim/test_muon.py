@@ -55,7 +55,7 @@ def _run(kernels, p, g, buf, layout, work, t, alr, dec, nesterov, zg, w=None, wk
     route = routing(layout)
     kernels.muon_step(p, g, buf, work, route.mats, route.pieces, gscale=0.7, momentum=0.9, nesterov=nesterov,
                       adjusted_lr=alr, decay=dec, eps_norm=1e-7, ns_coefficients=optim._muon.NS_COEFFICIENTS,
-                      ns_steps=5, w=w, wkind=wkind, zero_grad=zg, mask=mask)
+                      ns_steps=5, working=w, kind=wkind, zero_grad=zg, mask=mask)
 
 
 def _muon_live(layout):

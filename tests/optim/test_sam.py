@@ -42,15 +42,15 @@ def test_sumsq_product_matches_reference(n, dtype, rng):
     x, y = random_flat(layout, dtype, rng), random_flat(layout, dtype, rng, scale=3.0)
     dirty = x.copy()
     dirty[~live_mask(layout)] = np.nan  # padding is never read
-    total, per_seg = cpu.sumsq_product(dirty, y, layout.pieces, len(layout))
-    rtotal, rper_seg = ref.sumsq_product(x, y, layout.pieces, len(layout))
+    total, per_seg = cpu.sumsq_product(dirty, y, layout.pieces, nseg=len(layout))
+    rtotal, rper_seg = ref.sumsq_product(x, y, layout.pieces, nseg=len(layout))
     assert_close(total, rtotal, np.float64)
     assert_close(per_seg, rper_seg, np.float64)
     assert_close(total, float(np.sum((x.astype(np.float64) * y) ** 2)), np.float64)
     x[np.flatnonzero(live_mask(layout))[-1:]] = np.nan
     if n:
-        assert math.isnan(cpu.sumsq_product(x, y, layout.pieces, len(layout))[0])
-        assert math.isnan(ref.sumsq_product(x, y, layout.pieces, len(layout))[0])
+        assert math.isnan(cpu.sumsq_product(x, y, layout.pieces, nseg=len(layout))[0])
+        assert math.isnan(ref.sumsq_product(x, y, layout.pieces, nseg=len(layout))[0])
 
 
 # -- the engine's two windows against a NumPy SAM -----------------------------------------------

@@ -46,7 +46,7 @@ def _step(kernels, s, g, layout, t, lr, wd, zg=False, w=None, wkind=0, mask=None
     kernels.schedule_free_adamw_step(s["p"], g, s["z"], s["v"], s["max_lr"], s["weight_sum"], layout.pieces,
                                      gscale=gscale, lr=lr, weight_lr=lr * warm, weight_lr_power=2.0,
                                      weight_decay=wd, beta1=B1, beta2=B2, eps=1e-3,
-                                     inv_bc2_sqrt=1.0 / np.sqrt(1.0 - B2**t), w=w, wkind=wkind, zero_grad=zg,
+                                     inv_bc2_sqrt=1.0 / np.sqrt(1.0 - B2**t), working=w, kind=wkind, zero_grad=zg,
                                      mask=mask)
 
 

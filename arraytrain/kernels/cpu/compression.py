@@ -163,7 +163,7 @@ def _topk(keys, mask, shift, k, chunk, idx_out):
 _TOPK = _twins(_topk)
 
 
-def topk(x, k, idx_out, val_out):
+def topk(x, idx_out, val_out, *, k):
     """The ``k`` largest ``|x_i|``, ties to the lowest index; see :func:`arraytrain.kernels.reference.compression.topk`.
 
     A radix select on the magnitude bits, no sort: :data:`NBINS`-bin histograms
@@ -208,7 +208,7 @@ def _randk_indices(n, k, key, out):
             b += 1
 
 
-def randk_indices(n, k, key):
+def randk_indices(*, n, k, key):
     """Floyd's sample of ``k`` of ``n``, sorted; see :func:`arraytrain.kernels.reference.compression.randk_indices`.
 
     Serial: ``k`` draws with membership in an ``n``-bit bitmap, then the set
@@ -252,7 +252,7 @@ def _scatter(idx, values, factor, out):
 _SCATTER = _twins(_scatter)
 
 
-def scatter(idx, values, factor, out):
+def scatter(idx, values, out, *, factor):
     """``out = 0``, then ``out[idx] = values * factor`` (one write pass, ``k`` scattered writes)."""
     _pick(_SCATTER, out.size)(idx, values, out.dtype.type(factor), out)
 
@@ -287,7 +287,7 @@ def _int8_encode(x, block, key, stochastic, shared, c127, one, codes, scales):
 _INT8_ENCODE = _twins(_int8_encode)
 
 
-def int8_encode(x, block, key, stochastic, codes, scales, shared=False):
+def int8_encode(x, codes, scales, *, block, key, stochastic, shared=False):
     """Blockwise absmax int8, one pass; see :func:`arraytrain.kernels.reference.compression.int8_encode`."""
     dt = x.dtype.type
     _pick(_INT8_ENCODE, x.size)(x, np.int64(block), np.uint64(key), bool(stochastic), bool(shared), dt(INV127),
@@ -307,7 +307,7 @@ def _int8_decode(codes, scales, block, out):
 _INT8_DECODE = _twins(_int8_decode)
 
 
-def int8_decode(codes, scales, block, out):
+def int8_decode(codes, scales, out, *, block):
     """``out_i = codes_i * scale_b``."""
     _pick(_INT8_DECODE, out.size)(codes, scales.astype(out.dtype, copy=False), np.int64(block), out)
 
@@ -356,7 +356,7 @@ def _sign_encode(x, edges, first, bits, part):
 _SIGN_ENCODE = _twins(_sign_encode)
 
 
-def sign_encode(x, block, bits, scales):
+def sign_encode(x, bits, scales, *, block):
     """Scaled sign, one pass: bits and per-piece float64 L1 sums, added per block in piece order."""
     n = x.size
     edges, first, owner = _pieces(n, int(block))
@@ -382,7 +382,7 @@ def _sign_decode(bits, scales, edges, first, owner, out):
 _SIGN_DECODE = _twins(_sign_decode)
 
 
-def sign_decode(bits, scales, block, out):
+def sign_decode(bits, scales, out, *, block):
     """``out_i = +-scale_b`` from bit ``i``."""
     edges, first, owner = _pieces(out.size, int(block))
     _pick(_SIGN_DECODE, out.size)(bits, scales.astype(out.dtype), edges, first, owner, out)
@@ -424,7 +424,7 @@ def _ternary_encode(x, key, scales, edges, first, owner, codes):
 _TERNARY_ENCODE = _twins(_ternary_encode)
 
 
-def ternary_encode(x, block, key, codes, scales):
+def ternary_encode(x, codes, scales, *, block, key):
     """TernGrad, two passes (block maxima, then codes); see :func:`arraytrain.kernels.reference.compression.ternary_encode`."""
     n = x.size
     edges, first, owner = _pieces(n, int(block))
@@ -455,7 +455,7 @@ def _ternary_decode(codes, scales, edges, first, owner, out):
 _TERNARY_DECODE = _twins(_ternary_decode)
 
 
-def ternary_decode(codes, scales, block, out):
+def ternary_decode(codes, scales, out, *, block):
     """``out_i = s_b * {0, +1, -1}[code_i]``."""
     edges, first, owner = _pieces(out.size, int(block))
     _pick(_TERNARY_DECODE, out.size)(codes, scales.astype(out.dtype), edges, first, owner, out)

@@ -27,9 +27,9 @@ from .reductions import piece_totals
 #     indexed by segment (``lr[seg]``, ``wd[seg]`` ...): name-pattern overrides cost one
 #     load per piece, not a launch per group. Padding is never touched.
 #   * ``gscale`` multiplies the gradient (clip factor, accumulation mean, loss-scale unscale).
-#   * ``w``/``wkind``: a low-precision working copy (uint16 bits, ``wkind`` LP_BF16 or
-#     LP_F16) of the new weights, written per piece while it is in cache; ``w=None`` when
-#     there is none, which numba prunes at compile time (an always-false runtime flag
+#   * ``working``/``kind`` (``w``/``wkind`` in the jitted twins): a low-precision working copy
+#     (uint16 bits, ``kind`` LP_BF16 or LP_F16) of the new weights, written per piece while it
+#     is in cache; ``working=None`` when there is none, which numba prunes at compile time (an always-false runtime flag
 #     measured 1.5x slower: the dead conversion code spoiled the update loop).
 #   * ``zero_grad`` zeroes the gradient in the same pass.
 #   * ``mask`` (last argument, default None): a uint8 array of the params' flat size, 1 = keep,
@@ -72,13 +72,13 @@ def seg_array(a, dtype):
     return np.ascontiguousarray(a, dtype=dtype)
 
 
-def sgd_step(p, g, buf, pieces, *, gscale, lr, l2, momentum, dampening, nesterov, first, w=None, wkind=LP_NONE,
+def sgd_step(p, g, buf, pieces, *, gscale, lr, l2, momentum, dampening, nesterov, first, working=None, kind=LP_NONE,
              zero_grad=False, mask=None):
     """Fused SGD update; see :func:`arraytrain.kernels.reference.sgd_step`."""
     t = p.dtype.type
     _pick(_SGD, p.size)(
         p, g, buf, pieces, t(gscale), seg_array(lr, p.dtype), seg_array(l2, p.dtype), t(momentum),
-        t(1.0 - dampening), bool(nesterov), bool(first), w, int(wkind), bool(zero_grad), mask,
+        t(1.0 - dampening), bool(nesterov), bool(first), working, int(kind), bool(zero_grad), mask,
     )
 
 
@@ -112,13 +112,13 @@ _ADAM = _twins(_adam)
 
 
 def adam_step(p, g, m, v, vmax, pieces, *, gscale, step_size, beta1, beta2, eps, inv_bc2_sqrt, l2, decay, amsgrad,
-              w=None, wkind=LP_NONE, zero_grad=False, mask=None):
+              working=None, kind=LP_NONE, zero_grad=False, mask=None):
     """Fused Adam/AdamW update; see :func:`arraytrain.kernels.reference.adam_step`."""
     t = p.dtype.type
     _pick(_ADAM, p.size)(
         p, g, m, v, vmax, pieces, t(gscale), seg_array(step_size, p.dtype), t(1.0 - beta1), t(beta2),
         t(1.0 - beta2), t(eps), t(inv_bc2_sqrt), seg_array(l2, p.dtype), seg_array(decay, p.dtype),
-        bool(amsgrad), w, int(wkind), bool(zero_grad), mask,
+        bool(amsgrad), working, int(kind), bool(zero_grad), mask,
     )
 
 
@@ -145,12 +145,12 @@ def _adagrad(p, g, s, pieces, gscale, lr, wd, eps, w, wkind, zero_grad, mask):
 _ADAGRAD = _twins(_adagrad)
 
 
-def adagrad_step(p, g, sum_sq, pieces, *, gscale, lr, l2, eps, w=None, wkind=LP_NONE, zero_grad=False, mask=None):
+def adagrad_step(p, g, sum_sq, pieces, *, gscale, lr, l2, eps, working=None, kind=LP_NONE, zero_grad=False, mask=None):
     """Fused Adagrad update; see :func:`arraytrain.kernels.reference.adagrad_step`."""
     t = p.dtype.type
     _pick(_ADAGRAD, p.size)(
         p, g, sum_sq, pieces, t(gscale), seg_array(lr, p.dtype), seg_array(l2, p.dtype), t(eps),
-        w, int(wkind), bool(zero_grad), mask,
+        working, int(kind), bool(zero_grad), mask,
     )
 
 
@@ -187,13 +187,13 @@ _RMSPROP = _twins(_rmsprop)
 
 
 def rmsprop_step(p, g, square_avg, grad_avg, momentum_buffer, pieces, *, gscale, lr, l2, alpha, eps, momentum,
-                 centered, w=None, wkind=LP_NONE, zero_grad=False, mask=None):
+                 centered, working=None, kind=LP_NONE, zero_grad=False, mask=None):
     """Fused RMSprop update; see :func:`arraytrain.kernels.reference.rmsprop_step`."""
     t = p.dtype.type
     _pick(_RMSPROP, p.size)(
         p, g, square_avg, grad_avg, momentum_buffer, pieces, t(gscale), seg_array(lr, p.dtype),
         seg_array(l2, p.dtype), t(alpha), t(1.0 - alpha), t(eps), t(momentum), bool(centered),
-        bool(momentum > 0), w, int(wkind), bool(zero_grad), mask,
+        bool(momentum > 0), working, int(kind), bool(zero_grad), mask,
     )
 
 
@@ -219,13 +219,13 @@ def _lion(p, g, m, pieces, gscale, lr, decay, beta1, beta1c, beta2, beta2c, w, w
 _LION = _twins(_lion)
 
 
-def lion_step(p, g, m, pieces, *, gscale, lr, decay, beta1, beta2, w=None, wkind=LP_NONE, zero_grad=False,
+def lion_step(p, g, m, pieces, *, gscale, lr, decay, beta1, beta2, working=None, kind=LP_NONE, zero_grad=False,
               mask=None):
     """Fused Lion update; see :func:`arraytrain.kernels.reference.lion_step`."""
     t = p.dtype.type
     _pick(_LION, p.size)(
         p, g, m, pieces, t(gscale), seg_array(lr, p.dtype), seg_array(decay, p.dtype), t(beta1), t(1.0 - beta1),
-        t(beta2), t(1.0 - beta2), w, int(wkind), bool(zero_grad), mask,
+        t(beta2), t(1.0 - beta2), working, int(kind), bool(zero_grad), mask,
     )
 
 
@@ -285,7 +285,7 @@ _LAMB = _twins(_lamb)
 
 
 def lamb_step(p, g, m, v, pieces, *, gscale, lr, weight_decay, beta1, beta2, eps, eps_root, inv_bc1, inv_bc2,
-              w=None, wkind=LP_NONE, zero_grad=False, mask=None):
+              working=None, kind=LP_NONE, zero_grad=False, mask=None):
     """Fused LAMB update, returns the per-parameter trust ratios (float64).
 
     See :func:`arraytrain.kernels.reference.lamb_step`.
@@ -293,7 +293,8 @@ def lamb_step(p, g, m, v, pieces, *, gscale, lr, weight_decay, beta1, beta2, eps
     t = p.dtype.type
     return _pick(_LAMB, p.size)(
         p, g, m, v, pieces, t(gscale), seg_array(lr, p.dtype), seg_array(weight_decay, p.dtype), t(1.0 - beta1),
-        t(beta2), t(1.0 - beta2), t(inv_bc1), t(inv_bc2), t(eps), t(eps_root), w, int(wkind), bool(zero_grad), mask,
+        t(beta2), t(1.0 - beta2), t(inv_bc1), t(inv_bc2), t(eps), t(eps_root), working, int(kind), bool(zero_grad),
+        mask,
     )
 
 
@@ -470,7 +471,7 @@ def _seg_totals(part, pieces, nseg, extra, extra_seg):
 
 
 def adafactor_step(p, g, row, col, var, pieces, segs, rows, cols, batches, *, gscale, rel_step, decay,
-                   one_minus_beta2, eps1, eps2, d, w=None, wkind=LP_NONE, zero_grad=False, mask=None):
+                   one_minus_beta2, eps1, eps2, d, working=None, kind=LP_NONE, zero_grad=False, mask=None):
     """Fused Adafactor update (five passes, see above); see :func:`arraytrain.kernels.reference.adafactor_step`."""
     t = p.dtype.type
     n = p.size
@@ -490,7 +491,7 @@ def adafactor_step(p, g, row, col, var, pieces, segs, rows, cols, batches, *, gs
     usq = _seg_totals(usq_part, pieces, nseg, None, None)
     step = adafactor_step_size(psq, usq, segs[:, 1], rel_step, eps2, d)
     _pick(_AF_APPLY, n)(p, g, col, var, rscale, pieces, segs, gs, eps1sq, seg_array(step, p.dtype),
-                        seg_array(decay, p.dtype), w, int(wkind), bool(zero_grad), mask)
+                        seg_array(decay, p.dtype), working, int(kind), bool(zero_grad), mask)
 
 
 def adafactor_step_size(psq, usq, numel, rel_step, eps2, d):
@@ -532,13 +533,13 @@ def _sophia(p, g, m, h, pieces, gscale, lr, decay, beta1, beta1c, rho_bs, eps, o
 _SOPHIA = _twins(_sophia)
 
 
-def sophia_step(p, g, m, h, pieces, *, gscale, lr, decay, beta1, rho_bs, eps, w=None, wkind=LP_NONE,
+def sophia_step(p, g, m, h, pieces, *, gscale, lr, decay, beta1, rho_bs, eps, working=None, kind=LP_NONE,
                 zero_grad=False, mask=None):
     """Fused SophiaG update; see :func:`arraytrain.kernels.reference.sophia_step`."""
     t = p.dtype.type
     _pick(_SOPHIA, p.size)(
         p, g, m, h, pieces, t(gscale), seg_array(lr, p.dtype), seg_array(decay, p.dtype), t(beta1),
-        t(1.0 - beta1), t(rho_bs), t(eps), t(1.0), w, int(wkind), bool(zero_grad), mask,
+        t(1.0 - beta1), t(rho_bs), t(eps), t(1.0), working, int(kind), bool(zero_grad), mask,
     )
 
 
@@ -620,17 +621,17 @@ def _run_nadam_radam(p, g, m, v, pieces, gscale, a, b, beta1, beta2, eps, inv_bc
 
 
 def nadam_step(p, g, m, v, pieces, *, gscale, grad_step, moment_step, beta1, beta2, eps, inv_bc2_sqrt, l2, decay,
-               w=None, wkind=LP_NONE, zero_grad=False, mask=None):
+               working=None, kind=LP_NONE, zero_grad=False, mask=None):
     """Fused NAdam update; see :func:`arraytrain.kernels.reference.nadam_step`."""
     _run_nadam_radam(p, g, m, v, pieces, gscale, grad_step, moment_step, beta1, beta2, eps, inv_bc2_sqrt, 1.0, l2,
-                     decay, True, w, wkind, zero_grad, mask)
+                     decay, True, working, kind, zero_grad, mask)
 
 
-def radam_step(p, g, m, v, pieces, *, gscale, step_size, beta1, beta2, eps, rect, rectified, l2, decay, w=None,
-               wkind=LP_NONE, zero_grad=False, mask=None):
+def radam_step(p, g, m, v, pieces, *, gscale, step_size, beta1, beta2, eps, rect, rectified, l2, decay, working=None,
+               kind=LP_NONE, zero_grad=False, mask=None):
     """Fused RAdam update; see :func:`arraytrain.kernels.reference.radam_step`."""
     _run_nadam_radam(p, g, m, v, pieces, gscale, np.zeros(np.shape(step_size)), step_size, beta1, beta2,
-                     eps, 1.0, rect, l2, decay, rectified, w, wkind, zero_grad, mask)
+                     eps, 1.0, rect, l2, decay, rectified, working, kind, zero_grad, mask)
 
 
 def _adamax(p, g, m, u, pieces, gscale, step_size, beta1c, beta2, eps, l2, w, wkind, zero_grad, mask):
@@ -656,13 +657,13 @@ def _adamax(p, g, m, u, pieces, gscale, step_size, beta1c, beta2, eps, l2, w, wk
 _ADAMAX = _twins(_adamax)
 
 
-def adamax_step(p, g, m, u, pieces, *, gscale, step_size, beta1, beta2, eps, l2, w=None, wkind=LP_NONE,
+def adamax_step(p, g, m, u, pieces, *, gscale, step_size, beta1, beta2, eps, l2, working=None, kind=LP_NONE,
                 zero_grad=False, mask=None):
     """Fused Adamax update; see :func:`arraytrain.kernels.reference.adamax_step`."""
     t = p.dtype.type
     _pick(_ADAMAX, p.size)(
         p, g, m, u, pieces, t(gscale), seg_array(step_size, p.dtype), t(1.0 - beta1), t(beta2), t(eps),
-        seg_array(l2, p.dtype), w, int(wkind), bool(zero_grad), mask,
+        seg_array(l2, p.dtype), working, int(kind), bool(zero_grad), mask,
     )
 
 
@@ -689,13 +690,13 @@ def _adadelta(p, g, sq, acc, pieces, gscale, lr, wd, rho, rho_c, eps, w, wkind, 
 _ADADELTA = _twins(_adadelta)
 
 
-def adadelta_step(p, g, square_avg, acc_delta, pieces, *, gscale, lr, l2, rho, eps, w=None, wkind=LP_NONE,
+def adadelta_step(p, g, square_avg, acc_delta, pieces, *, gscale, lr, l2, rho, eps, working=None, kind=LP_NONE,
                   zero_grad=False, mask=None):
     """Fused Adadelta update; see :func:`arraytrain.kernels.reference.adadelta_step`."""
     t = p.dtype.type
     _pick(_ADADELTA, p.size)(
         p, g, square_avg, acc_delta, pieces, t(gscale), seg_array(lr, p.dtype), seg_array(l2, p.dtype), t(rho),
-        t(1.0 - rho), t(eps), w, int(wkind), bool(zero_grad), mask,
+        t(1.0 - rho), t(eps), working, int(kind), bool(zero_grad), mask,
     )
 
 
@@ -753,7 +754,7 @@ _MUON_APPLY = njit(**JIT)(_muon_apply)  # serial: see above
 
 
 def muon_step(p, g, buf, work, mats, pieces, *, gscale, momentum, nesterov, adjusted_lr, decay, eps_norm,
-              ns_coefficients, ns_steps, w=None, wkind=LP_NONE, zero_grad=False, mask=None):
+              ns_coefficients, ns_steps, working=None, kind=LP_NONE, zero_grad=False, mask=None):
     """Muon, one matrix at a time (see above); see :func:`arraytrain.kernels.reference.muon_step`."""
     t = p.dtype.type
     gs, mc = t(gscale), t(1.0 - momentum)
@@ -767,7 +768,7 @@ def muon_step(p, g, buf, work, mats, pieces, *, gscale, momentum, nesterov, adju
         sumsq = _MUON_MOMENTUM(g, buf, u, pc, off, gs, mc, bool(nesterov), bool(zero_grad), part[lo:hi])
         u *= t(1.0 / max(float(np.sqrt(sumsq)), eps_norm))  # X / max(||X||, eps), torch's normalisation
         o = newton_schulz.iterate(u.reshape(rows, cols), work[n:], ns_coefficients, ns_steps)
-        _MUON_APPLY(p, o.reshape(-1), pc, off, alr, dec, w, int(wkind), mask)
+        _MUON_APPLY(p, o.reshape(-1), pc, off, alr, dec, working, int(kind), mask)
 
 
 # Schedule-free AdamW ------------------------------------------------------------------------
@@ -821,7 +822,7 @@ _SF_ADAMW = _twins(_sf_adamw)
 
 
 def schedule_free_adamw_step(p, g, z, v, max_lr, weight_sum, pieces, *, gscale, lr, weight_lr, weight_lr_power,
-                             weight_decay, beta1, beta2, eps, inv_bc2_sqrt, w=None, wkind=LP_NONE, zero_grad=False,
+                             weight_decay, beta1, beta2, eps, inv_bc2_sqrt, working=None, kind=LP_NONE, zero_grad=False,
                              mask=None):
     """Fused Schedule-Free AdamW step; see :func:`arraytrain.kernels.reference.schedule_free_adamw_step`."""
     ck = np.empty(max_lr.size, np.float64)
@@ -829,6 +830,6 @@ def schedule_free_adamw_step(p, g, z, v, max_lr, weight_sum, pieces, *, gscale, 
     t = p.dtype.type
     _pick(_SF_ADAMW, p.size)(
         p, g, z, v, pieces, t(gscale), seg_array(lr, p.dtype), seg_array(weight_decay, p.dtype), seg_array(ck, p.dtype),
-        t(beta1), t(1.0 - beta1), t(beta2), t(1.0 - beta2), t(eps), t(inv_bc2_sqrt), w, int(wkind), bool(zero_grad),
-        mask,
+        t(beta1), t(1.0 - beta1), t(beta2), t(1.0 - beta2), t(eps), t(inv_bc2_sqrt), working, int(kind),
+        bool(zero_grad), mask,
     )

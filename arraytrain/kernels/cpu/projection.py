@@ -65,7 +65,7 @@ def _fwht(x, block, s):
 _FWHT = _twins(_fwht)
 
 
-def fwht(x, block):
+def fwht(x, *, block):
     """In place: every ``block``-element block of ``x`` becomes ``H v / sqrt(block)``; see the reference."""
     if x.size == 0:
         return
@@ -86,7 +86,7 @@ def _sign_bind(x, key, out):
 _SIGN_BIND = _twins(_sign_bind)
 
 
-def sign_bind(x, key, out):
+def sign_bind(x, out, *, key):
     """``out[i] = s_i * x[i]`` for ``i < out.size`` (``out`` may be ``x``); see the reference."""
     _pick(_SIGN_BIND, out.size)(x, np.uint64(key), out)
 
@@ -126,7 +126,7 @@ def _select(z, key, block, counts, offs, y, scale, scatter):
 _SELECT = _twins(_select)
 
 
-def select_gather(z, key, block, y):
+def select_gather(z, y, *, key, block):
     """``y`` = the kept coordinates of ``z``, block by block; see the reference."""
     nb = z.size // block
     if nb == 0:
@@ -135,10 +135,10 @@ def select_gather(z, key, block, y):
     _pick(_SELECT, z.size)(z, np.uint64(key), int(block), counts, offs, y, y.dtype.type(0), False)
 
 
-def select_scatter(y, key, block, scale, z):
-    """``z`` = zero except the kept coordinates, which get ``scale * y``; see the reference."""
+def select_scatter(y, z, *, key, block, factor):
+    """``z`` = zero except the kept coordinates, which get ``factor * y``; see the reference."""
     nb = z.size // block
     if nb == 0:
         return
     counts, offs = _counts(key, nb, block, y.size)
-    _pick(_SELECT, z.size)(z, np.uint64(key), int(block), counts, offs, y, z.dtype.type(scale), True)
+    _pick(_SELECT, z.size)(z, np.uint64(key), int(block), counts, offs, y, z.dtype.type(factor), True)

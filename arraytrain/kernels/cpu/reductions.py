@@ -37,7 +37,7 @@ def _accumulate(acc, g, w, overwrite):
 _ACCUMULATE = _twins(_accumulate)
 
 
-def accumulate(acc, g, w, overwrite):
+def accumulate(acc, g, *, w, overwrite):
     """``acc = w * g`` if ``overwrite`` else ``acc += w * g`` (math in ``acc``'s dtype)."""
     _pick(_ACCUMULATE, acc.size)(acc, g, acc.dtype.type(w), bool(overwrite))
 
@@ -51,7 +51,7 @@ def _accumulate_packed(acc, src, table, w, overwrite):
 _ACCUMULATE_PACKED = _twins(_accumulate_packed)
 
 
-def accumulate_packed(acc, src, table, w, overwrite):
+def accumulate_packed(acc, src, table, *, w, overwrite):
     """``acc[d:d+n] = w * src[s:s+n]`` (or ``+=``) for each row ``(s, d, n)`` of the int64 ``table``.
 
     Many small gradients packed back to back (the engine's dict path stages them with one
@@ -73,9 +73,9 @@ def _scale(x, s):
 _SCALE = _twins(_scale)
 
 
-def scale(x, s):
-    """``x *= s``."""
-    _pick(_SCALE, x.size)(x, x.dtype.type(s))
+def scale(x, *, factor):
+    """``x *= factor``."""
+    _pick(_SCALE, x.size)(x, x.dtype.type(factor))
 
 
 # -- reductions -------------------------------------------------------------------------
@@ -133,7 +133,7 @@ def _sumsq(x, pieces, nseg):
 _SUMSQ = _twins(_sumsq)
 
 
-def sumsq(x, pieces, nseg):
+def sumsq(x, pieces, *, nseg):
     """``(total, per_segment)`` sums of squares in float64, one pass.
 
     A NaN or Inf element makes the total non-finite (squares are >= 0, so no
@@ -184,7 +184,7 @@ def _sumsq_scaled(x, pieces, nseg, inv):
 _SUMSQ_SCALED = _twins(_sumsq_scaled)
 
 
-def sumsq_scaled(x, pieces, nseg, inv):
+def sumsq_scaled(x, pieces, *, nseg, inv):
     """Like :func:`sumsq` but of ``x * inv``: an overflow-safe second pass."""
     total, per_seg = _pick(_SUMSQ_SCALED, x.size)(x, pieces, nseg, float(inv))
     return float(total), per_seg
@@ -199,7 +199,7 @@ def _cast_working(w, p, pieces, kind):
 _CAST_WORKING = _twins(_cast_working)
 
 
-def cast_working(w, p, pieces, kind):
+def cast_working(w, p, pieces, *, kind):
     """``w = lowp(p)``: (re)build a low-precision working copy (uint16 bits) from float32 params."""
     _pick(_CAST_WORKING, p.size)(w, p, pieces, int(kind))
 
@@ -221,7 +221,7 @@ def _sumsq_product(x, y, pieces, nseg):
 _SUMSQ_PRODUCT = _twins(_sumsq_product)
 
 
-def sumsq_product(x, y, pieces, nseg):
+def sumsq_product(x, y, pieces, *, nseg):
     """``(total, per_segment)`` float64 sums of ``(x*y)^2`` over the pieces (ASAM's norm), one pass."""
     total, per_seg = _pick(_SUMSQ_PRODUCT, x.size)(x, y, pieces, nseg)
     return float(total), per_seg

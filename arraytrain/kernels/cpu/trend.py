@@ -73,7 +73,7 @@ def _correct(hist, n, c, corr, g, slot, beta, beta_c):
 _CORRECT = _twins(_correct)
 
 
-def trend_correct(hist, c, corr, g, slot, beta):
+def trend_correct(hist, c, corr, g, *, slot, beta):
     """Correction update fused with recording ``g``; see :func:`arraytrain.kernels.reference.trend.trend_correct`."""
     n = g.size
     beta = float(beta)

@@ -444,7 +444,7 @@ def _index(idx):
 # -- top-k -------------------------------------------------------------------------------------
 
 
-def topk(x, k, idx_out, val_out):
+def topk(x, idx_out, val_out, *, k):
     """The ``k`` largest ``|x_i|``, ties to the lowest index; see :func:`arraytrain.kernels.reference.compression.topk`.
 
     Radix select on the magnitude bits, 8 at a time, entirely on the device (no host read),
@@ -474,7 +474,7 @@ def topk(x, k, idx_out, val_out):
 # -- random-k, gather, scatter -------------------------------------------------------------------
 
 
-def randk_indices(n, k, key):
+def randk_indices(*, n, k, key):
     """Floyd's sample of ``k`` of ``n``, sorted (int64, on the device); see the reference.
 
     The same set as the serial algorithm, found in parallel (see the module docstring);
@@ -507,7 +507,7 @@ def gather(x, idx, out):
            (x, idx, np.int64(idx.size), out))
 
 
-def scatter(idx, values, factor, out):
+def scatter(idx, values, out, *, factor):
     """``out = 0``, then ``out[idx] = values * factor`` (math in ``out``'s dtype)."""
     idx = _index(idx)
     out.fill(0)
@@ -518,7 +518,7 @@ def scatter(idx, values, factor, out):
 # -- int8 blockwise --------------------------------------------------------------------------------
 
 
-def int8_encode(x, block, key, stochastic, codes, scales, shared=False):
+def int8_encode(x, codes, scales, *, block, key, stochastic, shared=False):
     """Blockwise absmax int8, one warp per block; see :func:`arraytrain.kernels.reference.compression.int8_encode`."""
     n, nblocks = int(x.size), int(scales.size)
     if n == 0:
@@ -528,7 +528,7 @@ def int8_encode(x, block, key, stochastic, codes, scales, shared=False):
             np.int32(bool(shared)), x.dtype.type(INV127), codes, scales))
 
 
-def int8_decode(codes, scales, block, out):
+def int8_decode(codes, scales, out, *, block):
     """``out_i = codes_i * scale_b``."""
     launch(SOURCE.function(f"arraytrain_int8_decode<{_t(out.dtype)}>"), _grid(out.size),
            (codes, scales.astype(out.dtype, copy=False), np.int64(block), np.int64(out.size), out))
@@ -551,7 +551,7 @@ def _block_scales(x, block, scales, use_max: bool):
            (part, np.int64(spb), np.int64(n), np.int64(block), np.int64(nblocks), scales))
 
 
-def sign_encode(x, block, bits, scales):
+def sign_encode(x, bits, scales, *, block):
     """Scaled sign: bits (one ballot per 32 elements) and per-block float64 L1 means as float32."""
     n = int(x.size)
     if n == 0:
@@ -561,13 +561,13 @@ def sign_encode(x, block, bits, scales):
            (x, np.int64(n), np.int64(bits.size), bits))
 
 
-def sign_decode(bits, scales, block, out):
+def sign_decode(bits, scales, out, *, block):
     """``out_i = +-scale_b`` from bit ``i``."""
     launch(SOURCE.function(f"arraytrain_sign_decode<{_t(out.dtype)}>"), _grid(out.size),
            (bits, scales.astype(np.float32, copy=False), np.int64(block), np.int64(out.size), out))
 
 
-def ternary_encode(x, block, key, codes, scales):
+def ternary_encode(x, codes, scales, *, block, key):
     """TernGrad, two passes (block maxima, then codes); see :func:`arraytrain.kernels.reference.compression.ternary_encode`."""
     n = int(x.size)
     if n == 0:
@@ -577,7 +577,7 @@ def ternary_encode(x, block, key, codes, scales):
            (x, np.int64(n), np.int64(block), np.uint64(key), scales, np.int64(codes.size), codes))
 
 
-def ternary_decode(codes, scales, block, out):
+def ternary_decode(codes, scales, out, *, block):
     """``out_i = s_b * {0, +1, -1}[code_i]``."""
     launch(SOURCE.function(f"arraytrain_ternary_decode<{_t(out.dtype)}>"), _grid(out.size),
            (codes, scales.astype(np.float32, copy=False), np.int64(block), np.int64(out.size), out))

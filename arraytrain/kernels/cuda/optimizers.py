@@ -487,56 +487,56 @@ def _gs(gscale, t):
     return t(gscale), NULL
 
 
-def sgd_step(p, g, buf, pieces, *, gscale, lr, l2, momentum, dampening, nesterov, first, w=None, wkind=LP_NONE,
+def sgd_step(p, g, buf, pieces, *, gscale, lr, l2, momentum, dampening, nesterov, first, working=None, kind=LP_NONE,
              zero_grad=False, mask=None):
     """Fused SGD update; see :func:`arraytrain.kernels.reference.sgd_step`."""
     t = p.dtype.type
     _run("sgd_step", p, buf, pieces, (p, g, buf),
          (*_gs(gscale, t), *_seg(lr, p), *_seg(l2, p), t(momentum), t(1.0 - dampening), np.int32(bool(nesterov)),
-          np.int32(bool(first))), w, wkind, zero_grad, mask)
+          np.int32(bool(first))), working, kind, zero_grad, mask)
 
 
 def adam_step(p, g, m, v, vmax, pieces, *, gscale, step_size, beta1, beta2, eps, inv_bc2_sqrt, l2, decay, amsgrad,
-              w=None, wkind=LP_NONE, zero_grad=False, mask=None):
+              working=None, kind=LP_NONE, zero_grad=False, mask=None):
     """Fused Adam/AdamW update; see :func:`arraytrain.kernels.reference.adam_step`."""
     t = p.dtype.type
     _run("adam_step", p, m, pieces, (p, g, m, v, vmax),
          (*_gs(gscale, t), *_seg(step_size, p), t(1.0 - beta1), t(beta2), t(1.0 - beta2), t(eps), t(inv_bc2_sqrt),
-          *_seg(l2, p), *_seg(decay, p), np.int32(bool(amsgrad))), w, wkind, zero_grad, mask)
+          *_seg(l2, p), *_seg(decay, p), np.int32(bool(amsgrad))), working, kind, zero_grad, mask)
 
 
-def adagrad_step(p, g, sum_sq, pieces, *, gscale, lr, l2, eps, w=None, wkind=LP_NONE, zero_grad=False, mask=None):
+def adagrad_step(p, g, sum_sq, pieces, *, gscale, lr, l2, eps, working=None, kind=LP_NONE, zero_grad=False, mask=None):
     """Fused Adagrad update; see :func:`arraytrain.kernels.reference.adagrad_step`."""
     t = p.dtype.type
     _run("adagrad_step", p, sum_sq, pieces, (p, g, sum_sq),
-         (*_gs(gscale, t), *_seg(lr, p), *_seg(l2, p), t(eps)), w, wkind, zero_grad, mask)
+         (*_gs(gscale, t), *_seg(lr, p), *_seg(l2, p), t(eps)), working, kind, zero_grad, mask)
 
 
 def rmsprop_step(p, g, square_avg, grad_avg, momentum_buffer, pieces, *, gscale, lr, l2, alpha, eps, momentum,
-                 centered, w=None, wkind=LP_NONE, zero_grad=False, mask=None):
+                 centered, working=None, kind=LP_NONE, zero_grad=False, mask=None):
     """Fused RMSprop update; see :func:`arraytrain.kernels.reference.rmsprop_step`."""
     t = p.dtype.type
     _run("rmsprop_step", p, square_avg, pieces, (p, g, square_avg, grad_avg, momentum_buffer),
          (*_gs(gscale, t), *_seg(lr, p), *_seg(l2, p), t(alpha), t(1.0 - alpha), t(eps), t(momentum),
-          np.int32(bool(centered)), np.int32(bool(momentum > 0))), w, wkind, zero_grad, mask)
+          np.int32(bool(centered)), np.int32(bool(momentum > 0))), working, kind, zero_grad, mask)
 
 
-def lion_step(p, g, m, pieces, *, gscale, lr, decay, beta1, beta2, w=None, wkind=LP_NONE, zero_grad=False,
+def lion_step(p, g, m, pieces, *, gscale, lr, decay, beta1, beta2, working=None, kind=LP_NONE, zero_grad=False,
               mask=None):
     """Fused Lion update; see :func:`arraytrain.kernels.reference.lion_step`."""
     t = p.dtype.type
     _run("lion_step", p, m, pieces, (p, g, m),
          (*_gs(gscale, t), *_seg(lr, p), *_seg(decay, p), t(beta1), t(1.0 - beta1), t(beta2), t(1.0 - beta2)),
-         w, wkind, zero_grad, mask)
+         working, kind, zero_grad, mask)
 
 
-def sophia_step(p, g, m, h, pieces, *, gscale, lr, decay, beta1, rho_bs, eps, w=None, wkind=LP_NONE,
+def sophia_step(p, g, m, h, pieces, *, gscale, lr, decay, beta1, rho_bs, eps, working=None, kind=LP_NONE,
                 zero_grad=False, mask=None):
     """Fused SophiaG update; see :func:`arraytrain.kernels.reference.sophia_step`."""
     t = p.dtype.type
     _run("sophia_step", p, m, pieces, (p, g, m, h),
          (*_gs(gscale, t), *_seg(lr, p), *_seg(decay, p), t(beta1), t(1.0 - beta1), t(rho_bs), t(eps)),
-         w, wkind, zero_grad, mask)
+         working, kind, zero_grad, mask)
 
 
 def sam_perturb(p, g, backup, pieces, *, scale, adaptive, zero_grad=False, mask=None):
@@ -551,7 +551,7 @@ def sam_perturb(p, g, backup, pieces, *, scale, adaptive, zero_grad=False, mask=
 
 
 def lamb_step(p, g, m, v, pieces, *, gscale, lr, weight_decay, beta1, beta2, eps, eps_root, inv_bc1, inv_bc2,
-              w=None, wkind=LP_NONE, zero_grad=False, mask=None):
+              working=None, kind=LP_NONE, zero_grad=False, mask=None):
     """Fused LAMB update; returns the per-parameter trust ratios (float64, on the device).
 
     Three launches and no synchronisation: moments with per-chunk norms, the trust
@@ -578,9 +578,10 @@ def lamb_step(p, g, m, v, pieces, *, gscale, lr, weight_decay, beta1, beta2, eps
     step = cp.empty(nseg, dtype=p.dtype)
     launch(SOURCE.function(f"arraytrain_lamb_ratio<{tn}>"), -(-nseg // THREADS),
            (pn, un, *_seg(lr, p), np.int32(nseg), ratio, step, gate))
-    wk = 0 if w is None else int(wkind)
+    wk = 0 if working is None else int(kind)
     launch(SOURCE.function(f"arraytrain_lamb_apply<{tn},{sn},{wk},{'true' if mask is not None else 'false'}>"),
-           ch.count, (p, m, v, ch.table, *wd, step, inv_bc1, inv_bc2, t(eps), t(eps_root), ptr(w), ptr(mask), gate))
+           ch.count, (p, m, v, ch.table, *wd, step, inv_bc1, inv_bc2, t(eps), t(eps_root), ptr(working), ptr(mask),
+                      gate))
     return ratio
 
 
@@ -613,7 +614,7 @@ def _af_tables(segs, rows, cols, batches) -> _AfTables:
 
 
 def adafactor_step(p, g, row, col, var, pieces, segs, rows, cols, batches, *, gscale, rel_step, decay,
-                   one_minus_beta2, eps1, eps2, d, w=None, wkind=LP_NONE, zero_grad=False, mask=None):
+                   one_minus_beta2, eps1, eps2, d, working=None, kind=LP_NONE, zero_grad=False, mask=None):
     """Fused Adafactor update: the CPU family's five passes as eight launches, no synchronisation.
 
     Rows, columns and the per-matrix row scale as in :mod:`arraytrain.kernels.cpu.optimizers`; the
@@ -646,9 +647,9 @@ def adafactor_step(p, g, row, col, var, pieces, segs, rows, cols, batches, *, gs
     step = cp.empty(max(nseg, 1), p.dtype)
     launch(fn(f"arraytrain_af_step<{tn}>"), -(-nseg // THREADS),
            (pn, pr, un, tab.segs, *seg_arg(rel_step, np.float64), np.float64(eps2), np.float64(d), np.int32(nseg), step, gate))
-    wk = 0 if w is None else int(wkind)
+    wk = 0 if working is None else int(kind)
     launch(fn(f"arraytrain_af_apply<{tn},{wk},{'true' if mask is not None else 'false'}>"), ch.count,
-           (p, g, col, ptr(var), rscale, ch.table, tab.segs, *gs, eps1sq, step, *_seg(decay, p), ptr(w),
+           (p, g, col, ptr(var), rscale, ch.table, tab.segs, *gs, eps1sq, step, *_seg(decay, p), ptr(working),
             np.int32(bool(zero_grad)), ptr(mask)))
 
 
@@ -665,34 +666,34 @@ def _nadam_radam(p, g, m, v, pieces, gscale, a, b, beta1, beta2, eps, inv_bc2_sq
 
 
 def nadam_step(p, g, m, v, pieces, *, gscale, grad_step, moment_step, beta1, beta2, eps, inv_bc2_sqrt, l2, decay,
-               w=None, wkind=LP_NONE, zero_grad=False, mask=None):
+               working=None, kind=LP_NONE, zero_grad=False, mask=None):
     """Fused NAdam update; see :func:`arraytrain.kernels.reference.nadam_step`."""
     _nadam_radam(p, g, m, v, pieces, gscale, grad_step, moment_step, beta1, beta2, eps, inv_bc2_sqrt, 1.0, l2, decay,
-                 True, w, wkind, zero_grad, mask)
+                 True, working, kind, zero_grad, mask)
 
 
-def radam_step(p, g, m, v, pieces, *, gscale, step_size, beta1, beta2, eps, rect, rectified, l2, decay, w=None,
-               wkind=LP_NONE, zero_grad=False, mask=None):
+def radam_step(p, g, m, v, pieces, *, gscale, step_size, beta1, beta2, eps, rect, rectified, l2, decay, working=None,
+               kind=LP_NONE, zero_grad=False, mask=None):
     """Fused RAdam update; see :func:`arraytrain.kernels.reference.radam_step`."""
     _nadam_radam(p, g, m, v, pieces, gscale, np.zeros(np.shape(step_size)), step_size, beta1, beta2, eps, 1.0, rect,
-                 l2, decay, rectified, w, wkind, zero_grad, mask)
+                 l2, decay, rectified, working, kind, zero_grad, mask)
 
 
-def adamax_step(p, g, m, u, pieces, *, gscale, step_size, beta1, beta2, eps, l2, w=None, wkind=LP_NONE,
+def adamax_step(p, g, m, u, pieces, *, gscale, step_size, beta1, beta2, eps, l2, working=None, kind=LP_NONE,
                 zero_grad=False, mask=None):
     """Fused Adamax update; see :func:`arraytrain.kernels.reference.adamax_step`."""
     t = p.dtype.type
     _run("adamax_step", p, m, pieces, (p, g, m, u),
          (*_gs(gscale, t), *_seg(step_size, p), t(1.0 - beta1), t(beta2), t(eps), *_seg(l2, p)),
-         w, wkind, zero_grad, mask)
+         working, kind, zero_grad, mask)
 
 
-def adadelta_step(p, g, square_avg, acc_delta, pieces, *, gscale, lr, l2, rho, eps, w=None, wkind=LP_NONE,
+def adadelta_step(p, g, square_avg, acc_delta, pieces, *, gscale, lr, l2, rho, eps, working=None, kind=LP_NONE,
                   zero_grad=False, mask=None):
     """Fused Adadelta update; see :func:`arraytrain.kernels.reference.adadelta_step`."""
     t = p.dtype.type
     _run("adadelta_step", p, square_avg, pieces, (p, g, square_avg, acc_delta),
-         (*_gs(gscale, t), *_seg(lr, p), *_seg(l2, p), t(rho), t(1.0 - rho), t(eps)), w, wkind, zero_grad, mask)
+         (*_gs(gscale, t), *_seg(lr, p), *_seg(l2, p), t(rho), t(1.0 - rho), t(eps)), working, kind, zero_grad, mask)
 
 
 # -- Muon and schedule-free AdamW: a source of their own (compiled and build-checked apart) ----
@@ -811,7 +812,7 @@ MUON_BATCH_ELEMENTS = 1 << 25
 
 
 def muon_step(p, g, buf, work, mats, pieces, *, gscale, momentum, nesterov, adjusted_lr, decay, eps_norm,
-              ns_coefficients, ns_steps, w=None, wkind=LP_NONE, zero_grad=False, mask=None):
+              ns_coefficients, ns_steps, working=None, kind=LP_NONE, zero_grad=False, mask=None):
     """Muon without synchronisation; see :func:`arraytrain.kernels.reference.muon_step`.
 
     Matrices of one shape are iterated together: per matrix, the momentum kernel (one
@@ -837,7 +838,7 @@ def muon_step(p, g, buf, work, mats, pieces, *, gscale, momentum, nesterov, adju
     alr, dec = _seg(adjusted_lr, p), _seg(decay, p)
     momentum_fn = fn(f"arraytrain_muon_momentum<{tn},{ctype(buf.dtype)}>")
     norm_fn = fn("arraytrain_muon_norm")
-    wk = 0 if w is None else int(wkind)
+    wk = 0 if working is None else int(kind)
     apply_fn = fn(f"arraytrain_muon_apply<{tn},{wk},{'true' if mask is not None else 'false'}>")
     part = cp.empty(ch.count, cp.float64)
     for (rows, cols), batch in _muon_batches(np.asarray(mats), first_chunk):
@@ -852,7 +853,8 @@ def muon_step(p, g, buf, work, mats, pieces, *, gscale, momentum, nesterov, adju
         stack *= scales.astype(p.dtype)[:, None, None]  # as the scale kernel: the factor cast to T, then multiplied
         o = newton_schulz.iterate(stack, scratch, ns_coefficients, ns_steps, xp=cp)
         for j, (off, c0, c1) in enumerate(batch):
-            launch(apply_fn, c1 - c0, (p, o[j], ch.table[c0:c1], np.int64(off), gate, *alr, *dec, ptr(w), ptr(mask)))
+            launch(apply_fn, c1 - c0,
+                   (p, o[j], ch.table[c0:c1], np.int64(off), gate, *alr, *dec, ptr(working), ptr(mask)))
 
 
 def _muon_batches(mats: np.ndarray, first_chunk: np.ndarray):
@@ -869,7 +871,7 @@ def _muon_batches(mats: np.ndarray, first_chunk: np.ndarray):
 
 
 def schedule_free_adamw_step(p, g, z, v, max_lr, weight_sum, pieces, *, gscale, lr, weight_lr, weight_lr_power,
-                             weight_decay, beta1, beta2, eps, inv_bc2_sqrt, w=None, wkind=LP_NONE, zero_grad=False,
+                             weight_decay, beta1, beta2, eps, inv_bc2_sqrt, working=None, kind=LP_NONE, zero_grad=False,
                              mask=None):
     """Schedule-Free AdamW in two launches, no synchronisation; see
     :func:`arraytrain.kernels.reference.schedule_free_adamw_step`."""
@@ -882,9 +884,9 @@ def schedule_free_adamw_step(p, g, z, v, max_lr, weight_sum, pieces, *, gscale, 
                (max_lr, weight_sum, *seg_arg(weight_lr, np.float64), np.float64(weight_lr_power), np.int32(nseg), ck,
                 gs[1]))
     t_name, s_name = ctype(p.dtype), ctype(v.dtype)
-    wk = 0 if w is None else int(wkind)
+    wk = 0 if working is None else int(kind)
     ch = chunks_for(pieces)
     expr = f"arraytrain_sf_adamw_step<{t_name},{s_name},{wk},{'true' if mask is not None else 'false'}>"
     launch(MUON_SF_SOURCE.function(expr), ch.count,
            (p, g, z, v, ch.table, *gs, *_seg(lr, p), *_seg(weight_decay, p), ck, t(beta1), t(1.0 - beta1), t(beta2),
-            t(1.0 - beta2), t(eps), t(inv_bc2_sqrt), ptr(w), np.int32(bool(zero_grad)), ptr(mask)))
+            t(1.0 - beta2), t(eps), t(inv_bc2_sqrt), ptr(working), np.int32(bool(zero_grad)), ptr(mask)))

@@ -121,7 +121,7 @@ def _t(dtype) -> str:
     return {np.dtype(np.float32): "float", np.dtype(np.float64): "double"}[np.dtype(dtype)]
 
 
-def fwht(x, block):
+def fwht(x, *, block):
     """In place: every ``block``-element block of ``x`` becomes ``H v / sqrt(block)``; see the reference."""
     n, block = int(x.size), int(block)
     if n == 0:
@@ -138,7 +138,7 @@ def fwht(x, block):
         h *= 2
 
 
-def sign_bind(x, key, out):
+def sign_bind(x, out, *, key):
     """``out[i] = s_i * x[i]`` for ``i < out.size`` (``out`` may be ``x``); see the reference."""
     launch(SOURCE.function(f"arraytrain_sign_bind<{_t(out.dtype)}>"), _grid(out.size),
            (x, np.uint64(key), np.int64(out.size), out))
@@ -161,11 +161,11 @@ def _select(z, key, block, y, scale, scatter: bool):
             z.dtype.type(scale), perm))
 
 
-def select_gather(z, key, block, y):
+def select_gather(z, y, *, key, block):
     """``y`` = the kept coordinates of ``z``, block by block; see the reference."""
     _select(z, key, block, y, 0.0, False)
 
 
-def select_scatter(y, key, block, scale, z):
-    """``z`` = zero except the kept coordinates, which get ``scale * y``; see the reference."""
-    _select(z, key, block, y, scale, True)
+def select_scatter(y, z, *, key, block, factor):
+    """``z`` = zero except the kept coordinates, which get ``factor * y``; see the reference."""
+    _select(z, key, block, y, factor, True)

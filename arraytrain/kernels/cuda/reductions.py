@@ -130,22 +130,22 @@ def _grid(n: int) -> int:
     return min(-(-n // (THREADS * 4)), _GRID_CAP)
 
 
-def accumulate(acc, g, w, overwrite):
+def accumulate(acc, g, *, w, overwrite):
     """``acc = w * g`` if ``overwrite`` else ``acc += w * g`` (math in ``acc``'s dtype)."""
     fn = SOURCE.function(f"arraytrain_accumulate<{ctype(acc.dtype)},{ctype(g.dtype)}>")
     launch(fn, _grid(acc.size), (acc, g, np.int64(acc.size), acc.dtype.type(w), np.int32(bool(overwrite))))
 
 
-def accumulate_packed(acc, src, table, w, overwrite):
+def accumulate_packed(acc, src, table, *, w, overwrite):
     """``acc[d:d+n] (=|+=) w * src[s:s+n]`` for each row ``(s, d, n)`` of the int64 device ``table``."""
     fn = SOURCE.function(f"arraytrain_accumulate_packed<{ctype(acc.dtype)},{ctype(src.dtype)}>")
     launch(fn, table.shape[0], (acc, src, table, acc.dtype.type(w), np.int32(bool(overwrite))))
 
 
-def scale(x, s):
-    """``x *= s``."""
+def scale(x, *, factor):
+    """``x *= factor``."""
     launch(SOURCE.function(f"arraytrain_scale<{ctype(x.dtype)}>"), _grid(x.size),
-           (x, np.int64(x.size), x.dtype.type(s)))
+           (x, np.int64(x.size), x.dtype.type(factor)))
 
 
 def all_finite(x):
@@ -180,7 +180,7 @@ def _split(out):
     return float(host[0]), host[1:]
 
 
-def sumsq(x, pieces, nseg):
+def sumsq(x, pieces, *, nseg):
     """``(total, per_segment)`` sums of squares in float64, one pass (see the CPU twin)."""
     return _split(_reduce(0, x, None, 1.0, pieces, nseg))
 
@@ -191,7 +191,7 @@ def max_abs(x, pieces):
     return _split(_reduce(3, x, None, 1.0, pieces, nseg))[0]
 
 
-def sumsq_gate(x, pieces, nseg, unscale, max_norm, eps):
+def sumsq_gate(x, pieces, *, nseg, unscale, max_norm, eps):
     """The norm pass and the device gate, no synchronisation: ``(sums, gate)`` device arrays.
 
     ``sums`` = ``[total, per_segment...]`` sums of squares (read it with :func:`read_sums`);
@@ -213,17 +213,17 @@ def read_sums(sums):
     return _split(sums)
 
 
-def sumsq_scaled(x, pieces, nseg, inv):
+def sumsq_scaled(x, pieces, *, nseg, inv):
     """Like :func:`sumsq` but of ``x * inv``: an overflow-safe second pass."""
     return _split(_reduce(1, x, None, float(inv), pieces, nseg))
 
 
-def sumsq_product(x, y, pieces, nseg):
+def sumsq_product(x, y, pieces, *, nseg):
     """``(total, per_segment)`` float64 sums of ``(x*y)^2`` over the pieces (ASAM's norm), one pass."""
     return _split(_reduce(2, x, y, 1.0, pieces, nseg))
 
 
-def cast_working(w, p, pieces, kind):
+def cast_working(w, p, pieces, *, kind):
     """``w = lowp(p)``: (re)build a low-precision working copy (uint16 bits) from float32 params."""
     ch = chunks_for(pieces)
     launch(SOURCE.function(f"arraytrain_cast_working<{int(kind)}>"), ch.count, (w, p, ch.table))

@@ -66,7 +66,7 @@ def trend_predict(hist, c, corr, out):
            (hist, np.int64(n), c, np.int32(c.size), corr, out))
 
 
-def trend_correct(hist, c, corr, g, slot, beta):
+def trend_correct(hist, c, corr, g, *, slot, beta):
     """Correction update fused with recording ``g``; see :func:`arraytrain.kernels.reference.trend.trend_correct`."""
     n = int(g.size)
     c = _weights(c)

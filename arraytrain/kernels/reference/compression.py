@@ -37,7 +37,7 @@ def magnitude_keys(x: np.ndarray) -> np.ndarray:
     return bits & MAGNITUDE_MASK[x.dtype.itemsize]
 
 
-def topk(x, k, idx_out, val_out):
+def topk(x, idx_out, val_out, *, k):
     """The ``k`` elements of largest ``|x_i|`` (``1 <= k <= x.size``), sorted by index.
 
     Ties (equal magnitudes) go to the lowest index. The order is that of
@@ -51,7 +51,7 @@ def topk(x, k, idx_out, val_out):
     val_out[...] = x[idx]
 
 
-def randk_indices(n, k, key):
+def randk_indices(*, n, k, key):
     """``k`` distinct indices of ``range(n)``, uniform over the k-subsets, sorted (int64).
 
     Floyd's algorithm (Bentley and Floyd, "Programming pearls: a sample of
@@ -73,7 +73,7 @@ def gather(x, idx, out):
     out[...] = x[idx]
 
 
-def scatter(idx, values, factor, out):
+def scatter(idx, values, out, *, factor):
     """``out = 0`` then ``out[idx] = values * factor`` (math in ``out``'s dtype)."""
     out[...] = 0
     out[idx.astype(np.int64)] = values * out.dtype.type(factor)
@@ -87,7 +87,7 @@ def _blocks(v, block, fill=0):
     return padded.reshape(nb, block)
 
 
-def int8_encode(x, block, key, stochastic, codes, scales, shared=False):
+def int8_encode(x, codes, scales, *, block, key, stochastic, shared=False):
     r"""Blockwise absmax int8: ``scale_b = max_{i in b} |x_i| / 127``, ``codes = round(x / scale)``.
 
     ``scales`` (the gradient dtype) is ``absmax * fl(1/127)``; the codes are
@@ -114,12 +114,12 @@ def int8_encode(x, block, key, stochastic, codes, scales, shared=False):
         scales[...] = scale
 
 
-def int8_decode(codes, scales, block, out):
+def int8_decode(codes, scales, out, *, block):
     """``out_i = codes_i * scale_{i // block}`` in ``out``'s dtype."""
     out[...] = codes.astype(out.dtype) * np.repeat(scales.astype(out.dtype), block)[: out.size]
 
 
-def sign_encode(x, block, bits, scales):
+def sign_encode(x, bits, scales, *, block):
     r"""Scaled sign: bit ``i`` = ``x_i >= 0``, ``scale_b = ||x_b||_1 / |b|`` (float32).
 
     Bits are packed 8 per byte, element ``8j + t`` in bit ``t`` of byte ``j``
@@ -132,7 +132,7 @@ def sign_encode(x, block, bits, scales):
         scales[b] = np.float32(np.abs(xb).sum() / xb.size)
 
 
-def sign_decode(bits, scales, block, out):
+def sign_decode(bits, scales, out, *, block):
     """``out_i = +scale_b`` where bit ``i`` is set, ``-scale_b`` elsewhere."""
     on = np.unpackbits(bits, count=out.size, bitorder="little").astype(bool)
     s = np.repeat(scales.astype(out.dtype), block)[: out.size]
@@ -148,7 +148,7 @@ def ternary_scales(x, block):
     return s32
 
 
-def ternary_encode(x, block, key, codes, scales):
+def ternary_encode(x, codes, scales, *, block, key):
     r"""TernGrad: ``s_b = max |x_b|``, element ``i`` kept with probability ``|x_i| / s_b``.
 
     Kept when ``u(key, i) * s_b < |x_i|`` (float64); code 1 for a kept
@@ -165,7 +165,7 @@ def ternary_encode(x, block, key, codes, scales):
     scales[...] = s32
 
 
-def ternary_decode(codes, scales, block, out):
+def ternary_decode(codes, scales, out, *, block):
     """``out_i = s_b`` for code 1, ``-s_b`` for code 2, 0 for code 0."""
     c = ((codes[:, None] >> np.array([0, 2, 4, 6], dtype=np.uint8)) & 3).reshape(-1)[: out.size]
     s = np.repeat(scales.astype(out.dtype), block)[: out.size]

@@ -12,7 +12,7 @@ from .reductions import cast_working
 # conventions of arraytrain.kernels.interface.
 
 
-def sgd_step(p, g, buf, pieces, *, gscale, lr, l2, momentum, dampening, nesterov, first, w=None, wkind=LP_NONE,
+def sgd_step(p, g, buf, pieces, *, gscale, lr, l2, momentum, dampening, nesterov, first, working=None, kind=LP_NONE,
              zero_grad=False, mask=None):
     """SGD with momentum, dampening, Nesterov and L2 weight decay (torch.optim.SGD).
 
@@ -20,7 +20,7 @@ def sgd_step(p, g, buf, pieces, *, gscale, lr, l2, momentum, dampening, nesterov
     ``b = d`` on the first step, else ``b = momentum*b + (1 - dampening)*d``;
     ``d = d + momentum*b`` (Nesterov) or ``d = b``; then ``p -= lr[s]*d``. ``buf`` is
     ignored when momentum is 0. Only the elements covered by ``pieces`` are touched.
-    ``w`` (uint16, or None): low-precision working copy of the new ``p`` (``wkind``).
+    ``working`` (uint16, or None): low-precision working copy of the new ``p`` (``kind``).
     ``mask`` (uint8, or None; every kernel): the new ``p`` is 0 where ``mask == 0``
     (:func:`apply_mask`), before the working copy is written.
     """
@@ -32,7 +32,7 @@ def sgd_step(p, g, buf, pieces, *, gscale, lr, l2, momentum, dampening, nesterov
         b = _store_at(buf, i, d if first else momentum * _f64(buf[i]) + (1.0 - dampening) * d)
         d = d + momentum * b if nesterov else b
     p[i] = pp - lr * d
-    _finish(p, g, w, wkind, pieces, i, zero_grad, mask)
+    _finish(p, g, working, kind, pieces, i, zero_grad, mask)
 
 
 def _finish(p, g, w, wkind, pieces, i, zero_grad, mask=None):
@@ -40,7 +40,7 @@ def _finish(p, g, w, wkind, pieces, i, zero_grad, mask=None):
     if mask is not None:
         apply_mask(p, mask, i)
     if w is not None:
-        cast_working(w, p, pieces, wkind)
+        cast_working(w, p, pieces, kind=wkind)
     if zero_grad:
         g[i] = 0
 
@@ -61,7 +61,7 @@ def _adam_moments(p, g, m, v, pieces, gscale, l2, beta1, beta2):
 
 
 def adam_step(p, g, m, v, vmax, pieces, *, gscale, step_size, beta1, beta2, eps, inv_bc2_sqrt, l2, decay, amsgrad,
-              w=None, wkind=LP_NONE, zero_grad=False, mask=None):
+              working=None, kind=LP_NONE, zero_grad=False, mask=None):
     """Adam / AdamW (Kingma & Ba 2015; Loshchilov & Hutter 2019), torch's form.
 
     Per element of segment ``s``: ``d = gscale*g + l2[s]*p``; ``p *= decay[s]``
@@ -76,13 +76,13 @@ def adam_step(p, g, m, v, vmax, pieces, *, gscale, step_size, beta1, beta2, eps,
         vv = _store_at(vmax, i, np.maximum(_f64(vmax[i]), vv))
     denom = np.sqrt(vv) * inv_bc2_sqrt + eps
     p[i] = pp * np.asarray(decay, np.float64)[s] - np.asarray(step_size, np.float64)[s] * mm / denom
-    _finish(p, g, w, wkind, pieces, i, zero_grad, mask)
+    _finish(p, g, working, kind, pieces, i, zero_grad, mask)
 
 
 # -- adagrad, rmsprop, lion, lamb ---------------------------------------------------------
 
 
-def adagrad_step(p, g, sum_sq, pieces, *, gscale, lr, l2, eps, w=None, wkind=LP_NONE, zero_grad=False, mask=None):
+def adagrad_step(p, g, sum_sq, pieces, *, gscale, lr, l2, eps, working=None, kind=LP_NONE, zero_grad=False, mask=None):
     """Adagrad (Duchi, Hazan & Singer 2011), torch.optim.Adagrad's form.
 
     Per element of segment ``s``: ``d = gscale*g + l2[s]*p``;
@@ -94,11 +94,11 @@ def adagrad_step(p, g, sum_sq, pieces, *, gscale, lr, l2, eps, w=None, wkind=LP_
     d = gscale * _f64(g[i]) + np.asarray(l2, np.float64)[s] * pp
     ss = _store_at(sum_sq, i, _f64(sum_sq[i]) + d * d)
     p[i] = pp - np.asarray(lr, np.float64)[s] * (d / (np.sqrt(ss) + eps))
-    _finish(p, g, w, wkind, pieces, i, zero_grad, mask)
+    _finish(p, g, working, kind, pieces, i, zero_grad, mask)
 
 
 def rmsprop_step(p, g, square_avg, grad_avg, momentum_buffer, pieces, *, gscale, lr, l2, alpha, eps, momentum,
-                 centered, w=None, wkind=LP_NONE, zero_grad=False, mask=None):
+                 centered, working=None, kind=LP_NONE, zero_grad=False, mask=None):
     """RMSprop (Hinton, Coursera lecture 6e, 2012; centered: Graves 2013), torch.optim.RMSprop's form.
 
     Per element of segment ``s``: ``d = gscale*g + l2[s]*p``;
@@ -120,10 +120,10 @@ def rmsprop_step(p, g, square_avg, grad_avg, momentum_buffer, pieces, *, gscale,
     if momentum > 0:
         u = _store_at(momentum_buffer, i, momentum * _f64(momentum_buffer[i]) + u)
     p[i] = pp - np.asarray(lr, np.float64)[s] * u
-    _finish(p, g, w, wkind, pieces, i, zero_grad, mask)
+    _finish(p, g, working, kind, pieces, i, zero_grad, mask)
 
 
-def lion_step(p, g, m, pieces, *, gscale, lr, decay, beta1, beta2, w=None, wkind=LP_NONE, zero_grad=False,
+def lion_step(p, g, m, pieces, *, gscale, lr, decay, beta1, beta2, working=None, kind=LP_NONE, zero_grad=False,
               mask=None):
     """Lion (Chen et al. 2023, "Symbolic Discovery of Optimization Algorithms"), optax.lion's form.
 
@@ -136,11 +136,11 @@ def lion_step(p, g, m, pieces, *, gscale, lr, decay, beta1, beta2, w=None, wkind
     c = np.sign(beta1 * mm + (1.0 - beta1) * d)
     _store_at(m, i, beta2 * mm + (1.0 - beta2) * d)
     p[i] = pp * np.asarray(decay, np.float64)[s] - np.asarray(lr, np.float64)[s] * c
-    _finish(p, g, w, wkind, pieces, i, zero_grad, mask)
+    _finish(p, g, working, kind, pieces, i, zero_grad, mask)
 
 
 def lamb_step(p, g, m, v, pieces, *, gscale, lr, weight_decay, beta1, beta2, eps, eps_root, inv_bc1, inv_bc2,
-              w=None, wkind=LP_NONE, zero_grad=False, mask=None):
+              working=None, kind=LP_NONE, zero_grad=False, mask=None):
     """LAMB (You et al. 2020, "Large Batch Optimization for Deep Learning"), optax.lamb's form.
 
     Per element of segment ``s``: ``d = gscale*g``; ``m += (1 - beta1)*(d - m)``;
@@ -163,7 +163,7 @@ def lamb_step(p, g, m, v, pieces, *, gscale, lr, weight_decay, beta1, beta2, eps
     with np.errstate(invalid="ignore", divide="ignore"):
         ratio = np.where((pn == 0.0) | (un == 0.0), 1.0, pn / un)
     p[i] = pp - (np.asarray(lr, np.float64) * ratio)[s] * u
-    _finish(p, g, w, wkind, pieces, i, zero_grad, mask)
+    _finish(p, g, working, kind, pieces, i, zero_grad, mask)
     return ratio
 
 
@@ -176,7 +176,7 @@ def _nanmax(x, floor):
 
 
 def adafactor_step(p, g, row, col, var, pieces, segs, rows, cols, batches, *, gscale, rel_step, decay,
-                   one_minus_beta2, eps1, eps2, d, w=None, wkind=LP_NONE, zero_grad=False, mask=None):
+                   one_minus_beta2, eps1, eps2, d, working=None, kind=LP_NONE, zero_grad=False, mask=None):
     """Adafactor (Shazeer & Stern 2018) in torch.optim.Adafactor's form, one parameter at a time.
 
     For segment ``s`` (``segs[s] = [p_off, numel, factored, B, R, C, row_off, col_off,
@@ -212,10 +212,10 @@ def adafactor_step(p, g, row, col, var, pieces, segs, rows, cols, batches, *, gs
         step = np.fmax(eps2, np.sqrt(np.dot(pp, pp) / n)) * rel_step[s] / np.fmax(1.0, np.sqrt(np.dot(U, U) / n) / d)
         p[off : off + n] = pp * decay[s] - step * U
     i, _ = _segments(pieces, p.size)
-    _finish(p, g, w, wkind, pieces, i, zero_grad, mask)
+    _finish(p, g, working, kind, pieces, i, zero_grad, mask)
 
 
-def sophia_step(p, g, m, h, pieces, *, gscale, lr, decay, beta1, rho_bs, eps, w=None, wkind=LP_NONE,
+def sophia_step(p, g, m, h, pieces, *, gscale, lr, decay, beta1, rho_bs, eps, working=None, kind=LP_NONE,
                 zero_grad=False, mask=None):
     """SophiaG (Liu et al. 2023, the authors' reference implementation's update).
 
@@ -231,7 +231,7 @@ def sophia_step(p, g, m, h, pieces, *, gscale, lr, decay, beta1, rho_bs, eps, w=
     ratio = np.abs(mm) / den
     ratio = np.where(ratio > 1.0, 1.0, ratio)
     p[i] = _f64(p[i]) * np.asarray(decay, np.float64)[s] - np.asarray(lr, np.float64)[s] * np.sign(mm) * ratio
-    _finish(p, g, w, wkind, pieces, i, zero_grad, mask)
+    _finish(p, g, working, kind, pieces, i, zero_grad, mask)
 
 
 def sam_perturb(p, g, backup, pieces, *, scale, adaptive, zero_grad=False, mask=None):
@@ -253,7 +253,7 @@ def sam_perturb(p, g, backup, pieces, *, scale, adaptive, zero_grad=False, mask=
 
 
 def nadam_step(p, g, m, v, pieces, *, gscale, grad_step, moment_step, beta1, beta2, eps, inv_bc2_sqrt, l2, decay,
-               w=None, wkind=LP_NONE, zero_grad=False, mask=None):
+               working=None, kind=LP_NONE, zero_grad=False, mask=None):
     """NAdam (Dozat 2016), torch.optim.NAdam's form (momentum schedule, NAdamW's decoupled decay).
 
     Per element of segment ``s``: ``d = gscale*g + l2[s]*p``; ``p *= decay[s]``;
@@ -265,11 +265,11 @@ def nadam_step(p, g, m, v, pieces, *, gscale, grad_step, moment_step, beta1, bet
     i, s, pp, d, mm, vv = _adam_moments(p, g, m, v, pieces, gscale, l2, beta1, beta2)
     step = np.asarray(grad_step, np.float64)[s] * d + np.asarray(moment_step, np.float64)[s] * mm
     p[i] = pp * np.asarray(decay, np.float64)[s] - step / (np.sqrt(vv) * inv_bc2_sqrt + eps)
-    _finish(p, g, w, wkind, pieces, i, zero_grad, mask)
+    _finish(p, g, working, kind, pieces, i, zero_grad, mask)
 
 
-def radam_step(p, g, m, v, pieces, *, gscale, step_size, beta1, beta2, eps, rect, rectified, l2, decay, w=None,
-               wkind=LP_NONE, zero_grad=False, mask=None):
+def radam_step(p, g, m, v, pieces, *, gscale, step_size, beta1, beta2, eps, rect, rectified, l2, decay, working=None,
+               kind=LP_NONE, zero_grad=False, mask=None):
     """RAdam (Liu et al. 2020), torch.optim.RAdam's form.
 
     Per element of segment ``s``: ``d = gscale*g + l2[s]*p``; ``p *= decay[s]``;
@@ -280,10 +280,10 @@ def radam_step(p, g, m, v, pieces, *, gscale, step_size, beta1, beta2, eps, rect
     i, s, pp, d, mm, vv = _adam_moments(p, g, m, v, pieces, gscale, l2, beta1, beta2)
     u = mm * rect / (np.sqrt(vv) + eps) if rectified else mm
     p[i] = pp * np.asarray(decay, np.float64)[s] - np.asarray(step_size, np.float64)[s] * u
-    _finish(p, g, w, wkind, pieces, i, zero_grad, mask)
+    _finish(p, g, working, kind, pieces, i, zero_grad, mask)
 
 
-def adamax_step(p, g, m, u, pieces, *, gscale, step_size, beta1, beta2, eps, l2, w=None, wkind=LP_NONE,
+def adamax_step(p, g, m, u, pieces, *, gscale, step_size, beta1, beta2, eps, l2, working=None, kind=LP_NONE,
                 zero_grad=False, mask=None):
     """Adamax (Kingma & Ba 2015, section 7.1), torch.optim.Adamax's form.
 
@@ -298,10 +298,10 @@ def adamax_step(p, g, m, u, pieces, *, gscale, step_size, beta1, beta2, eps, l2,
     mm = _store_at(m, i, mm + (1.0 - beta1) * (d - mm))
     uu = _store_at(u, i, np.maximum(beta2 * _f64(u[i]), np.abs(d) + eps))
     p[i] = pp - np.asarray(step_size, np.float64)[s] * (mm / uu)
-    _finish(p, g, w, wkind, pieces, i, zero_grad, mask)
+    _finish(p, g, working, kind, pieces, i, zero_grad, mask)
 
 
-def adadelta_step(p, g, square_avg, acc_delta, pieces, *, gscale, lr, l2, rho, eps, w=None, wkind=LP_NONE,
+def adadelta_step(p, g, square_avg, acc_delta, pieces, *, gscale, lr, l2, rho, eps, working=None, kind=LP_NONE,
                   zero_grad=False, mask=None):
     """Adadelta (Zeiler 2012), torch.optim.Adadelta's form.
 
@@ -318,14 +318,14 @@ def adadelta_step(p, g, square_avg, acc_delta, pieces, *, gscale, lr, l2, rho, e
     delta = np.sqrt(a + eps) / np.sqrt(q + eps) * d
     _store_at(acc_delta, i, rho * a + (1.0 - rho) * delta * delta)
     p[i] = pp - np.asarray(lr, np.float64)[s] * delta
-    _finish(p, g, w, wkind, pieces, i, zero_grad, mask)
+    _finish(p, g, working, kind, pieces, i, zero_grad, mask)
 
 
 # -- Muon, schedule-free AdamW -------------------------------------------------------------
 
 
 def muon_step(p, g, buf, work, mats, pieces, *, gscale, momentum, nesterov, adjusted_lr, decay, eps_norm,
-              ns_coefficients, ns_steps, w=None, wkind=LP_NONE, zero_grad=False, mask=None):
+              ns_coefficients, ns_steps, working=None, kind=LP_NONE, zero_grad=False, mask=None):
     """Muon (Jordan et al. 2024), torch.optim.Muon's form, one matrix at a time in float64.
 
     ``mats`` rows ``[seg, offset, rows, cols, piece_lo, piece_hi]``: a parameter of segment
@@ -362,7 +362,7 @@ def muon_step(p, g, buf, work, mats, pieces, *, gscale, momentum, nesterov, adju
         if zero_grad:
             g[i] = 0
     i, _ = _segments(pieces, p.size)
-    _finish(p, g, w, wkind, pieces, i, False, mask)
+    _finish(p, g, working, kind, pieces, i, False, mask)
 
 
 def _schedule_free_weights(max_lr, weight_sum, weight_lr, weight_lr_power):
@@ -381,7 +381,7 @@ def _schedule_free_weights(max_lr, weight_sum, weight_lr, weight_lr_power):
 
 
 def schedule_free_adamw_step(p, g, z, v, max_lr, weight_sum, pieces, *, gscale, lr, weight_lr, weight_lr_power,
-                             weight_decay, beta1, beta2, eps, inv_bc2_sqrt, w=None, wkind=LP_NONE, zero_grad=False,
+                             weight_decay, beta1, beta2, eps, inv_bc2_sqrt, working=None, kind=LP_NONE, zero_grad=False,
                              mask=None):
     """Schedule-Free AdamW (Defazio et al. 2024), optax.contrib.schedule_free_adamw's form.
 
@@ -406,4 +406,4 @@ def schedule_free_adamw_step(p, g, z, v, max_lr, weight_sum, pieces, *, gscale, 
     if mask is not None:
         apply_mask(z, mask, i)
     p[i] = beta1 * x_new + (1.0 - beta1) * z_new
-    _finish(p, g, w, wkind, pieces, i, zero_grad, mask)
+    _finish(p, g, working, kind, pieces, i, zero_grad, mask)

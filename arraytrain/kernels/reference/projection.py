@@ -33,7 +33,7 @@ import numpy as np
 from ..counter_rng import uniform_np
 
 
-def fwht(x, block):
+def fwht(x, *, block):
     """In place: every ``block``-element block of ``x`` (``x.size % block == 0``) becomes ``H v / sqrt(block)``."""
     if x.size == 0:
         return
@@ -55,7 +55,7 @@ def signs(key, lo, n):
     return np.where(u >= 0.5, -1.0, 1.0)
 
 
-def sign_bind(x, key, out):
+def sign_bind(x, out, *, key):
     """``out[i] = s_i * x[i]`` for ``i < out.size`` (``out`` may be ``x``); ``s`` from :func:`signs`."""
     n = out.size
     out[...] = signs(key, 0, n) * x[:n].astype(np.float64)
@@ -86,15 +86,15 @@ def positions(key, nb, block, d):
     return pos, counts
 
 
-def select_gather(z, key, block, y):
+def select_gather(z, y, *, key, block):
     """``y`` (``d`` values) = the kept coordinates of ``z`` (``z.size`` a multiple of ``block``), block by block."""
     pos, _ = positions(key, z.size // block, block, y.size)
     y[...] = z[pos]
 
 
-def select_scatter(y, key, block, scale, z):
-    """``z`` = zero except the kept coordinates, which get ``scale * y`` (the transpose of :func:`select_gather`)."""
+def select_scatter(y, z, *, key, block, factor):
+    """``z`` = zero except the kept coordinates, which get ``factor * y`` (the transpose of :func:`select_gather`)."""
     pos, _ = positions(key, z.size // block, block, y.size)
     acc = np.zeros(z.size, dtype=np.float64)
-    acc[pos] = float(scale) * y.astype(np.float64)
+    acc[pos] = float(factor) * y.astype(np.float64)
     z[...] = acc

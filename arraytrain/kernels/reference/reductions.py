@@ -6,22 +6,22 @@ import numpy as np
 
 from ._common import _LP_DTYPES, _f64, _segments
 
-def accumulate(acc, g, w, overwrite):
+def accumulate(acc, g, *, w, overwrite):
     """``acc = w * g`` if ``overwrite`` else ``acc += w * g``."""
     new = w * _f64(g) if overwrite else _f64(acc) + w * _f64(g)
     acc[...] = new
 
 
-def accumulate_packed(acc, src, table, w, overwrite):
+def accumulate_packed(acc, src, table, *, w, overwrite):
     """``acc[d:d+n] (=|+=) w * src[s:s+n]`` for each row ``(s, d, n)`` of ``table``: :func:`accumulate` per row."""
     for s, d, n in np.asarray(table, np.int64).reshape(-1, 3):
         if n:
-            accumulate(acc[d : d + n], src[s : s + n], w, overwrite)
+            accumulate(acc[d : d + n], src[s : s + n], w=w, overwrite=overwrite)
 
 
-def scale(x, s):
-    """``x *= s``."""
-    x[...] = _f64(x) * s
+def scale(x, *, factor):
+    """``x *= factor``."""
+    x[...] = _f64(x) * factor
 
 
 def all_finite(x):
@@ -29,7 +29,7 @@ def all_finite(x):
     return bool(np.isfinite(x).all())
 
 
-def sumsq(x, pieces, nseg):
+def sumsq(x, pieces, *, nseg):
     """``(total, per_segment)`` sums of squares over the pieces, in float64.
 
     Padding outside the pieces is not read. A NaN/Inf element makes the
@@ -51,7 +51,7 @@ def max_abs(x, pieces):
     return best
 
 
-def sumsq_scaled(x, pieces, nseg, inv):
+def sumsq_scaled(x, pieces, *, nseg, inv):
     """Like :func:`sumsq` but of ``x * inv``: an overflow-safe second pass."""
     per_seg = np.zeros(nseg, dtype=np.float64)
     for start, stop, seg in pieces:
@@ -60,7 +60,7 @@ def sumsq_scaled(x, pieces, nseg, inv):
     return float(per_seg.sum()), per_seg
 
 
-def sumsq_product(x, y, pieces, nseg):
+def sumsq_product(x, y, pieces, *, nseg):
     """``(total, per_segment)`` float64 sums of ``(x*y)^2`` over the pieces (ASAM's norm)."""
     per_seg = np.zeros(nseg, dtype=np.float64)
     for start, stop, seg in pieces:
@@ -69,7 +69,7 @@ def sumsq_product(x, y, pieces, nseg):
     return float(per_seg.sum()), per_seg
 
 
-def cast_working(w, p, pieces, kind):
+def cast_working(w, p, pieces, *, kind):
     """``w = lowp(p)``: a low-precision working copy (uint16 bits) of float32 params."""
     idx, _ = _segments(pieces, p.size)
     w[idx] = np.asarray(p[idx], np.float32).astype(_LP_DTYPES[kind]).view(np.uint16)

@@ -30,7 +30,7 @@ def trend_predict(hist, c, corr, out):
     out[...] = _trend(hist, c) + corr.astype(np.float64)
 
 
-def trend_correct(hist, c, corr, g, slot, beta):
+def trend_correct(hist, c, corr, g, *, slot, beta):
     r"""Correction update fused with recording ``g`` into ring slot ``slot``.
 
     ``corr = beta * corr + (1 - beta) * (g - sum_k c[k] * hist[k])``, the trend
