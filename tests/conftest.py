@@ -10,16 +10,23 @@ import functools
 import struct
 from typing import Callable, NamedTuple
 
+import ml_dtypes
+import numba
 import numpy as np
 import pytest
 
 from arraytrain import Layout
+from arraytrain.kernels import cpu
 
 # Flat-buffer sizes every kernel is checked at: empty, single element, below a
 # SIMD vector, odd mid-size, and large enough for the parallel (prange) path
 # with several reduction chunks and a ragged last block.
 SIZES = (0, 1, 7, 1037, 278011)
 DTYPES = (np.float32, np.float64)
+sizes = pytest.mark.parametrize("n", SIZES)
+dtypes = pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+#: Tolerance of float32 weights or state stepped through a bfloat16/float16 copy, fast vs. reference.
+LP_TOL = {"rtol": 5e-3, "atol": 5e-3}
 
 # arraytrain's own deprecation warnings (arraytrain._deprecation.message) are errors in every
 # test: neither the project's code nor its tests may use an old spelling. A test of a
@@ -53,6 +60,11 @@ def assert_close(actual, desired, dtype=None, err_msg: str = "") -> None:
     if a.shape == d.shape and np.all(np.abs(a - d) <= t["atol"] + t["rtol"] * np.abs(d)):
         return  # fast path; NaN anywhere fails it and gets assert_allclose's report
     np.testing.assert_allclose(actual, desired, err_msg=err_msg, **t)
+
+
+def decoded(a) -> np.ndarray:
+    """float64 values of a state slot or working copy (uint16 arrays hold bfloat16 bits)."""
+    return a.view(ml_dtypes.bfloat16).astype(np.float64) if a.dtype == np.uint16 else a.astype(np.float64)
 
 
 def padded_shapes(n: int) -> dict:
@@ -269,6 +281,56 @@ OPTAX_CONFIGS = [row for row in OPTIMIZER_CONFIGS if oracle(row).kind == "optax"
 @pytest.fixture
 def rng() -> np.random.Generator:
     return np.random.default_rng(20240611)
+
+
+@pytest.fixture(params=["cpu", "cuda"])
+def family(request):
+    """The fast kernel family a kernel-vs-reference test checks against the reference twins.
+
+    "cpu": :mod:`arraytrain.kernels.cpu` (numba). "cuda": the CUDA family behind NumPy
+    arguments (:data:`cuda_family.ON_DEVICE`: arrays copied to the GPU and back), so it runs
+    the CPU family's tests unchanged (same sizes, steps, per-parameter values, working
+    copies, bfloat16 state, masks, NaN/Inf cases and tolerances); skipped without a usable GPU.
+    """
+    if request.param == "cpu":
+        return cpu
+    from cuda_family import ON_DEVICE, require_cuda
+
+    require_cuda()
+    return ON_DEVICE
+
+
+@pytest.fixture(params=["cpu", "cuda"])
+def numba_family(request, monkeypatch):
+    """What ``kernels="numba"`` runs on NumPy arrays inside a compressor or a GradientPredictor.
+
+    "cpu": the numba family, as always. "cuda": the CUDA family behind NumPy arguments, by
+    patching the family lookup of :mod:`arraytrain.compress` and :mod:`arraytrain.predict`,
+    so their tests run the CUDA kernels unchanged; skipped without a usable GPU. Returns the
+    family in use.
+    """
+    if request.param == "cpu":
+        return cpu
+    from cuda_family import ON_DEVICE, require_cuda
+
+    from arraytrain.kernels.interface import family as lookup
+
+    require_cuda()
+
+    def on_device(backend, impl="numba", domain=None):
+        return ON_DEVICE if (backend, impl) == ("numpy", "numba") else lookup(backend, impl, domain)
+
+    for where in ("arraytrain.compress._base.family", "arraytrain.predict.family"):
+        monkeypatch.setattr(where, on_device)
+    return ON_DEVICE
+
+
+@pytest.fixture
+def restore_threads():
+    """numba's thread count put back after a test that changes it."""
+    before = numba.get_num_threads()
+    yield
+    numba.set_num_threads(before)
 
 
 def _frozen(x):

@@ -1,5 +1,8 @@
 """The CUDA kernel family seen through NumPy arrays, so the CPU family's tests run it unchanged.
 
+The ``family`` and ``numba_family`` fixtures of conftest.py hand :data:`ON_DEVICE` to every
+kernel-vs-reference test (and to the compressors' and the predictor's tests) as their CUDA param.
+
 ``ON_DEVICE.<kernel>(...)`` copies every NumPy array argument (buffers, slots, working
 copies, masks) to the GPU, runs the CUDA kernel, and copies each one back into the
 array it came from; host-side tables and per-parameter hyperparameters (``pieces``,

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from arraytrain import Engine, HyperparameterError, LossScaler, NonFiniteError, optim, schedules
-from arraytrain.kernels import cpu
+from arraytrain.kernels.interface import LP_BF16, LP_F16
 from arraytrain.kernels import reference as ref
-from conftest import SIZES, assert_close, engine_snapshot, padded_layout, random_flat
+from conftest import SIZES, assert_close, decoded, engine_snapshot, padded_layout, random_flat
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
@@ -186,9 +186,9 @@ def _special_values():
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
-@pytest.mark.parametrize("kind, dtype", [(cpu.LP_BF16, BF16), (cpu.LP_F16, np.dtype(np.float16))],
+@pytest.mark.parametrize("kind, dtype", [(LP_BF16, BF16), (LP_F16, np.dtype(np.float16))],
                          ids=["bfloat16", "float16"])
-def test_cast_working_is_bitwise_the_numpy_cast(kind, dtype):
+def test_cast_working_is_bitwise_the_numpy_cast(family, kind, dtype):
     x = _special_values()
     from arraytrain import Layout
 
@@ -196,7 +196,7 @@ def test_cast_working_is_bitwise_the_numpy_cast(kind, dtype):
     p = np.zeros(layout.size, np.float32)
     p[: x.size] = x
     w_fast, w_ref = np.zeros(layout.size, np.uint16), np.zeros(layout.size, np.uint16)
-    cpu.cast_working(w_fast, p, layout.pieces, kind=kind)
+    family.cast_working(w_fast, p, layout.pieces, kind=kind)
     ref.cast_working(w_ref, p, layout.pieces, kind=kind)
     expected = x.astype(dtype).view(np.uint16)
     nan = np.isnan(x)
@@ -207,33 +207,33 @@ def test_cast_working_is_bitwise_the_numpy_cast(kind, dtype):
 
 @pytest.mark.parametrize("n", SIZES)
 @pytest.mark.parametrize("amsgrad", [False, True])
-def test_adam_bfloat16_state_kernel_matches_reference(n, amsgrad, rng):
+def test_adam_bfloat16_state_kernel_matches_reference(family, n, amsgrad, rng):
     layout = padded_layout(n)
     p0 = random_flat(layout, np.float32, rng)
     st = {k: {"p": p0.copy(), "m": np.zeros(layout.size, np.uint16), "v": np.zeros(layout.size, np.uint16),
               "x": np.zeros(layout.size if amsgrad else 0, np.uint16), "w": np.zeros(layout.size, np.uint16)}
-          for k in ("cpu", "ref")}
+          for k in ("fast", "ref")}
     one = np.ones(len(layout))
     for t in range(1, 9):
         g0 = random_flat(layout, np.float32, rng, scale=[1.0, 5.0, 0.1][t % 3])
         # each step starts both from the kernel's state: two rounding paths that differ by
         # one bfloat16 ulp near a tie would otherwise drift apart over the steps
-        for slot in st["cpu"]:
-            st["ref"][slot][...] = st["cpu"][slot]
-        for k, kern in (("cpu", cpu), ("ref", ref)):
+        for slot in st["fast"]:
+            st["ref"][slot][...] = st["fast"][slot]
+        for k, kern in (("fast", family), ("ref", ref)):
             s = st[k]
             kern.adam_step(s["p"], g0.copy(), s["m"], s["v"], s["x"], layout.pieces, gscale=0.9,
                            step_size=1e-2 / (1 - 0.9**t) * one, beta1=0.9, beta2=0.99, eps=1e-8,
                            inv_bc2_sqrt=1 / math.sqrt(1 - 0.99**t), l2=0.0 * one, decay=(1 - 1e-3) * one,
-                           amsgrad=amsgrad, working=s["w"], kind=cpu.LP_BF16)
+                           amsgrad=amsgrad, working=s["w"], kind=LP_BF16)
         for slot in ("m", "v", "x"):
-            a, b = (st[k][slot].view(ml_dtypes.bfloat16).astype(np.float64) for k in ("cpu", "ref"))
+            a, b = (decoded(st[k][slot]) for k in ("fast", "ref"))
             # within one bfloat16 ulp (2**-7 relative): the reference rounds float64 -> float32 ->
             # bfloat16, the kernel rounds its float32 math once
             np.testing.assert_allclose(a, b, rtol=2**-7, atol=1e-30, err_msg=f"{slot}, step {t}")
-        np.testing.assert_allclose(st["cpu"]["p"], st["ref"]["p"], rtol=5e-3, atol=5e-3, err_msg=f"p, step {t}")
+        np.testing.assert_allclose(st["fast"]["p"], st["ref"]["p"], rtol=5e-3, atol=5e-3, err_msg=f"p, step {t}")
         # the working copy is exactly the bfloat16 rounding of the new weights
-        np.testing.assert_array_equal(st["cpu"]["w"], st["cpu"]["p"].astype(ml_dtypes.bfloat16).view(np.uint16))
+        np.testing.assert_array_equal(st["fast"]["w"], st["fast"]["p"].astype(ml_dtypes.bfloat16).view(np.uint16))
 
 
 @pytest.mark.parametrize("make", [lambda: optim.SGD(lr=0.05, momentum=0.9), lambda: optim.AdamW(lr=1e-2)],

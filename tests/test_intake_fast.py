@@ -19,7 +19,6 @@ from arraytrain.errors import (
     ShapeMismatchError,
     UnknownParameterError,
 )
-from arraytrain.kernels import cpu
 from arraytrain.kernels import reference as ref
 from arraytrain.layout import Layout
 from conftest import engine_snapshot
@@ -79,14 +78,14 @@ def test_many_tensors_span_several_staging_groups():
 
 
 @pytest.mark.parametrize("n", [0, 1, 7, 1037, 278011])
-def test_accumulate_packed_matches_reference(n):
+def test_accumulate_packed_matches_reference(family, n):
     rng = np.random.default_rng(n)
     src = rng.standard_normal(3 * n).astype(np.float32)
     table = np.array([[0, 16 * 0, n], [n, -(-n // 16) * 16, n], [2 * n, 2 * -(-n // 16) * 16, n]], np.int64)
     for overwrite in (True, False):
         a = rng.standard_normal(3 * -(-n // 16) * 16 + 16).astype(np.float32)
         b = a.copy()
-        cpu.accumulate_packed(a, src, table, w=0.37, overwrite=overwrite)
+        family.accumulate_packed(a, src, table, w=0.37, overwrite=overwrite)
         ref.accumulate_packed(b, src, table, w=0.37, overwrite=overwrite)
         np.testing.assert_allclose(a, b, rtol=1.3e-6 * 5, atol=1e-5 * 5)
 

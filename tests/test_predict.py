@@ -20,7 +20,6 @@ from arraytrain.errors import (
     ReadOnlyError,
     StateDictError,
 )
-from arraytrain.kernels.cpu import trend
 from arraytrain.kernels.reference import trend as trend_reference
 from arraytrain.nn.phase import Phase, PhaseSchedule
 from arraytrain.predict import GradientPredictor, trend_weights
@@ -35,7 +34,7 @@ DTYPES = (np.float32, np.float64)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n", KERNEL_SIZES)
 @pytest.mark.parametrize("H", [2, 3, 4, 5, 6])
-def test_trend_kernels_match_reference(rng, n, dtype, H):
+def test_trend_kernels_match_reference(family, rng, n, dtype, H):
     ring = rng.standard_normal((H, n)).astype(dtype)
     corr = (0.1 * rng.standard_normal(n)).astype(dtype)
     ring_ref, corr_ref = ring.copy(), corr.copy()
@@ -43,12 +42,12 @@ def test_trend_kernels_match_reference(rng, n, dtype, H):
     for j, (count, t) in enumerate([(H, steps[-1] + 3), (H - 1, steps[-2] + 1), (1, 50), (H, steps[-1] + 1)]):
         c = trend_weights(steps, count, t)
         out, out_ref = np.full(n, np.nan, dtype), np.full(n, np.nan, dtype)
-        trend.trend_predict(ring, c, corr, out)
+        family.trend_predict(ring, c, corr, out)
         trend_reference.trend_predict(ring_ref, c, corr_ref, out_ref)
         assert_close(out, out_ref, dtype)
         g = rng.standard_normal(n).astype(dtype)
         slot = j % H
-        trend.trend_correct(ring, c, corr, g, slot=slot, beta=0.8)
+        family.trend_correct(ring, c, corr, g, slot=slot, beta=0.8)
         trend_reference.trend_correct(ring_ref, c, corr_ref, g, slot=slot, beta=0.8)
         assert np.array_equal(ring, ring_ref)  # the record is a copy
         assert np.array_equal(ring[slot], g)
@@ -71,6 +70,7 @@ def test_trend_weights_properties():
 @pytest.mark.parametrize("kernels", ["numba", "reference"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("H", [2, 3, 4, 5, 6])
+@pytest.mark.usefixtures("numba_family")
 def test_exact_on_linear_gradients(rng, H, dtype, kernels):
     layout = padded_layout(1037)
     a, b = random_flat(layout, np.float64, rng), random_flat(layout, np.float64, rng, 0.1)
@@ -87,6 +87,7 @@ def test_exact_on_linear_gradients(rng, H, dtype, kernels):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.usefixtures("numba_family")
 def test_predictor_against_polyfit(rng, dtype):
     """Independent oracle: np.polyfit (degree 1) per element, and the correction EMA written out."""
     layout, H, beta = padded_layout(300), 4, 0.7
@@ -136,6 +137,7 @@ def test_nonfinite_gradient_is_not_recorded(rng):
 
 
 @pytest.mark.parametrize("kernels", ["numba", "reference"])
+@pytest.mark.usefixtures("numba_family")
 def test_state_dict_round_trip_is_bitwise(rng, kernels):
     layout = padded_layout(1037)
     grads = [random_flat(layout, np.float32, rng) for _ in range(12)]

@@ -1,6 +1,7 @@
 """Pruning masks inside every optimizer kernel, and arraytrain.prune's magnitude masks.
 
-Kernels: numba == reference with a random mask for every optimizer (params and every
+Kernels: the fast families (numba, and CUDA where a GPU is usable: the ``family``
+fixture) == reference with a random mask for every optimizer (params and every
 slot, STEPS steps, zero-size parameters first/middle/last, float32 and float64, with and
 without a working copy); pruned weights exactly +0 after many steps with momentum and
 weight decay; an all-ones mask == mask=None; the unpruned weights of an
@@ -85,16 +86,17 @@ def _step(opt, kernels, run, g0, mask, t, working=None):
     return g
 
 
-def _runs(name, layout, dtype, rng):
+def _runs(name, layout, dtype, rng, kernels=cpu):
+    """The optimizer and two runs from the same parameters (Sophia's Hessian fed by ``kernels``)."""
     opt = OPTIMIZERS[name]()
     p0 = FlatBuffer(layout, random_flat(layout, dtype, rng))
     h = {n: np.abs(rng.standard_normal(layout.sizes[i])).astype(dtype) for i, n in enumerate(layout.names)}
     runs = {}
-    for k in ("cpu", "ref"):
+    for k in ("fast", "ref"):
         p = p0.copy()
         state = opt.init(p)
         if name == "sophia":
-            opt.update_hessian(cpu, state, h, layout)  # the same h in both runs
+            opt.update_hessian(kernels, state, h, layout)  # the same h in both runs
         runs[k] = (p, state)
     return opt, runs
 
@@ -102,22 +104,22 @@ def _runs(name, layout, dtype, rng):
 @pytest.mark.parametrize("n", [0, 7, 1037, 278011])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=["float32", "float64"])
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
-def test_masked_kernel_matches_reference(name, dtype, n, rng):
+def test_masked_kernel_matches_reference(family, name, dtype, n, rng):
     if name == "adamw_bf16_state" and dtype == np.float64:
         pytest.skip("bfloat16 moments need float32 parameters")
     layout = _layout(n)
-    opt, runs = _runs(name, layout, dtype, rng)
+    opt, runs = _runs(name, layout, dtype, rng, family)
     mask = _random_mask(layout, rng)
     pruned = (mask.flat == 0) & live_mask(layout)
     lowp = name == "adamw_bf16_state"
-    (pc, sc), (pr, sr) = runs["cpu"], runs["ref"]
+    (pc, sc), (pr, sr) = runs["fast"], runs["ref"]
     for t in range(STEPS):
         g0 = random_flat(layout, dtype, rng, scale=[1.0, 5.0, 0.1][t % 3])
         if lowp:  # as test_amp: both start each step from the kernel's state (bfloat16 ties drift)
             pr.flat[:] = pc.flat
             for slot, buf in sc.slots.items():
                 sr.slots[slot].flat[:] = buf.flat
-        for k, kernels in (("cpu", cpu), ("ref", ref)):
+        for k, kernels in (("fast", family), ("ref", ref)):
             _step(opt, kernels, runs[k], g0, mask, t)
             p = runs[k][0]
             assert not np.any(p.flat[pruned]) and not np.any(np.signbit(p.flat[pruned]))  # exact +0
@@ -137,25 +139,25 @@ def test_masked_kernel_matches_reference(name, dtype, n, rng):
 
 @pytest.mark.parametrize("working", ["bfloat16", "float16"])
 @pytest.mark.parametrize("name", ["adamw", "lamb", "adafactor", "sam_adamw"])
-def test_working_copy_sees_the_masked_weights(name, working, rng):
+def test_working_copy_sees_the_masked_weights(family, name, working, rng):
     import ml_dtypes
 
     from arraytrain.kernels.interface import LP_BF16, LP_F16
 
     wdtype, kind = (np.dtype(ml_dtypes.bfloat16), LP_BF16) if working == "bfloat16" else (np.dtype(np.float16), LP_F16)
     layout = _layout(1037)
-    opt, runs = _runs(name, layout, np.float32, rng)
+    opt, runs = _runs(name, layout, np.float32, rng, family)
     mask = _random_mask(layout, rng)
     live = live_mask(layout)
     w = {k: np.full(layout.size, 0x3F80, np.uint16) * live for k in runs}  # 1.0 where weights live
     for t in range(3):
         g0 = random_flat(layout, np.float32, rng)
-        for k, kernels in (("cpu", cpu), ("ref", ref)):
+        for k, kernels in (("fast", family), ("ref", ref)):
             _step(opt, kernels, runs[k], g0, mask, t, working=(w[k], kind))
-        p = runs["cpu"][0].flat
-        np.testing.assert_array_equal(w["cpu"][live], p[live].astype(wdtype).view(np.uint16))
-        assert not np.any(w["cpu"][(mask.flat == 0) & live])
-        wc, wr = (w[k].view(wdtype).astype(np.float64) for k in ("cpu", "ref"))
+        p = runs["fast"][0].flat
+        np.testing.assert_array_equal(w["fast"][live], p[live].astype(wdtype).view(np.uint16))
+        assert not np.any(w["fast"][(mask.flat == 0) & live])
+        wc, wr = (w[k].view(wdtype).astype(np.float64) for k in ("fast", "ref"))
         np.testing.assert_allclose(wc, wr, rtol=5e-3, atol=5e-3)  # roundings of nearly equal weights
         assert_close(p, runs["ref"][0].flat, np.float32)
 
@@ -168,7 +170,7 @@ def test_all_ones_mask_equals_no_mask(name, kernels, rng):
     each, so the numba runs agree to rounding (1 ulp seen), not always to the bit."""
     layout = _layout(70001)  # the parallel twins
     opt, runs = _runs(name, layout, np.float32, rng)
-    runs = {"none": runs["cpu"], "ones": (runs["cpu"][0].copy(), opt.init(runs["cpu"][0]))}
+    runs = {"none": runs["fast"], "ones": (runs["fast"][0].copy(), opt.init(runs["fast"][0]))}
     if name == "sophia":
         runs["ones"][1].slots["hessian"].flat[:] = runs["none"][1].slots["hessian"].flat
     ones = MaskBuffer.ones(layout)
@@ -192,9 +194,9 @@ def test_pruned_weights_stay_zero_and_the_rest_follow_the_unmasked_run(name, rng
     pruned, kept = (mask.flat == 0) & live_mask(layout), mask.flat == 1
     for t in range(60):
         g0 = random_flat(layout, np.float32, rng)
-        _step(opt, cpu, runs["cpu"], g0, mask, t)
+        _step(opt, cpu, runs["fast"], g0, mask, t)
         _step(opt, cpu, runs["ref"], g0, None, t)  # same kernels, no mask
-    p, unmasked = runs["cpu"][0].flat, runs["ref"][0].flat
+    p, unmasked = runs["fast"][0].flat, runs["ref"][0].flat
     assert np.all(p[pruned] == 0) and not np.any(np.signbit(p[pruned]))
     assert np.any(unmasked[pruned] != 0)  # without the mask momentum and decay move them
     assert_close(p[kept], unmasked[kept], np.float32)
@@ -244,7 +246,7 @@ def test_bad_mask_is_refused_and_nothing_changes(name, case, rng):
     layout = _layout(7)
     mask, error, match = _bad_masks(layout)[case]
     opt, runs = _runs(name, layout, np.float32, rng)
-    p, state = runs["cpu"]
+    p, state = runs["fast"]
     g = FlatBuffer(layout, random_flat(layout, np.float32, rng))
     before = (p.flat.tobytes(), g.flat.tobytes(), {k: v.flat.tobytes() for k, v in state.slots.items()}, state.step)
     calls = [lambda: opt.update(cpu, p, g, state, mask=mask)]

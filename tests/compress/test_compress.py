@@ -1,5 +1,8 @@
 """Top-k, random-k, int8 blockwise, sign and ternary compressors: kernels against their
-reference twins, error bounds, unbiasedness, exact payload bytes, error feedback, bad arguments."""
+reference twins, error bounds, unbiasedness, exact payload bytes, error feedback, bad arguments.
+
+Kernel tests take the ``family`` fixture and compressor tests the ``numba_family`` fixture
+(conftest.py): both run the numba family and, where a GPU is usable, the CUDA family."""
 
 from __future__ import annotations
 
@@ -13,7 +16,6 @@ from conftest import DTYPES
 from arraytrain import Layout
 from arraytrain.compress import ErrorFeedback, Int8Block, RandomK, Sign, Ternary, TopK
 from arraytrain.errors import ArgumentTypeError, HyperparameterError
-from arraytrain.kernels.cpu import compression as nb
 from arraytrain.kernels.reference import compression as ref
 
 # One row per configuration: every generic test runs on every row.
@@ -69,6 +71,7 @@ def one_vector(c, x: np.ndarray):
 @pytest.mark.parametrize("n", SIZES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("cfg", sorted(CONFIGS))
+@pytest.mark.usefixtures("numba_family")
 def test_kernels_match_reference(cfg, dtype, n, rng):
     layout = layout_for(n)
     fast, slow = (CONFIGS[cfg](min_size=MIN_SIZE, warmup=1, seed=5, kernels=k).bind(layout, dtype)
@@ -105,6 +108,7 @@ def test_thread_count_does_not_change_bits(cfg, rng):
         np.testing.assert_array_equal(outs[0][name], outs[-1][name])
 
 
+@pytest.mark.usefixtures("numba_family")
 def test_empty_domain(rng):
     layout = Layout({"s": (3,), "e": (0,)})
     for cfg, make in CONFIGS.items():
@@ -126,6 +130,7 @@ def brute_topk(x: np.ndarray, k: int) -> np.ndarray:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("kernels", ["numba", "reference"])
+@pytest.mark.usefixtures("numba_family")
 def test_topk_keeps_exactly_the_k_largest(kernels, dtype, rng):
     x = rng.standard_normal(2000).astype(dtype)
     x[100:300] = x[300:500]  # equal magnitudes at and around the threshold
@@ -142,10 +147,10 @@ def test_topk_keeps_exactly_the_k_largest(kernels, dtype, rng):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_topk_ties_and_edge_cases(dtype):
+def test_topk_ties_and_edge_cases(family, dtype):
     idx, val = np.empty(3, np.int64), np.empty(3, dtype)
     x = np.array([1, -2, 2, 1, -1, 2, 0], dtype)  # |2| three times: the lowest two of them, then ...
-    for kern in (nb, ref):
+    for kern in (family, ref):
         kern.topk(x, idx, val, k=3)
         np.testing.assert_array_equal(idx, [1, 2, 5])
         kern.topk(np.ones(9, dtype), idx, val, k=3)  # all equal: the first three
@@ -156,13 +161,13 @@ def test_topk_ties_and_edge_cases(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_topk_heavy_ties_parallel_path(dtype, rng):
+def test_topk_heavy_ties_parallel_path(family, dtype, rng):
     # few distinct magnitudes over many chunks: the candidate bin holds most elements and
     # the selection among equal keys runs through every refinement level
     x = rng.choice(np.array([0.5, -0.5, 0.25, 1 + 2.0**-20, 1.0], dtype), size=300_000)
     for k in (1, 4_321, 150_000, 300_000):
         out = [(np.empty(k, np.int64), np.empty(k, dtype)) for _ in range(2)]
-        nb.topk(x, *out[0], k=k)
+        family.topk(x, *out[0], k=k)
         ref.topk(x, *out[1], k=k)
         np.testing.assert_array_equal(out[0][0], out[1][0])
         np.testing.assert_array_equal(out[0][1], out[1][1])
@@ -184,21 +189,21 @@ def per_element(scales, block, n):
 
 @pytest.mark.parametrize("n", SIZES)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_int8_shared_scales_kernel_matches_reference(dtype, n, rng):
+def test_int8_shared_scales_kernel_matches_reference(family, dtype, n, rng):
     """Codes against given scales (a group's maximum): numba == reference; own scales == the plain encode."""
     block = 64
     x = (rng.standard_normal(n) * 3).astype(dtype)
     nb_ = -(-n // block)
     for stochastic in (False, True):
         codes, own = np.empty(n, np.int8), np.empty(nb_, dtype)
-        nb.int8_encode(x, codes, own, block=block, key=7, stochastic=stochastic)
+        family.int8_encode(x, codes, own, block=block, key=7, stochastic=stochastic)
         again = np.empty(n, np.int8)
-        nb.int8_encode(x, again, own.copy(), block=block, key=7, stochastic=stochastic, shared=True)
+        family.int8_encode(x, again, own.copy(), block=block, key=7, stochastic=stochastic, shared=True)
         np.testing.assert_array_equal(again, codes)  # the block's own scale: the same codes
         shared = own * dtype(rng.uniform(1, 4)) if n else own  # a larger scale, as another rank's
         got, want = np.empty(n, np.int8), np.empty(n, np.int8)
         given = shared.copy()
-        nb.int8_encode(x, got, given, block=block, key=7, stochastic=stochastic, shared=True)
+        family.int8_encode(x, got, given, block=block, key=7, stochastic=stochastic, shared=True)
         ref.int8_encode(x, want, shared.copy(), block=block, key=7, stochastic=stochastic, shared=True)
         np.testing.assert_array_equal(given, shared)  # read, not written
         np.testing.assert_array_equal(got, want)
@@ -207,6 +212,7 @@ def test_int8_shared_scales_kernel_matches_reference(dtype, n, rng):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("stochastic", [False, True])
+@pytest.mark.usefixtures("numba_family")
 def test_int8_error_bound(stochastic, dtype, rng):
     x = (rng.standard_normal(5000) * np.repeat(10.0 ** rng.integers(-3, 3, 20), 250)).astype(dtype)
     x[:256] = 0  # an all-zero block
@@ -229,6 +235,7 @@ def test_int8_error_bound(stochastic, dtype, rng):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("block", [None, 300])
+@pytest.mark.usefixtures("numba_family")
 def test_sign_decodes_to_plus_minus_scale(block, dtype, rng):
     x = rng.standard_normal(1000).astype(dtype)
     x[[3, 10]] = [0.0, -0.0]  # sign(0) = +
@@ -245,6 +252,7 @@ def test_sign_decodes_to_plus_minus_scale(block, dtype, rng):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("block", [None, 300])
+@pytest.mark.usefixtures("numba_family")
 def test_ternary_decodes_to_three_values(block, dtype, rng):
     x = rng.standard_normal(1000).astype(dtype)
     c = one_vector(Ternary(block=block), x)
@@ -282,6 +290,7 @@ def assert_unbiased(make, x: np.ndarray, var: np.ndarray, draws: int) -> None:
     assert np.mean(z**2) < 1 + 6 * math.sqrt(2 / z.size)
 
 
+@pytest.mark.usefixtures("numba_family")
 def test_randomk_unbiased(rng):
     x = rng.standard_normal(200)
     n, k = x.size, 50
@@ -289,6 +298,7 @@ def test_randomk_unbiased(rng):
 
 
 @pytest.mark.parametrize("block", [None, 64])
+@pytest.mark.usefixtures("numba_family")
 def test_ternary_unbiased(block, rng):
     x = rng.standard_normal(200)
     b = block or x.size
@@ -296,6 +306,7 @@ def test_ternary_unbiased(block, rng):
     assert_unbiased(lambda: Ternary(block=block, seed=2), x, s * np.abs(x) - x**2, 3000)
 
 
+@pytest.mark.usefixtures("numba_family")
 def test_int8_stochastic_rounding_unbiased(rng):
     x = rng.standard_normal(200)
     s = np.repeat([np.abs(x[i:i + 64]).max() / 127 for i in range(0, x.size, 64)], 64)[: x.size]
@@ -305,6 +316,7 @@ def test_int8_stochastic_rounding_unbiased(rng):
                     s**2 * frac * (1 - frac), 3000)
 
 
+@pytest.mark.usefixtures("numba_family")
 def test_randomk_rescale(rng):
     x = rng.standard_normal(100)
     for rescale, factor in ((True, 100 / 7), (False, 1.0)):
@@ -338,6 +350,7 @@ def expected_nbytes(cfg: str, n: int, itemsize: int) -> int:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("cfg", sorted(CONFIGS))
+@pytest.mark.usefixtures("numba_family")
 def test_payload_nbytes_exact(cfg, dtype, rng):
     n = 10_000
     layout = layout_for(n)
@@ -362,6 +375,7 @@ def test_error_feedback_refuses_a_compressor_that_scales_up():
 
 
 @pytest.mark.parametrize("cfg", sorted(c for c in CONFIGS if CONFIGS[c]().contraction))
+@pytest.mark.usefixtures("numba_family")
 def test_error_feedback_telescopes(cfg, rng):
     layout = layout_for(300)
     ef = ErrorFeedback(CONFIGS[cfg](min_size=MIN_SIZE, warmup=1, seed=9)).bind(layout, np.float64)
@@ -380,14 +394,15 @@ def test_error_feedback_telescopes(cfg, rng):
 
 
 @pytest.mark.parametrize("n,k", [(1, 1), (10, 10), (1037, 50), (70001, 7000)])
-def test_randk_indices_numba_equals_reference(n, k):
+def test_randk_indices_numba_equals_reference(family, n, k):
     for key in (0, 123456789, 2**64 - 1):
-        a, b = nb.randk_indices(n=n, k=k, key=key), ref.randk_indices(n=n, k=k, key=key)
+        a, b = family.randk_indices(n=n, k=k, key=key), ref.randk_indices(n=n, k=k, key=key)
         np.testing.assert_array_equal(a, b)
         assert a.size == k and np.all(np.diff(a) > 0) and a[0] >= 0 and a[-1] < n
 
 
 @pytest.mark.parametrize("cfg", ["randomk", "int8_stochastic", "ternary"])
+@pytest.mark.usefixtures("numba_family")
 def test_seeds_and_steps_draw_differently(cfg, rng):
     x = rng.standard_normal(5000)
     payloads = {}

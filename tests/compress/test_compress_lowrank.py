@@ -232,14 +232,14 @@ FWHT_CASES = [(1, 0), (1, 1), (2, 7), (8, 129), (1024, 1), (1024, 70), (4096, 3)
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("block,nb", FWHT_CASES)
-def test_fwht_kernel_equals_reference_and_is_orthonormal(block, nb, dtype, rng):
+def test_fwht_kernel_equals_reference_and_is_orthonormal(family, block, nb, dtype, rng):
     x = rng.standard_normal(block * nb).astype(dtype)
     a, b = x.copy(), x.copy()
-    project.fwht(a, block=block)
+    family.fwht(a, block=block)
     project_reference.fwht(b, block=block)
     assert_close(a, b)
     assert_close(np.linalg.norm(a.astype(np.float64)), np.linalg.norm(x.astype(np.float64)), dtype)
-    project.fwht(a, block=block)  # H is symmetric and orthogonal: its own inverse
+    family.fwht(a, block=block)  # H is symmetric and orthogonal: its own inverse
     assert_close(a, x)
 
 
@@ -263,44 +263,44 @@ def test_fwht_reference_equals_the_hadamard_matrix(block, rng):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n", SIZES)
-def test_sign_bind_kernel_equals_reference(n, dtype, rng):
+def test_sign_bind_kernel_equals_reference(family, n, dtype, rng):
     x = rng.standard_normal(n).astype(dtype)
     x[3::97], x[5::97] = np.nan, -np.inf
     key = step_key(11, 4)
     a, b = np.empty_like(x), np.empty_like(x)
-    project.sign_bind(x, a, key=key)
+    family.sign_bind(x, a, key=key)
     project_reference.sign_bind(x, b, key=key)
     assert np.array_equal(a, b, equal_nan=True)
     assert np.array_equal(np.abs(a), np.abs(x), equal_nan=True)
     if n > 1000:
         assert abs(np.mean(a == x) - 0.5) < 0.05
-    project.sign_bind(a, a, key=key)  # in place; binding twice with one key unbinds
+    family.sign_bind(a, a, key=key)  # in place; binding twice with one key unbinds
     assert np.array_equal(a, x, equal_nan=True)
 
 
 @pytest.mark.parametrize("block,nb,d", [(1, 1, 1), (4, 3, 12), (8, 5, 13), (16, 10, 3), (1024, 70, 7001)])
-def test_selection_kernels_equal_reference(block, nb, d, rng):
+def test_selection_kernels_equal_reference(family, block, nb, d, rng):
     z = rng.standard_normal(block * nb)
     key = step_key(3, 9)
     ya, yb = np.empty(d), np.empty(d)
-    project.select_gather(z, ya, key=key, block=block)
+    family.select_gather(z, ya, key=key, block=block)
     project_reference.select_gather(z, yb, key=key, block=block)
     assert np.array_equal(ya, yb)
     za, zb = np.empty_like(z), np.empty_like(z)
     y = rng.standard_normal(d)
-    project.select_scatter(y, za, key=key, block=block, factor=2.5)
+    family.select_scatter(y, za, key=key, block=block, factor=2.5)
     project_reference.select_scatter(y, zb, key=key, block=block, factor=2.5)
     assert np.array_equal(za, zb)
     assert np.count_nonzero(za) == d
     assert math.isclose(np.dot(ya, y) * 2.5, np.dot(z, za), rel_tol=1e-12)  # scatter = scale * gather^T
 
 
-def test_selection_keeps_every_coordinate_with_probability_d_over_n():
+def test_selection_keeps_every_coordinate_with_probability_d_over_n(family):
     block, nb, d, trials = 8, 3, 5, 6000  # d % nb != 0: the extra slots rotate over the blocks
     hits = np.zeros(block * nb)
     for t in range(trials):
         z = np.zeros(block * nb)
-        project.select_scatter(np.ones(d), z, key=step_key(0, t), block=block, factor=1.0)
+        family.select_scatter(np.ones(d), z, key=step_key(0, t), block=block, factor=1.0)
         hits += z
     p = d / (block * nb)
     assert np.all(np.abs(hits / trials - p) < 4 * math.sqrt(p * (1 - p) / trials))
@@ -313,6 +313,7 @@ def test_selection_keeps_every_coordinate_with_probability_d_over_n():
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n", SIZES)
+@pytest.mark.usefixtures("numba_family")
 def test_vsa_numba_equals_reference(n, dtype, rng):
     layout = padded_layout(n)
     fast = VSA(0.3, block=256, seed=2).bind(layout, dtype)
@@ -325,6 +326,7 @@ def test_vsa_numba_equals_reference(n, dtype, rng):
         assert_close(fast.decompress(pf), ref.decompress(pr), err_msg=f"call {k}")
 
 
+@pytest.mark.usefixtures("numba_family")
 def test_vsa_receiver_rederives_key_and_positions(rng):
     layout = Layout({"w": (300, 7), "b": (300,)})
     sender = VSA(dim=500, block=128, seed=9).bind(layout, np.float32)

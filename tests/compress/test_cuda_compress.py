@@ -1,13 +1,12 @@
 """The CUDA compression, projection and trend kernels, the compressors and the predictor on CuPy buffers.
 
-Three layers, every test skipped without a usable GPU (a probe runs a tiny kernel):
+The CPU families' own tests of these (test_compress, test_compress_lowrank, test_predict) run the
+CUDA family through the ``family`` and ``numba_family`` fixtures of conftest.py. Here, what is
+CUDA-only, every test skipped without a usable GPU (a probe runs a tiny kernel):
 
-* The CPU families' own tests, imported from ``test_compress``, ``test_compress_lowrank``
-  and ``test_predict``, rerun with the fast family swapped for the CUDA one behind NumPy
-  arguments (``cuda_family.OnDevice``): the kernel-level tests through their module
-  globals (``nb``, ``project``, ``trend``), the compressor- and predictor-level tests
-  through ``kernels.interface.family`` (``kernels="numba"`` on a NumPy buffer then runs the CUDA
-  kernels). Same sizes, keys and tolerances; bitwise where the CPU tests are bitwise.
+* Kernels beyond the CPU tests' cases: every radix pass and chunk edge of top-k, large random-k,
+  the quantizers at block and piece edges, long Hadamard blocks, selections whose permutation
+  lives in global memory, the counter RNG bit for bit.
 * Cross-device: a payload encoded by one family decodes on the other (random-k, top-k,
   int8 with deterministic rounding, sign, ternary, VSA), compressors run natively on CuPy
   equal the CPU ones, PowerSGD on the device, the predictor on the device, mixed
@@ -23,82 +22,26 @@ import pytest
 
 import arraytrain as at
 import test_compress
-import test_compress_lowrank
-import test_predict
 from arraytrain import Layout
 from arraytrain import compress as C
 from arraytrain.compress import ErrorFeedback, Payload, TopK
 from arraytrain.errors import ArgumentTypeError, BackendError, BackendUnavailableError
 from arraytrain.kernels.cpu import compression as nb_compress
 from arraytrain.kernels.cpu import projection as project
-from arraytrain.kernels.cpu import trend
 from arraytrain.kernels.reference import compression as compress_reference
 from arraytrain.kernels.reference import projection as project_reference
-from arraytrain.kernels.reference import trend as trend_reference
 from arraytrain.kernels.counter_rng import step_key, uniform_np
-from arraytrain.kernels.interface import family as lookup
 from arraytrain.predict import GradientPredictor
 from conftest import assert_close, padded_layout, random_flat
-from cuda_family import ON_DEVICE, OnDevice, require_cuda
-
-# re-collected here; their globals stay those of their own module
-from test_compress import (  # noqa: F401
-    test_empty_domain,
-    test_error_feedback_telescopes,
-    test_int8_error_bound,
-    test_int8_stochastic_rounding_unbiased,
-    test_kernels_match_reference,
-    test_payload_nbytes_exact,
-    test_randk_indices_numba_equals_reference,
-    test_randomk_rescale,
-    test_randomk_unbiased,
-    test_seeds_and_steps_draw_differently,
-    test_sign_decodes_to_plus_minus_scale,
-    test_ternary_decodes_to_three_values,
-    test_ternary_unbiased,
-    test_topk_heavy_ties_parallel_path,
-    test_topk_keeps_exactly_the_k_largest,
-    test_topk_ties_and_edge_cases,
-)
-from test_compress_lowrank import (  # noqa: F401
-    test_fwht_kernel_equals_reference_and_is_orthonormal,
-    test_selection_kernels_equal_reference,
-    test_selection_keeps_every_coordinate_with_probability_d_over_n,
-    test_sign_bind_kernel_equals_reference,
-    test_vsa_numba_equals_reference,
-    test_vsa_receiver_rederives_key_and_positions,
-)
-from test_predict import (  # noqa: F401
-    test_exact_on_linear_gradients,
-    test_predictor_against_polyfit,
-    test_state_dict_round_trip_is_bitwise,
-    test_trend_kernels_match_reference,
-)
+from cuda_family import OnDevice, require_cuda
 
 COMPRESS_ON_DEVICE = OnDevice("arraytrain.kernels.cuda.compression", compress_reference)
 PROJECT_ON_DEVICE = OnDevice("arraytrain.kernels.cuda.projection", project_reference)
-TREND_ON_DEVICE = OnDevice("arraytrain.kernels.cuda.trend", trend_reference)
-SHIMS = {"reductions": ON_DEVICE, "compression": COMPRESS_ON_DEVICE, "projection": PROJECT_ON_DEVICE,
-         "trend": TREND_ON_DEVICE}
-
-
-def _family_on_device(backend, impl="numba", domain=None):
-    """``kernels.interface.family`` with the numba families of NumPy buffers replaced by the CUDA shims."""
-    if backend == "numpy" and impl == "numba":
-        return SHIMS[domain]
-    return lookup(backend, impl, domain)
 
 
 @pytest.fixture(autouse=True)
-def cuda_family(request, monkeypatch):
+def _cuda():
     require_cuda()
-    if request.function.__module__ == __name__:
-        return  # this module's own tests call the CUDA family (or CuPy buffers) directly
-    monkeypatch.setattr(test_compress, "nb", COMPRESS_ON_DEVICE)
-    monkeypatch.setattr(test_compress_lowrank, "project", PROJECT_ON_DEVICE)
-    monkeypatch.setattr(test_predict, "trend", TREND_ON_DEVICE)
-    monkeypatch.setattr("arraytrain.compress._base.family", _family_on_device)
-    monkeypatch.setattr("arraytrain.predict.family", _family_on_device)
 
 
 def _cp():

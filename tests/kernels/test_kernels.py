@@ -1,4 +1,5 @@
-"""numba kernels (arraytrain.kernels.cpu) against their NumPy reference twins.
+"""The fast kernel families against their NumPy reference twins: numba, and CUDA where a GPU is
+usable (the ``family`` fixture of conftest.py), with the same cases and tolerances.
 
 Every kernel runs on the padded flat buffer of a layout with zero-size
 parameters first, middle and last, at every size in SIZES and for float32 and
@@ -18,14 +19,15 @@ from arraytrain.kernels import cpu
 from arraytrain.kernels import reference as ref
 from arraytrain.ops import clip_coef, norm_pass
 from conftest import (
-    DTYPES,
     SIZES,
     assert_close,
     assert_padding_zero,
+    dtypes,
     live_indices,
     live_mask,
     padded_layout,
     random_flat,
+    sizes,
 )
 
 NONFINITE = (np.nan, np.inf, -np.inf)
@@ -33,9 +35,6 @@ NONFINITE = (np.nan, np.inf, -np.inf)
 overflow_expected = pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
 POSITIONS = ("first", "middle", "last")
 STEPS = 8
-
-sizes = pytest.mark.parametrize("n", SIZES)
-dtypes = pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
 
 
 def _position(layout, where):
@@ -58,12 +57,12 @@ def _segment_of(layout, index):
 @dtypes
 @pytest.mark.parametrize("overwrite", [True, False])
 @pytest.mark.parametrize("w", [1.0, 0.37, -2.5])
-def test_accumulate_matches_reference(n, dtype, overwrite, w, rng):
+def test_accumulate_matches_reference(family, n, dtype, overwrite, w, rng):
     layout = padded_layout(n)
     acc0, g = random_flat(layout, dtype, rng), random_flat(layout, dtype, rng)
     fast, slow = acc0.copy(), acc0.copy()
     g_before = g.copy()
-    cpu.accumulate(fast, g, w=w, overwrite=overwrite)
+    family.accumulate(fast, g, w=w, overwrite=overwrite)
     ref.accumulate(slow, g, w=w, overwrite=overwrite)
     assert fast.dtype == np.dtype(dtype)
     assert_close(fast, slow)
@@ -76,11 +75,11 @@ def test_accumulate_matches_reference(n, dtype, overwrite, w, rng):
 @sizes
 @dtypes
 @pytest.mark.parametrize("s", [0.0, 0.5, -3.0, 1e-3])
-def test_scale_matches_reference(n, dtype, s, rng):
+def test_scale_matches_reference(family, n, dtype, s, rng):
     layout = padded_layout(n)
     x0 = random_flat(layout, dtype, rng)
     fast, slow = x0.copy(), x0.copy()
-    cpu.scale(fast, factor=s)
+    family.scale(fast, factor=s)
     ref.scale(slow, factor=s)
     assert_close(fast, slow)
     assert_close(fast, x0.astype(np.float64) * s, dtype)
@@ -92,17 +91,17 @@ def test_scale_matches_reference(n, dtype, s, rng):
 
 @sizes
 @dtypes
-def test_all_finite_true_on_finite_data(n, dtype, rng):
+def test_all_finite_true_on_finite_data(family, n, dtype, rng):
     layout = padded_layout(n)
     x = random_flat(layout, dtype, rng, scale=1e3)
     x[live_indices(layout)[-1]] = np.finfo(dtype).max  # the largest finite value is finite
-    assert cpu.all_finite(x) is True
+    assert family.all_finite(x) is True
     assert ref.all_finite(x) is True
 
 
 @dtypes
-def test_all_finite_empty_buffer(dtype):
-    assert cpu.all_finite(np.zeros(0, dtype)) is True
+def test_all_finite_empty_buffer(family, dtype):
+    assert family.all_finite(np.zeros(0, dtype)) is True
     assert ref.all_finite(np.zeros(0, dtype)) is True
 
 
@@ -110,20 +109,20 @@ def test_all_finite_empty_buffer(dtype):
 @dtypes
 @pytest.mark.parametrize("bad", NONFINITE, ids=["nan", "+inf", "-inf"])
 @pytest.mark.parametrize("where", POSITIONS)
-def test_all_finite_detects_nonfinite(n, dtype, bad, where, rng):
+def test_all_finite_detects_nonfinite(family, n, dtype, bad, where, rng):
     layout = padded_layout(n)
     x = random_flat(layout, dtype, rng)
     x[_position(layout, where)] = bad
-    assert cpu.all_finite(x) is False
+    assert family.all_finite(x) is False
     assert ref.all_finite(x) is False
 
 
 @sizes
 @dtypes
-def test_sumsq_matches_reference(n, dtype, rng):
+def test_sumsq_matches_reference(family, n, dtype, rng):
     layout = padded_layout(n)
     x = random_flat(layout, dtype, rng, scale=3.0)
-    total, per_seg = cpu.sumsq(x, layout.pieces, nseg=len(layout))
+    total, per_seg = family.sumsq(x, layout.pieces, nseg=len(layout))
     rtotal, rper_seg = ref.sumsq(x, layout.pieces, nseg=len(layout))
     assert isinstance(total, float)
     assert per_seg.dtype == np.float64 and per_seg.shape == (len(layout),)
@@ -160,37 +159,37 @@ def test_reductions_do_not_read_padding(n, dtype, kernels, rng):
 @dtypes
 @pytest.mark.parametrize("bad", NONFINITE, ids=["nan", "+inf", "-inf"])
 @pytest.mark.parametrize("where", POSITIONS)
-def test_sumsq_nonfinite_total(n, dtype, bad, where, rng):
+def test_sumsq_nonfinite_total(family, n, dtype, bad, where, rng):
     layout = padded_layout(n)
     x = random_flat(layout, dtype, rng)
     i = _position(layout, where)
     x[i] = bad
     seg = _segment_of(layout, i)
-    for kernels in (cpu, ref):
+    for name, kernels in (("fast", family), ("reference", ref)):
         total, per_seg = kernels.sumsq(x, layout.pieces, nseg=len(layout))
-        assert not math.isfinite(total), kernels.__name__
-        assert not np.isfinite(per_seg[seg]), kernels.__name__
+        assert not math.isfinite(total), name
+        assert not np.isfinite(per_seg[seg]), name
         others = np.delete(per_seg, seg)
-        assert np.isfinite(others).all(), kernels.__name__
+        assert np.isfinite(others).all(), name
 
 
 @sizes
 @dtypes
-def test_max_abs_matches_reference(n, dtype, rng):
+def test_max_abs_matches_reference(family, n, dtype, rng):
     layout = padded_layout(n)
     x = random_flat(layout, dtype, rng, scale=7.0)
     i = _position(layout, "middle")
     x[i] = -1e4  # the peak is negative: the absolute value must be taken
-    fast, slow = cpu.max_abs(x, layout.pieces), ref.max_abs(x, layout.pieces)
+    fast, slow = family.max_abs(x, layout.pieces), ref.max_abs(x, layout.pieces)
     assert fast == slow == 1e4
 
 
-def test_reductions_without_elements():
+def test_reductions_without_elements(family):
     layout = Layout({"e0": (0,), "e1": (0, 4)})
     assert layout.pieces.shape == (0, 3)
     x = np.zeros(layout.size)
-    assert cpu.max_abs(x, layout.pieces) == ref.max_abs(x, layout.pieces) == 0.0
-    for kernels in (cpu, ref):
+    assert family.max_abs(x, layout.pieces) == ref.max_abs(x, layout.pieces) == 0.0
+    for kernels in (family, ref):
         total, per_seg = kernels.sumsq(x, layout.pieces, nseg=2)
         assert total == 0.0 and per_seg.tolist() == [0.0, 0.0]
 
@@ -199,21 +198,21 @@ def test_reductions_without_elements():
 @dtypes
 @pytest.mark.parametrize("bad", [np.inf, -np.inf], ids=["+inf", "-inf"])
 @pytest.mark.parametrize("where", POSITIONS)
-def test_max_abs_with_inf(n, dtype, bad, where, rng):
+def test_max_abs_with_inf(family, n, dtype, bad, where, rng):
     layout = padded_layout(n)
     x = random_flat(layout, dtype, rng)
     x[_position(layout, where)] = bad
-    assert cpu.max_abs(x, layout.pieces) == math.inf
+    assert family.max_abs(x, layout.pieces) == math.inf
     assert ref.max_abs(x, layout.pieces) == math.inf
 
 
 @sizes
 @dtypes
 @pytest.mark.parametrize("inv", [1.0, 1e-3, 37.5])
-def test_sumsq_scaled_matches_reference(n, dtype, inv, rng):
+def test_sumsq_scaled_matches_reference(family, n, dtype, inv, rng):
     layout = padded_layout(n)
     x = random_flat(layout, dtype, rng)
-    total, per_seg = cpu.sumsq_scaled(x, layout.pieces, nseg=len(layout), inv=inv)
+    total, per_seg = family.sumsq_scaled(x, layout.pieces, nseg=len(layout), inv=inv)
     rtotal, rper_seg = ref.sumsq_scaled(x, layout.pieces, nseg=len(layout), inv=inv)
     assert_close(total, rtotal, np.float64)
     assert_close(per_seg, rper_seg, np.float64)
@@ -252,30 +251,30 @@ def _check_grad_after_step(g_after, g_before, zero_grad, layout):
 @sizes
 @dtypes
 @pytest.mark.parametrize("cfg", SGD_CONFIGS, ids=_sgd_id)
-def test_sgd_step_matches_reference(n, dtype, cfg, rng):
+def test_sgd_step_matches_reference(family, n, dtype, cfg, rng):
     """STEPS consecutive steps; zero_grad alternates off/on from step to step."""
     layout = padded_layout(n)
     lr, gscale = 0.05, 0.8
     has_buf = cfg["momentum"] != 0
-    p = {k: random_flat(layout, dtype, rng) for k in ("cpu", "ref")}
-    p["ref"][...] = p["cpu"]
-    buf = {k: (np.zeros(layout.size, dtype) if has_buf else p[k][:0]) for k in ("cpu", "ref")}
+    p = {k: random_flat(layout, dtype, rng) for k in ("fast", "ref")}
+    p["ref"][...] = p["fast"]
+    buf = {k: (np.zeros(layout.size, dtype) if has_buf else p[k][:0]) for k in ("fast", "ref")}
     for t in range(STEPS):
         zero_grad = t % 2 == 1
         g0 = random_flat(layout, dtype, rng)
-        for k, kernels in (("cpu", cpu), ("ref", ref)):
+        for k, kernels in (("fast", family), ("ref", ref)):
             g = g0.copy()
             kernels.sgd_step(p[k], g, buf[k], layout.pieces, gscale=gscale, lr=_per_seg(layout, lr),
                              l2=_per_seg(layout, cfg["weight_decay"]), momentum=cfg["momentum"],
                              dampening=cfg["dampening"], nesterov=cfg["nesterov"], first=t == 0, zero_grad=zero_grad)
             _check_grad_after_step(g, g0, zero_grad, layout)
-        assert_close(p["cpu"], p["ref"], err_msg=f"params, step {t}")
-        assert_padding_zero(p["cpu"], layout, "params")
+        assert_close(p["fast"], p["ref"], err_msg=f"params, step {t}")
+        assert_padding_zero(p["fast"], layout, "params")
         if has_buf:
-            assert_close(buf["cpu"], buf["ref"], err_msg=f"momentum buffer, step {t}")
-            assert_padding_zero(buf["cpu"], layout, "momentum buffer")
+            assert_close(buf["fast"], buf["ref"], err_msg=f"momentum buffer, step {t}")
+            assert_padding_zero(buf["fast"], layout, "momentum buffer")
         else:
-            assert buf["cpu"].size == 0
+            assert buf["fast"].size == 0
 
 
 @pytest.mark.parametrize("kernels", [cpu, ref], ids=["numba", "reference"])
@@ -334,13 +333,13 @@ def _adam_scalars(t, lr, betas, wd, decoupled, layout):
 @dtypes
 @pytest.mark.parametrize("amsgrad", [False, True], ids=["adam", "amsgrad"])
 @pytest.mark.parametrize("decoupled", [False, True], ids=["l2", "decoupled"])
-def test_adam_step_matches_reference(n, dtype, amsgrad, decoupled, rng):
+def test_adam_step_matches_reference(family, n, dtype, amsgrad, decoupled, rng):
     """STEPS consecutive steps of params and every slot; zero_grad alternates off/on."""
     layout = padded_layout(n)
     lr, betas, eps, wd, gscale = 1e-2, (0.9, 0.99), 1e-8, 0.1, 0.7
     p0 = random_flat(layout, dtype, rng)
     states = {}
-    for k in ("cpu", "ref"):
+    for k in ("fast", "ref"):
         z = lambda: np.zeros(layout.size, dtype)  # noqa: E731
         states[k] = {"p": p0.copy(), "m": z(), "v": z(), "vmax": z() if amsgrad else None}
         states[k]["vmax_arg"] = states[k]["vmax"] if amsgrad else states[k]["p"][:0]
@@ -349,17 +348,17 @@ def test_adam_step_matches_reference(n, dtype, amsgrad, decoupled, rng):
         # the gradient scale varies so that AMSGrad's running max matters
         g0 = random_flat(layout, dtype, rng, scale=[1.0, 5.0, 0.1][t % 3])
         sc = _adam_scalars(t, lr, betas, wd, decoupled, layout)
-        for k, kernels in (("cpu", cpu), ("ref", ref)):
+        for k, kernels in (("fast", family), ("ref", ref)):
             s, g = states[k], g0.copy()
             kernels.adam_step(s["p"], g, s["m"], s["v"], s["vmax_arg"], layout.pieces, gscale=gscale, eps=eps,
                               amsgrad=amsgrad, zero_grad=zero_grad, **sc)
             _check_grad_after_step(g, g0, zero_grad, layout)
         slots = ("p", "m", "v", "vmax") if amsgrad else ("p", "m", "v")
         for slot in slots:
-            assert_close(states["cpu"][slot], states["ref"][slot], err_msg=f"{slot}, step {t}")
-            assert_padding_zero(states["cpu"][slot], layout, slot)
+            assert_close(states["fast"][slot], states["ref"][slot], err_msg=f"{slot}, step {t}")
+            assert_padding_zero(states["fast"][slot], layout, slot)
         if amsgrad:
-            assert np.all(states["cpu"]["vmax"] >= states["cpu"]["v"])
+            assert np.all(states["fast"]["vmax"] >= states["fast"]["v"])
 
 
 @pytest.mark.parametrize("kernels", [cpu, ref], ids=["numba", "reference"])
@@ -385,13 +384,6 @@ def test_adam_first_step_formula(kernels, rng):
 # -- determinism --------------------------------------------------------------------------------
 
 
-@pytest.fixture
-def restore_threads():
-    before = numba.get_num_threads()
-    yield
-    numba.set_num_threads(before)
-
-
 @dtypes
 def test_sumsq_bitwise_independent_of_thread_count(dtype, rng, restore_threads):
     if numba.config.NUMBA_NUM_THREADS < 2:
@@ -410,7 +402,7 @@ def test_sumsq_bitwise_independent_of_thread_count(dtype, rng, restore_threads):
 
 @pytest.mark.parametrize("kernel", ["sumsq", "sgd_step", "adam_step"])
 @dtypes
-def test_identical_runs_are_bitwise_equal(kernel, dtype, rng):
+def test_identical_runs_are_bitwise_equal(family, kernel, dtype, rng):
     layout = padded_layout(SIZES[-1])
     p0 = random_flat(layout, dtype, rng)
     grads = [random_flat(layout, dtype, rng) for _ in range(3)]
@@ -420,17 +412,17 @@ def test_identical_runs_are_bitwise_equal(kernel, dtype, rng):
         out = []
         for t, g in enumerate(grads, 1):
             if kernel == "sumsq":
-                total, per_seg = cpu.sumsq(g, layout.pieces, nseg=len(layout))
+                total, per_seg = family.sumsq(g, layout.pieces, nseg=len(layout))
                 out.append((total, per_seg.tobytes()))
                 continue
             if kernel == "sgd_step":
-                cpu.sgd_step(p, g.copy(), m, layout.pieces, gscale=0.9, lr=_per_seg(layout, 0.1),
-                             l2=_per_seg(layout, 0.01), momentum=0.9, dampening=0.0, nesterov=True, first=t == 1,
-                             zero_grad=True)
+                family.sgd_step(p, g.copy(), m, layout.pieces, gscale=0.9, lr=_per_seg(layout, 0.1),
+                                l2=_per_seg(layout, 0.01), momentum=0.9, dampening=0.0, nesterov=True, first=t == 1,
+                                zero_grad=True)
             else:
                 sc = _adam_scalars(t, 1e-2, (0.9, 0.999), 0.0, False, layout)
-                cpu.adam_step(p, g.copy(), m, v, v, layout.pieces, gscale=0.9, eps=1e-8, amsgrad=True, zero_grad=True,
-                              **sc)
+                family.adam_step(p, g.copy(), m, v, v, layout.pieces, gscale=0.9, eps=1e-8, amsgrad=True,
+                                 zero_grad=True, **sc)
             out.append((p.tobytes(), m.tobytes(), v.tobytes()))
         return out
 

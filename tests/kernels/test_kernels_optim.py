@@ -1,5 +1,5 @@
-"""Adagrad, RMSprop, Lion, LAMB, NAdam, RAdam, Adamax and Adadelta kernels (arraytrain.kernels.cpu)
-against their reference twins.
+"""Adagrad, RMSprop, Lion, LAMB, NAdam, RAdam, Adamax and Adadelta kernels of the fast families
+(numba, and CUDA where a GPU is usable: the ``family`` fixture) against their reference twins.
 
 STEPS consecutive steps on params and every state slot, at every size in SIZES
 with zero-size parameters first, middle and last (conftest.padded_layout), for
@@ -19,14 +19,22 @@ import pytest
 
 from arraytrain.kernels import cpu
 from arraytrain.kernels import reference as ref
-from conftest import DTYPES, SIZES, assert_close, assert_padding_zero, live_indices, live_mask, padded_layout, random_flat
+from conftest import (
+    LP_TOL,
+    SIZES,
+    assert_close,
+    assert_padding_zero,
+    decoded,
+    dtypes,
+    live_indices,
+    live_mask,
+    padded_layout,
+    random_flat,
+    sizes,
+)
 
 STEPS = 8
-LP_TOL = {"rtol": 5e-3, "atol": 5e-3}
 WORKING = {"none": (None, cpu.LP_NONE), "bf16": ("bfloat16", cpu.LP_BF16), "f16": ("float16", cpu.LP_F16)}
-
-sizes = pytest.mark.parametrize("n", SIZES)
-dtypes = pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
 
 
 def _seg_values(layout, base, rng):
@@ -151,26 +159,21 @@ def _sign_ties(variant, states, g0, gscale, dtype):
     """
     if variant != "lion":
         return None
-    c = LION_B1 * _decoded(states["ref"]["slots"]["exp_avg"]) + (1 - LION_B1) * gscale * g0.astype(np.float64)
+    c = LION_B1 * decoded(states["ref"]["slots"]["exp_avg"]) + (1 - LION_B1) * gscale * g0.astype(np.float64)
     # padding is never touched (c = 0 there): only the parameters' elements
     return (np.abs(c) < (1e-6 if np.dtype(dtype) == np.float32 else 1e-12)) & live_mask(states["layout"])
 
 
-def _decoded(a):
-    """float64 values of a state slot (uint16 slots hold bfloat16 bits)."""
-    return a.view(ml_dtypes.bfloat16).astype(np.float64) if a.dtype == np.uint16 else a.astype(np.float64)
-
-
 def _resync(states, ties):
     if ties is not None and ties.any():
-        states["cpu"]["p"][ties] = states["ref"]["p"][ties]
+        states["fast"]["p"][ties] = states["ref"]["p"][ties]
         assert ties.sum() <= 2 + 1e-4 * ties.size  # rare: otherwise the comparison would be hollow
 
 
 def _init(layout, dtype, slots, rng, variant):
     p0 = random_flat(layout, dtype, rng)
     states = {}
-    for k in ("cpu", "ref"):
+    for k in ("fast", "ref"):
         s = {name: np.zeros(layout.size, dtype) for name in slots}
         if variant == "adagrad":  # a non-zero initial accumulator on the parameters' elements
             s["sum"][live_mask(layout)] = 0.1
@@ -180,10 +183,10 @@ def _init(layout, dtype, slots, rng, variant):
 
 
 def _compare(states, layout, slots, t, lp=None):
-    assert_close(states["cpu"]["p"], states["ref"]["p"], err_msg=f"params, step {t}")
-    assert_padding_zero(states["cpu"]["p"], layout, "params")
+    assert_close(states["fast"]["p"], states["ref"]["p"], err_msg=f"params, step {t}")
+    assert_padding_zero(states["fast"]["p"], layout, "params")
     for slot in slots:
-        a, d = states["cpu"]["slots"][slot], states["ref"]["slots"][slot]
+        a, d = states["fast"]["slots"][slot], states["ref"]["slots"][slot]
         assert_close(a, d, err_msg=f"{slot}, step {t}")
         assert_padding_zero(a, layout, slot)
 
@@ -191,7 +194,7 @@ def _compare(states, layout, slots, t, lp=None):
 @sizes
 @dtypes
 @variants
-def test_matches_reference(n, dtype, variant, rng):
+def test_matches_reference(family, n, dtype, variant, rng):
     """STEPS steps of params and every slot; per-parameter lr/wd; zero_grad alternates."""
     layout = padded_layout(n)
     slots, run = VARIANTS[variant]
@@ -203,7 +206,7 @@ def test_matches_reference(n, dtype, variant, rng):
         g0 = random_flat(layout, dtype, rng, scale=[1.0, 5.0, 0.1][t % 3])
         ratios = {}
         ties = _sign_ties(variant, states, g0, 0.7, dtype)
-        for k, kernels in (("cpu", cpu), ("ref", ref)):
+        for k, kernels in (("fast", family), ("ref", ref)):
             g = g0.copy()
             ratios[k] = run(kernels, states[k]["p"], g, states[k]["slots"], layout, t, lr, wd, 0.7, None, 0, zero_grad)
             if zero_grad:
@@ -213,17 +216,17 @@ def test_matches_reference(n, dtype, variant, rng):
         _resync(states, ties)
         _compare(states, layout, slots, t)
         if variant == "lamb":
-            assert ratios["cpu"].shape == (len(layout),)
-            assert_close(ratios["cpu"], ratios["ref"], np.float64 if dtype == np.float64 else np.float32)
+            assert ratios["fast"].shape == (len(layout),)
+            assert_close(ratios["fast"], ratios["ref"], np.float64 if dtype == np.float64 else np.float32)
             for seg, size in enumerate(layout.sizes):
                 if size == 0:
-                    assert ratios["cpu"][seg] == 1.0
+                    assert ratios["fast"][seg] == 1.0
 
 
 @pytest.mark.parametrize("n", [7, 1037, 278011])
 @variants
 @pytest.mark.parametrize("working", ["bf16", "f16"])
-def test_working_copy_matches_reference(n, variant, working, rng):
+def test_working_copy_matches_reference(family, n, variant, working, rng):
     """float32 master weights with a low-precision working copy written in the same kernel."""
     import ml_dtypes
 
@@ -233,30 +236,30 @@ def test_working_copy_matches_reference(n, variant, working, rng):
     lr, wd = _seg_values(layout, 1e-2, rng), _seg_values(layout, 0.1, rng)
     wdtype, wkind = WORKING[working]
     wdtype = np.dtype(ml_dtypes.bfloat16) if wdtype == "bfloat16" else np.dtype(np.float16)
-    w = {k: np.zeros(layout.size, np.uint16) for k in ("cpu", "ref")}
+    w = {k: np.zeros(layout.size, np.uint16) for k in ("fast", "ref")}
     live = live_mask(layout)
     for t in range(1, STEPS + 1):
         g0 = random_flat(layout, np.float32, rng)
         ties = _sign_ties(variant, states, g0, 1.0, np.float32)
-        for k, kernels in (("cpu", cpu), ("ref", ref)):
+        for k, kernels in (("fast", family), ("ref", ref)):
             run(kernels, states[k]["p"], g0.copy(), states[k]["slots"], layout, t, lr, wd, 1.0, w[k], wkind, False)
         if ties is not None and ties.any():  # the reference's rounding of the resynchronised weights
             _resync(states, ties)
-            w["cpu"][ties] = states["cpu"]["p"][ties].astype(wdtype).view(np.uint16)
+            w["fast"][ties] = states["fast"]["p"][ties].astype(wdtype).view(np.uint16)
         _compare(states, layout, slots, t)
-        wc, wr = (w[k].view(wdtype).astype(np.float64) for k in ("cpu", "ref"))
+        wc, wr = (w[k].view(wdtype).astype(np.float64) for k in ("fast", "ref"))
         np.testing.assert_allclose(wc, wr, err_msg=f"working copy, step {t}", **LP_TOL)
         # the working copy is the rounding of the kernel's own new weights, bit for bit
-        expected = states["cpu"]["p"][live].astype(wdtype).view(np.uint16)
-        np.testing.assert_array_equal(w["cpu"][live], expected)
-        assert not np.any(w["cpu"][~live])
+        expected = states["fast"]["p"][live].astype(wdtype).view(np.uint16)
+        np.testing.assert_array_equal(w["fast"][live], expected)
+        assert not np.any(w["fast"][~live])
 
 
 @pytest.mark.parametrize("n", [7, 278011])
 @dtypes
 @variants
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf], ids=["nan", "+inf", "-inf"])
-def test_nonfinite_gradient_propagates_as_reference(n, dtype, variant, bad, rng):
+def test_nonfinite_gradient_propagates_as_reference(family, n, dtype, variant, bad, rng):
     layout = padded_layout(n)
     slots, run = VARIANTS[variant]
     states = _init(layout, dtype, slots, rng, variant)
@@ -268,11 +271,11 @@ def test_nonfinite_gradient_propagates_as_reference(n, dtype, variant, bad, rng)
             g0[live[len(live) // 2]] = bad
         ties = _sign_ties(variant, states, g0, 1.0, dtype)
         with np.errstate(invalid="ignore", over="ignore"):
-            for k, kernels in (("cpu", cpu), ("ref", ref)):
+            for k, kernels in (("fast", family), ("ref", ref)):
                 run(kernels, states[k]["p"], g0.copy(), states[k]["slots"], layout, t, lr, wd, 1.0, None, 0, False)
             _resync(states, ties)
         for what in ("p",) + slots:
-            a = states["cpu"]["p"] if what == "p" else states["cpu"]["slots"][what]
+            a = states["fast"]["p"] if what == "p" else states["fast"]["slots"][what]
             d = states["ref"]["p"] if what == "p" else states["ref"]["slots"][what]
             np.testing.assert_array_equal(np.isnan(a), np.isnan(d), err_msg=f"{what}: NaN pattern, step {t}")
             np.testing.assert_array_equal(np.isposinf(a), np.isposinf(d), err_msg=f"{what}: +inf, step {t}")
@@ -281,15 +284,8 @@ def test_nonfinite_gradient_propagates_as_reference(n, dtype, variant, bad, rng)
             assert_close(a[fin], d[fin], dtype, err_msg=f"{what}, step {t}")
             assert_padding_zero(a, layout, what)
         if t >= 2:  # the non-finite value reached the state (Lion's sign(+-inf) = +-1 keeps p finite)
-            reached = [states["cpu"]["p"]] + [states["cpu"]["slots"][k] for k in slots]
+            reached = [states["fast"]["p"]] + [states["fast"]["slots"][k] for k in slots]
             assert any(not np.isfinite(a).all() for a in reached)
-
-
-@pytest.fixture
-def restore_threads():
-    before = numba.get_num_threads()
-    yield
-    numba.set_num_threads(before)
 
 
 @dtypes
@@ -312,7 +308,7 @@ def test_lamb_bitwise_independent_of_thread_count(dtype, rng, restore_threads):
 
 @pytest.mark.parametrize("n", [7, 1037, 278011])
 @variants
-def test_bfloat16_state_matches_reference(n, variant, rng):
+def test_bfloat16_state_matches_reference(family, n, variant, rng):
     """Float32 parameters, every slot in bfloat16 (uint16 bits) through the kernels' state accessor.
 
     Each step starts both twins from the same state (the fast kernel's), so the check is the
@@ -323,21 +319,21 @@ def test_bfloat16_state_matches_reference(n, variant, rng):
     layout = padded_layout(n)
     slots, run = VARIANTS[variant]
     states = _init(layout, np.float32, slots, rng, variant)
-    for k in ("cpu", "ref"):
+    for k in ("fast", "ref"):
         states[k]["slots"] = {name: a.astype(ml_dtypes.bfloat16).view(np.uint16) for name, a in states[k]["slots"].items()}
     lr, wd = _seg_values(layout, 1e-2, rng), _seg_values(layout, 0.1, rng)
     for t in range(1, STEPS + 1):
-        states["ref"]["p"][...] = states["cpu"]["p"]
+        states["ref"]["p"][...] = states["fast"]["p"]
         for name in slots:
-            states["ref"]["slots"][name][...] = states["cpu"]["slots"][name]
+            states["ref"]["slots"][name][...] = states["fast"]["slots"][name]
         g0 = random_flat(layout, np.float32, rng)
         ties = _sign_ties(variant, states, g0, 1.0, np.float32)
-        for k, kernels in (("cpu", cpu), ("ref", ref)):
+        for k, kernels in (("fast", family), ("ref", ref)):
             run(kernels, states[k]["p"], g0.copy(), states[k]["slots"], layout, t, lr, wd, 1.0, None, 0, False)
         _resync(states, ties)
-        np.testing.assert_allclose(states["cpu"]["p"], states["ref"]["p"], err_msg=f"p, step {t}", **LP_TOL)
+        np.testing.assert_allclose(states["fast"]["p"], states["ref"]["p"], err_msg=f"p, step {t}", **LP_TOL)
         for name in slots:
-            a, d = _decoded(states["cpu"]["slots"][name]), _decoded(states["ref"]["slots"][name])
+            a, d = decoded(states["fast"]["slots"][name]), decoded(states["ref"]["slots"][name])
             # within 4 bfloat16 steps everywhere (a slot that cancels to ~0 differs by float32
             # rounding of its O(1) terms: atol), within one step but for a few elements, where
             # a slot read by another (RMSprop's momentum reads the rounded square average)
@@ -345,4 +341,4 @@ def test_bfloat16_state_matches_reference(n, variant, rng):
             np.testing.assert_allclose(a, d, rtol=2 ** -5, atol=1e-6, err_msg=f"{name}, step {t}")
             far = np.abs(a - d) > 2 ** -7 * np.abs(d) + 1e-6
             assert far.sum() <= 2 + 1e-4 * far.size, f"{name}, step {t}: {far.sum()} elements beyond one rounding"
-            assert not np.any(states["cpu"]["slots"][name][~live_mask(layout)]), f"{name}: padding"
+            assert not np.any(states["fast"]["slots"][name][~live_mask(layout)]), f"{name}: padding"

@@ -1,4 +1,4 @@
-"""Adafactor: numba kernel == reference twin, == torch.optim.Adafactor, NaN, convergence."""
+"""Adafactor: fast kernels (numba, CUDA) == reference twin, == torch.optim.Adafactor, NaN, convergence."""
 
 from __future__ import annotations
 
@@ -6,14 +6,22 @@ import numpy as np
 import pytest
 
 from arraytrain import Engine, FlatBuffer, Layout, optim
-from arraytrain.kernels import cpu
 from arraytrain.kernels import reference as ref
 from arraytrain.optim._adafactor import slot_layouts
-from conftest import DTYPES, SIZES, assert_close, assert_padding_zero, live_indices, padded_layout, random_flat, tol
+from conftest import (
+    SIZES,
+    assert_close,
+    assert_padding_zero,
+    decoded,
+    dtypes,
+    live_indices,
+    padded_layout,
+    random_flat,
+    tol,
+)
 
 STEPS = 8
 SLOTS = ("row_var", "col_var", "variance")
-dtypes = pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
 
 # Matrices whose rows straddle the reduction chunks (531 does not divide 2**14), more than one
 # column block (531, 1037 > 256), one-row / one-column matrices, >2-D (factored over the last
@@ -31,14 +39,14 @@ LAYOUTS.update({k: (lay, {"v" if "v" in lay else "t": {"lr": 0.02, "weight_decay
 def _setup(layout, dtype, opt, rng, scale=1.0):
     params = FlatBuffer(layout, random_flat(layout, dtype, rng))
     runs = {}
-    for name in ("cpu", "ref"):
+    for name in ("fast", "ref"):
         p = params.copy()
         runs[name] = (p, opt.init(p))
     return runs
 
 
 def _compare(runs, layout, dtype, what):
-    (pc, sc), (pr, sr) = runs["cpu"], runs["ref"]
+    (pc, sc), (pr, sr) = runs["fast"], runs["ref"]
     assert_close(pc.flat, pr.flat, dtype, err_msg=f"params, {what}")
     assert_padding_zero(pc.flat, layout, "params")
     for slot in SLOTS:
@@ -53,14 +61,14 @@ def _compare(runs, layout, dtype, what):
     {},
     {"lr": 0.5, "beta2_decay": -0.5, "eps": (1e-6, 1e-2), "d": 2.0, "weight_decay": 0.1, "maximize": True},
 ], ids=["defaults", "options"])
-def test_kernel_matches_reference(layout, overrides, dtype, cfg, rng):
+def test_kernel_matches_reference(family, layout, overrides, dtype, cfg, rng):
     """STEPS steps of params and every slot; zero_grad alternates; per-parameter lr/wd overrides."""
     opt = optim.Adafactor(**cfg, overrides=overrides)
     runs = _setup(layout, dtype, opt, rng)
     for t in range(STEPS):
         zero_grad = t % 2 == 1
         g0 = random_flat(layout, dtype, rng, scale=[1.0, 30.0, 0.01][t % 3])
-        for name, kernels in (("cpu", cpu), ("ref", ref)):
+        for name, kernels in (("fast", family), ("ref", ref)):
             p, state = runs[name]
             g = FlatBuffer(layout, g0.copy())
             opt.update(kernels, p, g, state, gscale=0.7, zero_grad=zero_grad)
@@ -69,40 +77,37 @@ def test_kernel_matches_reference(layout, overrides, dtype, cfg, rng):
             else:
                 np.testing.assert_array_equal(g.flat, g0)
         _compare(runs, layout, dtype, f"step {t}")
-    moved = np.abs(runs["cpu"][0].flat - runs["ref"][0].flat)  # sanity: both moved the same way
+    moved = np.abs(runs["fast"][0].flat - runs["ref"][0].flat)  # sanity: both moved the same way
     assert np.all(moved <= 1.0)
 
 
-def test_working_copy_written_in_the_same_pass(rng):
+def test_working_copy_written_in_the_same_pass(family, rng):
     layout = MATRIX_LAYOUTS["thin"]
     opt = optim.Adafactor(lr=0.1)
     runs = _setup(layout, np.float32, opt, rng)
     work = {k: np.zeros(layout.size, np.uint16) for k in runs}
     for _ in range(3):
         g0 = random_flat(layout, np.float32, rng)
-        for name, kernels in (("cpu", cpu), ("ref", ref)):
+        for name, kernels in (("fast", family), ("ref", ref)):
             p, state = runs[name]
-            opt.update(kernels, p, FlatBuffer(layout, g0.copy()), state, working=(work[name], cpu.LP_BF16))
-    import ml_dtypes
-
+            opt.update(kernels, p, FlatBuffer(layout, g0.copy()), state, working=(work[name], family.LP_BF16))
     for name in runs:
-        decoded = work[name].view(ml_dtypes.bfloat16).astype(np.float64)
-        np.testing.assert_allclose(decoded, runs[name][0].flat, rtol=5e-3, atol=1e-6)
+        np.testing.assert_allclose(decoded(work[name]), runs[name][0].flat, rtol=5e-3, atol=1e-6)
 
 
 @dtypes
 @pytest.mark.parametrize("where", ["big", "v"])
-def test_nan_propagates_as_in_the_reference(dtype, where, rng):
+def test_nan_propagates_as_in_the_reference(family, dtype, where, rng):
     """A NaN gradient element stays inside its parameter, with the reference's NaN pattern."""
     layout = MATRIX_LAYOUTS["matrices"]
     opt = optim.Adafactor()
     runs = _setup(layout, dtype, opt, rng)
     g0 = random_flat(layout, dtype, rng)
     g0[layout.slice(where).start + 600] = np.nan
-    for name, kernels in (("cpu", cpu), ("ref", ref)):
+    for name, kernels in (("fast", family), ("ref", ref)):
         p, state = runs[name]
         opt.update(kernels, p, FlatBuffer(layout, g0.copy()), state)
-    (pc, sc), (pr, sr) = runs["cpu"], runs["ref"]
+    (pc, sc), (pr, sr) = runs["fast"], runs["ref"]
     for a, b, what in [(pc.flat, pr.flat, "params")] + [(sc.slots[k].flat, sr.slots[k].flat, k) for k in SLOTS]:
         np.testing.assert_array_equal(np.isnan(a), np.isnan(b), err_msg=what)
         ok = ~np.isnan(b)

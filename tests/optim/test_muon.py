@@ -1,11 +1,11 @@
 """Muon: the kernels against their float64 reference, the routing, hyperparameters and state.
 
-* kernels: ``muon_step`` (cpu family) against the reference on params and the momentum buffer
+* kernels: ``muon_step`` (the fast families: numba, and CUDA where a GPU is usable, through
+  the ``family`` fixture) against the reference on params and the momentum buffer
   over STEPS steps, on matrices of every size in SIZES (0, 1, 7, 1037, 278011 elements, wide
   and tall) with zero-size matrices first, middle and last and a 1-D parameter the step must
   not touch; per-parameter lr and decay, zero_grad alternating, Nesterov or not, a working
-  copy, a mask, bfloat16 momentum; NaN/Inf propagate as in the reference. The CUDA family
-  reruns these (test_cuda_kernels.py).
+  copy, a mask, bfloat16 momentum; NaN/Inf propagate as in the reference.
 * routing: which parameters Muon takes and which go to the fallback; the fallback inside
   Muon equals that optimizer alone on its parameters; overrides, schedules, state dtypes.
 
@@ -24,14 +24,11 @@ import pytest
 import arraytrain as at
 from arraytrain import Layout, optim
 from arraytrain.errors import HyperparameterError
-from arraytrain.kernels import cpu
 from arraytrain.kernels import reference as ref
 from arraytrain.optim._muon import routing
-from conftest import SIZES, assert_close, assert_padding_zero, live_mask, random_flat
+from conftest import LP_TOL, SIZES, assert_close, assert_padding_zero, decoded, dtypes, live_mask, random_flat
 
 STEPS = 6
-LP_TOL = {"rtol": 5e-3, "atol": 5e-3}
-dtypes = pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=["float32", "float64"])
 
 
 def _shape(n: int, tall: bool) -> tuple[int, int]:
@@ -70,100 +67,100 @@ def _muon_live(layout):
 @pytest.mark.parametrize("tall", [False, True], ids=["wide", "tall"])
 @pytest.mark.parametrize("nesterov", [True, False], ids=["nesterov", "plain"])
 @dtypes
-def test_kernel_matches_reference(n, tall, nesterov, dtype, rng):
+def test_kernel_matches_reference(family, n, tall, nesterov, dtype, rng):
     layout = _layout(n, tall)
     route = routing(layout)
     p0 = random_flat(layout, dtype, rng)
-    state = {k: {"p": p0.copy(), "buf": np.zeros(layout.size, dtype)} for k in ("cpu", "ref")}
+    state = {k: {"p": p0.copy(), "buf": np.zeros(layout.size, dtype)} for k in ("fast", "ref")}
     work = np.empty(route.work, dtype)
     alr, dec = 1e-2 * rng.uniform(0.5, 1.5, len(layout)), 1.0 - 1e-3 * rng.uniform(0.5, 1.5, len(layout))
     muon = _muon_live(layout)
     for t in range(1, STEPS + 1):
         zg = t % 2 == 0
         g0 = random_flat(layout, dtype, rng, scale=[1.0, 5.0, 0.1][t % 3])
-        for k, kernels in (("cpu", cpu), ("ref", ref)):
+        for k, kernels in (("fast", family), ("ref", ref)):
             g = g0.copy()
             _run(kernels, state[k]["p"], g, state[k]["buf"], layout, work, t, alr, dec, nesterov, zg)
             np.testing.assert_array_equal(g[~muon], g0[~muon])  # only Muon's elements are zeroed
             assert not np.any(g[muon]) if zg else np.array_equal(g, g0)
         for what in ("p", "buf"):
-            assert_close(state["cpu"][what], state["ref"][what], err_msg=f"{what}, step {t}")
-            assert_padding_zero(state["cpu"][what], layout, what)
-        np.testing.assert_array_equal(state["cpu"]["p"][~muon], p0[~muon])  # the 1-D parameter is not Muon's
+            assert_close(state["fast"][what], state["ref"][what], err_msg=f"{what}, step {t}")
+            assert_padding_zero(state["fast"][what], layout, what)
+        np.testing.assert_array_equal(state["fast"]["p"][~muon], p0[~muon])  # the 1-D parameter is not Muon's
     if n > 1:
-        assert np.abs(state["cpu"]["p"] - p0).max() > 1e-3
+        assert np.abs(state["fast"]["p"] - p0).max() > 1e-3
 
 
 @pytest.mark.parametrize("n", [7, 1037, 278011])
 @pytest.mark.parametrize("working", ["bf16", "f16"])
-def test_working_copy_and_mask(n, working, rng):
+def test_working_copy_and_mask(family, n, working, rng):
     """float32 weights, a working copy written by the apply kernel and a mask: pruned weights exactly 0."""
     layout = _layout(n, False)
     route = routing(layout)
-    wdtype, wkind = ((np.dtype(ml_dtypes.bfloat16), cpu.LP_BF16) if working == "bf16"
-                     else (np.dtype(np.float16), cpu.LP_F16))
+    wdtype, wkind = ((np.dtype(ml_dtypes.bfloat16), family.LP_BF16) if working == "bf16"
+                     else (np.dtype(np.float16), family.LP_F16))
     mask = (rng.uniform(size=layout.size) > 0.3).astype(np.uint8)
     p0 = random_flat(layout, np.float32, rng)
     state = {k: {"p": p0.copy(), "buf": np.zeros(layout.size, np.float32),
-                 "w": np.zeros(layout.size, np.uint16)} for k in ("cpu", "ref")}
+                 "w": np.zeros(layout.size, np.uint16)} for k in ("fast", "ref")}
     work = np.empty(route.work, np.float32)
     alr, dec = np.full(len(layout), 1e-2), np.full(len(layout), 0.999)
     muon = _muon_live(layout)
     for t in range(1, 4):
         g0 = random_flat(layout, np.float32, rng)
-        for k, kernels in (("cpu", cpu), ("ref", ref)):
+        for k, kernels in (("fast", family), ("ref", ref)):
             s = state[k]
             _run(kernels, s["p"], g0.copy(), s["buf"], layout, work, t, alr, dec, True, False, s["w"], wkind, mask)
-        assert_close(state["cpu"]["p"], state["ref"]["p"], err_msg=f"p, step {t}")
-        assert_close(state["cpu"]["buf"], state["ref"]["buf"], err_msg=f"buf, step {t}")
+        assert_close(state["fast"]["p"], state["ref"]["p"], err_msg=f"p, step {t}")
+        assert_close(state["fast"]["buf"], state["ref"]["buf"], err_msg=f"buf, step {t}")
         pruned = muon & (mask == 0)
-        assert not np.any(state["cpu"]["p"][pruned])
+        assert not np.any(state["fast"]["p"][pruned])
         live = live_mask(layout) & muon
-        expected = state["cpu"]["p"][live].astype(wdtype).view(np.uint16)
-        np.testing.assert_array_equal(state["cpu"]["w"][live], expected)
-        assert not np.any(state["cpu"]["w"][~muon])  # the 1-D parameter's copy is the fallback's to write
+        expected = state["fast"]["p"][live].astype(wdtype).view(np.uint16)
+        np.testing.assert_array_equal(state["fast"]["w"][live], expected)
+        assert not np.any(state["fast"]["w"][~muon])  # the 1-D parameter's copy is the fallback's to write
 
 
 @pytest.mark.parametrize("n", [7, 1037, 278011])
-def test_bfloat16_momentum_matches_reference(n, rng):
+def test_bfloat16_momentum_matches_reference(family, n, rng):
     """The momentum buffer as bfloat16 bits: each step from the same state, within one bfloat16 rounding."""
     layout = _layout(n, True)
     route = routing(layout)
     p0 = random_flat(layout, np.float32, rng)
-    state = {k: {"p": p0.copy(), "buf": np.zeros(layout.size, np.uint16)} for k in ("cpu", "ref")}
+    state = {k: {"p": p0.copy(), "buf": np.zeros(layout.size, np.uint16)} for k in ("fast", "ref")}
     work = np.empty(route.work, np.float32)
     alr, dec = np.full(len(layout), 1e-2), np.full(len(layout), 0.999)
     for t in range(1, 5):
-        state["ref"]["p"][...] = state["cpu"]["p"]
-        state["ref"]["buf"][...] = state["cpu"]["buf"]
+        state["ref"]["p"][...] = state["fast"]["p"]
+        state["ref"]["buf"][...] = state["fast"]["buf"]
         g0 = random_flat(layout, np.float32, rng)
-        for k, kernels in (("cpu", cpu), ("ref", ref)):
+        for k, kernels in (("fast", family), ("ref", ref)):
             _run(kernels, state[k]["p"], g0.copy(), state[k]["buf"], layout, work, t, alr, dec, True, False)
-        np.testing.assert_allclose(state["cpu"]["p"], state["ref"]["p"], **LP_TOL)
-        a, d = (state[k]["buf"].view(ml_dtypes.bfloat16).astype(np.float64) for k in ("cpu", "ref"))
+        np.testing.assert_allclose(state["fast"]["p"], state["ref"]["p"], **LP_TOL)
+        a, d = (decoded(state[k]["buf"]) for k in ("fast", "ref"))
         np.testing.assert_allclose(a, d, rtol=2**-7, atol=1e-6, err_msg=f"momentum, step {t}")
 
 
 @pytest.mark.parametrize("bad", [np.nan, np.inf], ids=["nan", "inf"])
 @dtypes
-def test_nonfinite_propagates_as_in_the_reference(bad, dtype, rng):
+def test_nonfinite_propagates_as_in_the_reference(family, bad, dtype, rng):
     """A non-finite gradient element spreads over its matrix (the GEMMs), as in the reference; others stay finite."""
     layout = _layout(1037, False)
     route = routing(layout)
     g0 = random_flat(layout, dtype, rng)
     g0[layout.slice("m")][5] = bad
     out = {}
-    for k, kernels in (("cpu", cpu), ("ref", ref)):
+    for k, kernels in (("fast", family), ("ref", ref)):
         p, buf = random_flat(layout, dtype, np.random.default_rng(1)), np.zeros(layout.size, dtype)
         with np.errstate(invalid="ignore", over="ignore"):
             _run(kernels, p, g0.copy(), buf, layout, np.empty(route.work, dtype), 1, np.full(len(layout), 1e-2),
                  np.full(len(layout), 1.0), True, False)
         out[k] = p
-    np.testing.assert_array_equal(np.isnan(out["cpu"]), np.isnan(out["ref"]))
-    assert np.isnan(out["cpu"][layout.slice("m")]).all()
+    np.testing.assert_array_equal(np.isnan(out["fast"]), np.isnan(out["ref"]))
+    assert np.isnan(out["fast"][layout.slice("m")]).all()
     fin = np.isfinite(out["ref"])
-    assert_close(out["cpu"][fin], out["ref"][fin], dtype)
-    assert np.isfinite(out["cpu"][layout.slice("small")]).all()
+    assert_close(out["fast"][fin], out["ref"][fin], dtype)
+    assert np.isfinite(out["fast"][layout.slice("small")]).all()
 
 
 # -- routing, hyperparameters, state -----------------------------------------------------------------------------

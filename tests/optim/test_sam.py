@@ -1,4 +1,4 @@
-"""SAM / ASAM: kernels == reference twins, the engine's two windows == a NumPy SAM from the paper."""
+"""SAM / ASAM: fast kernels (numba, CUDA) == reference twins, the engine's two windows == a NumPy SAM from the paper."""
 
 from __future__ import annotations
 
@@ -8,48 +8,45 @@ import numpy as np
 import pytest
 
 from arraytrain import Engine, FlatBuffer, HyperparameterError, optim
-from arraytrain.kernels import cpu
 from arraytrain.kernels import reference as ref
-from conftest import DTYPES, SIZES, assert_close, assert_padding_zero, live_mask, padded_layout, random_flat
-
-dtypes = pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+from conftest import SIZES, assert_close, assert_padding_zero, dtypes, live_mask, padded_layout, random_flat
 
 
 @pytest.mark.parametrize("n", SIZES)
 @dtypes
 @pytest.mark.parametrize("adaptive", [False, True], ids=["sam", "asam"])
-def test_perturb_kernel_matches_reference(n, dtype, adaptive, rng):
+def test_perturb_kernel_matches_reference(family, n, dtype, adaptive, rng):
     layout = padded_layout(n)
     p0, g0 = random_flat(layout, dtype, rng), random_flat(layout, dtype, rng)
     for t, zero_grad in enumerate((False, True)):
         out = {}
-        for name, kernels in (("cpu", cpu), ("ref", ref)):
+        for name, kernels in (("fast", family), ("ref", ref)):
             p, g, backup = p0.copy(), g0.copy(), np.zeros_like(p0)
             kernels.sam_perturb(p, g, backup, layout.pieces, scale=0.3, adaptive=adaptive, zero_grad=zero_grad)
             out[name] = (p, g, backup)
             np.testing.assert_array_equal(backup, p0)
             assert not np.any(g) if zero_grad else np.array_equal(g, g0)
             assert_padding_zero(p, layout)
-        assert_close(out["cpu"][0], out["ref"][0], dtype)
+        assert_close(out["fast"][0], out["ref"][0], dtype)
     expected = p0.astype(np.float64) + 0.3 * g0 * (p0.astype(np.float64) ** 2 if adaptive else 1.0)
-    assert_close(out["cpu"][0], expected, dtype)
+    assert_close(out["fast"][0], expected, dtype)
 
 
 @pytest.mark.parametrize("n", SIZES)
 @dtypes
-def test_sumsq_product_matches_reference(n, dtype, rng):
+def test_sumsq_product_matches_reference(family, n, dtype, rng):
     layout = padded_layout(n)
     x, y = random_flat(layout, dtype, rng), random_flat(layout, dtype, rng, scale=3.0)
     dirty = x.copy()
     dirty[~live_mask(layout)] = np.nan  # padding is never read
-    total, per_seg = cpu.sumsq_product(dirty, y, layout.pieces, nseg=len(layout))
+    total, per_seg = family.sumsq_product(dirty, y, layout.pieces, nseg=len(layout))
     rtotal, rper_seg = ref.sumsq_product(x, y, layout.pieces, nseg=len(layout))
     assert_close(total, rtotal, np.float64)
     assert_close(per_seg, rper_seg, np.float64)
     assert_close(total, float(np.sum((x.astype(np.float64) * y) ** 2)), np.float64)
     x[np.flatnonzero(live_mask(layout))[-1:]] = np.nan
     if n:
-        assert math.isnan(cpu.sumsq_product(x, y, layout.pieces, nseg=len(layout))[0])
+        assert math.isnan(family.sumsq_product(x, y, layout.pieces, nseg=len(layout))[0])
         assert math.isnan(ref.sumsq_product(x, y, layout.pieces, nseg=len(layout))[0])
 
 

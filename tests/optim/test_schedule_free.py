@@ -1,11 +1,11 @@
 """Schedule-Free AdamW: the kernel against its reference, warm-ups against optax, the evaluation weights.
 
-* kernel: ``schedule_free_adamw_step`` (cpu family) against the reference on y, z, v and the
+* kernel: ``schedule_free_adamw_step`` (the fast families: numba, and CUDA where a GPU is
+  usable, through the ``family`` fixture) against the reference on y, z, v and the
   per-parameter ``max_lr`` / ``weight_sum`` over STEPS steps at every size in SIZES (zero-size
   parameters first, middle, last), float32 and float64, per-parameter lr / weight decay, a
   weight lr that warms up, a parameter at lr 0 (the weight's 0/0), zero_grad alternating; a
-  working copy and a mask; bfloat16 v; NaN/Inf as in the reference. The CUDA family reruns
-  these (test_cuda_kernels.py).
+  working copy and a mask; bfloat16 v; NaN/Inf as in the reference.
 * optax: warm-ups (the optimizer table's rows have none, see conftest) through
   test_optim_table's comparison.
 * evaluation: ``eval_params`` is optax's ``(y - (1 - b1) z) / b1``, in place or not;
@@ -22,14 +22,21 @@ import pytest
 import arraytrain as at
 from arraytrain import optim
 from arraytrain.errors import ConcurrentUseError, HyperparameterError
-from arraytrain.kernels import cpu
 from arraytrain.kernels import reference as ref
-from conftest import DTYPES, SIZES, assert_close, assert_padding_zero, live_mask, padded_layout, random_flat
+from conftest import (
+    LP_TOL,
+    SIZES,
+    assert_close,
+    assert_padding_zero,
+    decoded,
+    dtypes,
+    live_mask,
+    padded_layout,
+    random_flat,
+)
 
 STEPS = 8
 B1, B2 = 0.9, 0.99
-LP_TOL = {"rtol": 5e-3, "atol": 5e-3}
-dtypes = pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
 SLOTS = ("z", "v")
 
 
@@ -38,7 +45,7 @@ def _init(layout, dtype, rng):
     z0 = random_flat(layout, dtype, rng)  # any z: the kernel's math, not only the first step's z = y
     nseg = len(layout)
     return {k: {"p": p0.copy(), "z": z0.copy(), "v": np.zeros(layout.size, dtype), "max_lr": np.zeros(nseg),
-                "weight_sum": np.zeros(nseg)} for k in ("cpu", "ref")}
+                "weight_sum": np.zeros(nseg)} for k in ("fast", "ref")}
 
 
 def _step(kernels, s, g, layout, t, lr, wd, zg=False, w=None, wkind=0, mask=None, gscale=0.7):
@@ -58,81 +65,81 @@ def _per_param(layout, rng):
 
 def _compare(states, layout, t, dtype):
     for what in ("p", "z", "v"):
-        assert_close(states["cpu"][what], states["ref"][what], err_msg=f"{what}, step {t}")
-        assert_padding_zero(states["cpu"][what], layout, what)
+        assert_close(states["fast"][what], states["ref"][what], err_msg=f"{what}, step {t}")
+        assert_padding_zero(states["fast"][what], layout, what)
     for what in ("max_lr", "weight_sum"):  # float64 on both sides
-        assert_close(states["cpu"][what], states["ref"][what], np.float64, err_msg=f"{what}, step {t}")
+        assert_close(states["fast"][what], states["ref"][what], np.float64, err_msg=f"{what}, step {t}")
 
 
 @pytest.mark.parametrize("n", SIZES)
 @dtypes
-def test_kernel_matches_reference(n, dtype, rng):
+def test_kernel_matches_reference(family, n, dtype, rng):
     layout = padded_layout(n)
     states = _init(layout, dtype, rng)
     lr, wd = _per_param(layout, rng)
-    p0 = states["cpu"]["p"].copy()
+    p0 = states["fast"]["p"].copy()
     for t in range(1, STEPS + 1):
         zg = t % 2 == 0
         g0 = random_flat(layout, dtype, rng, scale=[1.0, 5.0, 0.1][t % 3])
-        for k, kernels in (("cpu", cpu), ("ref", ref)):
+        for k, kernels in (("fast", family), ("ref", ref)):
             g = g0.copy()
             _step(kernels, states[k], g, layout, t, lr, wd, zg)
             assert not np.any(g) if zg else np.array_equal(g, g0)
         _compare(states, layout, t, dtype)
     a = layout.slice("a")
-    assert_close(states["cpu"]["p"][a], p0[a])  # lr 0: ck 0, y' = b1 x + (1 - b1) z = y (up to rounding)
-    assert states["cpu"]["weight_sum"][1] == 0.0
+    assert_close(states["fast"]["p"][a], p0[a])  # lr 0: ck 0, y' = b1 x + (1 - b1) z = y (up to rounding)
+    assert states["fast"]["weight_sum"][1] == 0.0
     if n:
         b = layout.slice("b")
-        assert np.abs(states["cpu"]["p"][b] - p0[b]).max() > 1e-3
+        assert np.abs(states["fast"]["p"][b] - p0[b]).max() > 1e-3
 
 
 @pytest.mark.parametrize("n", [7, 1037, 278011])
 @pytest.mark.parametrize("working", ["bf16", "f16"])
-def test_working_copy_and_mask(n, working, rng):
+def test_working_copy_and_mask(family, n, working, rng):
     """The working copy is the rounding of the new y; pruned elements of y and z are 0 (so x is 0)."""
     layout = padded_layout(n)
     states = _init(layout, np.float32, rng)
     lr, wd = _per_param(layout, rng)
-    wdtype, wkind = ((np.dtype(ml_dtypes.bfloat16), cpu.LP_BF16) if working == "bf16"
-                     else (np.dtype(np.float16), cpu.LP_F16))
+    wdtype, wkind = ((np.dtype(ml_dtypes.bfloat16), family.LP_BF16) if working == "bf16"
+                     else (np.dtype(np.float16), family.LP_F16))
     mask = (rng.uniform(size=layout.size) > 0.3).astype(np.uint8)
-    w = {k: np.zeros(layout.size, np.uint16) for k in ("cpu", "ref")}
+    w = {k: np.zeros(layout.size, np.uint16) for k in ("fast", "ref")}
     live = live_mask(layout)
     for t in range(1, 4):
         g0 = random_flat(layout, np.float32, rng)
-        for k, kernels in (("cpu", cpu), ("ref", ref)):
+        for k, kernels in (("fast", family), ("ref", ref)):
             _step(kernels, states[k], g0.copy(), layout, t, lr, wd, w=w[k], wkind=wkind, mask=mask)
         _compare(states, layout, t, np.float32)
         pruned = live & (mask == 0)
-        assert not np.any(states["cpu"]["p"][pruned]) and not np.any(states["cpu"]["z"][pruned])
-        np.testing.assert_array_equal(w["cpu"][live], states["cpu"]["p"][live].astype(wdtype).view(np.uint16))
+        assert not np.any(states["fast"]["p"][pruned]) and not np.any(states["fast"]["z"][pruned])
+        np.testing.assert_array_equal(w["fast"][live], states["fast"]["p"][live].astype(wdtype).view(np.uint16))
 
 
 @pytest.mark.parametrize("n", [7, 1037, 278011])
-def test_bfloat16_second_moment_matches_reference(n, rng):
+def test_bfloat16_second_moment_matches_reference(family, n, rng):
     """v as bfloat16 bits (state_dtype), y and z float32: each step from the same state."""
     layout = padded_layout(n)
     states = _init(layout, np.float32, rng)
-    for k in ("cpu", "ref"):
+    for k in ("fast", "ref"):
         states[k]["v"] = np.zeros(layout.size, np.uint16)
     lr, wd = _per_param(layout, rng)
     for t in range(1, STEPS + 1):
         for what in ("p", "z", "v", "max_lr", "weight_sum"):
-            states["ref"][what][...] = states["cpu"][what]
+            states["ref"][what][...] = states["fast"][what]
         g0 = random_flat(layout, np.float32, rng)
-        for k, kernels in (("cpu", cpu), ("ref", ref)):
+        for k, kernels in (("fast", family), ("ref", ref)):
             _step(kernels, states[k], g0.copy(), layout, t, lr, wd)
         for what in ("p", "z"):
-            np.testing.assert_allclose(states["cpu"][what], states["ref"][what], err_msg=f"{what}, step {t}", **LP_TOL)
-        a, d = (states[k]["v"].view(ml_dtypes.bfloat16).astype(np.float64) for k in ("cpu", "ref"))
+            np.testing.assert_allclose(states["fast"][what], states["ref"][what], err_msg=f"{what}, step {t}", **LP_TOL)
+        a, d = (decoded(states[k]["v"]) for k in ("fast", "ref"))
         np.testing.assert_allclose(a, d, rtol=2**-7, atol=1e-6, err_msg=f"v, step {t}")
 
 
 @pytest.mark.parametrize("n", [7, 278011])
 @dtypes
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf], ids=["nan", "+inf", "-inf"])
-def test_nonfinite_propagates_as_in_the_reference(n, dtype, bad, rng):
+def test_nonfinite_propagates_as_in_the_reference(family, n, dtype, bad, rng):
     layout = padded_layout(n)
     states = _init(layout, dtype, rng)
     lr, wd = _per_param(layout, rng)
@@ -143,16 +150,16 @@ def test_nonfinite_propagates_as_in_the_reference(n, dtype, bad, rng):
         if t == 2:
             g0[live[len(live) // 2]] = bad
         with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
-            for k, kernels in (("cpu", cpu), ("ref", ref)):
+            for k, kernels in (("fast", family), ("ref", ref)):
                 _step(kernels, states[k], g0.copy(), layout, t, lr, wd)
         for what in ("p", "z", "v"):
-            a, d = states["cpu"][what], states["ref"][what]
+            a, d = states["fast"][what], states["ref"][what]
             np.testing.assert_array_equal(np.isnan(a), np.isnan(d), err_msg=f"{what}: NaN pattern, step {t}")
             np.testing.assert_array_equal(np.isinf(a), np.isinf(d), err_msg=f"{what}: inf pattern, step {t}")
             fin = np.isfinite(d)
             assert_close(a[fin], d[fin], dtype, err_msg=f"{what}, step {t}")
         if t >= 2:
-            assert not np.isfinite(states["cpu"]["p"]).all()
+            assert not np.isfinite(states["fast"]["p"]).all()
 
 
 # -- optax, with warm-ups -----------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""Sophia: numba kernel == reference twin, the Hessian EMA, NaN, convergence."""
+"""Sophia: fast kernels (numba, CUDA) == reference twin, the Hessian EMA, NaN, convergence."""
 
 from __future__ import annotations
 
@@ -8,10 +8,9 @@ import pytest
 from arraytrain import Engine, FlatBuffer, HyperparameterError, optim
 from arraytrain.kernels import cpu
 from arraytrain.kernels import reference as ref
-from conftest import DTYPES, SIZES, assert_close, assert_padding_zero, padded_layout, random_flat
+from conftest import SIZES, assert_close, assert_padding_zero, dtypes, padded_layout, random_flat
 
 STEPS = 8
-dtypes = pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
 
 
 def _hessian_items(layout, dtype, rng, scale):
@@ -23,7 +22,7 @@ def _hessian_items(layout, dtype, rng, scale):
 @dtypes
 @pytest.mark.parametrize("cfg", [{}, {"maximize": True, "betas": (0.9, 0.95), "weight_decay": 0.0}],
                          ids=["defaults", "maximize"])
-def test_kernel_matches_reference(n, dtype, cfg, rng):
+def test_kernel_matches_reference(family, n, dtype, cfg, rng):
     """STEPS steps of params and both slots, a Hessian estimate every 2nd step, zero_grad alternating.
 
     rho*bs*h is drawn around |m| so that both branches of the clip (ratio < 1 and = 1) occur.
@@ -31,21 +30,21 @@ def test_kernel_matches_reference(n, dtype, cfg, rng):
     layout = padded_layout(n)
     opt = optim.Sophia(lr=0.05, rho=0.05, bs=10.0, overrides={"b": {"lr": 0.01, "weight_decay": 0.5}}, **cfg)
     p0 = FlatBuffer(layout, random_flat(layout, dtype, rng))
-    runs = {k: (p0.copy(),) for k in ("cpu", "ref")}
+    runs = {k: (p0.copy(),) for k in ("fast", "ref")}
     runs = {k: (p, opt.init(p)) for k, (p,) in runs.items()}
     for t in range(STEPS):
         if t % 2 == 0:
             items = _hessian_items(layout, dtype, rng, [0.1, 2.0][t % 4 // 2])
-            for name, kernels in (("cpu", cpu), ("ref", ref)):
+            for name, kernels in (("fast", family), ("ref", ref)):
                 opt.update_hessian(kernels, runs[name][1], items, layout)
         zero_grad = t % 2 == 1
         g0 = random_flat(layout, dtype, rng)
-        for name, kernels in (("cpu", cpu), ("ref", ref)):
+        for name, kernels in (("fast", family), ("ref", ref)):
             p, state = runs[name]
             g = FlatBuffer(layout, g0.copy())
             opt.update(kernels, p, g, state, gscale=0.8, zero_grad=zero_grad)
             assert not np.any(g.flat) if zero_grad else np.array_equal(g.flat, g0)
-        (pc, sc), (pr, sr) = runs["cpu"], runs["ref"]
+        (pc, sc), (pr, sr) = runs["fast"], runs["ref"]
         assert_close(pc.flat, pr.flat, dtype, err_msg=f"params, step {t}")
         assert_padding_zero(pc.flat, layout, "params")
         for slot in ("exp_avg", "hessian"):
@@ -80,7 +79,7 @@ def test_update_formula(kernels, rng):
 @dtypes
 @pytest.mark.parametrize("bad", [np.nan, np.inf], ids=["nan", "inf"])
 @pytest.mark.parametrize("where", ["g", "h"])
-def test_nonfinite_propagates_as_in_the_reference(dtype, bad, where, rng):
+def test_nonfinite_propagates_as_in_the_reference(family, dtype, bad, where, rng):
     layout = padded_layout(1037)
     opt = optim.Sophia(lr=0.1, bs=1.0)
     runs = {}
@@ -92,22 +91,22 @@ def test_nonfinite_propagates_as_in_the_reference(dtype, bad, where, rng):
         g0[i] = bad
     else:
         items["a"][5] = bad
-    for name, kernels in (("cpu", cpu), ("ref", ref)):
+    for name, kernels in (("fast", family), ("ref", ref)):
         p = FlatBuffer(layout, p0.copy())
         state = opt.init(p)
         opt.update_hessian(kernels, state, items, layout)
         opt.update(kernels, p, FlatBuffer(layout, g0.copy()), state)
         runs[name] = (p.flat, state.slots["exp_avg"].flat, state.slots["hessian"].flat)
-    for a, b in zip(runs["cpu"], runs["ref"]):
+    for a, b in zip(runs["fast"], runs["ref"]):
         np.testing.assert_array_equal(np.isnan(a), np.isnan(b))
         np.testing.assert_array_equal(np.isinf(a), np.isinf(b))
         ok = np.isfinite(b)
         assert_close(a[ok], b[ok], dtype)
-    p = runs["cpu"][0]
+    p = runs["fast"][0]
     if where == "g":
         # NaN m: a NaN parameter; infinite m: the clip bounds the move to lr (m stays inf)
         assert np.isnan(p[i]) == np.isnan(bad)
-        assert not np.isfinite(runs["cpu"][1][i])
+        assert not np.isfinite(runs["fast"][1][i])
         assert np.count_nonzero(~np.isfinite(p)) == int(np.isnan(bad))
     else:  # an infinite h gives ratio 0 (no move), a NaN h a NaN parameter
         assert np.isnan(p[i]) == np.isnan(bad)
