@@ -13,11 +13,12 @@ from ._checks import check_int, check_number, check_positive
 from ._guard import CallGuard, guarded
 from .accumulate import REDUCTIONS
 from .amp import LossScaler, working_spec
-from .backend import NUMPY, array_module, backend_of, kernels_for, to_device
+from .backend import NUMPY, array_module, backend_of, check_kernel_dtype, to_device
 from .buffer import FlatBuffer, aligned
 from .compress._base import check_compressor
 from .engine_state import Counters, StateParts, checked_everywhere
 from .exchange import agree_on_setup, check_exchange
+from .kernels.interface import family
 from .errors import (
     ArgumentTypeError,
     ConcurrentUseError,
@@ -186,7 +187,8 @@ class Engine:
             self.params = FlatBuffer(self.params.layout, aligned(moved))  # a fresh copy: aligned too
         if wspec is not None and self.params.dtype != np.float32:
             raise HyperparameterError(f"working_dtype: working copies need float32 parameters, got {self.params.dtype}")
-        self._kernels = kernels_for(self.params.flat, kernels)
+        check_kernel_dtype(self.params.dtype)
+        self._kernels = family(backend_of(self.params.flat), kernels)
         self._guard = CallGuard()
         self._evaluating = False
         if not comm.is_local:
