@@ -192,17 +192,6 @@ def check_kernel_dtype(dtype, name: str = "buffer") -> None:
         )
 
 
-def kernels_for(flat, impl: str = "numba"):
-    """Temporary: :func:`check_kernel_dtype` and :func:`arraytrain.kernels.interface.family` of ``flat``.
-
-    Kept only while ``arraytrain.engine`` still imports it; removed once it calls those two.
-    """
-    from .kernels.interface import family
-
-    check_kernel_dtype(flat.dtype)
-    return family(backend_of(flat), impl)
-
-
 def module_of_backend(backend: str) -> ModuleType:
     """``numpy`` or ``cupy`` by backend name (CuPy imported only then)."""
     return np if backend == NUMPY else _cupy("array")
