@@ -365,7 +365,7 @@ def engine_snapshot(engine) -> dict:
         "slots": {k: bits(b.flat) for k, b in engine.state.slots.items()},
         "step": engine.state.step,
         "micro": engine.micro_batches,
-        "wsum": engine._weight_sum,
+        "wsum": engine.counters.weight_sum,
         "layout": engine.layout,
         "skips": engine.consecutive_skips,
         "perturbed": engine.perturbed,

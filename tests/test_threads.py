@@ -13,7 +13,7 @@ PROBE = """
 import os, numba, numpy as np, arraytrain
 from arraytrain.kernels import cpu
 x = np.ones(cpu.SERIAL_BELOW * 2, np.float32)
-cpu.scale(x, 2.0)
+cpu.scale(x, factor=2.0)
 assert (x == 2).all()
 print(numba.threading_layer())
 print(arraytrain.threads.start_numba_threads())

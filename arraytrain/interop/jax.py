@@ -36,7 +36,8 @@ from collections.abc import Mapping
 import numpy as np
 
 from ..backend import KERNEL_DTYPES, as_array, backend_of
-from ..engine import Engine, _exclusive
+from .._guard import guarded
+from ..engine import Engine
 from ..errors import (
     AliasingError,
     ArgumentTypeError,
@@ -172,7 +173,7 @@ class JaxEngine(Engine):
             parts.append(jnp.zeros(lay.size - end, self.params.dtype))
         return jnp.concatenate(parts) if parts else jnp.zeros(0, self.params.dtype)
 
-    @_exclusive
+    @guarded
     def step(self, grads=None, *, weight: float | None = None):
         """:meth:`Engine.step`; a pytree of the parameters' structure takes the one-call path."""
         if grads is None:
@@ -188,7 +189,7 @@ class JaxEngine(Engine):
                                     f"or a mapping name -> array, got {treedef or type(grads).__name__}")
         return self._step_packed(self._pack(leaves), weight)
 
-    @_exclusive
+    @guarded
     def step_flat(self, grad, *, weight: float | None = None):
         """``grad``: the gradient with respect to :meth:`flat` (``layout.size`` elements, padding ignored)."""
         arr = as_array(grad, "grad")
@@ -197,7 +198,7 @@ class JaxEngine(Engine):
         return self._step_packed(arr, weight, padded=True)
 
     def _step_packed(self, packed, weight, padded: bool = False):
-        w = self._check_weight(weight)
+        w = self.check_weight(weight)
         arr = as_array(packed, "grads", backend_of(self.grads.flat))
         if isinstance(arr, np.ndarray) and any(np.may_share_memory(arr, f) for f in (self.params.flat,
                                                                                    self.grads.flat)):
@@ -205,7 +206,7 @@ class JaxEngine(Engine):
                                 "engine.grads and call step() with no argument instead")
         if arr.dtype not in KERNEL_DTYPES:
             arr = arr.astype(self.params.dtype)
-        self._kernels.accumulate(self.grads.flat, arr, w=w, overwrite=self._micro == 0)
+        self.kernels.accumulate(self.grads.flat, arr, w=w, overwrite=self.micro_batches == 0)
         if padded and self._padding.size:  # padding of a gradient of flat() is no gradient: keep it 0
             self.grads.flat[self._padding] = 0
         return super().step(None, weight=w)

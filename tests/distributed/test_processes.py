@@ -30,7 +30,7 @@ SUMSQ = textwrap.dedent("""
     from arraytrain.layout import Layout
     layout = Layout({"a": (3,), "b": (278011,), "c": (5 * 16384 + 3,)})
     x = np.random.default_rng(1).standard_normal(layout.size).astype(np.float32)
-    total, per_seg = cpu.sumsq(x, layout.pieces, len(layout))
+    total, per_seg = cpu.sumsq(x, layout.pieces, nseg=len(layout))
     print(float(total).hex(), *[float(s).hex() for s in per_seg])
 """)
 
@@ -62,5 +62,5 @@ def test_sumsq_bits_equal_across_1_2_4_threads():
     assert len(results) == 1
     layout = Layout({"a": (3,), "b": (278011,), "c": (5 * 16384 + 3,)})
     x = np.random.default_rng(1).standard_normal(layout.size).astype(np.float32)
-    total, _ = cpu.sumsq(x, layout.pieces, len(layout))
+    total, _ = cpu.sumsq(x, layout.pieces, nseg=len(layout))
     assert results.pop().split()[0] == float(total).hex()
