@@ -73,3 +73,10 @@ def check_betas(betas, name: str = "betas") -> tuple[float, float]:
         raise HyperparameterError(f"{name}: expected a pair (beta1, beta2), got {betas!r}") from None
     return (check_number(f"{name}[0]", b1, 0.0, 1.0, hi_open=True),
             check_number(f"{name}[1]", b2, 0.0, 1.0, hi_open=True))
+
+
+def check_choice(name: str, value, allowed: tuple) -> str:
+    """``value`` if it is one of the strings ``allowed``, else :class:`HyperparameterError` naming ``name``."""
+    if not isinstance(value, str) or value not in allowed:
+        raise HyperparameterError(f"{name}: expected one of {list(allowed)}, got {value!r}")
+    return value

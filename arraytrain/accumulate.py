@@ -27,7 +27,7 @@ from .errors import (
     UnknownParameterError,
 )
 from .kernels.interface import family
-from .layout import Layout, _check_shape
+from .layout import Layout, check_shape
 from .ops import CLIP_EPS, clip_coef, norm_pass
 
 #: The values of ``reduction``: the (weighted) mean or the sum of the micro-batches.
@@ -131,7 +131,7 @@ class GradientAccumulator:
         """Add a parameter. Registering a name again with the same shape is a no-op."""
         if name in self._buf:
             expected = self._buf.layout.shape(name)
-            if _check_shape(name, shape) != expected:
+            if check_shape(name, shape) != expected:
                 raise ShapeMismatchError(name, expected, tuple(shape), what="registered")
             return
         shapes = dict(zip(self._buf.layout.names, self._buf.layout.shapes))

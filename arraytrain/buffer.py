@@ -6,17 +6,9 @@ from collections.abc import Iterator, Mapping
 
 import numpy as np
 
-from .backend import BFLOAT16, NUMPY, as_array, backend_of, check_float_dtype, same_backend
+from .backend import BFLOAT16, NUMPY, array_module, as_array, backend_of, check_float_dtype, same_backend
 from .errors import ArgumentTypeError, BackendUnavailableError, LayoutError, ReadOnlyError, ShapeMismatchError, UnknownParameterError
 from .layout import DEFAULT_ALIGN, Layout
-
-
-def _xp(flat):
-    if backend_of(flat) == NUMPY:
-        return np
-    import cupy  # only reached when a CuPy array is already in hand
-
-    return cupy
 
 
 # Every buffer FlatBuffer allocates starts on a 64-byte boundary (a cache line, an AVX-512
@@ -66,7 +58,7 @@ def aligned(flat):
     """``flat`` itself if it starts on an ``ALIGN_BYTES`` boundary, else an aligned copy."""
     if address(flat) % ALIGN_BYTES == 0:
         return flat
-    xp = _xp(flat)
+    xp = array_module(flat)
     out = aligned_empty(flat.size, flat.dtype, xp)
     out[...] = flat
     return out
@@ -139,18 +131,18 @@ class FlatBuffer:
             dtype = np.result_type(*(a.dtype for a in arrs.values())) if arrs else np.float32
         check_float_dtype(dtype, "dtype")
         layout = Layout({name: a.shape for name, a in arrs.items()}, align=align)
-        out = cls.zeros(layout, dtype, _xp(next(iter(arrs.values()))) if arrs else np)
+        out = cls.zeros(layout, dtype, array_module(next(iter(arrs.values()))) if arrs else np)
         for name, a in arrs.items():
             out._views[name][...] = a
         return out
 
     def zeros_like(self, dtype=None) -> "FlatBuffer":
         """A zero buffer of the same layout (for gradients and optimizer state)."""
-        return FlatBuffer.zeros(self.layout, dtype or self.flat.dtype, _xp(self.flat))
+        return FlatBuffer.zeros(self.layout, dtype or self.flat.dtype, array_module(self.flat))
 
     def copy(self) -> "FlatBuffer":
         """An independent copy: same layout, dtype and backend, a new aligned flat array."""
-        out = aligned_empty(self.flat.size, self.flat.dtype, _xp(self.flat))
+        out = aligned_empty(self.flat.size, self.flat.dtype, array_module(self.flat))
         out[...] = self.flat
         return FlatBuffer(self.layout, out)
 

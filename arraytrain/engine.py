@@ -123,10 +123,12 @@ class Engine:
     Notes
     -----
     On a CUDA device every stage is a CuPy raw kernel, one launch over the
-    whole buffer, and a step synchronises with the host once: after the norm
-    pass, to read the global and per-parameter norms and the non-finite flag
-    (the skip decision and the report). Micro-batches between boundaries do not
-    synchronise.
+    whole buffer, and a step synchronises with the host once: the norm pass
+    leaves its verdict on the device (the clip factor, or a skip, which the
+    update kernels read), and after the update is launched the step reads the
+    global and per-parameter norms and the non-finite flag back for the report
+    (with a compressor or SAM the verdict is read before the update).
+    Micro-batches between boundaries do not synchronise.
 
     Threads: an engine is not thread-safe, and it detects misuse rather than
     corrupting itself. While one thread is inside :meth:`step`,
@@ -242,6 +244,12 @@ class Engine:
     def kernels(self):
         """The kernel family this engine runs (:mod:`arraytrain.kernels`; numba, CUDA or the reference)."""
         return self._kernels
+
+    @property
+    def intake(self):
+        """The dict path's validator: ``engine.intake.fast = False`` validates every micro-batch
+        from scratch instead of reusing the last one's structure (benchmarks compare the two)."""
+        return self._intake
 
     @property
     def micro_batches(self) -> int:

@@ -24,7 +24,7 @@ def _check_name(name: object) -> str:
     return name
 
 
-def _check_shape(name: str, shape: object) -> tuple[int, ...]:
+def check_shape(name: str, shape: object) -> tuple[int, ...]:
     try:
         dims = tuple(shape)  # type: ignore[arg-type]
     except TypeError:
@@ -54,7 +54,7 @@ class Layout:
         offset = 0
         for name, shape in shapes.items():
             name = _check_name(name)
-            shape = _check_shape(name, shape)
+            shape = check_shape(name, shape)
             size = math.prod(shape)
             names.append(name)
             dims.append(shape)

@@ -19,7 +19,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from ._checks import check_number
+from ._checks import check_choice, check_number
 from .backend import backend_of
 from .buffer import FlatBuffer
 from .errors import ArgumentTypeError, BackendError, DTypeError, HyperparameterError, LayoutError
@@ -98,13 +98,14 @@ def _host_array(a) -> np.ndarray:
     return np.asarray(a)
 
 
-def _params_of(params, what: str = "params") -> FlatBuffer:
-    """A FlatBuffer from a FlatBuffer or an object holding one as ``.params`` (an Engine)."""
+def host_params(params, what: str = "params", task: str = "pruning") -> FlatBuffer:
+    """The NumPy :class:`~arraytrain.FlatBuffer` of ``params``: a FlatBuffer, or an object holding one
+    as ``.params`` (an :class:`~arraytrain.Engine`); ``task`` names the caller in the error."""
     buf = params if isinstance(params, FlatBuffer) else getattr(params, "params", None)
     if not isinstance(buf, FlatBuffer):
         raise ArgumentTypeError(f"{what}: expected a FlatBuffer or an Engine, got {type(params).__name__}")
     if not isinstance(buf.flat, np.ndarray):
-        raise ArgumentTypeError(f"{what}: pruning runs on NumPy buffers, got {type(buf.flat).__name__}")
+        raise ArgumentTypeError(f"{what}: {task} runs on NumPy buffers, got {type(buf.flat).__name__}")
     return buf
 
 
@@ -131,12 +132,6 @@ def select_names(layout: Layout, names, what: str = "names") -> list[str]:
             raise HyperparameterError(f"{what}[{pattern!r}]: matches no parameter; names: {list(layout.names)}")
         chosen.update(hits)
     return [n for n in layout.names if n in chosen]
-
-
-def _choice(name: str, value, allowed: tuple) -> str:
-    if not isinstance(value, str) or value not in allowed:
-        raise HyperparameterError(f"{name}: expected one of {list(allowed)}, got {value!r}")
-    return value
 
 
 def _k_smallest(scores: np.ndarray, k: int) -> np.ndarray:
@@ -187,15 +182,15 @@ def magnitude_mask(params, *, ratio=None, threshold=None, scope: str = "global",
 
     Everything is validated before any work; ``params`` is never modified.
     """
-    buf = _params_of(params)
+    buf = host_params(params)
     if (ratio is None) == (threshold is None):
         raise HyperparameterError(f"ratio, threshold: give exactly one, got ratio={ratio!r}, threshold={threshold!r}")
     if ratio is not None:
         ratio = check_number("ratio", ratio, 0.0, 1.0, hi_open=True)
     else:
         threshold = check_number("threshold", threshold, 0.0)
-    scope = _choice("scope", scope, SCOPES)
-    structure = _choice("structure", structure, STRUCTURES)
+    scope = check_choice("scope", scope, SCOPES)
+    structure = check_choice("structure", structure, STRUCTURES)
     layout = buf.layout
     chosen = select_names(layout, names)
     if structure == "rows":
@@ -241,7 +236,7 @@ def apply_mask(params, mask) -> None:
     The optimizer kernels do the same inside each step; this makes the weights pruned
     before the next step (for an evaluation, or a checkpoint).
     """
-    buf = _params_of(params)
+    buf = host_params(params)
     if not isinstance(mask, FlatBuffer) or mask.flat.dtype != np.uint8:
         raise ArgumentTypeError(f"mask: expected a uint8 mask buffer (magnitude_mask), got {type(mask).__name__}")
     if mask.layout != buf.layout:
@@ -257,7 +252,7 @@ def sparsity(buf) -> dict:
     weights equal to 0). Padding is not counted; a zero-size parameter has fraction 0.0,
     and ``total`` is over every parameter element (0.0 when there are none).
     """
-    buf = _params_of(buf, "buf")
+    buf = host_params(buf, "buf")
     per = {}
     zeros = 0
     for name, view in buf.items():

@@ -16,7 +16,8 @@ import numpy as np
 from .backend import as_array
 from .buffer import FlatBuffer
 from .errors import ArgumentTypeError, DataError, HyperparameterError, UnknownParameterError
-from .prune import _choice, _params_of, select_names
+from ._checks import check_choice
+from .prune import host_params, select_names
 
 #: The values of ``scheme``: zero point 0 and codes in [-127, 127], or an integer zero point and the
 #: whole int8 range over ``[min(x), max(x)]`` widened to hold 0.
@@ -119,8 +120,8 @@ def quantize(array, *, scheme: str = "symmetric", granularity: str = "tensor", a
     x = as_array(array, "array")
     if not isinstance(x, np.ndarray):
         raise ArgumentTypeError(f"array: quantization runs on NumPy arrays, got {type(x).__name__}")
-    scheme = _choice("scheme", scheme, SCHEMES)
-    granularity = _choice("granularity", granularity, GRANULARITIES)
+    scheme = check_choice("scheme", scheme, SCHEMES)
+    granularity = check_choice("granularity", granularity, GRANULARITIES)
     if granularity == "channel":
         if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)) or not -x.ndim <= axis < x.ndim:
             raise HyperparameterError(
@@ -168,7 +169,7 @@ def quantize_params(params, *, names=None, **kw) -> dict:
     for each. ``"channel"`` with the default ``axis=0`` quantizes per row; the output
     channels of :class:`arraytrain.nn.Dense` weights ``(in, out)`` are ``axis=1``.
     """
-    buf = _params_of(params)
+    buf = host_params(params, task="quantization")
     return {name: quantize(buf[name], **kw) for name in select_names(buf.layout, names)}
 
 
@@ -177,7 +178,7 @@ def dequantize_params(q: dict, *, into) -> FlatBuffer:
     an Engine) by name; other parameters are left as they are. Everything is checked
     (names, shapes) before anything is written. Returns the buffer.
     """
-    buf = _params_of(into, "into")
+    buf = host_params(into, "into", task="quantization")
     if not isinstance(q, dict):
         raise ArgumentTypeError(f"q: expected a dict name -> QuantizedTensor, got {type(q).__name__}")
     for name, t in q.items():

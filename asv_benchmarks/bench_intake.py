@@ -29,7 +29,7 @@ class DictIntake:
         p = {f"t{i}": rng.standard_normal(size).astype(np.float32) for i in range(tensors)}
         self.grads = {k: v * np.float32(0.01) for k, v in p.items()}
         self.engine = at.Engine(p, at.optim.AdamW(lr=1e-3), accumulation_steps=2**40)
-        self.engine._intake.fast = path == "cached"
+        self.engine.intake.fast = path == "cached"
         self.src = np.ones(self.engine.grads.flat.size, np.float32)
         for _ in range(2):  # JIT compilation and the structure cache: outside the timed method
             self.engine.step(self.grads)

@@ -39,7 +39,7 @@ def _engine(shapes, *, fast=True, dtype=np.float32, **kw):
     rng = np.random.default_rng(7)
     params = {n: rng.standard_normal(s).astype(dtype) for n, s in shapes.items()}
     e = at.Engine(params, at.optim.AdamW(lr=1e-2, weight_decay=0.1), **kw)
-    e._intake.fast = fast
+    e.intake.fast = fast
     return e
 
 
@@ -55,14 +55,14 @@ def test_fast_path_equals_general_path_bitwise(gdtype, kernels, pdtype):
     for i in range(9):
         g = _grads(shapes, rng, gdtype, scale=3.0)
         w = (1.0, 0.5, 3.0)[i % 3]
-        before = fast._intake._plan
+        before = fast.intake._plan
         fast.step(g, weight=w)
         slow.step(g, weight=w)
-        used += before is not None and fast._intake._plan is before
+        used += before is not None and fast.intake._plan is before
         np.testing.assert_array_equal(fast.grads.flat, slow.grads.flat)
         np.testing.assert_array_equal(fast.params.flat, slow.params.flat)
     assert used == 8  # every call after the first went through the plan
-    assert slow._intake._plan is None
+    assert slow.intake._plan is None
 
 
 def test_many_tensors_span_several_staging_groups():
@@ -73,7 +73,7 @@ def test_many_tensors_span_several_staging_groups():
         g = _grads(shapes, rng)
         fast.step(g), slow.step(g)
         np.testing.assert_array_equal(fast.grads.flat, slow.grads.flat)
-    assert len(fast._intake._plan.groups) == 3
+    assert len(fast.intake._plan.groups) == 3
     np.testing.assert_array_equal(fast.params.flat, slow.params.flat)
 
 
@@ -95,23 +95,23 @@ def test_plan_follows_structure_changes():
     e = _engine(shapes, accumulation_steps=100, missing="zero")
     rng = np.random.default_rng(2)
     e.step(_grads(shapes, rng))
-    plan = e._intake._plan
+    plan = e.intake._plan
     e.step(_grads(shapes, rng))
-    assert e._intake._plan is plan
+    assert e.intake._plan is plan
     # another order, a subset, another dtype: the general path validates and learns the new structure
     for g in ({"b": rng.standard_normal(5).astype(np.float32), "a": rng.standard_normal((4, 3)).astype(np.float32)},
               {"a": rng.standard_normal((4, 3)).astype(np.float32)},
               _grads(shapes, rng, np.float64)):
         e.step(g)
-        assert e._intake._plan is not plan and e._intake._plan.names == tuple(g)
-        plan = e._intake._plan
+        assert e.intake._plan is not plan and e.intake._plan.names == tuple(g)
+        plan = e.intake._plan
     # mixed dtypes, non-dict mappings and non-NumPy values take the general path and keep no plan
     e.step({"a": np.ones((4, 3), np.float32), "b": np.ones(5, np.float64)})
-    assert e._intake._plan is None
+    assert e.intake._plan is None
     e.step(OrderedDict(_grads(shapes, rng)))
-    assert e._intake._plan is None
+    assert e.intake._plan is None
     e.step({"a": np.ones((4, 3)).tolist(), "b": np.ones(5)})
-    assert e._intake._plan is None
+    assert e.intake._plan is None
 
 
 def test_missing_zero_policy_zeroes_absent_names_through_the_plan():
@@ -123,7 +123,7 @@ def test_missing_zero_policy_zeroes_absent_names_through_the_plan():
         e.step({"a": np.ones(3, np.float32)})
     e.grads["b"][...] = 5
     e.step({"a": np.ones(3, np.float32)})
-    assert e._intake._plan is not None and e._intake._plan.absent == ["b"]
+    assert e.intake._plan is not None and e.intake._plan.absent == ["b"]
     np.testing.assert_array_equal(e.grads["b"], 0)
 
 
@@ -157,7 +157,7 @@ def test_refused_micro_batches_change_nothing_after_a_plan_exists():
     e = _engine(shapes, accumulation_steps=3)
     rng = np.random.default_rng(3)
     e.step(_grads(shapes, rng))
-    plan = e._intake._plan
+    plan = e.intake._plan
     assert plan is not None
     aliases = [("a view of params", "a", lambda: e.params["a"]), ("a view of grads", "b", lambda: e.grads["b"]),
                ("a large view of grads", "c", lambda: e.grads["c"]),

@@ -60,7 +60,7 @@ def measure(n_tensors: int, elements: int, calls: int = 20, repeats: int = 7) ->
     grads = {k: (v * 0.01).astype(np.float32) for k, v in params.items()}
     micro = dict(accumulation_steps=2**40, max_grad_norm=MAX_NORM)
     before = at.Engine(params, at.optim.AdamW(lr=LR, weight_decay=WD), **micro)
-    before._intake.fast = False
+    before.intake.fast = False
     after = at.Engine(params, at.optim.AdamW(lr=LR, weight_decay=WD), **micro)
     src = np.ones(after.grads.flat.size, np.float32)
     fns = {"before": lambda: before.step(grads), "after": lambda: after.step(grads),

@@ -9,7 +9,8 @@ import numpy as np
 
 from .._checks import check_bool, check_number
 from .._deprecation import legacy_arguments
-from ..buffer import FlatBuffer, _xp
+from ..backend import array_module
+from ..buffer import FlatBuffer
 from ..errors import HyperparameterError
 from ..layout import Layout
 from ._base import Optimizer, OptState, decoupled_decay, mask_arg, working_args
@@ -78,7 +79,7 @@ class Adafactor(Optimizer):
 
     def init(self, params: FlatBuffer) -> OptState:
         layouts = slot_layouts(params.layout)
-        slots = {name: FlatBuffer.zeros(lay, params.dtype, _xp(params.flat)) for name, lay in layouts.items()}
+        slots = {name: FlatBuffer.zeros(lay, params.dtype, array_module(params.flat)) for name, lay in layouts.items()}
         return OptState(0, slots, self.resolve(params.layout))
 
     def update(self, kernels, params, grads, state, *, gscale=1.0, lr=None, zero_grad=False, working=None,

@@ -9,7 +9,7 @@ import numpy as np
 
 from .._checks import check_betas, check_bool, check_int, check_number
 from ..backend import array_module
-from ..buffer import FlatBuffer, _xp, kernel_view
+from ..buffer import FlatBuffer, kernel_view
 from ..errors import HyperparameterError
 from ..layout import Layout
 from ._base import Optimizer, OptState, mask_arg, working_args
@@ -87,8 +87,8 @@ class ScheduleFreeAdamW(Optimizer):
     def init(self, params) -> OptState:
         per_param = scalar_layout(params.layout)
         slots = {"z": params.copy(), "exp_avg_sq": params.zeros_like(self._slot_dtype(params)),
-                 "max_lr": FlatBuffer.zeros(per_param, np.float64, _xp(params.flat)),
-                 "weight_sum": FlatBuffer.zeros(per_param, np.float64, _xp(params.flat))}
+                 "max_lr": FlatBuffer.zeros(per_param, np.float64, array_module(params.flat)),
+                 "weight_sum": FlatBuffer.zeros(per_param, np.float64, array_module(params.flat))}
         return OptState(0, slots, self.resolve(params.layout))
 
     def update(self, kernels, params, grads, state, *, gscale=1.0, lr=None, zero_grad=False, working=None,

@@ -26,7 +26,7 @@ BLOCK = 1 << 14
 SERIAL_BELOW = 1 << 16
 
 
-def _twins(fn):
+def twins(fn):
     """Compile ``fn`` twice: parallel (prange over blocks) and serial.
 
     Both dispatchers share the Python source; the serial one treats ``prange``
@@ -40,7 +40,7 @@ def _twins(fn):
     return par, ser
 
 
-def _pick(pair, n):
+def pick(pair, n):
     if n < SERIAL_BELOW:
         return pair[1]
     start_numba_threads()  # idempotent: numba's pool starts under arraytrain's policy (arraytrain.threads)

@@ -35,7 +35,7 @@ from numba import njit, prange
 
 from ..counter_rng import uniform
 from ..interface import INV127, MAGNITUDE_MASK
-from ._jit import BLOCK, JIT, _pick, _twins
+from ._jit import BLOCK, JIT, pick, twins
 
 TOPK_CHUNK = 1 << 18  # elements per histogram chunk (a 2**16-bin int32 histogram each)
 NBINS = 1 << 16
@@ -160,7 +160,7 @@ def _topk(keys, mask, shift, k, chunk, idx_out):
     _topk_resolve(keys, mask, shift, sel, cand, need, idx_out)
 
 
-_TOPK = _twins(_topk)
+_TOPK = twins(_topk)
 
 
 def topk(x, idx_out, val_out, *, k):
@@ -175,7 +175,7 @@ def topk(x, idx_out, val_out, *, k):
     size = x.dtype.itemsize
     keys = x.view(np.uint32 if size == 4 else np.uint64)
     shift = 8 * size - 1 - _LEVEL_BITS
-    _pick(_TOPK, x.size)(keys, MAGNITUDE_MASK[size], np.int64(shift), np.int64(k), np.int64(TOPK_CHUNK), idx_out)
+    pick(_TOPK, x.size)(keys, MAGNITUDE_MASK[size], np.int64(shift), np.int64(k), np.int64(TOPK_CHUNK), idx_out)
     gather(x, idx_out, val_out)
 
 
@@ -228,12 +228,12 @@ def _gather(x, idx, out):
             ob[j] = x[ib[j]]
 
 
-_GATHER = _twins(_gather)
+_GATHER = twins(_gather)
 
 
 def gather(x, idx, out):
     """``out = x[idx]``."""
-    _pick(_GATHER, idx.size)(x, idx, out)
+    pick(_GATHER, idx.size)(x, idx, out)
 
 
 def _scatter(idx, values, factor, out):
@@ -249,12 +249,12 @@ def _scatter(idx, values, factor, out):
             out[ib[j]] = vb[j] * factor
 
 
-_SCATTER = _twins(_scatter)
+_SCATTER = twins(_scatter)
 
 
 def scatter(idx, values, out, *, factor):
     """``out = 0``, then ``out[idx] = values * factor`` (one write pass, ``k`` scattered writes)."""
-    _pick(_SCATTER, out.size)(idx, values, out.dtype.type(factor), out)
+    pick(_SCATTER, out.size)(idx, values, out.dtype.type(factor), out)
 
 
 # -- int8 blockwise ------------------------------------------------------------------------
@@ -284,13 +284,13 @@ def _int8_encode(x, block, key, stochastic, shared, c127, one, codes, scales):
             cb[i] = np.int8(min(max(q, -127.0), 127.0))
 
 
-_INT8_ENCODE = _twins(_int8_encode)
+_INT8_ENCODE = twins(_int8_encode)
 
 
 def int8_encode(x, codes, scales, *, block, key, stochastic, shared=False):
     """Blockwise absmax int8, one pass; see :func:`arraytrain.kernels.reference.compression.int8_encode`."""
     dt = x.dtype.type
-    _pick(_INT8_ENCODE, x.size)(x, np.int64(block), np.uint64(key), bool(stochastic), bool(shared), dt(INV127),
+    pick(_INT8_ENCODE, x.size)(x, np.int64(block), np.uint64(key), bool(stochastic), bool(shared), dt(INV127),
                                 dt(1), codes, scales)
 
 
@@ -304,12 +304,12 @@ def _int8_decode(codes, scales, block, out):
             ob[i] = cb[i] * s
 
 
-_INT8_DECODE = _twins(_int8_decode)
+_INT8_DECODE = twins(_int8_decode)
 
 
 def int8_decode(codes, scales, out, *, block):
     """``out_i = codes_i * scale_b``."""
-    _pick(_INT8_DECODE, out.size)(codes, scales.astype(out.dtype, copy=False), np.int64(block), out)
+    pick(_INT8_DECODE, out.size)(codes, scales.astype(out.dtype, copy=False), np.int64(block), out)
 
 
 # -- sign and ternary: pieces ------------------------------------------------------------------
@@ -353,7 +353,7 @@ def _sign_encode(x, edges, first, bits, part):
             part[p] = s
 
 
-_SIGN_ENCODE = _twins(_sign_encode)
+_SIGN_ENCODE = twins(_sign_encode)
 
 
 def sign_encode(x, bits, scales, *, block):
@@ -361,7 +361,7 @@ def sign_encode(x, bits, scales, *, block):
     n = x.size
     edges, first, owner = _pieces(n, int(block))
     part = np.empty(edges.size - 1, dtype=np.float64)
-    _pick(_SIGN_ENCODE, n)(x, edges, first, bits, part)
+    pick(_SIGN_ENCODE, n)(x, edges, first, bits, part)
     total = np.bincount(owner, weights=part, minlength=scales.size)  # adds each block's pieces in order
     counts = np.minimum(block, n - np.arange(scales.size, dtype=np.int64) * block)
     scales[...] = (total / counts).astype(np.float32)
@@ -379,13 +379,13 @@ def _sign_decode(bits, scales, edges, first, owner, out):
                 op[j] = (2 * ((bits[i >> 3] >> (i & 7)) & 1) - 1) * s  # +-s, exact
 
 
-_SIGN_DECODE = _twins(_sign_decode)
+_SIGN_DECODE = twins(_sign_decode)
 
 
 def sign_decode(bits, scales, out, *, block):
     """``out_i = +-scale_b`` from bit ``i``."""
     edges, first, owner = _pieces(out.size, int(block))
-    _pick(_SIGN_DECODE, out.size)(bits, scales.astype(out.dtype), edges, first, owner, out)
+    pick(_SIGN_DECODE, out.size)(bits, scales.astype(out.dtype), edges, first, owner, out)
 
 
 def _block_max(x, edges, first, part):
@@ -399,7 +399,7 @@ def _block_max(x, edges, first, part):
             part[p] = m
 
 
-_BLOCK_MAX = _twins(_block_max)
+_BLOCK_MAX = twins(_block_max)
 
 
 def _ternary_encode(x, key, scales, edges, first, owner, codes):
@@ -421,7 +421,7 @@ def _ternary_encode(x, key, scales, edges, first, owner, codes):
             cb[j] = code[4 * j] | (code[4 * j + 1] << 2) | (code[4 * j + 2] << 4) | (code[4 * j + 3] << 6)
 
 
-_TERNARY_ENCODE = _twins(_ternary_encode)
+_TERNARY_ENCODE = twins(_ternary_encode)
 
 
 def ternary_encode(x, codes, scales, *, block, key):
@@ -429,14 +429,14 @@ def ternary_encode(x, codes, scales, *, block, key):
     n = x.size
     edges, first, owner = _pieces(n, int(block))
     part = np.empty(edges.size - 1, dtype=np.float64)
-    _pick(_BLOCK_MAX, n)(x, edges, first, part)
+    pick(_BLOCK_MAX, n)(x, edges, first, part)
     s = np.zeros(scales.size, dtype=np.float64)
     np.maximum.at(s, owner, part)
     s32 = s.astype(np.float32)
     low = s32.astype(np.float64) < s
     s32[low] = np.nextafter(s32[low], np.float32(np.inf))
     scales[...] = s32
-    _pick(_TERNARY_ENCODE, n)(x, np.uint64(key), s32, edges, first, owner, codes)
+    pick(_TERNARY_ENCODE, n)(x, np.uint64(key), s32, edges, first, owner, codes)
 
 
 def _ternary_decode(codes, scales, edges, first, owner, out):
@@ -452,10 +452,10 @@ def _ternary_decode(codes, scales, edges, first, owner, out):
                 op[j] = ((v == 1) - (v == 2)) * s  # s, -s or 0, exact
 
 
-_TERNARY_DECODE = _twins(_ternary_decode)
+_TERNARY_DECODE = twins(_ternary_decode)
 
 
 def ternary_decode(codes, scales, out, *, block):
     """``out_i = s_b * {0, +1, -1}[code_i]``."""
     edges, first, owner = _pieces(out.size, int(block))
-    _pick(_TERNARY_DECODE, out.size)(codes, scales.astype(out.dtype), edges, first, owner, out)
+    pick(_TERNARY_DECODE, out.size)(codes, scales.astype(out.dtype), edges, first, owner, out)

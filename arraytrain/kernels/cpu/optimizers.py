@@ -12,7 +12,7 @@ from numba import njit, prange
 
 from .. import _newton_schulz as newton_schulz
 from ..interface import LP_NONE
-from ._jit import JIT, _pick, _twins
+from ._jit import JIT, pick, twins
 from .codecs import load_state, piece_mask, store_masked, store_state, store_working
 from .reductions import piece_totals
 
@@ -64,7 +64,7 @@ def _sgd(p, g, buf, pieces, gscale, lr, wd, momentum, damp_c, nesterov, first, w
             store_working(w[lo:hi], pb, wkind)
 
 
-_SGD = _twins(_sgd)
+_SGD = twins(_sgd)
 
 
 def seg_array(a, dtype):
@@ -76,7 +76,7 @@ def sgd_step(p, g, buf, pieces, *, gscale, lr, l2, momentum, dampening, nesterov
              zero_grad=False, mask=None):
     """Fused SGD update; see :func:`arraytrain.kernels.reference.sgd_step`."""
     t = p.dtype.type
-    _pick(_SGD, p.size)(
+    pick(_SGD, p.size)(
         p, g, buf, pieces, t(gscale), seg_array(lr, p.dtype), seg_array(l2, p.dtype), t(momentum),
         t(1.0 - dampening), bool(nesterov), bool(first), working, int(kind), bool(zero_grad), mask,
     )
@@ -108,14 +108,14 @@ def _adam(p, g, m, v, vmax, pieces, gscale, step_size, beta1c, beta2, beta2c, ep
             store_working(w[lo:hi], pb, wkind)
 
 
-_ADAM = _twins(_adam)
+_ADAM = twins(_adam)
 
 
 def adam_step(p, g, m, v, vmax, pieces, *, gscale, step_size, beta1, beta2, eps, inv_bc2_sqrt, l2, decay, amsgrad,
               working=None, kind=LP_NONE, zero_grad=False, mask=None):
     """Fused Adam/AdamW update; see :func:`arraytrain.kernels.reference.adam_step`."""
     t = p.dtype.type
-    _pick(_ADAM, p.size)(
+    pick(_ADAM, p.size)(
         p, g, m, v, vmax, pieces, t(gscale), seg_array(step_size, p.dtype), t(1.0 - beta1), t(beta2),
         t(1.0 - beta2), t(eps), t(inv_bc2_sqrt), seg_array(l2, p.dtype), seg_array(decay, p.dtype),
         bool(amsgrad), working, int(kind), bool(zero_grad), mask,
@@ -142,13 +142,13 @@ def _adagrad(p, g, s, pieces, gscale, lr, wd, eps, w, wkind, zero_grad, mask):
             store_working(w[lo:hi], pb, wkind)
 
 
-_ADAGRAD = _twins(_adagrad)
+_ADAGRAD = twins(_adagrad)
 
 
 def adagrad_step(p, g, sum_sq, pieces, *, gscale, lr, l2, eps, working=None, kind=LP_NONE, zero_grad=False, mask=None):
     """Fused Adagrad update; see :func:`arraytrain.kernels.reference.adagrad_step`."""
     t = p.dtype.type
-    _pick(_ADAGRAD, p.size)(
+    pick(_ADAGRAD, p.size)(
         p, g, sum_sq, pieces, t(gscale), seg_array(lr, p.dtype), seg_array(l2, p.dtype), t(eps),
         working, int(kind), bool(zero_grad), mask,
     )
@@ -183,14 +183,14 @@ def _rmsprop(p, g, sq, gavg, buf, pieces, gscale, lr, wd, alpha, alpha_c, eps, m
             store_working(w[lo:hi], pb, wkind)
 
 
-_RMSPROP = _twins(_rmsprop)
+_RMSPROP = twins(_rmsprop)
 
 
 def rmsprop_step(p, g, square_avg, grad_avg, momentum_buffer, pieces, *, gscale, lr, l2, alpha, eps, momentum,
                  centered, working=None, kind=LP_NONE, zero_grad=False, mask=None):
     """Fused RMSprop update; see :func:`arraytrain.kernels.reference.rmsprop_step`."""
     t = p.dtype.type
-    _pick(_RMSPROP, p.size)(
+    pick(_RMSPROP, p.size)(
         p, g, square_avg, grad_avg, momentum_buffer, pieces, t(gscale), seg_array(lr, p.dtype),
         seg_array(l2, p.dtype), t(alpha), t(1.0 - alpha), t(eps), t(momentum), bool(centered),
         bool(momentum > 0), working, int(kind), bool(zero_grad), mask,
@@ -216,14 +216,14 @@ def _lion(p, g, m, pieces, gscale, lr, decay, beta1, beta1c, beta2, beta2c, w, w
             store_working(w[lo:hi], pb, wkind)
 
 
-_LION = _twins(_lion)
+_LION = twins(_lion)
 
 
 def lion_step(p, g, m, pieces, *, gscale, lr, decay, beta1, beta2, working=None, kind=LP_NONE, zero_grad=False,
               mask=None):
     """Fused Lion update; see :func:`arraytrain.kernels.reference.lion_step`."""
     t = p.dtype.type
-    _pick(_LION, p.size)(
+    pick(_LION, p.size)(
         p, g, m, pieces, t(gscale), seg_array(lr, p.dtype), seg_array(decay, p.dtype), t(beta1), t(1.0 - beta1),
         t(beta2), t(1.0 - beta2), working, int(kind), bool(zero_grad), mask,
     )
@@ -281,7 +281,7 @@ def _lamb(p, g, m, v, pieces, gscale, lr, wd, b1c, b2, b2c, inv_bc1, inv_bc2, ep
     return ratio
 
 
-_LAMB = _twins(_lamb)
+_LAMB = twins(_lamb)
 
 
 def lamb_step(p, g, m, v, pieces, *, gscale, lr, weight_decay, beta1, beta2, eps, eps_root, inv_bc1, inv_bc2,
@@ -291,7 +291,7 @@ def lamb_step(p, g, m, v, pieces, *, gscale, lr, weight_decay, beta1, beta2, eps
     See :func:`arraytrain.kernels.reference.lamb_step`.
     """
     t = p.dtype.type
-    return _pick(_LAMB, p.size)(
+    return pick(_LAMB, p.size)(
         p, g, m, v, pieces, t(gscale), seg_array(lr, p.dtype), seg_array(weight_decay, p.dtype), t(1.0 - beta1),
         t(beta2), t(1.0 - beta2), t(inv_bc1), t(inv_bc2), t(eps), t(eps_root), working, int(kind), bool(zero_grad),
         mask,
@@ -340,7 +340,7 @@ def _af_rows(p, g, row, rows, gscale, beta2c, psq_rows):
         psq_rows[k] = sp
 
 
-_AF_ROWS = _twins(_af_rows)
+_AF_ROWS = twins(_af_rows)
 
 
 def _af_cols(g, col, cols, gscale, beta2c):
@@ -358,7 +358,7 @@ def _af_cols(g, col, cols, gscale, beta2c):
             cb[i] = x + beta2c * (acc[i] / nr - x)
 
 
-_AF_COLS_PAIR = _twins(_af_cols)
+_AF_COLS_PAIR = twins(_af_cols)
 
 
 def _af_rscale(row, batches, eps1, rscale):
@@ -375,7 +375,7 @@ def _af_rscale(row, batches, eps1, rscale):
             sb[i] = rb[i] / m
 
 
-_AF_RSCALE = _twins(_af_rscale)
+_AF_RSCALE = twins(_af_rscale)
 
 
 def _af_stats(p, g, col, var, rscale, pieces, segs, gscale, beta2c, eps1sq, psq_part, usq_part):
@@ -417,7 +417,7 @@ def _af_stats(p, g, col, var, rscale, pieces, segs, gscale, beta2c, eps1sq, psq_
         psq_part[j] = sp
 
 
-_AF_STATS = _twins(_af_stats)
+_AF_STATS = twins(_af_stats)
 
 
 def _af_apply(p, g, col, var, rscale, pieces, segs, gscale, eps1sq, step, decay, w, wkind, zero_grad, mask):
@@ -458,7 +458,7 @@ def _af_apply(p, g, col, var, rscale, pieces, segs, gscale, eps1sq, step, decay,
             store_working(w[lo:hi], p[lo:hi], wkind)
 
 
-_AF_APPLY = _twins(_af_apply)
+_AF_APPLY = twins(_af_apply)
 
 
 def _seg_totals(part, pieces, nseg, extra, extra_seg):
@@ -480,17 +480,17 @@ def adafactor_step(p, g, row, col, var, pieces, segs, rows, cols, batches, *, gs
     psq_rows = np.empty(rows.shape[0], dtype=np.float64)
     rscale = np.empty(row.size, dtype=p.dtype)
     if rows.shape[0]:
-        _pick(_AF_ROWS, n)(p, g, row, rows, gs, b2c, psq_rows)
-        _pick(_AF_COLS_PAIR, n)(g, col, cols, gs, b2c)
-        _pick(_AF_RSCALE, row.size)(row, batches, float(eps1), rscale)
+        pick(_AF_ROWS, n)(p, g, row, rows, gs, b2c, psq_rows)
+        pick(_AF_COLS_PAIR, n)(g, col, cols, gs, b2c)
+        pick(_AF_RSCALE, row.size)(row, batches, float(eps1), rscale)
     psq_part = np.empty(pieces.shape[0], dtype=np.float64)
     usq_part = np.empty(pieces.shape[0], dtype=np.float64)
     eps1sq = t(eps1 * eps1)
-    _pick(_AF_STATS, n)(p, g, col, var, rscale, pieces, segs, gs, b2c, eps1sq, psq_part, usq_part)
+    pick(_AF_STATS, n)(p, g, col, var, rscale, pieces, segs, gs, b2c, eps1sq, psq_part, usq_part)
     psq = _seg_totals(psq_part, pieces, nseg, psq_rows, rows[:, 3])
     usq = _seg_totals(usq_part, pieces, nseg, None, None)
     step = adafactor_step_size(psq, usq, segs[:, 1], rel_step, eps2, d)
-    _pick(_AF_APPLY, n)(p, g, col, var, rscale, pieces, segs, gs, eps1sq, seg_array(step, p.dtype),
+    pick(_AF_APPLY, n)(p, g, col, var, rscale, pieces, segs, gs, eps1sq, seg_array(step, p.dtype),
                         seg_array(decay, p.dtype), working, int(kind), bool(zero_grad), mask)
 
 
@@ -530,14 +530,14 @@ def _sophia(p, g, m, h, pieces, gscale, lr, decay, beta1, beta1c, rho_bs, eps, o
             store_working(w[lo:hi], pb, wkind)
 
 
-_SOPHIA = _twins(_sophia)
+_SOPHIA = twins(_sophia)
 
 
 def sophia_step(p, g, m, h, pieces, *, gscale, lr, decay, beta1, rho_bs, eps, working=None, kind=LP_NONE,
                 zero_grad=False, mask=None):
     """Fused SophiaG update; see :func:`arraytrain.kernels.reference.sophia_step`."""
     t = p.dtype.type
-    _pick(_SOPHIA, p.size)(
+    pick(_SOPHIA, p.size)(
         p, g, m, h, pieces, t(gscale), seg_array(lr, p.dtype), seg_array(decay, p.dtype), t(beta1),
         t(1.0 - beta1), t(rho_bs), t(eps), t(1.0), working, int(kind), bool(zero_grad), mask,
     )
@@ -562,7 +562,7 @@ def _sam_perturb(p, g, backup, pieces, scale, adaptive, zero_grad, mask):
                 gb[i] = 0
 
 
-_SAM_PERTURB = _twins(_sam_perturb)
+_SAM_PERTURB = twins(_sam_perturb)
 
 
 def sam_perturb(p, g, backup, pieces, *, scale, adaptive, zero_grad=False, mask=None):
@@ -570,7 +570,7 @@ def sam_perturb(p, g, backup, pieces, *, scale, adaptive, zero_grad=False, mask=
 
     See :func:`arraytrain.kernels.reference.sam_perturb`.
     """
-    _pick(_SAM_PERTURB, p.size)(p, g, backup, pieces, p.dtype.type(scale), bool(adaptive), bool(zero_grad), mask)
+    pick(_SAM_PERTURB, p.size)(p, g, backup, pieces, p.dtype.type(scale), bool(adaptive), bool(zero_grad), mask)
 
 
 # NAdam, RAdam, Adamax, Adadelta -------------------------------------------------------------
@@ -607,13 +607,13 @@ def _nadam_radam(p, g, m, v, pieces, gscale, a, b, beta1c, beta2, beta2c, eps, i
             store_working(w[lo:hi], pb, wkind)
 
 
-_NADAM_RADAM = _twins(_nadam_radam)
+_NADAM_RADAM = twins(_nadam_radam)
 
 
 def _run_nadam_radam(p, g, m, v, pieces, gscale, a, b, beta1, beta2, eps, inv_bc2_sqrt, rect, l2, decay, adaptive,
                      w, wkind, zero_grad, mask):
     t = p.dtype.type
-    _pick(_NADAM_RADAM, p.size)(
+    pick(_NADAM_RADAM, p.size)(
         p, g, m, v, pieces, t(gscale), seg_array(a, p.dtype), seg_array(b, p.dtype), t(1.0 - beta1), t(beta2),
         t(1.0 - beta2), t(eps), t(inv_bc2_sqrt), t(rect), seg_array(l2, p.dtype), seg_array(decay, p.dtype),
         bool(adaptive), w, int(wkind), bool(zero_grad), mask,
@@ -654,14 +654,14 @@ def _adamax(p, g, m, u, pieces, gscale, step_size, beta1c, beta2, eps, l2, w, wk
             store_working(w[lo:hi], pb, wkind)
 
 
-_ADAMAX = _twins(_adamax)
+_ADAMAX = twins(_adamax)
 
 
 def adamax_step(p, g, m, u, pieces, *, gscale, step_size, beta1, beta2, eps, l2, working=None, kind=LP_NONE,
                 zero_grad=False, mask=None):
     """Fused Adamax update; see :func:`arraytrain.kernels.reference.adamax_step`."""
     t = p.dtype.type
-    _pick(_ADAMAX, p.size)(
+    pick(_ADAMAX, p.size)(
         p, g, m, u, pieces, t(gscale), seg_array(step_size, p.dtype), t(1.0 - beta1), t(beta2), t(eps),
         seg_array(l2, p.dtype), working, int(kind), bool(zero_grad), mask,
     )
@@ -687,14 +687,14 @@ def _adadelta(p, g, sq, acc, pieces, gscale, lr, wd, rho, rho_c, eps, w, wkind, 
             store_working(w[lo:hi], pb, wkind)
 
 
-_ADADELTA = _twins(_adadelta)
+_ADADELTA = twins(_adadelta)
 
 
 def adadelta_step(p, g, square_avg, acc_delta, pieces, *, gscale, lr, l2, rho, eps, working=None, kind=LP_NONE,
                   zero_grad=False, mask=None):
     """Fused Adadelta update; see :func:`arraytrain.kernels.reference.adadelta_step`."""
     t = p.dtype.type
-    _pick(_ADADELTA, p.size)(
+    pick(_ADADELTA, p.size)(
         p, g, square_avg, acc_delta, pieces, t(gscale), seg_array(lr, p.dtype), seg_array(l2, p.dtype), t(rho),
         t(1.0 - rho), t(eps), working, int(kind), bool(zero_grad), mask,
     )
@@ -818,7 +818,7 @@ def _sf_adamw(p, g, z, v, pieces, gscale, lr, wd, ck, b1, b1c, beta2, beta2c, ep
             store_working(w[lo:hi], pb, wkind)
 
 
-_SF_ADAMW = _twins(_sf_adamw)
+_SF_ADAMW = twins(_sf_adamw)
 
 
 def schedule_free_adamw_step(p, g, z, v, max_lr, weight_sum, pieces, *, gscale, lr, weight_lr, weight_lr_power,
@@ -828,7 +828,7 @@ def schedule_free_adamw_step(p, g, z, v, max_lr, weight_sum, pieces, *, gscale, 
     ck = np.empty(max_lr.size, np.float64)
     _sf_weights(max_lr, weight_sum, seg_array(weight_lr, np.float64), float(weight_lr_power), ck)
     t = p.dtype.type
-    _pick(_SF_ADAMW, p.size)(
+    pick(_SF_ADAMW, p.size)(
         p, g, z, v, pieces, t(gscale), seg_array(lr, p.dtype), seg_array(weight_decay, p.dtype), seg_array(ck, p.dtype),
         t(beta1), t(1.0 - beta1), t(beta2), t(1.0 - beta2), t(eps), t(inv_bc2_sqrt), working, int(kind),
         bool(zero_grad), mask,

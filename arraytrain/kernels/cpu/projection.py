@@ -27,7 +27,7 @@ import numpy as np
 from numba import prange
 
 from ..counter_rng import uniform, uniform_np
-from ._jit import BLOCK, _pick, _twins
+from ._jit import BLOCK, pick, twins
 
 
 def _fwht(x, block, s):
@@ -62,14 +62,14 @@ def _fwht(x, block, s):
             v[i] *= s
 
 
-_FWHT = _twins(_fwht)
+_FWHT = twins(_fwht)
 
 
 def fwht(x, *, block):
     """In place: every ``block``-element block of ``x`` becomes ``H v / sqrt(block)``; see the reference."""
     if x.size == 0:
         return
-    _pick(_FWHT, x.size)(x, int(block), x.dtype.type(1.0 / np.sqrt(block)))
+    pick(_FWHT, x.size)(x, int(block), x.dtype.type(1.0 / np.sqrt(block)))
 
 
 def _sign_bind(x, key, out):
@@ -83,12 +83,12 @@ def _sign_bind(x, key, out):
             ob[i] = -xi if uniform(key, lo + i) >= 0.5 else xi
 
 
-_SIGN_BIND = _twins(_sign_bind)
+_SIGN_BIND = twins(_sign_bind)
 
 
 def sign_bind(x, out, *, key):
     """``out[i] = s_i * x[i]`` for ``i < out.size`` (``out`` may be ``x``); see the reference."""
-    _pick(_SIGN_BIND, out.size)(x, np.uint64(key), out)
+    pick(_SIGN_BIND, out.size)(x, np.uint64(key), out)
 
 
 def _counts(key, nb, block, d):
@@ -123,7 +123,7 @@ def _select(z, key, block, counts, offs, y, scale, scatter):
                 yb[j] = zb[t]
 
 
-_SELECT = _twins(_select)
+_SELECT = twins(_select)
 
 
 def select_gather(z, y, *, key, block):
@@ -132,7 +132,7 @@ def select_gather(z, y, *, key, block):
     if nb == 0:
         return
     counts, offs = _counts(key, nb, block, y.size)
-    _pick(_SELECT, z.size)(z, np.uint64(key), int(block), counts, offs, y, y.dtype.type(0), False)
+    pick(_SELECT, z.size)(z, np.uint64(key), int(block), counts, offs, y, y.dtype.type(0), False)
 
 
 def select_scatter(y, z, *, key, block, factor):
@@ -141,4 +141,4 @@ def select_scatter(y, z, *, key, block, factor):
     if nb == 0:
         return
     counts, offs = _counts(key, nb, block, y.size)
-    _pick(_SELECT, z.size)(z, np.uint64(key), int(block), counts, offs, y, z.dtype.type(factor), True)
+    pick(_SELECT, z.size)(z, np.uint64(key), int(block), counts, offs, y, z.dtype.type(factor), True)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from ._jit import BLOCK, JIT, _pick, _twins
+from ._jit import BLOCK, JIT, pick, twins
 from .codecs import store_working
 
 # -- accumulate / scale ----------------------------------------------------------------
@@ -34,12 +34,12 @@ def _accumulate(acc, g, w, overwrite):
         _write_scaled(acc[lo:hi], g[lo:hi], w, overwrite)
 
 
-_ACCUMULATE = _twins(_accumulate)
+_ACCUMULATE = twins(_accumulate)
 
 
 def accumulate(acc, g, *, w, overwrite):
     """``acc = w * g`` if ``overwrite`` else ``acc += w * g`` (math in ``acc``'s dtype)."""
-    _pick(_ACCUMULATE, acc.size)(acc, g, acc.dtype.type(w), bool(overwrite))
+    pick(_ACCUMULATE, acc.size)(acc, g, acc.dtype.type(w), bool(overwrite))
 
 
 def _accumulate_packed(acc, src, table, w, overwrite):
@@ -48,7 +48,7 @@ def _accumulate_packed(acc, src, table, w, overwrite):
         _write_scaled(acc[d : d + n], src[s : s + n], w, overwrite)
 
 
-_ACCUMULATE_PACKED = _twins(_accumulate_packed)
+_ACCUMULATE_PACKED = twins(_accumulate_packed)
 
 
 def accumulate_packed(acc, src, table, *, w, overwrite):
@@ -59,7 +59,7 @@ def accumulate_packed(acc, src, table, *, w, overwrite):
     bits are those of writing each gradient directly. Rows must not overlap in ``acc``.
     """
     if table.shape[0]:
-        _pick(_ACCUMULATE_PACKED, src.size)(acc, src, table, acc.dtype.type(w), bool(overwrite))
+        pick(_ACCUMULATE_PACKED, src.size)(acc, src, table, acc.dtype.type(w), bool(overwrite))
 
 
 def _scale(x, s):
@@ -70,12 +70,12 @@ def _scale(x, s):
             xb[i] *= s
 
 
-_SCALE = _twins(_scale)
+_SCALE = twins(_scale)
 
 
 def scale(x, *, factor):
     """``x *= factor``."""
-    _pick(_SCALE, x.size)(x, x.dtype.type(factor))
+    pick(_SCALE, x.size)(x, x.dtype.type(factor))
 
 
 # -- reductions -------------------------------------------------------------------------
@@ -109,12 +109,12 @@ def _all_finite(x):
     return ok.sum() == n
 
 
-_ALL_FINITE = _twins(_all_finite)
+_ALL_FINITE = twins(_all_finite)
 
 
 def all_finite(x):
     """True when no element is NaN or +-Inf."""
-    return bool(_pick(_ALL_FINITE, x.size)(x))
+    return bool(pick(_ALL_FINITE, x.size)(x))
 
 
 def _sumsq(x, pieces, nseg):
@@ -130,7 +130,7 @@ def _sumsq(x, pieces, nseg):
     return piece_totals(part, pieces, nseg)
 
 
-_SUMSQ = _twins(_sumsq)
+_SUMSQ = twins(_sumsq)
 
 
 def sumsq(x, pieces, *, nseg):
@@ -141,7 +141,7 @@ def sumsq(x, pieces, *, nseg):
     can only come from such an element; for float64 it may also be an
     overflow of finite values, which the caller resolves.
     """
-    total, per_seg = _pick(_SUMSQ, x.size)(x, pieces, nseg)
+    total, per_seg = pick(_SUMSQ, x.size)(x, pieces, nseg)
     return float(total), per_seg
 
 
@@ -160,12 +160,12 @@ def _max_abs(x, pieces):
     return best
 
 
-_MAX_ABS = _twins(_max_abs)
+_MAX_ABS = twins(_max_abs)
 
 
 def max_abs(x, pieces):
     """Largest |element| over the pieces, for finite input (rescales a norm that overflowed)."""
-    return float(_pick(_MAX_ABS, x.size)(x, pieces))
+    return float(pick(_MAX_ABS, x.size)(x, pieces))
 
 
 def _sumsq_scaled(x, pieces, nseg, inv):
@@ -181,12 +181,12 @@ def _sumsq_scaled(x, pieces, nseg, inv):
     return piece_totals(part, pieces, nseg)
 
 
-_SUMSQ_SCALED = _twins(_sumsq_scaled)
+_SUMSQ_SCALED = twins(_sumsq_scaled)
 
 
 def sumsq_scaled(x, pieces, *, nseg, inv):
     """Like :func:`sumsq` but of ``x * inv``: an overflow-safe second pass."""
-    total, per_seg = _pick(_SUMSQ_SCALED, x.size)(x, pieces, nseg, float(inv))
+    total, per_seg = pick(_SUMSQ_SCALED, x.size)(x, pieces, nseg, float(inv))
     return float(total), per_seg
 
 
@@ -196,12 +196,12 @@ def _cast_working(w, p, pieces, kind):
         store_working(w[lo:hi], p[lo:hi], kind)
 
 
-_CAST_WORKING = _twins(_cast_working)
+_CAST_WORKING = twins(_cast_working)
 
 
 def cast_working(w, p, pieces, *, kind):
     """``w = lowp(p)``: (re)build a low-precision working copy (uint16 bits) from float32 params."""
-    _pick(_CAST_WORKING, p.size)(w, p, pieces, int(kind))
+    pick(_CAST_WORKING, p.size)(w, p, pieces, int(kind))
 
 
 def _sumsq_product(x, y, pieces, nseg):
@@ -218,10 +218,10 @@ def _sumsq_product(x, y, pieces, nseg):
     return piece_totals(part, pieces, nseg)
 
 
-_SUMSQ_PRODUCT = _twins(_sumsq_product)
+_SUMSQ_PRODUCT = twins(_sumsq_product)
 
 
 def sumsq_product(x, y, pieces, *, nseg):
     """``(total, per_segment)`` float64 sums of ``(x*y)^2`` over the pieces (ASAM's norm), one pass."""
-    total, per_seg = _pick(_SUMSQ_PRODUCT, x.size)(x, y, pieces, nseg)
+    total, per_seg = pick(_SUMSQ_PRODUCT, x.size)(x, y, pieces, nseg)
     return float(total), per_seg

@@ -22,7 +22,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from ._jit import BLOCK, JIT, _pick, _twins
+from ._jit import BLOCK, JIT, pick, twins
 
 
 @njit(inline="always", **JIT)
@@ -48,13 +48,13 @@ def _predict(hist, n, c, corr, out):
             ob[i] = acc[i] + np.float64(rb[i])
 
 
-_PREDICT = _twins(_predict)
+_PREDICT = twins(_predict)
 
 
 def trend_predict(hist, c, corr, out):
     """``out = sum_k c[k] * hist[k] + corr``; see :func:`arraytrain.kernels.reference.trend.trend_predict`."""
     n = out.size
-    _pick(_PREDICT, n)(hist.reshape(-1), n, np.ascontiguousarray(c, dtype=np.float64), corr, out)
+    pick(_PREDICT, n)(hist.reshape(-1), n, np.ascontiguousarray(c, dtype=np.float64), corr, out)
 
 
 def _correct(hist, n, c, corr, g, slot, beta, beta_c):
@@ -70,12 +70,12 @@ def _correct(hist, n, c, corr, g, slot, beta, beta_c):
             sb[i] = gi
 
 
-_CORRECT = _twins(_correct)
+_CORRECT = twins(_correct)
 
 
 def trend_correct(hist, c, corr, g, *, slot, beta):
     """Correction update fused with recording ``g``; see :func:`arraytrain.kernels.reference.trend.trend_correct`."""
     n = g.size
     beta = float(beta)
-    _pick(_CORRECT, n)(hist.reshape(-1), n, np.ascontiguousarray(c, dtype=np.float64), corr, g, int(slot),
+    pick(_CORRECT, n)(hist.reshape(-1), n, np.ascontiguousarray(c, dtype=np.float64), corr, g, int(slot),
                        beta, 1.0 - beta)

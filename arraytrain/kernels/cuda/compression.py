@@ -44,7 +44,7 @@ import numpy as np
 
 from ..interface import INV127
 from ._core import THREADS, Source, cupy, launch
-from .reductions import _grid
+from .reductions import grid
 
 # Elements per piece of the sign / ternary block reductions (one warp each: 64 per lane).
 PIECE = 2048
@@ -461,7 +461,7 @@ def topk(x, idx_out, val_out, *, k):
     hist_fn = SOURCE.function(f"arraytrain_topk_hist<{t}>")
     choose_fn = SOURCE.function("arraytrain_topk_choose")
     for shift in range(bits - 8, -1, -8):
-        launch(hist_fn, _grid(n), (x, np.int64(n), np.int32(shift), sel, hist))
+        launch(hist_fn, grid(n), (x, np.int64(n), np.int32(shift), sel, hist))
         launch(choose_fn, 1, (sel, hist, np.int32(shift)))
     nch = -(-n // TOPK_CHUNK)
     counts = cp.zeros(2 * (nch + 1), dtype=cp.int64)
@@ -491,19 +491,19 @@ def randk_indices(*, n, k, key):
     nwords = -(-n // 64)
     words = cp.zeros(nwords, dtype=cp.uint64)
     args = (np.int64(n), np.int64(k), np.uint64(key))
-    launch(SOURCE.function("arraytrain_randk_first"), _grid(k), (*args, first))
-    launch(SOURCE.function("arraytrain_randk_mark"), _grid(k), (*args, first, words))
+    launch(SOURCE.function("arraytrain_randk_first"), grid(k), (*args, first))
+    launch(SOURCE.function("arraytrain_randk_mark"), grid(k), (*args, first, words))
     counts = cp.zeros(nwords + 1, dtype=cp.int64)
-    launch(SOURCE.function("arraytrain_bitmap_count"), _grid(nwords), (words, np.int64(nwords), counts))
+    launch(SOURCE.function("arraytrain_bitmap_count"), grid(nwords), (words, np.int64(nwords), counts))
     offs = cp.cumsum(counts)
-    launch(SOURCE.function("arraytrain_bitmap_write"), _grid(nwords), (words, np.int64(nwords), offs, out))
+    launch(SOURCE.function("arraytrain_bitmap_write"), grid(nwords), (words, np.int64(nwords), offs, out))
     return out
 
 
 def gather(x, idx, out):
     """``out = x[idx]``."""
     idx = _index(idx)
-    launch(SOURCE.function(f"arraytrain_gather<{_t(x.dtype)},{_ITYPE[idx.dtype]}>"), _grid(idx.size),
+    launch(SOURCE.function(f"arraytrain_gather<{_t(x.dtype)},{_ITYPE[idx.dtype]}>"), grid(idx.size),
            (x, idx, np.int64(idx.size), out))
 
 
@@ -511,7 +511,7 @@ def scatter(idx, values, out, *, factor):
     """``out = 0``, then ``out[idx] = values * factor`` (math in ``out``'s dtype)."""
     idx = _index(idx)
     out.fill(0)
-    launch(SOURCE.function(f"arraytrain_scatter<{_t(out.dtype)},{_ITYPE[idx.dtype]}>"), _grid(idx.size),
+    launch(SOURCE.function(f"arraytrain_scatter<{_t(out.dtype)},{_ITYPE[idx.dtype]}>"), grid(idx.size),
            (idx, values.astype(out.dtype, copy=False), np.int64(idx.size), out.dtype.type(factor), out))
 
 
@@ -530,7 +530,7 @@ def int8_encode(x, codes, scales, *, block, key, stochastic, shared=False):
 
 def int8_decode(codes, scales, out, *, block):
     """``out_i = codes_i * scale_b``."""
-    launch(SOURCE.function(f"arraytrain_int8_decode<{_t(out.dtype)}>"), _grid(out.size),
+    launch(SOURCE.function(f"arraytrain_int8_decode<{_t(out.dtype)}>"), grid(out.size),
            (codes, scales.astype(out.dtype, copy=False), np.int64(block), np.int64(out.size), out))
 
 
@@ -557,13 +557,13 @@ def sign_encode(x, bits, scales, *, block):
     if n == 0:
         return
     _block_scales(x, block, scales, False)
-    launch(SOURCE.function(f"arraytrain_sign_bits<{_t(x.dtype)}>"), _grid(n),
+    launch(SOURCE.function(f"arraytrain_sign_bits<{_t(x.dtype)}>"), grid(n),
            (x, np.int64(n), np.int64(bits.size), bits))
 
 
 def sign_decode(bits, scales, out, *, block):
     """``out_i = +-scale_b`` from bit ``i``."""
-    launch(SOURCE.function(f"arraytrain_sign_decode<{_t(out.dtype)}>"), _grid(out.size),
+    launch(SOURCE.function(f"arraytrain_sign_decode<{_t(out.dtype)}>"), grid(out.size),
            (bits, scales.astype(np.float32, copy=False), np.int64(block), np.int64(out.size), out))
 
 
@@ -573,11 +573,11 @@ def ternary_encode(x, codes, scales, *, block, key):
     if n == 0:
         return
     _block_scales(x, block, scales, True)
-    launch(SOURCE.function(f"arraytrain_ternary_codes<{_t(x.dtype)}>"), _grid(codes.size),
+    launch(SOURCE.function(f"arraytrain_ternary_codes<{_t(x.dtype)}>"), grid(codes.size),
            (x, np.int64(n), np.int64(block), np.uint64(key), scales, np.int64(codes.size), codes))
 
 
 def ternary_decode(codes, scales, out, *, block):
     """``out_i = s_b * {0, +1, -1}[code_i]``."""
-    launch(SOURCE.function(f"arraytrain_ternary_decode<{_t(out.dtype)}>"), _grid(out.size),
+    launch(SOURCE.function(f"arraytrain_ternary_decode<{_t(out.dtype)}>"), grid(out.size),
            (codes, scales.astype(np.float32, copy=False), np.int64(block), np.int64(out.size), out))

@@ -26,7 +26,7 @@ import numpy as np
 from ..counter_rng import uniform_np
 from ._core import Source, cupy, launch
 from .compression import COUNTER_RNG
-from .reductions import _grid
+from .reductions import grid
 
 FWHT_SHARED = 2048  # elements of a thread block's shared-memory transform
 SELECT_SHARED = 4096  # longest block whose permutation lives in shared memory
@@ -134,13 +134,13 @@ def fwht(x, *, block):
     stage = SOURCE.function(f"arraytrain_fwht_stage<{t}>")
     h = FWHT_SHARED
     while h < block:
-        launch(stage, _grid(n // 2), (x, np.int64(n // 2), np.int64(h), s, np.int32(2 * h == block)))
+        launch(stage, grid(n // 2), (x, np.int64(n // 2), np.int64(h), s, np.int32(2 * h == block)))
         h *= 2
 
 
 def sign_bind(x, out, *, key):
     """``out[i] = s_i * x[i]`` for ``i < out.size`` (``out`` may be ``x``); see the reference."""
-    launch(SOURCE.function(f"arraytrain_sign_bind<{_t(out.dtype)}>"), _grid(out.size),
+    launch(SOURCE.function(f"arraytrain_sign_bind<{_t(out.dtype)}>"), grid(out.size),
            (x, np.uint64(key), np.int64(out.size), out))
 
 

@@ -126,14 +126,14 @@ __global__ void arraytrain_cast_working(u16* __restrict__ w, const float* __rest
 _GRID_CAP = 132 * 16  # grid-stride kernels: enough blocks to fill an H100 several times
 
 
-def _grid(n: int) -> int:
+def grid(n: int) -> int:
     return min(-(-n // (THREADS * 4)), _GRID_CAP)
 
 
 def accumulate(acc, g, *, w, overwrite):
     """``acc = w * g`` if ``overwrite`` else ``acc += w * g`` (math in ``acc``'s dtype)."""
     fn = SOURCE.function(f"arraytrain_accumulate<{ctype(acc.dtype)},{ctype(g.dtype)}>")
-    launch(fn, _grid(acc.size), (acc, g, np.int64(acc.size), acc.dtype.type(w), np.int32(bool(overwrite))))
+    launch(fn, grid(acc.size), (acc, g, np.int64(acc.size), acc.dtype.type(w), np.int32(bool(overwrite))))
 
 
 def accumulate_packed(acc, src, table, *, w, overwrite):
@@ -144,7 +144,7 @@ def accumulate_packed(acc, src, table, *, w, overwrite):
 
 def scale(x, *, factor):
     """``x *= factor``."""
-    launch(SOURCE.function(f"arraytrain_scale<{ctype(x.dtype)}>"), _grid(x.size),
+    launch(SOURCE.function(f"arraytrain_scale<{ctype(x.dtype)}>"), grid(x.size),
            (x, np.int64(x.size), x.dtype.type(factor)))
 
 
@@ -152,7 +152,7 @@ def all_finite(x):
     """True when no element is NaN or +-Inf (reads a flag back: one synchronisation)."""
     cp = cupy()
     bad = cp.zeros(1, dtype=cp.int32)
-    launch(SOURCE.function(f"arraytrain_all_finite<{ctype(x.dtype)}>"), _grid(x.size), (x, np.int64(x.size), bad))
+    launch(SOURCE.function(f"arraytrain_all_finite<{ctype(x.dtype)}>"), grid(x.size), (x, np.int64(x.size), bad))
     return not bool(to_host(bad)[0])
 
 

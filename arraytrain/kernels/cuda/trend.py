@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from ._core import Source, cupy, launch
-from .reductions import _grid
+from .reductions import grid
 
 _FLOATS = ("float", "double")
 
@@ -62,7 +62,7 @@ def trend_predict(hist, c, corr, out):
     """``out = sum_k c[k] * hist[k] + corr``; see :func:`arraytrain.kernels.reference.trend.trend_predict`."""
     n = int(out.size)
     c = _weights(c)
-    launch(SOURCE.function(f"arraytrain_trend_predict<{_t(out.dtype)}>"), _grid(n),
+    launch(SOURCE.function(f"arraytrain_trend_predict<{_t(out.dtype)}>"), grid(n),
            (hist, np.int64(n), c, np.int32(c.size), corr, out))
 
 
@@ -71,6 +71,6 @@ def trend_correct(hist, c, corr, g, *, slot, beta):
     n = int(g.size)
     c = _weights(c)
     beta = float(beta)
-    launch(SOURCE.function(f"arraytrain_trend_correct<{_t(g.dtype)}>"), _grid(n),
+    launch(SOURCE.function(f"arraytrain_trend_correct<{_t(g.dtype)}>"), grid(n),
            (hist, np.int64(n), c, np.int32(c.size), corr, g, np.int32(slot), np.float64(beta),
             np.float64(1.0 - beta)))

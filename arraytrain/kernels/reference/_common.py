@@ -7,10 +7,10 @@ import numpy as np
 
 from ..interface import LP_BF16, LP_F16
 
-_LP_DTYPES = {LP_BF16: np.dtype(ml_dtypes.bfloat16), LP_F16: np.dtype(np.float16)}
+LP_DTYPES = {LP_BF16: np.dtype(ml_dtypes.bfloat16), LP_F16: np.dtype(np.float16)}
 
 
-def _f64(x):
+def f64(x):
     """float64 values of a float array, or of a uint16 array of bfloat16 bits."""
     x = np.asarray(x)
     if x.dtype == np.uint16:
@@ -18,7 +18,7 @@ def _f64(x):
     return x.astype(np.float64)
 
 
-def _store(dst, values):
+def store(dst, values):
     """Round ``values`` once to ``dst``'s storage (bfloat16 bits for uint16) and return what was stored."""
     if dst.dtype == np.uint16:
         # float64 -> float32 -> bfloat16: the fast kernels do float32 math, so their
@@ -26,20 +26,20 @@ def _store(dst, values):
         dst[...] = np.asarray(values, np.float32).astype(ml_dtypes.bfloat16).view(np.uint16)
     else:
         dst[...] = values
-    return _f64(dst)
+    return f64(dst)
 
 
-def _segments(pieces, n):
+def segments(pieces, n):
     """Segment index of every element covered by ``pieces`` (and the covered positions)."""
     idx = np.concatenate([np.arange(a, b) for a, b, _ in pieces]) if len(pieces) else np.zeros(0, np.int64)
     seg = np.concatenate([np.full(b - a, s) for a, b, s in pieces]) if len(pieces) else np.zeros(0, np.int64)
     return idx.astype(np.int64), seg.astype(np.int64)
 
 
-def _store_at(dst, i, values):
+def store_at(dst, i, values):
     """``dst[i] = values`` rounded to the storage; returns the stored values as float64."""
     out = np.empty(len(i), dst.dtype)
-    stored = _store(out, values)
+    stored = store(out, values)
     dst[i] = out
     return stored
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..interface import LP_NONE
-from ._common import _f64, _segments, _store, _store_at, apply_mask
+from ._common import f64, segments, store, store_at, apply_mask
 from .reductions import cast_working
 
 # Arrays first, then every scalar and per-parameter value keyword-only: the argument
@@ -24,12 +24,12 @@ def sgd_step(p, g, buf, pieces, *, gscale, lr, l2, momentum, dampening, nesterov
     ``mask`` (uint8, or None; every kernel): the new ``p`` is 0 where ``mask == 0``
     (:func:`apply_mask`), before the working copy is written.
     """
-    i, s = _segments(pieces, p.size)
+    i, s = segments(pieces, p.size)
     lr, wd = np.asarray(lr, np.float64)[s], np.asarray(l2, np.float64)[s]
-    pp = _f64(p[i])
-    d = gscale * _f64(g[i]) + wd * pp
+    pp = f64(p[i])
+    d = gscale * f64(g[i]) + wd * pp
     if momentum != 0.0:
-        b = _store_at(buf, i, d if first else momentum * _f64(buf[i]) + (1.0 - dampening) * d)
+        b = store_at(buf, i, d if first else momentum * f64(buf[i]) + (1.0 - dampening) * d)
         d = d + momentum * b if nesterov else b
     p[i] = pp - lr * d
     _finish(p, g, working, kind, pieces, i, zero_grad, mask)
@@ -51,12 +51,12 @@ def _adam_moments(p, g, m, v, pieces, gscale, l2, beta1, beta2):
     Returns the covered positions and their segments, ``p`` and ``d`` there, and the new
     ``m`` and ``v`` as stored (float64 values of what the storage holds).
     """
-    i, s = _segments(pieces, p.size)
-    pp = _f64(p[i])
-    d = gscale * _f64(g[i]) + np.asarray(l2, np.float64)[s] * pp
-    mm = _f64(m[i])
-    mm = _store_at(m, i, mm + (1.0 - beta1) * (d - mm))
-    vv = _store_at(v, i, beta2 * _f64(v[i]) + (1.0 - beta2) * d * d)
+    i, s = segments(pieces, p.size)
+    pp = f64(p[i])
+    d = gscale * f64(g[i]) + np.asarray(l2, np.float64)[s] * pp
+    mm = f64(m[i])
+    mm = store_at(m, i, mm + (1.0 - beta1) * (d - mm))
+    vv = store_at(v, i, beta2 * f64(v[i]) + (1.0 - beta2) * d * d)
     return i, s, pp, d, mm, vv
 
 
@@ -73,7 +73,7 @@ def adam_step(p, g, m, v, vmax, pieces, *, gscale, step_size, beta1, beta2, eps,
     """
     i, s, pp, d, mm, vv = _adam_moments(p, g, m, v, pieces, gscale, l2, beta1, beta2)
     if amsgrad:
-        vv = _store_at(vmax, i, np.maximum(_f64(vmax[i]), vv))
+        vv = store_at(vmax, i, np.maximum(f64(vmax[i]), vv))
     denom = np.sqrt(vv) * inv_bc2_sqrt + eps
     p[i] = pp * np.asarray(decay, np.float64)[s] - np.asarray(step_size, np.float64)[s] * mm / denom
     _finish(p, g, working, kind, pieces, i, zero_grad, mask)
@@ -89,10 +89,10 @@ def adagrad_step(p, g, sum_sq, pieces, *, gscale, lr, l2, eps, working=None, kin
     ``sum_sq += d^2``; ``p -= lr[s] * d / (sqrt(sum_sq) + eps)`` with ``lr`` the
     decayed rate ``lr / (1 + (t - 1)*lr_decay)`` (torch's ``clr``) formed by the optimizer.
     """
-    i, s = _segments(pieces, p.size)
-    pp = _f64(p[i])
-    d = gscale * _f64(g[i]) + np.asarray(l2, np.float64)[s] * pp
-    ss = _store_at(sum_sq, i, _f64(sum_sq[i]) + d * d)
+    i, s = segments(pieces, p.size)
+    pp = f64(p[i])
+    d = gscale * f64(g[i]) + np.asarray(l2, np.float64)[s] * pp
+    ss = store_at(sum_sq, i, f64(sum_sq[i]) + d * d)
     p[i] = pp - np.asarray(lr, np.float64)[s] * (d / (np.sqrt(ss) + eps))
     _finish(p, g, working, kind, pieces, i, zero_grad, mask)
 
@@ -108,17 +108,17 @@ def rmsprop_step(p, g, square_avg, grad_avg, momentum_buffer, pieces, *, gscale,
     ``buf = momentum*buf + u``, ``u = buf``; then ``p -= lr[s]*u``. ``grad_avg``
     (not centered) and ``momentum_buffer`` (momentum 0) are ignored.
     """
-    i, s = _segments(pieces, p.size)
-    pp = _f64(p[i])
-    d = gscale * _f64(g[i]) + np.asarray(l2, np.float64)[s] * pp
-    q = _store_at(square_avg, i, alpha * _f64(square_avg[i]) + (1.0 - alpha) * d * d)
+    i, s = segments(pieces, p.size)
+    pp = f64(p[i])
+    d = gscale * f64(g[i]) + np.asarray(l2, np.float64)[s] * pp
+    q = store_at(square_avg, i, alpha * f64(square_avg[i]) + (1.0 - alpha) * d * d)
     if centered:
-        a = _f64(grad_avg[i])
-        a = _store_at(grad_avg, i, a + (1.0 - alpha) * (d - a))
+        a = f64(grad_avg[i])
+        a = store_at(grad_avg, i, a + (1.0 - alpha) * (d - a))
         q = q - a * a
     u = d / (np.sqrt(q) + eps)
     if momentum > 0:
-        u = _store_at(momentum_buffer, i, momentum * _f64(momentum_buffer[i]) + u)
+        u = store_at(momentum_buffer, i, momentum * f64(momentum_buffer[i]) + u)
     p[i] = pp - np.asarray(lr, np.float64)[s] * u
     _finish(p, g, working, kind, pieces, i, zero_grad, mask)
 
@@ -131,10 +131,10 @@ def lion_step(p, g, m, pieces, *, gscale, lr, decay, beta1, beta2, working=None,
     ``p = p*decay[s] - lr[s]*c`` with ``decay = 1 - lr*weight_decay`` (decoupled, scaled by
     the lr: optax's ``p - lr*(c + wd*p)``); ``m = beta2*m + (1 - beta2)*d``. ``sign`` keeps NaN.
     """
-    i, s = _segments(pieces, p.size)
-    pp, mm, d = _f64(p[i]), _f64(m[i]), gscale * _f64(g[i])
+    i, s = segments(pieces, p.size)
+    pp, mm, d = f64(p[i]), f64(m[i]), gscale * f64(g[i])
     c = np.sign(beta1 * mm + (1.0 - beta1) * d)
-    _store_at(m, i, beta2 * mm + (1.0 - beta2) * d)
+    store_at(m, i, beta2 * mm + (1.0 - beta2) * d)
     p[i] = pp * np.asarray(decay, np.float64)[s] - np.asarray(lr, np.float64)[s] * c
     _finish(p, g, working, kind, pieces, i, zero_grad, mask)
 
@@ -152,11 +152,11 @@ def lamb_step(p, g, m, v, pieces, *, gscale, lr, weight_decay, beta1, beta2, eps
     ``p -= lr[s]*r[s]*u``. Returns ``r`` (float64, one per parameter).
     """
     nseg = len(np.asarray(lr))
-    i, s = _segments(pieces, p.size)
-    pp, d = _f64(p[i]), gscale * _f64(g[i])
-    mm = _f64(m[i])
-    mm = _store_at(m, i, mm + (1.0 - beta1) * (d - mm))
-    vv = _store_at(v, i, beta2 * _f64(v[i]) + (1.0 - beta2) * d * d)
+    i, s = segments(pieces, p.size)
+    pp, d = f64(p[i]), gscale * f64(g[i])
+    mm = f64(m[i])
+    mm = store_at(m, i, mm + (1.0 - beta1) * (d - mm))
+    vv = store_at(v, i, beta2 * f64(v[i]) + (1.0 - beta2) * d * d)
     u = (mm * inv_bc1) / (np.sqrt(vv * inv_bc2 + eps_root) + eps) + np.asarray(weight_decay, np.float64)[s] * pp
     pn = np.sqrt(np.bincount(s, weights=pp * pp, minlength=nseg)) if len(s) else np.zeros(nseg)
     un = np.sqrt(np.bincount(s, weights=u * u, minlength=nseg)) if len(s) else np.zeros(nseg)
@@ -195,23 +195,23 @@ def adafactor_step(p, g, row, col, var, pieces, segs, rows, cols, batches, *, gs
     for s, (off, n, factored, nb, nr, nc, ro, co, vo) in enumerate(np.asarray(segs).tolist()):
         if n == 0:
             continue
-        pp = _f64(p[off : off + n])
-        gg = gscale * _f64(g[off : off + n])
+        pp = f64(p[off : off + n])
+        gg = gscale * f64(g[off : off + n])
         if factored:
             G2 = (gg * gg).reshape(nb, nr, nc)
-            r_old = _f64(row[ro : ro + nb * nr]).reshape(nb, nr)
-            c_old = _f64(col[co : co + nb * nc]).reshape(nb, nc)
-            r_new = _store(row[ro : ro + nb * nr], (r_old + k * (G2.mean(axis=2) - r_old)).ravel()).reshape(nb, nr)
-            c_new = _store(col[co : co + nb * nc], (c_old + k * (G2.mean(axis=1) - c_old)).ravel()).reshape(nb, nc)
+            r_old = f64(row[ro : ro + nb * nr]).reshape(nb, nr)
+            c_old = f64(col[co : co + nb * nc]).reshape(nb, nc)
+            r_new = store(row[ro : ro + nb * nr], (r_old + k * (G2.mean(axis=2) - r_old)).ravel()).reshape(nb, nr)
+            c_new = store(col[co : co + nb * nc], (c_old + k * (G2.mean(axis=1) - c_old)).ravel()).reshape(nb, nc)
             rmean = _nanmax(r_new.mean(axis=1), eps1)
             V = ((r_new / rmean[:, None])[:, :, None] * c_new[:, None, :]).ravel()
         else:
-            v_old = _f64(var[vo : vo + n])
-            V = _store(var[vo : vo + n], v_old + k * (gg * gg - v_old))
+            v_old = f64(var[vo : vo + n])
+            V = store(var[vo : vo + n], v_old + k * (gg * gg - v_old))
         U = gg / np.sqrt(_nanmax(V, eps1 * eps1))
         step = np.fmax(eps2, np.sqrt(np.dot(pp, pp) / n)) * rel_step[s] / np.fmax(1.0, np.sqrt(np.dot(U, U) / n) / d)
         p[off : off + n] = pp * decay[s] - step * U
-    i, _ = _segments(pieces, p.size)
+    i, _ = segments(pieces, p.size)
     _finish(p, g, working, kind, pieces, i, zero_grad, mask)
 
 
@@ -224,13 +224,13 @@ def sophia_step(p, g, m, h, pieces, *, gscale, lr, decay, beta1, rho_bs, eps, wo
     ``decay = 1 - lr*weight_decay`` (decoupled) and ``rho_bs = rho * bs`` (the optimizer's
     ``rho`` times the batch-size factor). ``h`` is read only (fed by the Hessian EMA). NaN propagates.
     """
-    i, s = _segments(pieces, p.size)
-    mm = beta1 * _f64(m[i]) + (1.0 - beta1) * gscale * _f64(g[i])
+    i, s = segments(pieces, p.size)
+    mm = beta1 * f64(m[i]) + (1.0 - beta1) * gscale * f64(g[i])
     m[i] = mm
-    den = _nanmax(rho_bs * _f64(h[i]), eps)
+    den = _nanmax(rho_bs * f64(h[i]), eps)
     ratio = np.abs(mm) / den
     ratio = np.where(ratio > 1.0, 1.0, ratio)
-    p[i] = _f64(p[i]) * np.asarray(decay, np.float64)[s] - np.asarray(lr, np.float64)[s] * np.sign(mm) * ratio
+    p[i] = f64(p[i]) * np.asarray(decay, np.float64)[s] - np.asarray(lr, np.float64)[s] * np.sign(mm) * ratio
     _finish(p, g, working, kind, pieces, i, zero_grad, mask)
 
 
@@ -238,10 +238,10 @@ def sam_perturb(p, g, backup, pieces, *, scale, adaptive, zero_grad=False, mask=
     """SAM's ascent (Foret et al. 2021; ASAM, Kwon et al. 2021): ``backup = p``, then
     ``p += scale * g`` or, adaptive, ``p += scale * p^2 * g`` (``scale = rho * gscale / (norm + 1e-12)``);
     pruned weights (``mask == 0``) are 0 at the ascent point."""
-    i, _ = _segments(pieces, p.size)
-    pp = _f64(p[i])
+    i, _ = segments(pieces, p.size)
+    pp = f64(p[i])
     backup[i] = p[i]
-    e = scale * _f64(g[i])
+    e = scale * f64(g[i])
     p[i] = pp + (e * pp * pp if adaptive else e)
     if mask is not None:
         apply_mask(p, mask, i)
@@ -291,12 +291,12 @@ def adamax_step(p, g, m, u, pieces, *, gscale, step_size, beta1, beta2, eps, l2,
     ``u = max(beta2*u, |d| + eps)`` (NaN propagates, as torch.maximum);
     ``p -= step_size[s] * m / u`` with ``step_size = lr/(1 - beta1^t)``.
     """
-    i, s = _segments(pieces, p.size)
-    pp = _f64(p[i])
-    d = gscale * _f64(g[i]) + np.asarray(l2, np.float64)[s] * pp
-    mm = _f64(m[i])
-    mm = _store_at(m, i, mm + (1.0 - beta1) * (d - mm))
-    uu = _store_at(u, i, np.maximum(beta2 * _f64(u[i]), np.abs(d) + eps))
+    i, s = segments(pieces, p.size)
+    pp = f64(p[i])
+    d = gscale * f64(g[i]) + np.asarray(l2, np.float64)[s] * pp
+    mm = f64(m[i])
+    mm = store_at(m, i, mm + (1.0 - beta1) * (d - mm))
+    uu = store_at(u, i, np.maximum(beta2 * f64(u[i]), np.abs(d) + eps))
     p[i] = pp - np.asarray(step_size, np.float64)[s] * (mm / uu)
     _finish(p, g, working, kind, pieces, i, zero_grad, mask)
 
@@ -310,13 +310,13 @@ def adadelta_step(p, g, square_avg, acc_delta, pieces, *, gscale, lr, l2, rho, e
     ``delta = sqrt(acc_delta + eps) / sqrt(square_avg + eps) * d`` (the old ``acc_delta``);
     ``acc_delta = rho*acc_delta + (1 - rho)*delta^2``; ``p -= lr[s]*delta``.
     """
-    i, s = _segments(pieces, p.size)
-    pp = _f64(p[i])
-    d = gscale * _f64(g[i]) + np.asarray(l2, np.float64)[s] * pp
-    q = _store_at(square_avg, i, rho * _f64(square_avg[i]) + (1.0 - rho) * d * d)
-    a = _f64(acc_delta[i])
+    i, s = segments(pieces, p.size)
+    pp = f64(p[i])
+    d = gscale * f64(g[i]) + np.asarray(l2, np.float64)[s] * pp
+    q = store_at(square_avg, i, rho * f64(square_avg[i]) + (1.0 - rho) * d * d)
+    a = f64(acc_delta[i])
     delta = np.sqrt(a + eps) / np.sqrt(q + eps) * d
-    _store_at(acc_delta, i, rho * a + (1.0 - rho) * delta * delta)
+    store_at(acc_delta, i, rho * a + (1.0 - rho) * delta * delta)
     p[i] = pp - np.asarray(lr, np.float64)[s] * delta
     _finish(p, g, working, kind, pieces, i, zero_grad, mask)
 
@@ -346,10 +346,10 @@ def muon_step(p, g, buf, work, mats, pieces, *, gscale, momentum, nesterov, adju
     for seg, _, rows, cols, lo, hi in np.asarray(mats).tolist():
         if lo == hi:
             continue
-        i, _ = _segments(pieces[lo:hi], p.size)
-        d = gscale * _f64(g[i])
-        bb = _f64(buf[i])
-        bb = _store_at(buf, i, bb + (1.0 - momentum) * (d - bb))
+        i, _ = segments(pieces[lo:hi], p.size)
+        d = gscale * f64(g[i])
+        bb = f64(buf[i])
+        bb = store_at(buf, i, bb + (1.0 - momentum) * (d - bb))
         X = (bb + (1.0 - momentum) * (d - bb) if nesterov else bb).reshape(rows, cols)
         tall = rows > cols
         if tall:
@@ -358,10 +358,10 @@ def muon_step(p, g, buf, work, mats, pieces, *, gscale, momentum, nesterov, adju
         for _ in range(ns_steps):
             A = X @ X.T
             X = a * X + (b * A + c * (A @ A)) @ X
-        p[i] = _f64(p[i]) * dec[seg] - alr[seg] * (X.T if tall else X).reshape(-1)
+        p[i] = f64(p[i]) * dec[seg] - alr[seg] * (X.T if tall else X).reshape(-1)
         if zero_grad:
             g[i] = 0
-    i, _ = _segments(pieces, p.size)
+    i, _ = segments(pieces, p.size)
     _finish(p, g, working, kind, pieces, i, False, mask)
 
 
@@ -394,11 +394,11 @@ def schedule_free_adamw_step(p, g, z, v, max_lr, weight_sum, pieces, *, gscale, 
     With a mask, pruned elements of both y and z are written as 0 (so x is 0 there too).
     """
     ck = _schedule_free_weights(max_lr, weight_sum, weight_lr, weight_lr_power)
-    i, s = _segments(pieces, p.size)
-    y, d = _f64(p[i]), gscale * _f64(g[i])
-    vv = _store_at(v, i, beta2 * _f64(v[i]) + (1.0 - beta2) * d * d)
+    i, s = segments(pieces, p.size)
+    y, d = f64(p[i]), gscale * f64(g[i])
+    vv = store_at(v, i, beta2 * f64(v[i]) + (1.0 - beta2) * d * d)
     u = d / (np.sqrt(vv) * inv_bc2_sqrt + eps) + np.asarray(weight_decay, np.float64)[s] * y
-    z_old = _f64(z[i])
+    z_old = f64(z[i])
     z_new = z_old - np.asarray(lr, np.float64)[s] * u
     c = ck[s]
     x_new = (1.0 - c) * ((y - (1.0 - beta1) * z_old) / beta1) + c * z_new

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._common import _LP_DTYPES, _f64, _segments
+from ._common import LP_DTYPES, f64, segments
 
 def accumulate(acc, g, *, w, overwrite):
     """``acc = w * g`` if ``overwrite`` else ``acc += w * g``."""
-    new = w * _f64(g) if overwrite else _f64(acc) + w * _f64(g)
+    new = w * f64(g) if overwrite else f64(acc) + w * f64(g)
     acc[...] = new
 
 
@@ -21,7 +21,7 @@ def accumulate_packed(acc, src, table, *, w, overwrite):
 
 def scale(x, *, factor):
     """``x *= factor``."""
-    x[...] = _f64(x) * factor
+    x[...] = f64(x) * factor
 
 
 def all_finite(x):
@@ -37,7 +37,7 @@ def sumsq(x, pieces, *, nseg):
     """
     per_seg = np.zeros(nseg, dtype=np.float64)
     for start, stop, seg in pieces:
-        part = _f64(x[start:stop])
+        part = f64(x[start:stop])
         per_seg[seg] += float(np.dot(part, part))
     return float(per_seg.sum()), per_seg
 
@@ -47,7 +47,7 @@ def max_abs(x, pieces):
     best = 0.0
     for start, stop, _ in pieces:
         if stop > start:
-            best = max(best, float(np.max(np.abs(_f64(x[start:stop])))))
+            best = max(best, float(np.max(np.abs(f64(x[start:stop])))))
     return best
 
 
@@ -55,7 +55,7 @@ def sumsq_scaled(x, pieces, *, nseg, inv):
     """Like :func:`sumsq` but of ``x * inv``: an overflow-safe second pass."""
     per_seg = np.zeros(nseg, dtype=np.float64)
     for start, stop, seg in pieces:
-        part = _f64(x[start:stop]) * inv
+        part = f64(x[start:stop]) * inv
         per_seg[seg] += float(np.dot(part, part))
     return float(per_seg.sum()), per_seg
 
@@ -64,12 +64,12 @@ def sumsq_product(x, y, pieces, *, nseg):
     """``(total, per_segment)`` float64 sums of ``(x*y)^2`` over the pieces (ASAM's norm)."""
     per_seg = np.zeros(nseg, dtype=np.float64)
     for start, stop, seg in pieces:
-        part = _f64(x[start:stop]) * _f64(y[start:stop])
+        part = f64(x[start:stop]) * f64(y[start:stop])
         per_seg[seg] += float(np.dot(part, part))
     return float(per_seg.sum()), per_seg
 
 
 def cast_working(w, p, pieces, *, kind):
     """``w = lowp(p)``: a low-precision working copy (uint16 bits) of float32 params."""
-    idx, _ = _segments(pieces, p.size)
-    w[idx] = np.asarray(p[idx], np.float32).astype(_LP_DTYPES[kind]).view(np.uint16)
+    idx, _ = segments(pieces, p.size)
+    w[idx] = np.asarray(p[idx], np.float32).astype(LP_DTYPES[kind]).view(np.uint16)
