@@ -46,6 +46,17 @@ TOLERANCES = {
 }
 
 
+def rosenbrock(p) -> float:
+    """Rosenbrock's function of ``p = (x, y)``: minimum 0 at (1, 1)."""
+    x, y = p
+    return (1.0 - x) ** 2 + 100.0 * (y - x * x) ** 2
+
+
+def rosenbrock_grad(p) -> np.ndarray:
+    x, y = p
+    return np.array([-2.0 * (1.0 - x) - 400.0 * x * (y - x * x), 200.0 * (y - x * x)])
+
+
 def tol(dtype) -> dict:
     """``{"rtol": ..., "atol": ...}`` for a storage dtype."""
     return dict(TOLERANCES[np.dtype(dtype)])

@@ -14,7 +14,6 @@ from conftest import (
     assert_padding_zero,
     decoded,
     dtypes,
-    live_indices,
     padded_layout,
     random_flat,
     tol,
@@ -214,14 +213,14 @@ def test_rosenbrock_approaches_minimum(kernels):
     """Adafactor's step is relative (RMS(p) * min(lr, 1/sqrt(t))) and its second moment keeps
     the early, large gradients (beta2 -> 1): along the curved valley it closes in on the
     minimum at a sublinear rate (loss ~1/t here), so the bound is 0.05 after 12000 steps."""
-    from test_convergence import _rosenbrock, _rosenbrock_grad
+    from conftest import rosenbrock, rosenbrock_grad
 
     engine = Engine({"xy": np.array([-1.2, 1.0])}, optim.Adafactor(lr=0.1), kernels=kernels)
-    start = _rosenbrock(engine.params["xy"])
+    start = rosenbrock(engine.params["xy"])
     for _ in range(12000):
-        engine.step({"xy": _rosenbrock_grad(engine.params["xy"])})
+        engine.step({"xy": rosenbrock_grad(engine.params["xy"])})
     np.testing.assert_allclose(engine.params["xy"], [1.0, 1.0], atol=5e-2)
-    assert _rosenbrock(engine.params["xy"]) < 1e-3 * start
+    assert rosenbrock(engine.params["xy"]) < 1e-3 * start
 
 
 def test_slot_layouts_follow_torch():

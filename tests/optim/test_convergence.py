@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from arraytrain import Engine, optim
-from conftest import OPTIMIZER_CONFIGS
+from conftest import OPTIMIZER_CONFIGS, rosenbrock, rosenbrock_grad
 
 KERNELS = ["numba", "reference"]
 # The shared configurations are tuned for gradients of scale ~1e3, hence the curvature scale.
@@ -41,16 +41,6 @@ def test_quadratic_loss_decreases_within_20_steps(cls_name, kwargs, kernels):
     assert history[-1] < 0.1 * start, f"loss {start:.3g} -> {history[-1]:.3g}"
 
 
-def _rosenbrock(p):
-    x, y = p
-    return (1.0 - x) ** 2 + 100.0 * (y - x * x) ** 2
-
-
-def _rosenbrock_grad(p):
-    x, y = p
-    return np.array([-2.0 * (1.0 - x) - 400.0 * x * (y - x * x), 200.0 * (y - x * x)])
-
-
 @pytest.mark.parametrize("kernels", KERNELS)
 @pytest.mark.parametrize("make_opt, steps", [
     (lambda: optim.SGD(lr=2e-3, momentum=0.9), 1000),
@@ -58,9 +48,9 @@ def _rosenbrock_grad(p):
 ], ids=["sgd_momentum", "adam"])
 def test_rosenbrock_minimum(make_opt, steps, kernels):
     engine = Engine({"xy": np.array([-1.2, 1.0])}, make_opt(), kernels=kernels)
-    start = _rosenbrock(engine.params["xy"])
+    start = rosenbrock(engine.params["xy"])
     for _ in range(steps):
-        engine.step({"xy": _rosenbrock_grad(engine.params["xy"])})
+        engine.step({"xy": rosenbrock_grad(engine.params["xy"])})
     xy = engine.params["xy"]
     np.testing.assert_allclose(xy, [1.0, 1.0], atol=1e-2)
-    assert _rosenbrock(xy) < 1e-4 * start
+    assert rosenbrock(xy) < 1e-4 * start

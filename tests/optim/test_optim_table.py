@@ -19,7 +19,7 @@ import pytest
 from arraytrain import Engine, optim
 from arraytrain.kernels import cpu
 from arraytrain.kernels import reference as ref
-from conftest import OPTAX_CONFIGS, OPTIMIZER_CONFIGS, assert_close, oracle, tol
+from conftest import OPTAX_CONFIGS, OPTIMIZER_CONFIGS, assert_close, oracle, rosenbrock, rosenbrock_grad, tol
 
 STEPS = 50
 GRAD_SCALE = 1e3
@@ -95,16 +95,6 @@ def test_optax_rows_cover_lion_lamb_and_schedule_free():
 # -- convergence: parabola and Rosenbrock ------------------------------------------------------
 
 
-def _rosenbrock(p):
-    x, y = p
-    return (1.0 - x) ** 2 + 100.0 * (y - x * x) ** 2
-
-
-def _rosenbrock_grad(p):
-    x, y = p
-    return np.array([-2.0 * (1.0 - x) - 400.0 * x * (y - x * x), 200.0 * (y - x * x)])
-
-
 # Lion's sign step has a fixed size, so it only settles within ~lr of the optimum: a small lr.
 # LAMB's step is lr * ||p||: it crawls where ||p|| is near 0, and the classic Rosenbrock path
 # from (-1.2, 1) passes the origin; its row solves the same problem in coordinates shifted
@@ -124,12 +114,12 @@ minimisers = pytest.mark.parametrize("name, make_opt, steps, shift", MINIMISERS,
 @minimisers
 def test_rosenbrock_minimum(name, make_opt, steps, shift, kernels):
     engine = Engine({"xy": np.array([-1.2, 1.0]) + shift}, make_opt(), kernels=kernels)
-    start = _rosenbrock(engine.params["xy"] - shift)
+    start = rosenbrock(engine.params["xy"] - shift)
     for _ in range(steps):
-        engine.step({"xy": _rosenbrock_grad(engine.params["xy"] - shift)})
+        engine.step({"xy": rosenbrock_grad(engine.params["xy"] - shift)})
     xy = engine.params["xy"] - shift
     np.testing.assert_allclose(xy, [1.0, 1.0], atol=1e-2)
-    assert _rosenbrock(xy) < 1e-4 * start
+    assert rosenbrock(xy) < 1e-4 * start
 
 
 @pytest.mark.parametrize("kernels", KERNELS)

@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from arraytrain import Engine, FlatBuffer, HyperparameterError, optim
+from arraytrain import Engine, HyperparameterError, optim
 from arraytrain.kernels import reference as ref
 from conftest import SIZES, assert_close, assert_padding_zero, dtypes, live_mask, padded_layout, random_flat
 
@@ -161,15 +161,15 @@ def test_quadratic_loss_decreases(kernels, make):
 
 @pytest.mark.parametrize("kernels", ["numba", "reference"])
 def test_rosenbrock_minimum(kernels):
-    from test_convergence import _rosenbrock, _rosenbrock_grad
+    from conftest import rosenbrock, rosenbrock_grad
 
     engine = Engine({"xy": np.array([-1.2, 1.0])}, optim.SAM(optim.Adam(lr=1e-2, betas=(0.9, 0.99)), rho=1e-3),
                     kernels=kernels)
-    start = _rosenbrock(engine.params["xy"])
+    start = rosenbrock(engine.params["xy"])
     for _ in range(2 * 2000):
-        engine.step({"xy": _rosenbrock_grad(engine.params["xy"])})
+        engine.step({"xy": rosenbrock_grad(engine.params["xy"])})
     np.testing.assert_allclose(engine.params["xy"], [1.0, 1.0], atol=1e-2)
-    assert _rosenbrock(engine.params["xy"]) < 1e-4 * start
+    assert rosenbrock(engine.params["xy"]) < 1e-4 * start
 
 
 @pytest.mark.parametrize("make, name", [

@@ -146,7 +146,7 @@ def test_quadratic_converges_with_exact_hessian(kernels):
 @pytest.mark.parametrize("kernels", ["numba", "reference"])
 def test_rosenbrock_minimum(kernels):
     """The exact Hessian diagonal every 5 steps; lr == rho: Newton steps capped at lr."""
-    from test_convergence import _rosenbrock, _rosenbrock_grad
+    from conftest import rosenbrock, rosenbrock_grad
 
     def hess_diag(p):
         x, y = p
@@ -154,13 +154,13 @@ def test_rosenbrock_minimum(kernels):
 
     engine = Engine({"xy": np.array([-1.2, 1.0])},
                     optim.Sophia(lr=0.1, rho=0.1, bs=1.0, betas=(0.9, 0.5), weight_decay=0.0), kernels=kernels)
-    start = _rosenbrock(engine.params["xy"])
+    start = rosenbrock(engine.params["xy"])
     for t in range(5000):
         if t % 5 == 0:
             engine.update_hessian({"xy": hess_diag(engine.params["xy"])})
-        engine.step({"xy": _rosenbrock_grad(engine.params["xy"])})
+        engine.step({"xy": rosenbrock_grad(engine.params["xy"])})
     np.testing.assert_allclose(engine.params["xy"], [1.0, 1.0], atol=1e-2)
-    assert _rosenbrock(engine.params["xy"]) < 1e-4 * start
+    assert rosenbrock(engine.params["xy"]) < 1e-4 * start
 
 
 @pytest.mark.parametrize("kwargs, name", [
