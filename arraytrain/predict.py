@@ -27,9 +27,8 @@ Correction (:meth:`GradientPredictor.correct`), on a step whose true gradient
 
 where the trend excludes the correction (including it would make the fixed
 point :math:`r = \text{residual}/2`), fused in the same pass with recording
-:math:`g` into the ring. The idea and the FULL / PREDICT / CORRECT cycle come
-from vsa-optim-rs (``prediction`` and ``phase`` modules); the trend here is the
-closed-form least-squares line.
+:math:`g` into the ring. The trend is the closed-form least-squares line; the
+FULL / PREDICT / CORRECT cycle that uses it is :mod:`arraytrain.phase`'s.
 
 Memory: ``(H + 1) * n`` elements of the buffer's dtype (the ring and the
 correction), ``n`` the flat size of the layout.
