@@ -69,11 +69,20 @@ def kernel_view(flat):
     return flat.view(np.uint16) if flat.dtype == BFLOAT16 else flat
 
 
-class FlatBuffer:
+class FlatBuffer(Mapping):
     """A :class:`Layout` plus one contiguous 1-D array holding every parameter.
 
     ``buf[name]`` is a writable, reshaped view into ``buf.flat``; writing to it
     writes the buffer. Padding between segments is zero and stays zero.
+
+    A read-only :class:`collections.abc.Mapping` name -> view, in buffer order:
+    ``keys()``, ``values()``, ``items()``, ``get()``, ``in`` and ``dict(buf)``
+    (a dict of views, sharing the buffer's memory) work as for any mapping.
+    The mapping itself is fixed by the layout: ``buf[name] = x`` and
+    ``del buf[name]`` raise :class:`~arraytrain.errors.ReadOnlyError`; write
+    the values through the view (``buf[name][...] = x``) or with :meth:`load`.
+    Equality is identity, as before (views of arrays have no single truth
+    value): compare contents with ``np.array_equal(a.flat, b.flat)``.
 
     Every buffer the class allocates (:meth:`zeros`, :meth:`from_arrays`,
     :meth:`zeros_like`, :meth:`copy`) starts on a 64-byte boundary
@@ -162,6 +171,18 @@ class FlatBuffer:
     def __contains__(self, name: object) -> bool:
         return name in self._views
 
+    def __setitem__(self, name, value) -> None:
+        raise ReadOnlyError(f"{name!r}: a FlatBuffer's names are fixed by its layout; write the values through "
+                            f"the view (buf[{name!r}][...] = x) or with buf.load({{{name!r}: x}})")
+
+    def __delitem__(self, name) -> None:
+        raise ReadOnlyError(f"{name!r}: a FlatBuffer's names are fixed by its layout; a parameter cannot be removed")
+
+    # identity, not Mapping's value equality (which would ask arrays for one truth value)
+    __eq__ = object.__eq__
+    __ne__ = object.__ne__
+    __hash__ = object.__hash__
+
     @property
     def names(self) -> tuple[str, ...]:
         """The parameter names, in buffer order (the layout's)."""
@@ -171,6 +192,14 @@ class FlatBuffer:
     def dtype(self):
         """The dtype of the flat array (every view has it)."""
         return self.flat.dtype
+
+    def keys(self):
+        """The names, in buffer order (a read-only view)."""
+        return self._views.keys()
+
+    def values(self):
+        """The views, in buffer order (a read-only view of the mapping; each view writes the buffer)."""
+        return self._views.values()
 
     def items(self):
         """``(name, view)`` pairs, in buffer order."""

@@ -302,6 +302,39 @@ def test_mapping_protocol(arrays):
     assert "4 params" in repr(buf) and "float32" in repr(buf)
 
 
+def test_buffers_are_read_only_mappings(arrays):
+    """params, grads, every optimizer slot and a mask are Mappings: dict(), values(), get() work; the
+    names are fixed (assignment and deletion refused, nothing changed); the views still write."""
+    from collections.abc import Mapping
+
+    from arraytrain import Engine, optim
+    from arraytrain.prune import MaskBuffer
+
+    engine = Engine(arrays, optim.AdamW())
+    buffers = {"params": engine.params, "grads": engine.grads, "mask": MaskBuffer.ones(engine.layout),
+               **{f"slot {k}": v for k, v in engine.state.slots.items()}}
+    assert len(buffers) == 5
+    for what, buf in buffers.items():
+        assert isinstance(buf, Mapping), what
+        d = dict(buf)
+        assert list(d) == list(buf.keys()) == ["w", "z", "b", "s"], what
+        assert all(v is buf[k] for k, v in d.items()), what  # views, not copies
+        assert [v.shape for v in buf.values()] == [a.shape for a in arrays.values()], what
+        assert buf.get("nope") is None and buf.get("w") is buf["w"], what
+        assert dict(buf.items()).keys() == d.keys() and {**buf}.keys() == d.keys(), what
+        before = buf.flat.copy()
+        with pytest.raises(ReadOnlyError, match=r"'w'.*buf\['w'\]\[\.\.\.\] = x"):
+            buf["w"] = np.zeros((3, 5))
+        with pytest.raises(ReadOnlyError, match="'b'"):
+            del buf["b"]
+        assert list(buf) == ["w", "z", "b", "s"] and np.array_equal(buf.flat, before), what
+    engine.params["w"][...] = 3.0  # writing through a view keeps working
+    assert (engine.params.flat[engine.layout.slice("w")] == 3.0).all()
+    # equality stays identity (Mapping's value equality would ask arrays for one truth value)
+    assert engine.params == engine.params and engine.params != engine.params.copy()
+    assert len({engine.params, engine.grads}) == 2
+
+
 @pytest.mark.parametrize("copy", [False, True])
 def test_as_dict(arrays, copy):
     buf = FlatBuffer.from_arrays(arrays)
