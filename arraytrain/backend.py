@@ -137,9 +137,11 @@ def as_array(x: object, name: str = "array", backend: str | None = None):
         try:
             arr = reader(x)
         except Exception as exc:
-            # e.g. torch refuses to export a tensor that requires grad; a broken exporter may
-            # raise anything (AttributeError included): all of it means "cannot read this"
-            raise BackendError(f"{name!r}: could not read {type(x).__name__} via DLPack: {exc}") from None
+            arr = _bfloat16_without_dlpack(x, name, reader is np.from_dlpack)
+            if arr is None:
+                # e.g. torch refuses to export a tensor that requires grad; a broken exporter may
+                # raise anything (AttributeError included): all of it means "cannot read this"
+                raise BackendError(f"{name!r}: could not read {type(x).__name__} via DLPack: {exc}") from None
     elif _probe(x, "__cuda_array_interface__", name):
         _expect(CUPY, backend, name)
         arr = _cupy(name).asarray(x)
@@ -156,6 +158,30 @@ def as_array(x: object, name: str = "array", backend: str | None = None):
 
 
 BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
+
+
+def _bfloat16_without_dlpack(x, name: str, host: bool):
+    """A bfloat16 array that DLPack could not carry, read another way, or None if ``x`` is not bfloat16.
+
+    NumPy's DLPack reader has no bfloat16 (NumPy has no such dtype; ml_dtypes adds it), so a
+    JAX or torch bfloat16 array fails there with "Unsupported dtype". A host exporter with
+    ``__array__`` that yields ml_dtypes' bfloat16 (JAX does, without a copy) is read that way,
+    so it gets the same treatment as a NumPy bfloat16 array; anything else is a DTypeError that
+    says so instead of DLPack's message.
+    """
+    dtype = getattr(x, "dtype", None)
+    if "bfloat16" not in str(dtype).lower():
+        return None
+    if host and hasattr(x, "__array__"):
+        try:
+            arr = np.asarray(x)
+        except Exception:
+            arr = None
+        if arr is not None and arr.dtype == BFLOAT16:
+            return arr
+    raise DTypeError(f"{name!r}: a bfloat16 {type(x).__name__} cannot be read through DLPack "
+                     f"({'NumPy' if host else 'this CuPy'} has no bfloat16 DLPack type); cast it to float32 first, "
+                     "or pass a NumPy array of ml_dtypes.bfloat16")
 
 
 def is_float_dtype(dtype) -> bool:

@@ -209,3 +209,19 @@ def test_gpu_arrays_go_through_dlpack_without_copies():
     for name, leaf in atj.flatten(want).items():
         np.testing.assert_allclose(cupy.asnumpy(engine.params[name]), np.asarray(leaf), rtol=1e-4, atol=1e-5,
                                    err_msg=name)
+
+
+def test_bfloat16_reads_as_numpy_bfloat16_does():
+    """NumPy's DLPack reader has no bfloat16: a JAX bfloat16 array is read through ``__array__``
+    (no copy) and meets the same checks as a NumPy bfloat16 array, not DLPack's "Unsupported dtype"."""
+    import ml_dtypes
+
+    jnp = jax.numpy
+    for params in ({"w": jnp.ones(3, jnp.bfloat16)}, {"w": np.ones(3, ml_dtypes.bfloat16)}):
+        with pytest.raises(DTypeError, match="buffer dtype bfloat16: the kernels run on float32 or float64"):
+            at.Engine(params, at.optim.SGD(lr=0.5))
+    engines = [at.Engine({"w": np.zeros(3, np.float32)}, at.optim.SGD(lr=0.5)) for _ in range(2)]
+    engines[0].step({"w": jnp.asarray([1.0, -2.0, 0.5], jnp.bfloat16)})
+    engines[1].step({"w": np.asarray([1.0, -2.0, 0.5], ml_dtypes.bfloat16)})
+    np.testing.assert_array_equal(engines[0].params["w"], [-0.5, 1.0, -0.25])
+    np.testing.assert_array_equal(engines[0].params.flat, engines[1].params.flat)
