@@ -41,6 +41,26 @@ from .reductions import piece_totals
 #     in the update loop rather than in a second loop over the piece after it: measured on
 #     AdamW at 1e7 float32, the second loop cost 1.5-2x the step (the piece is re-read from
 #     L2 after p, g, m, v went through), the select ~1.05x.
+#   * a runtime flag that guards a store to a state slot (SGD's momentum buffer, AMSGrad's
+#     maximum, RMSprop's centered average and momentum) is hoisted out of the element loop: the
+#     loop is an inline function (``_<name>_piece``) called once per value of the flag, so each
+#     copy of the loop has it as a constant. Inside the loop the store would be a masked store,
+#     and AVX2 has none for 16-bit lanes: with bfloat16 state LLVM then left the whole loop
+#     scalar (AdamW with bfloat16 moments 4x slower than with float32 moments on an AVX2 CPU;
+#     AVX-512BW has the masked 16-bit store, so AVX-512 machines never saw it).
+
+
+@njit(inline="always", **JIT)
+def _sgd_piece(pb, gb, bb, kb, gscale, lr_j, wd_j, momentum, damp_c, nesterov, first, zero_grad, has_buf):
+    for i in range(pb.size):
+        pi = pb[i]
+        d = gscale * gb[i] + wd_j * pi
+        if has_buf:
+            bi = store_state(bb, i, d if first else momentum * load_state(bb, i) + damp_c * d)
+            d = d + momentum * bi if nesterov else bi
+        store_masked(pb, i, pi - lr_j * d, kb)
+        if zero_grad:
+            gb[i] = 0
 
 
 def _sgd(p, g, buf, pieces, gscale, lr, wd, momentum, damp_c, nesterov, first, w, wkind, zero_grad, mask):
@@ -51,15 +71,11 @@ def _sgd(p, g, buf, pieces, gscale, lr, wd, momentum, damp_c, nesterov, first, w
         pb, gb = p[lo:hi], g[lo:hi]
         bb = buf[lo:hi] if has_buf else buf
         kb = piece_mask(mask, lo, hi)
-        for i in range(pb.size):
-            pi = pb[i]
-            d = gscale * gb[i] + wd_j * pi
-            if has_buf:
-                bi = store_state(bb, i, d if first else momentum * load_state(bb, i) + damp_c * d)
-                d = d + momentum * bi if nesterov else bi
-            store_masked(pb, i, pi - lr_j * d, kb)
-            if zero_grad:
-                gb[i] = 0
+        # the flag that guards a state store is a constant in each copy of the loop (see above)
+        if has_buf:
+            _sgd_piece(pb, gb, bb, kb, gscale, lr_j, wd_j, momentum, damp_c, nesterov, first, zero_grad, True)
+        else:
+            _sgd_piece(pb, gb, bb, kb, gscale, lr_j, wd_j, momentum, damp_c, nesterov, first, zero_grad, False)
         if w is not None:
             store_working(w[lo:hi], pb, wkind)
 
@@ -82,6 +98,25 @@ def sgd_step(p, g, buf, pieces, *, gscale, lr, l2, momentum, dampening, nesterov
     )
 
 
+@njit(inline="always", **JIT)
+def _adam_piece(pb, gb, mb, vb, xb, kb, gscale, ss, beta1c, beta2, beta2c, eps, inv_bc2_sqrt, l2_j, dec, zero_grad,
+                amsgrad):
+    for i in range(pb.size):
+        pi = pb[i]
+        d = gscale * gb[i] + l2_j * pi
+        mi = load_state(mb, i)
+        mi = mi + beta1c * (d - mi)
+        vi = beta2 * load_state(vb, i) + beta2c * d * d
+        # continue from the stored values, so a low-precision state is what the update sees
+        mi = store_state(mb, i, mi)
+        vi = store_state(vb, i, vi)
+        if amsgrad:
+            vi = store_state(xb, i, max(load_state(xb, i), vi))
+        store_masked(pb, i, pi * dec - ss * mi / (np.sqrt(vi) * inv_bc2_sqrt + eps), kb)
+        if zero_grad:
+            gb[i] = 0
+
+
 def _adam(p, g, m, v, vmax, pieces, gscale, step_size, beta1c, beta2, beta2c, eps, inv_bc2_sqrt, l2, decay,
           amsgrad, w, wkind, zero_grad, mask):
     for j in prange(pieces.shape[0]):
@@ -90,20 +125,12 @@ def _adam(p, g, m, v, vmax, pieces, gscale, step_size, beta1c, beta2, beta2c, ep
         pb, gb, mb, vb = p[lo:hi], g[lo:hi], m[lo:hi], v[lo:hi]
         xb = vmax[lo:hi] if amsgrad else vmax
         kb = piece_mask(mask, lo, hi)
-        for i in range(pb.size):
-            pi = pb[i]
-            d = gscale * gb[i] + l2_j * pi
-            mi = load_state(mb, i)
-            mi = mi + beta1c * (d - mi)
-            vi = beta2 * load_state(vb, i) + beta2c * d * d
-            # continue from the stored values, so a low-precision state is what the update sees
-            mi = store_state(mb, i, mi)
-            vi = store_state(vb, i, vi)
-            if amsgrad:
-                vi = store_state(xb, i, max(load_state(xb, i), vi))
-            store_masked(pb, i, pi * dec - ss * mi / (np.sqrt(vi) * inv_bc2_sqrt + eps), kb)
-            if zero_grad:
-                gb[i] = 0
+        if amsgrad:
+            _adam_piece(pb, gb, mb, vb, xb, kb, gscale, ss, beta1c, beta2, beta2c, eps, inv_bc2_sqrt, l2_j, dec,
+                        zero_grad, True)
+        else:
+            _adam_piece(pb, gb, mb, vb, xb, kb, gscale, ss, beta1c, beta2, beta2c, eps, inv_bc2_sqrt, l2_j, dec,
+                        zero_grad, False)
         if w is not None:
             store_working(w[lo:hi], pb, wkind)
 
@@ -154,10 +181,29 @@ def adagrad_step(p, g, sum_sq, pieces, *, gscale, lr, l2, eps, working=None, kin
     )
 
 
+@njit(inline="always", **JIT)
+def _rmsprop_piece(pb, gb, qb, ab, bb, kb, gscale, lr_j, wd_j, alpha, alpha_c, eps, momentum, zero_grad, centered,
+                   use_momentum):
+    for i in range(pb.size):
+        pi = pb[i]
+        d = gscale * gb[i] + wd_j * pi
+        qi = store_state(qb, i, alpha * load_state(qb, i) + alpha_c * d * d)
+        if centered:
+            ai = load_state(ab, i)
+            ai = store_state(ab, i, ai + alpha_c * (d - ai))
+            qi = qi - ai * ai
+        step = d / (np.sqrt(qi) + eps)
+        if use_momentum:
+            step = store_state(bb, i, momentum * load_state(bb, i) + step)
+        store_masked(pb, i, pi - lr_j * step, kb)
+        if zero_grad:
+            gb[i] = 0
+
+
 def _rmsprop(p, g, sq, gavg, buf, pieces, gscale, lr, wd, alpha, alpha_c, eps, momentum, centered, use_momentum,
              w, wkind, zero_grad, mask):
     # one template: ``centered`` and ``use_momentum`` select the variant (the unused
-    # slots arrive as empty arrays and are never indexed)
+    # slots arrive as empty arrays and are never indexed), each a constant in its copy of the loop
     for j in prange(pieces.shape[0]):
         lo, hi, seg = pieces[j, 0], pieces[j, 1], pieces[j, 2]
         lr_j, wd_j = lr[seg], wd[seg]
@@ -165,20 +211,18 @@ def _rmsprop(p, g, sq, gavg, buf, pieces, gscale, lr, wd, alpha, alpha_c, eps, m
         ab = gavg[lo:hi] if centered else gavg
         bb = buf[lo:hi] if use_momentum else buf
         kb = piece_mask(mask, lo, hi)
-        for i in range(pb.size):
-            pi = pb[i]
-            d = gscale * gb[i] + wd_j * pi
-            qi = store_state(qb, i, alpha * load_state(qb, i) + alpha_c * d * d)
-            if centered:
-                ai = load_state(ab, i)
-                ai = store_state(ab, i, ai + alpha_c * (d - ai))
-                qi = qi - ai * ai
-            step = d / (np.sqrt(qi) + eps)
-            if use_momentum:
-                step = store_state(bb, i, momentum * load_state(bb, i) + step)
-            store_masked(pb, i, pi - lr_j * step, kb)
-            if zero_grad:
-                gb[i] = 0
+        if centered and use_momentum:
+            _rmsprop_piece(pb, gb, qb, ab, bb, kb, gscale, lr_j, wd_j, alpha, alpha_c, eps, momentum, zero_grad,
+                           True, True)
+        elif centered:
+            _rmsprop_piece(pb, gb, qb, ab, bb, kb, gscale, lr_j, wd_j, alpha, alpha_c, eps, momentum, zero_grad,
+                           True, False)
+        elif use_momentum:
+            _rmsprop_piece(pb, gb, qb, ab, bb, kb, gscale, lr_j, wd_j, alpha, alpha_c, eps, momentum, zero_grad,
+                           False, True)
+        else:
+            _rmsprop_piece(pb, gb, qb, ab, bb, kb, gscale, lr_j, wd_j, alpha, alpha_c, eps, momentum, zero_grad,
+                           False, False)
         if w is not None:
             store_working(w[lo:hi], pb, wkind)
 

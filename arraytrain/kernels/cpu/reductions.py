@@ -200,7 +200,10 @@ _CAST_WORKING = twins(_cast_working)
 
 
 def cast_working(w, p, pieces, *, kind):
-    """``w = lowp(p)``: (re)build a low-precision working copy (uint16 bits) from float32 params."""
+    """``w = lowp(p)``: (re)build a low-precision working copy (uint16 bits) from float32 params.
+
+    Packed on AVX2 (F16C's vcvtps2ph for float16) and on AVX-512, see codecs.store_working.
+    """
     pick(_CAST_WORKING, p.size)(w, p, pieces, int(kind))
 
 
