@@ -1,0 +1,199 @@
+"""The low-precision CPU kernels are packed loops on AVX2 as well as on AVX-512.
+
+Each kernel with bfloat16 state, each optimizer's working-copy writer (bfloat16 and float16)
+and the cast that rebuilds a working copy is compiled in a subprocess for an AVX2 target
+(``NUMBA_CPU_NAME=haswell`` with AVX2 and F16C, no AVX-512) and for an AVX-512 one
+(``skylake-avx512``), each with its own ``NUMBA_CACHE_DIR``, and its machine code must hold
+the packed instructions of its update loop: ``vsqrtps`` on ``ymm``/``zmm`` for the kernels
+with a square root, packed float arithmetic for the others, a packed narrowing for each
+16-bit store (``vpackusdw`` on AVX2, which has no 32-to-16-bit truncation, ``vpmovdw`` on
+AVX-512) and F16C's ``vcvtps2ph`` on a whole vector for float16. A compile, not a timing: it
+holds on any x86 machine, whatever its own CPU. The code compiled for each target also runs
+here (both targets' instructions are a subset of any AVX-512 CPU's; the AVX-512 half is
+skipped on a CPU without it), and its bfloat16/float16 encoders are checked bit for bit
+against NumPy/ml_dtypes over every float32 exponent and sign with NaN, Inf, subnormals and
+ties, through the serial and the parallel twin.
+
+The inspected machine code is the serial twin's (the same source as the parallel one's
+``prange`` body).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+import tempfile
+
+import pytest
+
+AVX2 = {"NUMBA_CPU_NAME": "haswell", "NUMBA_CPU_FEATURES": "+avx2,+avx,+fma,+f16c,+sse4.2,+bmi,+bmi2,+popcnt"}
+AVX512 = {"NUMBA_CPU_NAME": "skylake-avx512",
+          "NUMBA_CPU_FEATURES": AVX2["NUMBA_CPU_FEATURES"] + ",+avx512f,+avx512bw,+avx512vl,+avx512dq"}
+TARGETS = {"avx2": AVX2, "avx512": AVX512}
+
+PATTERNS = {
+    "sqrt": r"vsqrtps\s[^\n]*%[yz]mm",
+    "float": r"v(mul|add|sub|fn?m(add|sub)\d+)ps\s[^\n]*%[yz]mm",
+    "narrow": r"vpackusdw\s|vpmovu?s?dw\s",
+    "cvtph": r"vcvtps2ph\s+\$\w+,\s*%[yz]mm",
+}
+# kernels whose update loop takes a square root
+SQRT = {"adam", "adagrad", "rmsprop", "lamb", "nadam", "adadelta", "schedule_free_adamw"}
+
+
+def _host_has_avx512() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return all(re.search(rf"\b{x}\b", flags) for x in ("avx512f", "avx512bw", "avx512vl", "avx512dq"))
+
+
+def _kernels(state, working, kind):
+    """(name, serial dispatcher, call) for every kernel that takes bfloat16 state or a working copy."""
+    import numpy as np
+
+    from arraytrain.kernels import cpu
+    from arraytrain.kernels.cpu import optimizers as opt
+
+    n = 64
+    f32 = np.float32
+
+    def a(dtype=f32):
+        return np.zeros(n, dtype)
+
+    pieces = np.array([[0, n, 0]], np.int64)
+    one = np.ones(1, f32)
+    e = np.zeros(0, state)
+    w = dict(working=working, kind=kind)
+    common = dict(gscale=1.0, **w)
+    s = lambda: a(state)  # noqa: E731
+    yield "sgd", opt._SGD[1], lambda: cpu.sgd_step(
+        a(), a(), s(), pieces, lr=one, l2=one, momentum=0.9, dampening=0.0, nesterov=False, first=False, **common)
+    yield "adam", opt._ADAM[1], lambda: cpu.adam_step(
+        a(), a(), s(), s(), e, pieces, step_size=one, beta1=0.9, beta2=0.999, eps=1e-8, inv_bc2_sqrt=1.0, l2=one,
+        decay=one, amsgrad=False, **common)
+    yield "adagrad", opt._ADAGRAD[1], lambda: cpu.adagrad_step(a(), a(), s(), pieces, lr=one, l2=one, eps=1e-10,
+                                                               **common)
+    yield "rmsprop", opt._RMSPROP[1], lambda: cpu.rmsprop_step(
+        a(), a(), s(), s(), s(), pieces, lr=one, l2=one, alpha=0.99, eps=1e-8, momentum=0.9, centered=True, **common)
+    yield "lion", opt._LION[1], lambda: cpu.lion_step(a(), a(), s(), pieces, lr=one, decay=one, beta1=0.9,
+                                                      beta2=0.99, **common)
+    yield "lamb", opt._LAMB[1], lambda: cpu.lamb_step(
+        a(), a(), s(), s(), pieces, lr=one, weight_decay=one, beta1=0.9, beta2=0.999, eps=1e-6, eps_root=0.0,
+        inv_bc1=1.0, inv_bc2=1.0, **common)
+    yield "nadam", opt._NADAM_RADAM[1], lambda: cpu.nadam_step(
+        a(), a(), s(), s(), pieces, grad_step=one, moment_step=one, beta1=0.9, beta2=0.999, eps=1e-8,
+        inv_bc2_sqrt=1.0, l2=one, decay=one, **common)
+    yield "adamax", opt._ADAMAX[1], lambda: cpu.adamax_step(
+        a(), a(), s(), s(), pieces, step_size=one, beta1=0.9, beta2=0.999, eps=1e-8, l2=one, **common)
+    yield "adadelta", opt._ADADELTA[1], lambda: cpu.adadelta_step(
+        a(), a(), s(), s(), pieces, lr=one, l2=one, rho=0.9, eps=1e-6, **common)
+    yield "schedule_free_adamw", opt._SF_ADAMW[1], lambda: cpu.schedule_free_adamw_step(
+        a(), a(), a(), s(), np.zeros(1), np.zeros(1), pieces, lr=one, weight_lr=one, weight_lr_power=2.0,
+        weight_decay=one, beta1=0.9, beta2=0.999, eps=1e-8, inv_bc2_sqrt=1.0, **common)
+
+
+def _bits_checks():
+    """The float16/bfloat16 writers against NumPy/ml_dtypes over special and ordinary float32 bits."""
+    import ml_dtypes
+    import numpy as np
+
+    from arraytrain.kernels import cpu
+    from arraytrain.kernels.cpu import reductions
+
+    hi = np.arange(1 << 16, dtype=np.uint32) << 16
+    lo = np.array([0, 1, 0x0FFF, 0x1000, 0x1001, 0x2000, 0x3000, 0x7FFF, 0x8000, 0x8001, 0xE000, 0xFFFF], np.uint32)
+    bits = (hi[:, None] | lo[None, :]).ravel()
+    x = bits.view(np.float32)
+    want16 = x.astype(np.float16).view(np.uint16)
+    want_bf = x.astype(ml_dtypes.bfloat16).view(np.uint16)
+    nan = np.isnan(x)
+    want_bf[nan] = ((bits[nan] >> 16) | 0x40).astype(np.uint16)  # the codec's quiet NaN keeps the payload
+    out = {}
+    for size in (4099, x.size):  # serial twin, parallel twin
+        pieces = np.array([[i, min(i + 16384, size), 0] for i in range(0, size, 16384)], np.int64)
+        for name, kind, want in (("f16", cpu.LP_F16, want16), ("bf16", cpu.LP_BF16, want_bf)):
+            w = np.zeros(size, np.uint16)
+            reductions.cast_working(w, x[:size], pieces, kind=kind)
+            out[f"{name}/{size}"] = int(np.count_nonzero(w != want[:size]))
+    return out
+
+
+def probe() -> dict:
+    """Compile every low-precision kernel for this process's target; counts of packed instructions per kernel."""
+    import warnings
+
+    import numpy as np
+
+    from arraytrain.kernels import cpu
+    from arraytrain.kernels.cpu import reductions
+
+    warnings.simplefilter("ignore")
+    found = {}
+
+    def count(disp, before):
+        asm = "\n".join(disp.inspect_asm(s) for s in disp.signatures if s not in before)
+        return {k: len(re.findall(p, asm)) for k, p in PATTERNS.items()}
+
+    for tag, state, working, kind in (("bf16-state", np.uint16, None, cpu.LP_NONE),
+                                      ("working", np.float32, np.zeros(64, np.uint16), cpu.LP_F16)):
+        for name, disp, call in _kernels(state, working, kind):
+            before = set(disp.signatures)
+            call()
+            found[f"{name}/{tag}"] = count(disp, before)
+    disp = reductions._CAST_WORKING[1]
+    before = set(disp.signatures)
+    reductions.cast_working(np.zeros(64, np.uint16), np.zeros(64, np.float32), np.array([[0, 64, 0]]),
+                            kind=cpu.LP_F16)
+    found["cast_working"] = count(disp, before)
+    return {"asm": found, "bits": _bits_checks()}
+
+
+def _run(target: str) -> dict:
+    with tempfile.TemporaryDirectory() as cache:
+        env = {**os.environ, **TARGETS[target], "NUMBA_CACHE_DIR": cache}
+        out = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-4000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module", params=sorted(TARGETS))
+def compiled(request):
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        pytest.skip("x86 targets")
+    if request.param == "avx512" and not _host_has_avx512():
+        pytest.skip("the AVX-512 code is compiled and run here: this CPU has no AVX-512")
+    return request.param, _run(request.param)
+
+
+def test_update_loops_are_packed(compiled):
+    target, found = compiled
+    bad = []
+    for key, c in found["asm"].items():
+        name, tag = (key.split("/") + [""])[:2]
+        need = ["float"] if key != "cast_working" else []
+        if name in SQRT:
+            need.append("sqrt")
+        if tag == "bf16-state" or tag == "working" or key == "cast_working":
+            need.append("narrow")  # bfloat16 state slots; the bfloat16 working copy
+        if tag == "working" or key == "cast_working":
+            need.append("cvtph")  # the float16 working copy
+        missing = [k for k in need if not c[k]]
+        if missing:
+            bad.append(f"{key}: no packed {', '.join(missing)} ({c})")
+    assert not bad, f"{target}: " + "; ".join(bad)
+
+
+def test_codecs_bit_exact(compiled):
+    target, found = compiled
+    assert not any(found["bits"].values()), f"{target}: mismatching elements {found['bits']}"
+
+
+if __name__ == "__main__":
+    print(json.dumps(probe()))
