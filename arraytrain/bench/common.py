@@ -121,12 +121,14 @@ def arraytrain_optimizer(opt: str, state_dtype: str | None = None):
             "schedule_free_adamw": lambda: at.optim.ScheduleFreeAdamW(**SCHEDULE_FREE)}[opt]()
 
 
-def make_engine(opt: str, params: list, grads: list, zero_grad: bool = False, state_dtype: str | None = None):
-    """A clipping engine over ``params`` (NumPy or CuPy) with ``grads`` already in ``engine.grads``."""
+def make_engine(opt: str, params: list, grads: list, zero_grad: bool = False, state_dtype: str | None = None,
+                working_dtype: str | None = None):
+    """A clipping engine over ``params`` (NumPy or CuPy) with ``grads`` already in ``engine.grads``
+    (and a ``working_dtype`` working copy of the weights, written by the step)."""
     import arraytrain as at
 
     engine = at.Engine({f"p{i}": p for i, p in enumerate(params)}, arraytrain_optimizer(opt, state_dtype),
-                       max_grad_norm=MAX_NORM, zero_grad_on_step=zero_grad)
+                       max_grad_norm=MAX_NORM, zero_grad_on_step=zero_grad, working_dtype=working_dtype)
     engine.grads.load({f"p{i}": g for i, g in enumerate(grads)})
     return engine
 

@@ -8,7 +8,10 @@ Newton-Schulz GEMMs) and Schedule-Free AdamW. Contestants:
 
 * ``arraytrain``: ``engine.step()`` on the zero-copy path: one read-only norm
   pass, then the optimizer's fused kernel (LAMB and Adafactor take more passes,
-  see :data:`arraytrain.bench.common.OPTIMIZERS`);
+  see :data:`arraytrain.bench.common.OPTIMIZERS`); ``arraytrain-bf16`` (not in the
+  default set): the same with ``state_dtype="bfloat16"``; ``arraytrain-working-bf16`` /
+  ``arraytrain-working-f16``: float32 state and a bfloat16 / float16 working copy of the
+  weights written by the step (``time / arraytrain`` is then the copy's cost);
 * ``torch-foreach`` / ``torch-fused``: ``clip_grad_norm_(foreach=True)`` then
   the optimizer with ``foreach=True`` / ``fused=True`` (torch 2.x's fast paths;
   torch has fused kernels for AdamW, Adam, SGD and Adagrad only, and no Lion or
@@ -119,9 +122,10 @@ def _warm(step, opt: str):
     return step
 
 
-def make_arraytrain(opt: str, n: int, zero_grad: bool = False, state_dtype: str | None = None):
+def make_arraytrain(opt: str, n: int, zero_grad: bool = False, state_dtype: str | None = None,
+                    working_dtype: str | None = None):
     params, grads = make_data(n, opt=opt)
-    engine = make_engine(opt, params, grads, zero_grad, state_dtype)
+    engine = make_engine(opt, params, grads, zero_grad, state_dtype, working_dtype)
 
     def step():
         engine.step()
@@ -501,9 +505,22 @@ def make_arraytrain_bf16(opt: str, n: int, zero_grad: bool = False):
     return make_arraytrain(opt, n, zero_grad, "bfloat16")
 
 
+def make_arraytrain_working_bf16(opt: str, n: int, zero_grad: bool = False):
+    """arraytrain with ``working_dtype="bfloat16"``: float32 state, and the step also writes a bfloat16
+    copy of the weights (2 more bytes per element)."""
+    return make_arraytrain(opt, n, zero_grad, working_dtype="bfloat16")
+
+
+def make_arraytrain_working_f16(opt: str, n: int, zero_grad: bool = False):
+    """arraytrain with ``working_dtype="float16"`` (see :func:`make_arraytrain_working_bf16`)."""
+    return make_arraytrain(opt, n, zero_grad, working_dtype="float16")
+
+
 CONTESTANTS = {
     "arraytrain": make_arraytrain,
     "arraytrain-bf16": make_arraytrain_bf16,
+    "arraytrain-working-bf16": make_arraytrain_working_bf16,
+    "arraytrain-working-f16": make_arraytrain_working_f16,
     "torch-foreach": make_torch_foreach,
     "torch-fused": make_torch_fused,
     "numpy": make_numpy,
