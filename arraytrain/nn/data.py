@@ -203,6 +203,13 @@ def load_npz(path, seed: int = 0, val_fraction: float = 0.15, test_fraction: flo
     """
     path = os.fspath(path)
     try:
+        with open(path, "rb") as raw:
+            head = raw.read(6)
+        # np.load reads anything that is neither a zip (.npz) nor a .npy as a pickle, and then
+        # suggests allow_pickle: say what the file is not instead
+        if not head.startswith((b"PK\x03\x04", b"PK\x05\x06", b"\x93NUMPY")):
+            what = "an empty file" if not head else f"a file starting with {head!r}"
+            raise DataError(f"{path}: not an .npz archive (the zip of .npy arrays numpy.savez writes); got {what}")
         f = np.load(path, allow_pickle=False)
         if not isinstance(f, np.lib.npyio.NpzFile):
             raise DataError(f"{path}: not an .npz archive (a single .npy array?)")
@@ -214,7 +221,12 @@ def load_npz(path, seed: int = 0, val_fraction: float = 0.15, test_fraction: flo
         raise DataError(f"{path}: is a directory") from None
     except DataError:
         raise
-    except (ValueError, OSError, zipfile.BadZipFile, EOFError) as exc:
+    except ValueError as exc:
+        if "allow_pickle" in str(exc):  # an object array inside the archive
+            raise DataError(f"{path}: holds an object array (pickled Python objects), which is never loaded; "
+                            "save numeric arrays") from None
+        raise DataError(f"{path}: cannot read as .npz ({exc})") from None
+    except (OSError, zipfile.BadZipFile, EOFError) as exc:
         raise DataError(f"{path}: cannot read as .npz ({exc})") from None
     missing = [k for k in ("X", "y") if k not in arrays]
     if missing:

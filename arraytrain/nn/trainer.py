@@ -108,7 +108,10 @@ class Trainer:
     callbacks, metrics, evaluation; the warm-up micro-batches left out),
     ``warmup_seconds`` and ``warmup_batches`` (the first micro-batch of each
     kind: kernel compile or cache load), :attr:`samples_per_second`; ``steps``
-    counts micro-batches, ``engine.state.step`` optimizer steps.
+    counts micro-batches, ``engine.state.step`` optimizer steps. Each epoch's
+    logs hold ``samples_per_second`` over that epoch's timed micro-batches
+    (NaN when all of them were warm-up): the median over epochs is a steadier
+    figure than the run's mean, as a benchmark's median of timed rounds is.
     """
 
     def __init__(self, model: MLP, engine: Engine, *, loss: str | Callable = "cross_entropy",
@@ -221,6 +224,7 @@ class Trainer:
         self._call("on_epoch_begin", e + 1)
         t_epoch = time.perf_counter()
         tally = _Tally()
+        timed_samples, timed_seconds = 0, 0.0
         it = self.batches.epoch(e)
         while True:
             t0 = time.perf_counter()
@@ -236,14 +240,18 @@ class Trainer:
                 self.timings["data"] += t_data
                 for k, v in split.items():
                     self.timings[k] += v
-                self._timed_samples += xb.shape[0]  # the global batch (every rank's shard)
-                self._timed_seconds += seconds
+                timed_samples += xb.shape[0]  # the global batch (every rank's shard)
+                timed_seconds += seconds
             else:  # the first of its kind compiles (or loads from the cache) what it runs
                 self._kinds_seen.add(kind)
                 self.warmup_seconds += seconds
                 self.warmup_batches += 1
             self.steps += 1
-        return self._epoch_logs(e, tally, t_epoch)
+        self._timed_samples += timed_samples
+        self._timed_seconds += timed_seconds
+        logs = self._epoch_logs(e, tally, t_epoch)
+        logs["samples_per_second"] = timed_samples / timed_seconds if timed_seconds > 0 else float("nan")
+        return logs
 
     def _train_batch(self, xb, yb, tally: "_Tally") -> tuple[str, dict]:
         """One batch: forward and loss, backward, ``engine.step()``, metrics, callbacks.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import numpy as np
 import pytest
@@ -205,3 +206,30 @@ def test_checkpoint_every_n_epochs(tmp_path):
     extra = at.load(ck.saved[-1], fresh)
     assert extra["epoch"] == 5 and extra["tag"] == "t"
     np.testing.assert_array_equal(fresh.params.flat, engine.params.flat)
+
+
+def test_each_epoch_logs_its_throughput():
+    """Each epoch's logs hold samples/s over its timed micro-batches; the run's mean weighs them by time."""
+    x, y = np.random.default_rng(0).standard_normal((64, 5)).astype(np.float32), np.arange(64) % 3
+    model = nn.MLP([5, 8, 3])
+    trainer = nn.Trainer(model, at.Engine(model.init(seed=0), at.optim.AdamW()), batch_size=8)
+    history = trainer.fit(x, y, epochs=3)
+    rates = [h["samples_per_second"] for h in history]
+    assert len(rates) == 3 and all(r > 0 and math.isfinite(r) for r in rates)
+    assert min(rates) <= trainer.samples_per_second <= max(rates)
+    # an epoch whose every micro-batch is a warm-up one has no figure (NaN), not 0 or inf
+    one = nn.Trainer(model, at.Engine(model.init(seed=0), at.optim.AdamW()), batch_size=64)
+    assert math.isnan(one.fit(x, y, epochs=1)[0]["samples_per_second"])
+
+
+@pytest.mark.parametrize("content, text", [(b"{}\n", "not an .npz archive"), (b"", "got an empty file"),
+                                           (None, "holds an object array (pickled Python objects)")])
+def test_load_npz_says_what_the_file_is_not(tmp_path, content, text):
+    path = tmp_path / "data.npz"
+    if content is None:
+        np.savez(path, X=np.array([{}], dtype=object), y=np.zeros(1))
+    else:
+        path.write_bytes(content)
+    with pytest.raises(at.errors.DataError, match=re.escape(text)) as info:
+        nn.load_npz(path)
+    assert "allow_pickle" not in str(info.value) and str(path) in str(info.value)
