@@ -13,11 +13,17 @@ The library's capabilities each have a flag: ``--compress``/``--error-feedback``
 ``--device cuda`` and ``mpiexec -n K``.
 
 Everything that can be checked without the data is checked before they are
-loaded (flags and their combinations, the directories of ``--save``/``--json``/
-``--plot``, the plot format, the input files, optional packages): bad
-arguments, bad data files and missing optional packages end with one line on
-stderr and exit status 2, before any training; nothing prints a traceback on
-purpose.
+loaded (flags and their combinations, that the files of ``--save``/``--json``/
+``--plot`` can be created where they are named (each is created and removed
+again, or an existing one opened for writing without truncating it), the plot
+format, the input files, optional packages): bad arguments, bad data files and
+missing optional packages end with one line on stderr and exit status 2 that
+names the flag, before any training; nothing prints a traceback on purpose.
+Every file written is announced on stdout (``saved``, ``wrote``, ``drew``).
+
+The throughput is reported as the benchmarks report a time: per epoch over its
+micro-batches after the warm-up, the fastest epoch and the median of the epochs
+(:data:`THROUGHPUT_MEASURES` says what is in it).
 """
 
 from __future__ import annotations
@@ -28,13 +34,14 @@ import inspect
 import json
 import math
 import os
+import statistics
 import sys
 
 import numpy as np
 
 from . import optim, schedules
 from .engine import Engine
-from .errors import ArrayTrainError, NonFiniteError
+from .errors import ArrayTrainError, CheckpointError, DataError, NonFiniteError
 from .nn.callbacks import MagnitudePruning
 
 PROG = "arraytrain"
@@ -205,7 +212,10 @@ DESCRIPTION = ("Train the built-in MLP and report what happened. With no argumen
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
+
     parser = _Parser(prog=PROG, description="arraytrain: a training engine on flat NumPy buffers.")
+    parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     t = sub.add_parser("train", help="train the built-in MLP (default: scikit-learn's digits)",
                        description=DESCRIPTION)
@@ -294,7 +304,12 @@ def _optimizer(args):
         kwargs[key] = value
     if cls is optim.Muon:  # Muon takes the weight matrices; the biases go to AdamW (its defaults)
         kwargs["fallback"] = optim.AdamW()
-    return cls(**kwargs)
+    try:
+        return cls(**kwargs)
+    except ArrayTrainError as exc:
+        given = " ".join(f"--{flag.replace('_', '-')} {getattr(args, flag):g}" for flag in ("lr", "weight_decay", "momentum")
+                         if getattr(args, flag) is not None)
+        raise _usage(f"--optimizer {args.optimizer}{' ' + given if given else ''}: {exc}") from None
 
 
 def _schedule(args, steps_per_epoch: int):
@@ -328,8 +343,17 @@ def _compressor(args):
         # error feedback needs a contraction (ErrorFeedback refuses the rest): random-k and VSA send their
         # kept values unscaled unless told otherwise (rescaled by n/k, the random-k 5% run went to NaN)
         kwargs = {**{"randomk": {"rescale": False}, "vsa": {"unbiased": False}}.get(method, {}), **kwargs}
-    comp = cls(**kwargs)
-    return compress.ErrorFeedback(comp) if args.error_feedback else comp
+    try:
+        comp = cls(**kwargs)
+        return compress.ErrorFeedback(comp) if args.error_feedback else comp
+    except ArrayTrainError as exc:
+        raise _usage(f"--compress {_fmt_compress(args.compress)}{' --error-feedback' if args.error_feedback else ''}: "
+                     f"{exc}") from None
+
+
+def _fmt_compress(spec) -> str:
+    method, kwargs = spec
+    return method + (":" + ",".join(f"{k}={v}" for k, v in kwargs.items()) if kwargs else "")
 
 
 def _from_launcher(keys: tuple, default: int) -> int:
@@ -365,7 +389,12 @@ def _load_data(args):
 
     kw = dict(seed=args.seed, val_fraction=args.val_fraction, test_fraction=args.test_fraction, dtype=args.dtype)
     if args.data:
-        return load_npz(args.data, **kw)
+        try:
+            return load_npz(args.data, **kw)
+        except DataError as exc:
+            text = str(exc)
+            raise _usage(f"--data {text}" if text.startswith(f"{args.data}: ") else f"--data {args.data}: {text}") \
+                from None
     return load_digits(**kw)
 
 
@@ -439,7 +468,8 @@ def _to_cuda(data):
 
 # -- checks before anything runs ---------------------------------------------------------------------
 def _check_output(flag: str, path: str) -> str:
-    """``path`` can be written: its directory exists and is writable, and it is not a directory."""
+    """``path`` can be written: its directory exists and is writable, it is not a directory, and the
+    file itself can be created there (or opened for writing, if it exists)."""
     full = os.path.abspath(path)
     if os.path.isdir(full):
         raise _usage(f"{flag} {path}: is a directory")
@@ -448,7 +478,32 @@ def _check_output(flag: str, path: str) -> str:
         raise _usage(f"{flag} {path}: no such directory {parent}")
     if not os.access(parent, os.W_OK | os.X_OK) or (os.path.exists(full) and not os.access(full, os.W_OK)):
         raise _usage(f"{flag} {path}: not writable")
+    _try_create(flag, path, full)
     return full
+
+
+def _try_create(flag: str, path: str, full: str) -> None:
+    """Create ``full`` and remove it again, or open an existing regular file for writing without
+    truncating it: what the permission bits do not tell (/proc, a read-only mount, a name too long
+    for the file system) fails here, before training, and nothing is left behind or changed."""
+    if os.path.lexists(full):
+        if not os.path.isfile(full):  # a device such as /dev/stdout, written in place: not probed
+            return
+        try:
+            os.close(os.open(full, os.O_WRONLY))  # no O_TRUNC: the file keeps its bytes and its times
+        except FileNotFoundError:  # another rank's probe file, removed meanwhile
+            return
+        except OSError as exc:
+            raise _usage(f"{flag} {path}: cannot open the file for writing ({exc.strerror or exc})") from None
+        return
+    try:
+        fd = os.open(full, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:  # another process (a rank of the same run) probes the same name now
+        return
+    except OSError as exc:
+        raise _usage(f"{flag} {path}: cannot create the file there ({exc.strerror or exc})") from None
+    os.close(fd)
+    os.unlink(full)
 
 
 def _check_input(flag: str, path: str) -> str:
@@ -529,6 +584,25 @@ def _check_flags(args, comm) -> None:
     if args.precision != "fp32":
         if args.dtype != "float32":
             raise _usage(f"--precision {args.precision} keeps float32 master weights: it needs --dtype float32")
+    if not args.data:  # digits: the test split is cut from the data (see _check_files for --data)
+        _check_fractions(args)
+
+
+def _check_fractions(args) -> None:
+    """The validation and test splits leave a training split."""
+    if args.val_fraction + args.test_fraction >= 1:
+        raise _usage(f"--val-fraction {args.val_fraction:g} and --test-fraction {args.test_fraction:g} leave no "
+                     f"training data: together they must be < 1")
+
+
+def _has_test_split(path: str) -> bool:
+    """Whether the .npz at ``path`` names X_test (read from the archive's directory, not its arrays);
+    an unreadable file says False and leaves the message to the loader."""
+    try:
+        with np.load(path, allow_pickle=False) as f:
+            return "X_test" in f.files
+    except Exception:
+        return False
 
 
 def _check_files(args) -> None:
@@ -547,6 +621,8 @@ def _check_files(args) -> None:
     inputs = {}
     if args.data:
         inputs["--data"] = _check_input("--data", args.data)
+        if not _has_test_split(args.data):  # else --test-fraction is not used
+            _check_fractions(args)
     if args.resume:
         inputs["--resume"] = _check_input("--resume", args.resume)
     seen = {}
@@ -609,6 +685,12 @@ def train(args) -> int:
         lo, hi = _prune_epochs(args)
         callbacks.append(MagnitudePruning(args.prune, lo, hi))
 
+    def say(line):  # a line on stdout that does not break the progress bar
+        if progress is not None:
+            progress.write(line, file=out)
+        else:
+            print(line, file=out, flush=True)
+
     def show(trainer, epoch, logs):
         line = f"epoch {epoch}/{args.epochs}  loss {logs['loss']:.4f}  lr {logs['lr']:.3g}"
         if "val_accuracy" in logs:
@@ -620,10 +702,7 @@ def train(args) -> int:
         if "loss_scale" in logs:
             line += f"  loss_scale {logs['loss_scale']:g}"
         line += f"  ({logs['time']:.2f} s)"
-        if progress is not None:
-            progress.write(line, file=out)
-        else:
-            print(line, file=out, flush=True)
+        say(line)
 
     profiler = nn.Profiler()
     payload = _PayloadBytes()
@@ -638,7 +717,15 @@ def train(args) -> int:
 
     if args.save and args.checkpoint_every:
         kind = nn.PhaseCheckpoint if args.predict is not None else nn.Checkpoint
-        callbacks.append(kind(args.save, every=args.checkpoint_every, extra=run_extra))
+        checkpoint = kind(args.save, every=args.checkpoint_every, extra=run_extra)
+        told = []
+
+        def tell_saved(trainer, *_):  # each save the callback made, with its epoch (after it, in the list)
+            for path in checkpoint.saved[len(told):]:
+                told.append(path)
+                say(f"saved {path} (epoch {trainer.epoch})")
+
+        callbacks += [checkpoint, nn.LambdaCallback(on_epoch_end=tell_saved, on_train_end=tell_saved)]
     common = dict(batch_size=args.batch_size, seed=args.seed, callbacks=callbacks)
     if args.predict is not None:
         trainer = nn.PhaseTrainer(model, engine, **args.predict, **common)
@@ -656,27 +743,45 @@ def train(args) -> int:
     test = trainer.evaluate(data.x_test, data.y_test)
     quant = _int8_evaluation(trainer, model, engine, data) if args.quantize_eval else None
     split = profiler.summary(trainer)["seconds"]
-    for line in _summary(args, trainer, test, quant, split, payload, len(data.y_test)):
+    for line in _summary(args, trainer, test, quant, split, payload, len(data.y_test), start):
         print(line, file=out)
-    if args.save:
+    if args.save and not args.checkpoint_every:  # else the Checkpoint callback has written the last epoch
         saved = args.save.format(epoch=trainer.epoch)
-        if not args.checkpoint_every:  # else the Checkpoint callback has written the last epoch
-            _save(args, trainer, saved, {**run_extra(trainer), "epoch": trainer.epoch})
+        _save(args, trainer, saved, {**run_extra(trainer), "epoch": trainer.epoch})
         print(f"saved {saved} (epoch {trainer.epoch})", file=out)
     if not lead:
         return 0
     if args.json:
-        report = _report(args, trainer, test, quant, split, payload, batches)
+        report = _report(args, trainer, test, quant, split, payload, batches, start)
         report.update(processes=1 if comm is None else comm.size, dataset=data.summary(),
                       parameters=model.num_params, config=config)
         with open(args.json, "w") as f:
             json.dump(_jsonable(report), f, indent=2)
+        print(f"wrote the JSON summary to {args.json}", file=out)
     if args.plot:
         _plot(args.plot, _history(history, batches), test["accuracy"])
+        print(f"drew the loss and accuracy curves to {args.plot}", file=out)
     return 0
 
 
-def _summary(args, trainer, test, quant, split, payload, n_test) -> list[str]:
+# What the throughput figure measures, said with it (the README's and the JSON's wording too).
+THROUGHPUT_MEASURES = ("training samples per second of an epoch's micro-batches after the warm-up: fetching "
+                       "the batch, forward and loss, backward, the optimizer step and the per-batch callbacks; "
+                       "not the evaluation, the epoch's metrics or the epoch-end callbacks")
+
+
+def _throughput(trainer, start: int) -> dict:
+    """The run's throughput as the benchmarks report a time: per timed epoch of this run (the warm-up
+    micro-batches left out), the best epoch and the median of them; the mean over the run besides."""
+    rates = [h["samples_per_second"] for h in trainer.history
+             if h.get("epoch", 0) > start and isinstance(h.get("samples_per_second"), float)
+             and math.isfinite(h["samples_per_second"])]
+    return {"best": max(rates) if rates else None, "median": statistics.median(rates) if rates else None,
+            "mean": trainer.samples_per_second if rates else None, "epochs": len(rates),
+            "measures": THROUGHPUT_MEASURES}
+
+
+def _summary(args, trainer, test, quant, split, payload, n_test, start) -> list[str]:
     """The lines after training: test figures, warm-up, throughput and time split, each capability's."""
     engine, ran = trainer.engine, trainer.steps
     lines = [f"test accuracy {test['accuracy']:.4f} ({n_test} samples), macro F1 {test['f1']:.4f}"]
@@ -684,12 +789,24 @@ def _summary(args, trainer, test, quant, split, payload, n_test) -> list[str]:
         lines.append(f"int8 weights (symmetric, per output channel): test accuracy {quant['test_accuracy']:.4f} "
                      f"({100 * (quant['test_accuracy'] - test['accuracy']):+.2f} points), weights "
                      f"{quant['int8_bytes']:,} bytes instead of {quant['float_bytes']:,}")
+    if ran == 0:
+        lines.append(f"nothing left to train: --resume {args.resume} is at epoch {start} of --epochs {args.epochs} "
+                     f"({engine.state.step} optimizer steps); the test figures above are its weights'; raise "
+                     "--epochs to train on")
+        return lines
     lines.append(f"warm-up: {trainer.warmup_seconds:.2f} s in {trainer.warmup_batches} micro-batch"
                  f"{'es' if trainer.warmup_batches != 1 else ''} (the first of each kind: kernel compile or cache "
                  "load), left out of the figures below")
-    lines.append(f"{trainer.samples_per_second:,.0f} samples/s over {ran - trainer.warmup_batches} of the {ran} "
-                 f"micro-batches of this run ({engine.state.step} optimizer steps in all); "
-                 f"time split: {_fmt_split(split)}")
+    tp = _throughput(trainer, start)
+    timed = (f"{ran - trainer.warmup_batches} of the {ran} micro-batches of this run timed "
+             f"({engine.state.step} optimizer steps in all)")
+    if tp["epochs"]:
+        lines.append(f"throughput: {tp['best']:,.0f} samples/s in the fastest epoch, {tp['median']:,.0f} the median "
+                     f"of {tp['epochs']} epoch{'s' if tp['epochs'] != 1 else ''}; {timed}")
+        lines.append(f"  (measures {THROUGHPUT_MEASURES})")
+    else:
+        lines.append(f"throughput: not measured, every micro-batch was a warm-up one; {timed}")
+    lines.append(f"time split: {_fmt_split(split)}")
     if args.predict is not None:
         st = trainer.stats
         speed = "not measured" if st.wall_speedup is None else f"{st.wall_speedup:.2f}x"
@@ -707,9 +824,10 @@ def _summary(args, trainer, test, quant, split, payload, n_test) -> list[str]:
     return lines
 
 
-def _report(args, trainer, test, quant, split, payload, batches) -> dict:
+def _report(args, trainer, test, quant, split, payload, batches, start) -> dict:
     """The JSON summary's figures (the caller adds the data set, model and config)."""
     engine, history = trainer.engine, trainer.history
+    tp = _throughput(trainer, start) if trainer.steps else None
     return {
         "test_accuracy": test["accuracy"],
         "test_loss": test["loss"],
@@ -717,7 +835,8 @@ def _report(args, trainer, test, quant, split, payload, batches) -> dict:
         "test_precision": test["precision"],
         "test_recall": test["recall"],
         "test_confusion_matrix": test["confusion_matrix"],
-        "samples_per_second": trainer.samples_per_second,
+        "samples_per_second": tp["best"] if tp else None,  # the headline figure: the fastest epoch
+        "throughput_samples_per_second": tp,
         "warmup_seconds": trainer.warmup_seconds,
         "warmup_micro_batches": trainer.warmup_batches,
         "epochs": trainer.epoch,
@@ -763,14 +882,19 @@ def _header(args, data, model, engine, comm, start) -> str:
 
 def _resume(args, trainer) -> int:
     """Load ``--resume`` into the trainer's engine (and phase controller); return its epoch."""
+    _check_same_model(args)
     if args.predict is not None:
         from .phase import load
-
-        extra = load(args.resume, trainer.controller)
     else:
         from .checkpoint import load
-
-        extra = load(args.resume, trainer.engine)
+    try:
+        extra = load(args.resume, trainer.controller if args.predict is not None else trainer.engine)
+    except CheckpointError as exc:
+        hint = ""
+        if "params:" in str(exc):
+            hint = ("; the checkpoint holds another model: resume with the --hidden, --activation and --dtype "
+                    "it was trained with")
+        raise _usage(f"--resume {exc}{hint}") from None
     start = extra.get("epoch") if isinstance(extra, dict) else None
     if not isinstance(start, int) or isinstance(start, bool) or start < 0:
         raise _usage(f"--resume {args.resume}: the checkpoint has no epoch count "
@@ -782,6 +906,36 @@ def _resume(args, trainer) -> int:
         trainer.history = [h for h in history if isinstance(h, dict) and isinstance(h.get("epoch"), int)
                            and h["epoch"] <= start]
     return start
+
+
+# the flags that shape the model: a resumed run must give the same ones
+MODEL_FLAGS = ("hidden", "activation")
+
+
+def _check_same_model(args) -> None:
+    """Refuse ``--resume`` of a run whose model flags (``MODEL_FLAGS``) differ from this one's, naming them.
+
+    They are read from the ``config`` that ``--save`` keeps in the checkpoint's ``extra`` (the JSON
+    in the safetensors metadata, checkpoint format 1); a file without one is left to the loader.
+    """
+    try:
+        from safetensors import safe_open
+
+        with safe_open(args.resume, "np") as f:
+            config = json.loads((f.metadata() or {}).get("extra", "{}")).get("config")
+    except Exception:  # not a checkpoint of this command: the loader says what is wrong
+        return
+    if not isinstance(config, dict):
+        return
+    differ = [f for f in MODEL_FLAGS if f in config and config[f] != getattr(args, f)]
+    if differ:
+        def show(flag, value):
+            return f"--{flag} " + (",".join(map(str, value)) if isinstance(value, list) else str(value))
+
+        raise _usage(f"--resume {args.resume}: the checkpoint's model was trained with "
+                     f"{' '.join(show(f, config[f]) for f in differ)}, this run asks for "
+                     f"{' '.join(show(f, getattr(args, f)) for f in differ)}: the architecture differs; "
+                     "give the flags it was trained with")
 
 
 def _save(args, trainer, path, extra) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import subprocess
 import sys
 import time
@@ -51,7 +52,7 @@ def test_default_dataset_json(tmp_path, capsys):
     summary = json.loads(js.read_text())
     assert summary["epochs"] == 2 and len(summary["history"]) == 2
     assert summary["test_accuracy"] > 0.8
-    assert summary["samples_per_second"] > 0
+    assert summary["samples_per_second"] > 0 and "samples_per_second" in summary["history"][0]
     assert summary["final_loss"] == summary["history"][-1]["loss"]
     assert set(summary["time_split_seconds"]) >= {"forward", "backward", "optimizer", "callbacks"}
 
@@ -132,6 +133,8 @@ def _bad_files(tmp):
     np.savez(tmp / "testwidth.npz", X=np.zeros((10, 2)), y=np.arange(10) % 2, X_test=np.zeros((3, 3)),
              y_test=np.zeros(3, int))
     (tmp / "junk.npz").write_bytes(b"not a zip file")
+    (tmp / "run.json").write_text("{}")
+    np.savez(tmp / "objects.npz", X=np.array([{}], dtype=object), y=np.zeros(1))
     small_npz(tmp / "good.npz")
     return tmp
 
@@ -148,7 +151,9 @@ BAD_ARGS = [
     (["--val-fraction", "1.5"], "argument --val-fraction"),
     (["--frobnicate"], "unrecognized arguments: --frobnicate"),
     (["--step-epochs", "2"], "--step-epochs applies to --schedule step only"),
-    (["--data", "{tmp}/junk.npz"], "junk.npz: cannot read as .npz"),
+    (["--data", "{tmp}/junk.npz"], "--data {tmp}/junk.npz: not an .npz archive (the zip of .npy arrays"),
+    (["--data", "{tmp}/run.json"], "run.json: not an .npz archive"),  # not "allow_pickle"
+    (["--data", "{tmp}/objects.npz"], "objects.npz: holds an object array (pickled Python objects)"),
     (["--data", "{tmp}/noy.npz"], "missing array(s) ['y']"),
     (["--data", "{tmp}/rows.npz"], "X has 10 rows, y has 9"),
     (["--data", "{tmp}/nan.npz"], "X holds NaN or Inf"),
@@ -159,7 +164,10 @@ BAD_ARGS = [
     (["--data", "{tmp}/testwidth.npz"], "X_test has 3 features, X has 2"),
     (["--compress", "zip"], "argument --compress: expected METHOD[:key=value,...]"),
     (["--compress", "topk:ratio"], "argument --compress: expected key=value after topk:"),
-    (["--data", "{tmp}/good.npz", "--compress", "topk:ratio=2"], "ratio"),
+    (["--data", "{tmp}/good.npz", "--compress", "topk:ratio=2"],
+     "--compress topk:ratio=2: ratio: expected a value in (0.0, 1.0], got 2.0"),
+    (["--data", "{tmp}/good.npz", "--compress", "topk:ratio=2", "--error-feedback"],
+     "--compress topk:ratio=2 --error-feedback: ratio:"),
 ]
 
 
@@ -170,12 +178,12 @@ def test_bad_arguments_one_line(tmp_path, capsys, args, text):
     assert rc == 2
     lines = err.strip().splitlines()
     assert len(lines) == 1, err
-    assert lines[0].startswith("arraytrain train: error:") and text in lines[0], lines[0]
-    assert "Traceback" not in err + out
+    assert lines[0].startswith("arraytrain train: error:") and text.format(tmp=tmp) in lines[0], lines[0]
+    assert "Traceback" not in err + out and "allow_pickle" not in err
 
 
 def test_bad_arguments_count():
-    assert len(BAD_ARGS) == 23
+    assert len(BAD_ARGS) == 26
 
 
 # Refused before the data are loaded: no training, nothing on stdout, one line on stderr, exit 2.
@@ -211,6 +219,14 @@ EARLY = [
     (["--prune", "0.5", "--prune-epochs", "4-2"], "argument --prune-epochs: expected 1 <= N <= M"),
     (["--quantize-eval", "int4"], "argument --quantize-eval: invalid choice"),
     (["--precision", "bf16", "--dtype", "float64"], "--precision bf16 keeps float32 master weights"),
+    # the file itself cannot be created there, though the directory's permission bits say yes
+    (["--save", "/proc/x.at"], "--save /proc/x.at: cannot create the file there"),
+    (["--json", "/proc/x.json"], "--json /proc/x.json: cannot create the file there"),
+    (["--plot", "/proc/x.png"], "--plot /proc/x.png: cannot create the file there"),
+    (["--json", "{tmp}/" + "n" * 300 + ".json"], "cannot create the file there (File name too long)"),
+    (["--val-fraction", "0.99"], "--val-fraction 0.99 and --test-fraction 0.2 leave no training data"),
+    (["--val-fraction", "0.5", "--test-fraction", "0.5", "--data", "{tmp}/good.npz"],
+     "--val-fraction 0.5 and --test-fraction 0.5 leave no training data"),
 ]
 
 
@@ -218,6 +234,8 @@ EARLY = [
 def test_refused_before_training(tmp_path, capsys, monkeypatch, args, text):
     if any(a.startswith("--plot") for a in args):
         pytest.importorskip("matplotlib")
+    if any(a.startswith("/proc/") for a in args) and not os.path.isdir("/proc/self"):
+        pytest.skip("no /proc here")
     small_npz(tmp_path / "good.npz")
     loaded = []
     monkeypatch.setattr(cli, "_load_data", lambda a: loaded.append(a))  # the first step of a run
@@ -232,7 +250,98 @@ def test_refused_before_training(tmp_path, capsys, monkeypatch, args, text):
 
 
 def test_refused_before_training_count():
-    assert len(EARLY) == 30
+    assert len(EARLY) == 36
+
+
+def test_output_probe_leaves_nothing_behind_and_clobbers_nothing(tmp_path, capsys, monkeypatch):
+    """The outputs are created (and removed) or opened for writing before the run; a refusal after
+    the probe (here --plot's format, checked next) leaves no new file and an existing one as it was."""
+    pytest.importorskip("matplotlib")
+    monkeypatch.setattr(cli, "_load_data", lambda a: pytest.fail("loaded the data"))
+    old = tmp_path / "old.json"
+    old.write_text("keep me")
+    os.utime(old, (1_000_000, 1_000_000))
+    for target in (tmp_path / "new.json", old):
+        rc, out, err = run(capsys, *QUIET, "--json", str(target), "--save", str(tmp_path / "run-{epoch}.at"),
+                           "--plot", str(tmp_path / "curves.txt"))
+        assert rc == 2 and "--plot" in err and out == ""
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["old.json"]
+    assert old.read_text() == "keep me" and old.stat().st_mtime == 1_000_000
+    if os.access("/dev/stdout", os.W_OK):  # a device is written in place, not probed
+        cli._check_output("--json", "/dev/stdout")
+
+
+def test_every_output_is_announced(tmp_path, capsys):
+    """--checkpoint-every's saves, the last --save, --json and --plot each say what was written where."""
+    pytest.importorskip("matplotlib")
+    data = small_npz(tmp_path / "d.npz")
+    ck, js, png = tmp_path / "run-{epoch}.at", tmp_path / "s.json", tmp_path / "c.png"
+    rc, out, err = run(capsys, "--data", str(data), "--epochs", "3", *QUIET, "--save", str(ck),
+                       "--checkpoint-every", "2", "--json", str(js), "--plot", str(png))
+    assert rc == 0, err
+    lines = out.splitlines()
+    saved = [line for line in lines if line.startswith("saved ")]
+    assert saved == [f"saved {tmp_path}/run-2.at (epoch 2)", f"saved {tmp_path}/run-3.at (epoch 3)"]
+    assert lines.index(saved[0]) == lines.index(next(x for x in lines if x.startswith("epoch 2/3"))) + 1
+    assert f"wrote the JSON summary to {js}" in lines and f"drew the loss and accuracy curves to {png}" in lines
+    assert js.exists() and png.exists()
+    rc, out, err = run(capsys, "--data", str(data), "--epochs", "1", *QUIET, "--save", str(tmp_path / "a.at"))
+    assert rc == 0 and f"saved {tmp_path}/a.at (epoch 1)" in out.splitlines()
+
+
+def test_resume_names_the_architecture_flags(tmp_path, capsys):
+    data = str(small_npz(tmp_path / "d.npz"))
+    ckpt = tmp_path / "a.at"
+    assert run(capsys, "--data", data, "--epochs", "1", *QUIET, "--hidden", "16,8", "--save", str(ckpt))[0] == 0
+    for flags, text in ((["--hidden", "16"], "trained with --hidden 16,8, this run asks for --hidden 16"),
+                        (["--hidden", "16,8", "--activation", "tanh"],
+                         "trained with --activation relu, this run asks for --activation tanh")):
+        rc, out, err = run(capsys, "--data", data, "--epochs", "2", *QUIET, *flags, "--resume", str(ckpt))
+        assert rc == 2 and "epoch 2/2" not in out
+        assert err.strip() == f"arraytrain train: error: --resume {ckpt}: the checkpoint's model was {text}: " \
+                              "the architecture differs; give the flags it was trained with"
+    # a checkpoint without the command's config (saved from Python): the loader's message, with the hint
+    import arraytrain as at_
+
+    at_.save(tmp_path / "bare.at", at_.Engine({"w": np.ones(3, np.float32)}, at_.optim.AdamW()), extra={"epoch": 1})
+    rc, _, err = run(capsys, "--data", data, "--epochs", "2", *QUIET, "--resume", str(tmp_path / "bare.at"))
+    assert rc == 2 and err.startswith(f"arraytrain train: error: --resume {tmp_path}/bare.at: params:")
+    assert "resume with the --hidden, --activation and --dtype it was trained with" in err
+
+
+def test_resuming_a_finished_run_says_nothing_was_left(tmp_path, capsys):
+    data = str(small_npz(tmp_path / "d.npz"))
+    ckpt, js = tmp_path / "a.at", tmp_path / "s.json"
+    assert run(capsys, "--data", data, "--epochs", "2", *QUIET, "--save", str(ckpt))[0] == 0
+    rc, out, err = run(capsys, "--data", data, "--epochs", "2", *QUIET, "--resume", str(ckpt), "--json", str(js))
+    assert rc == 0, err
+    assert f"nothing left to train: --resume {ckpt} is at epoch 2 of --epochs 2" in out
+    assert "samples/s" not in out and "0 micro-batches" not in out and "test accuracy" in out
+    summary = json.loads(js.read_text())
+    assert summary["samples_per_second"] is None and summary["micro_batches_this_run"] == 0
+
+
+def test_version(capsys):
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == f"arraytrain {at.__version__}"
+
+
+def test_throughput_is_the_best_and_median_epoch(tmp_path, capsys):
+    """The figure is per timed epoch (the warm-up left out), the fastest and the median, and says what it measures."""
+    js = tmp_path / "s.json"
+    rc, out, err = run(capsys, "--data", str(small_npz(tmp_path / "d.npz")), "--epochs", "4", *QUIET,
+                       "--json", str(js))
+    assert rc == 0, err
+    summary = json.loads(js.read_text())
+    rates = [h["samples_per_second"] for h in summary["history"]]
+    assert len(rates) == 4 and all(r > 0 for r in rates)
+    tp = summary["throughput_samples_per_second"]
+    assert summary["samples_per_second"] == tp["best"] == max(rates)
+    assert tp["median"] == float(np.median(rates)) and tp["epochs"] == 4 and tp["mean"] > 0
+    assert "after the warm-up" in tp["measures"] and "not the evaluation" in tp["measures"]
+    line = next(x for x in out.splitlines() if x.startswith("throughput: "))
+    assert f"{tp['best']:,.0f} samples/s in the fastest epoch, {tp['median']:,.0f} the median of 4 epochs" in line
+    assert "(measures training samples per second" in out
 
 
 def test_lr_too_high_ends_in_one_line_without_numpy_warnings(capsys):
@@ -262,7 +371,7 @@ def test_figures_name_their_units(tmp_path, capsys):
     # the first accumulated and the first applied micro-batch compile: both are the warm-up
     assert summary["warmup_micro_batches"] == 2 and summary["warmup_seconds"] > 0
     assert "warm-up: " in out and "in 2 micro-batches" in out
-    assert "over 22 of the 24 micro-batches of this run (6 optimizer steps in all)" in out
+    assert "22 of the 24 micro-batches of this run timed (6 optimizer steps in all)" in out
 
 
 def test_trainer_keeps_the_warmup_out_of_the_figures():
