@@ -192,6 +192,40 @@ def _store_masked(pb, i, x, kb):
     return impl
 
 
+# -- zeroing the gradient in the update pass ---------------------------------------------------
+
+
+def grad_fill(zero_grad):
+    """The kernels' ``zero_grad`` argument: 0 (the value each gradient element is overwritten
+    with once read) when the gradient is zeroed in the update pass, None when it is kept."""
+    return 0 if zero_grad else None
+
+
+def clear_grad(gb, i, fill):
+    """``gb[i] = fill`` after ``gb[i]`` was read; nothing when ``fill`` is None (jitted code only)."""
+    raise NotImplementedError("only callable from jitted code")
+
+
+# Resolved when the kernel is typed, like piece_mask/store_masked: ``None`` compiles to a loop
+# without the store, a number to an unconditional one. A runtime bool inside the element loop
+# is an if-converted, masked store (``vmaskmovps`` on AVX2, microcoded on AMD's cores, and
+# issued with an all-false mask when the flag is off); with bfloat16 state it cost the AVX2
+# loops up to 2x. A bool still works (the old runtime flag) for a caller of the jitted twins.
+@overload(clear_grad, inline="always", jit_options=JIT)
+def _clear_grad(gb, i, fill):
+    if isinstance(fill, types.NoneType):
+        return lambda gb, i, fill: None
+    if isinstance(fill, types.Boolean):
+        def runtime(gb, i, fill):
+            if fill:
+                gb[i] = 0
+        return runtime
+
+    def impl(gb, i, fill):
+        gb[i] = fill
+    return impl
+
+
 def load_state(a, i):
     """Read a state element: float storage as is, uint16 storage as bfloat16 bits."""
     raise NotImplementedError("only callable from jitted code")

@@ -13,7 +13,7 @@ from numba import njit, prange
 from .. import _newton_schulz as newton_schulz
 from ..interface import LP_NONE
 from ._jit import JIT, pick, twins
-from .codecs import load_state, piece_mask, store_masked, store_state, store_working
+from .codecs import clear_grad, grad_fill, load_state, piece_mask, store_masked, store_state, store_working
 from .reductions import piece_totals
 
 # -- optimizers -------------------------------------------------------------------------
@@ -31,7 +31,9 @@ from .reductions import piece_totals
 #     (uint16 bits, ``kind`` LP_BF16 or LP_F16) of the new weights, written per piece while it
 #     is in cache; ``working=None`` when there is none, which numba prunes at compile time (an always-false runtime flag
 #     measured 1.5x slower: the dead conversion code spoiled the update loop).
-#   * ``zero_grad`` zeroes the gradient in the same pass.
+#   * ``zero_grad`` zeroes the gradient in the same pass; the jitted twins receive
+#     ``grad_fill(zero_grad)`` (0 or None) and store through ``clear_grad``, so the choice is
+#     made when the kernel is typed and neither loop holds a flag-guarded store (see codecs).
 #   * ``mask`` (last argument, default None): a uint8 array of the params' flat size, 1 = keep,
 #     0 = pruned. Pruned weights are written as exactly 0 by the update itself
 #     (``store_masked(pb, i, new, kb)``, so ``store_working`` sees them), and stay 0 whatever
@@ -59,8 +61,7 @@ def _sgd_piece(pb, gb, bb, kb, gscale, lr_j, wd_j, momentum, damp_c, nesterov, f
             bi = store_state(bb, i, d if first else momentum * load_state(bb, i) + damp_c * d)
             d = d + momentum * bi if nesterov else bi
         store_masked(pb, i, pi - lr_j * d, kb)
-        if zero_grad:
-            gb[i] = 0
+        clear_grad(gb, i, zero_grad)
 
 
 def _sgd(p, g, buf, pieces, gscale, lr, wd, momentum, damp_c, nesterov, first, w, wkind, zero_grad, mask):
@@ -71,9 +72,13 @@ def _sgd(p, g, buf, pieces, gscale, lr, wd, momentum, damp_c, nesterov, first, w
         pb, gb = p[lo:hi], g[lo:hi]
         bb = buf[lo:hi] if has_buf else buf
         kb = piece_mask(mask, lo, hi)
-        # the flag that guards a state store is a constant in each copy of the loop (see above)
-        if has_buf:
-            _sgd_piece(pb, gb, bb, kb, gscale, lr_j, wd_j, momentum, damp_c, nesterov, first, zero_grad, True)
+        # the flag that guards a state store is a constant in each copy of the loop (see above);
+        # so is ``first``, which guards the buffer's load: under a runtime flag that load is a
+        # branch LLVM does not speculate in the parallel twin, and that loop stayed scalar
+        if has_buf and first:
+            _sgd_piece(pb, gb, bb, kb, gscale, lr_j, wd_j, momentum, damp_c, nesterov, True, zero_grad, True)
+        elif has_buf:
+            _sgd_piece(pb, gb, bb, kb, gscale, lr_j, wd_j, momentum, damp_c, nesterov, False, zero_grad, True)
         else:
             _sgd_piece(pb, gb, bb, kb, gscale, lr_j, wd_j, momentum, damp_c, nesterov, first, zero_grad, False)
         if w is not None:
@@ -94,7 +99,7 @@ def sgd_step(p, g, buf, pieces, *, gscale, lr, l2, momentum, dampening, nesterov
     t = p.dtype.type
     pick(_SGD, p.size)(
         p, g, buf, pieces, t(gscale), seg_array(lr, p.dtype), seg_array(l2, p.dtype), t(momentum),
-        t(1.0 - dampening), bool(nesterov), bool(first), working, int(kind), bool(zero_grad), mask,
+        t(1.0 - dampening), bool(nesterov), bool(first), working, int(kind), grad_fill(zero_grad), mask,
     )
 
 
@@ -113,8 +118,7 @@ def _adam_piece(pb, gb, mb, vb, xb, kb, gscale, ss, beta1c, beta2, beta2c, eps, 
         if amsgrad:
             vi = store_state(xb, i, max(load_state(xb, i), vi))
         store_masked(pb, i, pi * dec - ss * mi / (np.sqrt(vi) * inv_bc2_sqrt + eps), kb)
-        if zero_grad:
-            gb[i] = 0
+        clear_grad(gb, i, zero_grad)
 
 
 def _adam(p, g, m, v, vmax, pieces, gscale, step_size, beta1c, beta2, beta2c, eps, inv_bc2_sqrt, l2, decay,
@@ -145,7 +149,7 @@ def adam_step(p, g, m, v, vmax, pieces, *, gscale, step_size, beta1, beta2, eps,
     pick(_ADAM, p.size)(
         p, g, m, v, vmax, pieces, t(gscale), seg_array(step_size, p.dtype), t(1.0 - beta1), t(beta2),
         t(1.0 - beta2), t(eps), t(inv_bc2_sqrt), seg_array(l2, p.dtype), seg_array(decay, p.dtype),
-        bool(amsgrad), working, int(kind), bool(zero_grad), mask,
+        bool(amsgrad), working, int(kind), grad_fill(zero_grad), mask,
     )
 
 
@@ -163,8 +167,7 @@ def _adagrad(p, g, s, pieces, gscale, lr, wd, eps, w, wkind, zero_grad, mask):
             d = gscale * gb[i] + wd_j * pi
             si = store_state(sb, i, load_state(sb, i) + d * d)
             store_masked(pb, i, pi - lr_j * (d / (np.sqrt(si) + eps)), kb)
-            if zero_grad:
-                gb[i] = 0
+            clear_grad(gb, i, zero_grad)
         if w is not None:
             store_working(w[lo:hi], pb, wkind)
 
@@ -177,7 +180,7 @@ def adagrad_step(p, g, sum_sq, pieces, *, gscale, lr, l2, eps, working=None, kin
     t = p.dtype.type
     pick(_ADAGRAD, p.size)(
         p, g, sum_sq, pieces, t(gscale), seg_array(lr, p.dtype), seg_array(l2, p.dtype), t(eps),
-        working, int(kind), bool(zero_grad), mask,
+        working, int(kind), grad_fill(zero_grad), mask,
     )
 
 
@@ -196,8 +199,7 @@ def _rmsprop_piece(pb, gb, qb, ab, bb, kb, gscale, lr_j, wd_j, alpha, alpha_c, e
         if use_momentum:
             step = store_state(bb, i, momentum * load_state(bb, i) + step)
         store_masked(pb, i, pi - lr_j * step, kb)
-        if zero_grad:
-            gb[i] = 0
+        clear_grad(gb, i, zero_grad)
 
 
 def _rmsprop(p, g, sq, gavg, buf, pieces, gscale, lr, wd, alpha, alpha_c, eps, momentum, centered, use_momentum,
@@ -237,7 +239,7 @@ def rmsprop_step(p, g, square_avg, grad_avg, momentum_buffer, pieces, *, gscale,
     pick(_RMSPROP, p.size)(
         p, g, square_avg, grad_avg, momentum_buffer, pieces, t(gscale), seg_array(lr, p.dtype),
         seg_array(l2, p.dtype), t(alpha), t(1.0 - alpha), t(eps), t(momentum), bool(centered),
-        bool(momentum > 0), working, int(kind), bool(zero_grad), mask,
+        bool(momentum > 0), working, int(kind), grad_fill(zero_grad), mask,
     )
 
 
@@ -254,8 +256,7 @@ def _lion(p, g, m, pieces, gscale, lr, decay, beta1, beta1c, beta2, beta2c, w, w
             c = np.sign(beta1 * mi + beta1c * d)
             store_state(mb, i, beta2 * mi + beta2c * d)
             store_masked(pb, i, pb[i] * dec - lr_j * c, kb)
-            if zero_grad:
-                gb[i] = 0
+            clear_grad(gb, i, zero_grad)
         if w is not None:
             store_working(w[lo:hi], pb, wkind)
 
@@ -269,7 +270,7 @@ def lion_step(p, g, m, pieces, *, gscale, lr, decay, beta1, beta2, working=None,
     t = p.dtype.type
     pick(_LION, p.size)(
         p, g, m, pieces, t(gscale), seg_array(lr, p.dtype), seg_array(decay, p.dtype), t(beta1), t(1.0 - beta1),
-        t(beta2), t(1.0 - beta2), working, int(kind), bool(zero_grad), mask,
+        t(beta2), t(1.0 - beta2), working, int(kind), grad_fill(zero_grad), mask,
     )
 
 
@@ -297,8 +298,7 @@ def _lamb(p, g, m, v, pieces, gscale, lr, wd, b1c, b2, b2c, inv_bc1, inv_bc2, ep
             u64 = np.float64(u)
             sp += p64 * p64
             su += u64 * u64
-            if zero_grad:
-                gb[i] = 0
+            clear_grad(gb, i, zero_grad)
         psq[j] = sp
         usq[j] = su
     pn = piece_totals(psq, pieces, nseg)[1]
@@ -337,7 +337,7 @@ def lamb_step(p, g, m, v, pieces, *, gscale, lr, weight_decay, beta1, beta2, eps
     t = p.dtype.type
     return pick(_LAMB, p.size)(
         p, g, m, v, pieces, t(gscale), seg_array(lr, p.dtype), seg_array(weight_decay, p.dtype), t(1.0 - beta1),
-        t(beta2), t(1.0 - beta2), t(inv_bc1), t(inv_bc2), t(eps), t(eps_root), working, int(kind), bool(zero_grad),
+        t(beta2), t(1.0 - beta2), t(inv_bc1), t(inv_bc2), t(eps), t(eps_root), working, int(kind), grad_fill(zero_grad),
         mask,
     )
 
@@ -485,8 +485,7 @@ def _af_apply(p, g, col, var, rscale, pieces, segs, gscale, eps1sq, step, decay,
                     v = rs * cb[i]
                     v = eps1sq if v < eps1sq else v
                     store_masked(pb, i, pb[i] * dec - ss * (gscale * gb[i] / np.sqrt(v)), kb)
-                    if zero_grad:
-                        gb[i] = 0
+                    clear_grad(gb, i, zero_grad)
                 e += c1 - c0
         else:
             vo = segs[seg, 8] + lo - off
@@ -496,8 +495,7 @@ def _af_apply(p, g, col, var, rscale, pieces, segs, gscale, eps1sq, step, decay,
                 v = vb[i]
                 v = eps1sq if v < eps1sq else v
                 store_masked(pb, i, pb[i] * dec - ss * (gscale * gb[i] / np.sqrt(v)), kb)
-                if zero_grad:
-                    gb[i] = 0
+                clear_grad(gb, i, zero_grad)
         if w is not None:
             store_working(w[lo:hi], p[lo:hi], wkind)
 
@@ -535,7 +533,7 @@ def adafactor_step(p, g, row, col, var, pieces, segs, rows, cols, batches, *, gs
     usq = _seg_totals(usq_part, pieces, nseg, None, None)
     step = adafactor_step_size(psq, usq, segs[:, 1], rel_step, eps2, d)
     pick(_AF_APPLY, n)(p, g, col, var, rscale, pieces, segs, gs, eps1sq, seg_array(step, p.dtype),
-                        seg_array(decay, p.dtype), working, int(kind), bool(zero_grad), mask)
+                        seg_array(decay, p.dtype), working, int(kind), grad_fill(zero_grad), mask)
 
 
 def adafactor_step_size(psq, usq, numel, rel_step, eps2, d):
@@ -568,8 +566,7 @@ def _sophia(p, g, m, h, pieces, gscale, lr, decay, beta1, beta1c, rho_bs, eps, o
             r = one if r > one else r
             r = -one if r < -one else r
             store_masked(pb, i, pb[i] * dec - lr_j * r, kb)
-            if zero_grad:
-                gb[i] = 0
+            clear_grad(gb, i, zero_grad)
         if w is not None:
             store_working(w[lo:hi], pb, wkind)
 
@@ -583,7 +580,7 @@ def sophia_step(p, g, m, h, pieces, *, gscale, lr, decay, beta1, rho_bs, eps, wo
     t = p.dtype.type
     pick(_SOPHIA, p.size)(
         p, g, m, h, pieces, t(gscale), seg_array(lr, p.dtype), seg_array(decay, p.dtype), t(beta1),
-        t(1.0 - beta1), t(rho_bs), t(eps), t(1.0), working, int(kind), bool(zero_grad), mask,
+        t(1.0 - beta1), t(rho_bs), t(eps), t(1.0), working, int(kind), grad_fill(zero_grad), mask,
     )
 
 
@@ -602,8 +599,7 @@ def _sam_perturb(p, g, backup, pieces, scale, adaptive, zero_grad, mask):
             if adaptive:
                 e = e * (pi * pi)
             store_masked(pb, i, pi + e, kb)
-            if zero_grad:
-                gb[i] = 0
+            clear_grad(gb, i, zero_grad)
 
 
 _SAM_PERTURB = twins(_sam_perturb)
@@ -614,7 +610,7 @@ def sam_perturb(p, g, backup, pieces, *, scale, adaptive, zero_grad=False, mask=
 
     See :func:`arraytrain.kernels.reference.sam_perturb`.
     """
-    pick(_SAM_PERTURB, p.size)(p, g, backup, pieces, p.dtype.type(scale), bool(adaptive), bool(zero_grad), mask)
+    pick(_SAM_PERTURB, p.size)(p, g, backup, pieces, p.dtype.type(scale), bool(adaptive), grad_fill(zero_grad), mask)
 
 
 # NAdam, RAdam, Adamax, Adadelta -------------------------------------------------------------
@@ -645,8 +641,7 @@ def _nadam_radam(p, g, m, v, pieces, gscale, a, b, beta1c, beta2, beta2c, eps, i
             else:
                 step = b_j * mi
             store_masked(pb, i, pi * dec - step, kb)
-            if zero_grad:
-                gb[i] = 0
+            clear_grad(gb, i, zero_grad)
         if w is not None:
             store_working(w[lo:hi], pb, wkind)
 
@@ -660,7 +655,7 @@ def _run_nadam_radam(p, g, m, v, pieces, gscale, a, b, beta1, beta2, eps, inv_bc
     pick(_NADAM_RADAM, p.size)(
         p, g, m, v, pieces, t(gscale), seg_array(a, p.dtype), seg_array(b, p.dtype), t(1.0 - beta1), t(beta2),
         t(1.0 - beta2), t(eps), t(inv_bc2_sqrt), t(rect), seg_array(l2, p.dtype), seg_array(decay, p.dtype),
-        bool(adaptive), w, int(wkind), bool(zero_grad), mask,
+        bool(adaptive), w, int(wkind), grad_fill(zero_grad), mask,
     )
 
 
@@ -692,8 +687,7 @@ def _adamax(p, g, m, u, pieces, gscale, step_size, beta1c, beta2, eps, l2, w, wk
             x, y = beta2 * load_state(ub, i), np.abs(d) + eps
             ui = store_state(ub, i, y if y > x or y != y else x)  # torch.maximum: NaN if either is NaN
             store_masked(pb, i, pi - ss * (mi / ui), kb)
-            if zero_grad:
-                gb[i] = 0
+            clear_grad(gb, i, zero_grad)
         if w is not None:
             store_working(w[lo:hi], pb, wkind)
 
@@ -707,7 +701,7 @@ def adamax_step(p, g, m, u, pieces, *, gscale, step_size, beta1, beta2, eps, l2,
     t = p.dtype.type
     pick(_ADAMAX, p.size)(
         p, g, m, u, pieces, t(gscale), seg_array(step_size, p.dtype), t(1.0 - beta1), t(beta2), t(eps),
-        seg_array(l2, p.dtype), working, int(kind), bool(zero_grad), mask,
+        seg_array(l2, p.dtype), working, int(kind), grad_fill(zero_grad), mask,
     )
 
 
@@ -725,8 +719,7 @@ def _adadelta(p, g, sq, acc, pieces, gscale, lr, wd, rho, rho_c, eps, w, wkind, 
             delta = np.sqrt(ai + eps) / np.sqrt(qi + eps) * d
             store_state(ab, i, rho * ai + rho_c * delta * delta)
             store_masked(pb, i, pi - lr_j * delta, kb)
-            if zero_grad:
-                gb[i] = 0
+            clear_grad(gb, i, zero_grad)
         if w is not None:
             store_working(w[lo:hi], pb, wkind)
 
@@ -740,7 +733,7 @@ def adadelta_step(p, g, square_avg, acc_delta, pieces, *, gscale, lr, l2, rho, e
     t = p.dtype.type
     pick(_ADADELTA, p.size)(
         p, g, square_avg, acc_delta, pieces, t(gscale), seg_array(lr, p.dtype), seg_array(l2, p.dtype), t(rho),
-        t(1.0 - rho), t(eps), working, int(kind), bool(zero_grad), mask,
+        t(1.0 - rho), t(eps), working, int(kind), grad_fill(zero_grad), mask,
     )
 
 
@@ -770,8 +763,7 @@ def _muon_momentum(g, buf, u, pieces, off, gscale, mc, nesterov, zero_grad, part
             ub[i] = x
             x64 = np.float64(ub[i])
             s += x64 * x64
-            if zero_grad:
-                gb[i] = 0
+            clear_grad(gb, i, zero_grad)
         part[j] = s
     total = 0.0
     for j in range(pieces.shape[0]):
@@ -809,7 +801,7 @@ def muon_step(p, g, buf, work, mats, pieces, *, gscale, momentum, nesterov, adju
             continue
         n = rows * cols
         pc, u = pieces[lo:hi], work[:n]
-        sumsq = _MUON_MOMENTUM(g, buf, u, pc, off, gs, mc, bool(nesterov), bool(zero_grad), part[lo:hi])
+        sumsq = _MUON_MOMENTUM(g, buf, u, pc, off, gs, mc, bool(nesterov), grad_fill(zero_grad), part[lo:hi])
         u *= t(1.0 / max(float(np.sqrt(sumsq)), eps_norm))  # X / max(||X||, eps), torch's normalisation
         o = newton_schulz.iterate(u.reshape(rows, cols), work[n:], ns_coefficients, ns_steps)
         _MUON_APPLY(p, o.reshape(-1), pc, off, alr, dec, working, int(kind), mask)
@@ -856,8 +848,7 @@ def _sf_adamw(p, g, z, v, pieces, gscale, lr, wd, ck, b1, b1c, beta2, beta2c, ep
             zn = zo - lr_j * u
             store_masked(zb, i, zn, kb)
             store_masked(pb, i, keep * (y - b1c * zo) + take * zn, kb)
-            if zero_grad:
-                gb[i] = 0
+            clear_grad(gb, i, zero_grad)
         if w is not None:
             store_working(w[lo:hi], pb, wkind)
 
@@ -875,5 +866,5 @@ def schedule_free_adamw_step(p, g, z, v, max_lr, weight_sum, pieces, *, gscale, 
     pick(_SF_ADAMW, p.size)(
         p, g, z, v, pieces, t(gscale), seg_array(lr, p.dtype), seg_array(weight_decay, p.dtype), seg_array(ck, p.dtype),
         t(beta1), t(1.0 - beta1), t(beta2), t(1.0 - beta2), t(eps), t(inv_bc2_sqrt), working, int(kind),
-        bool(zero_grad), mask,
+        grad_fill(zero_grad), mask,
     )
