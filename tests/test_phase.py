@@ -84,8 +84,11 @@ def assert_same(a: dict, b: dict) -> None:
     assert not differ, f"{len(differ)} leaves differ, first {differ[:3]}"
 
 
+WALL_CLOCK = ("time", "samples_per_second")  # an epoch's wall-clock figures: never bitwise between two runs
+
+
 def figures(history) -> list:
-    return [{k: (v.tolist() if isinstance(v, np.ndarray) else v) for k, v in logs.items() if k != "time"}
+    return [{k: (v.tolist() if isinstance(v, np.ndarray) else v) for k, v in logs.items() if k not in WALL_CLOCK}
             for logs in history]
 
 
