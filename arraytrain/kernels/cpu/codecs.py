@@ -68,7 +68,9 @@ def bf16_encode(typingctx, x):
         hi = builder.lshr(u, c(16))
         rounded = builder.lshr(builder.add(builder.add(u, c(0x7FFF)), builder.and_(hi, c(1))), c(16))
         quiet = builder.or_(hi, c(0x40))
-        isnan = builder.icmp_unsigned(">", builder.and_(u, c(0x7FFFFFFF)), c(0x7F800000))
+        # an unordered compare of x with itself: one vcmpunordps, where testing the bits
+        # (abs, then an unsigned compare AVX2 has only as max + equal) took three
+        isnan = builder.fcmp_unordered("uno", args[0], args[0])
         return builder.trunc(builder.select(isnan, quiet, rounded), ir.IntType(16))
 
     return types.uint16(types.float32), codegen
