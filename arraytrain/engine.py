@@ -16,7 +16,7 @@ from .amp import LossScaler, working_spec
 from .backend import NUMPY, array_module, backend_of, check_kernel_dtype, to_device
 from .buffer import FlatBuffer, aligned
 from .compress._base import check_compressor
-from .engine_state import Counters, StateParts, checked_everywhere
+from .engine_state import CheckedState, Counters, StateParts, checked_everywhere
 from .exchange import agree_on_setup, check_exchange
 from .kernels.interface import family
 from .errors import (
@@ -467,6 +467,9 @@ class Engine:
 
     def _update_stage(self, verdict: Verdict, lrs) -> bool:
         """The optimizer's fused update, clip factor folded in; False when a device gate held it back."""
+        if not verdict.pending:
+            self._update(verdict.gscale(), lrs)
+            return True
         step, scalars = self.state.step, dict(self.state.scalars)
         self._update(verdict.gscale(), lrs)
         if verdict.settle():
@@ -604,19 +607,23 @@ class Engine:
         return engine_state.state_dict(self._parts(), copy=False, gather=False)
 
     @guarded
-    def check_state(self, state: Mapping) -> list:
-        """Validate a whole state dict against this engine; return the checked writes.
+    def check_state(self, state: Mapping) -> CheckedState:
+        """Validate a whole state dict against this engine; return it checked.
 
-        Changes nothing; :meth:`apply_state` then loads them. A refused state raises
+        Changes nothing; :meth:`apply_state` then loads it. A refused state raises
         :class:`~arraytrain.errors.StateDictError`. Local to this process: with a group,
         :meth:`load_state_dict` makes every rank refuse when one does.
         """
-        return engine_state.check_state(self._parts(), state)
+        return CheckedState(engine_state.check_state(self._parts(), state), self)
 
     @guarded
-    def apply_state(self, checked: list) -> None:
-        """Load what :meth:`check_state` returned (writes that cannot fail), then rebuild the working copy."""
-        for write in checked:
+    def apply_state(self, checked: CheckedState) -> None:
+        """Load what this engine's :meth:`check_state` returned (writes that cannot fail), then
+        rebuild the working copy. Anything else is refused before any write."""
+        if not isinstance(checked, CheckedState) or checked.owner is not self:
+            got = "another engine's" if isinstance(checked, CheckedState) else type(checked).__name__
+            raise ArgumentTypeError(f"checked: expected what this engine's check_state() returned, got {got}")
+        for write in checked.writes:
             write()
         self._refresh_working()
 

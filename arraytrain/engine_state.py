@@ -57,6 +57,25 @@ class Counters:
         return wsum
 
 
+class CheckedState:
+    """A state dict validated against one engine: the writes that load it.
+
+    What :meth:`arraytrain.Engine.check_state` returns and only that engine's
+    :meth:`~arraytrain.Engine.apply_state` takes. ``writes`` are callables that
+    cannot fail (same-dtype copies and assignments); :meth:`extended` adds more
+    (a binding's own part) to a new object.
+    """
+
+    __slots__ = ("writes", "owner")
+
+    def __init__(self, writes, owner):
+        self.writes, self.owner = tuple(writes), owner
+
+    def extended(self, writes) -> CheckedState:
+        """These writes followed by ``writes``, for the same engine."""
+        return CheckedState(self.writes + tuple(writes), self.owner)
+
+
 @dataclass(frozen=True)
 class StateParts:
     """What the state protocol reads and writes: an engine's data, not the engine itself."""

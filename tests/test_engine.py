@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from arraytrain import (
+    ArgumentTypeError,
     Engine,
     FlatBuffer,
     LayoutError,
@@ -536,3 +537,24 @@ def test_two_identical_runs_are_bitwise_equal(opt):
         runs.append(engine_snapshot(e))
     assert runs[0] == runs[1]
     assert runs[0]["step"] == 3
+
+
+@pytest.mark.parametrize("case", ["list-of-callables", "none", "other-engines"])
+def test_apply_state_takes_only_this_engines_checked_state(case):
+    """The public check/apply pair: apply_state refuses anything else before any write."""
+    def make(seed):
+        rng = np.random.default_rng(seed)
+        e = Engine({"w": rng.standard_normal((3, 4)), "b": rng.standard_normal(4)}, Adam(lr=0.1))
+        e.step({"w": rng.standard_normal((3, 4)), "b": rng.standard_normal(4)})
+        return e
+
+    e, other = make(0), make(1)
+    written = []
+    bad = {"list-of-callables": [lambda: written.append(1)], "none": None,
+           "other-engines": other.check_state(e.state_dict())}[case]
+    before = engine_snapshot(e)
+    with pytest.raises(ArgumentTypeError, match="checked"):
+        e.apply_state(bad)
+    assert engine_snapshot(e) == before and written == []
+    e.apply_state(e.check_state(other.state_dict()))  # its own: loads
+    assert engine_snapshot(e) == engine_snapshot(other)

@@ -300,10 +300,10 @@ class TorchEngine(Engine):
         return state
 
     @guarded
-    def check_state(self, state: Mapping) -> list:
+    def check_state(self, state: Mapping):
         """:meth:`Engine.check_state` plus the module's part; the writes load both."""
         module_writes = self._check_module_state(state)
-        return super().check_state(state) + module_writes
+        return super().check_state(state).extended(module_writes)
 
     def _check_module_state(self, state) -> list:
         torch = self._torch

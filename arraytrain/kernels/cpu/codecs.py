@@ -104,7 +104,6 @@ def _f16_encode_bits(x):
     return np.uint16(sgn + (sig >> np.uint32(13)) + hexp)
 
 
-
 def has_f16c(context) -> bool:
     """Whether the target the kernels are compiled for has F16C (every x86 CPU since 2012 does)."""
     features = getattr(context.codegen(), "_tm_features", "") or ""
