@@ -71,7 +71,7 @@ import numpy as np
 from ._checks import check_int
 from .backend import CUPY, NUMPY, backend_of
 from .errors import ArgumentTypeError, BackendError, BackendUnavailableError, DTypeError, ReadOnlyError
-from .exchange import OPS, Exchange
+from .exchange import OPS, Exchange, block_length
 
 #: What to install for processes over MPI; the errors for a missing mpi4py or mpiexec quote it.
 INSTALL_HINT = 'pip install "arraytrain[mpi]" (mpi4py and the MPICH library from PyPI)'
@@ -185,6 +185,20 @@ class MPIComm(Exchange):
         """Every rank's ``obj`` (pickled), in rank order: set-up checks, never the step's hot path."""
         return self.comm.allgather(obj)
 
+    def reduce_scatter(self, x):
+        """Block ``rank`` of ``x`` summed over ranks: ``MPI_Reduce_scatter_block`` in place, so the
+        sum lands in the first block of ``x``, which is returned (the rest of ``x`` is left as it was)."""
+        dt = _checked(x, "x", NUMPY, self._types, True)
+        n = block_length(x, self.size)
+        self.comm.Reduce_scatter_block(self._in_place, [x, dt], self._ops["sum"])
+        return x[:n]
+
+    def allgather_blocks(self, x) -> None:
+        """In place, block ``r`` of ``x`` becomes rank ``r``'s (``MPI_Allgather`` with ``MPI_IN_PLACE``)."""
+        dt = _checked(x, "x", NUMPY, self._types, True)
+        block_length(x, self.size)
+        self.comm.Allgather(self._in_place, [x, dt])
+
     def __repr__(self) -> str:
         return f"MPIComm(rank={self.rank}, size={self.size})"
 
@@ -288,6 +302,27 @@ class NCCLComm(Exchange):
     def gather_objects(self, obj) -> list:
         """Every rank's ``obj`` over MPI (set-up only)."""
         return self.mpi.gather_objects(obj)
+
+    def reduce_scatter(self, x):
+        """Block ``rank`` of ``x`` summed over ranks, in place into block ``rank`` (``ncclReduceScatter``)."""
+        if isinstance(x, np.ndarray):
+            return self.mpi.reduce_scatter(x)
+        dt = _checked(x, "x", CUPY, self._types, True)
+        n = block_length(x, self.size)
+        own = x[self.rank * n : (self.rank + 1) * n]
+        if n:
+            self._comm.reduceScatter(x.data.ptr, own.data.ptr, n, dt, self._ops["sum"], self._stream())
+        return own
+
+    def allgather_blocks(self, x) -> None:
+        """In place, block ``r`` of ``x`` becomes rank ``r``'s (``ncclAllGather`` in place)."""
+        if isinstance(x, np.ndarray):
+            return self.mpi.allgather_blocks(x)
+        dt = _checked(x, "x", CUPY, self._types, True)
+        n = block_length(x, self.size)
+        if n:
+            own = x[self.rank * n : (self.rank + 1) * n]
+            self._comm.allGather(own.data.ptr, x.data.ptr, n, dt, self._stream())
 
     def __repr__(self) -> str:
         return f"NCCLComm(rank={self.rank}, size={self.size}, device={self.device.id})"

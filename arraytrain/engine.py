@@ -8,8 +8,8 @@ from contextlib import contextmanager
 
 import numpy as np
 
-from . import _intake, engine_state
-from ._checks import check_int, check_number, check_positive
+from . import _intake, engine_state, shard
+from ._checks import check_bool, check_int, check_number, check_positive
 from ._guard import CallGuard, guarded
 from .accumulate import REDUCTIONS
 from .amp import LossScaler, working_spec
@@ -31,7 +31,8 @@ from .ops import CLIP_EPS
 from .optim import Optimizer
 from .prune import MaskBuffer
 from .schedules import Schedule
-from .stages import StepReport, Verdict, exchange_dense, exchange_scalars
+from .shard import Sharding, refuse_unshardable
+from .stages import StepReport, Verdict, exchange_dense, exchange_scalars, reduce_scatter_norm
 
 STATE_FORMAT = engine_state.STATE_FORMAT
 MISSING = ("error", "zero")
@@ -119,6 +120,20 @@ class Engine:
         once, here (the one explicit move; gradients must then arrive on that
         device: a NumPy gradient is refused, never copied behind your back);
         "cpu" with CuPy parameters copies them to the host.
+    shard_state : bool
+        With ``comm``: each rank keeps and updates one contiguous partition of the
+        optimizer state (1/K of it; ZeRO stage 1-2), and under a working copy of the
+        float32 master weights too (see :mod:`arraytrain.shard`). A boundary is then one
+        reduce-scatter of the gradient, the norm from the partitions' sums of squares and
+        one small all-reduce, the update of the own partition, and one all-gather of the
+        updated weights (of the working copy, where there is one). Every rank still holds
+        the full gradient buffer and the full weights the model reads; under a working copy
+        ``engine.params`` is this rank's :class:`~arraytrain.shard.ShardBuffer` of the masters
+        (:meth:`gather_params` assembles them). Element-wise optimizers shard (LAMB's
+        per-parameter norms are completed over ranks); Muon, Adafactor, Sophia and SAM, and a
+        compressor, are refused with a :class:`HyperparameterError` on every rank. State dicts
+        and checkpoints keep the replicated engine's name-keyed form (gathered), so they load
+        on any number of ranks. :meth:`memory` reports the bytes per rank.
 
     Notes
     -----
@@ -155,7 +170,7 @@ class Engine:
                  zero_grad_on_step: bool = True, dtype=None, kernels: str = "numba", schedule=None,
                  loss_scaler: LossScaler | None = None, working_dtype: str | None = None,
                  max_consecutive_skips: int | None = 50, compressor=None, device: str | None = None,
-                 clip_eps: float = CLIP_EPS, comm=None):
+                 clip_eps: float = CLIP_EPS, comm=None, shard_state: bool = False):
         if not isinstance(optimizer, Optimizer):
             raise ArgumentTypeError(f"optimizer: expected an arraytrain.optim.Optimizer, got {type(optimizer).__name__}")
         accumulation_steps = check_int("accumulation_steps", accumulation_steps, 1)
@@ -176,6 +191,10 @@ class Engine:
             check_compressor(compressor)
         clip_eps = check_number("clip_eps", clip_eps, 0.0)
         comm = check_exchange(comm)
+        shard_state = check_bool("shard_state", shard_state)
+        if shard_state and comm.is_local:
+            raise HyperparameterError("shard_state: sharded state needs a group of processes (comm=MPIComm(), "
+                                      "NCCLComm(), ...); with one process there is nothing to shard")
         if isinstance(params, FlatBuffer):
             if dtype is not None and np.dtype(dtype) != params.dtype:
                 raise LayoutError(f"dtype: the FlatBuffer holds {params.dtype}, got dtype={np.dtype(dtype)}")
@@ -190,6 +209,7 @@ class Engine:
         if wspec is not None and self.params.dtype != np.float32:
             raise HyperparameterError(f"working_dtype: working copies need float32 parameters, got {self.params.dtype}")
         check_kernel_dtype(self.params.dtype)
+        self._layout = self.params.layout
         self._kernels = family(backend_of(self.params.flat), kernels)
         self._guard = CallGuard()
         self._evaluating = False
@@ -198,10 +218,21 @@ class Engine:
                            reduction=reduction, max_grad_norm=max_grad_norm, clip_eps=clip_eps,
                            loss_scaler=None if loss_scaler is None else loss_scaler.state_dict(),
                            schedule=None if schedule is None else schedule.state_dict(),
-                           working_dtype=working_dtype)
+                           working_dtype=working_dtype, shard_state=shard_state)
+        if shard_state:  # the same error on every rank: their optimizers and settings agree
+            refuse_unshardable(optimizer, compressor)
         if compressor is not None:
             compressor.bind(self.params.layout, self.params.dtype, comm=comm)
-        self.state = optimizer.init(self.params)  # validates overrides against the names
+        if not comm.is_local:  # every rank starts from rank 0's weights (as bytes: any dtype)
+            comm.broadcast(self.params.flat.view(np.uint8), 0)
+        self._shard = None
+        self._grad_part = None  # sharded: this rank's partition of the reduced gradient, between two stages
+        if shard_state:
+            self._shard = Sharding(comm, self.params, None if wspec is None else wspec[0])
+            self.params = self._shard.params
+        # the weights the optimizer updates: all of them, or this rank's partition
+        self._opt_params = self.params if self._shard is None else self._shard.master
+        self.state = optimizer.init(self._opt_params)  # validates overrides against the names
         self.comm = comm
         self.clip_eps = clip_eps
         self.optimizer = optimizer
@@ -210,7 +241,7 @@ class Engine:
         self.reduction = reduction
         self.missing = missing
         self.zero_grad_on_step = bool(zero_grad_on_step)
-        self.grads = self.params.zeros_like()
+        self.grads = self.params.zeros_like() if self._shard is None else self._shard.grads
         self._intake = _intake.Intake(self.grads, (self.params.flat, self.grads.flat), self._kernels, kernels)
         self.schedule = schedule
         self.loss_scaler = loss_scaler
@@ -223,22 +254,20 @@ class Engine:
         # CUDA without a compressor or SAM's two windows: the clip factor and the skip decision
         # stay on the device, and the update is launched before the step's one synchronisation
         self._device_gate = (backend_of(self.params.flat) != NUMPY and compressor is None
-                             and not self._two_windows)
+                             and not self._two_windows and self._shard is None)
         self.mask: MaskBuffer | None = None
+        self._own_mask = None  # sharded: this rank's part of the mask
         self.working = None
         self._working_kind = 0
         if wspec is not None:
-            self.working = self.params.zeros_like(wspec[0])
+            self.working = self.params.zeros_like(wspec[0]) if self._shard is None else self._shard.working
             self._working_kind = wspec[1]
-        if not comm.is_local:  # every rank starts from rank 0's weights and state
-            for buf in (self.params, *self.state.slots.values()):
-                comm.broadcast(buf.flat.view(np.uint8), 0)  # as bytes: any dtype, bfloat16 state too
         self._refresh_working()
 
     @property
     def layout(self):
         """The :class:`Layout` of the parameter buffer (``engine.params.layout``)."""
-        return self.params.layout
+        return self._layout
 
     @property
     def kernels(self):
@@ -278,15 +307,35 @@ class Engine:
         return base if self.schedule is None else float(self.schedule(self.state.step, base))
 
     def _working_args(self):
+        """The kernels' working copy ``(uint16 bits, kind)`` (sharded: this rank's part), or None."""
         if self.working is None:
             return None
+        if self._shard is not None:
+            return (self._shard.working_bits(), self._working_kind)
         return (self.working.flat.view(np.uint16), self._working_kind)
 
     def _refresh_working(self) -> None:
-        """Rebuild the working copy from the master weights (after a load or a SAM move)."""
+        """Rebuild the working copy from the master weights (after a load or a SAM move).
+
+        Sharded masters: this rank's part, then one all-gather (a collective)."""
         if self.working is not None:
             w, kind = self._working_args()
-            self._kernels.cast_working(w, self.params.flat, self.layout.pieces, kind=kind)
+            self._kernels.cast_working(w, self._opt_params.flat, self._opt_params.layout.pieces, kind=kind)
+            if self._shard is not None:
+                self._shard.publish()
+
+    def _publish(self) -> None:
+        """After the update kernel moved the weights: sharded, every rank's part into every rank's copy."""
+        if self._shard is not None:
+            self._shard.publish()
+
+    def _weights_moved(self) -> None:
+        """The optimizer's weights changed outside the update kernel: the working copy rebuilt,
+        or (sharded, without one) the weights published."""
+        if self.working is not None:
+            self._refresh_working()
+        else:
+            self._publish()
 
     @contextmanager
     def exclusive(self, what: str):
@@ -323,15 +372,15 @@ class Engine:
         with self._guard("evaluation()"):
             if self._evaluating:
                 raise ConcurrentUseError("evaluation(): already inside engine.evaluation()")
-            y = self.params.flat.copy()
-            self.optimizer.eval_params(self.params, self.state, out=self.params)
-            self._refresh_working()
+            y = self._opt_params.flat.copy()
+            self.optimizer.eval_params(self._opt_params, self.state, out=self._opt_params)
+            self._weights_moved()
             self._evaluating = True
         try:
             yield self.params
         finally:
-            self.params.flat[...] = y
-            self._refresh_working()
+            self._opt_params.flat[...] = y
+            self._weights_moved()
             self._evaluating = False
 
     # -- the step ---------------------------------------------------------------------
@@ -421,10 +470,14 @@ class Engine:
     def _boundary(self, lr: float, lrs) -> StepReport:
         step = self.state.step
         ascent = self._two_windows and not self.counters.perturbed  # SAM's first window
-        unscale, payload = self._exchange_stage(self.counters.close_window(), ascent)
-        if unscale is None:  # a rank's gradient was not finite: nothing was compressed
-            return self._skip(step, lr)
-        verdict = self._norm_stage(unscale)
+        wsum = self.counters.close_window()
+        if self._shard is not None:  # one stage: reduce-scatter, the partition's norms, one small all-reduce
+            verdict, payload = self._sharded_exchange_stage(wsum), None
+        else:
+            unscale, payload = self._exchange_stage(wsum, ascent)
+            if unscale is None:  # a rank's gradient was not finite: nothing was compressed
+                return self._skip(step, lr)
+            verdict = self._norm_stage(unscale)
         if verdict.nonfinite:
             return self._skip(step, lr)
         if ascent:
@@ -453,6 +506,12 @@ class Engine:
         if unscale != 1.0:
             self._kernels.scale(self.grads.flat, factor=1.0 / unscale)
         return 1.0, self.compressor.exchange(self.grads.flat)
+
+    def _sharded_exchange_stage(self, wsum: float) -> Verdict:
+        """Sharded state: the exchange and the norm pass as one (:func:`arraytrain.stages.reduce_scatter_norm`);
+        this rank's partition of the gradient waits for the update stage."""
+        self._grad_part, wsum, found = reduce_scatter_norm(self._shard, self._kernels, wsum)
+        return Verdict(found, unscale=self._unscale(wsum), max_norm=self.max_grad_norm, eps=self.clip_eps)
 
     def _unscale(self, wsum: float) -> float:
         # the buffer holds sum(w * g) of the scaled loss: the mean gradient is flat / unscale
@@ -484,8 +543,18 @@ class Engine:
         return True
 
     def _update(self, gscale, lrs) -> None:
-        self.optimizer.update(self._kernels, self.params, self.grads, self.state, gscale=gscale, lr=lrs,
-                              zero_grad=self.zero_grad_on_step, working=self._working_args(), mask=self.mask)
+        if self._shard is None:
+            self.optimizer.update(self._kernels, self.params, self.grads, self.state, gscale=gscale, lr=lrs,
+                                  zero_grad=self.zero_grad_on_step, working=self._working_args(), mask=self.mask)
+            return
+        # sharded: the own partition, then every rank's into every rank's weights; the gradient
+        # buffer (the rank's unreduced gradient and the reduce-scatter's scratch) is cleared whole
+        sums = {"reduce_sums": self._shard.reduce_sums} if self.optimizer.segment_sums else {}
+        grads, self._grad_part = self._grad_part, None
+        self.optimizer.update(self._kernels, self._opt_params, grads, self.state, gscale=gscale, lr=lrs,
+                              working=self._working_args(), mask=self._own_mask, **sums)
+        self._shard.publish()
+        self._shard.clear_grads()
 
     def _ascent_stage(self, verdict: Verdict, step: int, lr: float) -> StepReport:
         """SAM's first window: the update stage moves the weights to the ascent point instead."""
@@ -513,6 +582,9 @@ class Engine:
     def _skip(self, step: int, lr: float) -> StepReport:
         """A NaN/Inf boundary: drop the window; params, state, step and schedule stay."""
         self.grads.flat.fill(0)
+        if self._shard is not None:
+            self._grad_part = None
+            self._shard.clear_grads()
         if self.counters.perturbed:  # SAM: back from the ascent point; the pair starts again
             self.optimizer.restore(self._kernels, self.params, self.state)
             self.counters.perturbed = False
@@ -560,14 +632,21 @@ class Engine:
         later step writes them as exactly 0. Validated before anything changes.
         """
         if mask is None:
-            self.mask = None
+            self.mask = self._own_mask = None
             return
         new = MaskBuffer.from_user(mask, self.layout)
         if backend_of(self.params.flat) != NUMPY:  # validated on the host; set_mask is the explicit move
             new = MaskBuffer(self.layout, array_module(self.params.flat).asarray(new.flat))
         self.mask = new
         xp = array_module(self.params.flat)
-        xp.multiply(self.params.flat, new.flat, out=self.params.flat, casting="unsafe")
+        if self._shard is None:
+            xp.multiply(self.params.flat, new.flat, out=self.params.flat, casting="unsafe")
+        else:
+            self._own_mask = self._shard.own_mask(new)
+            if self._shard.sharded_masters:
+                xp.multiply(self._opt_params.flat, self._own_mask, out=self._opt_params.flat, casting="unsafe")
+            else:
+                xp.multiply(self.params.flat, new.flat, out=self.params.flat, casting="unsafe")
         self._refresh_working()
 
     @guarded
@@ -582,6 +661,38 @@ class Engine:
                           counters=self.counters, accumulation_steps=self.accumulation_steps,
                           two_windows=self._two_windows, schedule=self.schedule, loss_scaler=self.loss_scaler,
                           compressor=self.compressor, mask=self.mask, comm=self.comm)
+
+    @guarded
+    def gather_params(self) -> FlatBuffer:
+        """The full parameters as a new :class:`FlatBuffer`: a copy of ``engine.params``, or with
+        sharded master weights (``shard_state`` under a working copy) their all-gather, a
+        collective that every rank calls."""
+        if self._shard is None or not self._shard.sharded_masters:
+            return self.params.copy()
+        return shard.gather(self.comm, self.params)
+
+    def memory(self) -> dict[str, int]:
+        """Bytes of the buffers this rank holds, by kind.
+
+        ``params``: the full parameter buffer (0 where the float32 master weights are
+        sharded); ``grads``: the gradient buffer; ``state``: the optimizer's slots;
+        ``master``: this rank's partition of the float32 master weights (sharded state
+        under a working copy); ``working``: the low-precision working copy; ``mask``: a
+        pruning mask; ``scratch``: work arrays the engine keeps besides these (a sharded
+        mask's partition). Sharded buffers include the end padding that makes the
+        partitions equal (less than one reduction chunk per rank). Host arrays the
+        kernels allocate per call are not counted.
+        """
+        out = dict.fromkeys(("params", "grads", "state", "master", "working", "mask", "scratch"), 0)
+        if self._shard is None:
+            out["params"], out["grads"] = self.params.flat.nbytes, self.grads.flat.nbytes
+            out["working"] = 0 if self.working is None else self.working.flat.nbytes
+        else:
+            out.update(self._shard.nbytes())
+            out["scratch"] = 0 if self._own_mask is None else self._own_mask.nbytes
+        out["state"] = sum(buf.flat.nbytes for buf in self.state.slots.values())
+        out["mask"] = 0 if self.mask is None else self.mask.flat.nbytes
+        return out
 
     @guarded
     def state_dict(self, copy: bool = True) -> dict:
@@ -625,6 +736,8 @@ class Engine:
             raise ArgumentTypeError(f"checked: expected what this engine's check_state() returned, got {got}")
         for write in checked.writes:
             write()
+        if self._shard is not None:
+            self._own_mask = self._shard.own_mask(self.mask)
         self._refresh_working()
 
     @guarded

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import _intake
+from . import _intake, shard
 from ._checks import check_count, check_int, check_number, shown
 from .buffer import FlatBuffer
 from .errors import LayoutError, StateDictError
@@ -114,12 +114,12 @@ def state_dict(parts: StateParts, copy: bool, gather: bool) -> dict:
     opt = parts.opt_state
     return {
         "format": STATE_FORMAT,
-        "params": parts.params.as_dict(copy=copy),
+        "params": _arrays(parts, parts.params, copy, gather),
         "optimizer": {
             "type": type(parts.optimizer).__name__,
             "hyperparameters": parts.optimizer.hyperparameters(),
             "step": opt.step,
-            "slots": {k: buf.as_dict(copy=copy) for k, buf in opt.slots.items()},
+            "slots": {k: _arrays(parts, buf, copy, gather) for k, buf in opt.slots.items()},
             # only where the optimizer keeps any (NAdam): the other states read as before
             **({"scalars": dict(opt.scalars)} if opt.scalars else {}),
         },
@@ -131,6 +131,14 @@ def state_dict(parts: StateParts, copy: bool, gather: bool) -> dict:
         "compression": comp,
         "mask": None if parts.mask is None else parts.mask.as_dict(copy=copy),
     }
+
+
+def _arrays(parts: StateParts, buf, copy: bool, gather: bool) -> dict:
+    """A buffer's name-keyed arrays; a rank's shard (sharded state) as the full arrays: gathered over
+    ranks (a collective), or for a template of their shapes only."""
+    if not isinstance(buf, shard.ShardBuffer):
+        return buf.as_dict(copy=copy)
+    return shard.gather(parts.comm, buf).as_dict() if gather else shard.template(buf)
 
 
 def check_state(parts: StateParts, state: Mapping) -> list:
@@ -197,6 +205,9 @@ def check_state(parts: StateParts, state: Mapping) -> list:
         buffers = [(parts.params, params), (parts.grads, grads)]
         buffers += [(opt_state.slots[k], v) for k, v in slots.items()]
         for buf, arrays in buffers:
+            if isinstance(buf, shard.ShardBuffer):  # sharded state: this rank's elements of the full arrays
+                writes.append(shard.own_part(buf, shard.check_arrays(buf, arrays)))
+                continue
             checked = _intake.ready_to_assign(buf, buf.check(arrays), protect)
             writes.append(functools.partial(buf.assign, checked))
     except (LayoutError, KeyError, ValueError, TypeError) as exc:

@@ -15,6 +15,21 @@ the group, in the same order, with arrays of the same shape and dtype.
 - ``gather_objects(obj)``: a list of every process's small picklable ``obj``,
   in rank order (set-up checks only, never in the step's hot path).
 
+Two block collectives serve sharded optimizer state (``Engine(shard_state=True)``);
+``x`` is 1-D, contiguous, of ``size * n`` elements, block ``r`` being
+``x[r*n:(r+1)*n]``:
+
+- ``reduce_scatter(x)``: returns a view of ``n`` elements of ``x`` holding the sum
+  over processes of every process's block ``rank`` (one reduce-scatter: each
+  process receives only its own block). Where in ``x`` it lies is the transport's
+  choice (MPI's in-place form: the first block; NCCL's: block ``rank``); the rest
+  of ``x`` is left undefined.
+- ``allgather_blocks(x)``: in place, block ``r`` of ``x`` becomes process ``r``'s
+  block ``r``, for every ``r`` (one all-gather).
+
+Their defaults here are built on ``allreduce`` and ``allgather`` (correct, but
+moving more bytes); :mod:`arraytrain.distributed` implements them directly.
+
 :meth:`Exchange.agree` builds the set-up check on the last one: every process
 raises the same typed error when one of them differs, so a mismatch never
 leaves a process waiting in a collective the others skipped.
@@ -53,6 +68,25 @@ class Exchange(ABC):
     def gather_objects(self, obj) -> list:
         """Every process's picklable ``obj``, in rank order (set-up only)."""
 
+    def reduce_scatter(self, x):
+        """Block ``rank`` of ``x`` summed over processes, as a view of ``x`` (see the module docstring).
+
+        This default all-reduces the whole of ``x``; transports override it with a reduce-scatter.
+        """
+        n = block_length(x, self.size)
+        self.allreduce(x, "sum")
+        return x[self.rank * n : (self.rank + 1) * n]
+
+    def allgather_blocks(self, x) -> None:
+        """In place, block ``r`` of ``x`` becomes process ``r``'s block ``r`` (see the module docstring).
+
+        This default gathers the own block into a new buffer and copies; transports override it.
+        """
+        n = block_length(x, self.size)
+        for r, block in enumerate(self.allgather(x[self.rank * n : (self.rank + 1) * n])):
+            if r != self.rank:
+                x[r * n : (r + 1) * n] = block
+
     def agree(self, what: str, value, error=LayoutError) -> None:
         """Raise ``error`` on every process unless every process passed an equal ``value``."""
         values = self.gather_objects(value)
@@ -65,6 +99,14 @@ class Exchange(ABC):
     def is_local(self) -> bool:
         """True for a group of one process: every collective is the identity."""
         return self.size == 1
+
+
+def block_length(x, size: int) -> int:
+    """The block length of ``x`` cut into ``size`` equal blocks; a clear error when it cannot be."""
+    if getattr(x, "ndim", None) != 1 or x.shape[0] % size:
+        raise ArgumentTypeError(f"x: expected a 1-D array whose length is a multiple of the group's size {size}, "
+                                f"got shape {getattr(x, 'shape', type(x).__name__)}")
+    return x.shape[0] // size
 
 
 class LocalExchange(Exchange):
@@ -83,6 +125,13 @@ class LocalExchange(Exchange):
 
     def gather_objects(self, obj) -> list:
         return [obj]
+
+    def reduce_scatter(self, x):
+        block_length(x, 1)
+        return x
+
+    def allgather_blocks(self, x) -> None:
+        block_length(x, 1)
 
     def __repr__(self) -> str:
         return "LocalExchange()"

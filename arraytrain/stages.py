@@ -11,7 +11,11 @@ A boundary runs, in every mode (see :meth:`arraytrain.Engine.step`)::
     update              the optimizer's fused kernel (SAM's first window: the ascent instead)
     bookkeeping         counters, loss scaler, report
 
-With one process the exchanges are the identity and cost nothing.
+With one process the exchanges are the identity and cost nothing. With sharded state
+(:mod:`arraytrain.shard`) the exchange and the norm pass are one stage,
+:func:`reduce_scatter_norm`: one reduce-scatter of the flat gradient, the sums of squares
+of this rank's partition, and one small all-reduce that completes them and the weight sum;
+the update runs on the partition, and one all-gather publishes the updated weights.
 """
 
 from __future__ import annotations
@@ -43,6 +47,38 @@ def exchange_scalars(comm, wsum: float, bad: bool) -> tuple[float, bool]:
     both = np.array([wsum, float(bad)])
     comm.allreduce(both, "sum")
     return float(both[0]), bool(both[1])
+
+
+def reduce_scatter_norm(sharding, kernels, wsum: float):
+    """Sharded state: ``(gradient partition, weight sum over ranks, NormPass)``.
+
+    One reduce-scatter of the flat gradient; the partition's float64 sums of squares
+    (total and per parameter) and the window's weight sum travel in one small all-reduce,
+    so every rank finds the same norms, and a NaN/Inf in any partition makes every rank's
+    total non-finite. A float64 total that is not finite takes the norm pass's overflow
+    path (see :func:`arraytrain.ops.norm_pass`) with two more small all-reduces.
+    """
+    comm, part = sharding.comm, sharding.part
+    g = sharding.reduce_scatter()
+    nseg = len(part.layout)
+    total, per_seg = kernels.sumsq(g.flat, part.pieces, nseg=nseg)
+    sums = np.concatenate(([total], per_seg, [wsum]))
+    comm.allreduce(sums, "sum")
+    wsum, total = float(sums[-1]), float(sums[0])
+    if math.isfinite(total):
+        return g, wsum, NormPass(math.sqrt(total), np.sqrt(sums[1:-1]), False)
+    nonfinite = NormPass(math.nan, np.full(nseg, np.nan), True)
+    if g.flat.dtype.itemsize < 8:
+        return g, wsum, nonfinite
+    flags = np.array([0.0 if kernels.all_finite(g.flat) else 1.0, kernels.max_abs(g.flat, part.pieces)])
+    comm.allreduce(flags, "max")
+    if flags[0]:
+        return g, wsum, nonfinite
+    peak = float(flags[1])
+    total, per_seg = kernels.sumsq_scaled(g.flat, part.pieces, nseg=nseg, inv=1.0 / peak)
+    sums = np.concatenate(([total], per_seg))
+    comm.allreduce(sums, "sum")
+    return g, wsum, NormPass(peak * math.sqrt(sums[0]), peak * np.sqrt(sums[1:]), False)
 
 
 class Verdict:

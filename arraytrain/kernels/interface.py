@@ -141,6 +141,8 @@ ARGUMENTS = {
     "kind": "kind of the low-precision working copy: LP_BF16 or LP_F16 (LP_NONE: none, with working=None)",
     "zero_grad": "zero the gradient in the same pass",
     "mask": "pruning mask (uint8, 1 keep) or None: pruned weights written as exactly 0",
+    "reduce_sums": ("LAMB: None, or a callable that completes the float64 per-parameter sums of squares "
+                    "[||p||^2..., ||u||^2...] of a partition in place (sharded state: one all-reduce)"),
     "grad_step": "per parameter: NAdam's step of the gradient term, lr*(1 - mu_t)/(1 - mu_1*...*mu_t)",
     "moment_step": "per parameter: NAdam's step of the first moment, lr*mu_{t+1}/(1 - mu_1*...*mu_{t+1})",
     "rect": "RAdam's rectification r_t times sqrt(1 - beta2^t): the factor of m/(sqrt(v) + eps)",

@@ -53,6 +53,8 @@ class Adafactor(Optimizer):
     """
 
     fallback_capable = False  # its statistics have layouts of their own
+    shard_refusal = ("its factored second moment is formed from whole rows and columns of each matrix; train "
+                     "Adafactor replicated (shard_state=False), or shard an element-wise optimizer (AdamW, LAMB, ...)")
 
     @legacy_arguments(old_positional=("lr", "beta2_decay", "eps", "d", "weight_decay", "maximize", "overrides"))
     def __init__(self, lr: float = 1e-2, beta2_decay: float = -0.8, eps=(None, 1e-3), d: float = 1.0,

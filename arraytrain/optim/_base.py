@@ -198,6 +198,13 @@ class Optimizer(ABC):
     # gives x); :meth:`arraytrain.Engine.evaluation` swaps them in for a block.
     fallback_capable = True
     has_eval_params = False
+    # ``shard_refusal``: None where the state is element-wise, so that ``Engine(shard_state=True)``
+    # can give each rank one contiguous partition of it (see :mod:`arraytrain.shard`); else why
+    # not and what to use instead, the message of the typed error the engine raises.
+    # ``segment_sums``: ``update`` takes ``reduce_sums``, a callable that completes the float64
+    # per-parameter partial sums it forms over a partition (LAMB's trust ratios) in place.
+    shard_refusal: str | None = None
+    segment_sums = False
 
     def eval_params(self, params: FlatBuffer, state: OptState, out: FlatBuffer | None = None) -> FlatBuffer:
         """The weights to evaluate the model at: ``params`` themselves here (a copy into ``out`` if given)."""

@@ -27,7 +27,10 @@ class LAMB(Optimizer):
     One kernel: the first loop updates the moments and sums :math:`\lVert p\rVert^2`,
     :math:`\lVert u\rVert^2` per piece in float64 (added per parameter in piece
     order, so the ratio does not depend on the thread count); the second loop
-    recomputes :math:`u` from the stored moments and applies it. Slots:
+    recomputes :math:`u` from the stored moments and applies it. With sharded state
+    (``Engine(shard_state=True)``) the per-parameter sums of squares of each rank's
+    partition are completed by one all-reduce between the two loops, so a parameter cut
+    by a partition boundary gets the ratio of its whole. Slots:
     ``exp_avg`` (optax's ``mu``) and ``exp_avg_sq`` (``nu``). ``trust_ratio`` holds
     the per-parameter ratios of this optimizer's last step (a diagnostic). ``lr`` and ``weight_decay`` may differ
     per parameter through ``overrides`` (see :class:`Optimizer`).
@@ -61,8 +64,10 @@ class LAMB(Optimizer):
                 "eps_root": self.eps_root, "maximize": self.maximize,
                 "state_dtype": self.state_dtype, "overrides": self.overrides}
 
+    segment_sums = True  # the trust ratios' norms are per parameter: a partition's sums are completed
+
     def update(self, kernels, params, grads, state, *, gscale=1.0, lr=None, zero_grad=False, working=None,
-               mask=None):
+               mask=None, reduce_sums=None):
         t = state.step + 1
         b1, b2 = self.betas
         ratio = kernels.lamb_step(params.flat, grads.flat, self._slot(state, "exp_avg"),
@@ -70,6 +75,7 @@ class LAMB(Optimizer):
                                   lr=self._lr(state, lr), weight_decay=self.per_param(state, "weight_decay"),
                                   beta1=b1, beta2=b2, eps=self.eps, eps_root=self.eps_root,
                                   inv_bc1=1.0 / (1.0 - b1**t), inv_bc2=1.0 / (1.0 - b2**t),
-                                  **working_args(working), zero_grad=zero_grad, mask=mask_arg(mask, params))
+                                  **working_args(working), zero_grad=zero_grad, mask=mask_arg(mask, params),
+                                  reduce_sums=reduce_sums)
         self.trust_ratio = ratio  # float64, on the buffers' device
         state.step = t

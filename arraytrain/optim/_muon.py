@@ -74,6 +74,8 @@ class Muon(Optimizer):
     """
 
     fallback_capable = False
+    shard_refusal = ("Newton-Schulz orthogonalises each whole matrix, which a partition may cut; train Muon "
+                     "replicated (shard_state=False), or shard an element-wise optimizer (AdamW, LAMB, ...)")
 
     def __init__(self, lr: float = 1e-3, weight_decay: float = 0.1, momentum: float = 0.95, nesterov: bool = True,
                  ns_coefficients: tuple[float, float, float] = NS_COEFFICIENTS, eps: float = 1e-7,

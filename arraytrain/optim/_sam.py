@@ -40,6 +40,8 @@ class SAM(Optimizer):
     """
 
     fallback_capable = False  # two gradient windows per step
+    shard_refusal = ("its ascent moves every weight along the whole gradient, of which a rank with sharded "
+                     "state receives its partition only; train SAM replicated (shard_state=False)")
 
     def __init__(self, base: Optimizer, rho: float = 0.05, adaptive: bool = False):
         if not isinstance(base, Optimizer) or isinstance(base, SAM):

@@ -44,6 +44,8 @@ class Sophia(Optimizer):
     """
 
     fallback_capable = False  # fed by engine.update_hessian
+    shard_refusal = ("its Hessian estimates are fed by name through engine.update_hessian, which does not "
+                     "take partitions yet; train Sophia replicated (shard_state=False)")
 
     @legacy_arguments(old_positional=("lr", "betas", "rho", "weight_decay", "eps", "bs", "maximize", "overrides"))
     def __init__(self, lr: float = 1e-4, betas: tuple[float, float] = (0.965, 0.99), rho: float = 0.04,

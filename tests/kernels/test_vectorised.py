@@ -42,7 +42,7 @@ PATTERNS = {
     "cvtph": r"vcvtps2ph\s+\$\w+,\s*%[yz]mm",
 }
 # kernels whose update loop takes a square root
-SQRT = {"adam", "adagrad", "rmsprop", "lamb", "nadam", "adadelta", "schedule_free_adamw"}
+SQRT = {"adam", "adagrad", "rmsprop", "lamb", "lamb_apply", "nadam", "adadelta", "schedule_free_adamw"}
 
 
 def _host_has_avx512() -> bool:
@@ -84,7 +84,8 @@ def _kernels(state, working, kind, n=64):
         a(), a(), s(), s(), s(), pieces, lr=one, l2=one, alpha=0.99, eps=1e-8, momentum=0.9, centered=True, **common)
     yield "lion", opt._LION, lambda: cpu.lion_step(a(), a(), s(), pieces, lr=one, decay=one, beta1=0.9,
                                                       beta2=0.99, **common)
-    yield "lamb", opt._LAMB, lambda: cpu.lamb_step(
+    # LAMB's two loops (moments with the norms' sums, then the step) are two kernels of one call
+    yield ("lamb", "lamb_apply"), (opt._LAMB_MOMENTS, opt._LAMB_APPLY), lambda: cpu.lamb_step(
         a(), a(), s(), s(), pieces, lr=one, weight_decay=one, beta1=0.9, beta2=0.999, eps=1e-6, eps_root=0.0,
         inv_bc1=1.0, inv_bc2=1.0, **common)
     yield "nadam", opt._NADAM_RADAM, lambda: cpu.nadam_step(
@@ -150,11 +151,14 @@ def probe() -> dict:
             # parfor function, where LLVM speculates less (a load under a runtime flag kept
             # SGD's bfloat16 loop scalar there while the serial twin was packed)
             ("bf16-state-parallel", np.uint16, None, cpu.LP_NONE, big, 0)):
-        for name, pair, call in _kernels(state, working, kind, n):
-            disp = pair[twin]
-            before = set(disp.signatures)
+        for names, pairs, call in _kernels(state, working, kind, n):
+            if isinstance(names, str):
+                names, pairs = (names,), (pairs,)
+            disps = [pair[twin] for pair in pairs]
+            befores = [set(d.signatures) for d in disps]
             call()
-            found[f"{name}/{tag}"] = count(disp, before)
+            for name, disp, before in zip(names, disps, befores):
+                found[f"{name}/{tag}"] = count(disp, before)
     disp = reductions._CAST_WORKING[1]
     before = set(disp.signatures)
     reductions.cast_working(np.zeros(64, np.uint16), np.zeros(64, np.float32), np.array([[0, 64, 0]]),
@@ -188,7 +192,7 @@ def test_update_loops_are_packed(compiled):
         need = ["float"] if key != "cast_working" else []
         if name in SQRT:
             need.append("sqrt")
-        if tag.startswith("bf16-state") or tag == "working" or key == "cast_working":
+        if (tag.startswith("bf16-state") and name != "lamb_apply") or tag == "working" or key == "cast_working":
             need.append("narrow")  # bfloat16 state slots; the bfloat16 working copy
         if tag == "working" or key == "cast_working":
             need.append("cvtph")  # the float16 working copy

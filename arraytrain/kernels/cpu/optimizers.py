@@ -274,10 +274,9 @@ def lion_step(p, g, m, pieces, *, gscale, lr, decay, beta1, beta2, working=None,
     )
 
 
-def _lamb(p, g, m, v, pieces, gscale, lr, wd, b1c, b2, b2c, inv_bc1, inv_bc2, eps, eps_root, w, wkind,
-          zero_grad, mask):
+def _lamb_moments(p, g, m, v, pieces, gscale, wd, b1c, b2, b2c, inv_bc1, inv_bc2, eps, eps_root, zero_grad,
+                  nseg):
     npieces = pieces.shape[0]
-    nseg = lr.size
     psq = np.empty(npieces, dtype=np.float64)
     usq = np.empty(npieces, dtype=np.float64)
     # pass 1: moments, and float64 sums of squares of p and of the update u per piece
@@ -301,17 +300,19 @@ def _lamb(p, g, m, v, pieces, gscale, lr, wd, b1c, b2, b2c, inv_bc1, inv_bc2, ep
             clear_grad(gb, i, zero_grad)
         psq[j] = sp
         usq[j] = su
-    pn = piece_totals(psq, pieces, nseg)[1]
-    un = piece_totals(usq, pieces, nseg)[1]
-    ratio = np.ones(nseg, dtype=np.float64)
-    step = np.empty_like(lr)
-    for s in range(nseg):
-        pn_s, un_s = np.sqrt(pn[s]), np.sqrt(un[s])
-        if not (pn_s == 0.0 or un_s == 0.0):
-            ratio[s] = pn_s / un_s
-        step[s] = lr[s] * ratio[s]  # rounded to the storage dtype
+    # per parameter, added in piece order: [||p_s||^2..., ||u_s||^2...]
+    sums = np.empty(2 * nseg, dtype=np.float64)
+    sums[:nseg] = piece_totals(psq, pieces, nseg)[1]
+    sums[nseg:] = piece_totals(usq, pieces, nseg)[1]
+    return sums
+
+
+_LAMB_MOMENTS = twins(_lamb_moments)
+
+
+def _lamb_apply(p, m, v, pieces, wd, step, inv_bc1, inv_bc2, eps, eps_root, w, wkind, mask):
     # pass 2: recompute u from the stored moments (p is unchanged so far) and apply it
-    for j in prange(npieces):
+    for j in prange(pieces.shape[0]):
         lo, hi, seg = pieces[j, 0], pieces[j, 1], pieces[j, 2]
         wd_j, st = wd[seg], step[seg]
         pb, mb, vb = p[lo:hi], m[lo:hi], v[lo:hi]
@@ -322,24 +323,33 @@ def _lamb(p, g, m, v, pieces, gscale, lr, wd, b1c, b2, b2c, inv_bc1, inv_bc2, ep
             store_masked(pb, i, pi - st * u, kb)
         if w is not None:
             store_working(w[lo:hi], pb, wkind)
-    return ratio
 
 
-_LAMB = twins(_lamb)
+_LAMB_APPLY = twins(_lamb_apply)
 
 
 def lamb_step(p, g, m, v, pieces, *, gscale, lr, weight_decay, beta1, beta2, eps, eps_root, inv_bc1, inv_bc2,
-              working=None, kind=LP_NONE, zero_grad=False, mask=None):
+              working=None, kind=LP_NONE, zero_grad=False, mask=None, reduce_sums=None):
     """Fused LAMB update, returns the per-parameter trust ratios (float64).
 
-    See :func:`arraytrain.kernels.reference.lamb_step`.
+    Two parallel loops; between them the per-parameter sums of squares (completed by
+    ``reduce_sums`` where given) become the trust ratios. See
+    :func:`arraytrain.kernels.reference.lamb_step`.
     """
     t = p.dtype.type
-    return pick(_LAMB, p.size)(
-        p, g, m, v, pieces, t(gscale), seg_array(lr, p.dtype), seg_array(weight_decay, p.dtype), t(1.0 - beta1),
-        t(beta2), t(1.0 - beta2), t(inv_bc1), t(inv_bc2), t(eps), t(eps_root), working, int(kind), grad_fill(zero_grad),
-        mask,
-    )
+    lr, wd = seg_array(lr, p.dtype), seg_array(weight_decay, p.dtype)
+    nseg = lr.size
+    inv_bc1, inv_bc2, eps, eps_root = t(inv_bc1), t(inv_bc2), t(eps), t(eps_root)
+    sums = pick(_LAMB_MOMENTS, p.size)(p, g, m, v, pieces, t(gscale), wd, t(1.0 - beta1), t(beta2), t(1.0 - beta2),
+                                       inv_bc1, inv_bc2, eps, eps_root, grad_fill(zero_grad), nseg)
+    if reduce_sums is not None:
+        reduce_sums(sums)
+    pn, un = np.sqrt(sums[:nseg]), np.sqrt(sums[nseg:])
+    with np.errstate(invalid="ignore", divide="ignore"):
+        ratio = np.where((pn == 0.0) | (un == 0.0), 1.0, pn / un)
+    step = (lr.astype(np.float64) * ratio).astype(p.dtype)  # lr * ratio rounded to the storage dtype
+    pick(_LAMB_APPLY, p.size)(p, m, v, pieces, wd, step, inv_bc1, inv_bc2, eps, eps_root, working, int(kind), mask)
+    return ratio
 
 
 # -- adafactor, sophia, sam -------------------------------------------------------------

@@ -551,11 +551,12 @@ def sam_perturb(p, g, backup, pieces, *, scale, adaptive, zero_grad=False, mask=
 
 
 def lamb_step(p, g, m, v, pieces, *, gscale, lr, weight_decay, beta1, beta2, eps, eps_root, inv_bc1, inv_bc2,
-              working=None, kind=LP_NONE, zero_grad=False, mask=None):
+              working=None, kind=LP_NONE, zero_grad=False, mask=None, reduce_sums=None):
     """Fused LAMB update; returns the per-parameter trust ratios (float64, on the device).
 
     Three launches and no synchronisation: moments with per-chunk norms, the trust
-    ratios and steps per parameter, the update. See :func:`arraytrain.kernels.reference.lamb_step`.
+    ratios and steps per parameter, the update. See :func:`arraytrain.kernels.reference.lamb_step`
+    (``reduce_sums`` gets the device array of the ``2 * nseg`` sums, on the current stream).
     """
     cp, t, tn = cupy(), p.dtype.type, ctype(p.dtype)
     sn = ctype(m.dtype)  # the state's storage: the parameters' type, or u16 bfloat16 bits
@@ -566,19 +567,28 @@ def lamb_step(p, g, m, v, pieces, *, gscale, lr, weight_decay, beta1, beta2, eps
     gate = gs[1]
     inv_bc1, inv_bc2 = t(inv_bc1), t(inv_bc2)
     ratio = cp.ones(nseg, dtype=cp.float64)
-    if ch.count == 0:
+    if ch.count == 0 and reduce_sums is None:
         return ratio
-    psq, usq = cp.empty(ch.count, cp.float64), cp.empty(ch.count, cp.float64)
-    launch(SOURCE.function(f"arraytrain_lamb_moments<{tn},{sn}>"), ch.count,
-           (p, g, m, v, ch.table, *gs, *wd, t(1.0 - beta1), t(beta2), t(1.0 - beta2), inv_bc1, inv_bc2,
-            t(eps), t(eps_root), np.int32(bool(zero_grad)), psq, usq))
-    pn, un = cp.zeros(1 + nseg, cp.float64), cp.zeros(1 + nseg, cp.float64)
-    reductions.seg_reduce(psq, *ch.seg_ranges(nseg), nseg, pn, total=False)
-    reductions.seg_reduce(usq, *ch.seg_ranges(nseg), nseg, un, total=False)
+    # [0, ||p_s||^2..., 0, ||u_s||^2...]: each half as seg_reduce writes it (a total slot first)
+    sums = cp.zeros(2 * (1 + nseg), cp.float64)
+    pn, un = sums[: 1 + nseg], sums[1 + nseg :]
+    if ch.count:
+        psq, usq = cp.empty(ch.count, cp.float64), cp.empty(ch.count, cp.float64)
+        launch(SOURCE.function(f"arraytrain_lamb_moments<{tn},{sn}>"), ch.count,
+               (p, g, m, v, ch.table, *gs, *wd, t(1.0 - beta1), t(beta2), t(1.0 - beta2), inv_bc1, inv_bc2,
+                t(eps), t(eps_root), np.int32(bool(zero_grad)), psq, usq))
+        reductions.seg_reduce(psq, *ch.seg_ranges(nseg), nseg, pn, total=False)
+        reductions.seg_reduce(usq, *ch.seg_ranges(nseg), nseg, un, total=False)
+    if reduce_sums is not None:
+        both = cp.concatenate((pn[1:], un[1:]))
+        reduce_sums(both)
+        pn[1:], un[1:] = both[:nseg], both[nseg:]
     step = cp.empty(nseg, dtype=p.dtype)
     launch(SOURCE.function(f"arraytrain_lamb_ratio<{tn}>"), -(-nseg // THREADS),
            (pn, un, *_seg(lr, p), np.int32(nseg), ratio, step, gate))
     wk = 0 if working is None else int(kind)
+    if ch.count == 0:
+        return ratio
     launch(SOURCE.function(f"arraytrain_lamb_apply<{tn},{sn},{wk},{'true' if mask is not None else 'false'}>"),
            ch.count, (p, m, v, ch.table, *wd, step, inv_bc1, inv_bc2, t(eps), t(eps_root), ptr(working), ptr(mask),
                       gate))

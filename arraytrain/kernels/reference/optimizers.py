@@ -140,7 +140,7 @@ def lion_step(p, g, m, pieces, *, gscale, lr, decay, beta1, beta2, working=None,
 
 
 def lamb_step(p, g, m, v, pieces, *, gscale, lr, weight_decay, beta1, beta2, eps, eps_root, inv_bc1, inv_bc2,
-              working=None, kind=LP_NONE, zero_grad=False, mask=None):
+              working=None, kind=LP_NONE, zero_grad=False, mask=None, reduce_sums=None):
     """LAMB (You et al. 2020, "Large Batch Optimization for Deep Learning"), optax.lamb's form.
 
     Per element of segment ``s``: ``d = gscale*g``; ``m += (1 - beta1)*(d - m)``;
@@ -150,6 +150,10 @@ def lamb_step(p, g, m, v, pieces, *, gscale, lr, weight_decay, beta1, beta2, eps
     update, before the trust ratio, as optax does); per parameter the trust ratio
     ``r[s] = ||p_s|| / ||u_s||``, or 1 when either norm is 0; then
     ``p -= lr[s]*r[s]*u``. Returns ``r`` (float64, one per parameter).
+
+    ``reduce_sums``: None, or a callable given the float64 array ``[||p_s||^2..., ||u_s||^2...]``
+    (``2 * nseg`` sums over these pieces) that completes it in place before the ratios are
+    formed (with sharded state: the sums over every rank's partition).
     """
     nseg = len(np.asarray(lr))
     i, s = segments(pieces, p.size)
@@ -158,8 +162,13 @@ def lamb_step(p, g, m, v, pieces, *, gscale, lr, weight_decay, beta1, beta2, eps
     mm = store_at(m, i, mm + (1.0 - beta1) * (d - mm))
     vv = store_at(v, i, beta2 * f64(v[i]) + (1.0 - beta2) * d * d)
     u = (mm * inv_bc1) / (np.sqrt(vv * inv_bc2 + eps_root) + eps) + np.asarray(weight_decay, np.float64)[s] * pp
-    pn = np.sqrt(np.bincount(s, weights=pp * pp, minlength=nseg)) if len(s) else np.zeros(nseg)
-    un = np.sqrt(np.bincount(s, weights=u * u, minlength=nseg)) if len(s) else np.zeros(nseg)
+    sums = np.zeros(2 * nseg)
+    if len(s):
+        sums[:nseg] = np.bincount(s, weights=pp * pp, minlength=nseg)
+        sums[nseg:] = np.bincount(s, weights=u * u, minlength=nseg)
+    if reduce_sums is not None:
+        reduce_sums(sums)
+    pn, un = np.sqrt(sums[:nseg]), np.sqrt(sums[nseg:])
     with np.errstate(invalid="ignore", divide="ignore"):
         ratio = np.where((pn == 0.0) | (un == 0.0), 1.0, pn / un)
     p[i] = pp - (np.asarray(lr, np.float64) * ratio)[s] * u

@@ -1,0 +1,272 @@
+"""Sharded optimizer state: each rank of a group keeps and updates one contiguous partition.
+
+``Engine(..., comm=..., shard_state=True)`` cuts the flat buffer into ``K`` equal
+contiguous partitions, one per rank. The layout's end is padded so that every
+partition has the same length, a whole number of the layout's reduction chunks
+(:data:`arraytrain.layout.REDUCE_CHUNK` elements): every piece of
+:attr:`Layout.pieces <arraytrain.layout.Layout.pieces>` then lies in exactly one
+partition, and a parameter may straddle two. Rank ``r`` owns the elements
+``[r * length, (r + 1) * length)``; its optimizer slots (and, under a working copy,
+its float32 master weights) hold those elements only.
+
+A :class:`Partition` says which elements a rank owns; a :class:`ShardBuffer` is the
+rank's part of a flat buffer as the optimizers' kernels take it (``flat`` and
+``layout.pieces``, the partition's pieces shifted to start at 0, each still naming
+its parameter, so per-parameter hyperparameters apply unchanged). The functions at
+the end move name-keyed arrays (a state dict, a checkpoint) in and out of shards.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from .backend import array_module, as_array, backend_of
+from .buffer import FlatBuffer, aligned_empty, aligned_zeros
+from .errors import (ArgumentTypeError, HyperparameterError, LayoutError, ShapeMismatchError,
+                     UnknownParameterError)
+from .layout import REDUCE_CHUNK, Layout
+
+
+@dataclass(frozen=True)
+class Partition:
+    """Rank ``rank``'s part of a layout cut into ``ranks`` partitions of ``length`` elements."""
+
+    layout: Layout
+    ranks: int
+    rank: int
+    length: int
+
+    @property
+    def lo(self) -> int:
+        """The first element this rank owns."""
+        return self.rank * self.length
+
+    @property
+    def hi(self) -> int:
+        """One past the last element this rank owns (may lie in the end padding)."""
+        return self.lo + self.length
+
+    @property
+    def padded(self) -> int:
+        """The flat length with the end padding: ``ranks * length``."""
+        return self.ranks * self.length
+
+    @functools.cached_property
+    def piece_range(self) -> tuple[int, int]:
+        """``(first, stop)``: the layout's pieces that lie in this partition (a contiguous run)."""
+        starts = self.layout.pieces[:, 0]
+        return int(np.searchsorted(starts, self.lo)), int(np.searchsorted(starts, self.hi))
+
+    @functools.cached_property
+    def pieces(self) -> np.ndarray:
+        """This partition's pieces, shifted to start at 0 (``[start, stop, parameter]`` rows)."""
+        a, b = self.piece_range
+        out = self.layout.pieces[a:b].copy()
+        out[:, :2] -= self.lo
+        out.flags.writeable = False
+        return out
+
+    def spans(self):
+        """``(name, start, stop, shard_start)`` per parameter with elements here: its elements
+        ``[start, stop)`` (flat, within the parameter) lie at ``shard_start`` of the shard."""
+        for name, off, size in zip(self.layout.names, self.layout.offsets, self.layout.sizes):
+            a, b = max(off, self.lo), min(off + size, self.hi)
+            if a < b:
+                yield name, a - off, b - off, a - self.lo
+
+
+def partition(layout: Layout, ranks: int, rank: int) -> Partition:
+    """Rank ``rank``'s :class:`Partition` of ``layout`` cut into ``ranks`` equal parts."""
+    chunks = -(-layout.size // REDUCE_CHUNK)
+    return Partition(layout, ranks, rank, max(1, -(-chunks // ranks)) * REDUCE_CHUNK)
+
+
+class ShardLayout:
+    """A layout as an optimizer sees a shard: the partition's ``pieces``; everything else is the
+    full layout's (names, shapes, and ``len``: per-parameter arrays keep one value per parameter)."""
+
+    __slots__ = ("_layout", "pieces")
+
+    def __init__(self, part: Partition):
+        self._layout, self.pieces = part.layout, part.pieces
+
+    def __getattr__(self, name):
+        return getattr(self._layout, name)
+
+    def __len__(self) -> int:
+        return len(self._layout)
+
+
+class ShardBuffer:
+    """One rank's partition of a flat buffer: ``flat`` holds the elements
+    ``[partition.lo, partition.hi)`` of the full buffer (padding included)."""
+
+    __slots__ = ("flat", "layout", "partition")
+
+    def __init__(self, part: Partition, flat):
+        if flat.ndim != 1 or flat.shape[0] != part.length:
+            raise ValueError(f"flat: expected {part.length} elements, got shape {flat.shape}")
+        self.flat, self.partition, self.layout = flat, part, ShardLayout(part)
+
+    @property
+    def dtype(self):
+        return self.flat.dtype
+
+    def zeros_like(self, dtype=None) -> ShardBuffer:
+        """A zero shard of the same partition (optimizer slots)."""
+        return ShardBuffer(self.partition, aligned_zeros(self.partition.length, dtype or self.flat.dtype,
+                                                         array_module(self.flat)))
+
+    def copy(self) -> ShardBuffer:
+        out = aligned_empty(self.partition.length, self.flat.dtype, array_module(self.flat))
+        out[...] = self.flat
+        return ShardBuffer(self.partition, out)
+
+    def __repr__(self) -> str:
+        p = self.partition
+        return f"ShardBuffer(rank {p.rank} of {p.ranks}, elements [{p.lo}, {p.hi}), dtype={self.flat.dtype})"
+
+
+def padded_buffer(layout: Layout, dtype, xp, part: Partition) -> tuple[FlatBuffer, object]:
+    """A zero :class:`FlatBuffer` of ``layout`` whose array is the head of a padded one of
+    ``part.padded`` elements; returns ``(buffer, padded array)``."""
+    full = aligned_zeros(part.padded, dtype, xp)
+    return FlatBuffer(layout, full[: layout.size]), full
+
+
+def gather(comm, shard: ShardBuffer) -> FlatBuffer:
+    """Every rank's shard into one new full buffer of the layout (a collective, as bytes)."""
+    part = shard.partition
+    full = aligned_zeros(part.padded, shard.flat.dtype, array_module(shard.flat))
+    full[part.lo : part.hi] = shard.flat
+    comm.allgather_blocks(full.view(np.uint8))
+    return FlatBuffer(part.layout, full[: part.layout.size])
+
+
+def template(shard: ShardBuffer) -> dict:
+    """``{name: array}`` of the full shapes and the shard's dtype, without memory (a reader's template)."""
+    lay = shard.partition.layout
+    xp = array_module(shard.flat)
+    return {n: xp.broadcast_to(xp.zeros((), shard.flat.dtype), s) for n, s in zip(lay.names, lay.shapes)}
+
+
+def check_arrays(shard: ShardBuffer, arrays) -> dict:
+    """Full name-keyed arrays for ``shard``'s layout, validated as :meth:`FlatBuffer.check` does
+    (every name, exact shapes, the shard's backend); nothing is allocated for the layout."""
+    lay = shard.partition.layout
+    if not isinstance(arrays, Mapping):
+        raise ArgumentTypeError(f"expected a mapping name -> array, got {type(arrays).__name__}")
+    checked = {}
+    for name, a in arrays.items():
+        if name not in lay:
+            raise UnknownParameterError(f"{name!r}: no such parameter; known: {list(lay.names)}")
+        arr = as_array(a, name, backend_of(shard.flat))
+        if tuple(arr.shape) != lay.shape(name):
+            raise ShapeMismatchError(name, lay.shape(name), arr.shape, what="array")
+        checked[name] = arr
+    missing = [n for n in lay.names if n not in checked]
+    if missing:
+        raise LayoutError(f"missing arrays for {missing}")
+    return checked
+
+
+def own_part(shard: ShardBuffer, checked: dict):
+    """The write that copies this rank's elements of full name-keyed arrays (already checked) into ``shard``."""
+    moves = [(shard.flat[s0 : s0 + b - a], checked[name].reshape(-1)[a:b])
+             for name, a, b, s0 in shard.partition.spans()]
+
+    def write():
+        for dst, src in moves:
+            dst[...] = src
+
+    return write
+
+
+def refuse_unshardable(optimizer, compressor) -> None:
+    """A typed error (the same on every rank, before anything is allocated) for what cannot shard."""
+    why = optimizer.shard_refusal
+    if why is not None:
+        raise HyperparameterError(f"shard_state: {type(optimizer).__name__} cannot shard its state: {why}")
+    if compressor is not None:
+        raise HyperparameterError("shard_state: a compressor's exchange replaces the reduce-scatter; "
+                                  "compression and sharded state do not compose yet (drop one of them)")
+
+
+class Sharding:
+    """An engine's buffers and collectives under sharded state (see the module docstring).
+
+    Every rank keeps the full gradient buffer (what the model writes into) and the full
+    weights the model reads: the parameters, or under a working copy the working copy,
+    with the float32 master weights sharded. Each array the collectives move is padded
+    to ``ranks * length`` elements; the engine's :class:`~arraytrain.FlatBuffer` views
+    are its head.
+    """
+
+    def __init__(self, comm, params: FlatBuffer, working_dtype=None):
+        layout = params.layout
+        part = partition(layout, comm.size, comm.rank)
+        xp = array_module(params.flat)
+        self.comm, self.part = comm, part
+        self.grads, self._grads = padded_buffer(layout, params.dtype, xp, part)
+        own = slice(part.lo, part.hi)
+        if working_dtype is None:
+            self.params, self._weights = padded_buffer(layout, params.dtype, xp, part)
+            self.params.flat[...] = params.flat
+            self.master = ShardBuffer(part, self._weights[own])  # a view: the rank's part of the weights
+            self.working = None
+        else:
+            masters = aligned_zeros(part.length, params.dtype, xp)
+            n = max(0, min(part.hi, layout.size) - part.lo)
+            masters[:n] = params.flat[part.lo : part.lo + n]
+            self.master = self.params = ShardBuffer(part, masters)
+            self.working, self._weights = padded_buffer(layout, working_dtype, xp, part)
+        self._own_weights = self._weights[own]
+
+    @property
+    def sharded_masters(self) -> bool:
+        """The float32 master weights are sharded (a working copy holds the full weights)."""
+        return self.working is not None
+
+    def working_bits(self):
+        """This rank's part of the working copy, as the kernels write it (uint16 bits), or None."""
+        return None if self.working is None else self._own_weights.view(np.uint16)
+
+    def reduce_scatter(self):
+        """The window's gradient over ranks, this rank's partition: a :class:`ShardBuffer` view of scratch."""
+        return ShardBuffer(self.part, self.comm.reduce_scatter(self._grads))
+
+    def reduce_sums(self, sums) -> None:
+        """Complete per-parameter partial sums over ranks, in place (LAMB's norms)."""
+        self.comm.allreduce(sums, "sum")
+
+    def publish(self) -> None:
+        """Every rank's updated part of the weights (or working copy) into every rank's full copy."""
+        self.comm.allgather_blocks(self._weights.view(np.uint8))
+
+    def clear_grads(self) -> None:
+        """Zero the whole gradient buffer (after a boundary it holds the reduce-scatter's scratch)."""
+        self._grads.fill(0)
+
+    def own_mask(self, mask):
+        """This rank's part of a pruning mask, padded to the partition's length (or None)."""
+        if mask is None:
+            return None
+        part = self.part
+        out = array_module(mask.flat).zeros(part.length, np.uint8)
+        n = max(0, min(part.hi, part.layout.size) - part.lo)
+        out[:n] = mask.flat[part.lo : part.lo + n]
+        return out
+
+    def nbytes(self) -> dict:
+        """Bytes of the buffers held here, by kind (see :meth:`arraytrain.Engine.memory`)."""
+        out = {"grads": self._grads.nbytes}
+        if self.working is None:
+            out["params"] = self._weights.nbytes
+        else:
+            out["master"] = self.master.flat.nbytes
+            out["working"] = self._weights.nbytes
+        return out
