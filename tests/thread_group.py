@@ -82,3 +82,20 @@ class ThreadExchange(Exchange):
 
     def gather_objects(self, obj) -> list:
         return self._everyone(("gather_objects",), obj)
+
+    def reduce_scatter(self, x):
+        """MPI's in-place placement: block ``rank``'s sum lands in the first block (not the own one)."""
+        n = x.shape[0] // self.size
+        own = slice(self.rank * n, (self.rank + 1) * n)
+        values = self._everyone(("reduce_scatter", x.shape, x.dtype.str), x.copy())
+        acc = values[0][own].copy()
+        for v in values[1:]:
+            acc += v[own]
+        x[:n] = acc
+        return x[:n]
+
+    def allgather_blocks(self, x) -> None:
+        n = x.shape[0] // self.size
+        values = self._everyone(("allgather_blocks", x.shape, x.dtype.str), x.copy())
+        for r, v in enumerate(values):
+            x[r * n : (r + 1) * n] = v[r * n : (r + 1) * n]

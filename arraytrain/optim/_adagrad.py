@@ -48,8 +48,8 @@ class Adagrad(Optimizer):
     def init(self, params):
         state = super().init(params)
         acc = state.slots["sum"]
-        for name in acc.names:  # the parameters' elements only: padding stays zero
-            acc[name][...] = self.initial_accumulator_value
+        for lo, hi, _ in acc.layout.pieces.tolist():  # the parameters' elements only: padding stays zero
+            acc.flat[lo:hi] = self.initial_accumulator_value
         return state
 
     def update(self, kernels, params, grads, state, *, gscale=1.0, lr=None, zero_grad=False, working=None,

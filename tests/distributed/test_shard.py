@@ -1,0 +1,296 @@
+"""Sharded optimizer state (``Engine(shard_state=True)``) over in-process rank groups.
+
+The sharded engine must follow the replicated data-parallel engine step for step: every
+element-wise optimizer, with clipping, accumulation, weighted micro-batches, a NaN
+micro-batch, loss scaling, bfloat16 state, working copies, a pruning mask and a schedule.
+The rank groups here are threads whose reduce-scatter puts a rank's sum where MPI's
+in-place form does (the first block, not the own one); ``tests/distributed/test_distributed.py``
+runs the same under ``mpiexec``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import arraytrain as at
+from arraytrain import compress as C
+from arraytrain import schedules
+from arraytrain.errors import HyperparameterError, LayoutError, StateDictError
+from arraytrain.layout import REDUCE_CHUNK
+from arraytrain.shard import ShardBuffer, partition
+from thread_group import ThreadGroup
+
+# 7 reduction chunks: with 2 and 3 ranks every rank owns elements, and "mid" straddles a cut
+SHAPES = {"emb": (130, 101), "b": (7,), "mid": (41000,), "tiny": (3, 5), "head": (95, 400), "empty": (0,)}
+
+ELEMENTWISE = {
+    "sgd": lambda **kw: at.optim.SGD(lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-3, **kw),
+    "adam": lambda **kw: at.optim.Adam(lr=1e-2, weight_decay=1e-3, **kw),
+    "adamw-amsgrad": lambda **kw: at.optim.AdamW(lr=1e-2, weight_decay=0.01, amsgrad=True, **kw),
+    "nadam": lambda **kw: at.optim.NAdam(lr=1e-2, **kw),
+    "radam": lambda **kw: at.optim.RAdam(lr=1e-2, **kw),
+    "adamax": lambda **kw: at.optim.Adamax(lr=1e-2, **kw),
+    "adagrad": lambda **kw: at.optim.Adagrad(lr=0.05, initial_accumulator_value=0.1, **kw),
+    "rmsprop": lambda **kw: at.optim.RMSprop(lr=1e-3, momentum=0.5, centered=True, **kw),
+    "lion": lambda **kw: at.optim.Lion(lr=1e-3, weight_decay=0.1, **kw),
+    "lamb": lambda **kw: at.optim.LAMB(lr=1e-2, weight_decay=0.01, **kw),
+    "adadelta": lambda **kw: at.optim.Adadelta(lr=1.0, **kw),
+    "schedule-free": lambda **kw: at.optim.ScheduleFreeAdamW(lr=1e-2, warmup_steps=2, **kw),
+}
+
+
+def _params(dtype=np.float64, seed=0):
+    rng = np.random.default_rng(seed)
+    return {n: rng.standard_normal(s).astype(dtype) for n, s in SHAPES.items()}
+
+
+def _windows(steps, ranks, micro, seed=1, nan_at=None):
+    rng = np.random.default_rng(seed)
+    grads = [[[{n: 3 * rng.standard_normal(s) for n, s in SHAPES.items()} for _ in range(micro)]
+              for _ in range(ranks)] for _ in range(steps)]
+    weights = rng.uniform(0.5, 2.0, size=(steps, ranks, micro))
+    if nan_at is not None:
+        grads[nan_at][ranks - 1][0]["head"][1, 2] = np.nan
+    return grads, weights
+
+
+def _train(ranks, shard, make_opt, *, steps=4, micro=2, dtype=np.float64, nan_at=None, mask=False, **kw):
+    """Every rank's final weights, reports and engine (replicated or sharded), with the same data."""
+    grads, weights = _windows(steps, ranks, micro, nan_at=nan_at)
+
+    def rank_run(rank, comm):
+        eng = at.Engine(_params(dtype), make_opt(), comm=comm, shard_state=shard, accumulation_steps=micro,
+                        **kw)
+        if mask:
+            eng.set_mask({"head": (np.arange(95 * 400).reshape(95, 400) % 3 != 0)})
+        reports = []
+        for t in range(steps):
+            for m in range(micro):
+                reports.append(eng.step(grads[t][rank][m], weight=weights[t, rank, m]))
+        weights_now = eng.working if eng.working is not None else eng.params
+        return {n: np.array(v, dtype=np.float64) for n, v in weights_now.items()}, reports, eng
+
+    return ThreadGroup(ranks).run(rank_run)
+
+
+def _close(a, b, rtol):
+    for n in a:
+        np.testing.assert_allclose(a[n], b[n], rtol=rtol, atol=rtol * 1e-3, err_msg=n)
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+@pytest.mark.parametrize("name", sorted(ELEMENTWISE))
+def test_sharded_follows_replicated_float64(name, ranks):
+    kw = dict(max_grad_norm=5.0, nan_at=2, schedule=schedules.CosineAnnealingLR(T_max=6))
+    rep = _train(ranks, False, ELEMENTWISE[name], **kw)
+    sha = _train(ranks, True, ELEMENTWISE[name], **kw)
+    for r in range(ranks):
+        _close(sha[r][0], rep[r][0], 1e-12)
+        for a, b in zip(sha[r][1], rep[r][1]):
+            assert (a.applied, a.skipped, a.step) == (b.applied, b.skipped, b.step)
+            if a.grad_norm is not None and b.applied:
+                assert a.grad_norm == pytest.approx(b.grad_norm, rel=1e-12)
+                assert a.grad_norms.keys() == b.grad_norms.keys()
+    assert any(rep_.skipped for rep_ in sha[0][1]), "the NaN micro-batch skipped a step"
+    # every rank holds the same weights
+    for r in range(1, ranks):
+        _close(sha[r][0], sha[0][0], 0.0)
+
+
+@pytest.mark.parametrize("name", ["adamw-amsgrad", "sgd", "lion", "lamb", "rmsprop", "adadelta", "nadam",
+                                  "schedule-free"])
+@pytest.mark.parametrize("low", ["state", "working-bf16", "working-f16"])
+def test_sharded_low_precision_follows_replicated(name, low):
+    kw = dict(dtype=np.float32, max_grad_norm=5.0, mask=True, loss_scaler=at.LossScaler(init_scale=2.0**10))
+    make = ELEMENTWISE[name]
+    if low == "state":
+        make = (lambda f: lambda: f(state_dtype="bfloat16"))(ELEMENTWISE[name])
+    else:
+        kw["working_dtype"] = "bfloat16" if low == "working-bf16" else "float16"
+    rep = _train(2, False, make, **kw)
+    sha = _train(2, True, make, **kw)
+    for r in range(2):
+        _close(sha[r][0], rep[r][0], 1e-5)
+    pruned = sha[0][0]["head"].reshape(-1)[::3]
+    assert not pruned.any(), "pruned weights stay exactly zero"
+
+
+def test_sharded_state_is_a_partition_and_memory_says_so():
+    def rank_run(rank, comm):
+        rep = at.Engine(_params(np.float32), at.optim.AdamW(), comm=comm)
+        sha = at.Engine(_params(np.float32), at.optim.AdamW(), comm=comm, shard_state=True)
+        low = at.Engine(_params(np.float32), at.optim.AdamW(), comm=comm, shard_state=True,
+                        working_dtype="bfloat16")
+        return rep.memory(), sha.memory(), low.memory(), sha, low, low.gather_params()
+
+    for ranks in (2, 3):
+        out = ThreadGroup(ranks).run(rank_run)
+        for rank, (rep, sha, low, eng, leng, full) in enumerate(out):
+            part = partition(eng.layout, ranks, rank)
+            assert isinstance(eng.state.slots["exp_avg"], ShardBuffer)
+            assert eng.state.slots["exp_avg"].flat.size == part.length
+            # at most 1/K of the replicated state plus one reduction chunk per slot
+            assert sha["state"] <= rep["state"] / ranks + 2 * REDUCE_CHUNK * 4
+            assert sha["params"] >= rep["params"] and sha["master"] == 0
+            # under a working copy the float32 masters are sharded too
+            assert low["params"] == 0 and low["master"] == part.length * 4
+            assert low["working"] >= eng.layout.size * 2
+            assert isinstance(leng.params, ShardBuffer)
+            for n, v in _params(np.float32).items():
+                np.testing.assert_array_equal(full[n], v)
+
+
+def test_a_state_dict_keeps_the_replicated_form_and_loads_anywhere():
+    """Saved by 2 sharded ranks: the replicated engine's name-keyed form; loaded by 3 sharded ranks,
+    by one process and by a replicated group, every one continues as the replicated run does."""
+    make = ELEMENTWISE["adamw-amsgrad"]
+    grads, weights = _windows(6, 1, 1)
+
+    def feed(eng, t0, t1):
+        for t in range(t0, t1):
+            eng.step(grads[t][0][0])  # every rank the same gradient: the mean is K-independent
+
+    def save_two(rank, comm):
+        eng = at.Engine(_params(), make(), comm=comm, shard_state=True, max_grad_norm=5.0)
+        feed(eng, 0, 3)
+        return eng.state_dict()
+
+    saved = ThreadGroup(2).run(save_two)
+    ref = at.Engine(_params(), make(), max_grad_norm=5.0)
+    feed(ref, 0, 3)
+    want = ref.state_dict()
+    for k, v in want["optimizer"]["slots"].items():
+        for n in v:
+            np.testing.assert_allclose(saved[0]["optimizer"]["slots"][k][n], v[n], rtol=1e-12,
+                                       atol=1e-12 * np.abs(v[n]).max(initial=0.0))
+            np.testing.assert_array_equal(saved[1]["optimizer"]["slots"][k][n], saved[0]["optimizer"]["slots"][k][n])
+    feed(ref, 3, 6)
+
+    def resume(rank, comm, shard):
+        eng = at.Engine(_params(seed=9), make(), comm=comm, shard_state=shard, max_grad_norm=5.0)
+        eng.load_state_dict(saved[0])
+        feed(eng, 3, 6)
+        return {n: v.copy() for n, v in eng.params.items()}
+
+    one = at.Engine(_params(seed=9), make(), max_grad_norm=5.0)
+    one.load_state_dict(saved[0])
+    feed(one, 3, 6)
+    for got in (*ThreadGroup(3).run(resume, True), *ThreadGroup(2).run(resume, False), dict(one.params)):
+        _close(got, dict(ref.params), 1e-13)
+
+
+def test_a_sharded_checkpoint_resumes_on_another_number_of_ranks(tmp_path):
+    path = tmp_path / "shard.safetensors"
+    make = ELEMENTWISE["lamb"]
+    grads, _ = _windows(6, 1, 1)
+
+    def engine(comm=None):
+        return at.Engine(_params(np.float32), make(state_dtype="bfloat16"), comm=comm, shard_state=comm is not None,
+                         working_dtype="bfloat16")
+
+    def run(rank, comm, load):
+        eng = engine(comm)
+        if load:
+            at.load(path, eng)
+        for t in range(3, 6) if load else range(3):
+            eng.step(grads[t][0][0])
+        if not load:
+            at.save(path, eng)
+        return {n: np.array(v, np.float32) for n, v in eng.working.items()}
+
+    ThreadGroup(2).run(run, False)
+    one = engine()
+    at.load(path, one)
+    for t in range(3, 6):
+        one.step(grads[t][0][0])
+    ref = engine()
+    for t in range(6):
+        ref.step(grads[t][0][0])
+    want = {n: np.array(v, np.float32) for n, v in ref.working.items()}
+    for got in (*ThreadGroup(3).run(run, True), {n: np.array(v, np.float32) for n, v in one.working.items()}):
+        _close(got, want, 1e-6)
+
+
+def test_bad_set_ups_raise_the_same_error_on_every_rank_before_allocating():
+    with pytest.raises(HyperparameterError, match="shard_state: sharded state needs a group"):
+        at.Engine(_params(), at.optim.AdamW(), shard_state=True)
+    with pytest.raises(HyperparameterError, match="shard_state: expected a bool"):
+        at.Engine(_params(), at.optim.AdamW(), shard_state="yes")
+    refused = {
+        "muon": (lambda: at.optim.Muon(lr=0.02), "Newton-Schulz"),
+        "adafactor": (lambda: at.optim.Adafactor(lr=1e-2), "factored"),
+        "sophia": (lambda: at.optim.Sophia(lr=1e-3), "Hessian"),
+        "sam": (lambda: at.optim.SAM(at.optim.SGD(lr=0.1), rho=0.05), "ascent"),
+    }
+
+    def make(rank, comm, opt, compressor=None):
+        try:
+            at.Engine(_params(), opt(), comm=comm, shard_state=True, compressor=compressor)
+        except (HyperparameterError, LayoutError) as exc:
+            return type(exc), str(exc)
+        return None
+
+    for name, (opt, words) in refused.items():
+        errs = ThreadGroup(2).run(make, opt)
+        assert errs[0] == errs[1] and errs[0][0] is HyperparameterError and words in errs[0][1], name
+        assert "shard_state=False" in errs[0][1]
+    errs = ThreadGroup(2).run(make, lambda: at.optim.AdamW(), C.TopK(0.1))
+    assert errs[0] == errs[1] and "compress" in errs[0][1]
+
+    def odd_layout(rank, comm):
+        params = _params()
+        if rank == 1:
+            params["extra"] = np.zeros(3)
+        try:
+            at.Engine(params, at.optim.AdamW(), comm=comm, shard_state=True)
+        except LayoutError as exc:
+            return str(exc)
+        return None
+
+    errs = ThreadGroup(2).run(odd_layout)
+    assert errs[0] == errs[1] and "layout" in errs[0]
+
+    def odd_setting(rank, comm):
+        try:
+            at.Engine(_params(), at.optim.AdamW(), comm=comm, shard_state=rank == 0)
+        except HyperparameterError as exc:
+            return str(exc)
+        return None
+
+    errs = ThreadGroup(2).run(odd_setting)
+    assert errs[0] == errs[1] and "shard_state" in errs[0]
+
+
+def test_a_refused_state_changes_nothing_on_any_rank():
+    def rank_run(rank, comm):
+        eng = at.Engine(_params(), at.optim.AdamW(), comm=comm, shard_state=True)
+        eng.step(_windows(1, 1, 1)[0][0][0][0])
+        state = eng.state_dict()
+        before = {k: b.flat.copy() for k, b in eng.state.slots.items()}
+        bad = dict(state, optimizer=dict(state["optimizer"], slots={
+            k: {n: (a[:-1] if n == "mid" and rank == 1 else a) for n, a in v.items()}
+            for k, v in state["optimizer"]["slots"].items()}))
+        with pytest.raises(StateDictError):
+            eng.load_state_dict(bad)
+        return all(np.array_equal(before[k], b.flat) for k, b in eng.state.slots.items())
+
+    assert ThreadGroup(2).run(rank_run) == [True, True]
+
+
+def test_partitions_are_equal_chunk_multiples_covering_the_layout():
+    lay = at.Layout(SHAPES)
+    for ranks in (1, 2, 3, 4, 8):
+        parts = [partition(lay, ranks, r) for r in range(ranks)]
+        assert {p.length for p in parts} == {parts[0].length} and parts[0].length % REDUCE_CHUNK == 0
+        chunks = -(-lay.size // REDUCE_CHUNK)  # the shortest equal chunk-multiple partitions that cover it
+        assert parts[0].length == -(-chunks // ranks) * REDUCE_CHUNK and parts[-1].hi >= lay.size
+        pieces = np.concatenate([p.pieces + [p.lo, p.lo, 0] for p in parts])
+        np.testing.assert_array_equal(pieces, lay.pieces)
+        covered = {}
+        for p in parts:
+            for name, a, b, _ in p.spans():
+                covered.setdefault(name, []).append((a, b))
+        for name, size in zip(lay.names, lay.sizes):
+            spans = covered.get(name, [])
+            assert sum(b - a for a, b in spans) == size, name
