@@ -55,6 +55,30 @@ def test_collectives_compressed_exchange_and_engine(n):
     print(summary)
 
 
+def test_sharded_state_over_mpi_and_a_checkpoint_across_numbers_of_ranks(tmp_path):
+    """2 ranks then 3 ranks: each follows the replicated engine; 3 ranks resume the 2 ranks' checkpoint,
+    and one process resumes both, each continuing the one-process trajectory."""
+    os.environ["ARRAYTRAIN_SHARD_DIR"] = str(tmp_path)  # launch() passes this process's environment on
+    try:
+        for n in (2, 3):
+            proc = ranks(n, CHECKS, "shard")
+            assert proc.returncode == 0, proc.stdout + proc.stderr
+            assert f"checks passed on {n} ranks" in proc.stdout.strip().splitlines()[-1], proc.stdout + proc.stderr
+    finally:
+        del os.environ["ARRAYTRAIN_SHARD_DIR"]
+    sys.path.insert(0, str(CHECKS.parent))
+    try:
+        import shard_checks
+    finally:
+        sys.path.remove(str(CHECKS.parent))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["saved-by-2.safetensors", "saved-by-3.safetensors"]
+    os.environ["ARRAYTRAIN_SHARD_DIR"] = str(tmp_path)
+    try:
+        assert shard_checks.check_a_checkpoint_resumes_on_any_number_of_ranks(None) == 3
+    finally:
+        del os.environ["ARRAYTRAIN_SHARD_DIR"]
+
+
 def test_a_crashing_rank_ends_the_job_with_its_error():
     """The last rank fails before a collective the others wait in: abort_on_error ends every rank."""
     t0 = time.monotonic()

@@ -197,7 +197,7 @@ def test_a_sharded_checkpoint_resumes_on_another_number_of_ranks(tmp_path):
             eng.step(grads[t][0][0])
         if not load:
             at.save(path, eng)
-        return {n: np.array(v, np.float32) for n, v in eng.working.items()}
+        return dict(eng.gather_params())  # the float32 masters (bfloat16 copies may round one ulp apart)
 
     ThreadGroup(2).run(run, False)
     one = engine()
@@ -207,9 +207,9 @@ def test_a_sharded_checkpoint_resumes_on_another_number_of_ranks(tmp_path):
     ref = engine()
     for t in range(6):
         ref.step(grads[t][0][0])
-    want = {n: np.array(v, np.float32) for n, v in ref.working.items()}
-    for got in (*ThreadGroup(3).run(run, True), {n: np.array(v, np.float32) for n, v in one.working.items()}):
-        _close(got, want, 1e-6)
+    # bfloat16 moments: partial sums added in another order may round a moment one ulp (2**-8) apart
+    for got in (*ThreadGroup(3).run(run, True), dict(one.params)):
+        _close(got, dict(ref.params), 1e-3)
 
 
 def test_bad_set_ups_raise_the_same_error_on_every_rank_before_allocating():

@@ -11,6 +11,8 @@ Groups: ``comm`` (the collectives, set-up agreement, bad input),
 ``compress`` (every compressor's multi-rank exchange and error feedback),
 ``engine`` (the engine over MPIComm: data parallel, compressed, a resumed checkpoint, a set-up
 that differs on one rank),
+``shard`` (sharded optimizer state against the replicated engine, checkpoints across
+numbers of ranks, bad set-ups; see ``shard_checks.py``),
 ``crash`` (the last rank fails inside :func:`abort_on_error` while the others
 wait in a collective: the job must end, non-zero, with the error printed).
 """
@@ -28,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from arraytrain.distributed import MPIComm, abort_on_error  # noqa: E402
 
-GROUPS = {"comm": "comm_checks", "compress": "compress_checks", "engine": "engine_checks"}
+GROUPS = {"comm": "comm_checks", "compress": "compress_checks", "engine": "engine_checks", "shard": "shard_checks"}
 
 
 def checks_of(module: str) -> list:
