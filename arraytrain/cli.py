@@ -256,6 +256,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--compress", type=_compress_spec, metavar="METHOD[:k=v,...]",
                    help=f"compress the gradient every step ({', '.join(COMPRESSORS)}), e.g. topk:ratio=0.01; "
                         "the keys are the compressor's arguments (arraytrain.compress)")
+    t.add_argument("--shard-state", action="store_true",
+                   help="under mpiexec -n K: each process keeps and updates 1/K of the optimizer state (and of "
+                        "the float32 master weights with --precision bf16/fp16); element-wise optimizers only")
     t.add_argument("--error-feedback", action="store_true",
                    help="with --compress: keep what was not sent and add it to the next step's gradient "
                         "(randomk and vsa then keep their values unscaled: rescale=False, unbiased=False)")
@@ -558,6 +561,15 @@ def _check_flags(args, comm) -> None:
         raise _usage("--step-epochs applies to --schedule step only")
     if args.error_feedback and args.compress is None:
         raise _usage("--error-feedback needs --compress METHOD")
+    if args.shard_state:
+        if comm is None:
+            raise _usage("--shard-state needs several processes: mpiexec -n K arraytrain train --shard-state")
+        if args.compress is not None:
+            raise _usage("--shard-state with --compress: a compressor's exchange replaces the reduce-scatter; "
+                         "use one or the other")
+        why = optimizers()[args.optimizer].shard_refusal
+        if why is not None:
+            raise _usage(f"--shard-state with --optimizer {args.optimizer}: {why}")
     if args.prune_epochs is not None:
         if args.prune is None:
             raise _usage("--prune-epochs needs --prune RATIO")
@@ -669,12 +681,13 @@ def train(args) -> int:
         extra_engine["loss_scaler"] = LossScaler()
     engine = Engine(params, optimizer, accumulation_steps=args.accumulation, max_grad_norm=args.clip,
                     zero_grad_on_step=False, device=args.device, compressor=compressor, comm=comm, schedule=sched,
-                    **extra_engine)
+                    shard_state=args.shard_state, **extra_engine)
     if args.prune is not None:  # a mask from the start, so that every checkpoint of the run holds one
         from .prune import MaskBuffer
 
         engine.set_mask(MaskBuffer.ones(engine.layout))
-    model.bind(engine)
+    if engine.working is None:  # with a working copy the trainer binds the model to it
+        model.bind(engine)
     config = {k: v for k, v in vars(args).items() if k != "func"}
 
     callbacks = []
@@ -860,6 +873,10 @@ def _report(args, trainer, test, quant, split, payload, batches, start) -> dict:
 def _header(args, data, model, engine, comm, start) -> str:
     """The line that says what is about to run."""
     how = "" if comm is None else f", {comm.size} processes (each a shard of every batch)"
+    if args.shard_state:
+        mem = engine.memory()
+        how += (f", optimizer state sharded ({mem['state'] / 2**20:.2f} MiB of it per process"
+                + (f", float32 masters {mem['master'] / 2**20:.2f} MiB" if mem["master"] else "") + ")")
     if engine.compressor is not None:
         how += f", compressed: {engine.compressor!r}"
     if args.precision != "fp32":
@@ -963,7 +980,7 @@ def _int8_evaluation(trainer, model, engine, data) -> dict:
     from .nn import array_namespace, to_numpy
     from .quantize import dequantize_params, quantize_params
 
-    host = FlatBuffer(engine.layout, to_numpy(engine.params.flat).copy())
+    host = FlatBuffer(engine.layout, to_numpy(engine.gather_params().flat))  # a copy; sharded: gathered
     # Dense weights are (in, out): axis 1 is the output channel
     q = quantize_params(host, scheme="symmetric", granularity="channel", axis=1)
     float_bytes = sum(host[name].nbytes for name in q)

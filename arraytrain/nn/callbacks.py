@@ -299,7 +299,7 @@ class MagnitudePruning(Callback):
         engine = trainer.engine
         target = self.target(epoch)
         if target is not None:
-            host = FlatBuffer(engine.layout, to_numpy(engine.params.flat))
+            host = FlatBuffer(engine.layout, to_numpy(engine.gather_params().flat))  # sharded masters: gathered
             mask = magnitude_mask(host, ratio=target)
             if engine.mask is not None:
                 mask.flat &= to_numpy(engine.mask.flat)

@@ -398,9 +398,10 @@ class _WorkingCopy:
         if model.dtype != np.float32:
             raise HyperparameterError(f"model: a working copy drives a float32 model, got {model.dtype}")
         self.engine, self.dtype = engine, engine.working.dtype
-        self.weights = engine.params.zeros_like()
-        self.grads = engine.params.zeros_like()
-        self.low = engine.params.zeros_like(self.dtype)
+        # full buffers of the layout (with sharded state engine.params holds one partition of the masters)
+        self.weights = engine.grads.zeros_like(np.float32)
+        self.grads = engine.grads.zeros_like(np.float32)
+        self.low = engine.grads.zeros_like(self.dtype)
         self._low_views = self.low.as_dict()
         self.refresh()
         model.bind(self.weights.as_dict(), grads=self.grads.as_dict())

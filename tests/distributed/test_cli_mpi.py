@@ -70,3 +70,32 @@ def test_cuda_under_mpiexec_is_refused_before_training(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.count("error:") == 1 and "--device cuda under mpiexec (2 processes)" in proc.stderr, proc.stderr
 
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_sharded_state_follows_the_replicated_run(tmp_path, precision):
+    """--shard-state: each process holds part of the optimizer state (and of the masters under bf16),
+    and the run follows the replicated one; its checkpoint resumes in one process."""
+    data = small_npz(tmp_path / "d.npz", n=120)
+    common = ["--data", str(data), "--epochs", "3", "--batch-size", "16", "--clip", "1.0", "--precision", precision]
+    _, rep = _train(tmp_path, 2, *common, name="rep")
+    ckpt = tmp_path / "shard.safetensors"
+    proc, sha = _train(tmp_path, 2, *common, "--shard-state", "--save", str(ckpt), name="sha")
+    assert "optimizer state sharded" in proc.stdout and sha["processes"] == 2
+    if precision == "bf16":
+        assert "float32 masters" in proc.stdout
+    np.testing.assert_allclose([h["loss"] for h in sha["history"]], [h["loss"] for h in rep["history"]], rtol=1e-4)
+    _, more = _train(tmp_path, 1, *common[:3], "4", *common[4:], "--resume", str(ckpt), name="more")
+    assert len(more["history"]) == 4 and more["history"][:3] == sha["history"]
+
+
+def test_shard_state_usage_errors(tmp_path):
+    pytest.importorskip("mpi4py")
+    base = [sys.executable, "-m", "arraytrain", "train"]
+    proc = subprocess.run([*base, "--shard-state"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "--shard-state needs several processes" in proc.stderr, proc.stderr
+    for extra, words in ((["--optimizer", "adafactor"], "--optimizer adafactor"),
+                         (["--compress", "topk:ratio=0.1"], "--compress")):
+        cmd = [MPIEXEC, "-n", "2", *base, "--shard-state", *extra]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2 and proc.stderr.count("error:") == 1 and words in proc.stderr, proc.stderr
