@@ -35,6 +35,15 @@ command, not under mpiexec. Four parts (``--parts``):
     ``python -m arraytrain.bench compression``): test accuracy and the bytes
     each process sent per step.
 
+``sharding``
+    Sharded optimizer state (``Engine(shard_state=True)``): :meth:`engine.memory()
+    <arraytrain.Engine.memory>` per process at 1 (replicated) and each of
+    ``--shard-ranks`` processes for AdamW on ``--shard-size`` float32 parameters in 100
+    tensors, in float32 and under a bfloat16 working copy (float32 masters sharded too);
+    and at 2 processes the clipped step of the sharded engine beside the replicated
+    one, the two engines taking turns step by step in one run (best of ``--steps``,
+    the slowest rank's): ``sharded / replicated speed`` > 1 is a faster sharded step.
+
 ``--json FILE`` keeps every figure; ``--plot FILE.png`` draws the all-reduce
 throughput, the projected step times and accuracy against bytes.
 """
@@ -52,7 +61,7 @@ from pathlib import Path
 
 import numpy as np
 
-PARTS = ("allreduce", "scaling", "projection", "accuracy")
+PARTS = ("allreduce", "scaling", "projection", "accuracy", "sharding")
 RESULT = "RESULT "  # rank 0's line of JSON in a worker's output
 
 
@@ -189,7 +198,46 @@ def _gathered(comp) -> bool:
     return isinstance(inner, Compressor) and type(inner).aggregate is Compressor.aggregate
 
 
-WORKERS = {"allreduce": worker_allreduce, "scaling": worker_scaling, "projection": worker_projection}
+def worker_sharding(comm, cfg) -> dict:
+    """engine.memory() of the replicated and sharded engines (float32 and under a bfloat16 working copy);
+    with ``cfg["time"]`` the two float32 engines' clipped steps, taking turns."""
+    from .. import Engine, optim
+
+    group = comm if comm.size > 1 else None
+    params = _params(cfg["n"], 100, False)
+    out = {"ranks": comm.size, "n": sum(v.size for v in params.values()), "memory": {}}
+    engines = {}
+    for precision, extra in (("fp32", {}), ("bf16", {"working_dtype": "bfloat16"})):
+        for shard in (False, True) if group is not None else (False,):
+            eng = Engine(params, optim.AdamW(lr=1e-3), comm=group, shard_state=shard, max_grad_norm=1.0, **extra)
+            out["memory"][f"{precision}/{'sharded' if shard else 'replicated'}"] = eng.memory()
+            if precision == "fp32" and cfg.get("time"):
+                engines["sharded" if shard else "replicated"] = eng
+            else:
+                del eng
+    if engines:
+        rng = np.random.default_rng(1 + comm.rank)
+        g = rng.standard_normal(engines["replicated"].grads.flat.size).astype(np.float32) * 1e-3
+        times = {k: [] for k in engines}
+        for i in range(cfg["steps"] + 1):
+            for key, eng in engines.items():
+                eng.grads.flat[...] = g
+                comm.comm.Barrier()
+                t0 = time.perf_counter()
+                eng.step()
+                dt = _slowest(comm, time.perf_counter() - t0)
+                if i:
+                    times[key].append(dt)
+        out["step_s"] = {k: min(v) for k, v in times.items()}
+        same = np.array_equal(engines["replicated"].params.flat, engines["sharded"].params.flat)
+        out["same_weights"] = bool(same)
+        out["max_rel_diff"] = float(np.max(np.abs(engines["replicated"].params.flat - engines["sharded"].params.flat)
+                                           / (np.abs(engines["replicated"].params.flat) + 1e-30)))
+    return out
+
+
+WORKERS = {"allreduce": worker_allreduce, "scaling": worker_scaling, "projection": worker_projection,
+           "sharding": worker_sharding}
 
 
 def run_worker(name: str, cfg: dict) -> int:
@@ -390,6 +438,36 @@ def plot(path: str, results: dict) -> None:
     fig.savefig(path, dpi=110)
 
 
+def part_sharding(args) -> dict:
+    rows = []
+    for k in [1, *args.shard_ranks]:
+        rows.append(_worker("sharding", k, {"n": args.shard_size, "steps": args.steps, "time": k == 2}, args))
+    mib = 2.0**20
+    n = rows[0]["n"]
+    print(f"\nSharded optimizer state: engine.memory() per process, AdamW on {n:,} float32 parameters "
+          "(100 tensors), MiB:")
+    print("| processes | precision | engine | params | grads | state | master | working | state vs replicated |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        for key, mem in r["memory"].items():
+            precision, kind = key.split("/")
+            full = rows[0]["memory"][f"{precision}/replicated"]["state"]
+            print(f"| {r['ranks']} | {precision} | {kind} | " + " | ".join(
+                f"{mem[k] / mib:.1f}" for k in ("params", "grads", "state", "master", "working"))
+                  + f" | {mem['state'] / full:.3f} (1/K = {1 / r['ranks']:.3f}) |")
+    timed = next((r for r in rows if "step_s" in r), None)
+    if timed is not None:
+        st = timed["step_s"]
+        print(f"\nThe clipped AdamW step at {timed['ranks']} processes ({n:,} parameters, {args.threads} numba "
+              f"thread(s) per process; best of {args.steps}, the slowest rank's):")
+        print("| replicated ms | sharded ms | sharded / replicated speed | weights |")
+        print("|---|---|---|---|")
+        same = "equal bit for bit" if timed["same_weights"] else f"max rel. diff {timed['max_rel_diff']:.1e}"
+        print(f"| {1e3 * st['replicated']:.2f} | {1e3 * st['sharded']:.2f} | "
+              f"{st['replicated'] / st['sharded']:.2f}x | {same} |")
+    return {"rows": rows}
+
+
 def _floats(text: str) -> list:
     return [float(s) for s in text.split(",") if s]
 
@@ -414,6 +492,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--accuracy-ranks", type=int, default=4)
     p.add_argument("--epochs", type=int, default=20)
     p.add_argument("--seeds", type=int, default=1)
+    p.add_argument("--shard-ranks", default="2,4", help="sharding: group sizes besides 1")
+    p.add_argument("--shard-size", type=float, default=1e7, help="sharding: float32 parameters")
     p.add_argument("--threads", type=int, default=1, help="numba threads per process")
     p.add_argument("--timeout", type=float, default=900, help="seconds per mpiexec job")
     p.add_argument("--json", metavar="FILE")
@@ -442,10 +522,12 @@ def main(argv=None) -> int:
         return 2
     args.sizes = [int(s) for s in _floats(args.sizes)]
     args.scaling_ranks = [int(s) for s in _floats(args.scaling_ranks)]
+    args.shard_ranks = [int(s) for s in _floats(args.shard_ranks)]
+    args.shard_size = int(args.shard_size)
     args.scaling_size, args.compress_size = int(args.scaling_size), int(args.compress_size)
     args.links = _floats(args.links)
     runners = {"allreduce": part_allreduce, "scaling": part_scaling, "projection": part_projection,
-               "accuracy": part_accuracy}
+               "accuracy": part_accuracy, "sharding": part_sharding}
     results = {part: runners[part](args) for part in parts}
     if args.json:
         with open(args.json, "w") as f:

@@ -42,6 +42,7 @@ from ..errors import (
     AliasingError,
     ArgumentTypeError,
     DTypeError,
+    HyperparameterError,
     LayoutError,
     MissingDependencyError,
     ShapeMismatchError,
@@ -122,6 +123,10 @@ class JaxEngine(Engine):
         names, leaves, treedef = _structure(params)
         if not leaves:
             raise LayoutError("params: the pytree has no leaves")
+        if engine_kwargs.get("shard_state") and engine_kwargs.get("working_dtype") is not None:
+            raise HyperparameterError("shard_state with working_dtype: the JAX binding hands the model the float32 "
+                                      "parameters, which sharded state splits over the ranks under a working copy; "
+                                      "shard without working_dtype")
         super().__init__(dict(zip(names, leaves)), optimizer, **engine_kwargs)
         self.treedef = treedef
         self._jax = jax

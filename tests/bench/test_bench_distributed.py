@@ -81,3 +81,20 @@ def test_accuracy_on_tiny_settings(tmp_path, capsys):
 def test_bad_arguments(capsys):
     assert bench.main(["--parts", "nope"]) == 2
     assert "unknown ['nope']" in capsys.readouterr().err
+
+
+def test_sharding_on_tiny_settings(tmp_path, capsys):
+    _need_mpi()
+    out_json = tmp_path / "s.json"
+    rc = bench.main(["--parts", "sharding", "--shard-ranks", "2", "--shard-size", "1e5", "--steps", "2",
+                     "--timeout", "240", "--json", str(out_json)])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "| 2 | fp32 | sharded |" in text and "sharded / replicated speed" in text
+    rows = json.loads(out_json.read_text())["sharding"]["rows"]
+    assert [r["ranks"] for r in rows] == [1, 2]
+    one, two = rows[0]["memory"], rows[1]["memory"]
+    chunk = 16384 * 4 * 2  # one reduction chunk of padding per slot
+    assert two["fp32/sharded"]["state"] <= one["fp32/replicated"]["state"] / 2 + chunk
+    assert two["bf16/sharded"]["params"] == 0 and two["bf16/sharded"]["master"] > 0
+    assert rows[1]["same_weights"] or rows[1]["max_rel_diff"] < 1e-5

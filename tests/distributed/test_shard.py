@@ -294,3 +294,58 @@ def test_partitions_are_equal_chunk_multiples_covering_the_layout():
         for name, size in zip(lay.names, lay.sizes):
             spans = covered.get(name, [])
             assert sum(b - a for a, b in spans) == size, name
+
+
+def test_the_torch_binding_passes_shard_state_through():
+    torch = pytest.importorskip("torch")
+    from arraytrain.interop import torch as att
+
+    def rank_run(rank, comm, shard, lowp):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(300, 120), torch.nn.Tanh(), torch.nn.Linear(120, 10))
+        if lowp:
+            model = model.to(torch.bfloat16)
+        eng = att.bind(model, at.optim.AdamW(lr=1e-2), comm=comm, shard_state=shard, max_grad_norm=1.0)
+        gen = torch.Generator().manual_seed(rank)
+        for _ in range(3):
+            x = torch.randn(16, 300, generator=gen).to(model[0].weight.dtype)
+            model(x).float().square().mean().backward()
+            eng.step()
+        return [p.detach().float().numpy().copy() for p in model.parameters()], eng.memory()
+
+    for lowp in (False, True):
+        rep = ThreadGroup(2).run(rank_run, False, lowp)
+        sha = ThreadGroup(2).run(rank_run, True, lowp)
+        for r in range(2):
+            for a, b in zip(sha[r][0], rep[r][0]):
+                np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+        assert sha[0][1]["state"] < rep[0][1]["state"]
+        assert (sha[0][1]["master"] > 0) == lowp
+
+
+def test_the_jax_binding_passes_shard_state_through():
+    jax = pytest.importorskip("jax")
+    from arraytrain.interop import jax as atj
+
+    tree = {"w": np.random.default_rng(0).standard_normal((300, 120)).astype(np.float32),
+            "b": np.zeros(120, np.float32)}
+
+    def rank_run(rank, comm, shard):
+        eng = atj.bind(jax.tree_util.tree_map(jax.numpy.asarray, tree), at.optim.Lion(lr=1e-3), comm=comm,
+                       shard_state=shard)
+        for t in range(3):
+            g = {k: np.random.default_rng([t, rank]).standard_normal(v.shape).astype(np.float32)
+                 for k, v in tree.items()}
+            eng.step(g)
+        return {k: np.asarray(v).copy() for k, v in eng.tree().items()}
+
+    rep = ThreadGroup(2).run(rank_run, False)
+    sha = ThreadGroup(2).run(rank_run, True)
+    for r in range(2):
+        _close(sha[r], rep[r], 1e-6)
+
+    def lowp(rank, comm):
+        with pytest.raises(HyperparameterError, match="shard_state with working_dtype"):
+            atj.bind(tree, at.optim.Lion(lr=1e-3), comm=comm, shard_state=True, working_dtype="bfloat16")
+
+    ThreadGroup(2).run(lowp)
