@@ -51,12 +51,12 @@ copied. How it works, and what it guards against:
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..amp import LossScaler
-from ..backend import BFLOAT16, NUMPY, backend_of
 from .._guard import guarded
+from ..amp import LossScaler
 from ..engine import Engine
 from ..errors import (
     ArgumentTypeError,
@@ -65,27 +65,87 @@ from ..errors import (
     DTypeError,
     HyperparameterError,
     LayoutError,
-    MissingDependencyError,
     NoGradientsError,
     ShapeMismatchError,
     StateDictError,
 )
+from ._torch_views import (
+    check_cuda_device,
+    host_array,
+    numpy_dtype,
+    tensor_view,
+    torch_module,
+)
 
-__all__ = ["TorchEngine", "bind"]
+if TYPE_CHECKING:  # at run time, module __getattr__ below imports them with torch, on first access
+    from ._torch_optim import (
+        LAMB,
+        SAM,
+        SGD,
+        Adadelta,
+        Adafactor,
+        Adagrad,
+        Adam,
+        Adamax,
+        AdamW,
+        Lion,
+        Muon,
+        NAdam,
+        RAdam,
+        RMSprop,
+        ScheduleFreeAdamW,
+        Sophia,
+        TorchOptimizer,
+    )
+
+# the drop-in torch.optim.Optimizer classes (arraytrain.interop._torch_optim), defined with torch, so
+# imported on first access: importing this module does not import torch
+DROP_INS = (
+    "Adadelta", "Adafactor", "Adagrad", "Adam", "AdamW", "Adamax", "LAMB", "Lion", "Muon", "NAdam", "RAdam",
+    "RMSprop", "SAM", "SGD", "ScheduleFreeAdamW", "Sophia", "TorchOptimizer",
+)
+"""The names of the drop-in optimizer classes (each loaded, with torch, on first access)."""
+
+__all__ = [
+    "LAMB",
+    "SAM",
+    "SGD",
+    "Adadelta",
+    "Adafactor",
+    "Adagrad",
+    "Adam",
+    "AdamW",
+    "Adamax",
+    "Lion",
+    "Muon",
+    "NAdam",
+    "RAdam",
+    "RMSprop",
+    "ScheduleFreeAdamW",
+    "Sophia",
+    "TorchEngine",
+    "TorchOptimizer",
+    "bind",
+]
+
+
+def __getattr__(name: str):
+    if name in DROP_INS:
+        torch_module()  # the install hint when torch is missing
+        from . import _torch_optim
+
+        return getattr(_torch_optim, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(DROP_INS))
 
 # engine arguments that bind takes from the module
 _FROM_MODULE = ("dtype", "device", "working_dtype")
 
 
-def _torch():
-    try:
-        import torch
-    except ImportError:
-        raise MissingDependencyError("arraytrain.interop.torch needs PyTorch (pip install torch)") from None
-    return torch
-
-
-def bind(module, optimizer, **engine_kwargs) -> "TorchEngine":
+def bind(module, optimizer, **engine_kwargs) -> TorchEngine:
     """An :class:`Engine` training ``module``'s trainable parameters in place; see the module docstring.
 
     ``engine_kwargs`` are :class:`~arraytrain.Engine`'s (``max_grad_norm``,
@@ -93,33 +153,6 @@ def bind(module, optimizer, **engine_kwargs) -> "TorchEngine":
     ``dtype``, ``device`` and ``working_dtype``, which come from the module.
     """
     return TorchEngine(module, optimizer, **engine_kwargs)
-
-
-def _np_view(arr, torch):
-    """A torch tensor sharing ``arr``'s memory (NumPy or CuPy; bfloat16 through its int16 bits)."""
-    bf16 = arr.dtype == BFLOAT16
-    if backend_of(arr) == NUMPY:
-        t = torch.from_numpy(arr.view(np.int16) if bf16 else arr)
-    else:
-        t = torch.from_dlpack(arr.view(np.int16) if bf16 else arr)
-    return t.view(torch.bfloat16) if bf16 else t
-
-
-def _host(t, torch, copy: bool) -> np.ndarray:
-    """A NumPy array of a tensor's values (a view on the CPU unless ``copy``; bfloat16 as ml_dtypes')."""
-    t = t.detach()
-    if t.device.type != "cpu":
-        t, copy = t.cpu(), False
-    if not t.is_contiguous():
-        t, copy = t.contiguous(), False
-    a = t.view(torch.int16).numpy().view(BFLOAT16) if t.dtype == torch.bfloat16 else t.numpy()
-    return a.copy() if copy else a
-
-
-def _np_dtype(t, torch) -> np.dtype:
-    if t.dtype == torch.bfloat16:
-        return BFLOAT16
-    return torch.empty(0, dtype=t.dtype).numpy().dtype
 
 
 class TorchEngine(Engine):
@@ -131,7 +164,7 @@ class TorchEngine(Engine):
     """
 
     def __init__(self, module, optimizer, **engine_kwargs):
-        torch = _torch()
+        torch = torch_module()
         if not isinstance(module, torch.nn.Module):
             raise ArgumentTypeError(f"module: expected a torch.nn.Module, got {type(module).__name__}")
         for key in _FROM_MODULE:
@@ -159,7 +192,7 @@ class TorchEngine(Engine):
                                "bind needs one device")
         device = devices.pop()
         if device.type == "cuda":
-            self._check_cuda_device(device)
+            check_cuda_device(device, "module")
         elif device.type != "cpu":
             raise BackendUnavailableError(f"module: parameters on {device}; bind supports the CPU and CUDA")
         lowp = dtype in (torch.bfloat16, torch.float16)
@@ -181,15 +214,15 @@ class TorchEngine(Engine):
         if lowp:
             # .grad must have the parameter's dtype: a low-precision buffer, added into the float32 one
             self._lp_grads = torch.zeros(self.layout.size, dtype=dtype, device=device)
-            self._grads_view = _np_view(self.grads.flat, torch)
+            self._grads_view = tensor_view(self.grads.flat, torch)
         bound = []
         for name, p in trainable:
-            data = _np_view(weights[name], torch)
+            data = tensor_view(weights[name], torch)
             if lowp:
                 sl = self.layout.slice(name)
                 grad = self._lp_grads[sl].view(p.shape)
             else:
-                grad = _np_view(self.grads[name], torch)
+                grad = tensor_view(self.grads[name], torch)
             p.data = data
             p.grad = grad
             bound.append((name, p, data, grad))
@@ -197,18 +230,6 @@ class TorchEngine(Engine):
         self.frozen = {n: p for n, p in named if not p.requires_grad}
         param_names = {n for n, _ in module.named_parameters(remove_duplicate=False)}
         self.buffers = {n: t for n, t in module.state_dict(keep_vars=True).items() if n not in param_names}
-
-    @staticmethod
-    def _check_cuda_device(device) -> None:
-        from ..backend import require_cuda
-
-        require_cuda("module")
-        import cupy
-
-        current = cupy.cuda.Device().id
-        if device.index is not None and device.index != current:
-            raise BackendError(f"module: on {device}, but CuPy's current device is cuda:{current}; "
-                               f"bind under `with cupy.cuda.Device({device.index}):`")
 
     # -- the step -------------------------------------------------------------------------
     @guarded
@@ -294,8 +315,8 @@ class TorchEngine(Engine):
     def _with_module(self, state: dict, copy: bool) -> dict:
         torch = self._torch
         state["module"] = {
-            "buffers": {n: _host(t, torch, copy) for n, t in self.buffers.items()},
-            "frozen": {n: _host(t, torch, copy) for n, t in self.frozen.items()},
+            "buffers": {n: host_array(t, torch, copy) for n, t in self.buffers.items()},
+            "frozen": {n: host_array(t, torch, copy) for n, t in self.frozen.items()},
         }
         return state
 
@@ -323,7 +344,7 @@ class TorchEngine(Engine):
                 raise StateDictError(f"module {part}: expected {sorted(tensors)}, got {got}")
             for name, t in tensors.items():
                 a = arrays[name]
-                want = _np_dtype(t, torch)
+                want = numpy_dtype(t, torch)
                 if not isinstance(a, np.ndarray) or a.dtype != want or a.shape != tuple(t.shape):
                     raise StateDictError(
                         f"module {part}[{name!r}]: expected a NumPy {want} array of shape {tuple(t.shape)}, got "

@@ -1,0 +1,65 @@
+"""torch tensors as views of arraytrain's flat buffers, and back: what both torch doors share.
+
+:mod:`arraytrain.interop.torch`'s ``bind`` and its drop-in ``torch.optim.Optimizer`` classes
+make a module's parameters and ``.grad`` tensors views of an engine's buffers with these
+helpers. torch is imported by :func:`torch_module` only, when a caller needs it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..backend import BFLOAT16, NUMPY, backend_of
+from ..errors import MissingDependencyError
+
+
+def torch_module():
+    """The ``torch`` module, or :class:`MissingDependencyError` saying how to install it."""
+    try:
+        import torch
+    except ImportError:
+        raise MissingDependencyError("arraytrain.interop.torch needs PyTorch (pip install torch)") from None
+    return torch
+
+
+def tensor_view(arr, torch):
+    """A torch tensor sharing ``arr``'s memory (NumPy or CuPy; bfloat16 through its int16 bits)."""
+    bf16 = arr.dtype == BFLOAT16
+    if backend_of(arr) == NUMPY:
+        t = torch.from_numpy(arr.view(np.int16) if bf16 else arr)
+    else:
+        t = torch.from_dlpack(arr.view(np.int16) if bf16 else arr)
+    return t.view(torch.bfloat16) if bf16 else t
+
+
+def host_array(t, torch, copy: bool) -> np.ndarray:
+    """A NumPy array of a tensor's values (a view on the CPU unless ``copy``; bfloat16 as ml_dtypes')."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        t, copy = t.cpu(), False
+    if not t.is_contiguous():
+        t, copy = t.contiguous(), False
+    a = t.view(torch.int16).numpy().view(BFLOAT16) if t.dtype == torch.bfloat16 else t.numpy()
+    return a.copy() if copy else a
+
+
+def numpy_dtype(t, torch) -> np.dtype:
+    """The NumPy dtype (ml_dtypes' bfloat16 for torch.bfloat16) of a tensor's elements."""
+    if t.dtype == torch.bfloat16:
+        return BFLOAT16
+    return torch.empty(0, dtype=t.dtype).numpy().dtype
+
+
+def check_cuda_device(device, what: str = "module") -> None:
+    """A CUDA tensor's device must be CuPy's current one (the engine's buffers are made there)."""
+    from ..backend import require_cuda
+
+    require_cuda(what)
+    import cupy
+
+    current = cupy.cuda.Device().id
+    if device.index is not None and device.index != current:
+        from ..errors import BackendError
+
+        raise BackendError(f"{what}: on {device}, but CuPy's current device is cuda:{current}; "
+                           f"build it under `with cupy.cuda.Device({device.index}):`")
