@@ -112,7 +112,7 @@ class Engine:
         every rank skips, clips and steps identically. At construction the ranks
         must agree on the layout, dtype, optimizer and settings (else a
         :class:`LayoutError` / :class:`HyperparameterError` on every rank), and
-        rank 0's parameters and optimizer state are broadcast.
+        rank 0's parameters are broadcast (the optimizer state starts from them).
     device : None, "cpu" or "cuda"
         Where the buffers live. None: where ``params`` are (NumPy arrays: the
         CPU; CuPy arrays, or a FlatBuffer of them: the current CUDA device).

@@ -114,6 +114,7 @@ class ShardBuffer:
 
     @property
     def dtype(self):
+        """The dtype of the flat array."""
         return self.flat.dtype
 
     def zeros_like(self, dtype=None) -> ShardBuffer:
@@ -122,6 +123,7 @@ class ShardBuffer:
                                                          array_module(self.flat)))
 
     def copy(self) -> ShardBuffer:
+        """An independent copy of the same partition (a new aligned array)."""
         out = aligned_empty(self.partition.length, self.flat.dtype, array_module(self.flat))
         out[...] = self.flat
         return ShardBuffer(self.partition, out)

@@ -55,6 +55,7 @@ MODULES = (
     "arraytrain.prune",
     "arraytrain.quantize",
     "arraytrain.schedules",
+    "arraytrain.shard",
     "arraytrain.stages",
     "arraytrain.threads",
 )

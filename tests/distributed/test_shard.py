@@ -349,3 +349,43 @@ def test_the_jax_binding_passes_shard_state_through():
             atj.bind(tree, at.optim.Lion(lr=1e-3), comm=comm, shard_state=True, working_dtype="bfloat16")
 
     ThreadGroup(2).run(lowp)
+
+
+def test_sharded_state_on_cupy_buffers_follows_the_replicated_engine():
+    """The CUDA family with sharded state (thread ranks sharing one GPU; NCCL itself needs a GPU per rank)."""
+    from cuda_family import require_cuda
+
+    require_cuda()
+    import cupy
+
+    def rank_run(rank, comm, shard):
+        eng = at.Engine(_params(np.float32), at.optim.LAMB(lr=1e-2, state_dtype="bfloat16"), comm=comm,
+                        shard_state=shard, device="cuda", max_grad_norm=1.0, working_dtype="bfloat16")
+        for t in range(3):
+            eng.step({n: cupy.asarray(g) for n, g in _windows(1, 1, 1, seed=t)[0][0][0][0].items()})
+        return {n: cupy.asnumpy(eng.gather_params()[n]) for n in SHAPES}
+
+    rep = ThreadGroup(2).run(rank_run, False)
+    sha = ThreadGroup(2).run(rank_run, True)
+    for r in range(2):
+        _close(sha[r], rep[r], 1e-3)
+
+
+def test_schedule_free_evaluation_weights_are_gathered():
+    grads, _ = _windows(3, 2, 1)
+
+    def rank_run(rank, comm, shard):
+        eng = at.Engine(_params(), at.optim.ScheduleFreeAdamW(lr=1e-2), comm=comm, shard_state=shard)
+        for t in range(3):
+            eng.step(grads[t][rank][0])
+        y = eng.params.flat.copy()
+        with eng.evaluation() as x:
+            evaluated = {n: v.copy() for n, v in x.items()}
+        assert np.array_equal(eng.params.flat, y), "y is back bit for bit"
+        return evaluated
+
+    rep = ThreadGroup(2).run(rank_run, False)
+    sha = ThreadGroup(2).run(rank_run, True)
+    for r in range(2):
+        _close(sha[r], rep[r], 1e-12)
+        assert not all(np.array_equal(sha[r][n], _params()[n]) for n in SHAPES)
