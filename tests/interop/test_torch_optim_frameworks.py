@@ -1,0 +1,73 @@
+"""The drop-in optimizers inside the training frameworks, as their users run them.
+
+``examples/torch_hf_trainer.py`` (a Hugging Face ``Trainer`` given ``optimizers=(AdamW,
+scheduler)``, a small GPT-2 built from a config) and ``examples/torch_lightning.py`` (a
+Lightning ``Trainer`` whose ``configure_optimizers`` returns the optimizer and a
+scheduler): each trains once with ``arraytrain.interop.torch.AdamW`` and once with
+``torch.optim.AdamW``, and the losses of every step agree to float32 tolerance. transformers
+(with accelerate) and lightning are test dependencies only; the tests skip without them.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import io
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+from arraytrain.interop import torch as at_torch
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+def _example(name: str):
+    spec = importlib.util.spec_from_file_location(f"example_{name}", EXAMPLES / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_hugging_face_trainer_matches_torch_adamw():
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    ex = _example("torch_hf_trainer")
+    ours = ex.train(at_torch.AdamW, steps=12)
+    theirs = ex.train(torch.optim.AdamW, steps=12)
+    assert len(ours) == len(theirs) == 12
+    np.testing.assert_allclose(ours, theirs, rtol=1e-5)
+    assert ours[-1] < ours[0] - 0.3  # it learns
+
+
+def test_hugging_face_trainer_checkpoint_holds_the_state():
+    """The Trainer saves ``optimizer.state_dict()`` with torch.save; it loads back by name."""
+    pytest.importorskip("transformers")
+    ex = _example("torch_hf_trainer")
+    model = ex.make_model()
+    opt = at_torch.AdamW(ex.param_groups(model), lr=1e-3)
+    batch = torch.stack([d["input_ids"] for d in ex.make_dataset(8)])
+    for _ in range(2):
+        opt.zero_grad()
+        model(input_ids=batch, labels=batch).loss.backward()
+        opt.step()
+    buf = io.BytesIO()
+    torch.save(opt.state_dict(), buf)
+    buf.seek(0)
+    other = at_torch.AdamW(ex.param_groups(model), lr=1e-3)
+    other.load_state_dict(torch.load(buf, weights_only=True))
+    names = opt.state_dict()["param_groups"][0]["param_names"]
+    assert "transformer.wte.weight" in names and "lm_head.weight" not in names  # tied: held once
+    for p in model.parameters():
+        assert torch.equal(other.state[p]["exp_avg_sq"], opt.state[p]["exp_avg_sq"])
+        assert int(other.state[p]["step"]) == 2
+
+
+def test_lightning_trainer_matches_torch_adamw():
+    pytest.importorskip("lightning")
+    ex = _example("torch_lightning")
+    ours = ex.train(at_torch.AdamW, steps=24)
+    theirs = ex.train(torch.optim.AdamW, steps=24)
+    assert len(ours) == len(theirs) == 24
+    np.testing.assert_allclose(ours, theirs, rtol=1e-5)
