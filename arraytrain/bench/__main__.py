@@ -1,4 +1,4 @@
-"""``python -m arraytrain.bench [compare|threads|mlp|predict|compression|compress|intake|distributed] ...``
+"""``python -m arraytrain.bench [compare|threads|mlp|predict|compression|compress|intake|dropin|distributed] ...``
 
 ``compare`` (the default): one clipped optimizer step, arraytrain beside
 torch.optim (foreach and fused), hand-written NumPy and optax, with the
@@ -16,6 +16,9 @@ without error feedback; see :mod:`arraytrain.bench.compression`.
 ``intake``: the dict path's cost per tensor, before and after the structure
 cache, beside the zero-copy path and torch's fused AdamW; see
 :mod:`arraytrain.bench.intake`.
+``dropin``: the drop-in ``arraytrain.interop.torch.AdamW`` step beside torch's
+fused AdamW at 1e6/1e7/1e8 parameters, and the cost of reading the param groups;
+see :mod:`arraytrain.bench.dropin`.
 ``distributed``: processes over MPI (it launches mpiexec itself): MPIComm's
 all-reduce beside mpi4py's, engine step time at 1/2/4 processes, each
 compressor's bytes and projected step time at 1/10/100 Gb/s, and digits
@@ -30,7 +33,7 @@ import sys
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     command = argv.pop(0) if argv and argv[0] in ("compare", "threads", "mlp", "predict", "compression", "compress", "intake",
-                                                 "distributed") else "compare"
+                                                 "dropin", "distributed") else "compare"
     if command == "threads":
         from .threads import main as run
     elif command == "mlp":
@@ -43,6 +46,8 @@ def main(argv=None) -> int:
         from .compression import throughput_main as run
     elif command == "intake":
         from .intake import main as run
+    elif command == "dropin":
+        from .dropin import main as run
     elif command == "distributed":
         from .distributed import main as run
     else:

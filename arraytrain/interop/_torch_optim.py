@@ -89,16 +89,31 @@ _FLOATS = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 def _value(v):
     """A group's value as plain Python: a 0-d (one-element) tensor read as a float, tuples element-wise."""
     if isinstance(v, torch.Tensor):
-        if v.numel() != 1:
-            return v  # refused by the checks, which name the key
-        return bool(v.item()) if v.dtype == torch.bool else float(v.item())
+        try:
+            return v.item()  # a float (an int, a bool) for a one-element tensor
+        except RuntimeError:
+            return v  # several elements: refused by the checks, which name the key
     if isinstance(v, (tuple, list)):
         return tuple(_value(x) for x in v)
     return v
 
 
-def _rate(name: str, v) -> float:
-    v = _value(v)
+class _Seen:
+    """A group's values as the last read found them: the raw tuple, whether it holds tensors, what they mean."""
+
+    __slots__ = ("lr", "raw", "sig", "sig_tensors", "tensors", "wd")
+
+    def __init__(self, raw, tensors, sig_tensors, lr, wd, sig):
+        self.raw, self.tensors, self.sig_tensors, self.lr, self.wd, self.sig = raw, tensors, sig_tensors, lr, wd, sig
+
+
+def _rate(gi: int, key: str, v) -> float:
+    """``lr`` or ``weight_decay``: a finite number >= 0 (a float, an int, or a one-element tensor)."""
+    if type(v) is not float:
+        v = _value(v)
+    if type(v) is float and 0.0 <= v < math.inf:  # the common case, in a few tens of ns
+        return v
+    name = _group_name(gi, key)
     if isinstance(v, torch.Tensor):
         raise HyperparameterError(f"{name}: expected a number or a one-element tensor, got a tensor of shape "
                                   f"{tuple(v.shape)}")
@@ -509,33 +524,39 @@ class TorchOptimizer(torch.optim.Optimizer):
         self.state = state
 
     # -- the step ---------------------------------------------------------------------------
-    def _read_groups(self) -> bool:
+    def read_param_groups(self) -> bool:
         """Read every group and map what changed onto the engines; True when a rate changed.
 
-        The fast path: a group's values, as a tuple, equal the last step's (tensors are read every
+        Every :meth:`step` calls it first; call it yourself to have a group you edited validated
+        at once (a refused value raises :class:`~arraytrain.errors.HyperparameterError` naming the
+        group and key, and changes nothing). The fast path: a group's values, as a tuple, equal the last step's (tensors are read every
         time). ``lr`` and ``weight_decay`` are checked alone; the other values build the group's
         arraytrain optimizer (the full validation) only when they changed.
         """
         rates = False
         resig, updates = [], []
+        keys, seen_all = self._read_keys, self._seen
         for gi, group in enumerate(self.param_groups):
             try:
-                raw = tuple([group[k] for k in self._read_keys])
+                raw = tuple([group[k] for k in keys])
             except KeyError as exc:
                 raise HyperparameterError(f"{_group_name(gi)}: lacks {exc.args[0]!r}") from None
-            seen = self._seen[gi]
-            if seen is not None and not seen[1] and _same(raw, seen[0]):
+            seen = seen_all[gi]
+            if seen is not None and not seen.tensors and _same(raw, seen.raw):
                 continue
-            lr, wd = (_rate(_group_name(gi, k), v) for k, v in zip(PER_PARAM, raw[:2]))
-            if seen is not None and not _has_tensor(raw[2:]) and _same(raw[2:], seen[0][2:]):
-                sig = seen[2][2]
+            lr = _rate(gi, "lr", raw[0])
+            wd = _rate(gi, "weight_decay", raw[1])
+            if seen is not None and not seen.sig_tensors and _same(raw[2:], seen.raw[2:]):
+                sig, sig_tensors = seen.sig, False
             else:
+                sig_tensors = _has_tensor(raw[2:])
                 sig = self._check_group_values(group, _group_name(gi))[2]
-                if seen is None or sig != seen[2][2]:
+                if seen is None or sig != seen.sig:
                     resig.append((gi, sig))
-            if seen is None or (lr, wd) != seen[2][:2]:
+            if seen is None or lr != seen.lr or wd != seen.wd:
                 rates = True
-            updates.append((gi, (raw, _has_tensor(raw), (lr, wd, sig))))
+            tensors = sig_tensors or isinstance(raw[0], torch.Tensor) or isinstance(raw[1], torch.Tensor)
+            updates.append((gi, _Seen(raw, tensors, sig_tensors, lr, wd, sig)))
         for gi, sig in resig:
             self._check_same_state(gi, sig)
         for gi, seen in updates:
@@ -543,17 +564,17 @@ class TorchOptimizer(torch.optim.Optimizer):
         if resig:
             split = False
             for c in self._cohorts:
-                sigs = {self._seen[gi][2][2] for gi in set(c.group_of.tolist())}
+                sigs = {self._seen[gi].sig for gi in set(c.group_of.tolist())}
                 if len(sigs) > 1:
                     split = True
                 elif sigs != {c.signature}:
                     self._reconfigure(c, sigs.pop())
             if split:
-                self._rebuild(self._partition(signatures=[s[2][2] for s in self._seen]))
-                return self._read_groups()
+                self._rebuild(self._partition(signatures=[s.sig for s in self._seen]))
+                return self.read_param_groups()
         if rates:
-            lrs = np.array([s[2][0] for s in self._seen])
-            wds = np.array([s[2][1] for s in self._seen])
+            lrs = np.array([s.lr for s in self._seen])
+            wds = np.array([s.wd for s in self._seen])
             for c in self._cohorts:
                 c.lrs, c.wds = lrs[c.group_of], wds[c.group_of]
                 opt = getattr(c.engine.optimizer, "base", c.engine.optimizer)  # SAM reports its base's
@@ -621,7 +642,7 @@ class TorchOptimizer(torch.optim.Optimizer):
                 c.engine.clean.clear()
             self.reports = ()
             return loss
-        rates = self._read_groups()
+        rates = self.read_param_groups()
         reports = self._take(divisor, rates)
         if self.two_windows and reports and all(r.perturbed for r in reports):
             with torch.enable_grad():
@@ -1214,7 +1235,7 @@ class Sophia(TorchOptimizer):
         """
         if self._evaluating is not None:
             raise ConcurrentUseError("update_hessian: the optimizer is in eval() mode; call train() first")
-        self._read_groups()
+        self.read_param_groups()
         for c in self._cohorts:
             estimates = {}
             for name, p, *_ in c.engine.bound:

@@ -1,0 +1,196 @@
+"""``python -m arraytrain.bench dropin``: the drop-in AdamW's step beside torch's fused AdamW, and the param groups' cost.
+
+A model of :data:`~arraytrain.bench.common.N_TENSORS` float32 tensors (``--sizes`` elements
+in all, default 1e6 1e7 1e8; matrices and their biases) is trained by two optimizers with
+the same hyperparameters, timed side by side in one run, contestants alternating round
+by round, the best of ``--repeats`` rounds of ``--calls`` steps:
+
+* ``drop-in``: ``arraytrain.interop.torch.AdamW(model.parameters(), ...).step()``, the
+  gradients in the engine's buffer (where ``backward()`` leaves them after
+  ``zero_grad(set_to_none=False)``, or with no ``zero_grad`` at all): reading the param groups,
+  reconnecting the tensors, the norm pass and the fused kernel, which also zeroes the gradients;
+* ``drop-in, fresh .grad``: the same, with every ``.grad`` a tensor torch allocated (what
+  ``backward()`` leaves after ``zero_grad()``'s default ``set_to_none=True``): the step copies
+  them into the buffer first;
+* ``torch fused``: ``torch.optim.AdamW(..., fused=True).step()``;
+
+and the clipped step, ``max_grad_norm=1.0`` inside the drop-in's step against
+``clip_grad_norm_(foreach=True)`` + the fused step. The figure of merit is the ratio of each
+to torch fused (below 1: arraytrain is faster).
+
+Then the cost of reading the param groups (``read_param_groups()``, which every step calls
+first), per group, for 1, 10 and 100 groups over 100 one-element tensors: groups unchanged
+(the steady state), every group's ``lr`` set anew before each read (a scheduler that changes
+the rate every step), and ``lr`` a 0-d tensor rewritten in place (``fill_``); the writes
+themselves are timed alone and subtracted. The target is at most 2 us per group.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from . import common
+
+LR, BETAS, EPS, WD, MAX_NORM = common.LR, common.BETAS, common.EPS, common.WD, common.MAX_NORM
+GROUPS = (1, 10, 100)
+
+
+def make_model(n: int, seed: int = 0):
+    """:data:`~arraytrain.bench.common.N_TENSORS` float32 parameters of ``n`` elements in all (matrices
+    with a bias after each), and gradients for them; returns ``(params, grads)`` (lists of tensors)."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    half = common.N_TENSORS // 2
+    bias = max(1, min(1024, n // (common.N_TENSORS * 64)))
+    sizes = common.split(n - half * bias, half)
+    shapes = []
+    for k in sizes:
+        shapes += [common.matrix(k), (bias,)]
+    params = [torch.nn.Parameter(torch.randn(s, generator=g)) for s in shapes]
+    grads = [torch.randn(s, generator=g) * 1e-2 for s in shapes]
+    return params, grads
+
+
+def _best(fns: dict, calls: int, repeats: int) -> dict:
+    for fn in fns.values():  # warm-up: kernels compiled, state allocated
+        fn(), fn()
+    best = {k: float("inf") for k in fns}
+    for _ in range(repeats):
+        for k, fn in fns.items():
+            t = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            best[k] = min(best[k], (time.perf_counter() - t) / calls)
+    return best
+
+
+def contestants(n: int, clipped: bool) -> dict:
+    """``{name: step function}`` for one size; each step function also returns its parameters."""
+    import torch
+
+    from arraytrain.interop import torch as at_torch
+
+    out = {}
+    kw = {"lr": LR, "betas": BETAS, "eps": EPS, "weight_decay": WD}
+
+    params, grads = make_model(n)
+    opt = at_torch.AdamW(params, max_grad_norm=MAX_NORM if clipped else None, **kw)
+    for p, g in zip(params, grads):
+        p.grad = g.clone()
+    opt.step()  # the gradients now live in the engine's buffer, which every step leaves zeroed
+    out["drop-in"] = (opt.step, params)
+
+    fparams, fgrads = make_model(n)
+    fopt = at_torch.AdamW(fparams, max_grad_norm=MAX_NORM if clipped else None, **kw)
+
+    def fresh():
+        for p, g in zip(fparams, fgrads):
+            p.grad = g  # a tensor of torch's, as backward() allocates after zero_grad(set_to_none=True)
+        fopt.step()
+
+    out["drop-in, fresh .grad"] = (fresh, fparams)
+
+    tparams, tgrads = make_model(n)
+    for p, g in zip(tparams, tgrads):
+        p.grad = g
+    topt = torch.optim.AdamW(tparams, fused=True, **kw)
+
+    def torch_step():
+        if clipped:
+            torch.nn.utils.clip_grad_norm_(tparams, MAX_NORM, foreach=True)
+        topt.step()
+
+    out["torch fused"] = (torch_step, tparams)
+    return out
+
+
+def measure_step(n: int, calls: int, repeats: int) -> dict:
+    """Seconds per step of each contestant, plain and clipped, at ``n`` elements."""
+    row = {"elements": n, "tensors": common.N_TENSORS}
+    for clipped in (False, True):
+        fns = {k: fn for k, (fn, _) in contestants(n, clipped).items()}
+        row["clipped" if clipped else "plain"] = _best(fns, calls, repeats)
+    return row
+
+
+def measure_groups(groups: int, calls: int = 2000, repeats: int = 7) -> dict:
+    """Microseconds per group of ``read_param_groups()`` over ``groups`` groups of 100 tensors in all."""
+    import torch
+
+    from arraytrain.interop import torch as at_torch
+
+    params = [torch.nn.Parameter(torch.zeros(1)) for _ in range(common.N_TENSORS)]
+    per = common.N_TENSORS // groups
+    layout = [{"params": params[i * per:(i + 1) * per]} for i in range(groups)]
+    opt = at_torch.AdamW(layout, lr=LR)
+    others = [torch.nn.Parameter(torch.zeros(1)) for _ in range(common.N_TENSORS)]
+    topt = at_torch.AdamW([{"params": others[i * per:(i + 1) * per], "lr": torch.tensor(LR)} for i in range(groups)])
+    rates = [LR * (1 + i / calls) for i in range(calls + 1)]
+    state = {"i": 0}
+
+    def set_floats():
+        state["i"] = (state["i"] + 1) % calls
+        r = rates[state["i"]]
+        for g in opt.param_groups:
+            g["lr"] = r
+
+    def fill_tensors():
+        state["i"] = (state["i"] + 1) % calls
+        r = rates[state["i"]]
+        for g in topt.param_groups:
+            g["lr"].fill_(r)
+
+    def scheduled():
+        set_floats()
+        opt.read_param_groups()
+
+    def tensor_lr():
+        fill_tensors()
+        topt.read_param_groups()
+
+    best = _best({"unchanged": opt.read_param_groups, "lr set every step": scheduled, "0-d tensor lr": tensor_lr,
+                  "set": set_floats, "fill": fill_tensors}, calls, repeats)
+    # the scheduler's own writes (a float assigned, a tensor's fill_) are timed alone and taken off
+    read = {"unchanged": best["unchanged"], "lr set every step": best["lr set every step"] - best["set"],
+            "0-d tensor lr": best["0-d tensor lr"] - best["fill"]}
+    return {"groups": groups, "us_per_group": {k: v * 1e6 / groups for k, v in read.items()},
+            "writes_us_per_group": {"set": best["set"] * 1e6 / groups, "fill_": best["fill"] * 1e6 / groups}}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m arraytrain.bench dropin", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sizes", type=float, nargs="+", default=[1e6, 1e7, 1e8])
+    ap.add_argument("--calls", type=int, default=5, help="steps per round (default 5)")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--json", help="write every figure to this file")
+    args = ap.parse_args(argv)
+    import torch
+
+    rows = [measure_step(int(n), args.calls, args.repeats) for n in args.sizes]
+    names = ("drop-in", "drop-in, fresh .grad", "torch fused")
+    print(f"AdamW step, {common.N_TENSORS} float32 tensors, torch {torch.__version__}, {torch.get_num_threads()} "
+          "threads (ms per step, best of rounds; x: ratio to torch fused)")
+    print(f"{'elements':>10} {'':>8} | " + " | ".join(f"{k:>20}" for k in names))
+    for r in rows:
+        for mode in ("plain", "clipped"):
+            t = r[mode]
+            ref = t["torch fused"]
+            cells = " | ".join(f"{t[k] * 1e3:>11.3f} ({t[k] / ref:4.2f}x)" for k in names)
+            print(f"{r['elements']:>10.0e} {mode:>8} | {cells}")
+    groups = [measure_groups(g) for g in GROUPS]
+    print("\nread_param_groups(), us per group (target <= 2):")
+    print(f"{'groups':>7} | " + " | ".join(f"{k:>18}" for k in groups[0]["us_per_group"]))
+    for g in groups:
+        print(f"{g['groups']:>7} | " + " | ".join(f"{v:>18.3f}" for v in g["us_per_group"].values()))
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"steps": rows, "groups": groups}, fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,64 @@
+"""``python -m arraytrain.bench dropin``: its contestants take the same step, and it runs end to end.
+
+Correctness only: the timings are the benchmark's business (a test never fails because the
+machine was busy).
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+from arraytrain.bench import common, dropin
+
+
+@pytest.mark.parametrize("clipped", [False, True], ids=["plain", "clipped"])
+def test_contestants_take_the_same_step(clipped):
+    """Three steps of each contestant from the same model and gradients: the same parameters.
+
+    The drop-in keeps its gradients in the engine's buffer, which each step zeroes; torch keeps
+    them. So after the first step the drop-in's own runs on zero gradients: compared here is the
+    first step, then the fresh-gradient contestant (gradients given anew each step) for three.
+    """
+    n = 20_000
+    fns = dropin.contestants(n, clipped)
+    start, _ = dropin.make_model(n)
+    (fresh, fresh_params), (torch_step, torch_params) = fns["drop-in, fresh .grad"], fns["torch fused"]
+    for _ in range(3):
+        fresh()
+        torch_step()
+    assert len(torch_params) == common.N_TENSORS
+    for a, b, a0 in zip(fresh_params, torch_params, start, strict=True):
+        np.testing.assert_allclose(a.detach().numpy(), b.detach().numpy(), rtol=1e-5, atol=1e-6)
+        assert float((a - a0).detach().abs().max()) > 1e-4  # it moved
+    # the in-place contestant took one step at construction, from the same gradients
+    one, _ = dropin.make_model(n)
+    ref = torch.optim.AdamW(one, lr=common.LR, betas=common.BETAS, eps=common.EPS, weight_decay=common.WD,
+                            foreach=False)
+    _, grads = dropin.make_model(n)
+    for p, g in zip(one, grads):
+        p.grad = g
+    if clipped:
+        torch.nn.utils.clip_grad_norm_(one, common.MAX_NORM)
+    ref.step()
+    for a, b in zip(fns["drop-in"][1], one, strict=True):
+        np.testing.assert_allclose(a.detach().numpy(), b.detach().numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_group_reading_is_measured_per_group():
+    out = dropin.measure_groups(10, calls=20, repeats=2)
+    assert out["groups"] == 10
+    assert set(out["us_per_group"]) == {"unchanged", "lr set every step", "0-d tensor lr"}
+    assert all(np.isfinite(v) for v in out["us_per_group"].values())
+
+
+def test_main_runs_and_writes_json(tmp_path, capsys):
+    path = tmp_path / "dropin.json"
+    assert dropin.main(["--sizes", "1e4", "--calls", "1", "--repeats", "1", "--json", str(path)]) == 0
+    text = capsys.readouterr().out
+    assert "torch fused" in text and "read_param_groups" in text
+    data = json.loads(path.read_text())
+    assert data["steps"][0]["elements"] == 10_000 and len(data["groups"]) == len(dropin.GROUPS)
