@@ -1,6 +1,23 @@
-"""A torch module trained by an arraytrain Engine: ``bind(module, optimizer, **engine_kwargs)``.
+"""torch's doors to arraytrain: drop-in ``torch.optim.Optimizer`` classes, and ``bind(module, optimizer)``.
 
-After ``engine = bind(model, at.optim.AdamW(...), max_grad_norm=1.0)`` the
+**Drop-in optimizers.** ``AdamW(model.parameters(), lr=1e-3, ...)`` and a class for every
+arraytrain optimizer (``DROP_INS``): ``AdamW``, ``Adam``, ``SGD``, ``Adagrad``, ``RMSprop``,
+``NAdam``, ``RAdam``, ``Adamax``, ``Adadelta``, ``Adafactor`` and ``Muon`` with torch.optim's
+constructors, ``Lion``, ``LAMB``, ``Sophia`` and ``ScheduleFreeAdamW`` with arraytrain's, and
+``SAM(params, base_optimizer, rho, adaptive, **base_hyperparameters)``. They are
+``torch.optim.Optimizer`` subclasses (:class:`TorchOptimizer`), so torch's LR schedulers,
+``torch.amp.GradScaler`` (``_step_supports_amp_scaling``: its scale and found_inf go into the
+fused step), Hugging Face's ``Trainer(optimizers=(opt, sched))`` and Lightning's
+``configure_optimizers`` take them unchanged. ``params`` are tensors, ``(name, tensor)`` pairs
+(``model.named_parameters()``: state dicts then name them) or param-group dicts. Underneath,
+the parameters and ``.grad`` tensors are views of engines' flat buffers, kept connected as
+``bind`` keeps them (below); each group's ``lr`` and ``weight_decay`` become the engine's
+per-parameter values at every step, read from the groups (floats or one-element tensors) with
+no pass over any buffer. ``state_dict()`` has torch's structure and slot names; see
+:class:`TorchOptimizer` and the guide for the rules. These classes are defined with torch,
+so they are imported on first access: ``import arraytrain.interop.torch`` does not import torch.
+
+**bind.** After ``engine = bind(model, at.optim.AdamW(...), max_grad_norm=1.0)`` the
 model's trainable parameters are views of ``engine.params`` (or, for a
 bfloat16/float16 model, of the engine's low-precision working copy of float32
 master weights) and their ``.grad`` tensors views of the engine's gradient

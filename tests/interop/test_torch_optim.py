@@ -152,6 +152,27 @@ def test_per_group_settings():
     assert len(mine.reports) == 2  # the head's betas differ: an engine of its own
 
 
+def test_several_engines_clip_and_skip_as_one():
+    """Groups that differ in betas run in two engines; the clip and the NaN/Inf skip stay global."""
+    a, b = _models()
+    mine = at_torch.AdamW(_groups(a), lr=1e-2, max_grad_norm=0.5)
+    theirs = torch.optim.AdamW(_groups(b), lr=1e-2, foreach=False)
+    for i, batch in enumerate(_batches()):
+        for model, opt in ((a, mine), (b, theirs)):
+            opt.zero_grad()
+            _loss(model, batch).backward()
+            if i == 4:
+                model.head.weight.grad[0, 0] = float("nan")  # one engine's gradient: both skip
+            if opt is theirs and i != 4:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+                opt.step()
+            elif opt is mine:
+                opt.step()
+    assert len(mine.reports) == 2
+    _close(a, b)
+    assert {int(mine.state[p]["step"]) for p in a.parameters()} == {STEPS - 1}
+
+
 SCHEDULERS = {
     "OneCycleLR": lambda o: torch.optim.lr_scheduler.OneCycleLR(o, max_lr=[5e-2, 2e-2, 1e-1], total_steps=STEPS),
     "CosineAnnealingLR": lambda o: torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=5, eta_min=1e-4),
