@@ -166,6 +166,7 @@ def main(argv=None) -> int:
     ap.add_argument("--sizes", type=float, nargs="+", default=[1e6, 1e7, 1e8])
     ap.add_argument("--calls", type=int, default=5, help="steps per round (default 5)")
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--group-calls", type=int, default=2000, help="group reads per round (default 2000)")
     ap.add_argument("--json", help="write every figure to this file")
     args = ap.parse_args(argv)
     import torch
@@ -181,7 +182,7 @@ def main(argv=None) -> int:
             ref = t["torch fused"]
             cells = " | ".join(f"{t[k] * 1e3:>11.3f} ({t[k] / ref:4.2f}x)" for k in names)
             print(f"{r['elements']:>10.0e} {mode:>8} | {cells}")
-    groups = [measure_groups(g) for g in GROUPS]
+    groups = [measure_groups(g, args.group_calls, args.repeats) for g in GROUPS]
     print("\nread_param_groups(), us per group (target <= 2):")
     print(f"{'groups':>7} | " + " | ".join(f"{k:>18}" for k in groups[0]["us_per_group"]))
     for g in groups:

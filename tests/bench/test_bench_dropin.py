@@ -57,7 +57,8 @@ def test_group_reading_is_measured_per_group():
 
 def test_main_runs_and_writes_json(tmp_path, capsys):
     path = tmp_path / "dropin.json"
-    assert dropin.main(["--sizes", "1e4", "--calls", "1", "--repeats", "1", "--json", str(path)]) == 0
+    assert dropin.main(["--sizes", "1e4", "--calls", "1", "--repeats", "1", "--group-calls", "5",
+                        "--json", str(path)]) == 0
     text = capsys.readouterr().out
     assert "torch fused" in text and "read_param_groups" in text
     data = json.loads(path.read_text())
