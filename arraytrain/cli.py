@@ -479,7 +479,9 @@ def _check_output(flag: str, path: str) -> str:
     parent = os.path.dirname(full)
     if not os.path.isdir(parent):
         raise _usage(f"{flag} {path}: no such directory {parent}")
-    if not os.access(parent, os.W_OK | os.X_OK) or (os.path.exists(full) and not os.access(full, os.W_OK)):
+    # the second exists(): another rank's probe file (see _try_create) may vanish between the two calls
+    if not os.access(parent, os.W_OK | os.X_OK) or (os.path.exists(full) and not os.access(full, os.W_OK)
+                                                     and os.path.exists(full)):
         raise _usage(f"{flag} {path}: not writable")
     _try_create(flag, path, full)
     return full
@@ -547,6 +549,22 @@ def _validate(args, comm) -> bool:
         require("matplotlib", "plot", "--plot")
         _check_plot_format(args.plot)
     return show_bar
+
+
+def _agreed(comm, check):
+    """``check()``; under mpiexec every rank raises the first failing rank's usage error, so that no
+    rank goes on to wait in a collective for one that stopped (a file probe can differ by rank)."""
+    try:
+        result, problem = check(), None
+    except UsageError as exc:
+        result, problem = None, exc
+    if comm is not None:
+        found = [p for p in comm.gather_objects(None if problem is None else str(problem)) if p is not None]
+        if found:
+            raise UsageError(found[0])
+    if problem is not None:
+        raise problem
+    return result
 
 
 def _check_flags(args, comm) -> None:
@@ -661,7 +679,7 @@ def train(args) -> int:
     comm = _comm()
     lead = comm is None or comm.rank == 0  # only rank 0 prints and writes files
     out = sys.stdout if lead else open(os.devnull, "w")  # noqa: SIM115 - closed with the process
-    show_bar = _validate(args, comm)
+    show_bar = _agreed(comm, lambda: _validate(args, comm))
     optimizer, compressor = _optimizer(args), _compressor(args)  # their argument checks, before the data
 
     data = _load_data(args)

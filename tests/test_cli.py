@@ -472,3 +472,23 @@ def test_save_resume_continues_bitwise(tmp_path, capsys):
     # a checkpoint of another shape is refused in one line
     rc, _, err = run(capsys, *common, "--hidden", "8", "--resume", str(a))
     assert rc == 2 and len(err.strip().splitlines()) == 1 and str(a) in err
+
+
+def test_a_usage_error_on_one_rank_stops_every_rank():
+    """Under mpiexec the ranks agree on validation: a check that fails on one rank only (a file probe)
+    raises the same one-line error everywhere, so none goes on to wait in a collective alone."""
+    from thread_group import ThreadGroup
+
+    def rank_run(rank, comm):
+        def check():
+            if rank == 1:
+                raise cli.UsageError("arraytrain train: error: --json out.json: not writable")
+            return "ok"
+
+        try:
+            return cli._agreed(comm, check)
+        except cli.UsageError as exc:
+            return str(exc)
+
+    assert ThreadGroup(2).run(rank_run) == ["arraytrain train: error: --json out.json: not writable"] * 2
+    assert ThreadGroup(2).run(lambda rank, comm: cli._agreed(comm, lambda: rank)) == [0, 1]

@@ -300,9 +300,12 @@ def test_the_torch_binding_passes_shard_state_through():
     torch = pytest.importorskip("torch")
     from arraytrain.interop import torch as att
 
+    torch.manual_seed(0)  # the global generator: once, not in the rank threads
+    init = torch.nn.Sequential(torch.nn.Linear(300, 120), torch.nn.Tanh(), torch.nn.Linear(120, 10)).state_dict()
+
     def rank_run(rank, comm, shard, lowp):
-        torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(300, 120), torch.nn.Tanh(), torch.nn.Linear(120, 10))
+        model.load_state_dict(init)
         if lowp:
             model = model.to(torch.bfloat16)
         eng = att.bind(model, at.optim.AdamW(lr=1e-2), comm=comm, shard_state=shard, max_grad_norm=1.0)
