@@ -877,8 +877,6 @@ class TorchOptimizer(torch.optim.Optimizer):
         self._rebuild(self._partition(steps=plan["steps"], signatures=[s for _, s in plan["groups"]]))
         for c in self._cohorts:
             e = c.engine
-            for slot in e.state.slots.values():
-                slot.flat[...] = 0
             e.state.scalars.update(e.initial_scalars)
             e.state.step = plan["steps"][int(c.group_of[0])]
             with torch.no_grad():
@@ -886,8 +884,12 @@ class TorchOptimizer(torch.optim.Optimizer):
                     entry = plan["entries"][(gi, j)]
                     if e.lowp and (entry is None or "master" not in entry):
                         tensor_view(e.params[name], torch).copy_(self.param_groups[gi]["params"][j].detach())
-                    if entry is None:
+                    if entry is None:  # no state saved for it (torch's, before its first gradient)
+                        for slot in e.state.slots.values():
+                            slot[name][...] = 0
                         continue
+                    # written one parameter at a time: the saved tensors may be views of these very
+                    # buffers (opt.load_state_dict(opt.state_dict()), accelerate's device round trip)
                     for k, v in entry.items():
                         if k in e.state.scalars:
                             e.state.scalars[k] = v
@@ -896,7 +898,6 @@ class TorchOptimizer(torch.optim.Optimizer):
                         else:
                             tensor_view(e.state.slots[k][name], torch).copy_(v)
             e.refresh()
-            e.zero_grad()
             e.clean.clear()
             c.sync_tensors()
         self._seen = [None] * len(self.param_groups)

@@ -402,6 +402,18 @@ def test_state_dict_resume_through_torch_save(cls, kwargs):
     assert saved["opt"]["param_groups"][0]["param_names"][0] == "emb.weight"
 
 
+def test_loading_its_own_live_state_keeps_it():
+    """accelerate loads ``opt.state_dict()`` (live views) straight back into ``opt``."""
+    a, _ = _models()
+    opt = at_torch.NAdam(a.parameters(), lr=1e-2)
+    _train(a, opt, _batches(3))
+    before = copy.deepcopy({k: {s: v.clone() for s, v in e.items()} for k, e in opt.state_dict()["state"].items()})
+    opt.load_state_dict(opt.state_dict())
+    after = opt.state_dict()["state"]
+    assert all(torch.equal(after[k][s], v) for k, e in before.items() for s, v in e.items())
+    assert float(after[0]["step"]) == 3 and float(after[0]["mu_product"]) < 1
+
+
 def test_load_matches_names_not_positions():
     a, _ = _models()
     opt = at_torch.AdamW(a.named_parameters(), lr=1e-2)
