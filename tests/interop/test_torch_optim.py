@@ -9,6 +9,7 @@ compares the parameters after every step and the state at the end.
 from __future__ import annotations
 
 import copy
+import inspect
 import io
 import json
 import re
@@ -120,8 +121,8 @@ def test_every_arraytrain_optimizer_has_a_drop_in():
         cls = getattr(at_torch, name)
         assert issubclass(cls, torch.optim.Optimizer) and cls.__module__ == "arraytrain.interop.torch"
         if hasattr(torch.optim, name) and name != "Muon":  # torch's names and defaults, then arraytrain's options
-            ours = [p for p in __import__("inspect").signature(cls).parameters.values()]
-            theirs = list(__import__("inspect").signature(getattr(torch.optim, name)).parameters.values())
+            ours = list(inspect.signature(cls).parameters.values())
+            theirs = list(inspect.signature(getattr(torch.optim, name)).parameters.values())
             assert [(p.name, p.default) for p in ours[:len(theirs)]] == [(p.name, p.default) for p in theirs]
 
 
