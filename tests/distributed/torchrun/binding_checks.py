@@ -1,0 +1,155 @@
+"""The torch and JAX bindings over TorchComm on every rank (run by ``checks.py bindings``).
+
+Each rank trains on its half of every global batch; the result must be what one process
+gives with the whole batch (float64: params to 1e-10, gradient norms to 1e-12, as the MPI
+engine checks), with sharded state too; a checkpoint of a bound model saved under torchrun
+resumes bitwise. ``ARRAYTRAIN_TORCHRUN_DIR``: where the checkpoint of a sharded engine is
+left for the test to resume in one process.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+
+import numpy as np
+import torch
+from comm_checks import same_everywhere
+
+import arraytrain as at
+from arraytrain.interop import torch as at_torch
+
+IN, HIDDEN, OUT, BATCH, STEPS = 9, 16, 3, 12, 5  # BATCH: shared evenly by 1, 2, 3 or 4 ranks
+
+
+def model(seed: int) -> torch.nn.Module:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return torch.nn.Sequential(torch.nn.Linear(IN, HIDDEN), torch.nn.Tanh(),
+                                   torch.nn.Linear(HIDDEN, OUT)).double()
+
+
+def batch(t: int):
+    rng = np.random.default_rng([t, 3])
+    return torch.from_numpy(rng.standard_normal((BATCH, IN))), torch.from_numpy(rng.integers(0, OUT, BATCH))
+
+
+def half(x, comm):
+    n = x.shape[0] // comm.size
+    return x[comm.rank * n : (comm.rank + 1) * n]
+
+
+def flat_params(m: torch.nn.Module) -> np.ndarray:
+    return np.concatenate([p.detach().numpy().ravel() for p in m.parameters()])
+
+
+def torch_run(comm, shard: bool, steps: int = STEPS, engine_kwargs=None):
+    """Each rank's half of every batch, bound over ``comm`` (rank 0's initial weights are broadcast)."""
+    m = model(comm.rank)
+    kw = dict(max_grad_norm=0.5, schedule=at.schedules.CosineAnnealingLR(10), **(engine_kwargs or {}))
+    eng = at_torch.bind(m, at.optim.AdamW(lr=1e-2, weight_decay=0.01), comm=comm, shard_state=shard, **kw)
+    norms = []
+    for t in range(steps):
+        x, y = batch(t)
+        torch.nn.functional.cross_entropy(m(half(x, comm)), half(y, comm)).backward()
+        norms.append(eng.step().grad_norm)
+    return m, eng, norms
+
+
+def torch_one_process(steps: int = STEPS):
+    m = model(0)
+    eng = at_torch.bind(m, at.optim.AdamW(lr=1e-2, weight_decay=0.01), max_grad_norm=0.5,
+                        schedule=at.schedules.CosineAnnealingLR(10))
+    norms = []
+    for t in range(steps):
+        x, y = batch(t)
+        torch.nn.functional.cross_entropy(m(x), y).backward()
+        norms.append(eng.step().grad_norm)
+    return m, norms
+
+
+def check_torch_binding_equals_one_process_with_the_global_batch(comm) -> int:
+    want, want_norms = torch_one_process()
+    cases = 0
+    for shard in (False, True):
+        m, eng, norms = torch_run(comm, shard)
+        got = flat_params(m)
+        assert same_everywhere(comm, got), f"shard={shard}"
+        np.testing.assert_allclose(norms, want_norms, rtol=1e-12, err_msg=f"shard={shard}")
+        np.testing.assert_allclose(got, flat_params(want), rtol=1e-10, atol=1e-12, err_msg=f"shard={shard}")
+        assert np.shares_memory(next(m.parameters()).detach().numpy(), eng.params.flat)
+        cases += 1
+    return cases
+
+
+def check_a_bound_models_checkpoint_resumes_bitwise_under_torchrun(comm) -> int:
+    folder = comm.gather_objects(tempfile.mkdtemp(prefix="arraytrain-torchrun-") if comm.rank == 0 else None)[0]
+    cases = 0
+    try:
+        for shard in (False, True):
+            path = os.path.join(folder, f"bound-{shard}.safetensors")
+            full, full_eng, _ = torch_run(comm, shard, steps=2)
+            at.save(path, full_eng)
+            for t in range(2, STEPS):
+                x, y = batch(t)
+                torch.nn.functional.cross_entropy(full(half(x, comm)), half(y, comm)).backward()
+                full_eng.step()
+            m = model(comm.rank + 7)
+            eng = at_torch.bind(m, at.optim.AdamW(lr=1e-2, weight_decay=0.01), comm=comm, shard_state=shard,
+                                max_grad_norm=0.5, schedule=at.schedules.CosineAnnealingLR(10))
+            at.load(path, eng)
+            for t in range(2, STEPS):
+                x, y = batch(t)
+                torch.nn.functional.cross_entropy(m(half(x, comm)), half(y, comm)).backward()
+                eng.step()
+            np.testing.assert_array_equal(flat_params(m), flat_params(full), err_msg=f"shard={shard}")
+            assert eng.state.step == full_eng.state.step == STEPS
+            cases += 1
+        keep = os.environ.get("ARRAYTRAIN_TORCHRUN_DIR")
+        if keep and comm.rank == 0:  # for the test: one process resumes what 2 sharded ranks wrote
+            shutil.copy(os.path.join(folder, "bound-True.safetensors"), os.path.join(keep, "sharded.safetensors"))
+    finally:
+        comm.gather_objects(None)  # every rank is done with the files
+        if comm.rank == 0:
+            shutil.rmtree(folder, ignore_errors=True)
+    return cases
+
+
+def check_jax_binding_equals_one_process_with_the_global_batch(comm) -> int:
+    import jax
+
+    jax.config.update("jax_enable_x64", True)  # float64, as the other equality checks
+    import jax.numpy as jnp
+
+    from arraytrain.interop import jax as at_jax
+
+    rng = np.random.default_rng(comm.rank)  # each rank its own start: rank 0's is broadcast
+    params = {"w1": rng.standard_normal((IN, HIDDEN)) * 0.3, "b1": np.zeros(HIDDEN),
+              "out": {"w": rng.standard_normal((HIDDEN, OUT)) * 0.3, "b": np.zeros(OUT)}}
+
+    def loss(p, x, y):
+        h = jnp.tanh(x @ p["w1"] + p["b1"])
+        logits = h @ p["out"]["w"] + p["out"]["b"]
+        return -jnp.mean(jax.nn.log_softmax(logits)[jnp.arange(y.shape[0]), y])
+
+    grad = jax.jit(jax.grad(loss))
+
+    def run(c, shard):
+        start = params if c is not None else jax.tree.map(np.copy, comm.gather_objects(params)[0])
+        eng = at_jax.bind(start, at.optim.Adam(lr=1e-2), comm=c, shard_state=shard, max_grad_norm=0.5)
+        norms = []
+        for t in range(STEPS):
+            x, y = (a.numpy() for a in batch(t))
+            if c is not None:
+                x, y = half(x, c), half(y, c)
+            norms.append(eng.step(grad(eng.tree(), x, y)).grad_norm)
+        return np.array(eng.params.flat), norms
+
+    want, want_norms = run(None, False)
+    for shard in (False, True):
+        got, norms = run(comm, shard)
+        assert same_everywhere(comm, got)
+        np.testing.assert_allclose(norms, want_norms, rtol=1e-12, err_msg=f"shard={shard}")
+        np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-12, err_msg=f"shard={shard}")
+    return 2

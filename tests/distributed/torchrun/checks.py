@@ -1,0 +1,119 @@
+"""Checks that run on every rank under torchrun:
+``torchrun --standalone --nproc-per-node K tests/distributed/torchrun/checks.py GROUP...``.
+
+``tests/distributed/test_torchrun.py`` launches this with a timeout; run it by hand to
+debug a failure. Each rank joins a gloo process group and builds one
+:class:`~arraytrain.torch_comm.TorchComm`; one launch runs many checks (process start-up and
+the imports of torch, numba and JAX are the cost). After each check every rank reports its
+outcome in one collective, so the ranks stay in step and rank 0 prints every rank's failures;
+the last line is ``all N checks passed on K ranks (C cases)`` and the exit status is 0, or the
+failures and status 1.
+
+Groups: ``comm`` (TorchComm's collectives, nonblocking handles, subgroups, bad input; see
+``torch_comm_checks.py``), ``engine`` (the engine and the compressors over TorchComm: the MPI
+checks of ``../mpi/engine_checks.py`` and ``../mpi/compress_checks.py`` with this exchange),
+``shard`` (sharded state against the replicated engine: ``../mpi/shard_checks.py``),
+``bindings`` (the torch and JAX bindings and their checkpoints; ``binding_checks.py``),
+``nccl`` (alone: CuPy buffers over NCCL, one GPU per rank, the group ``cpu:gloo,cuda:nccl``;
+``nccl_checks.py``), ``crash`` (the last rank fails before a collective the others wait in:
+torchrun must end the job, non-zero, with the error printed).
+
+``ARRAYTRAIN_RANK_TIMEOUT`` (seconds): a rank still running then prints every thread's
+stack and exits (``faulthandler``), so a hang ends with where it hung.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import sys
+import traceback
+import warnings
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE), str(HERE.parent / "mpi")]  # the MPI checks run over TorchComm too
+
+GROUPS = {"comm": ("torch_comm_checks",), "engine": ("engine_checks", "compress_checks"),
+          "shard": ("shard_checks",), "bindings": ("binding_checks",), "nccl": ("nccl_checks",)}
+
+
+def checks_of(module: str) -> list:
+    """The module's ``check_*`` functions ``fn(comm) -> number of cases``, in the order they are defined."""
+    mod = __import__(module)
+    return [fn for name, fn in vars(mod).items() if name.startswith("check_") and callable(fn)]
+
+
+def run(comm, groups) -> int:
+    failed, checks, cases = [], 0, 0
+    for group in groups:
+        for module in GROUPS[group]:
+            for fn in checks_of(module):
+                name = f"{group}.{fn.__name__[6:]}"
+                if comm.rank == 0:
+                    print(name, flush=True)
+                try:
+                    n, err = int(fn(comm) or 1), None
+                except Exception:
+                    n, err = 0, traceback.format_exc()
+                    # at once too: a rank that failed between collectives leaves the others waiting
+                    print(f"rank {comm.rank}: {name} failed:\n{err}", file=sys.stderr, flush=True)
+                errs = comm.gather_objects(err)
+                checks, cases = checks + 1, cases + n
+                failed += [(name, r, e) for r, e in enumerate(errs) if e is not None]
+    if comm.rank == 0:
+        for name, r, e in failed:
+            print(f"FAILED {name} on rank {r}:\n{e}", flush=True)
+        if not failed:
+            print(f"all {checks} checks passed on {comm.size} ranks ({cases} cases)", flush=True)
+    return 1 if failed else 0
+
+
+def crash(comm) -> None:
+    """The last rank's bad input raises a typed error before the collective; the others wait in it."""
+    x = np.ones(8, np.float32)
+    if comm.rank == comm.size - 1:
+        comm.allreduce(x[::2])
+    else:
+        comm.allreduce(x)
+    print(f"rank {comm.rank}: unreachable: torchrun should have ended this rank", flush=True)
+
+
+def main(argv) -> int:
+    import torch.distributed as dist
+
+    from arraytrain.torch_comm import TorchComm
+
+    limit = float(os.environ.get("ARRAYTRAIN_RANK_TIMEOUT", "0"))
+    if limit > 0:
+        faulthandler.dump_traceback_later(limit, exit=True)
+    # as in tests/conftest.py: the project's own old spellings are errors in its tests
+    warnings.filterwarnings("error", message=".*will be removed in the next release; use ", category=DeprecationWarning)
+    if argv == ["nccl"]:  # one GPU per rank, selected in torch and in CuPy before the group starts
+        import cupy
+        import torch
+
+        local = int(os.environ["LOCAL_RANK"])
+        torch.cuda.set_device(local)
+        cupy.cuda.Device(local).use()
+        dist.init_process_group("cpu:gloo,cuda:nccl")
+    else:
+        dist.init_process_group("gloo")
+    comm = TorchComm()
+    if argv == ["crash"]:
+        crash(comm)
+        return 3
+    unknown = [g for g in argv if g not in GROUPS]
+    if unknown or not argv or ("nccl" in argv and len(argv) > 1):
+        print(f"groups: expected some of {sorted(GROUPS)}, or 'nccl' or 'crash' alone, got {argv}", file=sys.stderr)
+        return 2
+    try:
+        return run(comm, argv)
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
