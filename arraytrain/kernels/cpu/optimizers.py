@@ -329,7 +329,7 @@ _LAMB_APPLY = twins(_lamb_apply)
 
 
 def lamb_step(p, g, m, v, pieces, *, gscale, lr, weight_decay, beta1, beta2, eps, eps_root, inv_bc1, inv_bc2,
-              working=None, kind=LP_NONE, zero_grad=False, mask=None, reduce_sums=None):
+              working=None, kind=LP_NONE, zero_grad=False, reduce_sums=None, mask=None):
     """Fused LAMB update, returns the per-parameter trust ratios (float64).
 
     Two parallel loops; between them the per-parameter sums of squares (completed by

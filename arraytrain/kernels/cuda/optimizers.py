@@ -551,7 +551,7 @@ def sam_perturb(p, g, backup, pieces, *, scale, adaptive, zero_grad=False, mask=
 
 
 def lamb_step(p, g, m, v, pieces, *, gscale, lr, weight_decay, beta1, beta2, eps, eps_root, inv_bc1, inv_bc2,
-              working=None, kind=LP_NONE, zero_grad=False, mask=None, reduce_sums=None):
+              working=None, kind=LP_NONE, zero_grad=False, reduce_sums=None, mask=None):
     """Fused LAMB update; returns the per-parameter trust ratios (float64, on the device).
 
     Three launches and no synchronisation: moments with per-chunk norms, the trust

@@ -140,7 +140,7 @@ def lion_step(p, g, m, pieces, *, gscale, lr, decay, beta1, beta2, working=None,
 
 
 def lamb_step(p, g, m, v, pieces, *, gscale, lr, weight_decay, beta1, beta2, eps, eps_root, inv_bc1, inv_bc2,
-              working=None, kind=LP_NONE, zero_grad=False, mask=None, reduce_sums=None):
+              working=None, kind=LP_NONE, zero_grad=False, reduce_sums=None, mask=None):
     """LAMB (You et al. 2020, "Large Batch Optimization for Deep Learning"), optax.lamb's form.
 
     Per element of segment ``s``: ``d = gscale*g``; ``m += (1 - beta1)*(d - m)``;
