@@ -699,7 +699,7 @@ def train(args) -> int:
         extra_engine["loss_scaler"] = LossScaler()
     engine = Engine(params, optimizer, accumulation_steps=args.accumulation, max_grad_norm=args.clip,
                     zero_grad_on_step=False, device=args.device, compressor=compressor, comm=comm, schedule=sched,
-                    shard_state=args.shard_state, **extra_engine)
+                    shard_state=args.shard_state, overlap=comm is not None and compressor is None, **extra_engine)
     if args.prune is not None:  # a mask from the start, so that every checkpoint of the run holds one
         from .prune import MaskBuffer
 

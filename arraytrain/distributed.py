@@ -71,7 +71,7 @@ import numpy as np
 from ._checks import check_int
 from .backend import CUPY, NUMPY, backend_of
 from .errors import ArgumentTypeError, BackendError, BackendUnavailableError, DTypeError, ReadOnlyError
-from .exchange import OPS, Exchange, block_length
+from .exchange import DONE, OPS, Exchange, Pending, block_length
 
 #: What to install for processes over MPI; the errors for a missing mpi4py or mpiexec quote it.
 INSTALL_HINT = 'pip install "arraytrain[mpi]" (mpi4py and the MPICH library from PyPI)'
@@ -199,8 +199,41 @@ class MPIComm(Exchange):
         block_length(x, self.size)
         self.comm.Allgather(self._in_place, [x, dt])
 
+    def iallreduce(self, x, op: str = "sum") -> Pending:
+        """Start ``allreduce(x, op)``: ``MPI_Iallreduce`` in place. MPI moves it on inside MPI calls
+        only: the handle's ``test()`` (``MPI_Test``) is such a call."""
+        mpi_op = _check_op(op, self._ops)
+        dt = _checked(x, "x", NUMPY, self._types, True)
+        return MPIRequest(self.comm.Iallreduce(self._in_place, [x, dt], mpi_op))
+
+    def ireduce(self, x, root: int = 0) -> Pending:
+        """Start the sum of every rank's ``x`` into rank ``root``'s ``x``: ``MPI_Ireduce``, in place at the
+        root (elsewhere ``x`` is only read)."""
+        root = check_int("root", root, 0, self.size - 1, error=ArgumentTypeError)
+        dt = _checked(x, "x", NUMPY, self._types, True)
+        if self.rank == root:
+            return MPIRequest(self.comm.Ireduce(self._in_place, [x, dt], self._ops["sum"], root))
+        return MPIRequest(self.comm.Ireduce([x, dt], None, self._ops["sum"], root))
+
     def __repr__(self) -> str:
         return f"MPIComm(rank={self.rank}, size={self.size})"
+
+
+class MPIRequest(Pending):
+    """A started nonblocking MPI collective (an ``mpi4py.MPI.Request``)."""
+
+    __slots__ = ("request",)
+
+    def __init__(self, request):
+        self.request = request
+
+    def wait(self) -> None:
+        """``MPI_Wait``."""
+        self.request.Wait()
+
+    def test(self) -> bool:
+        """``MPI_Test``: True once complete; each call also moves MPI's progress on."""
+        return bool(self.request.Test())
 
 
 def _nccl():
@@ -313,6 +346,25 @@ class NCCLComm(Exchange):
         if n:
             self._comm.reduceScatter(x.data.ptr, own.data.ptr, n, dt, self._ops["sum"], self._stream())
         return own
+
+    def iallreduce(self, x, op: str = "sum") -> Pending:
+        """Start ``allreduce(x, op)``: NCCL's calls are already asynchronous on the current stream (the
+        kernels after it wait for it there), so the handle is complete for the host at once."""
+        if isinstance(x, np.ndarray):
+            return self.mpi.iallreduce(x, op)
+        self.allreduce(x, op)
+        return DONE
+
+    def ireduce(self, x, root: int = 0) -> Pending:
+        """Start the sum of every rank's ``x`` into rank ``root``'s ``x`` (``ncclReduce`` in place, on the
+        current stream; see :meth:`iallreduce`)."""
+        if isinstance(x, np.ndarray):
+            return self.mpi.ireduce(x, root)
+        root = check_int("root", root, 0, self.size - 1, error=ArgumentTypeError)
+        dt = _checked(x, "x", CUPY, self._types, True)
+        if x.size:
+            self._comm.reduce(x.data.ptr, x.data.ptr, x.size, dt, self._ops["sum"], root, self._stream())
+        return DONE
 
     def allgather_blocks(self, x) -> None:
         """In place, block ``r`` of ``x`` becomes rank ``r``'s (``ncclAllGather`` in place)."""

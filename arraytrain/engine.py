@@ -31,6 +31,7 @@ from .ops import CLIP_EPS
 from .optim import Optimizer
 from .prune import MaskBuffer
 from .schedules import Schedule
+from .overlap import BUCKET_BYTES, OverlappedExchange
 from .shard import Sharding, refuse_unshardable
 from .stages import StepReport, Verdict, exchange_dense, exchange_scalars, reduce_scatter_norm
 
@@ -134,6 +135,18 @@ class Engine:
         compressor, are refused with a :class:`HyperparameterError` on every rank. State dicts
         and checkpoints keep the replicated engine's name-keyed form (gathered), so they load
         on any number of ranks. :meth:`memory` reports the bytes per rank.
+    overlap : bool
+        With ``comm``: exchange the gradient in buckets that start while the backward pass
+        still runs (:mod:`arraytrain.overlap`): during the last micro-batch of a window,
+        :meth:`mark_ready` (which the torch binding's hooks and the MLP's backward call)
+        says which gradients are final, and a bucket whose gradients all are starts its
+        nonblocking all-reduce (with ``shard_state``: its reduces to the partitions' owners)
+        at once; the boundary starts the rest and waits. The result equals the blocking
+        exchange's (bitwise with 2 ranks). Off by default here (a dict of gradients at
+        ``step(grads)`` arrives at once); ``bind(..., comm=...)`` turns it on. Not with a
+        compressor or SAM, whose exchanges need the whole window.
+    bucket_bytes : int
+        The overlapped exchange's bucket size (default 25 MiB, DDP's).
 
     Notes
     -----
@@ -170,7 +183,8 @@ class Engine:
                  zero_grad_on_step: bool = True, dtype=None, kernels: str = "numba", schedule=None,
                  loss_scaler: LossScaler | None = None, working_dtype: str | None = None,
                  max_consecutive_skips: int | None = 50, compressor=None, device: str | None = None,
-                 clip_eps: float = CLIP_EPS, comm=None, shard_state: bool = False):
+                 clip_eps: float = CLIP_EPS, comm=None, shard_state: bool = False, overlap: bool = False,
+                 bucket_bytes: int = BUCKET_BYTES):
         if not isinstance(optimizer, Optimizer):
             raise ArgumentTypeError(f"optimizer: expected an arraytrain.optim.Optimizer, got {type(optimizer).__name__}")
         accumulation_steps = check_int("accumulation_steps", accumulation_steps, 1)
@@ -192,6 +206,8 @@ class Engine:
         clip_eps = check_number("clip_eps", clip_eps, 0.0)
         comm = check_exchange(comm)
         shard_state = check_bool("shard_state", shard_state)
+        overlap = check_bool("overlap", overlap)
+        bucket_bytes = check_int("bucket_bytes", bucket_bytes, 1)
         if shard_state and comm.is_local:
             raise HyperparameterError("shard_state: sharded state needs a group of processes (comm=MPIComm(), "
                                       "NCCLComm(), ...); with one process there is nothing to shard")
@@ -218,9 +234,14 @@ class Engine:
                            reduction=reduction, max_grad_norm=max_grad_norm, clip_eps=clip_eps,
                            loss_scaler=None if loss_scaler is None else loss_scaler.state_dict(),
                            schedule=None if schedule is None else schedule.state_dict(),
-                           working_dtype=working_dtype, shard_state=shard_state)
+                           working_dtype=working_dtype, shard_state=shard_state, overlap=overlap,
+                           bucket_bytes=bucket_bytes)
         if shard_state:  # the same error on every rank: their optimizers and settings agree
             refuse_unshardable(optimizer, compressor)
+        two_windows = callable(getattr(optimizer, "perturb", None))  # SAM
+        if overlap and not comm.is_local and (compressor is not None or two_windows):
+            raise HyperparameterError("overlap: a compressor's exchange and SAM's two windows need the whole "
+                                      "window's gradient at once; pass overlap=False")
         if compressor is not None:
             compressor.bind(self.params.layout, self.params.dtype, comm=comm)
         if not comm.is_local:  # every rank starts from rank 0's weights (as bytes: any dtype)
@@ -249,12 +270,17 @@ class Engine:
         self.counters = Counters()
         # SAM (an optimizer with ``perturb``) takes two windows per step; between
         # them the weights sit at the ascent point
-        self._two_windows = callable(getattr(optimizer, "perturb", None))
+        self._two_windows = two_windows
         self.compressor = compressor
         # CUDA without a compressor or SAM's two windows: the clip factor and the skip decision
         # stay on the device, and the update is launched before the step's one synchronisation
         self._device_gate = (backend_of(self.params.flat) != NUMPY and compressor is None
                              and not self._two_windows and self._shard is None)
+        self._overlap = None
+        if overlap and not comm.is_local:
+            flat = self.grads.flat if self._shard is None else self._shard.padded_grads
+            self._overlap = OverlappedExchange(comm, self._layout, flat, bucket_bytes,
+                                               None if self._shard is None else self._shard.part)
         self.mask: MaskBuffer | None = None
         self._own_mask = None  # sharded: this rank's part of the mask
         self.working = None
@@ -451,6 +477,7 @@ class Engine:
     def _intake_stage(self, grads, w: float) -> None:
         """Intake: validate the whole micro-batch, then accumulate it (the window's first overwrites)."""
         if grads is not None:
+            self._nothing_in_flight("step(grads)")
             # validated against the last structure seen when names, shapes and dtype repeat
             # (see _intake.Intake); nothing is written before this returns
             checked = self._intake.check(grads)
@@ -495,6 +522,10 @@ class Engine:
         each compresses its share of the mean and receives the decoded sum (``payload``:
         what it sent); SAM's ascent window keeps the exact local gradient.
         """
+        if self._overlap is not None:  # the buckets nobody marked, then every one in flight
+            self._overlap.finish()
+            self._overlap.reset()
+            return self._unscale(exchange_scalars(self.comm, wsum, False)[0]), None
         if self.compressor is None:
             return self._unscale(exchange_dense(self.comm, self.grads.flat, wsum)), None
         wsum, bad = exchange_scalars(self.comm, wsum, not self._kernels.all_finite(self.grads.flat))
@@ -510,7 +541,12 @@ class Engine:
     def _sharded_exchange_stage(self, wsum: float) -> Verdict:
         """Sharded state: the exchange and the norm pass as one (:func:`arraytrain.stages.reduce_scatter_norm`);
         this rank's partition of the gradient waits for the update stage."""
-        self._grad_part, wsum, found = reduce_scatter_norm(self._shard, self._kernels, wsum)
+        reduced = None
+        if self._overlap is not None:  # each partition reduced to its owner, bucket by bucket
+            self._overlap.finish()
+            self._overlap.reset()
+            reduced = self._shard.own_grads()
+        self._grad_part, wsum, found = reduce_scatter_norm(self._shard, self._kernels, wsum, reduced)
         return Verdict(found, unscale=self._unscale(wsum), max_norm=self.max_grad_norm, eps=self.clip_eps)
 
     def _unscale(self, wsum: float) -> float:
@@ -651,9 +687,43 @@ class Engine:
 
     @guarded
     def zero_grad(self) -> None:
-        """Zero ``engine.grads`` and drop a partly accumulated window."""
+        """Zero ``engine.grads`` and drop a partly accumulated window.
+
+        With the overlapped exchange, buckets already started in this window are first
+        completed with the rest (so that every rank's collectives still match: call it on
+        every rank at the same point); before any was started it costs nothing more.
+        """
+        if self._overlap is not None and self._overlap.started:
+            self._overlap.finish()
+            self._overlap.reset()
         self.grads.flat.fill(0)
         self.counters.close_window()
+
+    @guarded
+    def mark_ready(self, names) -> None:
+        """The gradients of ``names`` (a parameter name or an iterable of names) are final for this window.
+
+        The overlapped exchange (``overlap=True`` with a group of processes) then starts every
+        bucket whose gradients are all final, in bucket order (see :mod:`arraytrain.overlap`);
+        it polls what is in flight too. It acts during the last micro-batch of a window (before
+        its :meth:`step`), when the gradients in ``engine.grads`` are the window's sums; at other
+        times, and without the overlapped exchange, it only checks the names (an unknown one
+        raises :class:`~arraytrain.errors.UnknownParameterError`). Until :meth:`step`, nothing
+        may write a marked gradient.
+        """
+        if self._overlap is None:
+            for name in (names,) if isinstance(names, str) else names:
+                self._layout.index(name)
+            return
+        idx = self._overlap.indices(names)
+        if self.counters.micro == self.accumulation_steps - 1:
+            self._overlap.ready(idx)
+
+    def _nothing_in_flight(self, what: str) -> None:
+        """Refuse ``what`` while the overlapped exchange works on the gradient buffer."""
+        if self._overlap is not None and self._overlap.started:
+            raise ConcurrentUseError(f"{what}: the gradients marked ready are being exchanged; call it before the "
+                                     "window's last micro-batch or after its step()")
 
     # -- state: the protocol of arraytrain.engine_state, on this engine's data ---------------
     def _parts(self) -> StateParts:
@@ -708,6 +778,7 @@ class Engine:
         ``state["compression"]`` are then ``{"ranks": [rank 0's, rank 1's, ...]}``;
         everything else is shared (the same on every rank).
         """
+        self._nothing_in_flight("state_dict()")
         return engine_state.state_dict(self._parts(), copy, gather=True)
 
     @guarded
@@ -734,6 +805,7 @@ class Engine:
         if not isinstance(checked, CheckedState) or checked.owner is not self:
             got = "another engine's" if isinstance(checked, CheckedState) else type(checked).__name__
             raise ArgumentTypeError(f"checked: expected what this engine's check_state() returned, got {got}")
+        self._nothing_in_flight("apply_state()")
         for write in checked.writes:
             write()
         if self._shard is not None:

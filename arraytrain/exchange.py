@@ -30,6 +30,17 @@ Two block collectives serve sharded optimizer state (``Engine(shard_state=True)`
 Their defaults here are built on ``allreduce`` and ``allgather`` (correct, but
 moving more bytes); :mod:`arraytrain.distributed` implements them directly.
 
+Two nonblocking collectives serve the exchange overlapped with the backward pass
+(:mod:`arraytrain.overlap`); each returns a :class:`Pending` whose ``wait()`` completes
+it and whose ``test()`` says, without blocking, whether it has (and moves it on):
+
+- ``iallreduce(x, op)``: starts ``allreduce(x, op)``.
+- ``ireduce(x, root)``: starts an in-place sum of every process's ``x`` into process
+  ``root``'s ``x``; elsewhere ``x`` is left undefined.
+
+Until it completes, the array must not be touched. The defaults here run the blocking
+operation at once and return a completed handle.
+
 :meth:`Exchange.agree` builds the set-up check on the last one: every process
 raises the same typed error when one of them differs, so a mismatch never
 leaves a process waiting in a collective the others skipped.
@@ -44,6 +55,37 @@ from .errors import ArgumentTypeError, HyperparameterError, LayoutError
 
 #: The element-wise operations of ``allreduce``.
 OPS = ("sum", "max")
+
+
+class Pending:
+    """A started nonblocking collective: :meth:`wait` completes it, :meth:`test` polls it."""
+
+    __slots__ = ()
+
+    def wait(self) -> None:
+        """Complete the operation (its result is then in the array)."""
+        raise NotImplementedError
+
+    def test(self) -> bool:
+        """True once the operation has completed (a transport also moves it on here)."""
+        raise NotImplementedError
+
+
+class Done(Pending):
+    """A handle of an operation that completed when it was started."""
+
+    __slots__ = ()
+
+    def wait(self) -> None:
+        """Nothing left to do."""
+
+    def test(self) -> bool:
+        """Always True."""
+        return True
+
+
+#: The completed handle.
+DONE = Done()
 
 
 class Exchange(ABC):
@@ -86,6 +128,17 @@ class Exchange(ABC):
         for r, block in enumerate(self.allgather(x[self.rank * n : (self.rank + 1) * n])):
             if r != self.rank:
                 x[r * n : (r + 1) * n] = block
+
+    def iallreduce(self, x, op: str = "sum") -> Pending:
+        """Start ``allreduce(x, op)`` (see the module docstring). This default runs it at once."""
+        self.allreduce(x, op)
+        return DONE
+
+    def ireduce(self, x, root: int = 0) -> Pending:
+        """Start the sum of every process's ``x`` into process ``root``'s ``x``, in place (elsewhere
+        ``x`` is left undefined). This default all-reduces ``x`` at once."""
+        self.allreduce(x, "sum")
+        return DONE
 
     def agree(self, what: str, value, error=LayoutError) -> None:
         """Raise ``error`` on every process unless every process passed an equal ``value``."""

@@ -237,9 +237,19 @@ class Sharding:
         """This rank's part of the working copy, as the kernels write it (uint16 bits), or None."""
         return None if self.working is None else self._own_weights.view(np.uint16)
 
+    @property
+    def padded_grads(self):
+        """The whole padded gradient array (the engine's ``grads.flat`` is its head)."""
+        return self._grads
+
     def reduce_scatter(self):
         """The window's gradient over ranks, this rank's partition: a :class:`ShardBuffer` view of scratch."""
         return ShardBuffer(self.part, self.comm.reduce_scatter(self._grads))
+
+    def own_grads(self):
+        """This rank's partition of the gradient buffer where it lies (after the overlapped exchange's
+        reduces to the owners), as a :class:`ShardBuffer` view."""
+        return ShardBuffer(self.part, self._grads[self.part.lo : self.part.hi])
 
     def reduce_sums(self, sums) -> None:
         """Complete per-parameter partial sums over ranks, in place (LAMB's norms)."""

@@ -49,17 +49,18 @@ def exchange_scalars(comm, wsum: float, bad: bool) -> tuple[float, bool]:
     return float(both[0]), bool(both[1])
 
 
-def reduce_scatter_norm(sharding, kernels, wsum: float):
+def reduce_scatter_norm(sharding, kernels, wsum: float, reduced=None):
     """Sharded state: ``(gradient partition, weight sum over ranks, NormPass)``.
 
     One reduce-scatter of the flat gradient; the partition's float64 sums of squares
     (total and per parameter) and the window's weight sum travel in one small all-reduce,
     so every rank finds the same norms, and a NaN/Inf in any partition makes every rank's
     total non-finite. A float64 total that is not finite takes the norm pass's overflow
-    path (see :func:`arraytrain.ops.norm_pass`) with two more small all-reduces.
+    path (see :func:`arraytrain.ops.norm_pass`) with two more small all-reduces. ``reduced``:
+    the partition already reduced (by the overlapped exchange), instead of the reduce-scatter.
     """
     comm, part = sharding.comm, sharding.part
-    g = sharding.reduce_scatter()
+    g = sharding.reduce_scatter() if reduced is None else reduced
     nseg = len(part.layout)
     total, per_seg = kernels.sumsq(g.flat, part.pieces, nseg=nseg)
     sums = np.concatenate(([total], per_seg, [wsum]))

@@ -248,6 +248,7 @@ class MLP:
         self.activations = [ACTIVATIONS[activation]() for _ in self.layers[:-1]]
         self.params = self.grads = None
         self._engine = None
+        self._ready: list = []  # per layer, the names bind() marks ready after its backward
 
     # -- parameters ------------------------------------------------------------------
     @property
@@ -323,6 +324,7 @@ class MLP:
         self.params = {n: views["params", n] for n in self.shapes}
         self.grads = {n: views["grads", n] for n in self.shapes}
         self._engine = engine
+        self._ready = [(f"{layer.name}.weight", f"{layer.name}.bias") for layer in self.layers]
 
     # -- compute ---------------------------------------------------------------------------
     def forward(self, x, cache: bool = True):
@@ -352,7 +354,9 @@ class MLP:
         Parameter gradients go straight into the bound gradient arrays: written,
         or added with ``accumulate`` — by default True exactly when the model is
         bound to an engine whose accumulation window is open
-        (``engine.micro_batches > 0``). Returns dL/dx with ``input_grad``, else None.
+        (``engine.micro_batches > 0``). Bound to an engine, each layer's gradients are
+        marked ready as soon as they are written (:meth:`arraytrain.Engine.mark_ready`),
+        so an overlapped exchange starts while the earlier layers still back-propagate. Returns dL/dx with ``input_grad``, else None.
         """
         if accumulate is None:
             accumulate = self._engine is not None and self._engine.micro_batches > 0
@@ -370,6 +374,8 @@ class MLP:
         last = len(self.layers) - 1
         for i in range(last, -1, -1):
             d = self.layers[i].backward(d, accumulate=accumulate, need_dx=i > 0 or input_grad)
+            if self._engine is not None:  # final for the window: the overlapped exchange may start it
+                self._engine.mark_ready(self._ready[i])
             if i > 0:
                 # d is the fresh dL/dx of layer i, ours to overwrite
                 d = self.activations[i - 1].backward(d, inplace=True)

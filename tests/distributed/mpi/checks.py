@@ -13,6 +13,7 @@ Groups: ``comm`` (the collectives, set-up agreement, bad input),
 that differs on one rank),
 ``shard`` (sharded optimizer state against the replicated engine, checkpoints across
 numbers of ranks, bad set-ups; see ``shard_checks.py``),
+``overlap`` (the nonblocking collectives and the exchange overlapped with the backward pass),
 ``crash`` (the last rank fails inside :func:`abort_on_error` while the others
 wait in a collective: the job must end, non-zero, with the error printed).
 """
@@ -30,7 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from arraytrain.distributed import MPIComm, abort_on_error  # noqa: E402
 
-GROUPS = {"comm": "comm_checks", "compress": "compress_checks", "engine": "engine_checks", "shard": "shard_checks"}
+GROUPS = {"comm": "comm_checks", "compress": "compress_checks", "engine": "engine_checks", "shard": "shard_checks",
+          "overlap": "overlap_checks"}
 
 
 def checks_of(module: str) -> list:

@@ -1,0 +1,188 @@
+"""The exchange overlapped with the backward pass (``Engine(overlap=True)``) over in-process rank groups.
+
+Buckets cut from the end of the flat buffer start as ``mark_ready`` completes them, in
+order; the result equals the blocking exchange's bit for bit with 2 ranks, replicated and
+sharded, whatever order the ranks mark in and whether a parameter is never marked. The
+real nonblocking collectives run under mpiexec in ``tests/distributed/test_distributed.py``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import arraytrain as at
+from arraytrain import nn
+from arraytrain.errors import ConcurrentUseError, HyperparameterError, UnknownParameterError
+from arraytrain.overlap import OverlappedExchange, buckets
+from thread_group import ThreadGroup
+
+SIZES = [20, 64, 48, 32, 10]
+
+
+def _data(rank, t, m):
+    rng = np.random.default_rng([rank, t, m])
+    return rng.standard_normal((16, SIZES[0])), rng.integers(0, SIZES[-1], 16)
+
+
+def _train(ranks, overlap, *, shard=False, micro=2, steps=3, bucket_bytes=4096, nan_at=None, order=None,
+           unused_on=None):
+    """Every rank's weights after an MLP trained with the zero-copy path (backward marks each layer)."""
+
+    def rank_run(rank, comm):
+        model = nn.MLP(SIZES, dtype=np.float64)
+        params = model.init(seed=0)
+        eng = at.Engine(params, at.optim.AdamW(lr=1e-2, weight_decay=0.01), comm=comm, accumulation_steps=micro,
+                        max_grad_norm=1.0, overlap=overlap, shard_state=shard, bucket_bytes=bucket_bytes)
+        model.bind(eng)
+        for t in range(steps):
+            for m in range(micro):
+                x, y = _data(rank, t, m)
+                if order is not None or unused_on is not None:  # mark by hand instead of in backward
+                    model._engine = None
+                logits = model.forward(x)
+                _, d = nn.softmax_cross_entropy(logits, y)
+                if nan_at == (t, m) and rank == ranks - 1:
+                    d[0, 0] = np.nan
+                model.backward(d, accumulate=m > 0)
+                if order is not None or unused_on is not None:
+                    model._engine = eng
+                    names = list(eng.layout.names)
+                    if unused_on == rank:
+                        eng.grads["fc1.bias"][...] = 0  # as if it took no part in this rank's forward
+                        names.remove("fc1.bias")
+                    for name in (names if order is None else order(rank, names)):
+                        eng.mark_ready(name)
+                eng.step()
+        return eng.params.flat.copy()
+
+    return ThreadGroup(ranks).run(rank_run)
+
+
+def test_buckets_cover_the_buffer_from_its_end_in_whole_parameters():
+    lay = at.Layout({"a": (100,), "b": (7, 9), "c": (3000,), "d": (5,), "e": (0,), "f": (200,)})
+    for nbytes in (1, 64, 1000, 4096, 10**9):
+        bs = buckets(lay, nbytes, 4)
+        assert bs[0].hi == lay.size and bs[-1].lo == 0
+        assert all(a.lo == b.hi for a, b in zip(bs, bs[1:]))  # contiguous, from the end
+        assert sorted(i for b in bs for i in b.params) == list(range(len(lay)))
+        assert all(list(b.params) == sorted(b.params, reverse=True) for b in bs)
+        for b in bs[:-1]:
+            assert (b.hi - b.lo) * 4 >= nbytes  # full before it closes (the first bucket takes the rest)
+    # one bucket per non-empty parameter at the smallest size (the empty "e" joins the bucket before it)
+    assert len(buckets(lay, 10**9, 4)) == 1 and len(buckets(lay, 1, 4)) == len(lay) - 1
+
+
+@pytest.mark.parametrize("shard", [False, True])
+@pytest.mark.parametrize("bucket_bytes", [1, 4096, 2**30])
+def test_overlapped_equals_blocking_bitwise(shard, bucket_bytes):
+    kw = dict(shard=shard, bucket_bytes=bucket_bytes, nan_at=(1, 1))
+    want = _train(2, False, **kw)
+    got = _train(2, True, **kw)
+    for r in range(2):
+        np.testing.assert_array_equal(got[r], want[r])
+    np.testing.assert_array_equal(got[0], got[1])
+
+
+def test_ranks_that_mark_in_different_orders_or_never_mark_a_parameter():
+    want = _train(2, False, unused_on=1)
+    shuffled = lambda rank, names: names if rank == 0 else names[::-1]  # noqa: E731
+    for kw in (dict(order=shuffled), dict(unused_on=1), dict(unused_on=1, shard=True)):
+        got = _train(2, True, **kw)
+        ref = want if "unused_on" in kw else _train(2, False)
+        if kw.get("shard"):
+            ref = _train(2, False, unused_on=1, shard=True)
+        for r in range(2):
+            np.testing.assert_array_equal(got[r], ref[r])
+
+
+def test_three_ranks_follow_the_blocking_exchange():
+    want = _train(3, False, shard=True)
+    got = _train(3, True, shard=True)
+    for r in range(3):
+        np.testing.assert_allclose(got[r], want[r], rtol=1e-13)
+
+
+class _Recording:
+    """An exchange that records which slices each nonblocking call got (a group of 2, rank 0)."""
+
+    rank, size = 0, 2
+
+    def __init__(self):
+        self.calls = []
+
+    def iallreduce(self, x, op="sum"):
+        self.calls.append(("allreduce", x.size))
+        return at.exchange.DONE
+
+    def ireduce(self, x, root=0):
+        self.calls.append(("reduce", x.size, root))
+        return at.exchange.DONE
+
+
+def test_buckets_start_in_order_and_only_when_complete():
+    lay = at.Layout({"a": (10,), "b": (10,), "c": (10,), "d": (10,)})
+    comm = _Recording()
+    ex = OverlappedExchange(comm, lay, np.zeros(lay.size), bucket_bytes=8 * 16)  # one parameter per bucket
+    ex.ready([0])  # "a" is bucket 3: nothing may start before buckets 0..2
+    assert comm.calls == [] and not ex.started
+    ex.ready([3, 2])  # buckets 0 ("d") and 1 ("c")
+    assert len(comm.calls) == 2 and ex.started
+    ex.finish()  # "b" (bucket 2) was never marked: started here, then "a"
+    assert len(comm.calls) == 4
+    ex.reset()
+    assert not ex.started
+
+
+def test_sharded_buckets_reduce_each_partition_to_its_owner():
+    lay = at.Layout({"a": (30000,), "b": (5000,)})
+    from arraytrain.shard import partition
+
+    part = partition(lay, 2, 0)
+    comm = _Recording()
+    ex = OverlappedExchange(comm, lay, np.zeros(part.padded), bucket_bytes=2**30, part=part)
+    ex.finish()
+    # one bucket [0, 35008): its first 16384 elements to rank 0, the rest to rank 1
+    assert comm.calls == [("reduce", part.length, 0), ("reduce", lay.size - part.length, 1)]
+
+
+def test_mark_ready_checks_names_acts_in_the_last_micro_batch_only_and_guards_the_buffer():
+    def rank_run(rank, comm):
+        eng = at.Engine({"w": np.zeros(8), "b": np.zeros(3)}, at.optim.SGD(lr=0.1), comm=comm, overlap=True,
+                        accumulation_steps=2, bucket_bytes=8)
+        with pytest.raises(UnknownParameterError):
+            eng.mark_ready("nope")
+        eng.mark_ready(["w", "b"])  # the first micro-batch: nothing starts
+        assert not eng._overlap.started
+        eng.step({"w": np.ones(8), "b": np.ones(3)})
+        eng.mark_ready("b")  # the last micro-batch: its bucket starts
+        assert eng._overlap.started
+        with pytest.raises(ConcurrentUseError, match="being exchanged"):
+            eng.step({"w": np.ones(8), "b": np.ones(3)})
+        with pytest.raises(ConcurrentUseError, match="being exchanged"):
+            eng.state_dict()
+        eng.zero_grad()  # completes the window's exchange, then drops it
+        assert not eng._overlap.started and eng.micro_batches == 0
+        eng.step({"w": np.ones(8), "b": np.ones(3)})
+        rep = eng.step({"w": np.ones(8), "b": np.ones(3)})
+        return rep.applied, eng.params["w"].copy()
+
+    out = ThreadGroup(2).run(rank_run)
+    assert out[0][0] and np.array_equal(out[0][1], out[1][1])
+    np.testing.assert_allclose(out[0][1], -0.1)
+
+
+def test_overlap_is_refused_with_a_compressor_or_sam_and_ignored_alone():
+    def rank_run(rank, comm, make):
+        comp = at.compress.TopK(0.5)
+        with pytest.raises(HyperparameterError, match="overlap"):
+            at.Engine({"w": np.zeros(8)}, comm=comm, overlap=True, **make(comp))
+        assert comp.layout is None  # refused before anything was bound
+
+    ThreadGroup(2).run(rank_run, lambda comp: dict(optimizer=at.optim.SGD(lr=0.1), compressor=comp))
+    ThreadGroup(2).run(rank_run, lambda comp: dict(optimizer=at.optim.SAM(at.optim.SGD(lr=0.1), rho=0.05)))
+    eng = at.Engine({"w": np.zeros(8)}, at.optim.SGD(lr=0.1), overlap=True)  # one process: nothing to overlap
+    eng.mark_ready("w")
+    assert eng.step({"w": np.ones(8)}).applied
+    with pytest.raises(HyperparameterError, match="bucket_bytes"):
+        at.Engine({"w": np.zeros(8)}, at.optim.SGD(lr=0.1), bucket_bytes=0)
