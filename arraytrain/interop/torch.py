@@ -61,12 +61,23 @@ copied. How it works, and what it guards against:
   CuPy both use the legacy default stream unless told otherwise: work queued
   on other torch streams must be synchronised before ``engine.step()``.
 
+* **Processes** (``comm=``): as torch's DDP, the exchange overlaps the backward pass by
+  default (``overlap=False`` turns it off, ``bucket_bytes=`` sets the bucket size, 25 MiB):
+  a ``register_post_accumulate_grad_hook`` on every bound parameter marks its gradient ready
+  (:meth:`~arraytrain.Engine.mark_ready`) during the last micro-batch of a window, and the
+  engine starts each bucket's all-reduce as soon as its gradients are final (see
+  :mod:`arraytrain.overlap`). A gradient torch allocated outside the buffer (after
+  ``zero_grad(set_to_none=True)``) is not marked: it is copied in at ``step()``, and its
+  bucket (with the later ones) is exchanged there. Not for a bfloat16/float16 module, whose
+  gradients reach the float32 buffer at ``step()``, nor with a compressor or SAM.
+
 ``engine.step(grads)`` with a mapping still works (the engine's dict path);
 ``engine.zero_grad()`` also clears the low-precision gradient buffer.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
@@ -166,10 +177,20 @@ def bind(module, optimizer, **engine_kwargs) -> TorchEngine:
     """An :class:`Engine` training ``module``'s trainable parameters in place; see the module docstring.
 
     ``engine_kwargs`` are :class:`~arraytrain.Engine`'s (``max_grad_norm``,
-    ``accumulation_steps``, ``schedule``, ``loss_scaler``, ...), except
-    ``dtype``, ``device`` and ``working_dtype``, which come from the module.
+    ``accumulation_steps``, ``schedule``, ``loss_scaler``, ``comm``, ``shard_state``, ...), except
+    ``dtype``, ``device`` and ``working_dtype``, which come from the module. With ``comm``,
+    ``overlap`` defaults to True (the backward pass's hooks start the exchange; see the
+    module docstring) where the exchange can overlap: a float32/float64 module, no
+    compressor, no SAM.
     """
     return TorchEngine(module, optimizer, **engine_kwargs)
+
+
+def _mark_ready(engine_ref, name: str, param, grad) -> None:
+    """A bound parameter's post-accumulate-grad hook: its gradient is final for this backward pass."""
+    engine = engine_ref()
+    if engine is not None and param.grad is grad:  # a gradient in the engine's buffer (not one torch allocated)
+        engine.mark_ready(name)
 
 
 class TorchEngine(Engine):
@@ -213,6 +234,13 @@ class TorchEngine(Engine):
         elif device.type != "cpu":
             raise BackendUnavailableError(f"module: parameters on {device}; bind supports the CPU and CUDA")
         lowp = dtype in (torch.bfloat16, torch.float16)
+        if engine_kwargs.get("overlap") and lowp:
+            raise HyperparameterError("overlap: a bfloat16/float16 module's gradients reach the engine's float32 "
+                                      "buffer at step(), not as the backward pass makes them; pass overlap=False")
+        if "overlap" not in engine_kwargs:  # DDP's default, where the exchange can overlap
+            engine_kwargs["overlap"] = (engine_kwargs.get("comm") is not None and not lowp
+                                        and engine_kwargs.get("compressor") is None
+                                        and not callable(getattr(optimizer, "perturb", None)))
         if lowp:
             engine_kwargs["working_dtype"] = "bfloat16" if dtype == torch.bfloat16 else "float16"
             if dtype == torch.float16 and "loss_scaler" not in engine_kwargs:
@@ -244,6 +272,12 @@ class TorchEngine(Engine):
             p.grad = grad
             bound.append((name, p, data, grad))
         self._bound = bound
+        self._hooks = []
+        if self._overlap is not None:
+            me = weakref.ref(self)  # the hooks do not keep the engine alive
+            for name, p, _, grad in bound:
+                self._hooks.append(p.register_post_accumulate_grad_hook(
+                    lambda t, name=name, grad=grad: _mark_ready(me, name, t, grad)))
         self.frozen = {n: p for n, p in named if not p.requires_grad}
         param_names = {n for n, _ in module.named_parameters(remove_duplicate=False)}
         self.buffers = {n: t for n, t in module.state_dict(keep_vars=True).items() if n not in param_names}

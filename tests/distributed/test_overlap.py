@@ -186,3 +186,44 @@ def test_overlap_is_refused_with_a_compressor_or_sam_and_ignored_alone():
     assert eng.step({"w": np.ones(8)}).applied
     with pytest.raises(HyperparameterError, match="bucket_bytes"):
         at.Engine({"w": np.zeros(8)}, at.optim.SGD(lr=0.1), bucket_bytes=0)
+
+
+@pytest.mark.parametrize("shard", [False, True])
+def test_the_torch_binding_overlaps_by_default_and_equals_blocking(shard):
+    torch = pytest.importorskip("torch")
+    from arraytrain.interop import torch as att
+
+    torch.manual_seed(0)  # the global generator: once, not in the rank threads
+
+    class Net(torch.nn.Module):  # "extra" takes part on rank 0 only (a branch some batches skip)
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.extra = torch.nn.Linear(30, 60), torch.nn.Linear(60, 10), torch.nn.Linear(60, 10)
+
+        def forward(self, x, use_extra):
+            h = torch.tanh(self.a(x))
+            return self.b(h) + (self.extra(h) if use_extra else 0)
+
+    init = Net().state_dict()
+
+    def rank_run(rank, comm, overlap, set_to_none):
+        model = Net()
+        model.load_state_dict(init)
+        kw = {} if overlap is None else {"overlap": overlap}
+        eng = att.bind(model, at.optim.AdamW(lr=1e-2), comm=comm, shard_state=shard, accumulation_steps=2,
+                       bucket_bytes=2048, max_grad_norm=1.0, **kw)
+        assert (eng._overlap is not None) == (overlap is None)
+        gen = torch.Generator().manual_seed(rank)
+        for t in range(3):
+            if set_to_none and t == 1:
+                model.zero_grad(set_to_none=True)
+            for _ in range(2):
+                model(torch.randn(8, 30, generator=gen), use_extra=rank == 0).square().mean().backward()
+                eng.step()
+        return eng.params.flat.copy()
+
+    for set_to_none in (False, True):
+        want = ThreadGroup(2).run(rank_run, False, set_to_none)
+        got = ThreadGroup(2).run(rank_run, None, set_to_none)
+        for r in range(2):
+            np.testing.assert_array_equal(got[r], want[r])
