@@ -259,6 +259,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--shard-state", action="store_true",
                    help="under mpiexec -n K: each process keeps and updates 1/K of the optimizer state (and of "
                         "the float32 master weights with --precision bf16/fp16); element-wise optimizers only")
+    t.add_argument("--overlap", action="store_true",
+                   help="under mpiexec: exchange each layer's gradient while the earlier layers still "
+                        "back-propagate (buckets of 25 MiB); off by default: on one machine's shared memory "
+                        "it competes with the backward pass for the cores (docs/processes.md)")
     t.add_argument("--error-feedback", action="store_true",
                    help="with --compress: keep what was not sent and add it to the next step's gradient "
                         "(randomk and vsa then keep their values unscaled: rescale=False, unbiased=False)")
@@ -579,6 +583,11 @@ def _check_flags(args, comm) -> None:
         raise _usage("--step-epochs applies to --schedule step only")
     if args.error_feedback and args.compress is None:
         raise _usage("--error-feedback needs --compress METHOD")
+    if args.overlap:
+        if comm is None:
+            raise _usage("--overlap needs several processes: mpiexec -n K arraytrain train --overlap")
+        if args.compress is not None:
+            raise _usage("--overlap with --compress: a compressor's exchange needs the whole window's gradient")
     if args.shard_state:
         if comm is None:
             raise _usage("--shard-state needs several processes: mpiexec -n K arraytrain train --shard-state")
@@ -699,7 +708,7 @@ def train(args) -> int:
         extra_engine["loss_scaler"] = LossScaler()
     engine = Engine(params, optimizer, accumulation_steps=args.accumulation, max_grad_norm=args.clip,
                     zero_grad_on_step=False, device=args.device, compressor=compressor, comm=comm, schedule=sched,
-                    shard_state=args.shard_state, overlap=comm is not None and compressor is None, **extra_engine)
+                    shard_state=args.shard_state, overlap=args.overlap, **extra_engine)
     if args.prune is not None:  # a mask from the start, so that every checkpoint of the run holds one
         from .prune import MaskBuffer
 

@@ -44,6 +44,15 @@ command, not under mpiexec. Four parts (``--parts``):
     one, the two engines taking turns step by step in one run (best of ``--steps``,
     the slowest rank's): ``sharded / replicated speed`` > 1 is a faster sharded step.
 
+``overlap``
+    The exchange overlapped with the backward pass against the blocking one, at 2
+    processes: the built-in MLP (``--overlap-widths``, float32, batch ``--overlap-batch``
+    per process) bound to the engine, one training step (forward, backward, exchange,
+    update) timed whole, the two engines taking turns step by step (best of ``--steps``,
+    the slowest rank's). MPI moves a nonblocking collective on only inside MPI calls:
+    the backward pass's marks poll it; a second launch sets ``MPIR_CVAR_ASYNC_PROGRESS=1``
+    (MPICH's progress thread) for comparison.
+
 ``--json FILE`` keeps every figure; ``--plot FILE.png`` draws the all-reduce
 throughput, the projected step times and accuracy against bytes.
 """
@@ -61,7 +70,7 @@ from pathlib import Path
 
 import numpy as np
 
-PARTS = ("allreduce", "scaling", "projection", "accuracy", "sharding")
+PARTS = ("allreduce", "scaling", "projection", "accuracy", "sharding", "overlap")
 RESULT = "RESULT "  # rank 0's line of JSON in a worker's output
 
 
@@ -236,8 +245,45 @@ def worker_sharding(comm, cfg) -> dict:
     return out
 
 
+def worker_overlap(comm, cfg) -> dict:
+    """One MLP training step, blocking and overlapped exchange taking turns; seconds, the slowest rank's."""
+    from .. import Engine, nn, optim
+
+    models, engines = {}, {}
+    for key in ("blocking", "overlapped"):
+        model = nn.MLP(cfg["widths"], dtype=np.float32)
+        eng = Engine(model.init(seed=0), optim.AdamW(lr=1e-3), comm=comm, max_grad_norm=1.0,
+                     overlap=key == "overlapped", zero_grad_on_step=False, bucket_bytes=cfg["bucket_bytes"])
+        model.bind(eng)
+        models[key], engines[key] = model, eng
+    rng = np.random.default_rng(comm.rank)
+    x = rng.standard_normal((cfg["batch"], cfg["widths"][0])).astype(np.float32)
+    y = rng.integers(0, cfg["widths"][-1], cfg["batch"])
+    times = {k: [] for k in engines}
+    parts = {k: [] for k in engines}
+    for i in range(cfg["steps"] + 1):
+        for key in engines:
+            model, eng = models[key], engines[key]
+            comm.comm.Barrier()
+            t0 = time.perf_counter()
+            _, d = nn.softmax_cross_entropy(model.forward(x), y)
+            model.backward(d)
+            t1 = time.perf_counter()
+            eng.step()
+            t2 = time.perf_counter()
+            if i:
+                times[key].append(_slowest(comm, t2 - t0))
+                parts[key].append((t1 - t0, t2 - t1))
+    best = {k: int(np.argmin(v)) for k, v in times.items()}
+    same = np.array_equal(engines["blocking"].params.flat, engines["overlapped"].params.flat)
+    return {"ranks": comm.size, "n": engines["blocking"].layout.num_elements,
+            "step_s": {k: times[k][best[k]] for k in times},
+            "backward_s": {k: parts[k][best[k]][0] for k in parts}, "boundary_s": {k: parts[k][best[k]][1] for k in parts},
+            "buckets": len(engines["overlapped"]._overlap.buckets), "same_weights": bool(same)}
+
+
 WORKERS = {"allreduce": worker_allreduce, "scaling": worker_scaling, "projection": worker_projection,
-           "sharding": worker_sharding}
+           "sharding": worker_sharding, "overlap": worker_overlap}
 
 
 def run_worker(name: str, cfg: dict) -> int:
@@ -468,6 +514,38 @@ def part_sharding(args) -> dict:
     return {"rows": rows}
 
 
+def part_overlap(args) -> dict:
+    cfg = {"widths": args.overlap_widths, "batch": args.overlap_batch, "steps": args.steps,
+           "bucket_bytes": int(args.overlap_bucket_mib * 2**20)}
+    runs = {}
+    for label, env in (("polling from the marks", {}), ("MPICH progress thread", {"MPIR_CVAR_ASYNC_PROGRESS": "1"})):
+        old = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:
+            runs[label] = _worker("overlap", 2, cfg, args)
+        finally:
+            for k, v in old.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+    first = next(iter(runs.values()))
+    print(f"\nThe exchange overlapped with the backward pass, 2 processes: the MLP {args.overlap_widths} "
+          f"({first['n']:,} float32 parameters, {first['buckets']} buckets of {args.overlap_bucket_mib:g} MiB), batch {args.overlap_batch} "
+          f"per process, {args.threads} numba thread(s) and one BLAS thread per process; one training step "
+          f"(forward, backward, exchange, update), best of {args.steps}, the slowest rank's:")
+    print("| MPI progress | blocking ms | overlapped ms | overlapped / blocking speed | of which forward+backward "
+          "ms (blocking, overlapped) | weights |")
+    print("|---|---|---|---|---|---|")
+    for label, r in runs.items():
+        st, bw = r["step_s"], r["backward_s"]
+        same = "equal bit for bit" if r["same_weights"] else "differ"
+        print(f"| {label} | {1e3 * st['blocking']:.2f} | {1e3 * st['overlapped']:.2f} | "
+              f"{st['blocking'] / st['overlapped']:.2f}x | {1e3 * bw['blocking']:.2f}, {1e3 * bw['overlapped']:.2f} "
+              f"| {same} |")
+    return {"runs": runs}
+
+
 def _floats(text: str) -> list:
     return [float(s) for s in text.split(",") if s]
 
@@ -494,6 +572,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seeds", type=int, default=1)
     p.add_argument("--shard-ranks", default="2,4", help="sharding: group sizes besides 1")
     p.add_argument("--shard-size", type=float, default=1e7, help="sharding: float32 parameters")
+    p.add_argument("--overlap-widths", default="1024,2048,2048,1024,10", help="overlap: the MLP's layer widths")
+    p.add_argument("--overlap-batch", type=int, default=256, help="overlap: samples per process")
+    p.add_argument("--overlap-bucket-mib", type=float, default=4.0, help="overlap: bucket size in MiB")
     p.add_argument("--threads", type=int, default=1, help="numba threads per process")
     p.add_argument("--timeout", type=float, default=900, help="seconds per mpiexec job")
     p.add_argument("--json", metavar="FILE")
@@ -524,10 +605,11 @@ def main(argv=None) -> int:
     args.scaling_ranks = [int(s) for s in _floats(args.scaling_ranks)]
     args.shard_ranks = [int(s) for s in _floats(args.shard_ranks)]
     args.shard_size = int(args.shard_size)
+    args.overlap_widths = [int(s) for s in _floats(args.overlap_widths)]
     args.scaling_size, args.compress_size = int(args.scaling_size), int(args.compress_size)
     args.links = _floats(args.links)
     runners = {"allreduce": part_allreduce, "scaling": part_scaling, "projection": part_projection,
-               "accuracy": part_accuracy, "sharding": part_sharding}
+               "accuracy": part_accuracy, "sharding": part_sharding, "overlap": part_overlap}
     results = {part: runners[part](args) for part in parts}
     if args.json:
         with open(args.json, "w") as f:

@@ -92,10 +92,22 @@ def test_sharded_state_follows_the_replicated_run(tmp_path, precision):
 def test_shard_state_usage_errors(tmp_path):
     pytest.importorskip("mpi4py")
     base = [sys.executable, "-m", "arraytrain", "train"]
-    proc = subprocess.run([*base, "--shard-state"], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2 and "--shard-state needs several processes" in proc.stderr, proc.stderr
+    for flag in ("--shard-state", "--overlap"):
+        proc = subprocess.run([*base, flag], capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2 and f"{flag} needs several processes" in proc.stderr, proc.stderr
     for extra, words in ((["--optimizer", "adafactor"], "--optimizer adafactor"),
                          (["--compress", "topk:ratio=0.1"], "--compress")):
         cmd = [MPIEXEC, "-n", "2", *base, "--shard-state", *extra]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
         assert proc.returncode == 2 and proc.stderr.count("error:") == 1 and words in proc.stderr, proc.stderr
+
+
+def test_overlapped_exchange_follows_the_blocking_run(tmp_path):
+    data = small_npz(tmp_path / "d.npz", n=120)
+    common = ["--data", str(data), "--epochs", "3", "--batch-size", "16", "--dtype", "float64"]
+    _, blocking = _train(tmp_path, 2, *common, name="blocking")
+    _, overlapped = _train(tmp_path, 2, *common, "--overlap", "--shard-state", name="overlapped")
+    _, sharded = _train(tmp_path, 2, *common, "--shard-state", name="sharded")
+    assert [h["loss"] for h in overlapped["history"]] == [h["loss"] for h in sharded["history"]]
+    np.testing.assert_allclose([h["loss"] for h in overlapped["history"]], [h["loss"] for h in blocking["history"]],
+                               rtol=1e-12)
