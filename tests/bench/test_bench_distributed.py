@@ -98,3 +98,14 @@ def test_sharding_on_tiny_settings(tmp_path, capsys):
     assert two["fp32/sharded"]["state"] <= one["fp32/replicated"]["state"] / 2 + chunk
     assert two["bf16/sharded"]["params"] == 0 and two["bf16/sharded"]["master"] > 0
     assert rows[1]["same_weights"] or rows[1]["max_rel_diff"] < 1e-5
+
+
+def test_overlap_on_tiny_settings(tmp_path, capsys):
+    _need_mpi()
+    out_json = tmp_path / "o.json"
+    rc = bench.main(["--parts", "overlap", "--overlap-widths", "20,64,32,10", "--overlap-batch", "8",
+                     "--overlap-bucket-mib", "0.005", "--steps", "2", "--timeout", "240", "--json", str(out_json)])
+    assert rc == 0
+    assert "| polling from the marks |" in capsys.readouterr().out
+    runs = json.loads(out_json.read_text())["overlap"]["runs"]
+    assert len(runs) == 2 and all(r["same_weights"] and r["buckets"] > 1 for r in runs.values())
