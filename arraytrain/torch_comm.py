@@ -90,6 +90,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+import weakref
 
 import numpy as np
 
@@ -195,7 +196,10 @@ class TorchComm(Exchange):
     Attributes
     ----------
     group : torch.distributed.ProcessGroup
-        The group itself, for anything outside the collectives.
+        The group itself, for anything outside the collectives. TorchComm holds it weakly:
+        after ``torch.distributed.destroy_process_group()`` every call raises
+        :class:`~arraytrain.errors.BackendUnavailableError`, and a TorchComm kept alive until
+        the interpreter exits does not keep the group (and gloo's threads) alive with it.
     backend : str
         Its backend as torch names it (``"gloo"``, ``"nccl"``, ``"cpu:gloo,cuda:nccl"``).
     """
@@ -216,14 +220,16 @@ class TorchComm(Exchange):
         if rank < 0:
             raise ArgumentTypeError(f"group: this process (global rank {dist.get_rank()}) is not a member of it")
         self._torch, self._dist = torch, dist
-        self.group = group
+        # weak: torch's registry keeps a group until destroy_process_group; a reference held past it
+        # (a TorchComm alive until the interpreter exits) lets gloo's threads abort the process at exit
+        self._group = weakref.ref(group)
         self.rank, self.size = rank, dist.get_world_size(group)
         self.backend = str(dist.get_backend(group))
         self._cpu, self._cuda = _devices(self.backend)
         self._ranks = dist.get_process_group_ranks(group)  # group rank -> global rank
         # a group without a CPU backend: a gloo group of the same ranks for host arrays and objects
-        self._host = group if self._cpu else dist.new_group(self._ranks, backend="gloo",
-                                                            use_local_synchronization=True)
+        host = group if self._cpu else dist.new_group(self._ranks, backend="gloo", use_local_synchronization=True)
+        self._host = weakref.ref(host)
         self._ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
         self._all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         self._reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -272,8 +278,20 @@ class TorchComm(Exchange):
         """``x``'s bytes as a 1-D uint8 tensor sharing its memory."""
         return self._tensor(x.reshape(-1).view(np.uint8), kind)
 
+    @property
+    def group(self):
+        """The process group (held weakly: torch holds it until ``destroy_process_group``)."""
+        return self._alive(self._group)
+
+    def _alive(self, ref):
+        group = ref()
+        if group is None:
+            raise BackendUnavailableError("TorchComm: its process group was destroyed "
+                                          "(torch.distributed.destroy_process_group)")
+        return group
+
     def _group_of(self, kind: str):
-        return self.group if kind == CUPY else self._host
+        return self._alive(self._group if kind == CUPY else self._host)
 
     def _on_stream(self, x, kind: str):
         """A context under which torch's current stream is CuPy's current one, on ``x``'s device (CUDA), else none."""
@@ -306,7 +324,14 @@ class TorchComm(Exchange):
 
     def allreduce(self, x, op: str = "sum") -> None:
         """``x`` becomes the element-wise ``op`` over ranks, in place (``all_reduce`` on ``x``'s memory)."""
-        self.iallreduce(x, op).wait()
+        red = self._op(op)
+        kind = self._check(x, "x", True, True)
+        if x.size:
+            with self._on_stream(x, kind)():
+                t, finish = self._reduced(x, kind)
+                self._dist.all_reduce(t, op=red, group=self._group_of(kind))
+                if finish is not None:
+                    finish()
 
     def iallreduce(self, x, op: str = "sum") -> TorchWork:
         """Start ``allreduce(x, op)``; complete it with the handle's ``wait()``."""
@@ -355,7 +380,7 @@ class TorchComm(Exchange):
     def gather_objects(self, obj) -> list:
         """Every rank's picklable ``obj``, in rank order (``all_gather_object`` over the CPU group; set-up only)."""
         out = [None] * self.size
-        self._dist.all_gather_object(out, obj, group=self._host)
+        self._dist.all_gather_object(out, obj, group=self._alive(self._host))
         return out
 
     def reduce_scatter(self, x):

@@ -162,7 +162,7 @@ def test_nccl_over_cupy_buffers_one_rank_per_gpu():
     assert f"checks passed on {n} ranks" in proc.stdout.strip().splitlines()[-1], proc.stdout + proc.stderr
 
 
-def test_without_torch_or_an_initialised_group_a_clear_error(monkeypatch):
+def test_without_torch_or_an_initialised_group_a_clear_error(monkeypatch, tmp_path):
     from arraytrain.torch_comm import TorchComm
 
     torchrun_exe()
@@ -172,6 +172,17 @@ def test_without_torch_or_an_initialised_group_a_clear_error(monkeypatch):
         pytest.skip("this process has a torch.distributed group")
     with pytest.raises(BackendUnavailableError, match=r"init_process_group\('gloo'\).*torchrun"):
         TorchComm()
+    # a group of one process here: the identity; after destroy_process_group a clear error, not a crash
+    dist.init_process_group("gloo", init_method=(tmp_path / "store").as_uri(), rank=0, world_size=1)
+    try:
+        comm = TorchComm()
+        x = np.arange(5.0)
+        comm.allreduce(x)
+        assert comm.is_local and x.tolist() == [0.0, 1.0, 2.0, 3.0, 4.0] and comm.gather_objects(1) == [1]
+    finally:
+        dist.destroy_process_group()
+    with pytest.raises(BackendUnavailableError, match="destroy_process_group"):
+        comm.allreduce(x)
     monkeypatch.setitem(sys.modules, "torch", None)  # import torch -> ImportError
     monkeypatch.setitem(sys.modules, "torch.distributed", None)
     with pytest.raises(BackendUnavailableError, match=r"pip install torch"):
