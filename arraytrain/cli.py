@@ -391,6 +391,40 @@ def _comm():
     return MPIComm()
 
 
+def _gpu_comm(comm):
+    """``--device cuda`` under mpiexec: this process's GPU (its rank among the processes on its
+    machine), then an NCCLComm over the same processes. Each rank's problem (no CuPy, fewer GPUs than
+    processes on a machine, no NCCL) becomes one usage error on every rank."""
+    from mpi4py import MPI
+
+    local = comm.comm.Split_type(MPI.COMM_TYPE_SHARED)
+    here, rank = local.Get_size(), local.Get_rank()
+    local.Free()
+
+    def select():
+        from .backend import require_cuda
+
+        try:
+            require_cuda("--device cuda")
+            import cupy
+
+            gpus = cupy.cuda.runtime.getDeviceCount()
+        except ArrayTrainError as exc:
+            raise _usage(f"--device cuda under mpiexec: {exc}") from None
+        if here > gpus:
+            raise _usage(f"--device cuda under mpiexec: {here} processes on one machine, {gpus} GPU(s) there: "
+                         "one GPU per process (mpiexec -n K with K at most the GPUs of each machine)")
+        cupy.cuda.Device(rank).use()
+
+    _agreed(comm, select)
+    from .distributed import NCCLComm
+
+    try:
+        return NCCLComm(comm.comm)  # the same error on every rank when one cannot run NCCL
+    except ArrayTrainError as exc:
+        raise _usage(f"--device cuda under mpiexec: {exc}") from None
+
+
 def _load_data(args):
     from .nn import load_digits, load_npz
 
@@ -573,10 +607,6 @@ def _agreed(comm, check):
 
 def _check_flags(args, comm) -> None:
     """The flags' combinations."""
-    if args.device == "cuda" and comm is not None:
-        raise _usage(f"--device cuda under mpiexec ({comm.size} processes): the command exchanges through MPIComm, "
-                     "which moves host buffers only; for several GPUs drive Engine(comm=NCCLComm()) from Python, "
-                     "one process per GPU (docs/processes.md)")
     if args.checkpoint_every and not args.save:
         raise _usage("--checkpoint-every needs --save FILE")
     if args.step_epochs and args.schedule != "step":
@@ -689,6 +719,8 @@ def train(args) -> int:
     lead = comm is None or comm.rank == 0  # only rank 0 prints and writes files
     out = sys.stdout if lead else open(os.devnull, "w")  # noqa: SIM115 - closed with the process
     show_bar = _agreed(comm, lambda: _validate(args, comm))
+    if args.device == "cuda" and comm is not None:
+        comm = _gpu_comm(comm)  # one GPU per process, NCCL for the exchange
     optimizer, compressor = _optimizer(args), _compressor(args)  # their argument checks, before the data
 
     data = _load_data(args)

@@ -61,14 +61,38 @@ def test_usage_error_is_printed_once_under_mpiexec(tmp_path):
     assert proc.stderr.count("error:") == 1 and "--prune-epochs" in proc.stderr, proc.stderr
 
 
-def test_cuda_under_mpiexec_is_refused_before_training(tmp_path):
-    """The command's exchange is MPIComm (host buffers): --device cuda over several processes is refused
-    up front, once, rather than failing on every rank at the first step."""
+def _gpus() -> int:
+    from cuda_family import cuda_usable
+
+    if not cuda_usable():
+        return 0
+    import cupy
+
+    return cupy.cuda.runtime.getDeviceCount()
+
+
+def test_cuda_under_mpiexec_without_a_gpu_per_process_is_refused_once(tmp_path):
+    """--device cuda under mpiexec takes one GPU per process and NCCL: where that cannot be (no GPU here,
+    or fewer GPUs than processes), every rank stops before training with one line from rank 0."""
     pytest.importorskip("mpi4py")
+    if _gpus() >= 2:
+        pytest.skip("this machine has a GPU for each of 2 processes")
     cmd = [MPIEXEC, "-n", "2", sys.executable, "-m", "arraytrain", "train", "--device", "cuda"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
-    assert proc.stderr.count("error:") == 1 and "--device cuda under mpiexec (2 processes)" in proc.stderr, proc.stderr
+    assert proc.stderr.count("error:") == 1 and "--device cuda under mpiexec:" in proc.stderr, proc.stderr
+
+
+def test_several_gpus_from_the_command_line(tmp_path):
+    """mpiexec -n 2 arraytrain train --device cuda: one GPU per process, NCCL, the one-process trajectory."""
+    if _gpus() < 2:
+        pytest.skip("needs 2 GPUs")
+    data = small_npz(tmp_path / "d.npz", n=120)
+    common = ["--data", str(data), "--epochs", "3", "--batch-size", "16", "--dtype", "float64"]
+    _, one = _train(tmp_path, 1, *common, "--device", "cuda", name="one")
+    _, many = _train(tmp_path, 2, *common, "--device", "cuda", name="many")
+    assert many["processes"] == 2
+    np.testing.assert_allclose([h["loss"] for h in many["history"]], [h["loss"] for h in one["history"]], rtol=1e-9)
 
 
 
