@@ -188,8 +188,10 @@ def test_overlap_is_refused_with_a_compressor_or_sam_and_ignored_alone():
         at.Engine({"w": np.zeros(8)}, at.optim.SGD(lr=0.1), bucket_bytes=0)
 
 
+@pytest.mark.parametrize("ranks", [2, 3])
 @pytest.mark.parametrize("shard", [False, True])
-def test_the_torch_binding_overlaps_by_default_and_equals_blocking(shard):
+def test_the_torch_binding_overlaps_by_default_and_equals_blocking(shard, ranks):
+    """Accumulation, clipping, loss scaling, a NaN micro-batch, an unused branch: bitwise with 2 ranks."""
     torch = pytest.importorskip("torch")
     from arraytrain.interop import torch as att
 
@@ -211,19 +213,27 @@ def test_the_torch_binding_overlaps_by_default_and_equals_blocking(shard):
         model.load_state_dict(init)
         kw = {} if overlap is None else {"overlap": overlap}
         eng = att.bind(model, at.optim.AdamW(lr=1e-2), comm=comm, shard_state=shard, accumulation_steps=2,
-                       bucket_bytes=2048, max_grad_norm=1.0, **kw)
+                       bucket_bytes=2048, max_grad_norm=1.0, loss_scaler=at.LossScaler(init_scale=2.0**6), **kw)
         assert (eng._overlap is not None) == (overlap is None)
         gen = torch.Generator().manual_seed(rank)
-        for t in range(3):
+        reports = []
+        for t in range(4):
             if set_to_none and t == 1:
                 model.zero_grad(set_to_none=True)
-            for _ in range(2):
-                model(torch.randn(8, 30, generator=gen), use_extra=rank == 0).square().mean().backward()
-                eng.step()
+            for m in range(2):
+                loss = model(torch.randn(8, 30, generator=gen), use_extra=rank == 0).square().mean()
+                if t == 2 and m == 1 and rank == ranks - 1:
+                    loss = loss * float("nan")  # the window's last micro-batch: its buckets carry the NaN
+                (loss * eng.loss_scale).backward()
+                reports.append(eng.step())
+        assert [r.skipped for r in reports[1::2]] == [False, False, True, False]
         return eng.params.flat.copy()
 
     for set_to_none in (False, True):
-        want = ThreadGroup(2).run(rank_run, False, set_to_none)
-        got = ThreadGroup(2).run(rank_run, None, set_to_none)
-        for r in range(2):
-            np.testing.assert_array_equal(got[r], want[r])
+        want = ThreadGroup(ranks).run(rank_run, False, set_to_none)
+        got = ThreadGroup(ranks).run(rank_run, None, set_to_none)
+        for r in range(ranks):
+            if ranks == 2:
+                np.testing.assert_array_equal(got[r], want[r])
+            else:
+                np.testing.assert_allclose(got[r], want[r], rtol=1e-6, atol=1e-7)
