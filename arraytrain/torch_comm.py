@@ -65,9 +65,11 @@ all-reduce.
 Nonblocking operations
 ----------------------
 :meth:`iallreduce` and :meth:`ireduce` start an operation and return a
-:class:`TorchWork` handle (torch's ``async_op=True`` work): ``wait()``
-completes it, ``test()`` says without blocking whether it has completed.
-gloo progresses them on its own threads, so nothing needs polling. The array
+:class:`TorchWork` handle (an :class:`~arraytrain.exchange.Pending` over
+torch's ``async_op=True`` work): ``wait()`` completes it, ``test()`` says
+without blocking whether it has completed (an empty array's operation returns
+the exchange's completed ``DONE``). gloo progresses them on its own threads, so
+nothing needs polling. The array
 must not be read or written until the handle is complete.
 
 CuPy streams
@@ -97,12 +99,7 @@ import numpy as np
 from ._checks import check_int
 from .backend import CUPY, NUMPY, backend_of
 from .errors import ArgumentTypeError, BackendError, BackendUnavailableError, DTypeError, ReadOnlyError
-from .exchange import OPS, Exchange, block_length
-
-try:  # the nonblocking handles' base, where the exchange declares one
-    from .exchange import Pending as _HandleBase
-except ImportError:  # pragma: no cover - until the overlapped exchange lands
-    _HandleBase = object
+from .exchange import DONE, OPS, Exchange, Pending, block_length
 
 __all__ = ["TorchComm", "TorchWork", "INIT_HINT"]
 
@@ -142,7 +139,7 @@ def _devices(backend: str) -> tuple[bool, bool]:
     return spec in ("gloo", "mpi"), spec == "nccl"
 
 
-class TorchWork(_HandleBase):
+class TorchWork(Pending):
     """A nonblocking operation started by :meth:`TorchComm.iallreduce` or :meth:`TorchComm.ireduce`.
 
     ``wait()`` completes it (returns None; a CUDA operation makes the CuPy stream
@@ -178,9 +175,6 @@ class TorchWork(_HandleBase):
 
     def __repr__(self) -> str:
         return f"TorchWork({'complete' if self._keep is None else 'pending'})"
-
-
-_DONE = TorchWork(None, keep=None)  # an empty array's operation: nothing to wait for
 
 
 class TorchComm(Exchange):
@@ -333,25 +327,25 @@ class TorchComm(Exchange):
                 if finish is not None:
                     finish()
 
-    def iallreduce(self, x, op: str = "sum") -> TorchWork:
+    def iallreduce(self, x, op: str = "sum") -> Pending:
         """Start ``allreduce(x, op)``; complete it with the handle's ``wait()``."""
         red = self._op(op)
         kind = self._check(x, "x", True, True)
         if not x.size:
-            return _DONE
+            return DONE
         on_stream = self._on_stream(x, kind)
         with on_stream():
             t, finish = self._reduced(x, kind)
             work = self._dist.all_reduce(t, op=red, group=self._group_of(kind), async_op=True)
         return TorchWork(work, finish, (x, t), on_stream if kind == CUPY else None)
 
-    def ireduce(self, x, root: int = 0) -> TorchWork:
+    def ireduce(self, x, root: int = 0) -> Pending:
         """Start a sum of every rank's ``x`` into rank ``root``'s ``x``, in place; elsewhere ``x`` is left
         undefined. Complete it with the handle's ``wait()``."""
         root = check_int("root", root, 0, self.size - 1, error=ArgumentTypeError)
         kind = self._check(x, "x", True, True)
         if not x.size:
-            return _DONE
+            return DONE
         on_stream = self._on_stream(x, kind)
         with on_stream():
             t, finish = self._reduced(x, kind)
