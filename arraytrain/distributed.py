@@ -1,4 +1,7 @@
-"""Processes: the exchange over MPI (NumPy buffers) and NCCL (CuPy buffers).
+"""Processes: the exchange over MPI (NumPy buffers) and NCCL (CuPy buffers); torch.distributed.
+
+:class:`TorchComm` (defined in :mod:`arraytrain.torch_comm`) is the exchange over an
+initialised torch.distributed process group, for jobs started by ``torchrun``.
 
 :class:`MPIComm` implements :class:`arraytrain.exchange.Exchange` with
 mpi4py's buffer collectives on NumPy arrays; :class:`NCCLComm` implements it
@@ -72,6 +75,10 @@ from ._checks import check_int
 from .backend import CUPY, NUMPY, backend_of
 from .errors import ArgumentTypeError, BackendError, BackendUnavailableError, DTypeError, ReadOnlyError
 from .exchange import DONE, OPS, Exchange, Pending, block_length
+from .torch_comm import TorchComm  # torch.distributed as a transport (torch imported on construction only)
+
+__all__ = ["INSTALL_HINT", "MPIComm", "MPIRequest", "NCCLComm", "TorchComm", "abort_on_error", "find_mpiexec",
+           "launch", "mpi"]
 
 #: What to install for processes over MPI; the errors for a missing mpi4py or mpiexec quote it.
 INSTALL_HINT = 'pip install "arraytrain[mpi]" (mpi4py and the MPICH library from PyPI)'

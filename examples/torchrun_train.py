@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 import arraytrain as at
 from arraytrain.interop import torch as at_torch
-from arraytrain.torch_comm import TorchComm
+from arraytrain.distributed import TorchComm
 
 IN, HIDDEN, CLASSES = 20, 64, 4
 

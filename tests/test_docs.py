@@ -50,6 +50,7 @@ MODULES = (
     "arraytrain.kernels.interface",
     "arraytrain.nn",
     "arraytrain.optim",
+    "arraytrain.overlap",
     "arraytrain.phase",
     "arraytrain.predict",
     "arraytrain.prune",
@@ -58,6 +59,7 @@ MODULES = (
     "arraytrain.shard",
     "arraytrain.stages",
     "arraytrain.threads",
+    "arraytrain.torch_comm",
 )
 
 

@@ -93,6 +93,13 @@ NOT_AVAILABLE = {
 }
 
 
+def slowest(comm, seconds: float) -> float:
+    """The largest of every rank's ``seconds`` (a collective finishes when the last rank does)."""
+    t = np.array([seconds])
+    comm.allreduce(t, "max")
+    return float(t[0])
+
+
 def step_bytes(opt: str, itemsize: int = 4) -> int:
     """Bytes per parameter of a clipped step: the norm pass's read of g + :data:`OPTIMIZERS` accesses."""
     return itemsize * (1 + OPTIMIZERS[opt])

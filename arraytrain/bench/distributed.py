@@ -53,6 +53,10 @@ command, not under mpiexec. Four parts (``--parts``):
     the backward pass's marks poll it; a second launch sets ``MPIR_CVAR_ASYNC_PROGRESS=1``
     (MPICH's progress thread) for comparison.
 
+``--vs-ddp``
+    The torch binding against torch's DDP on the same torch models (see
+    :mod:`arraytrain.bench.ddp`); ``--ddp-plot FILE.png`` draws it.
+
 ``--json FILE`` keeps every figure; ``--plot FILE.png`` draws the all-reduce
 throughput, the projected step times and accuracy against bytes.
 """
@@ -70,18 +74,13 @@ from pathlib import Path
 
 import numpy as np
 
+from .common import slowest
+
 PARTS = ("allreduce", "scaling", "projection", "accuracy", "sharding", "overlap")
 RESULT = "RESULT "  # rank 0's line of JSON in a worker's output
 
 
 # -- workers: run under mpiexec, rank 0 prints one RESULT line -------------------------------------
-
-
-def _slowest(comm, seconds: float) -> float:
-    """The largest of every rank's ``seconds`` (the collective finishes when the last rank does)."""
-    t = np.array([seconds])
-    comm.allreduce(t, "max")
-    return float(t[0])
 
 
 def _timed(comm, fn, reps: int) -> float:
@@ -90,7 +89,7 @@ def _timed(comm, fn, reps: int) -> float:
     t0 = time.perf_counter()
     for _ in range(reps):
         fn()
-    return _slowest(comm, (time.perf_counter() - t0) / reps)
+    return slowest(comm, (time.perf_counter() - t0) / reps)
 
 
 def worker_allreduce(comm, cfg) -> dict:
@@ -116,7 +115,7 @@ def worker_allreduce(comm, cfg) -> dict:
                     fns[k]()
                     spent[k] += time.perf_counter() - t0
             for k in fns:
-                samples[k].append(_slowest(comm, spent[k] / reps))
+                samples[k].append(slowest(comm, spent[k] / reps))
         rows.append({"n": n, "bytes": 4 * n, "reps": reps, "samples_s": samples})
     return {"ranks": comm.size, "rows": rows}
 
@@ -154,7 +153,7 @@ def _step_seconds(engine, steps: int, comm=None) -> float:
         engine.step()
         dt = time.perf_counter() - t0
         if i:
-            times.append(dt if comm is None else _slowest(comm, dt))
+            times.append(dt if comm is None else slowest(comm, dt))
     return min(times)
 
 
@@ -234,7 +233,7 @@ def worker_sharding(comm, cfg) -> dict:
                 comm.comm.Barrier()
                 t0 = time.perf_counter()
                 eng.step()
-                dt = _slowest(comm, time.perf_counter() - t0)
+                dt = slowest(comm, time.perf_counter() - t0)
                 if i:
                     times[key].append(dt)
         out["step_s"] = {k: min(v) for k, v in times.items()}
@@ -248,6 +247,7 @@ def worker_sharding(comm, cfg) -> dict:
 def worker_overlap(comm, cfg) -> dict:
     """One MLP training step, blocking and overlapped exchange taking turns; seconds, the slowest rank's."""
     from .. import Engine, nn, optim
+    from ..overlap import buckets
 
     models, engines = {}, {}
     for key in ("blocking", "overlapped"):
@@ -272,14 +272,14 @@ def worker_overlap(comm, cfg) -> dict:
             eng.step()
             t2 = time.perf_counter()
             if i:
-                times[key].append(_slowest(comm, t2 - t0))
+                times[key].append(slowest(comm, t2 - t0))
                 parts[key].append((t1 - t0, t2 - t1))
     best = {k: int(np.argmin(v)) for k, v in times.items()}
     same = np.array_equal(engines["blocking"].params.flat, engines["overlapped"].params.flat)
     return {"ranks": comm.size, "n": engines["blocking"].layout.num_elements,
             "step_s": {k: times[k][best[k]] for k in times},
             "backward_s": {k: parts[k][best[k]][0] for k in parts}, "boundary_s": {k: parts[k][best[k]][1] for k in parts},
-            "buckets": len(engines["overlapped"]._overlap.buckets), "same_weights": bool(same)}
+            "buckets": len(buckets(engines["overlapped"].layout, cfg["bucket_bytes"], 4)), "same_weights": bool(same)}
 
 
 WORKERS = {"allreduce": worker_allreduce, "scaling": worker_scaling, "projection": worker_projection,
@@ -291,7 +291,12 @@ def run_worker(name: str, cfg: dict) -> int:
 
     with abort_on_error():
         comm = MPIComm()
-        out = WORKERS[name](comm, cfg)
+        if name == "ddp":
+            from .ddp import worker_ddp
+
+            out = worker_ddp(comm, cfg)
+        else:
+            out = WORKERS[name](comm, cfg)
         if comm.rank == 0:
             print(RESULT + json.dumps(out), flush=True)
     return 0
@@ -579,7 +584,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=900, help="seconds per mpiexec job")
     p.add_argument("--json", metavar="FILE")
     p.add_argument("--plot", metavar="FILE.png")
-    p.add_argument("--worker", choices=sorted(WORKERS), help=argparse.SUPPRESS)
+    p.add_argument("--vs-ddp", action="store_true", help="the torch binding against torch DDP (only this part)")
+    p.add_argument("--ddp-models", default="all", help="--vs-ddp: models, comma-separated names or 'all'")
+    p.add_argument("--ddp-batch", type=int, default=64, help="--vs-ddp: samples per process")
+    p.add_argument("--ddp-plot", metavar="FILE.png", help="--vs-ddp: draw the steps")
+    p.add_argument("--worker", choices=sorted(WORKERS) + ["ddp"], help=argparse.SUPPRESS)
     p.add_argument("--config", help=argparse.SUPPRESS)
     return p
 
@@ -608,6 +617,24 @@ def main(argv=None) -> int:
     args.overlap_widths = [int(s) for s in _floats(args.overlap_widths)]
     args.scaling_size, args.compress_size = int(args.scaling_size), int(args.compress_size)
     args.links = _floats(args.links)
+    if args.vs_ddp:
+        from . import ddp
+
+        names = list(ddp.MODELS) if args.ddp_models == "all" else [s for s in args.ddp_models.split(",") if s]
+        unknown = [n for n in names if n not in ddp.MODELS]
+        if unknown:
+            print(f"--ddp-models: unknown {unknown}; models {list(ddp.MODELS)}", file=sys.stderr)
+            return 2
+        res = _worker("ddp", 2, {"models": names, "batch": args.ddp_batch, "steps": args.steps,
+                                 "port": ddp.free_port()}, args)
+        ddp.report(res, args)
+        print(f"\nlosses agree with DDP's to 1e-4: {ddp.losses_agree(res)}")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"vs_ddp": res}, f, indent=2)
+        if args.ddp_plot:
+            ddp.plot(args.ddp_plot, res)
+        return 0
     runners = {"allreduce": part_allreduce, "scaling": part_scaling, "projection": part_projection,
                "accuracy": part_accuracy, "sharding": part_sharding, "overlap": part_overlap}
     results = {part: runners[part](args) for part in parts}

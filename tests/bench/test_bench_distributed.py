@@ -109,3 +109,17 @@ def test_overlap_on_tiny_settings(tmp_path, capsys):
     assert "| polling from the marks |" in capsys.readouterr().out
     runs = json.loads(out_json.read_text())["overlap"]["runs"]
     assert len(runs) == 2 and all(r["same_weights"] and r["buckets"] > 1 for r in runs.values())
+
+
+def test_vs_ddp_on_tiny_settings(tmp_path, capsys):
+    _need_mpi()
+    pytest.importorskip("torch")
+    out_json, out_png = tmp_path / "v.json", tmp_path / "v.png"
+    rc = bench.main(["--vs-ddp", "--ddp-models", "MLP 4x1024 (4.2M)", "--ddp-batch", "2", "--steps", "1",
+                     "--timeout", "240", "--json", str(out_json)])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "| torch DDP |" in text and "| arraytrain, TorchComm, overlapped |" in text
+    assert "losses agree with DDP's to 1e-4: True" in text
+    res = json.loads(out_json.read_text())["vs_ddp"]["MLP 4x1024 (4.2M)"]
+    assert len(res["step_s"]) == 7 and res["params"] == 4 * (1024 * 1024 + 1024)

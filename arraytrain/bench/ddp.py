@@ -1,0 +1,209 @@
+"""``python -m arraytrain.bench distributed --vs-ddp``: the torch binding against torch's DDP.
+
+One ``mpiexec`` job of 2 processes runs every contestant on the same torch models, the same
+initialisation and the same data per rank, taking turns step by step (so the machine's other
+work falls on all of them alike):
+
+- ``torch DDP``: ``DistributedDataParallel`` over gloo (buckets of 25 MB, all-reduces
+  launched by autograd hooks), ``clip_grad_norm_(1.0)``, ``torch.optim.AdamW``;
+- ``arraytrain, MPIComm`` and ``arraytrain, TorchComm`` (over the same gloo group), each
+  blocking (``overlap=False``) and overlapped: ``bind(model, AdamW, max_grad_norm=1.0,
+  comm=...)``;
+- ``torch, no exchange`` and ``arraytrain, no exchange``: each implementation's step alone,
+  on the rank's own data: the reference of a step without any communication.
+
+torch.distributed is initialised over TCP on 127.0.0.1 inside the MPI job (rank and size
+from MPI). A step is forward, backward and the optimizer step. Its *exposed communication* is
+what the exchange adds to the step: the step's time less the same implementation's step
+without any exchange (the exchange hidden behind the backward pass adds nothing); the time
+from the end of the backward pass to the end of the step is reported beside it. Each
+figure is the best of ``--steps`` steps (after one warm-up), the slowest rank's; the losses
+of every contestant are compared step by step with DDP's.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from .common import slowest
+
+#: The models: name -> (kind, settings).
+MODELS = {
+    "MLP 4x1024 (4.2M)": ("mlp", {"width": 1024, "layers": 4}),
+    "MLP 4x2048 (16.8M)": ("mlp", {"width": 2048, "layers": 4}),
+    "TransformerEncoder 2x256 (1.6M)": ("transformer", {"d_model": 256, "layers": 2, "seq": 32}),
+}
+
+
+def _model(torch, kind: str, cfg: dict):
+    if kind == "mlp":
+        w = cfg["width"]
+        mods = []
+        for i in range(cfg["layers"]):
+            mods.append(torch.nn.Linear(w, w))
+            if i < cfg["layers"] - 1:
+                mods.append(torch.nn.ReLU())
+        return torch.nn.Sequential(*mods)
+    layer = torch.nn.TransformerEncoderLayer(cfg["d_model"], nhead=4, dim_feedforward=4 * cfg["d_model"],
+                                             dropout=0.0, batch_first=True)
+    return torch.nn.TransformerEncoder(layer, cfg["layers"], enable_nested_tensor=False)
+
+
+def _batch(torch, kind: str, cfg: dict, batch: int, gen):
+    if kind == "mlp":
+        return torch.randn(batch, cfg["width"], generator=gen), torch.randn(batch, cfg["width"], generator=gen)
+    shape = (batch, cfg["seq"], cfg["d_model"])
+    return torch.randn(*shape, generator=gen), torch.randn(*shape, generator=gen)
+
+
+def worker_ddp(comm, cfg) -> dict:
+    """Every contestant on every model, taking turns step by step (see the module docstring)."""
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from .. import optim
+    from ..interop import torch as att
+    from ..torch_comm import TorchComm
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{cfg['port']}", rank=comm.rank,
+                            world_size=comm.size)
+    tcomm = TorchComm()
+    out = {}
+    for name in cfg["models"]:
+        kind, mcfg = MODELS[name]
+        torch.manual_seed(0)
+        init = _model(torch, kind, mcfg).state_dict()
+
+        def fresh():
+            m = _model(torch, kind, mcfg)
+            m.load_state_dict(init)
+            return m
+
+        steps = {}
+        m = fresh()
+        ddp = DistributedDataParallel(m)
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+
+        def ddp_step(x, y, m=m, ddp=ddp, opt=opt):
+            loss = torch.nn.functional.mse_loss(ddp(x), y)
+            loss.backward()
+            t = time.perf_counter()
+            torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad()
+            return float(loss), t
+
+        steps["torch DDP"] = ddp_step
+        m = fresh()
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+
+        def torch_step(x, y, m=m, opt=opt):
+            loss = torch.nn.functional.mse_loss(m(x), y)
+            loss.backward()
+            t = time.perf_counter()
+            torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad()
+            return float(loss), t
+
+        steps["torch, no exchange"] = torch_step
+        for label, c, overlap in (("arraytrain, no exchange", None, False),
+                                  ("arraytrain, MPIComm, blocking", comm, False),
+                                  ("arraytrain, MPIComm, overlapped", comm, True),
+                                  ("arraytrain, TorchComm, blocking", tcomm, False),
+                                  ("arraytrain, TorchComm, overlapped", tcomm, True)):
+            m = fresh()
+            eng = att.bind(m, optim.AdamW(lr=1e-3), max_grad_norm=1.0, comm=c, overlap=overlap)
+
+            def at_step(x, y, m=m, eng=eng):
+                loss = torch.nn.functional.mse_loss(m(x), y)
+                loss.backward()
+                t = time.perf_counter()
+                eng.step()
+                return float(loss), t
+
+            steps[label] = at_step
+        gen = torch.Generator().manual_seed(1000 + comm.rank)
+        data = [_batch(torch, kind, mcfg, cfg["batch"], gen) for _ in range(cfg["steps"] + 1)]
+        times = {k: [] for k in steps}
+        losses = {k: [] for k in steps}
+        for i, (x, y) in enumerate(data):
+            for key, step in steps.items():
+                comm.comm.Barrier()
+                t0 = time.perf_counter()
+                loss, t1 = step(x, y)
+                t2 = time.perf_counter()
+                losses[key].append(loss)
+                if i:
+                    times[key].append((slowest(comm, t2 - t0), slowest(comm, t2 - t1)))
+        best = {k: min(v) for k, v in times.items()}
+        out[name] = {"params": sum(p.numel() for p in fresh().parameters()), "step_s": {k: b[0] for k, b in best.items()},
+                     "after_backward_s": {k: b[1] for k, b in best.items()}, "losses": losses}
+    dist.destroy_process_group()
+    return out
+
+
+def report(res: dict, args) -> None:
+    """The table per model (step, exposed communication, speed against DDP, losses)."""
+    print(f"\nThe torch binding against torch DDP, 2 processes (gloo / MPI in shared memory), batch "
+          f"{args.ddp_batch} per process, one torch and one numba thread per process; best of {args.steps} steps, "
+          "the slowest rank's. Exposed communication: the step less the same implementation's step without "
+          "any exchange:")
+    for name, r in res.items():
+        st, after = r["step_s"], r["after_backward_s"]
+        ref = r["losses"]["torch DDP"]
+        print(f"\n{name}: {r['params']:,} parameters")
+        print("| contestant | step ms | after backward ms | exposed communication ms | % of step | "
+              "speed vs DDP | max loss diff vs DDP |")
+        print("|---|---|---|---|---|---|---|")
+        for key in st:
+            local = st["torch, no exchange" if key.startswith("torch") else "arraytrain, no exchange"]
+            exposed = 0.0 if key.endswith("no exchange") else max(0.0, st[key] - local)
+            diff = max(abs(a - b) / max(abs(b), 1e-30) for a, b in zip(r["losses"][key], ref))
+            if key.endswith("no exchange"):
+                diff = float("nan")  # its own rank's data only: another trajectory
+            r.setdefault("exposed_s", {})[key] = exposed
+            print(f"| {key} | {1e3 * st[key]:.1f} | {1e3 * after[key]:.1f} | {1e3 * exposed:.1f} | "
+                  f"{100 * exposed / st[key]:.0f}% | {st['torch DDP'] / st[key]:.2f}x | {diff:.1e} |")
+
+
+def plot(path: str, res: dict) -> None:
+    """Stacked bars per model: the step before the end of backward, and after it."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(res), figsize=(5 * len(res), 4.5), squeeze=False)
+    for ax, (name, r) in zip(axes[0], res.items()):
+        keys = list(r["step_s"])
+        before = [1e3 * (r["step_s"][k] - r["after_backward_s"][k]) for k in keys]
+        after = [1e3 * r["after_backward_s"][k] for k in keys]
+        ax.barh(range(len(keys)), before, label="forward + backward")
+        ax.barh(range(len(keys)), after, left=before, label="after backward (exchange + update)")
+        ax.set_yticks(range(len(keys)), [k.replace("arraytrain, ", "") for k in keys], fontsize=8)
+        ax.invert_yaxis()
+        ax.set_xlabel("ms per step (best, slowest rank)")
+        ax.set_title(name, fontsize=9)
+    axes[0][0].legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (for torch.distributed's rendezvous)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def losses_agree(res: dict, rtol: float = 1e-4) -> bool:
+    """Every contestant's losses within ``rtol`` of DDP's, step by step."""
+    return all(np.allclose(r["losses"][k], r["losses"]["torch DDP"], rtol=rtol)
+               for r in res.values() for k in r["losses"] if not k.endswith("no exchange"))
