@@ -178,7 +178,7 @@ def plot(path: str, res: dict) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(res), figsize=(5 * len(res), 4.5), squeeze=False)
+    fig, axes = plt.subplots(1, len(res), figsize=(5 * len(res), 4.8), squeeze=False)
     for ax, (name, r) in zip(axes[0], res.items()):
         keys = list(r["step_s"])
         before = [1e3 * (r["step_s"][k] - r["after_backward_s"][k]) for k in keys]
@@ -189,8 +189,9 @@ def plot(path: str, res: dict) -> None:
         ax.invert_yaxis()
         ax.set_xlabel("ms per step (best, slowest rank)")
         ax.set_title(name, fontsize=9)
-    axes[0][0].legend(fontsize=8, loc="lower right")
-    fig.tight_layout()
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, fontsize=8, loc="lower center", ncol=2)
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
     fig.savefig(path, dpi=110)
 
 
