@@ -758,6 +758,8 @@ def _match(where: str, path: tuple, got, want, specs: dict, checks: list) -> Non
     if not _has_arrays(want):
         if _has_arrays(got):
             fail(f"the checkpoint holds arrays where the engine holds {_what(want)}")
+    elif _q8_conversion(got, want):  # 8-bit optimizer state into float slots, or float state into 8-bit slots
+        _match(where, path, got, _q8_template(got, want, specs), specs, checks)
     elif isinstance(want, np.ndarray) or _is_cupy(want):
         if not isinstance(got, _Ref):
             fail(f"the engine holds an array, the checkpoint {_what(got)}")
@@ -796,6 +798,38 @@ def _match(where: str, path: tuple, got, want, specs: dict, checks: list) -> Non
             _match(where, path + (i,), g, w, specs, checks)
     else:
         fail(f"the engine's state holds a {type(want).__name__}, which checkpoints do not store")
+
+
+def _q8_conversion(got, want) -> bool:
+    """A slot saved in 8 bits where the engine keeps floats (or the other way): the engine's
+    ``load_state_dict`` converts (arraytrain.state8); the file's own form is matched here."""
+    from .state8 import is_q8_entry
+
+    if isinstance(want, np.ndarray) and isinstance(got, dict) and is_q8_entry(got):
+        return True
+    return isinstance(got, _Ref) and isinstance(want, Mapping) and is_q8_entry(want)
+
+
+def _q8_template(got, want, specs: dict):
+    """The form the file holds, as a template: an 8-bit entry for a float parameter's shape, or
+    the float array (its own float dtype) for an 8-bit entry's."""
+    from .state8 import BLOCK
+
+    if isinstance(want, np.ndarray):
+        n = int(np.prod(want.shape, dtype=np.int64))
+        return {"codes": np.broadcast_to(np.zeros((), np.uint8), want.shape),
+                "absmax": np.broadcast_to(np.zeros((), np.float32), (-(-n // BLOCK),)), "map": got.get("map")}
+    code = specs[got.key][1]
+    name = _DTYPE_NAMES.get(code, code)
+    if name == "bfloat16":
+        import ml_dtypes
+
+        dtype = np.dtype(ml_dtypes.bfloat16)
+    else:
+        dtype = np.dtype(name)
+    if dtype.kind != "f" and name != "bfloat16":
+        return want  # not a float array: the mismatch is reported as such
+    return np.broadcast_to(np.zeros((), dtype), want["codes"].shape)
 
 
 def _fill(node, arrays: dict):

@@ -39,7 +39,7 @@ class Adadelta(Optimizer):
     def update(self, kernels, params, grads, state, *, gscale=1.0, lr=None, zero_grad=False, working=None,
                mask=None):
         kernels.adadelta_step(params.flat, grads.flat, self._slot(state, "square_avg"), self._slot(state, "acc_delta"),
-                              params.layout.pieces, gscale=self._signed(gscale), lr=self._lr(state, lr),
+                              self._pieces(params), gscale=self._signed(gscale), lr=self._lr(state, lr),
                               l2=self.per_param(state, "weight_decay"), rho=self.rho, eps=self.eps,
                               **working_args(working), zero_grad=zero_grad, mask=mask_arg(mask, params))
         state.step += 1

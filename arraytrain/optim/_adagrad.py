@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import numpy as np
+
 from .._checks import check_bool, check_number
 from .._deprecation import legacy_arguments
 from ._base import Optimizer, mask_arg, working_args
@@ -48,6 +50,11 @@ class Adagrad(Optimizer):
     def init(self, params):
         state = super().init(params)
         acc = state.slots["sum"]
+        if self.state_dtype == "8bit":
+            if self.initial_accumulator_value:
+                acc.load({n: np.full(sh, self.initial_accumulator_value, np.float32)
+                          for n, sh in zip(acc.layout.names, acc.layout.shapes)})
+            return state
         for lo, hi, _ in acc.layout.pieces.tolist():  # the parameters' elements only: padding stays zero
             acc.flat[lo:hi] = self.initial_accumulator_value
         return state
@@ -56,7 +63,7 @@ class Adagrad(Optimizer):
                mask=None):
         t = state.step + 1
         clr = self._lr(state, lr) / (1.0 + (t - 1) * self.lr_decay)  # torch's decayed rate
-        kernels.adagrad_step(params.flat, grads.flat, self._slot(state, "sum"), params.layout.pieces,
+        kernels.adagrad_step(params.flat, grads.flat, self._slot(state, "sum"), self._pieces(params),
                              gscale=self._signed(gscale), lr=clr, l2=self.per_param(state, "weight_decay"),
                              eps=self.eps, **working_args(working), zero_grad=zero_grad, mask=mask_arg(mask, params))
         state.step = t

@@ -6,7 +6,6 @@ import numpy as np
 
 from .._checks import check_betas, check_bool, check_number
 from .._deprecation import legacy_arguments
-from ..buffer import kernel_view
 from ._base import Optimizer, decoupled_decay, mask_arg, working_args
 
 
@@ -72,9 +71,9 @@ class Adam(Optimizer):
             l2, decay = np.zeros_like(wd), decoupled_decay(lr, wd)
         else:
             l2, decay = wd, np.ones_like(wd)
-        s = {k: kernel_view(buf.flat) for k, buf in state.slots.items()}
-        vmax = s["max_exp_avg_sq"] if self.amsgrad else s["exp_avg"][:0]
-        kernels.adam_step(params.flat, grads.flat, s["exp_avg"], s["exp_avg_sq"], vmax, params.layout.pieces,
+        s = {k: self._slot(state, k) for k in state.slots}
+        vmax = s["max_exp_avg_sq"] if self.amsgrad else _unused(s["exp_avg"])
+        kernels.adam_step(params.flat, grads.flat, s["exp_avg"], s["exp_avg_sq"], vmax, self._pieces(params),
                           gscale=self._signed(gscale), step_size=lr / (1.0 - b1**t), beta1=b1, beta2=b2,
                           eps=self.eps, inv_bc2_sqrt=1.0 / math.sqrt(1.0 - b2**t), l2=l2, decay=decay,
                           amsgrad=self.amsgrad, **working_args(working), zero_grad=zero_grad,
@@ -97,3 +96,8 @@ class AdamW(Adam):
                  state_dtype: str | None = None, overrides=None):
         super().__init__(lr, betas, eps, weight_decay, amsgrad, maximize=maximize, state_dtype=state_dtype,
                          overrides=overrides)
+
+
+def _unused(slot):
+    """The kernels' ``vmax`` without AMSGrad: never read (an empty array, or the 8-bit slot itself)."""
+    return slot[:0] if isinstance(slot, np.ndarray) else slot

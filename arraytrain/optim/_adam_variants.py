@@ -41,7 +41,7 @@ class _AdamVariant(Optimizer):
 
     def _arrays(self, state, params, grads) -> tuple:
         """The kernels' positional arrays: params, grads, the two slots, pieces."""
-        return (params.flat, grads.flat, *(self._slot(state, k) for k in self._slots), params.layout.pieces)
+        return (params.flat, grads.flat, *(self._slot(state, k) for k in self._slots), self._pieces(params))
 
 
 class NAdam(_AdamVariant):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import fnmatch
+import functools
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -12,7 +13,8 @@ import numpy as np
 from .._checks import check_bool, check_number
 from ..buffer import FlatBuffer, kernel_view
 from ..errors import ArgumentTypeError, DTypeError, HyperparameterError, LayoutError
-from ..layout import Layout
+from ..layout import REDUCE_CHUNK, Layout
+from .. import state8
 
 
 @dataclass
@@ -115,8 +117,14 @@ class Optimizer(ABC):
 
     def init(self, params: FlatBuffer) -> OptState:
         """A fresh :class:`OptState` for ``params``: step 0, zero slots and the overrides resolved by name."""
-        dtype = self._slot_dtype(params)
-        return OptState(0, {name: params.zeros_like(dtype) for name in self.slot_names}, self.resolve(params.layout))
+        return OptState(0, {name: self._new_slot(params, name) for name in self.slot_names}, self.resolve(params.layout))
+
+    def _new_slot(self, params: FlatBuffer, name: str):
+        """A zero element-wise slot ``name`` for ``params`` in ``state_dtype``'s storage."""
+        if self.state_dtype == "8bit":
+            check_8bit(params)
+            return state8.Quant8Buffer(params.layout, signed=name not in UNSIGNED_SLOTS, threshold=self.min_8bit_size)
+        return params.zeros_like(self._slot_dtype(params))
 
     def _slot_dtype(self, params: FlatBuffer):
         """The storage of element-wise slots: None (the parameters' dtype) or ``state_dtype``'s."""
@@ -129,8 +137,17 @@ class Optimizer(ABC):
 
     @staticmethod
     def _slot(state: OptState, name: str):
-        """A slot as the kernels take it: the flat array, or its uint16 bits for bfloat16 storage."""
-        return kernel_view(state.slots[name].flat)
+        """A slot as the kernels take it: the flat array, its uint16 bits for bfloat16 storage, or
+        the :class:`arraytrain.state8.Q8` of an 8-bit slot."""
+        return slot_arg(state.slots[name])
+
+    def _pieces(self, params) -> np.ndarray:
+        """The pieces the kernels walk: the layout's, or with 8-bit state the same parameters cut at
+        multiples of 16384 elements from each parameter's start, so no 256-element block is split."""
+        pieces = params.layout.pieces
+        if self.state_dtype != "8bit":
+            return pieces
+        return _block_pieces(params.layout, np.ascontiguousarray(pieces[:, 2]).tobytes())
 
     @abstractmethod
     def update(self, kernels, params: FlatBuffer, grads: FlatBuffer, state: OptState, *,
@@ -153,8 +170,11 @@ class Optimizer(ABC):
     # Storage of the state slots: None (the parameters' dtype) or, where an optimizer offers
     # it (``state_dtype`` argument), "bfloat16" for float32 parameters: math stays float32,
     # each slot is read and written through the kernels' one state accessor.
-    STATE_DTYPES: tuple = ("float32", "bfloat16")
+    STATE_DTYPES: tuple = ("float32", "bfloat16", "8bit")
     state_dtype: str | None = None
+    #: With ``state_dtype="8bit"``: parameters with fewer elements keep their slots in float32
+    #: (bitsandbytes' ``min_8bit_size``); set it on the optimizer before the engine is built.
+    min_8bit_size: int = state8.DEFAULT_THRESHOLD
 
     def _set_basics(self, lr, eps, weight_decay, maximize, state_dtype, overrides) -> None:
         """Check and set what every optimizer names alike: ``lr >= 0``, ``eps > 0``, ``weight_decay >= 0``,
@@ -170,6 +190,8 @@ class Optimizer(ABC):
         if state_dtype is not None and state_dtype not in self.STATE_DTYPES:
             raise HyperparameterError(f"state_dtype: expected None or one of {self.STATE_DTYPES}, got {state_dtype!r}")
         self.state_dtype = state_dtype
+        if state_dtype == "8bit" and type(self).shard_refusal is None:
+            self.shard_refusal = SHARD_8BIT
 
     def _signed(self, gscale):
         """The kernels' ``gscale``: negated with ``maximize`` (torch negates the gradient; exact)."""
@@ -254,3 +276,42 @@ def decoupled_decay(lr, weight_decay):
     The one place the factor is formed, so every optimizer that decays this way has the same bits.
     """
     return 1.0 - lr * weight_decay
+
+
+#: Slots never negative (second moments, sums of squares): the unsigned dynamic map. Every other
+#: slot (first moments, momentum buffers, RMSprop's mean gradient) takes the signed map.
+UNSIGNED_SLOTS = frozenset({"exp_avg_sq", "max_exp_avg_sq", "sum", "square_avg", "acc_delta", "exp_inf"})
+
+# Sharded state cuts the flat buffer at multiples of 16384 elements, and a parameter's 8-bit
+# blocks start at the parameter's own first element (at any multiple of 16): the block across
+# a partition boundary would belong to two ranks, and its absmax needs both halves.
+SHARD_8BIT = ("8-bit state keeps one absmax per 256-element block counted from each parameter's start, and a "
+              "partition boundary (a multiple of 16384 elements of the flat buffer) can cut such a block between "
+              "two ranks; use state_dtype='bfloat16' or None with shard_state=True, or 8-bit state unsharded")
+
+
+def slot_arg(buf):
+    """A slot as the kernels take it (see :meth:`Optimizer._slot`)."""
+    if isinstance(buf, state8.Quant8Buffer):
+        return buf.kernel_arg()
+    return kernel_view(buf.flat)
+
+
+def check_8bit(params) -> None:
+    """8-bit state needs float32 parameters on the CPU (a typed error, before any state exists)."""
+    if not isinstance(params.flat, np.ndarray):
+        from ..errors import BackendUnavailableError
+
+        raise BackendUnavailableError("state_dtype='8bit': the CUDA kernels for 8-bit state are not built yet; "
+                                      "use state_dtype='bfloat16' on the GPU, or 8-bit state on the CPU")
+    if params.dtype != np.float32:
+        raise HyperparameterError(f"state_dtype: 8bit state needs float32 parameters, got {params.dtype}")
+
+
+@functools.lru_cache(maxsize=32)
+def _block_pieces(layout: Layout, segs: bytes) -> np.ndarray:
+    wanted = np.unique(np.frombuffer(segs, np.int64))
+    rows = state8.block_pieces(layout, REDUCE_CHUNK)
+    out = np.ascontiguousarray(rows[np.isin(rows[:, 2], wanted)])
+    out.flags.writeable = False
+    return out

@@ -71,7 +71,7 @@ class LAMB(Optimizer):
         t = state.step + 1
         b1, b2 = self.betas
         ratio = kernels.lamb_step(params.flat, grads.flat, self._slot(state, "exp_avg"),
-                                  self._slot(state, "exp_avg_sq"), params.layout.pieces, gscale=self._signed(gscale),
+                                  self._slot(state, "exp_avg_sq"), self._pieces(params), gscale=self._signed(gscale),
                                   lr=self._lr(state, lr), weight_decay=self.per_param(state, "weight_decay"),
                                   beta1=b1, beta2=b2, eps=self.eps, eps_root=self.eps_root,
                                   inv_bc1=1.0 / (1.0 - b1**t), inv_bc2=1.0 / (1.0 - b2**t),

@@ -51,7 +51,7 @@ class Lion(Optimizer):
                mask=None):
         lr = self._lr(state, lr)
         b1, b2 = self.betas
-        kernels.lion_step(params.flat, grads.flat, self._slot(state, "exp_avg"), params.layout.pieces,
+        kernels.lion_step(params.flat, grads.flat, self._slot(state, "exp_avg"), self._pieces(params),
                           gscale=self._signed(gscale), lr=lr,
                           decay=decoupled_decay(lr, self.per_param(state, "weight_decay")),
                           beta1=b1, beta2=b2, **working_args(working), zero_grad=zero_grad,

@@ -126,7 +126,7 @@ class Muon(Optimizer):
                     "(or another optimizer with element-wise state) for them"
                 )
         hp = self.resolve(params.layout)
-        slots = {"momentum_buffer": params.zeros_like(self._slot_dtype(params))}
+        slots = {"momentum_buffer": self._new_slot(params, "momentum_buffer")}
         if self.fallback is not None:
             inner = self._fallback_to_init().init(params)
             slots.update({FALLBACK + k: v for k, v in inner.slots.items()})
@@ -142,7 +142,9 @@ class Muon(Optimizer):
         hp = fb.hyperparameters()
         if self.state_dtype is None or fb.state_dtype is not None or "state_dtype" not in hp:
             return fb
-        return type(fb)(**{**hp, "state_dtype": self.state_dtype})
+        out = type(fb)(**{**hp, "state_dtype": self.state_dtype})
+        out.min_8bit_size = self.min_8bit_size
+        return out
 
     def _inner(self, state: OptState) -> OptState:
         """The fallback's view of the state: its slots and per-parameter values, the same step."""
@@ -161,7 +163,10 @@ class Muon(Optimizer):
     def update(self, kernels, params, grads, state, *, gscale=1.0, lr=None, zero_grad=False, working=None,
                mask=None):
         mask = mask_arg(mask, params)
-        route = routing(params.layout, self.fallback_for)
+        layout = params.layout
+        if self.state_dtype == "8bit":  # pieces that split no 8-bit block (see Optimizer._pieces)
+            layout = _SubsetLayout(layout, self._pieces(params))
+        route = routing(layout, self.fallback_for)
         lr = self._lr(state, lr)
         gs = self._signed(gscale)
         if route.pieces.shape[0]:

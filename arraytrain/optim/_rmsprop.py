@@ -53,10 +53,10 @@ class RMSprop(Optimizer):
     def update(self, kernels, params, grads, state, *, gscale=1.0, lr=None, zero_grad=False, working=None,
                mask=None):
         square_avg = self._slot(state, "square_avg")
-        empty = square_avg[:0]
+        empty = params.flat[:0]  # the slots this configuration lacks: never read
         gavg = self._slot(state, "grad_avg") if self.centered else empty
         buf = self._slot(state, "momentum_buffer") if self.momentum > 0 else empty
-        kernels.rmsprop_step(params.flat, grads.flat, square_avg, gavg, buf, params.layout.pieces,
+        kernels.rmsprop_step(params.flat, grads.flat, square_avg, gavg, buf, self._pieces(params),
                              gscale=self._signed(gscale), lr=self._lr(state, lr),
                              l2=self.per_param(state, "weight_decay"), alpha=self.alpha, eps=self.eps,
                              momentum=self.momentum, centered=self.centered, **working_args(working),

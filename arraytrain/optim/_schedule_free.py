@@ -9,7 +9,7 @@ import numpy as np
 
 from .._checks import check_betas, check_bool, check_int, check_number
 from ..backend import array_module
-from ..buffer import FlatBuffer, kernel_view
+from ..buffer import FlatBuffer
 from ..errors import HyperparameterError
 from ..layout import Layout
 from ._base import Optimizer, OptState, mask_arg, working_args
@@ -86,7 +86,7 @@ class ScheduleFreeAdamW(Optimizer):
 
     def init(self, params) -> OptState:
         per_param = scalar_layout(params.layout)
-        slots = {"z": params.copy(), "exp_avg_sq": params.zeros_like(self._slot_dtype(params)),
+        slots = {"z": params.copy(), "exp_avg_sq": self._new_slot(params, "exp_avg_sq"),
                  "max_lr": FlatBuffer.zeros(per_param, np.float64, array_module(params.flat)),
                  "weight_sum": FlatBuffer.zeros(per_param, np.float64, array_module(params.flat))}
         return OptState(0, slots, self.resolve(params.layout))
@@ -102,8 +102,8 @@ class ScheduleFreeAdamW(Optimizer):
         b1, b2 = self.betas
         s = state.slots
         kernels.schedule_free_adamw_step(
-            params.flat, grads.flat, s["z"].flat, kernel_view(s["exp_avg_sq"].flat), s["max_lr"].flat,
-            s["weight_sum"].flat, params.layout.pieces, gscale=self._signed(gscale), lr=step_lr,
+            params.flat, grads.flat, s["z"].flat, self._slot(state, "exp_avg_sq"), s["max_lr"].flat,
+            s["weight_sum"].flat, self._pieces(params), gscale=self._signed(gscale), lr=step_lr,
             weight_lr=weight_lr, weight_lr_power=self.weight_lr_power,
             weight_decay=self.per_param(state, "weight_decay"), beta1=b1, beta2=b2, eps=self.eps,
             inv_bc2_sqrt=1.0 / math.sqrt(1.0 - b2**t), **working_args(working), zero_grad=zero_grad, mask=mask,

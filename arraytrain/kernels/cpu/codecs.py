@@ -251,6 +251,10 @@ warnings.filterwarnings(
     "ignore", message=r"variable '_(load|store)_state__locals__impl.*' is not in scope",
     category=NumbaIRAssumptionWarning,
 )
+warnings.filterwarnings(  # the same check, for the 8-bit accessors below (inlined the same way)
+    "ignore", message=r"variable '_state_(open|close|step|scratch)__locals__impl.*' is not in scope",
+    category=NumbaIRAssumptionWarning,
+)
 @overload(load_state, inline="always", jit_options=JIT)
 def _load_state(a, i):
     if a.dtype == types.uint16:
@@ -270,3 +274,176 @@ def _store_state(a, i, x):
             a[i] = x
             return x
     return impl
+
+
+# -- 8-bit state (arraytrain.state8) -----------------------------------------------------------
+#
+# An 8-bit slot reaches a kernel as arraytrain.state8.Q8 (a named tuple of arrays and ints);
+# every other slot as an array. A kernel walks each piece in steps of ``state_step`` elements:
+# the whole piece for an array (one step, the loop as before) and for a parameter whose 8-bit
+# slot is kept in float32, one block of 256 for an 8-bit parameter. Per step,
+# ``state_open`` gives the float values the element loop reads and writes through
+# load_state/store_state: the array's slice; the float32 side array's slice; or, for 8-bit,
+# the block decoded into ``tmp`` (a 256-float scratch, in L1). ``state_close`` then encodes
+# the block from ``tmp``: its absmax as the largest |x| bits (an integer max, which a NaN wins,
+# and which vectorises where a NaN-propagating float max would not), and each code from the
+# codebook's bucket table. The element loops are the float32 loops, unchanged.
+
+QBLOCK = 256
+
+
+@intrinsic
+def abs_bits(typingctx, x):
+    """float32 -> its bits with the sign cleared (uint32): magnitudes that order as integers, NaN above inf."""
+    def codegen(context, builder, signature, args):
+        i32 = ir.IntType(32)
+        return builder.and_(builder.bitcast(args[0], i32), ir.Constant(i32, 0x7FFFFFFF))
+
+    return types.uint32(types.float32), codegen
+
+
+@intrinsic
+def umax32(typingctx, a, b):
+    """max of two uint32, as one unsigned compare and select (vpmaxud)."""
+    def codegen(context, builder, signature, args):
+        return builder.select(builder.icmp_unsigned(">", args[0], args[1]), args[0], args[1])
+
+    return types.uint32(types.uint32, types.uint32), codegen
+
+
+@intrinsic
+def bits_as_f32(typingctx, u):
+    """uint32 bits -> float32."""
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.FloatType())
+
+    return types.float32(types.uint32), codegen
+
+
+@intrinsic
+def q8_bucket(typingctx, q, shift, bias, nb):
+    """The codebook table's index for float32 ``q``: ``sign*nb + clip((|bits| >> shift) - bias, 0, nb - 1)``, in 32-bit lanes."""
+    def codegen(context, builder, signature, args):
+        i32 = ir.IntType(32)
+        c = lambda v: ir.Constant(i32, v)  # noqa: E731
+        sh, bi, n = (builder.trunc(a, i32) for a in args[1:])
+        u = builder.bitcast(args[0], i32)
+        sign = builder.lshr(u, c(31))
+        k = builder.sub(builder.lshr(builder.and_(u, c(0x7FFFFFFF)), sh), bi)
+        k = builder.select(builder.icmp_signed("<", k, c(0)), c(0), k)
+        top = builder.sub(n, c(1))
+        k = builder.select(builder.icmp_signed(">", k, top), top, k)
+        return builder.add(builder.mul(sign, n), k)
+
+    return types.uint32(types.float32, types.int64, types.int64, types.int64), codegen
+
+
+@intrinsic
+def q8_pick(typingctx, q, entry, shift):
+    """The code of ``q`` from its bucket's table ``entry`` (``threshold << 8 | code``): ``code``,
+    moved one towards larger magnitude where ``q``'s low ``shift`` bits reach the threshold."""
+    def codegen(context, builder, signature, args):
+        i32 = ir.IntType(32)
+        c = lambda v: ir.Constant(i32, v)  # noqa: E731
+        u = builder.bitcast(args[0], i32)
+        e = args[1]
+        sh = builder.trunc(args[2], i32)
+        low = builder.and_(u, builder.sub(builder.shl(c(1), sh), c(1)))
+        moved = builder.zext(builder.icmp_unsigned(">=", low, builder.lshr(e, c(8))), i32)
+        # one code up for q >= 0, down for q < 0 (the negative half's codes fall as |q| grows)
+        sign = builder.lshr(u, c(31))
+        step = builder.select(builder.icmp_unsigned("==", sign, c(0)), moved, builder.sub(c(0), moved))
+        code = builder.add(builder.and_(e, c(255)), step)
+        return builder.trunc(code, ir.IntType(8))
+
+    return types.uint8(types.float32, types.int32, types.int64), codegen
+
+
+@njit(inline="always", **JIT)
+def q8_decode_block(cb, am, qmap, tmp):
+    """``tmp[i] = qmap[cb[i]] * am``: a block's float32 values from its codes."""
+    for i in range(cb.size):
+        tmp[i] = qmap[cb[i]] * am
+
+
+@njit(inline="always", **JIT)
+def q8_encode_block(vals, cb, table, shift, bias, nb):
+    """Encode a block's float32 ``vals`` into ``cb``; returns the block's absmax."""
+    m = np.uint32(0)
+    for i in range(vals.size):
+        m = umax32(m, abs_bits(vals[i]))
+    am = bits_as_f32(m)
+    r = np.float32(1.0) / am if am > 0 else np.float32(0.0)
+    for i in range(vals.size):
+        q = vals[i] * r
+        cb[i] = q8_pick(q, table[q8_bucket(q, shift, bias, nb)], shift)
+    return am
+
+
+def state_step(a, seg, n):
+    """Elements per step of a piece of ``n`` elements of segment ``seg`` (jitted code only)."""
+    raise NotImplementedError("only callable from jitted code")
+
+
+def state_scratch(a):
+    """The scratch block ``state_open`` decodes into: 256 float32 for an 8-bit slot (jitted code only)."""
+    raise NotImplementedError("only callable from jitted code")
+
+
+def state_open(a, seg, lo, hi, tmp):
+    """The float values of elements ``[lo, hi)`` of a slot, to read and write (jitted code only)."""
+    raise NotImplementedError("only callable from jitted code")
+
+
+def state_close(a, seg, lo, hi, vals):
+    """Store back what ``state_open`` gave, after the element loop (jitted code only)."""
+    raise NotImplementedError("only callable from jitted code")
+
+
+def _is_q8(a):
+    return isinstance(a, types.BaseTuple)
+
+
+@overload(state_step, inline="always", jit_options=JIT)
+def _state_step(a, seg, n):
+    if _is_q8(a):
+        def impl(a, seg, n):
+            return QBLOCK if a.quant[seg] else max(n, 1)
+        return impl
+    return lambda a, seg, n: max(n, 1)
+
+
+@overload(state_scratch, inline="always", jit_options=JIT)
+def _state_scratch(a):
+    if _is_q8(a):
+        return lambda a: np.empty(QBLOCK, np.float32)
+    return lambda a: a[:0]
+
+
+@overload(state_open, inline="always", jit_options=JIT)
+def _state_open(a, seg, lo, hi, tmp):
+    if _is_q8(a):
+        def impl(a, seg, lo, hi, tmp):
+            off, b = a.offset[seg], a.base[seg]
+            if a.quant[seg]:
+                vals = tmp[: hi - lo]
+                q8_decode_block(a.codes[lo:hi], a.aux[b + (lo - off) // QBLOCK], a.qmap, vals)
+                return vals
+            return a.aux[b + lo - off : b + hi - off]
+        return impl
+    return lambda a, seg, lo, hi, tmp: a[lo:hi]
+
+
+@overload(state_close, inline="always", jit_options=JIT)
+def _state_close(a, seg, lo, hi, vals):
+    if _is_q8(a):
+        def impl(a, seg, lo, hi, vals):
+            if a.quant[seg]:
+                am = q8_encode_block(vals, a.codes[lo:hi], a.table, a.shift, a.bias, a.nb)
+                # through a one-element view: a store straight into ``a.aux[k]`` was dropped
+                # inside a prange loop (numba 0.68's parfor lowering of a tuple member)
+                k = a.base[seg] + (lo - a.offset[seg]) // QBLOCK
+                scale = a.aux[k : k + 1]
+                scale[0] = am
+        return impl
+    return lambda a, seg, lo, hi, vals: None

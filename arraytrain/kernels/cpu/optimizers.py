@@ -13,7 +13,8 @@ from numba import njit, prange
 from .. import _newton_schulz as newton_schulz
 from ..interface import LP_NONE
 from ._jit import JIT, pick, twins
-from .codecs import clear_grad, grad_fill, load_state, piece_mask, store_masked, store_state, store_working
+from .codecs import (clear_grad, grad_fill, load_state, piece_mask, state_close, state_open, state_scratch, state_step,
+                     store_masked, store_state, store_working)
 from .reductions import piece_totals
 
 # -- optimizers -------------------------------------------------------------------------
@@ -69,18 +70,25 @@ def _sgd(p, g, buf, pieces, gscale, lr, wd, momentum, damp_c, nesterov, first, w
     for j in prange(pieces.shape[0]):
         lo, hi, seg = pieces[j, 0], pieces[j, 1], pieces[j, 2]
         lr_j, wd_j = lr[seg], wd[seg]
-        pb, gb = p[lo:hi], g[lo:hi]
-        bb = buf[lo:hi] if has_buf else buf
-        kb = piece_mask(mask, lo, hi)
-        # the flag that guards a state store is a constant in each copy of the loop (see above);
-        # so is ``first``, which guards the buffer's load: under a runtime flag that load is a
-        # branch LLVM does not speculate in the parallel twin, and that loop stayed scalar
-        if has_buf and first:
-            _sgd_piece(pb, gb, bb, kb, gscale, lr_j, wd_j, momentum, damp_c, nesterov, True, zero_grad, True)
-        elif has_buf:
-            _sgd_piece(pb, gb, bb, kb, gscale, lr_j, wd_j, momentum, damp_c, nesterov, False, zero_grad, True)
-        else:
-            _sgd_piece(pb, gb, bb, kb, gscale, lr_j, wd_j, momentum, damp_c, nesterov, first, zero_grad, False)
+        # 8-bit state: the piece in blocks, each decoded, updated, encoded (see codecs)
+        step = state_step(buf, seg, hi - lo) if has_buf else hi - lo
+        tb = state_scratch(buf)
+        for a in range(lo, hi, max(step, 1)):
+            b = min(a + step, hi)
+            pb, gb = p[a:b], g[a:b]
+            kb = piece_mask(mask, a, b)
+            # the flag that guards a state store is a constant in each copy of the loop (see above);
+            # so is ``first``, which guards the buffer's load: under a runtime flag that load is a
+            # branch LLVM does not speculate in the parallel twin, and that loop stayed scalar
+            if has_buf:
+                bb = state_open(buf, seg, a, b, tb)
+                if first:
+                    _sgd_piece(pb, gb, bb, kb, gscale, lr_j, wd_j, momentum, damp_c, nesterov, True, zero_grad, True)
+                else:
+                    _sgd_piece(pb, gb, bb, kb, gscale, lr_j, wd_j, momentum, damp_c, nesterov, False, zero_grad, True)
+                state_close(buf, seg, a, b, bb)
+            else:
+                _sgd_piece(pb, gb, pb, kb, gscale, lr_j, wd_j, momentum, damp_c, nesterov, first, zero_grad, False)
         if w is not None:
             store_working(w[lo:hi], pb, wkind)
 
@@ -126,15 +134,24 @@ def _adam(p, g, m, v, vmax, pieces, gscale, step_size, beta1c, beta2, beta2c, ep
     for j in prange(pieces.shape[0]):
         lo, hi, seg = pieces[j, 0], pieces[j, 1], pieces[j, 2]
         ss, l2_j, dec = step_size[seg], l2[seg], decay[seg]
-        pb, gb, mb, vb = p[lo:hi], g[lo:hi], m[lo:hi], v[lo:hi]
-        xb = vmax[lo:hi] if amsgrad else vmax
-        kb = piece_mask(mask, lo, hi)
-        if amsgrad:
-            _adam_piece(pb, gb, mb, vb, xb, kb, gscale, ss, beta1c, beta2, beta2c, eps, inv_bc2_sqrt, l2_j, dec,
-                        zero_grad, True)
-        else:
-            _adam_piece(pb, gb, mb, vb, xb, kb, gscale, ss, beta1c, beta2, beta2c, eps, inv_bc2_sqrt, l2_j, dec,
-                        zero_grad, False)
+        step = state_step(m, seg, hi - lo)
+        tm, tv = state_scratch(m), state_scratch(v)
+        for a in range(lo, hi, step):
+            b = min(a + step, hi)
+            pb, gb = p[a:b], g[a:b]
+            mb, vb = state_open(m, seg, a, b, tm), state_open(v, seg, a, b, tv)
+            kb = piece_mask(mask, a, b)
+            if amsgrad:
+                tx = state_scratch(vmax)
+                xb = state_open(vmax, seg, a, b, tx)
+                _adam_piece(pb, gb, mb, vb, xb, kb, gscale, ss, beta1c, beta2, beta2c, eps, inv_bc2_sqrt, l2_j, dec,
+                            zero_grad, True)
+                state_close(vmax, seg, a, b, xb)
+            else:
+                _adam_piece(pb, gb, mb, vb, vb, kb, gscale, ss, beta1c, beta2, beta2c, eps, inv_bc2_sqrt, l2_j, dec,
+                            zero_grad, False)
+            state_close(m, seg, a, b, mb)
+            state_close(v, seg, a, b, vb)
         if w is not None:
             store_working(w[lo:hi], pb, wkind)
 
@@ -160,14 +177,19 @@ def _adagrad(p, g, s, pieces, gscale, lr, wd, eps, w, wkind, zero_grad, mask):
     for j in prange(pieces.shape[0]):
         lo, hi, seg = pieces[j, 0], pieces[j, 1], pieces[j, 2]
         lr_j, wd_j = lr[seg], wd[seg]
-        pb, gb, sb = p[lo:hi], g[lo:hi], s[lo:hi]
-        kb = piece_mask(mask, lo, hi)
-        for i in range(pb.size):
-            pi = pb[i]
-            d = gscale * gb[i] + wd_j * pi
-            si = store_state(sb, i, load_state(sb, i) + d * d)
-            store_masked(pb, i, pi - lr_j * (d / (np.sqrt(si) + eps)), kb)
-            clear_grad(gb, i, zero_grad)
+        step = state_step(s, seg, hi - lo)
+        ts = state_scratch(s)
+        for a in range(lo, hi, step):
+            b = min(a + step, hi)
+            pb, gb, sb = p[a:b], g[a:b], state_open(s, seg, a, b, ts)
+            kb = piece_mask(mask, a, b)
+            for i in range(pb.size):
+                pi = pb[i]
+                d = gscale * gb[i] + wd_j * pi
+                si = store_state(sb, i, load_state(sb, i) + d * d)
+                store_masked(pb, i, pi - lr_j * (d / (np.sqrt(si) + eps)), kb)
+                clear_grad(gb, i, zero_grad)
+            state_close(s, seg, a, b, sb)
         if w is not None:
             store_working(w[lo:hi], pb, wkind)
 
@@ -209,22 +231,32 @@ def _rmsprop(p, g, sq, gavg, buf, pieces, gscale, lr, wd, alpha, alpha_c, eps, m
     for j in prange(pieces.shape[0]):
         lo, hi, seg = pieces[j, 0], pieces[j, 1], pieces[j, 2]
         lr_j, wd_j = lr[seg], wd[seg]
-        pb, gb, qb = p[lo:hi], g[lo:hi], sq[lo:hi]
-        ab = gavg[lo:hi] if centered else gavg
-        bb = buf[lo:hi] if use_momentum else buf
-        kb = piece_mask(mask, lo, hi)
-        if centered and use_momentum:
-            _rmsprop_piece(pb, gb, qb, ab, bb, kb, gscale, lr_j, wd_j, alpha, alpha_c, eps, momentum, zero_grad,
-                           True, True)
-        elif centered:
-            _rmsprop_piece(pb, gb, qb, ab, bb, kb, gscale, lr_j, wd_j, alpha, alpha_c, eps, momentum, zero_grad,
-                           True, False)
-        elif use_momentum:
-            _rmsprop_piece(pb, gb, qb, ab, bb, kb, gscale, lr_j, wd_j, alpha, alpha_c, eps, momentum, zero_grad,
-                           False, True)
-        else:
-            _rmsprop_piece(pb, gb, qb, ab, bb, kb, gscale, lr_j, wd_j, alpha, alpha_c, eps, momentum, zero_grad,
-                           False, False)
+        step = state_step(sq, seg, hi - lo)
+        tq, ta, tb = state_scratch(sq), state_scratch(gavg), state_scratch(buf)
+        for a in range(lo, hi, step):
+            b = min(a + step, hi)
+            pb, gb, qb = p[a:b], g[a:b], state_open(sq, seg, a, b, tq)
+            kb = piece_mask(mask, a, b)
+            if centered and use_momentum:
+                ab, bb = state_open(gavg, seg, a, b, ta), state_open(buf, seg, a, b, tb)
+                _rmsprop_piece(pb, gb, qb, ab, bb, kb, gscale, lr_j, wd_j, alpha, alpha_c, eps, momentum, zero_grad,
+                               True, True)
+                state_close(gavg, seg, a, b, ab)
+                state_close(buf, seg, a, b, bb)
+            elif centered:
+                ab = state_open(gavg, seg, a, b, ta)
+                _rmsprop_piece(pb, gb, qb, ab, qb, kb, gscale, lr_j, wd_j, alpha, alpha_c, eps, momentum, zero_grad,
+                               True, False)
+                state_close(gavg, seg, a, b, ab)
+            elif use_momentum:
+                bb = state_open(buf, seg, a, b, tb)
+                _rmsprop_piece(pb, gb, qb, qb, bb, kb, gscale, lr_j, wd_j, alpha, alpha_c, eps, momentum, zero_grad,
+                               False, True)
+                state_close(buf, seg, a, b, bb)
+            else:
+                _rmsprop_piece(pb, gb, qb, qb, qb, kb, gscale, lr_j, wd_j, alpha, alpha_c, eps, momentum, zero_grad,
+                               False, False)
+            state_close(sq, seg, a, b, qb)
         if w is not None:
             store_working(w[lo:hi], pb, wkind)
 
@@ -247,16 +279,21 @@ def _lion(p, g, m, pieces, gscale, lr, decay, beta1, beta1c, beta2, beta2c, w, w
     for j in prange(pieces.shape[0]):
         lo, hi, seg = pieces[j, 0], pieces[j, 1], pieces[j, 2]
         lr_j, dec = lr[seg], decay[seg]
-        pb, gb, mb = p[lo:hi], g[lo:hi], m[lo:hi]
-        kb = piece_mask(mask, lo, hi)
-        for i in range(pb.size):
-            d = gscale * gb[i]
-            mi = load_state(mb, i)
-            # np.sign keeps NaN (a NaN gradient is not silently turned into a zero step)
-            c = np.sign(beta1 * mi + beta1c * d)
-            store_state(mb, i, beta2 * mi + beta2c * d)
-            store_masked(pb, i, pb[i] * dec - lr_j * c, kb)
-            clear_grad(gb, i, zero_grad)
+        step = state_step(m, seg, hi - lo)
+        tm = state_scratch(m)
+        for a in range(lo, hi, step):
+            b = min(a + step, hi)
+            pb, gb, mb = p[a:b], g[a:b], state_open(m, seg, a, b, tm)
+            kb = piece_mask(mask, a, b)
+            for i in range(pb.size):
+                d = gscale * gb[i]
+                mi = load_state(mb, i)
+                # np.sign keeps NaN (a NaN gradient is not silently turned into a zero step)
+                c = np.sign(beta1 * mi + beta1c * d)
+                store_state(mb, i, beta2 * mi + beta2c * d)
+                store_masked(pb, i, pb[i] * dec - lr_j * c, kb)
+                clear_grad(gb, i, zero_grad)
+            state_close(m, seg, a, b, mb)
         if w is not None:
             store_working(w[lo:hi], pb, wkind)
 
@@ -283,21 +320,28 @@ def _lamb_moments(p, g, m, v, pieces, gscale, wd, b1c, b2, b2c, inv_bc1, inv_bc2
     for j in prange(npieces):
         lo, hi, seg = pieces[j, 0], pieces[j, 1], pieces[j, 2]
         wd_j = wd[seg]
-        pb, gb, mb, vb = p[lo:hi], g[lo:hi], m[lo:hi], v[lo:hi]
         sp = 0.0
         su = 0.0
-        for i in range(pb.size):
-            pi = pb[i]
-            d = gscale * gb[i]
-            mi = load_state(mb, i)
-            mi = store_state(mb, i, mi + b1c * (d - mi))
-            vi = store_state(vb, i, b2 * load_state(vb, i) + b2c * d * d)
-            u = (mi * inv_bc1) / (np.sqrt(vi * inv_bc2 + eps_root) + eps) + wd_j * pi
-            p64 = np.float64(pi)
-            u64 = np.float64(u)
-            sp += p64 * p64
-            su += u64 * u64
-            clear_grad(gb, i, zero_grad)
+        step = state_step(m, seg, hi - lo)
+        tm, tv = state_scratch(m), state_scratch(v)
+        for a in range(lo, hi, step):
+            b = min(a + step, hi)
+            pb, gb = p[a:b], g[a:b]
+            mb, vb = state_open(m, seg, a, b, tm), state_open(v, seg, a, b, tv)
+            for i in range(pb.size):
+                pi = pb[i]
+                d = gscale * gb[i]
+                mi = load_state(mb, i)
+                mi = store_state(mb, i, mi + b1c * (d - mi))
+                vi = store_state(vb, i, b2 * load_state(vb, i) + b2c * d * d)
+                u = (mi * inv_bc1) / (np.sqrt(vi * inv_bc2 + eps_root) + eps) + wd_j * pi
+                p64 = np.float64(pi)
+                u64 = np.float64(u)
+                sp += p64 * p64
+                su += u64 * u64
+                clear_grad(gb, i, zero_grad)
+            state_close(m, seg, a, b, mb)
+            state_close(v, seg, a, b, vb)
         psq[j] = sp
         usq[j] = su
     # per parameter, added in piece order: [||p_s||^2..., ||u_s||^2...]
@@ -315,12 +359,17 @@ def _lamb_apply(p, m, v, pieces, wd, step, inv_bc1, inv_bc2, eps, eps_root, w, w
     for j in prange(pieces.shape[0]):
         lo, hi, seg = pieces[j, 0], pieces[j, 1], pieces[j, 2]
         wd_j, st = wd[seg], step[seg]
-        pb, mb, vb = p[lo:hi], m[lo:hi], v[lo:hi]
-        kb = piece_mask(mask, lo, hi)
-        for i in range(pb.size):
-            pi = pb[i]
-            u = (load_state(mb, i) * inv_bc1) / (np.sqrt(load_state(vb, i) * inv_bc2 + eps_root) + eps) + wd_j * pi
-            store_masked(pb, i, pi - st * u, kb)
+        # 8-bit moments are read back decoded (the codes, not the float values pass 1 formed)
+        n = state_step(m, seg, hi - lo)
+        tm, tv = state_scratch(m), state_scratch(v)
+        for a in range(lo, hi, n):
+            b = min(a + n, hi)
+            pb, mb, vb = p[a:b], state_open(m, seg, a, b, tm), state_open(v, seg, a, b, tv)
+            kb = piece_mask(mask, a, b)
+            for i in range(pb.size):
+                pi = pb[i]
+                u = (load_state(mb, i) * inv_bc1) / (np.sqrt(load_state(vb, i) * inv_bc2 + eps_root) + eps) + wd_j * pi
+                store_masked(pb, i, pi - st * u, kb)
         if w is not None:
             store_working(w[lo:hi], pb, wkind)
 
@@ -638,20 +687,27 @@ def _nadam_radam(p, g, m, v, pieces, gscale, a, b, beta1c, beta2, beta2c, eps, i
     for j in prange(pieces.shape[0]):
         lo, hi, seg = pieces[j, 0], pieces[j, 1], pieces[j, 2]
         a_j, b_j, l2_j, dec = a[seg], b[seg], l2[seg], decay[seg]
-        pb, gb, mb, vb = p[lo:hi], g[lo:hi], m[lo:hi], v[lo:hi]
-        kb = piece_mask(mask, lo, hi)
-        for i in range(pb.size):
-            pi = pb[i]
-            d = gscale * gb[i] + l2_j * pi
-            mi = load_state(mb, i)
-            mi = store_state(mb, i, mi + beta1c * (d - mi))
-            vi = store_state(vb, i, beta2 * load_state(vb, i) + beta2c * d * d)
-            if adaptive:
-                step = (a_j * d + b_j * mi) * rect / (np.sqrt(vi) * inv_bc2_sqrt + eps)
-            else:
-                step = b_j * mi
-            store_masked(pb, i, pi * dec - step, kb)
-            clear_grad(gb, i, zero_grad)
+        n = state_step(m, seg, hi - lo)
+        tm, tv = state_scratch(m), state_scratch(v)
+        for e0 in range(lo, hi, n):
+            e1 = min(e0 + n, hi)
+            pb, gb = p[e0:e1], g[e0:e1]
+            mb, vb = state_open(m, seg, e0, e1, tm), state_open(v, seg, e0, e1, tv)
+            kb = piece_mask(mask, e0, e1)
+            for i in range(pb.size):
+                pi = pb[i]
+                d = gscale * gb[i] + l2_j * pi
+                mi = load_state(mb, i)
+                mi = store_state(mb, i, mi + beta1c * (d - mi))
+                vi = store_state(vb, i, beta2 * load_state(vb, i) + beta2c * d * d)
+                if adaptive:
+                    step = (a_j * d + b_j * mi) * rect / (np.sqrt(vi) * inv_bc2_sqrt + eps)
+                else:
+                    step = b_j * mi
+                store_masked(pb, i, pi * dec - step, kb)
+                clear_grad(gb, i, zero_grad)
+            state_close(m, seg, e0, e1, mb)
+            state_close(v, seg, e0, e1, vb)
         if w is not None:
             store_working(w[lo:hi], pb, wkind)
 
@@ -687,17 +743,24 @@ def _adamax(p, g, m, u, pieces, gscale, step_size, beta1c, beta2, eps, l2, w, wk
     for j in prange(pieces.shape[0]):
         lo, hi, seg = pieces[j, 0], pieces[j, 1], pieces[j, 2]
         ss, l2_j = step_size[seg], l2[seg]
-        pb, gb, mb, ub = p[lo:hi], g[lo:hi], m[lo:hi], u[lo:hi]
-        kb = piece_mask(mask, lo, hi)
-        for i in range(pb.size):
-            pi = pb[i]
-            d = gscale * gb[i] + l2_j * pi
-            mi = load_state(mb, i)
-            mi = store_state(mb, i, mi + beta1c * (d - mi))
-            x, y = beta2 * load_state(ub, i), np.abs(d) + eps
-            ui = store_state(ub, i, y if y > x or y != y else x)  # torch.maximum: NaN if either is NaN
-            store_masked(pb, i, pi - ss * (mi / ui), kb)
-            clear_grad(gb, i, zero_grad)
+        step = state_step(m, seg, hi - lo)
+        tm, tu = state_scratch(m), state_scratch(u)
+        for a in range(lo, hi, step):
+            b = min(a + step, hi)
+            pb, gb = p[a:b], g[a:b]
+            mb, ub = state_open(m, seg, a, b, tm), state_open(u, seg, a, b, tu)
+            kb = piece_mask(mask, a, b)
+            for i in range(pb.size):
+                pi = pb[i]
+                d = gscale * gb[i] + l2_j * pi
+                mi = load_state(mb, i)
+                mi = store_state(mb, i, mi + beta1c * (d - mi))
+                x, y = beta2 * load_state(ub, i), np.abs(d) + eps
+                ui = store_state(ub, i, y if y > x or y != y else x)  # torch.maximum: NaN if either is NaN
+                store_masked(pb, i, pi - ss * (mi / ui), kb)
+                clear_grad(gb, i, zero_grad)
+            state_close(m, seg, a, b, mb)
+            state_close(u, seg, a, b, ub)
         if w is not None:
             store_working(w[lo:hi], pb, wkind)
 
@@ -719,17 +782,24 @@ def _adadelta(p, g, sq, acc, pieces, gscale, lr, wd, rho, rho_c, eps, w, wkind, 
     for j in prange(pieces.shape[0]):
         lo, hi, seg = pieces[j, 0], pieces[j, 1], pieces[j, 2]
         lr_j, wd_j = lr[seg], wd[seg]
-        pb, gb, qb, ab = p[lo:hi], g[lo:hi], sq[lo:hi], acc[lo:hi]
-        kb = piece_mask(mask, lo, hi)
-        for i in range(pb.size):
-            pi = pb[i]
-            d = gscale * gb[i] + wd_j * pi
-            qi = store_state(qb, i, rho * load_state(qb, i) + rho_c * d * d)
-            ai = load_state(ab, i)
-            delta = np.sqrt(ai + eps) / np.sqrt(qi + eps) * d
-            store_state(ab, i, rho * ai + rho_c * delta * delta)
-            store_masked(pb, i, pi - lr_j * delta, kb)
-            clear_grad(gb, i, zero_grad)
+        step = state_step(sq, seg, hi - lo)
+        tq, ta = state_scratch(sq), state_scratch(acc)
+        for a in range(lo, hi, step):
+            b = min(a + step, hi)
+            pb, gb = p[a:b], g[a:b]
+            qb, ab = state_open(sq, seg, a, b, tq), state_open(acc, seg, a, b, ta)
+            kb = piece_mask(mask, a, b)
+            for i in range(pb.size):
+                pi = pb[i]
+                d = gscale * gb[i] + wd_j * pi
+                qi = store_state(qb, i, rho * load_state(qb, i) + rho_c * d * d)
+                ai = load_state(ab, i)
+                delta = np.sqrt(ai + eps) / np.sqrt(qi + eps) * d
+                store_state(ab, i, rho * ai + rho_c * delta * delta)
+                store_masked(pb, i, pi - lr_j * delta, kb)
+                clear_grad(gb, i, zero_grad)
+            state_close(sq, seg, a, b, qb)
+            state_close(acc, seg, a, b, ab)
         if w is not None:
             store_working(w[lo:hi], pb, wkind)
 
@@ -762,18 +832,23 @@ def adadelta_step(p, g, square_avg, acc_delta, pieces, *, gscale, lr, l2, rho, e
 
 def _muon_momentum(g, buf, u, pieces, off, gscale, mc, nesterov, zero_grad, part):
     for j in prange(pieces.shape[0]):
-        lo, hi = pieces[j, 0], pieces[j, 1]
-        gb, bb, ub = g[lo:hi], buf[lo:hi], u[lo - off : hi - off]
+        lo, hi, seg = pieces[j, 0], pieces[j, 1], pieces[j, 2]
         s = 0.0
-        for i in range(gb.size):
-            d = gscale * gb[i]
-            b = load_state(bb, i)
-            b = store_state(bb, i, b + mc * (d - b))
-            x = b + mc * (d - b) if nesterov else b
-            ub[i] = x
-            x64 = np.float64(ub[i])
-            s += x64 * x64
-            clear_grad(gb, i, zero_grad)
+        n = state_step(buf, seg, hi - lo)
+        tb = state_scratch(buf)
+        for e0 in range(lo, hi, n):
+            e1 = min(e0 + n, hi)
+            gb, bb, ub = g[e0:e1], state_open(buf, seg, e0, e1, tb), u[e0 - off : e1 - off]
+            for i in range(gb.size):
+                d = gscale * gb[i]
+                b = load_state(bb, i)
+                b = store_state(bb, i, b + mc * (d - b))
+                x = b + mc * (d - b) if nesterov else b
+                ub[i] = x
+                x64 = np.float64(ub[i])
+                s += x64 * x64
+                clear_grad(gb, i, zero_grad)
+            state_close(buf, seg, e0, e1, bb)
         part[j] = s
     total = 0.0
     for j in range(pieces.shape[0]):
@@ -847,18 +922,23 @@ def _sf_adamw(p, g, z, v, pieces, gscale, lr, wd, ck, b1, b1c, beta2, beta2c, ep
         # y' = b1 x' + (1 - b1) z' with x' = (1 - c) x + c z' and x = (y - (1 - b1) z) / b1:
         # y' = (1 - c)(y - (1 - b1) z) + (b1 c + 1 - b1) z', no division by b1
         keep, take = one - c, b1 * c + b1c
-        pb, gb, zb, vb = p[lo:hi], g[lo:hi], z[lo:hi], v[lo:hi]
-        kb = piece_mask(mask, lo, hi)
-        for i in range(pb.size):
-            y = pb[i]
-            d = gscale * gb[i]
-            vi = store_state(vb, i, beta2 * load_state(vb, i) + beta2c * d * d)
-            u = d / (np.sqrt(vi) * inv_bc2_sqrt + eps) + wd_j * y
-            zo = zb[i]
-            zn = zo - lr_j * u
-            store_masked(zb, i, zn, kb)
-            store_masked(pb, i, keep * (y - b1c * zo) + take * zn, kb)
-            clear_grad(gb, i, zero_grad)
+        step = state_step(v, seg, hi - lo)
+        tv = state_scratch(v)
+        for a in range(lo, hi, step):
+            b = min(a + step, hi)
+            pb, gb, zb, vb = p[a:b], g[a:b], z[a:b], state_open(v, seg, a, b, tv)
+            kb = piece_mask(mask, a, b)
+            for i in range(pb.size):
+                y = pb[i]
+                d = gscale * gb[i]
+                vi = store_state(vb, i, beta2 * load_state(vb, i) + beta2c * d * d)
+                u = d / (np.sqrt(vi) * inv_bc2_sqrt + eps) + wd_j * y
+                zo = zb[i]
+                zn = zo - lr_j * u
+                store_masked(zb, i, zn, kb)
+                store_masked(pb, i, keep * (y - b1c * zo) + take * zn, kb)
+                clear_grad(gb, i, zero_grad)
+            state_close(v, seg, a, b, vb)
         if w is not None:
             store_working(w[lo:hi], pb, wkind)
 

@@ -47,3 +47,87 @@ def store_at(dst, i, values):
 def apply_mask(p, mask, i):
     """``p[i] = 0`` where ``mask[i] == 0`` (uint8, 1 = keep): pruned weights are exactly +0."""
     p[i] = np.where(mask[i] != 0, p[i], p.dtype.type(0))
+
+
+# -- 8-bit state (arraytrain.state8) -----------------------------------------------------------
+#
+# The reference runs an 8-bit slot as bitsandbytes' CPU optimizers do, in three whole passes:
+# decode every slot into a float32 array at the parameters' offsets, run the float update
+# (which stores float32 values), encode every block the pieces cover. The fast kernels fuse
+# the three per block of 256.
+
+
+def q8_expand(slot) -> np.ndarray:
+    """An 8-bit slot's values, decoded, as a float32 array at the flat buffer's offsets."""
+    from ...state8 import BLOCK
+
+    out = np.zeros(slot.codes.size, np.float32)
+    for seg in range(slot.offset.size):
+        off, b = int(slot.offset[seg]), int(slot.base[seg])
+        n = _seg_size(slot, seg)
+        if slot.quant[seg]:
+            scale = np.repeat(slot.aux[b : b + -(-n // BLOCK)], BLOCK)[:n]
+            out[off : off + n] = slot.qmap[slot.codes[off : off + n]] * scale
+        else:
+            out[off : off + n] = slot.aux[b : b + n]
+    return out
+
+
+def _seg_size(slot, seg) -> int:
+    """Segment ``seg``'s element count, from the side array's layout (absmax blocks or values)."""
+    nxt = slot.base[seg + 1] if seg + 1 < slot.base.size else slot.aux.size
+    if not slot.quant[seg]:
+        return int(nxt - slot.base[seg])
+    stop = slot.offset[seg + 1] if seg + 1 < slot.offset.size else slot.codes.size
+    return int(stop - slot.offset[seg]) if nxt - slot.base[seg] else 0
+
+
+def q8_commit(slot, values, pieces) -> None:
+    """Write float32 ``values`` (flat) into an 8-bit slot over ``pieces``: float32 segments as
+    they are, 8-bit ones encoded block by block (every block a piece covers; a piece must not
+    split one)."""
+    from ...state8 import BLOCK, nearest_codes
+
+    for lo, hi, seg in np.asarray(pieces).tolist():
+        off, b = int(slot.offset[seg]), int(slot.base[seg])
+        if not slot.quant[seg]:
+            slot.aux[b + lo - off : b + hi - off] = values[lo:hi]
+            continue
+        if (lo - off) % BLOCK:
+            raise ValueError(f"pieces: row [{lo}, {hi}) splits an 8-bit block of segment {seg}")
+        for a in range(lo, hi, BLOCK):
+            x = np.asarray(values[a : min(a + BLOCK, hi)], np.float32)
+            am = np.float32(np.abs(x).max()) if not np.isnan(x).any() else np.float32(np.nan)
+            inv = np.float32(1) / am if am > 0 else np.float32(0)
+            with np.errstate(invalid="ignore"):
+                slot.codes[a : a + x.size] = nearest_codes(x * inv, slot.qmap)
+            slot.aux[b + (a - off) // BLOCK] = am
+
+
+def with_q8(fn):
+    """Run reference kernel ``fn`` with its 8-bit slots (:class:`arraytrain.state8.Q8` arguments)
+    decoded into float32 arrays, then encoded back over the pieces."""
+    import functools
+    import inspect
+
+    where = list(inspect.signature(fn).parameters).index("pieces")
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        from ...state8 import Q8
+
+        slots = {k: a for k, a in enumerate(args) if isinstance(a, Q8)}
+        if not slots:
+            return fn(*args, **kwargs)
+        args = list(args)
+        expanded = {}  # by identity: a slot passed twice (Adam's unused vmax) is one array
+        for k, slot in slots.items():
+            if id(slot) not in expanded:
+                expanded[id(slot)] = (slot, q8_expand(slot))
+            args[k] = expanded[id(slot)][1]
+        out = fn(*args, **kwargs)
+        for slot, values in expanded.values():
+            q8_commit(slot, values, args[where])
+        return out
+
+    return run

@@ -5,13 +5,14 @@ from __future__ import annotations
 import numpy as np
 
 from ..interface import LP_NONE
-from ._common import f64, segments, store, store_at, apply_mask
+from ._common import apply_mask, f64, q8_commit, q8_expand, segments, store, store_at, with_q8
 from .reductions import cast_working
 
 # Arrays first, then every scalar and per-parameter value keyword-only: the argument
 # conventions of arraytrain.kernels.interface.
 
 
+@with_q8
 def sgd_step(p, g, buf, pieces, *, gscale, lr, l2, momentum, dampening, nesterov, first, working=None, kind=LP_NONE,
              zero_grad=False, mask=None):
     """SGD with momentum, dampening, Nesterov and L2 weight decay (torch.optim.SGD).
@@ -60,6 +61,7 @@ def _adam_moments(p, g, m, v, pieces, gscale, l2, beta1, beta2):
     return i, s, pp, d, mm, vv
 
 
+@with_q8
 def adam_step(p, g, m, v, vmax, pieces, *, gscale, step_size, beta1, beta2, eps, inv_bc2_sqrt, l2, decay, amsgrad,
               working=None, kind=LP_NONE, zero_grad=False, mask=None):
     """Adam / AdamW (Kingma & Ba 2015; Loshchilov & Hutter 2019), torch's form.
@@ -82,6 +84,7 @@ def adam_step(p, g, m, v, vmax, pieces, *, gscale, step_size, beta1, beta2, eps,
 # -- adagrad, rmsprop, lion, lamb ---------------------------------------------------------
 
 
+@with_q8
 def adagrad_step(p, g, sum_sq, pieces, *, gscale, lr, l2, eps, working=None, kind=LP_NONE, zero_grad=False, mask=None):
     """Adagrad (Duchi, Hazan & Singer 2011), torch.optim.Adagrad's form.
 
@@ -97,6 +100,7 @@ def adagrad_step(p, g, sum_sq, pieces, *, gscale, lr, l2, eps, working=None, kin
     _finish(p, g, working, kind, pieces, i, zero_grad, mask)
 
 
+@with_q8
 def rmsprop_step(p, g, square_avg, grad_avg, momentum_buffer, pieces, *, gscale, lr, l2, alpha, eps, momentum,
                  centered, working=None, kind=LP_NONE, zero_grad=False, mask=None):
     """RMSprop (Hinton, Coursera lecture 6e, 2012; centered: Graves 2013), torch.optim.RMSprop's form.
@@ -123,6 +127,7 @@ def rmsprop_step(p, g, square_avg, grad_avg, momentum_buffer, pieces, *, gscale,
     _finish(p, g, working, kind, pieces, i, zero_grad, mask)
 
 
+@with_q8
 def lion_step(p, g, m, pieces, *, gscale, lr, decay, beta1, beta2, working=None, kind=LP_NONE, zero_grad=False,
               mask=None):
     """Lion (Chen et al. 2023, "Symbolic Discovery of Optimization Algorithms"), optax.lion's form.
@@ -156,12 +161,25 @@ def lamb_step(p, g, m, v, pieces, *, gscale, lr, weight_decay, beta1, beta2, eps
     formed (with sharded state: the sums over every rank's partition).
     """
     nseg = len(np.asarray(lr))
+    q8 = not isinstance(m, np.ndarray)  # 8-bit moments (arraytrain.state8.Q8)
+    m8, v8 = m, v
+    if q8:
+        m, v = q8_expand(m8), q8_expand(v8)
     i, s = segments(pieces, p.size)
     pp, d = f64(p[i]), gscale * f64(g[i])
     mm = f64(m[i])
     mm = store_at(m, i, mm + (1.0 - beta1) * (d - mm))
     vv = store_at(v, i, beta2 * f64(v[i]) + (1.0 - beta2) * d * d)
-    u = (mm * inv_bc1) / (np.sqrt(vv * inv_bc2 + eps_root) + eps) + np.asarray(weight_decay, np.float64)[s] * pp
+    wdecay = np.asarray(weight_decay, np.float64)[s]
+    u = (mm * inv_bc1) / (np.sqrt(vv * inv_bc2 + eps_root) + eps) + wdecay * pp
+    if q8:
+        # the norms see the step's float values; the update reads the moments back decoded
+        q8_commit(m8, m, pieces)
+        q8_commit(v8, v, pieces)
+        mq, vq = f64(q8_expand(m8)[i]), f64(q8_expand(v8)[i])
+        u_apply = (mq * inv_bc1) / (np.sqrt(vq * inv_bc2 + eps_root) + eps) + wdecay * pp
+    else:
+        u_apply = u
     sums = np.zeros(2 * nseg)
     if len(s):
         sums[:nseg] = np.bincount(s, weights=pp * pp, minlength=nseg)
@@ -171,7 +189,7 @@ def lamb_step(p, g, m, v, pieces, *, gscale, lr, weight_decay, beta1, beta2, eps
     pn, un = np.sqrt(sums[:nseg]), np.sqrt(sums[nseg:])
     with np.errstate(invalid="ignore", divide="ignore"):
         ratio = np.where((pn == 0.0) | (un == 0.0), 1.0, pn / un)
-    p[i] = pp - (np.asarray(lr, np.float64) * ratio)[s] * u
+    p[i] = pp - (np.asarray(lr, np.float64) * ratio)[s] * u_apply
     _finish(p, g, working, kind, pieces, i, zero_grad, mask)
     return ratio
 
@@ -261,6 +279,7 @@ def sam_perturb(p, g, backup, pieces, *, scale, adaptive, zero_grad=False, mask=
 # -- nadam, radam, adamax, adadelta ---------------------------------------------------------
 
 
+@with_q8
 def nadam_step(p, g, m, v, pieces, *, gscale, grad_step, moment_step, beta1, beta2, eps, inv_bc2_sqrt, l2, decay,
                working=None, kind=LP_NONE, zero_grad=False, mask=None):
     """NAdam (Dozat 2016), torch.optim.NAdam's form (momentum schedule, NAdamW's decoupled decay).
@@ -277,6 +296,7 @@ def nadam_step(p, g, m, v, pieces, *, gscale, grad_step, moment_step, beta1, bet
     _finish(p, g, working, kind, pieces, i, zero_grad, mask)
 
 
+@with_q8
 def radam_step(p, g, m, v, pieces, *, gscale, step_size, beta1, beta2, eps, rect, rectified, l2, decay, working=None,
                kind=LP_NONE, zero_grad=False, mask=None):
     """RAdam (Liu et al. 2020), torch.optim.RAdam's form.
@@ -292,6 +312,7 @@ def radam_step(p, g, m, v, pieces, *, gscale, step_size, beta1, beta2, eps, rect
     _finish(p, g, working, kind, pieces, i, zero_grad, mask)
 
 
+@with_q8
 def adamax_step(p, g, m, u, pieces, *, gscale, step_size, beta1, beta2, eps, l2, working=None, kind=LP_NONE,
                 zero_grad=False, mask=None):
     """Adamax (Kingma & Ba 2015, section 7.1), torch.optim.Adamax's form.
@@ -310,6 +331,7 @@ def adamax_step(p, g, m, u, pieces, *, gscale, step_size, beta1, beta2, eps, l2,
     _finish(p, g, working, kind, pieces, i, zero_grad, mask)
 
 
+@with_q8
 def adadelta_step(p, g, square_avg, acc_delta, pieces, *, gscale, lr, l2, rho, eps, working=None, kind=LP_NONE,
                   zero_grad=False, mask=None):
     """Adadelta (Zeiler 2012), torch.optim.Adadelta's form.
@@ -333,6 +355,7 @@ def adadelta_step(p, g, square_avg, acc_delta, pieces, *, gscale, lr, l2, rho, e
 # -- Muon, schedule-free AdamW -------------------------------------------------------------
 
 
+@with_q8
 def muon_step(p, g, buf, work, mats, pieces, *, gscale, momentum, nesterov, adjusted_lr, decay, eps_norm,
               ns_coefficients, ns_steps, working=None, kind=LP_NONE, zero_grad=False, mask=None):
     """Muon (Jordan et al. 2024), torch.optim.Muon's form, one matrix at a time in float64.
@@ -389,6 +412,7 @@ def _schedule_free_weights(max_lr, weight_sum, weight_lr, weight_lr_power):
     return ck
 
 
+@with_q8
 def schedule_free_adamw_step(p, g, z, v, max_lr, weight_sum, pieces, *, gscale, lr, weight_lr, weight_lr_power,
                              weight_decay, beta1, beta2, eps, inv_bc2_sqrt, working=None, kind=LP_NONE, zero_grad=False,
                              mask=None):

@@ -1,0 +1,447 @@
+"""8-bit optimizer state: bitsandbytes' blockwise dynamic quantization, on the flat buffers.
+
+A slot kept in 8 bits (``state_dtype="8bit"``) holds, per parameter of at least
+``threshold`` elements, one uint8 code per element and one float32 ``absmax`` per block of
+:data:`BLOCK` (256) elements; the blocks start at the parameter's first element (as
+bitsandbytes' blocks start at the tensor's), so every block lies inside one parameter. A
+code indexes one of bitsandbytes' two dynamic maps (Dettmers et al. 2022, "8-bit Optimizers
+via Block-wise Quantization"; ``bitsandbytes.functional.create_dynamic_map``): the signed map
+for signed state (first moments, momentum buffers), the unsigned map for state that is never
+negative (second moments, sums of squares). The value is ``map[code] * absmax``. Smaller
+parameters keep their slot in float32: the decision is made by the parameter's size (so by
+its name), never by where it sits in the flat buffer, and a checkpoint shows it (a
+``{"codes", "absmax"}`` pair or a float32 array per name).
+
+Encoding a block (every family): ``absmax = max |x|`` over the block, ``q = x * (1/absmax)``
+in float32 (``0`` where ``absmax == 0``), and the code of the map value nearest to ``q`` by
+float32 distance, ties to the lower code: bitsandbytes' own blockwise quantization as its
+PyTorch implementation writes it (``torch.argmin`` of ``|q - map|``). A NaN ``q`` takes the
+top code of its sign's half (255 for +NaN, 0 for -NaN); its block's ``absmax`` is NaN, so
+every value of the block decodes as NaN. The fast kernels find the nearest code without a
+search: the float32 bits of ``q`` (sign, exponent, the top mantissa bits) index
+:class:`Codebook`'s ``table``, whose entry holds the code at the bucket's start and, when the
+bucket holds one decision boundary, the low mantissa bits from which the next code applies
+(buckets are fine enough to hold at most one; checked when the table is built).
+
+The optimizers' update uses the float32 values it computes in the step; their 8-bit
+codes are what the next step starts from (bitsandbytes' order: decode, update, encode).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from functools import lru_cache
+from typing import NamedTuple
+
+import numpy as np
+
+from .errors import DTypeError, LayoutError, ShapeMismatchError, StateDictError, UnknownParameterError
+from .layout import Layout
+
+#: Elements per block: one float32 absmax each (bitsandbytes' blocksize since 0.44).
+BLOCK = 256
+#: Parameters with fewer elements keep their slots in float32 (bitsandbytes' ``min_8bit_size``).
+DEFAULT_THRESHOLD = 4096
+
+# bitsandbytes' create_dynamic_map(signed=True) and (signed=False) as float32 bits, sorted
+# (bitsandbytes 0.50.2; the test suite compares them with the installed bitsandbytes).
+_SIGNED_BITS = (
+    "bf7e3333 bf7a999a bf770000 bf736666 bf6fcccd bf6c3333 bf68999a bf650000 "
+    "bf616666 bf5dcccd bf5a3333 bf56999a bf530000 bf4f6666 bf4bcccd bf483333 "
+    "bf44999a bf410000 bf3d6666 bf39cccd bf363334 bf32999a bf2f0000 bf2b6666 "
+    "bf27cccd bf243334 bf20999a bf1d0000 bf196666 bf15cccd bf123334 bf0e999a "
+    "bf0b0000 bf076666 bf03cccc bf003333 bef93332 bef20000 beeacccc bee3999a "
+    "bedc6666 bed53333 bece0000 bec6cccc bebf999a beb86666 beb13333 beaa0000 "
+    "bea2cccc be9b999a be946666 be8d3334 be860000 be7d9999 be6f3333 be60cccd "
+    "be526666 be440000 be35999a be273333 be18cccd be0a6666 bdf80000 bddb3334 "
+    "bdc9eb85 bdc428f7 bdbe6667 bdb8a3d7 bdb2e148 bdad1eb8 bda75c2a bda1999a "
+    "bd9bd70a bd96147b bd9051eb bd8a8f5d bd84cccd bd7e147b bd728f5d bd670a3d "
+    "bd5b851f bd500000 bd447ae1 bd38f5c3 bd2d70a3 bd21eb85 bd166667 bd0ae148 "
+    "bcfeb852 bce7ae15 bcd0a3d7 bcb9999a bca28f5d bc8b851f bc68f5c3 bc3ae148 "
+    "bc1f3b64 bc160418 bc0ccccd bc039581 bbf4bc6a bbe24dd3 bbcfdf3b bbbd70a4 "
+    "bbab020d bb989374 bb8624dd bb676c8a bb428f5c bb1db22d baf1a9fc baa7ef9d "
+    "ba7765ff ba59e83e ba3c6a80 ba1eecc1 ba016f01 b9c7e283 b98ce705 b923d70b "
+    "b8ba1f4b b88aefb3 b8378034 b7b24206 b70205ff b65a1a94 b513a3b7 00000000 "
+    "3513a3b7 365a1a94 370205ff 37b24206 38378034 388aefb3 38ba1f4b 3923d70b "
+    "398ce705 39c7e283 3a016f01 3a1eecc1 3a3c6a80 3a59e83e 3a7765ff 3aa7ef9d "
+    "3af1a9fc 3b1db22d 3b428f5c 3b676c8a 3b8624dd 3b989374 3bab020d 3bbd70a4 "
+    "3bcfdf3b 3be24dd3 3bf4bc6a 3c039581 3c0ccccd 3c160418 3c1f3b64 3c3ae148 "
+    "3c68f5c3 3c8b851f 3ca28f5d 3cb9999a 3cd0a3d7 3ce7ae15 3cfeb852 3d0ae148 "
+    "3d166667 3d21eb85 3d2d70a3 3d38f5c3 3d447ae1 3d500000 3d5b851f 3d670a3d "
+    "3d728f5d 3d7e147b 3d84cccd 3d8a8f5d 3d9051eb 3d96147b 3d9bd70a 3da1999a "
+    "3da75c2a 3dad1eb8 3db2e148 3db8a3d7 3dbe6667 3dc428f7 3dc9eb85 3ddb3334 "
+    "3df80000 3e0a6666 3e18cccd 3e273333 3e35999a 3e440000 3e526666 3e60cccd "
+    "3e6f3333 3e7d9999 3e860000 3e8d3334 3e946666 3e9b999a 3ea2cccc 3eaa0000 "
+    "3eb13333 3eb86666 3ebf999a 3ec6cccc 3ece0000 3ed53333 3edc6666 3ee3999a "
+    "3eeacccc 3ef20000 3ef93332 3f003333 3f03cccc 3f076666 3f0b0000 3f0e999a "
+    "3f123334 3f15cccd 3f196666 3f1d0000 3f20999a 3f243334 3f27cccd 3f2b6666 "
+    "3f2f0000 3f32999a 3f363334 3f39cccd 3f3d6666 3f410000 3f44999a 3f483333 "
+    "3f4bcccd 3f4f6666 3f530000 3f56999a 3f5a3333 3f5dcccd 3f616666 3f650000 "
+    "3f68999a 3f6c3333 3f6fcccd 3f736666 3f770000 3f7a999a 3f7e3333 3f800000 "
+)
+_UNSIGNED_BITS = (
+    "00000000 34ae7baa 35500998 360e9b38 3692ccf6 36de4c51 3714e5d5 3783126e "
+    "37e171a0 381fe868 384f1800 387e479a 3896bb99 38ae5364 38c5eb31 3906594b "
+    "394154ca 397c5049 399ba5e4 39b923a2 39d6a163 39f41f22 3a08ce71 3a178d50 "
+    "3a264c30 3a350b10 3a43c9ef 3a5288d0 3a6147af 3a70068e 3a7ec56e 3a958106 "
+    "3aba5e35 3adf3b64 3b020c4a 3b147ae1 3b26e978 3b395810 3b4bc6a7 3b5e3540 "
+    "3b70a3d7 3b818937 3b8ac082 3b93f7cf 3b9d2f1a 3ba66666 3baf9db2 3bb8d4fd "
+    "3bc20c4a 3bcb4395 3bd47ae1 3bddb22e 3be6e978 3bf020c5 3bf9580f 3c0147ae "
+    "3c05e354 3c0a7ef9 3c0f1aa0 3c13b645 3c1851eb 3c1ced92 3c218937 3c2f5c2a "
+    "3c466667 3c5d70a3 3c747ae2 3c85c28f 3c9147af 3c9ccccd 3ca851eb 3cb3d70b "
+    "3cbf5c29 3ccae147 3cd66667 3ce1eb87 3ced70a3 3cf8f5c3 3d023d70 3d080000 "
+    "3d0dc28f 3d13851f 3d1947af 3d1f0a3d 3d24cccd 3d2a8f5c 3d3051eb 3d36147b "
+    "3d3bd70a 3d41999a 3d475c28 3d4d1eb8 3d52e147 3d58a3d7 3d5e6667 3d6428f7 "
+    "3d69eb87 3d6fae15 3d7570a3 3d7b3333 3d807ae2 3d835c2a 3d863d71 3d891eb8 "
+    "3d8c0000 3d8ee148 3d91c290 3d94a3d7 3d97851f 3d9a6667 3d9d47af 3da028f6 "
+    "3da30a3e 3da5eb85 3da8cccd 3dabae15 3dae8f5c 3db170a4 3db451eb 3db73333 "
+    "3dba147b 3dbcf5c3 3dbfd70b 3dc2b852 3dc5999a 3dc87ae2 3dcb5c29 3dd40000 "
+    "3de26666 3df0cccd 3dff3333 3e06cccc 3e0e0000 3e153334 3e1c6666 3e23999a "
+    "3e2acccc 3e320000 3e393334 3e406666 3e47999a 3e4ecccc 3e560000 3e5d3334 "
+    "3e646666 3e6b999a 3e72cccc 3e7a0000 3e809999 3e843333 3e87cccd 3e8b6666 "
+    "3e8f0000 3e92999a 3e963333 3e99cccc 3e9d6666 3ea10000 3ea4999a 3ea83333 "
+    "3eabcccc 3eaf6666 3eb30000 3eb6999a 3eba3333 3ebdcccc 3ec16666 3ec50000 "
+    "3ec8999a 3ecc3333 3ecfcccc 3ed36666 3ed70000 3eda999a 3ede3333 3ee1cccc "
+    "3ee56666 3ee90000 3eec999a 3ef03333 3ef3cccc 3ef76666 3efb0000 3efe9999 "
+    "3f01199a 3f02e666 3f04b333 3f068000 3f084ccc 3f0a199a 3f0be666 3f0db334 "
+    "3f0f8000 3f114ccd 3f13199a 3f14e666 3f16b334 3f188000 3f1a4ccd 3f1c199a "
+    "3f1de666 3f1fb334 3f218000 3f234ccd 3f25199a 3f26e666 3f28b334 3f2a8000 "
+    "3f2c4ccd 3f2e199a 3f2fe666 3f31b334 3f338000 3f354ccd 3f37199a 3f38e666 "
+    "3f3ab334 3f3c8000 3f3e4ccd 3f40199a 3f41e666 3f43b334 3f458000 3f474ccc "
+    "3f49199a 3f4ae666 3f4cb334 3f4e8000 3f504ccc 3f52199a 3f53e666 3f55b334 "
+    "3f578000 3f594ccc 3f5b199a 3f5ce666 3f5eb334 3f608000 3f624ccc 3f64199a "
+    "3f65e666 3f67b334 3f698000 3f6b4ccc 3f6d199a 3f6ee666 3f70b334 3f728000 "
+    "3f744ccc 3f76199a 3f77e666 3f79b334 3f7b8000 3f7d4ccc 3f7f199a 3f800000 "
+)
+
+
+def _map(bits) -> np.ndarray:
+    out = np.array([int(h, 16) for h in "".join(bits).split()], np.uint32).view(np.float32)
+    assert out.size == 256 and np.all(np.diff(out) > 0)
+    return out
+
+
+SIGNED_MAP = _map(_SIGNED_BITS)
+UNSIGNED_MAP = _map(_UNSIGNED_BITS)
+SIGNED_MAP.flags.writeable = False
+UNSIGNED_MAP.flags.writeable = False
+
+# A q below 2**-23 in magnitude is nearest to 0 in both maps (their smallest magnitudes
+# are 3.25e-7 and 5.5e-7), so the bucket table starts at exponent 104 (2**-23).
+_LOW_EXPONENT = 104
+
+
+def nearest_codes(q, qmap) -> np.ndarray:
+    """The codes of float32 ``q`` clamped to [-1, 1]: how many of the map's float32 midpoints
+    ``(map[i] + map[i+1]) / 2`` lie strictly below ``q`` (the nearest map value, a tie to the
+    lower code; +NaN -> 255, -NaN -> 0). Every family's encoder gives these codes."""
+    q = np.clip(np.asarray(q, np.float32), np.float32(-1), np.float32(1))  # bitsandbytes clamps q to [-1, 1]
+    bounds = ((qmap[:-1] + qmap[1:]) / np.float32(2)).astype(np.float32)
+    codes = np.searchsorted(bounds, q, side="left")
+    nan = np.isnan(q)
+    if nan.any():
+        codes = np.where(nan, np.where(np.signbit(q), 0, 255), codes)
+    return codes.astype(np.uint8)
+
+
+class Codebook(NamedTuple):
+    """A dynamic map and the bucket table the fast encoders read (see the module docstring).
+
+    ``table[sign * nb + clip((|bits| >> shift) - bias, 0, nb - 1)]`` is
+    ``(threshold << 8) | code``; the element's code is ``code``, or ``code + 1`` (``code - 1``
+    for a negative q) where its low ``shift`` bits are ``>= threshold``.
+    """
+
+    qmap: np.ndarray
+    table: np.ndarray
+    shift: int
+    bias: int
+    nb: int
+
+
+@lru_cache(maxsize=None)
+def codebook(signed: bool) -> Codebook:
+    """The signed or unsigned map's :class:`Codebook`, built once per process."""
+    qmap = SIGNED_MAP if signed else UNSIGNED_MAP
+    # bucket width below the smallest gap between neighbouring map values (top 6 mantissa
+    # bits for the signed map, whose gaps near 1 are 0.014; 7 for the unsigned one, 0.007)
+    shift = 17 if signed else 16
+    bias = (_LOW_EXPONENT << 23) >> shift
+    nb = ((127 << 23) >> shift) - bias + 1  # the last bucket starts at 1.0 and takes every larger q
+    never = 1 << shift
+    table = np.empty(2 * nb, np.int64)
+    for sign in (0, 1):
+        start = ((np.arange(nb, dtype=np.int64) + bias) << shift) | (sign << 31)
+        end = start + never - 1
+        end[-1] = start[-1] | 0x7FFFFF  # the top bucket: [1, 2) and beyond all saturate
+        c0 = nearest_codes(start.astype(np.uint32).view(np.float32), qmap).astype(np.int64)
+        c1 = nearest_codes(end.astype(np.uint32).view(np.float32), qmap).astype(np.int64)
+        step = c1 - c0
+        if np.any(np.abs(step) > 1):
+            raise AssertionError("dynamic map: a bucket holds two decision boundaries")
+        thr = np.full(nb, never, np.int64)
+        moving = np.nonzero(step)[0]
+        lo, hi = start[moving].copy(), end[moving].copy()
+        while np.any(hi - lo > 0):  # the first u whose code moved, by bisection (the code is monotone)
+            mid = (lo + hi) // 2
+            moved = nearest_codes(mid.astype(np.uint32).view(np.float32), qmap).astype(np.int64) != c0[moving]
+            hi = np.where(moved, mid, hi)
+            lo = np.where(moved, lo, mid + 1)
+        thr[moving] = lo & (never - 1)
+        table[sign * nb : (sign + 1) * nb] = (thr << 8) | c0
+    table = table.astype(np.int32)
+    table.flags.writeable = False
+    return Codebook(qmap, table, shift, bias, nb)
+
+
+def quantize(x, signed: bool) -> tuple[np.ndarray, np.ndarray]:
+    """``(codes, absmax)`` of a 1-D array by blocks of :data:`BLOCK` from its start (reference code)."""
+    x = np.asarray(x, np.float32).ravel()
+    nblocks = -(-x.size // BLOCK)
+    padded = np.zeros(nblocks * BLOCK, np.float32)
+    padded[: x.size] = x
+    blocks = padded.reshape(nblocks, BLOCK)
+    absmax = np.abs(blocks).max(axis=1) if nblocks else np.zeros(0, np.float32)
+    with np.errstate(divide="ignore"):
+        inv = np.where(absmax > 0, np.float32(1) / absmax, np.float32(0)).astype(np.float32)
+    with np.errstate(invalid="ignore"):
+        q = (blocks * inv[:, None]).astype(np.float32).ravel()[: x.size]
+    return nearest_codes(q, codebook(signed).qmap), absmax.astype(np.float32)
+
+
+def dequantize(codes, absmax, signed: bool) -> np.ndarray:
+    """float32 values ``map[code] * absmax`` of a block-quantized 1-D array."""
+    codes = np.asarray(codes, np.uint8).ravel()
+    scale = np.repeat(np.asarray(absmax, np.float32), BLOCK)[: codes.size]
+    return (codes_value(codes, signed) * scale).astype(np.float32)
+
+
+def codes_value(codes, signed: bool) -> np.ndarray:
+    """The map values of ``codes`` (float32)."""
+    return codebook(signed).qmap[np.asarray(codes, np.uint8)]
+
+
+# -- slots -----------------------------------------------------------------------------------
+
+
+class Q8(NamedTuple):
+    """An 8-bit slot as the kernels take it (every family): arrays and integers only.
+
+    ``codes``: uint8, one per element of the flat buffer (at the parameters' offsets);
+    ``aux``: float32, per segment from ``base[seg]``: one absmax per block where
+    ``quant[seg]``, else the segment's float32 values; ``offset``: the segments' flat
+    offsets; the codebook's ``qmap``, ``table``, ``shift``, ``bias``, ``nb``.
+    """
+
+    codes: np.ndarray
+    aux: np.ndarray
+    base: np.ndarray
+    quant: np.ndarray
+    offset: np.ndarray
+    qmap: np.ndarray
+    table: np.ndarray
+    shift: int
+    bias: int
+    nb: int
+
+
+def quantized_names(layout: Layout, threshold: int) -> tuple[bool, ...]:
+    """Per segment: whether its slot is 8-bit (``size >= threshold`` and not empty)."""
+    return tuple(n >= threshold and n > 0 for n in layout.sizes)
+
+
+def block_pieces(layout: Layout, chunk: int) -> np.ndarray:
+    """Rows ``[start, stop, segment]`` cutting each parameter at multiples of ``chunk`` elements
+    from its own start (``chunk`` a multiple of :data:`BLOCK`): no block is split between rows."""
+    rows = []
+    for seg, (start, size) in enumerate(zip(layout.offsets, layout.sizes)):
+        for a in range(0, size, chunk):
+            rows.append((start + a, start + min(size, a + chunk), seg))
+    return np.asarray(rows, dtype=np.int64).reshape(-1, 3)
+
+
+class Quant8Buffer:
+    """A state slot in 8 bits: codes and block scales for large parameters, float32 for small ones.
+
+    The engine's state protocol sees what it sees of a :class:`~arraytrain.buffer.FlatBuffer`:
+    ``layout``, ``flat`` (one aligned uint8 allocation holding codes and the float32 side
+    array, so ``flat.nbytes`` is the slot's memory), ``dtype``, ``as_dict``, ``check`` and
+    ``assign``. :meth:`as_dict` gives, per name, ``{"codes": uint8 of the parameter's shape,
+    "absmax": float32 (blocks,)}`` for an 8-bit parameter, a float32 array for a small one;
+    :meth:`check` takes that form bitwise, the other form converted (float arrays of any float
+    dtype are encoded, an 8-bit entry for a parameter kept in float32 here is decoded), so a
+    state saved with float32 or bfloat16 slots loads into 8-bit slots and back.
+    """
+
+    __slots__ = ("layout", "signed", "threshold", "flat", "codes", "aux", "base", "quant", "offset", "_arg")
+
+    def __init__(self, layout: Layout, signed: bool, threshold: int = DEFAULT_THRESHOLD):
+        self.layout, self.signed, self.threshold = layout, bool(signed), int(threshold)
+        quant = quantized_names(layout, self.threshold)
+        base, naux = [], 0
+        for q, n in zip(quant, layout.sizes):
+            base.append(naux)
+            naux += -(-n // BLOCK) if q else n
+        ncodes = -(-layout.size // 16) * 16  # the side array starts 64-byte aligned
+        self.flat = _aligned_bytes(ncodes + 4 * naux)
+        self.codes = self.flat[: layout.size]
+        self.aux = self.flat[ncodes:].view(np.float32)
+        self.base = np.asarray(base, np.int64)
+        self.quant = np.asarray(quant, np.uint8)
+        self.offset = np.asarray(layout.offsets, np.int64)
+        if self.signed:  # value 0 is code 127 in the signed map, 0 in the unsigned one
+            self.codes[...] = np.uint8(np.searchsorted(SIGNED_MAP, 0.0))
+        book = codebook(self.signed)
+        self._arg = Q8(self.codes, self.aux, self.base, self.quant, self.offset, book.qmap, book.table,
+                       book.shift, book.bias, book.nb)
+
+    dtype = np.dtype(np.uint8)  # what ready-to-assign arrays (see :meth:`check`) hold
+
+    @property
+    def map_name(self) -> str:
+        """``"signed"`` or ``"unsigned"``: the dynamic map the codes index."""
+        return "signed" if self.signed else "unsigned"
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return self.layout.names
+
+    def kernel_arg(self) -> Q8:
+        """The slot as the kernels take it."""
+        return self._arg
+
+    def is_quantized(self, name: str) -> bool:
+        return bool(self.quant[self.layout.index(name)])
+
+    def _parts(self, seg: int):
+        n = self.layout.sizes[seg]
+        off, b = self.layout.offsets[seg], self.base[seg]
+        if self.quant[seg]:
+            return self.codes[off : off + n], self.aux[b : b + -(-n // BLOCK)]
+        return None, self.aux[b : b + n]
+
+    def values(self, name: str) -> np.ndarray:
+        """The float32 values of parameter ``name``'s slot (decoded; a copy), in its shape."""
+        seg = self.layout.index(name)
+        codes, aux = self._parts(seg)
+        out = aux.copy() if codes is None else dequantize(codes, aux, self.signed)
+        return out.reshape(self.layout.shapes[seg])
+
+    def to_float32(self) -> np.ndarray:
+        """Every value, decoded, as a flat float32 array of the layout (padding 0)."""
+        out = np.zeros(self.layout.size, np.float32)
+        for seg, name in enumerate(self.layout.names):
+            off, n = self.layout.offsets[seg], self.layout.sizes[seg]
+            out[off : off + n] = self.values(name).ravel()
+        return out
+
+    def as_dict(self, copy: bool = False) -> dict:
+        """Per name: ``{"codes", "absmax"}`` (8-bit) or a float32 array (small), as views or copies."""
+        out = {}
+        for seg, name in enumerate(self.layout.names):
+            codes, aux = self._parts(seg)
+            shape = self.layout.shapes[seg]
+            if codes is None:
+                out[name] = (aux.copy() if copy else aux).reshape(shape)
+            else:
+                out[name] = {"codes": (codes.copy() if copy else codes).reshape(shape),
+                             "absmax": aux.copy() if copy else aux, "map": self.map_name}
+        return out
+
+    def check(self, arrays: Mapping, *, strict: bool = True) -> dict:
+        """Validate ``arrays`` (the :meth:`as_dict` form, or float arrays) without writing.
+
+        Returns, per name, a new uint8 array of the bytes :meth:`assign` writes: the codes
+        followed by the absmax bytes (8-bit), or the float32 bytes (small).
+        """
+        if not isinstance(arrays, Mapping):
+            raise StateDictError(f"expected a mapping name -> array, got {type(arrays).__name__}")
+        out = {}
+        for name, a in arrays.items():
+            if name not in self.layout:
+                raise UnknownParameterError(f"{name!r}: no such parameter; known: {list(self.layout.names)}")
+            seg = self.layout.index(name)
+            shape, n = self.layout.shapes[seg], self.layout.sizes[seg]
+            if is_q8_entry(a):
+                codes, absmax, signed = check_entry(name, a, shape, n)
+                if self.quant[seg] and signed == self.signed:
+                    out[name] = np.concatenate([codes.ravel(), absmax.view(np.uint8)])
+                    continue
+                values = dequantize(codes, absmax, signed)
+            else:
+                values = _float_values(name, a, shape)
+            if self.quant[seg]:
+                codes, absmax = quantize(values, self.signed)
+                out[name] = np.concatenate([codes, absmax.view(np.uint8)])
+            else:
+                out[name] = np.ascontiguousarray(values, np.float32).ravel().view(np.uint8).copy()
+        if strict:
+            missing = [k for k in self.layout.names if k not in out]
+            if missing:
+                raise LayoutError(f"missing arrays for {missing}")
+        return out
+
+    def assign(self, checked: dict) -> None:
+        """Write what :meth:`check` returned."""
+        for name, raw in checked.items():
+            seg = self.layout.index(name)
+            codes, aux = self._parts(seg)
+            if codes is None:
+                aux[...] = raw.view(np.float32)
+            else:
+                codes[...] = raw[: codes.size]
+                aux[...] = raw[codes.size :].view(np.float32)
+
+    def load(self, arrays: Mapping, *, strict: bool = True) -> None:
+        self.assign(self.check(arrays, strict=strict))
+
+    def __repr__(self) -> str:
+        nq = int(self.quant.sum())
+        return (f"Quant8Buffer({len(self.layout)} params, {nq} in 8 bits, {'signed' if self.signed else 'unsigned'} "
+                f"map, {self.flat.nbytes} bytes)")
+
+
+def _aligned_bytes(n: int) -> np.ndarray:
+    """``n`` zero bytes starting on a 64-byte boundary (as every FlatBuffer allocation)."""
+    raw = np.zeros(n + 64, np.uint8)
+    start = -raw.__array_interface__["data"][0] % 64
+    return raw[start : start + n]
+
+
+def is_q8_entry(a) -> bool:
+    """Whether a state-dict entry is an 8-bit ``{"codes", "absmax", "map"}`` entry."""
+    return isinstance(a, Mapping) and set(a) == {"codes", "absmax", "map"}
+
+
+def check_entry(name: str, a: Mapping, shape, n: int):
+    """The codes, absmax and signedness of an 8-bit entry for a parameter of ``shape``, checked."""
+    if a["map"] not in ("signed", "unsigned"):
+        raise StateDictError(f"{name!r}: 8-bit state's map: expected 'signed' or 'unsigned', got {a['map']!r}")
+    codes, absmax = np.asarray(a["codes"]), np.asarray(a["absmax"])
+    if codes.dtype != np.uint8 or absmax.dtype != np.float32:
+        raise DTypeError(f"{name!r}: 8-bit state expects uint8 codes and float32 absmax, got "
+                         f"{codes.dtype} and {absmax.dtype}")
+    if tuple(codes.shape) != tuple(shape):
+        raise ShapeMismatchError(name, tuple(shape), codes.shape, what="codes")
+    if absmax.shape != (-(-n // BLOCK),):
+        raise ShapeMismatchError(name, (-(-n // BLOCK),), absmax.shape, what="absmax")
+    return codes, absmax, a["map"] == "signed"
+
+
+def decode_entry(name: str, a: Mapping, shape) -> np.ndarray:
+    """An 8-bit entry's float32 values in ``shape`` (loading 8-bit state into float slots)."""
+    n = int(np.prod(shape, dtype=np.int64))
+    codes, absmax, signed = check_entry(name, a, shape, n)
+    return dequantize(codes, absmax, signed).reshape(shape)
+
+
+def _float_values(name: str, a, shape) -> np.ndarray:
+    from .backend import as_array
+
+    arr = as_array(a, name)
+    if tuple(arr.shape) != tuple(shape):
+        raise ShapeMismatchError(name, tuple(shape), arr.shape, what="array")
+    if arr.dtype.kind != "f" and arr.dtype.name != "bfloat16":
+        raise DTypeError(f"{name!r}: expected a float array or an 8-bit entry, got dtype {arr.dtype}")
+    with np.errstate(all="ignore"):
+        return np.asarray(arr, np.float32)
