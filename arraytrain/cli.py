@@ -225,6 +225,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--weight-decay", type=_nonnegative(float), metavar="WD", help="weight decay (default: the optimizer's own)")
     t.add_argument("--momentum", type=_nonnegative(float), metavar="M",
                    help="momentum, for optimizers that have it (default: the optimizer's own)")
+    t.add_argument("--state-dtype", choices=("float32", "bfloat16", "8bit"),
+                   help="storage of the optimizer's element-wise state: bfloat16, or 8bit (bitsandbytes' blockwise "
+                        "dynamic quantization, parameters under 4096 elements kept in float32); float32 parameters "
+                        "only (default: the parameters' dtype)")
     t.add_argument("--batch-size", type=_positive(int), default=32, metavar="N", help="default: 32")
     t.add_argument("--hidden", type=_hidden, default=[128, 64], metavar="W1,W2,...", help="hidden layer widths (default: 128,64)")
     t.add_argument("--activation", default="relu", choices=ACTIVATIONS, help="default: relu")
@@ -309,6 +313,10 @@ def _optimizer(args):
         if key not in params:
             raise _usage(f"--{flag.replace('_', '-')}: {args.optimizer} has no {key}")
         kwargs[key] = value
+    if args.state_dtype is not None:
+        if "state_dtype" not in params:
+            raise _usage(f"--state-dtype: {args.optimizer} keeps no element-wise state to store in another dtype")
+        kwargs["state_dtype"] = args.state_dtype
     if cls is optim.Muon:  # Muon takes the weight matrices; the biases go to AdamW (its defaults)
         kwargs["fallback"] = optim.AdamW()
     try:
@@ -627,6 +635,10 @@ def _check_flags(args, comm) -> None:
         why = optimizers()[args.optimizer].shard_refusal
         if why is not None:
             raise _usage(f"--shard-state with --optimizer {args.optimizer}: {why}")
+        if args.state_dtype == "8bit":
+            raise _usage(f"--shard-state with --state-dtype 8bit: {optim.AdamW(state_dtype='8bit').shard_refusal}")
+    if args.state_dtype in ("bfloat16", "8bit") and args.dtype != "float32":
+        raise _usage(f"--state-dtype {args.state_dtype} needs float32 parameters, got --dtype {args.dtype}")
     if args.prune_epochs is not None:
         if args.prune is None:
             raise _usage("--prune-epochs needs --prune RATIO")
