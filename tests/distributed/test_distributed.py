@@ -92,6 +92,15 @@ def test_a_crashing_rank_ends_the_job_with_its_error():
     assert proc.stderr.count("Traceback") == 1, proc.stderr
 
 
+def test_a_rank_failing_with_buckets_in_flight_ends_the_job():
+    """The overlapped exchange: a rank dies while its nonblocking all-reduces are in flight; every rank ends."""
+    t0 = time.monotonic()
+    proc = ranks(2, CHECKS, "crash-in-flight", timeout=120)
+    assert proc.returncode != 0 and time.monotonic() - t0 < 100
+    assert "rank 1 of 2 failed; aborting all 2 ranks (MPI_Abort)" in proc.stderr, proc.stderr
+    assert "this rank fails with buckets in flight" in proc.stderr and "unreachable" not in proc.stdout
+
+
 def test_launch_ends_a_hung_job_at_its_timeout():
     code = "import time; from mpi4py import MPI; MPI.COMM_WORLD.Barrier(); time.sleep(600)"
     env = rank_env()

@@ -74,12 +74,29 @@ def crash(comm: MPIComm) -> None:
     print(f"rank {comm.rank}: unreachable: the job should have been aborted", flush=True)
 
 
+def crash_in_flight(comm: MPIComm) -> None:
+    """The last rank fails while its first buckets' all-reduces are in flight; the others wait at the boundary."""
+    import arraytrain as at
+
+    with abort_on_error():
+        eng = at.Engine({f"p{i}": np.ones(1000) for i in range(8)}, at.optim.SGD(lr=0.1), comm=comm, overlap=True,
+                        bucket_bytes=8000)
+        eng.mark_ready([f"p{i}" for i in range(4, 8)])  # buckets 0-3 start
+        if comm.rank == comm.size - 1:
+            raise RuntimeError("this rank fails with buckets in flight")
+        eng.step()
+    print(f"rank {comm.rank}: unreachable: the job should have been aborted", flush=True)
+
+
 def main(argv) -> int:
     # as in tests/conftest.py: the project's own old spellings are errors in its tests
     warnings.filterwarnings("error", message=".*will be removed in the next release; use ", category=DeprecationWarning)
     comm = MPIComm()
     if argv == ["crash"]:
         crash(comm)
+        return 3
+    if argv == ["crash-in-flight"]:
+        crash_in_flight(comm)
         return 3
     unknown = [g for g in argv if g not in GROUPS]
     if unknown or not argv:
