@@ -74,6 +74,9 @@ NOT_AVAILABLE = {
     **{(c, o): f"torch.optim has no {title}" for c in ("torch-foreach", "torch-fused", "torch-forloop")
        for o, title in (("lion", "Lion"), ("lamb", "LAMB"))},
     ("arraytrain-bf16", "adafactor"): "Adafactor keeps its factored statistics in the parameters' dtype",
+    ("arraytrain-8bit", "adafactor"): "Adafactor keeps its factored statistics in the parameters' dtype",
+    **{("bnb-8bit", o): f"bitsandbytes has no 8-bit {o}" for o in
+       ("adafactor", "nadam", "radam", "adamax", "adadelta", "muon", "schedule_free_adamw")},
     ("torch-fused", "rmsprop"): "torch.optim.RMSprop has no fused implementation",
     ("torch-fused", "adafactor"): "torch.optim.Adafactor has no fused implementation",
     ("numpy", "adafactor"): "no hand-written NumPy Adafactor (factored statistics and two RMS reductions)",

@@ -9,7 +9,8 @@ Newton-Schulz GEMMs) and Schedule-Free AdamW. Contestants:
 * ``arraytrain``: ``engine.step()`` on the zero-copy path: one read-only norm
   pass, then the optimizer's fused kernel (LAMB and Adafactor take more passes,
   see :data:`arraytrain.bench.common.OPTIMIZERS`); ``arraytrain-bf16`` (not in the
-  default set): the same with ``state_dtype="bfloat16"``; ``arraytrain-working-bf16`` /
+  default set): the same with ``state_dtype="bfloat16"``; ``arraytrain-8bit`` (not in the default
+  set): with ``state_dtype="8bit"``; ``arraytrain-working-bf16`` /
   ``arraytrain-working-f16``: float32 state and a bfloat16 / float16 working copy of the
   weights written by the step (``time / arraytrain`` is then the copy's cost);
 * ``torch-foreach`` / ``torch-fused``: ``clip_grad_norm_(foreach=True)`` then
@@ -17,6 +18,9 @@ Newton-Schulz GEMMs) and Schedule-Free AdamW. Contestants:
   torch has fused kernels for AdamW, Adam, SGD and Adagrad only, and no Lion or
   LAMB); ``torch-forloop`` (not in the default set): ``foreach=False``, torch's
   per-tensor path;
+* ``bnb-8bit`` (not in the default set): bitsandbytes' 8-bit optimizers (AdamW8bit, Adam8bit,
+  SGD8bit, Adagrad8bit, RMSprop8bit, Lion8bit, LAMB8bit) on CPU tensors after ``clip_grad_norm_``;
+  bitsandbytes is a benchmark-only dependency;
 * ``numpy``: the same math written by hand with in-place NumPy per tensor
   (not for Adafactor: factored statistics and two RMS reductions per tensor are
   no simple in-place loop);
@@ -516,9 +520,51 @@ def make_arraytrain_working_f16(opt: str, n: int, zero_grad: bool = False):
     return make_arraytrain(opt, n, zero_grad, working_dtype="float16")
 
 
+def make_arraytrain_8bit(opt: str, n: int, zero_grad: bool = False):
+    """arraytrain with ``state_dtype="8bit"``: one byte per element and slot, a float32 scale per
+    256 elements (tensors under 4096 elements keep float32 state)."""
+    _check_available("arraytrain-8bit", opt)
+    return make_arraytrain(opt, n, zero_grad, "8bit")
+
+
+def make_bnb_8bit(opt: str, n: int, zero_grad: bool = False):
+    """bitsandbytes' 8-bit optimizers (blockwise, 256) on CPU torch tensors, after torch's
+    ``clip_grad_norm_``: the reference implementation of 8-bit state (a benchmark-only dependency)."""
+    _check_available("bnb-8bit", opt)
+    import torch
+
+    try:
+        import bitsandbytes as bnb
+    except ImportError as exc:
+        raise ImportError(f"bitsandbytes: {exc}") from None
+    params, grads = make_data(n, opt=opt)
+    ps = [torch.nn.Parameter(torch.from_numpy(p)) for p in params]
+    for p, g in zip(ps, grads):
+        p.grad = torch.from_numpy(g)
+    o = bnb.optim
+    optimizer = {"adamw": lambda: o.AdamW8bit(ps, LR, BETAS, EPS, WD),
+                 "adam": lambda: o.Adam8bit(ps, LR, BETAS, EPS),
+                 "sgd": lambda: o.SGD8bit(ps, LR, momentum=MOMENTUM),
+                 "adagrad": lambda: o.Adagrad8bit(ps, **ADAGRAD),
+                 "rmsprop": lambda: o.RMSprop8bit(ps, **RMSPROP),
+                 "lion": lambda: o.Lion8bit(ps, LR, weight_decay=WD),
+                 "lamb": lambda: o.LAMB8bit(ps, LR, weight_decay=WD)}[opt]()
+
+    def step():
+        torch.nn.utils.clip_grad_norm_(ps, MAX_NORM, foreach=True)
+        optimizer.step()
+        if zero_grad:
+            optimizer.zero_grad(set_to_none=False)
+
+    step.params = lambda: [p.detach().numpy() for p in ps]
+    return _warm(step, opt)
+
+
 CONTESTANTS = {
     "arraytrain": make_arraytrain,
     "arraytrain-bf16": make_arraytrain_bf16,
+    "arraytrain-8bit": make_arraytrain_8bit,
+    "bnb-8bit": make_bnb_8bit,
     "arraytrain-working-bf16": make_arraytrain_working_bf16,
     "arraytrain-working-f16": make_arraytrain_working_f16,
     "torch-foreach": make_torch_foreach,
