@@ -1,5 +1,8 @@
 """The low-precision CPU kernels are packed loops on AVX2 as well as on AVX-512.
 
+(8-bit state too: every optimizer's kernel with 8-bit slots must hold the packed float loop and
+the encoder's 8-lane ``vpgatherdd``, and the encoder's codes equal state8.nearest_codes.)
+
 Each kernel with bfloat16 state, each optimizer's working-copy writer (bfloat16 and float16)
 and the cast that rebuilds a working copy is compiled in a subprocess for an AVX2 target
 (``NUMBA_CPU_NAME=haswell`` with AVX2 and F16C, no AVX-512) and for an AVX-512 one
@@ -40,6 +43,7 @@ PATTERNS = {
     "float": r"v(mul|add|sub|fn?m(add|sub)\d+)ps\s[^\n]*%[yz]mm",
     "narrow": r"vpackusdw\s|vpmovu?s?dw\s",
     "cvtph": r"vcvtps2ph\s+\$\w+,\s*%[yz]mm",
+    "gather": r"vpgatherdd\s[^\n]*%ymm",
 }
 # kernels whose update loop takes a square root
 SQRT = {"adam", "adagrad", "rmsprop", "lamb_apply", "nadam", "adadelta", "schedule_free_adamw"}
@@ -73,10 +77,16 @@ def _kernels(state, working, kind, n=64):
 
     pieces = np.array([[0, n, 0]], np.int64)
     one = np.ones(1, f32)
-    e = np.zeros(0, state)
     w = dict(working=working, kind=kind)
     common = dict(gscale=1.0, **w)
-    s = lambda: a(state)  # noqa: E731
+    if state == "8bit":  # an 8-bit slot: every element in 8 bits (threshold 0)
+        from arraytrain import Layout, state8
+
+        s = lambda: state8.Quant8Buffer(Layout({"w": (n,)}), True, 0).kernel_arg()  # noqa: E731
+        e = np.zeros(0, f32)
+    else:
+        s = lambda: a(state)  # noqa: E731
+        e = np.zeros(0, state)
     yield "sgd", opt._SGD, lambda: cpu.sgd_step(
         a(), a(), s(), pieces, lr=one, l2=one, momentum=0.9, dampening=0.0, nesterov=False, first=False, **common)
     yield "adam", opt._ADAM, lambda: cpu.adam_step(
@@ -154,7 +164,10 @@ def probe() -> dict:
             # the parallel twin: the same source, but its loop is compiled inside numba's
             # parfor function, where LLVM speculates less (a load under a runtime flag kept
             # SGD's bfloat16 loop scalar there while the serial twin was packed)
-            ("bf16-state-parallel", np.uint16, None, cpu.LP_NONE, big, 0)):
+            ("bf16-state-parallel", np.uint16, None, cpu.LP_NONE, big, 0),
+            # 8-bit state: the decode, the float32 loop on the block and the encoder's gather
+            ("8bit-state", "8bit", None, cpu.LP_NONE, 64, 1),
+            ("8bit-state-parallel", "8bit", None, cpu.LP_NONE, big, 0)):
         for names, pairs, call in _kernels(state, working, kind, n):
             if isinstance(names, str):
                 names, pairs = (names,), (pairs,)
@@ -168,7 +181,37 @@ def probe() -> dict:
     reductions.cast_working(np.zeros(64, np.uint16), np.zeros(64, np.float32), np.array([[0, 64, 0]]),
                             kind=cpu.LP_F16)
     found["cast_working"] = count(disp, before)
-    return {"asm": found, "bits": _bits_checks()}
+    return {"asm": found, "bits": {**_bits_checks(), **_q8_checks()}}
+
+
+def _q8_checks():
+    """The 8-bit encoder (vector lanes and scalar tail) against state8.nearest_codes, both maps."""
+    import numpy as np
+    from numba import njit
+
+    from arraytrain import state8
+    from arraytrain.kernels.cpu.codecs import q8_encode_block
+
+    @njit
+    def encode(x, codes, table, shift, bias, nb):
+        for k in range(0, x.size, 256):
+            q8_encode_block(x[k : k + 256], codes[k : k + 256], table, shift, bias, nb)
+
+    out = {}
+    rng = np.random.default_rng(0)
+    for signed in (True, False):
+        book = state8.codebook(signed)
+        m = book.qmap
+        # one block of 256 holding 1.0 (absmax 1: q = x), then the map's values, midpoints and neighbours
+        q = np.concatenate([m, (m[1:] + m[:-1]) / 2, np.nextafter((m[1:] + m[:-1]) / 2, np.float32(2)),
+                            rng.uniform(-1, 1, 4000), [0.0, -0.0, 1e-30, -1e-30, 2.0**-23, -(2.0**-23)]])
+        q = np.abs(q) if not signed else q
+        q = np.concatenate([q, np.zeros(-q.size % 256)]).astype(np.float32)
+        q[::256] = 1.0
+        codes = np.zeros(q.size, np.uint8)
+        encode(q, codes, book.table, book.shift, book.bias, book.nb)
+        out[f"q8/{'signed' if signed else 'unsigned'}"] = int(np.count_nonzero(codes != state8.nearest_codes(q, m)))
+    return out
 
 
 def _run(target: str) -> dict:
@@ -193,7 +236,13 @@ def test_update_loops_are_packed(compiled):
     bad = []
     for key, c in found["asm"].items():
         name, tag = (key.split("/") + [""])[:2]
-        if name in ORDERED_SUMS:  # its loop carries float64 sums in element order: scalar by design
+        if tag.startswith("8bit-state"):  # no narrowing store; the encoder's table lookup is a gather
+            need = ["gather"] if name != "lamb_apply" else []  # LAMB's second loop only decodes
+            if name not in ORDERED_SUMS:
+                need.append("float")
+                if name in SQRT:
+                    need.append("sqrt")
+        elif name in ORDERED_SUMS:  # its loop carries float64 sums in element order: scalar by design
             need = ["narrow"] if tag.startswith("bf16-state") else []
         else:
             need = ["float"] if key != "cast_working" else []
