@@ -71,6 +71,7 @@ than ``MAX_DEPTH`` levels (writing refuses such trees, and reference cycles).
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
 import os
@@ -144,9 +145,9 @@ def save(path, engine, *, extra: Mapping | None = None) -> None:
         if comm is None:
             _save_tree(where, engine.state_dict(copy=False), extra)
             return
-        # a group of processes: every rank calls save; the state is gathered (a collective),
-        # rank 0 writes the one file, and every rank learns whether that worked
-        tree = engine.state_dict(copy=False)
+        # a group of processes: every rank calls save; the state is gathered to rank 0 (a
+        # collective), which writes the one file, and every rank learns whether that worked
+        tree = engine.state_dict(copy=False, **_to_root(engine))
         failure = None
         if comm.rank == 0:
             try:
@@ -879,6 +880,16 @@ def _fspath(path) -> str:
     if not isinstance(where, str):
         raise ArgumentTypeError(f"path: expected a str path, got {type(where).__name__}")
     return where
+
+
+def _to_root(engine) -> dict:
+    """``{"root": 0}`` where the engine's ``state_dict`` can assemble the state on rank 0 alone (the
+    other ranks then hold no more than their own share); ``{}`` for a protocol engine without it."""
+    try:
+        takes = "root" in inspect.signature(engine.state_dict).parameters
+    except (TypeError, ValueError):
+        takes = False
+    return {"root": 0} if takes else {}
 
 
 def _comm_of(engine):

@@ -192,6 +192,18 @@ class MPIComm(Exchange):
         """Every rank's ``obj`` (pickled), in rank order: set-up checks, never the step's hot path."""
         return self.comm.allgather(obj)
 
+    def gather(self, x, root: int = 0):
+        """Every rank's ``x`` to rank ``root`` (``MPI_Gather``): views of one received ``(size, *x.shape)``
+        array there, None elsewhere."""
+        root = check_int("root", root, 0, self.size - 1, error=ArgumentTypeError)
+        dt = _checked(x, "x", NUMPY, self._types, False)
+        if self.rank != root:
+            self.comm.Gather([x, dt], None, root=root)
+            return None
+        recv = np.empty((self.size, *x.shape), x.dtype)
+        self.comm.Gather([x, dt], [recv, dt], root=root)
+        return [recv[i, ...] for i in range(self.size)]
+
     def reduce_scatter(self, x):
         """Block ``rank`` of ``x`` summed over ranks: ``MPI_Reduce_scatter_block`` in place, so the
         sum lands in the first block of ``x``, which is returned (the rest of ``x`` is left as it was)."""
@@ -353,6 +365,13 @@ class NCCLComm(Exchange):
         if n:
             self._comm.reduceScatter(x.data.ptr, own.data.ptr, n, dt, self._ops["sum"], self._stream())
         return own
+
+    def gather(self, x, root: int = 0):
+        """Every rank's ``x`` to rank ``root``: NumPy arrays over MPI; CuPy arrays all-gathered (NCCL has
+        no gather), kept on ``root`` only."""
+        if isinstance(x, np.ndarray):
+            return self.mpi.gather(x, root)
+        return super().gather(x, root)
 
     def iallreduce(self, x, op: str = "sum") -> Pending:
         """Start ``allreduce(x, op)``: NCCL's calls are already asynchronous on the current stream (the

@@ -765,7 +765,7 @@ class Engine:
         return out
 
     @guarded
-    def state_dict(self, copy: bool = True) -> dict:
+    def state_dict(self, copy: bool = True, *, root: int | None = None) -> dict | None:
         """Name-keyed arrays of everything a bitwise-exact resume needs, plus scalars.
 
         ``copy=False`` returns views into the live buffers (for a writer that
@@ -776,10 +776,17 @@ class Engine:
         window and the compressor's state with its error-feedback residual —
         are gathered by rank: ``state["accumulation"]`` and
         ``state["compression"]`` are then ``{"ranks": [rank 0's, rank 1's, ...]}``;
-        everything else is shared (the same on every rank).
+        everything else is shared (the same on every rank). With sharded state the
+        slots (and sharded masters) are gathered into the full arrays.
+
+        ``root``: with a group of processes, the state is assembled on that rank only and
+        the others return None — what a writer on one rank needs (:func:`arraytrain.save`
+        passes ``root=0``): the other ranks then never hold more than their own share.
         """
         self._nothing_in_flight("state_dict()")
-        return engine_state.state_dict(self._parts(), copy, gather=True)
+        if root is not None:
+            root = check_int("root", root, 0, self.comm.size - 1, error=ArgumentTypeError)
+        return engine_state.state_dict(self._parts(), copy, gather=True, root=root)
 
     @guarded
     def state_template(self) -> dict:

@@ -94,14 +94,17 @@ class StateParts:
     comm: object
 
 
-def state_dict(parts: StateParts, copy: bool, gather: bool) -> dict:
+def state_dict(parts: StateParts, copy: bool, gather: bool, root: int | None = None) -> dict | None:
     """The state tree (see :meth:`arraytrain.Engine.state_dict`).
 
     ``gather=True``: with a group of processes, the per-rank parts (the open window, the
     compressor's state) are gathered by rank, a collective. ``gather=False``: this rank's
     own share, the per-rank parts wrapped in :class:`~arraytrain.exchange.PerRank` (a
-    template for a reader that takes a state saved by any number of ranks).
+    template for a reader that takes a state saved by any number of ranks). ``root``
+    (with ``gather``): the gathered parts reach that rank only, and the others return None.
     """
+    if root is not None and gather and not parts.comm.is_local:
+        return _state_to_root(parts, copy, root)
     c = parts.counters
     acc = {"micro_batches": c.micro, "weight_sum": c.weight_sum, "grads": parts.grads.as_dict(copy=copy)}
     comp = None if parts.compressor is None else parts.compressor.state_dict()
@@ -111,15 +114,21 @@ def state_dict(parts: StateParts, copy: bool, gather: bool) -> dict:
     elif not parts.comm.is_local:
         acc = {"ranks": _gather_by_rank(parts.comm, acc)}
         comp = None if comp is None else {"ranks": _gather_by_rank(parts.comm, comp)}
-    opt = parts.opt_state
+    slots = {k: _arrays(parts, buf, copy, gather) for k, buf in parts.opt_state.slots.items()}
+    return _tree(parts, _arrays(parts, parts.params, copy, gather), slots, acc, comp, copy)
+
+
+def _tree(parts: StateParts, params: dict, slots: dict, acc, comp, copy: bool) -> dict:
+    """The state tree around its arrays (see :func:`state_dict`)."""
+    c, opt = parts.counters, parts.opt_state
     return {
         "format": STATE_FORMAT,
-        "params": _arrays(parts, parts.params, copy, gather),
+        "params": params,
         "optimizer": {
             "type": type(parts.optimizer).__name__,
             "hyperparameters": parts.optimizer.hyperparameters(),
             "step": opt.step,
-            "slots": {k: _arrays(parts, buf, copy, gather) for k, buf in opt.slots.items()},
+            "slots": slots,
             # only where the optimizer keeps any (NAdam): the other states read as before
             **({"scalars": dict(opt.scalars)} if opt.scalars else {}),
         },
@@ -316,8 +325,31 @@ def _check_mask_state(params: FlatBuffer, arrays) -> dict:
     return out
 
 
-def _gather_by_rank(comm, tree) -> list:
-    """Every rank's ``tree`` (same structure everywhere), in rank order: arrays all-gathered, values gathered."""
+def _state_to_root(parts: StateParts, copy: bool, root: int) -> dict | None:
+    """The gathered state on rank ``root`` alone (None elsewhere): per-rank parts and sharded buffers
+    travel to it only, so no other rank ever holds more than its own."""
+    comm = parts.comm
+    c = parts.counters
+    acc = _gather_by_rank(comm, {"micro_batches": c.micro, "weight_sum": c.weight_sum,
+                                 "grads": parts.grads.as_dict(copy=copy)}, root)
+    comp = None if parts.compressor is None else _gather_by_rank(comm, parts.compressor.state_dict(), root)
+
+    def arrays(buf):
+        if not isinstance(buf, shard.ShardBuffer):
+            return buf.as_dict(copy=copy)
+        full = shard.gather(comm, buf, root)
+        return None if full is None else full.as_dict()
+
+    params = arrays(parts.params)
+    slots = {k: arrays(buf) for k, buf in parts.opt_state.slots.items()}
+    if comm.rank != root:
+        return None
+    return _tree(parts, params, slots, {"ranks": acc}, None if comp is None else {"ranks": comp}, copy)
+
+
+def _gather_by_rank(comm, tree, root: int | None = None) -> list | None:
+    """Every rank's ``tree`` (same structure everywhere), in rank order: arrays all-gathered, values gathered.
+    With ``root``: to that rank only (None elsewhere)."""
     arrays: list = []
 
     def strip(node):
@@ -332,7 +364,9 @@ def _gather_by_rank(comm, tree) -> list:
 
     skeleton = strip(tree)
     skeletons = comm.gather_objects(skeleton)
-    received = [comm.allgather(a) for a in arrays]
+    received = [comm.allgather(a) if root is None else comm.gather(a, root) for a in arrays]
+    if root is not None and comm.rank != root:
+        return None
 
     def fill(node, rank):
         if isinstance(node, _Slot):

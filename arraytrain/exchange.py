@@ -14,6 +14,9 @@ the group, in the same order, with arrays of the same shape and dtype.
 - ``broadcast(x, root)``: in place, ``x`` becomes process ``root``'s ``x``.
 - ``gather_objects(obj)``: a list of every process's small picklable ``obj``,
   in rank order (set-up checks only, never in the step's hot path).
+- ``gather(x, root)``: every process's ``x`` (same shape and dtype) to process ``root``,
+  in rank order; None on the others (a checkpoint writer's collective; the default here
+  all-gathers).
 
 Two block collectives serve sharded optimizer state (``Engine(shard_state=True)``);
 ``x`` is 1-D, contiguous, of ``size * n`` elements, block ``r`` being
@@ -128,6 +131,12 @@ class Exchange(ABC):
         for r, block in enumerate(self.allgather(x[self.rank * n : (self.rank + 1) * n])):
             if r != self.rank:
                 x[r * n : (r + 1) * n] = block
+
+    def gather(self, x, root: int = 0):
+        """Every process's ``x`` to process ``root``, in rank order (None elsewhere). This default
+        all-gathers; transports override it so that only ``root`` receives."""
+        got = self.allgather(x)
+        return got if self.rank == root else None
 
     def iallreduce(self, x, op: str = "sum") -> Pending:
         """Start ``allreduce(x, op)`` (see the module docstring). This default runs it at once."""

@@ -140,10 +140,18 @@ def padded_buffer(layout: Layout, dtype, xp, part: Partition) -> tuple[FlatBuffe
     return FlatBuffer(layout, full[: layout.size]), full
 
 
-def gather(comm, shard: ShardBuffer) -> FlatBuffer:
-    """Every rank's shard into one new full buffer of the layout (a collective, as bytes)."""
+def gather(comm, shard: ShardBuffer, root: int | None = None) -> FlatBuffer | None:
+    """Every rank's shard into one new full buffer of the layout (a collective, as bytes); with
+    ``root``, on that rank only (None on the others, which hold nothing more than their shard)."""
     part = shard.partition
-    full = aligned_zeros(part.padded, shard.flat.dtype, array_module(shard.flat))
+    xp = array_module(shard.flat)
+    if root is not None:
+        got = comm.gather(shard.flat.view(np.uint8), root)
+        if got is None:
+            return None
+        full = xp.concatenate(got).view(shard.flat.dtype)
+        return FlatBuffer(part.layout, full[: part.layout.size])
+    full = aligned_zeros(part.padded, shard.flat.dtype, xp)
     full[part.lo : part.hi] = shard.flat
     comm.allgather_blocks(full.view(np.uint8))
     return FlatBuffer(part.layout, full[: part.layout.size])

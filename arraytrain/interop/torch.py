@@ -354,9 +354,11 @@ class TorchEngine(Engine):
 
     # -- state: the engine's, plus the module's frozen parameters and buffers ----------------
     @guarded
-    def state_dict(self, copy: bool = True) -> dict:
-        """:meth:`Engine.state_dict` plus ``"module"``: the module's frozen parameters and buffers."""
-        return self._with_module(super().state_dict(copy), copy)
+    def state_dict(self, copy: bool = True, *, root: int | None = None) -> dict | None:
+        """:meth:`Engine.state_dict` plus ``"module"``: the module's frozen parameters and buffers
+        (None on the ranks other than ``root``, see :meth:`Engine.state_dict`)."""
+        tree = super().state_dict(copy, root=root)
+        return None if tree is None else self._with_module(tree, copy)
 
     @guarded
     def state_template(self) -> dict:

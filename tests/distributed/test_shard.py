@@ -392,3 +392,27 @@ def test_schedule_free_evaluation_weights_are_gathered():
     for r in range(2):
         _close(sha[r], rep[r], 1e-12)
         assert not all(np.array_equal(sha[r][n], _params()[n]) for n in SHAPES)
+
+
+def test_a_state_assembled_on_one_rank_only():
+    """state_dict(root=r): the full state on rank r (what a save writes), None on the others."""
+
+    def rank_run(rank, comm):
+        eng = at.Engine(_params(), at.optim.AdamW(), comm=comm, shard_state=True, accumulation_steps=2)
+        for t in range(3):
+            eng.step(_windows(1, 1, 1, seed=t)[0][0][0][0])  # ends mid-window: per-rank gradients too
+        with pytest.raises(at.errors.ArgumentTypeError, match="root"):
+            eng.state_dict(root=2)
+        return eng.state_dict(), eng.state_dict(root=1)
+
+    out = ThreadGroup(2).run(rank_run)
+    assert out[0][1] is None
+    full, rooted = out[1]
+    for key in ("exp_avg", "exp_avg_sq"):
+        for n in SHAPES:
+            np.testing.assert_array_equal(rooted["optimizer"]["slots"][key][n], full["optimizer"]["slots"][key][n])
+    assert len(rooted["accumulation"]["ranks"]) == 2
+    for r in range(2):
+        for n in SHAPES:
+            np.testing.assert_array_equal(rooted["accumulation"]["ranks"][r]["grads"][n],
+                                          full["accumulation"]["ranks"][r]["grads"][n])

@@ -66,6 +66,12 @@ def check_block_collectives(comm) -> int:
         comm.allgather_blocks(y)
         np.testing.assert_array_equal(y, np.repeat(np.arange(1, comm.size + 1), n).astype(dtype))
         cases += 1
+    for root in range(comm.size):  # gather: to one rank only
+        got = comm.gather(np.full(3, comm.rank, np.float32), root)
+        if comm.rank == root:
+            np.testing.assert_array_equal(np.stack(got), np.repeat(np.arange(comm.size), 3).reshape(-1, 3))
+        else:
+            assert got is None
     try:
         comm.reduce_scatter(np.zeros(comm.size * 3 + 1))
     except at.errors.ArgumentTypeError as exc:
