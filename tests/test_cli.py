@@ -492,3 +492,14 @@ def test_a_usage_error_on_one_rank_stops_every_rank():
 
     assert ThreadGroup(2).run(rank_run) == ["arraytrain train: error: --json out.json: not writable"] * 2
     assert ThreadGroup(2).run(lambda rank, comm: cli._agreed(comm, lambda: rank)) == [0, 1]
+
+
+def test_state_dtype_8bit(tmp_path, capsys):
+    """--state-dtype 8bit trains; it is refused where it cannot work, in one line."""
+    rc, _, _ = run(capsys, *QUIET, "--state-dtype", "8bit", "--epochs", "1", "--json", str(tmp_path / "r.json"))
+    assert rc == 0
+    assert json.loads((tmp_path / "r.json").read_text())["test_accuracy"] > 0.5
+    for args, text in ((["--optimizer", "adafactor"], "no element-wise state"),
+                       (["--dtype", "float64"], "needs float32 parameters")):
+        rc, _, err = run(capsys, *QUIET, "--state-dtype", "8bit", "--epochs", "1", *args)
+        assert rc == 2 and len(err.strip().splitlines()) == 1 and text in err, err
