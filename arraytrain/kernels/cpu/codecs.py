@@ -359,6 +359,69 @@ def q8_pick(typingctx, q, entry, shift):
     return types.uint8(types.float32, types.int32, types.int64), codegen
 
 
+def has_avx2(context) -> bool:
+    """Whether the target the kernels are compiled for has AVX2 (its 8-lane gathers)."""
+    features = getattr(context.codegen(), "_tm_features", "") or ""
+    return "+avx2" in features.split(",")
+
+
+def _splat(builder, value, vt):
+    i32 = ir.IntType(32)
+    undef = ir.Constant(vt, ir.Undefined)
+    one = builder.insert_element(undef, value, ir.Constant(i32, 0))
+    return builder.shuffle_vector(one, undef, ir.Constant(ir.VectorType(i32, vt.count), [0] * vt.count))
+
+
+# The encoder's table lookup is a gather. LLVM's cost model prices a gather as the scalar
+# loads it replaces on AMD cores and on Haswell, so a numba loop that indexes the table stays
+# scalar (1.6 ns per element measured on a Zen 5 core, 6x the rest of the step). The loop is
+# written here in vector IR instead, 8 lanes per iteration with one vpgatherdd (AVX2, so the
+# same code for an AVX2 and an AVX-512 target); it returns where the scalar tail starts (0 on
+# a target without AVX2: the whole block through the scalar loop).
+@intrinsic
+def q8_encode_lanes(typingctx, vals, codes, r, table, shift, bias, nb):
+    """Codes of ``vals[i] * r`` for the first ``8 * (n // 8)`` elements; returns that count."""
+    sig = types.intp(vals, codes, types.float32, table, types.int64, types.int64, types.int64)
+
+    def codegen(context, builder, signature, args):
+        from numba.core import cgutils
+
+        intp = context.get_value_type(types.intp)
+        if not has_avx2(context):
+            return ir.Constant(intp, 0)
+        i8, i32 = ir.IntType(8), ir.IntType(32)
+        v8i32, v8f, v8i8 = ir.VectorType(i32, 8), ir.VectorType(ir.FloatType(), 8), ir.VectorType(i8, 8)
+        c = lambda v: ir.Constant(v8i32, [v] * 8)  # noqa: E731
+        va = context.make_array(signature.args[0])(context, builder, args[0])
+        ca = context.make_array(signature.args[1])(context, builder, args[1])
+        ta = context.make_array(signature.args[3])(context, builder, args[3])
+        sh, bi, nbs = (builder.trunc(a, i32) for a in args[4:7])
+        r8, sh8, bi8, nb8 = _splat(builder, args[2], v8f), _splat(builder, sh, v8i32), _splat(builder, bi, v8i32), \
+            _splat(builder, nbs, v8i32)
+        top8 = builder.sub(nb8, c(1))
+        lowmask8 = builder.sub(builder.shl(c(1), sh8), c(1))
+        gather = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(v8i32, [v8i32, i8.as_pointer(), v8i32, v8i32, i8]),
+            "llvm.x86.avx2.gather.d.d.256")
+        base = builder.bitcast(ta.data, i8.as_pointer())
+        n8 = builder.and_(va.nitems, ir.Constant(intp, -8))
+        with cgutils.for_range_slice(builder, ir.Constant(intp, 0), n8, ir.Constant(intp, 8)) as (i, _):
+            x = builder.load(builder.bitcast(cgutils.gep_inbounds(builder, va.data, i), v8f.as_pointer()), align=4)
+            u = builder.bitcast(builder.fmul(x, r8), v8i32)
+            sign = builder.lshr(u, c(31))
+            k = builder.sub(builder.lshr(builder.and_(u, c(0x7FFFFFFF)), sh8), bi8)
+            k = builder.select(builder.icmp_signed("<", k, c(0)), c(0), k)
+            k = builder.select(builder.icmp_signed(">", k, top8), top8, k)
+            e = builder.call(gather, [c(0), base, builder.add(builder.mul(sign, nb8), k), c(-1), ir.Constant(i8, 4)])
+            moved = builder.zext(builder.icmp_unsigned(">=", builder.and_(u, lowmask8), builder.lshr(e, c(8))), v8i32)
+            step = builder.select(builder.icmp_unsigned("==", sign, c(0)), moved, builder.sub(c(0), moved))
+            code = builder.trunc(builder.add(builder.and_(e, c(255)), step), v8i8)
+            builder.store(code, builder.bitcast(cgutils.gep_inbounds(builder, ca.data, i), v8i8.as_pointer()), align=1)
+        return n8
+
+    return sig, codegen
+
+
 @njit(inline="always", **JIT)
 def q8_decode_block(cb, am, qmap, tmp):
     """``tmp[i] = qmap[cb[i]] * am``: a block's float32 values from its codes."""
@@ -374,7 +437,7 @@ def q8_encode_block(vals, cb, table, shift, bias, nb):
         m = umax32(m, abs_bits(vals[i]))
     am = bits_as_f32(m)
     r = np.float32(1.0) / am if am > 0 else np.float32(0.0)
-    for i in range(vals.size):
+    for i in range(q8_encode_lanes(vals, cb, r, table, shift, bias, nb), vals.size):
         q = vals[i] * r
         cb[i] = q8_pick(q, table[q8_bucket(q, shift, bias, nb)], shift)
     return am
