@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .errors import ArgumentTypeError, UnknownParameterError
+from .errors import ArgumentTypeError, ConcurrentUseError, UnknownParameterError
 from .layout import Layout
 
 #: The default bucket size, DDP's.
@@ -104,8 +104,18 @@ class OverlappedExchange:
                                     f"got {type(names).__name__}") from None
 
     def ready(self, indices) -> None:
-        """Parameters ``indices`` are final: start every bucket that is complete, in order; poll."""
+        """Parameters ``indices`` are final: start every bucket that is complete, in order; poll.
+
+        Marking again a parameter whose bucket has started means its gradient was written
+        again while being exchanged (a second backward pass before ``step()``): refused
+        with :class:`~arraytrain.errors.ConcurrentUseError` rather than sending a mix.
+        """
         for i in indices:
+            if self._final[i] and self._bucket_of[i] < self._next:
+                raise ConcurrentUseError(
+                    f"{self.layout.names[i]!r}: its gradient was marked ready again while its bucket is being "
+                    "exchanged (a second backward pass before step()?); accumulate micro-batches with "
+                    "accumulation_steps, one step() after each backward pass")
             if not self._final[i]:
                 self._final[i] = True
                 self._missing[self._bucket_of[i]] -= 1

@@ -68,8 +68,11 @@ copied. How it works, and what it guards against:
   engine starts each bucket's all-reduce as soon as its gradients are final (see
   :mod:`arraytrain.overlap`). A gradient torch allocated outside the buffer (after
   ``zero_grad(set_to_none=True)``) is not marked: it is copied in at ``step()``, and its
-  bucket (with the later ones) is exchanged there. Not for a bfloat16/float16 module, whose
-  gradients reach the float32 buffer at ``step()``, nor with a compressor or SAM.
+  bucket (with the later ones) is exchanged there. Accumulate micro-batches with
+  ``accumulation_steps`` (one ``step()`` after each backward pass): a second backward pass into
+  gradients already being exchanged raises :class:`~arraytrain.errors.ConcurrentUseError`
+  from the hook. Not for a bfloat16/float16 module, whose gradients reach the float32 buffer at
+  ``step()``, nor with a compressor or SAM.
 
 ``engine.step(grads)`` with a mapping still works (the engine's dict path);
 ``engine.zero_grad()`` also clears the low-precision gradient buffer.

@@ -134,6 +134,16 @@ def test_buckets_start_in_order_and_only_when_complete():
     assert not ex.started
 
 
+def test_a_gradient_marked_again_while_its_bucket_is_in_flight_is_refused():
+    lay = at.Layout({"a": (10,), "b": (10,)})
+    ex = OverlappedExchange(_Recording(), lay, np.zeros(lay.size), bucket_bytes=8 * 16)
+    ex.ready([0])  # "a" is bucket 1: not started yet, so marking it again is harmless
+    ex.ready([0])
+    ex.ready([1])  # both buckets start
+    with pytest.raises(ConcurrentUseError, match="'b'.*second backward"):
+        ex.ready([1])
+
+
 def test_sharded_buckets_reduce_each_partition_to_its_owner():
     lay = at.Layout({"a": (30000,), "b": (5000,)})
     from arraytrain.shard import partition
@@ -237,3 +247,18 @@ def test_the_torch_binding_overlaps_by_default_and_equals_blocking(shard, ranks)
                 np.testing.assert_array_equal(got[r], want[r])
             else:
                 np.testing.assert_allclose(got[r], want[r], rtol=1e-6, atol=1e-7)
+
+
+def test_a_second_backward_pass_into_gradients_in_flight_is_refused():
+    torch = pytest.importorskip("torch")
+    from arraytrain.interop import torch as att
+
+    def rank_run(rank, comm):
+        model = torch.nn.Linear(4, 3)
+        eng = att.bind(model, at.optim.SGD(lr=0.1), comm=comm)
+        model(torch.ones(2, 4)).sum().backward()  # every bucket starts from the hooks
+        with pytest.raises(ConcurrentUseError, match="second backward"):
+            model(torch.ones(2, 4)).sum().backward()
+        return True
+
+    assert ThreadGroup(2).run(rank_run) == [True, True]
