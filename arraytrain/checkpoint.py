@@ -92,6 +92,7 @@ import numpy as np
 from .errors import ArgumentTypeError, CheckpointError, StateDictError
 from .engine_state import checked_everywhere
 from .exchange import PerRank
+from .shard import Owned, OwnedPart
 
 
 def __getattr__(name: str):
@@ -520,6 +521,9 @@ def _read(where: str, template) -> tuple:
         _match(where, (), tree, template, specs, checks)
         arrays = {}
         for key, want in checks:
+            if isinstance(want, Owned):  # a sharded buffer: only the range this rank owns is read
+                arrays[key] = _read_owned(where, f, key, want)
+                continue
             arrays[key] = a = _guard(where, f.get_tensor, key)
             if a.shape != want.shape or a.dtype != want.dtype:  # agrees with the header, checked above
                 raise CheckpointError(f"{where}: tensor {key!r} reads back as {a.dtype}{a.shape}, "
@@ -528,7 +532,29 @@ def _read(where: str, template) -> tuple:
     for key, want in checks:
         if _is_cupy(want):
             arrays[key] = _cupy_module(want).asarray(arrays[key])
+        elif isinstance(want, Owned) and want.on_device:
+            import cupy
+
+            part = arrays[key]
+            arrays[key] = OwnedPart(cupy.asarray(part.data), part.start, part.shape)
     return _fill(tree, arrays), extra
+
+
+def _read_owned(where: str, f, key: str, want: Owned) -> OwnedPart:
+    """The flat range ``[want.start, want.stop)`` of tensor ``key``, reading whole rows of its first axis
+    (the slices safetensors reads) that cover it, not the tensor."""
+    start, stop, shape = want.start, want.stop, want.shape
+    if start == stop:
+        return OwnedPart(np.empty(0, want.dtype), start, shape)
+    if len(shape) == 0:
+        block, first = _guard(where, f.get_tensor, key).reshape(-1), 0
+    else:
+        row = math.prod(shape[1:])
+        r0, r1 = start // row, -(-stop // row)
+        block, first = _guard(where, lambda: f.get_slice(key)[r0:r1]).reshape(-1), r0 * row
+    if block.dtype != want.dtype:
+        raise CheckpointError(f"{where}: tensor {key!r} reads back as {block.dtype}, expected {want.dtype}")
+    return OwnedPart(block[start - first : stop - first].copy(), start, shape)
 
 
 class _DuplicateKey(ValueError):
@@ -735,7 +761,7 @@ def _what(x) -> str:
 
 
 def _has_arrays(node) -> bool:
-    if isinstance(node, (np.ndarray, _Ref)) or _is_cupy(node):
+    if isinstance(node, (np.ndarray, _Ref, Owned)) or _is_cupy(node):
         return True
     if isinstance(node, Mapping):
         return any(_has_arrays(v) for v in node.values())
@@ -761,7 +787,7 @@ def _match(where: str, path: tuple, got, want, specs: dict, checks: list) -> Non
             fail(f"the checkpoint holds arrays where the engine holds {_what(want)}")
     elif _q8_conversion(got, want):  # 8-bit optimizer state into float slots, or float state into 8-bit slots
         _match(where, path, got, _q8_template(got, want, specs), specs, checks)
-    elif isinstance(want, np.ndarray) or _is_cupy(want):
+    elif isinstance(want, (np.ndarray, Owned)) or _is_cupy(want):
         if not isinstance(got, _Ref):
             fail(f"the engine holds an array, the checkpoint {_what(got)}")
         shape, code = specs[got.key]

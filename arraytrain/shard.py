@@ -157,11 +157,36 @@ def gather(comm, shard: ShardBuffer, root: int | None = None) -> FlatBuffer | No
     return FlatBuffer(part.layout, full[: part.layout.size])
 
 
+@dataclass(frozen=True)
+class Owned:
+    """A reader's template for one saved array of a sharded buffer: its full ``shape`` and ``dtype``,
+    and the flat range ``[start, stop)`` of it that this rank owns (``start == stop``: none).
+    :func:`arraytrain.load` reads only that range of the file."""
+
+    shape: tuple
+    dtype: np.dtype
+    start: int
+    stop: int
+    on_device: bool
+
+
+@dataclass(frozen=True)
+class OwnedPart:
+    """What a reader took of one saved array: its flat elements ``[start, start + data.size)`` of an
+    array of ``shape``."""
+
+    data: object
+    start: int
+    shape: tuple
+
+
 def template(shard: ShardBuffer) -> dict:
-    """``{name: array}`` of the full shapes and the shard's dtype, without memory (a reader's template)."""
+    """``{name: Owned}``: the full shapes, the shard's dtype and this rank's range of each (a reader's
+    template: no memory, and a reader takes only the owned elements)."""
     lay = shard.partition.layout
-    xp = array_module(shard.flat)
-    return {n: xp.broadcast_to(xp.zeros((), shard.flat.dtype), s) for n, s in zip(lay.names, lay.shapes)}
+    spans = {name: (a, b) for name, a, b, _ in shard.partition.spans()}
+    cupy = array_module(shard.flat) is not np
+    return {n: Owned(tuple(s), shard.flat.dtype, *spans.get(n, (0, 0)), cupy) for n, s in zip(lay.names, lay.shapes)}
 
 
 def check_arrays(shard: ShardBuffer, arrays) -> dict:
@@ -171,9 +196,20 @@ def check_arrays(shard: ShardBuffer, arrays) -> dict:
     if not isinstance(arrays, Mapping):
         raise ArgumentTypeError(f"expected a mapping name -> array, got {type(arrays).__name__}")
     checked = {}
+    spans = {name: (a, b) for name, a, b, _ in shard.partition.spans()}
     for name, a in arrays.items():
         if name not in lay:
             raise UnknownParameterError(f"{name!r}: no such parameter; known: {list(lay.names)}")
+        if isinstance(a, OwnedPart):  # a reader took this rank's range only (see Owned)
+            data = as_array(a.data, name, backend_of(shard.flat))
+            if tuple(a.shape) != lay.shape(name):
+                raise ShapeMismatchError(name, lay.shape(name), tuple(a.shape), what="array")
+            want = spans.get(name, (0, 0))
+            if (a.start, a.start + data.size) != want and want[0] != want[1]:
+                raise LayoutError(f"{name!r}: holds elements [{a.start}, {a.start + data.size}), this rank "
+                                  f"owns [{want[0]}, {want[1]})")
+            checked[name] = OwnedPart(data, a.start, tuple(a.shape))
+            continue
         arr = as_array(a, name, backend_of(shard.flat))
         if tuple(arr.shape) != lay.shape(name):
             raise ShapeMismatchError(name, lay.shape(name), arr.shape, what="array")
@@ -186,8 +222,11 @@ def check_arrays(shard: ShardBuffer, arrays) -> dict:
 
 def own_part(shard: ShardBuffer, checked: dict):
     """The write that copies this rank's elements of full name-keyed arrays (already checked) into ``shard``."""
-    moves = [(shard.flat[s0 : s0 + b - a], checked[name].reshape(-1)[a:b])
-             for name, a, b, s0 in shard.partition.spans()]
+    def source(name, a, b):
+        got = checked[name]
+        return got.data if isinstance(got, OwnedPart) else got.reshape(-1)[a:b]
+
+    moves = [(shard.flat[s0 : s0 + b - a], source(name, a, b)) for name, a, b, s0 in shard.partition.spans()]
 
     def write():
         for dst, src in moves:

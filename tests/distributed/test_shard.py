@@ -416,3 +416,59 @@ def test_a_state_assembled_on_one_rank_only():
         for n in SHAPES:
             np.testing.assert_array_equal(rooted["accumulation"]["ranks"][r]["grads"][n],
                                           full["accumulation"]["ranks"][r]["grads"][n])
+
+
+def test_a_sharded_load_reads_only_the_owned_range_of_each_slot(tmp_path, monkeypatch):
+    import safetensors
+
+    from arraytrain import checkpoint
+    from arraytrain.shard import Owned
+
+    path = tmp_path / "c.safetensors"
+    one = at.Engine(_params(), at.optim.AdamW())
+    one.step(_windows(1, 1, 1)[0][0][0][0])
+    at.save(path, one)
+    # the reader's range read against slicing the whole tensor, over shapes and ranges
+    with safetensors.safe_open(str(path), framework="numpy") as f:
+        keys = [k for k in f.keys() if "exp_avg_sq" in k]
+        for key in keys:
+            full = f.get_tensor(key).reshape(-1)
+            for a, b in ((0, 0), (0, full.size), (3, 17), (full.size // 3, full.size - 1)):
+                a = min(a, full.size)
+                b = min(max(a, b), full.size)
+                shape = tuple(f.get_slice(key).get_shape())
+                got = checkpoint._read_owned(str(path), f, key, Owned(shape, full.dtype, a, b, False))
+                np.testing.assert_array_equal(got.data, full[a:b])
+    whole = []
+    real_open = safetensors.safe_open
+
+    class Recording:
+        def __init__(self, *args, **kw):
+            self._f = real_open(*args, **kw)
+
+        def __enter__(self):
+            self._inner = self._f.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self._f.__exit__(*exc)
+
+        def get_tensor(self, key):
+            whole.append(key)
+            return self._inner.get_tensor(key)
+
+        def __getattr__(self, name):
+            return getattr(self._inner, name)
+
+    monkeypatch.setattr(safetensors, "safe_open", Recording)
+
+    def rank_run(rank, comm):
+        eng = at.Engine(_params(seed=5), at.optim.AdamW(), comm=comm, shard_state=True)
+        at.load(path, eng)
+        return {n: v.copy() for n, v in eng.gather_params().items()}, eng.state_dict()
+
+    out = ThreadGroup(2).run(rank_run)
+    assert whole and not [k for k in whole if "slots" in k], "the slots were read whole"
+    for k, v in one.state_dict()["optimizer"]["slots"].items():
+        for n in SHAPES:
+            np.testing.assert_array_equal(out[0][1]["optimizer"]["slots"][k][n], v[n])
