@@ -77,6 +77,8 @@ NOT_AVAILABLE = {
     ("arraytrain-8bit", "adafactor"): "Adafactor keeps its factored statistics in the parameters' dtype",
     **{("bnb-8bit", o): f"bitsandbytes has no 8-bit {o}" for o in
        ("adafactor", "nadam", "radam", "adamax", "adadelta", "muon", "schedule_free_adamw")},
+    ("bnb-8bit", "rmsprop"): "bitsandbytes' RMSprop8bit has no centered variant",
+    ("bnb-8bit", "lamb"): "bitsandbytes' LAMB8bit is another variant (its trust ratio is not optax's)",
     ("torch-fused", "rmsprop"): "torch.optim.RMSprop has no fused implementation",
     ("torch-fused", "adafactor"): "torch.optim.Adafactor has no fused implementation",
     ("numpy", "adafactor"): "no hand-written NumPy Adafactor (factored statistics and two RMS reductions)",

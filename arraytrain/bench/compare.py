@@ -19,7 +19,7 @@ Newton-Schulz GEMMs) and Schedule-Free AdamW. Contestants:
   LAMB); ``torch-forloop`` (not in the default set): ``foreach=False``, torch's
   per-tensor path;
 * ``bnb-8bit`` (not in the default set): bitsandbytes' 8-bit optimizers (AdamW8bit, Adam8bit,
-  SGD8bit, Adagrad8bit, RMSprop8bit, Lion8bit, LAMB8bit) on CPU tensors after ``clip_grad_norm_``;
+  SGD8bit, Adagrad8bit, Lion8bit) on CPU tensors after ``clip_grad_norm_``;
   bitsandbytes is a benchmark-only dependency;
 * ``numpy``: the same math written by hand with in-place NumPy per tensor
   (not for Adafactor: factored statistics and two RMS reductions per tensor are
@@ -547,8 +547,7 @@ def make_bnb_8bit(opt: str, n: int, zero_grad: bool = False):
                  "sgd": lambda: o.SGD8bit(ps, LR, momentum=MOMENTUM),
                  "adagrad": lambda: o.Adagrad8bit(ps, **ADAGRAD),
                  "rmsprop": lambda: o.RMSprop8bit(ps, **RMSPROP),
-                 "lion": lambda: o.Lion8bit(ps, LR, weight_decay=WD),
-                 "lamb": lambda: o.LAMB8bit(ps, LR, weight_decay=WD)}[opt]()
+                 "lion": lambda: o.Lion8bit(ps, **LION)}[opt]()
 
     def step():
         torch.nn.utils.clip_grad_norm_(ps, MAX_NORM, foreach=True)
