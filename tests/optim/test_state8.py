@@ -329,3 +329,26 @@ def test_cuda_8bit_refused_with_a_typed_error():
         pytest.skip("no CUDA device")
     with pytest.raises(BackendUnavailableError, match="8-bit"):
         Engine(p, optim.AdamW(state_dtype="8bit"))
+
+
+def test_torch_binding_takes_8bit_and_the_drop_ins_refuse_it():
+    """bind(module, optimizer) runs 8-bit state; the drop-in torch optimizers do not take it yet
+    (a typed error at construction)."""
+    torch = pytest.importorskip("torch")
+    from arraytrain.interop import torch as att
+
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 1))
+    b = att.bind(m, optim.AdamW(lr=1e-2, state_dtype="8bit"))
+    assert isinstance(b.engine.state.slots["exp_avg"], state8.Quant8Buffer)
+    x = torch.randn(256, 64)
+    y = x[:, :1] * 2
+    losses = []
+    for _ in range(40):
+        loss = ((m(x) - y) ** 2).mean()
+        loss.backward()
+        b.step()
+        losses.append(float(loss))
+    assert losses[-1] < 0.1 * losses[0]
+    with pytest.raises(HyperparameterError, match="state_dtype"):
+        att.AdamW(m.parameters(), state_dtype="8bit")
