@@ -340,7 +340,7 @@ def test_torch_binding_takes_8bit_and_the_drop_ins_refuse_it():
     torch.manual_seed(0)
     m = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 1))
     b = att.bind(m, optim.AdamW(lr=1e-2, state_dtype="8bit"))
-    assert isinstance(b.engine.state.slots["exp_avg"], state8.Quant8Buffer)
+    assert isinstance(b.state.slots["exp_avg"], state8.Quant8Buffer)  # the binding is an Engine
     x = torch.randn(256, 64)
     y = x[:, :1] * 2
     losses = []
