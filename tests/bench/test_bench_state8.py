@@ -1,0 +1,27 @@
+"""The 8-bit state accuracy benchmark runs end to end on tiny settings."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from arraytrain.bench import state8
+
+
+def test_transformer_and_digits_on_tiny_settings(tmp_path, capsys):
+    pytest.importorskip("torch")
+    pytest.importorskip("sklearn")
+    out = tmp_path / "s.json"
+    assert state8.main(["--steps", "3", "--epochs", "1", "--seeds", "1", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "| float32 state |" in text and "| 8-bit state |" in text and "mean gap:" in text
+    res = json.loads(out.read_text())
+    assert len(res["transformer"]["8-bit state"]) == 3
+    assert res["transformer"]["8-bit state"][0] == res["transformer"]["float32 state"][0]  # the same start
+    assert all(0 <= a <= 1 for accs in res["digits"].values() for a in accs)
+
+
+def test_unknown_parts_are_refused(capsys):
+    assert state8.main(["--parts", "nope"]) == 2
+    assert "unknown ['nope']" in capsys.readouterr().err
