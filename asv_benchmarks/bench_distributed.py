@@ -60,3 +60,80 @@ class MPICommAllreduce:
         return run(self.fns["mpi4py"]) / run(self.fn)
 
     track_fraction_of_mpi4py.unit = "fraction"
+
+
+class _Mirror:
+    """A group of 2 in one process whose collectives move nothing: every "peer" holds what this
+    rank holds. What remains of a step over it is one rank's own work (the benchmark below)."""
+
+    rank, size, is_local = 0, 2, False
+
+    def allreduce(self, x, op="sum"):
+        pass
+
+    def broadcast(self, x, root=0):
+        pass
+
+    def gather_objects(self, obj):
+        return [obj, obj]
+
+    def allgather(self, x):
+        return [x, x]
+
+    def agree(self, what, value, error=None):
+        pass
+
+    def reduce_scatter(self, x):
+        return x[: x.shape[0] // 2]
+
+    def allgather_blocks(self, x):
+        pass
+
+    def iallreduce(self, x, op="sum"):
+        from arraytrain.exchange import DONE
+
+        return DONE
+
+
+class ShardedStepLocalWork:
+    """One rank's own work in a clipped AdamW step of a group of 2, replicated or with sharded state
+    (``Engine(shard_state=True)``: the update of half the buffer, plus clearing the gradient
+    buffer), over a transport that moves nothing. The exchange's own cost is
+    ``python -m arraytrain.bench distributed --parts sharding``'s (it launches mpiexec)."""
+
+    params = [["replicated", "sharded"], [100_000, 1_000_000] if not QUICK else [100_000]]
+    param_names = ["state", "size"]
+
+    def setup(self, state, n):
+        import arraytrain as at
+        from arraytrain.exchange import Exchange
+
+        comm = type("Mirror", (_Mirror, Exchange), {})()
+        self.engine = at.Engine({"w": np.zeros(n, np.float32)}, at.optim.AdamW(lr=1e-3), comm=comm,
+                                max_grad_norm=1.0, shard_state=state == "sharded")
+        self.g = np.random.default_rng(0).standard_normal(n).astype(np.float32)
+        self.time_step(state, n)
+
+    def time_step(self, state, n):
+        self.engine.grads["w"][...] = self.g
+        self.engine.step()
+
+
+class OverlapMarkReady:
+    """The overlapped exchange's bookkeeping: ``engine.mark_ready`` once per parameter (100 of them,
+    last first, as a backward pass marks), each bucket started as it completes, over a transport
+    whose nonblocking all-reduce completes at once."""
+
+    def setup(self):
+        import arraytrain as at
+        from arraytrain.exchange import Exchange
+
+        comm = type("Mirror", (_Mirror, Exchange), {})()
+        self.engine = at.Engine({f"p{i}": np.zeros(1000, np.float32) for i in range(100)}, at.optim.SGD(lr=1e-3),
+                                comm=comm, overlap=True, bucket_bytes=40_000)
+        self.names = list(self.engine.layout.names)[::-1]
+
+    def time_mark_100_parameters(self):
+        for name in self.names:
+            self.engine.mark_ready(name)
+        self.engine.zero_grad()  # completes and drops the window's exchange

@@ -16,6 +16,8 @@ OPTIMIZERS = {
     "Adam-amsgrad": lambda: at.optim.Adam(lr=1e-3, amsgrad=True),
     "AdamW": lambda: at.optim.AdamW(lr=1e-3),
     "AdamW-bf16-state": lambda: at.optim.AdamW(lr=1e-3, state_dtype="bfloat16"),
+    "AdamW-8bit-state": lambda: at.optim.AdamW(lr=1e-3, state_dtype="8bit"),
+    "SGD-momentum-8bit-state": lambda: at.optim.SGD(lr=1e-3, momentum=0.9, state_dtype="8bit"),
     "Adagrad": lambda: at.optim.Adagrad(lr=1e-2),
     "SGD-momentum-bf16-state": lambda: at.optim.SGD(lr=1e-3, momentum=0.9, state_dtype="bfloat16"),
     "RMSprop-momentum-centered-bf16-state": lambda: at.optim.RMSprop(lr=1e-2, momentum=0.9, centered=True,
@@ -53,6 +55,9 @@ TRAFFIC = {
     "Adam-amsgrad": (3, 6),               # + read, write max_exp_avg_sq
     "AdamW": (3, 4),
     "AdamW-bf16-state": (3, 4),           # as AdamW, m and v at 2 bytes: 20 B/param in float32
+    # as AdamW, m and v as 1-byte codes (the float32 absmax per 256 elements left out): 16 B/param
+    "AdamW-8bit-state": (3, 4),
+    "SGD-momentum-8bit-state": (3, 2),
     "Adagrad": (3, 2),                    # read p, g, sum; write p, sum
     "SGD-momentum-bf16-state": (3, 2),    # as SGD with momentum, the buffer at 2 bytes
     "RMSprop-momentum-centered-bf16-state": (3, 6),

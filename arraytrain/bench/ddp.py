@@ -83,34 +83,24 @@ def worker_ddp(comm, cfg) -> dict:
             m.load_state_dict(init)
             return m
 
-        steps = {}
-        m = fresh()
-        ddp = DistributedDataParallel(m)
-        opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+        def torch_step(ddp: bool):
+            """torch's step: (DDP around) the model, clip_grad_norm_, AdamW."""
+            m = fresh()
+            run = DistributedDataParallel(m) if ddp else m
+            opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
 
-        def ddp_step(x, y, m=m, ddp=ddp, opt=opt):
-            loss = torch.nn.functional.mse_loss(ddp(x), y)
-            loss.backward()
-            t = time.perf_counter()
-            torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
-            opt.step()
-            opt.zero_grad()
-            return float(loss), t
+            def step(x, y):
+                loss = torch.nn.functional.mse_loss(run(x), y)
+                loss.backward()
+                t = time.perf_counter()
+                torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
+                opt.step()
+                opt.zero_grad()
+                return float(loss), t
 
-        steps["torch DDP"] = ddp_step
-        m = fresh()
-        opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+            return step
 
-        def torch_step(x, y, m=m, opt=opt):
-            loss = torch.nn.functional.mse_loss(m(x), y)
-            loss.backward()
-            t = time.perf_counter()
-            torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
-            opt.step()
-            opt.zero_grad()
-            return float(loss), t
-
-        steps["torch, no exchange"] = torch_step
+        steps = {"torch DDP": torch_step(True), "torch, no exchange": torch_step(False)}
         for label, c, overlap in (("arraytrain, no exchange", None, False),
                                   ("arraytrain, MPIComm, blocking", comm, False),
                                   ("arraytrain, MPIComm, overlapped", comm, True),

@@ -352,3 +352,23 @@ def test_torch_binding_takes_8bit_and_the_drop_ins_refuse_it():
     assert losses[-1] < 0.1 * losses[0]
     with pytest.raises(HyperparameterError, match="state_dtype"):
         att.AdamW(m.parameters(), state_dtype="8bit")
+
+
+@pytest.mark.parametrize("make", [lambda: at.optim.NAdam(lr=1e-2, state_dtype="8bit"),
+                                  lambda: at.optim.AdamW(lr=1e-2, state_dtype="8bit"),
+                                  lambda: at.optim.SGD(lr=1e-2, momentum=0.9, state_dtype="8bit")])
+@pytest.mark.parametrize("working", ["bfloat16", "float16"])
+def test_a_working_copy_under_8bit_state_is_the_whole_rounded_parameter(make, working):
+    """The kernels walk a piece in 256-element blocks under 8-bit state; the working copy is still
+    written for the whole piece, equal to the float32 masters rounded."""
+    import ml_dtypes
+
+    rng = np.random.default_rng(0)
+    sizes = {"a": (5000,), "b": (300, 70), "c": (7,)}
+    eng = at.Engine({n: rng.standard_normal(s).astype(np.float32) for n, s in sizes.items()}, make(),
+                    working_dtype=working)
+    for _ in range(3):
+        eng.step({n: rng.standard_normal(s) for n, s in sizes.items()})
+    dt = ml_dtypes.bfloat16 if working == "bfloat16" else np.float16
+    for n in sizes:
+        np.testing.assert_array_equal(np.asarray(eng.working[n]), eng.params[n].astype(dt))

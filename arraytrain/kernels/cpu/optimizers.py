@@ -90,7 +90,7 @@ def _sgd(p, g, buf, pieces, gscale, lr, wd, momentum, damp_c, nesterov, first, w
             else:
                 _sgd_piece(pb, gb, pb, kb, gscale, lr_j, wd_j, momentum, damp_c, nesterov, first, zero_grad, False)
         if w is not None:
-            store_working(w[lo:hi], pb, wkind)
+            store_working(w[lo:hi], p[lo:hi], wkind)  # the whole piece (8-bit state walks it in blocks)
 
 
 _SGD = twins(_sgd)
@@ -153,7 +153,7 @@ def _adam(p, g, m, v, vmax, pieces, gscale, step_size, beta1c, beta2, beta2c, ep
             state_close(m, seg, a, b, mb)
             state_close(v, seg, a, b, vb)
         if w is not None:
-            store_working(w[lo:hi], pb, wkind)
+            store_working(w[lo:hi], p[lo:hi], wkind)  # the whole piece (8-bit state walks it in blocks)
 
 
 _ADAM = twins(_adam)
@@ -191,7 +191,7 @@ def _adagrad(p, g, s, pieces, gscale, lr, wd, eps, w, wkind, zero_grad, mask):
                 clear_grad(gb, i, zero_grad)
             state_close(s, seg, a, b, sb)
         if w is not None:
-            store_working(w[lo:hi], pb, wkind)
+            store_working(w[lo:hi], p[lo:hi], wkind)  # the whole piece (8-bit state walks it in blocks)
 
 
 _ADAGRAD = twins(_adagrad)
@@ -258,7 +258,7 @@ def _rmsprop(p, g, sq, gavg, buf, pieces, gscale, lr, wd, alpha, alpha_c, eps, m
                                False, False)
             state_close(sq, seg, a, b, qb)
         if w is not None:
-            store_working(w[lo:hi], pb, wkind)
+            store_working(w[lo:hi], p[lo:hi], wkind)  # the whole piece (8-bit state walks it in blocks)
 
 
 _RMSPROP = twins(_rmsprop)
@@ -295,7 +295,7 @@ def _lion(p, g, m, pieces, gscale, lr, decay, beta1, beta1c, beta2, beta2c, w, w
                 clear_grad(gb, i, zero_grad)
             state_close(m, seg, a, b, mb)
         if w is not None:
-            store_working(w[lo:hi], pb, wkind)
+            store_working(w[lo:hi], p[lo:hi], wkind)  # the whole piece (8-bit state walks it in blocks)
 
 
 _LION = twins(_lion)
@@ -371,7 +371,7 @@ def _lamb_apply(p, m, v, pieces, wd, step, inv_bc1, inv_bc2, eps, eps_root, w, w
                 u = (load_state(mb, i) * inv_bc1) / (np.sqrt(load_state(vb, i) * inv_bc2 + eps_root) + eps) + wd_j * pi
                 store_masked(pb, i, pi - st * u, kb)
         if w is not None:
-            store_working(w[lo:hi], pb, wkind)
+            store_working(w[lo:hi], p[lo:hi], wkind)  # the whole piece (8-bit state walks it in blocks)
 
 
 _LAMB_APPLY = twins(_lamb_apply)
@@ -627,7 +627,7 @@ def _sophia(p, g, m, h, pieces, gscale, lr, decay, beta1, beta1c, rho_bs, eps, o
             store_masked(pb, i, pb[i] * dec - lr_j * r, kb)
             clear_grad(gb, i, zero_grad)
         if w is not None:
-            store_working(w[lo:hi], pb, wkind)
+            store_working(w[lo:hi], p[lo:hi], wkind)  # the whole piece (8-bit state walks it in blocks)
 
 
 _SOPHIA = twins(_sophia)
@@ -709,7 +709,7 @@ def _nadam_radam(p, g, m, v, pieces, gscale, a, b, beta1c, beta2, beta2c, eps, i
             state_close(m, seg, e0, e1, mb)
             state_close(v, seg, e0, e1, vb)
         if w is not None:
-            store_working(w[lo:hi], pb, wkind)
+            store_working(w[lo:hi], p[lo:hi], wkind)  # the whole piece (8-bit state walks it in blocks)
 
 
 _NADAM_RADAM = twins(_nadam_radam)
@@ -762,7 +762,7 @@ def _adamax(p, g, m, u, pieces, gscale, step_size, beta1c, beta2, eps, l2, w, wk
             state_close(m, seg, a, b, mb)
             state_close(u, seg, a, b, ub)
         if w is not None:
-            store_working(w[lo:hi], pb, wkind)
+            store_working(w[lo:hi], p[lo:hi], wkind)  # the whole piece (8-bit state walks it in blocks)
 
 
 _ADAMAX = twins(_adamax)
@@ -801,7 +801,7 @@ def _adadelta(p, g, sq, acc, pieces, gscale, lr, wd, rho, rho_c, eps, w, wkind, 
             state_close(sq, seg, a, b, qb)
             state_close(acc, seg, a, b, ab)
         if w is not None:
-            store_working(w[lo:hi], pb, wkind)
+            store_working(w[lo:hi], p[lo:hi], wkind)  # the whole piece (8-bit state walks it in blocks)
 
 
 _ADADELTA = twins(_adadelta)
@@ -868,7 +868,7 @@ def _muon_apply(p, o, pieces, off, alr, decay, w, wkind, mask):
         for i in range(pb.size):
             store_masked(pb, i, pb[i] * dec - a * ob[i], kb)
         if w is not None:
-            store_working(w[lo:hi], pb, wkind)
+            store_working(w[lo:hi], p[lo:hi], wkind)  # the whole piece (8-bit state walks it in blocks)
 
 
 _MUON_APPLY = njit(**JIT)(_muon_apply)  # serial: see above
@@ -940,7 +940,7 @@ def _sf_adamw(p, g, z, v, pieces, gscale, lr, wd, ck, b1, b1c, beta2, beta2c, ep
                 clear_grad(gb, i, zero_grad)
             state_close(v, seg, a, b, vb)
         if w is not None:
-            store_working(w[lo:hi], pb, wkind)
+            store_working(w[lo:hi], p[lo:hi], wkind)  # the whole piece (8-bit state walks it in blocks)
 
 
 _SF_ADAMW = twins(_sf_adamw)
