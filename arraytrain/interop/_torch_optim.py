@@ -31,7 +31,7 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
-from .. import optim
+from .. import optim, state8
 from .._checks import check_bool, check_int, check_number
 from ..amp import LossScaler
 from ..engine import Engine
@@ -48,7 +48,7 @@ from ..errors import (
     StateDictError,
 )
 from ..ops import CLIP_EPS, clip_coef, norm_pass
-from ._torch_views import check_cuda_device, tensor_view
+from ._torch_views import check_cuda_device, host_array, tensor_view
 
 __all__ = [
     "LAMB",
@@ -278,8 +278,23 @@ class TorchOptimizer(torch.optim.Optimizer):
         step: the norm pass the step makes anyway, and the factor folded into the kernel.
     clip_eps : float
         The clip factor is ``max_grad_norm / (norm + clip_eps)`` (1e-6: torch's).
-    state_dtype : None or "bfloat16"
-        Where the optimizer has element-wise state: keep it in bfloat16 (math in float32).
+    state_dtype : None, "float32", "bfloat16" or "8bit"
+        Where the optimizer has element-wise state (every class but ``Adafactor`` and ``Sophia``,
+        which refuse the argument): None or "float32" keep it in the parameters' dtype (float32
+        for a bfloat16/float16 model's master weights); "bfloat16" stores it in bfloat16, math in
+        float32; "8bit" stores it as ``bnb.optim.AdamW8bit`` and its siblings do (bitsandbytes'
+        blockwise dynamic quantization: a uint8 code per element and a float32 ``absmax`` per
+        256-element block, see :mod:`arraytrain.state8`), math in float32, for float32 parameters
+        or a bfloat16/float16 model's float32 master weights, on the CPU (float64 parameters and
+        CUDA tensors are refused at construction). A parameter with fewer than ``min_8bit_size``
+        elements keeps float32 state. An 8-bit slot shows in ``state[p]`` and ``state_dict()`` as
+        ``{"codes": uint8 tensor (the parameter's shape), "absmax": float32 tensor (blocks,),
+        "map": "signed" or "unsigned"}``, the tensors live views of the engine's bytes (a write
+        into them is a write into the state): see :meth:`state_dict`.
+    min_8bit_size : int or None
+        With ``state_dtype="8bit"``: parameters with fewer elements keep their state in float32
+        (bitsandbytes' argument of that name; None: its default, 4096). Refused with another
+        ``state_dtype``, where it would mean nothing.
     kernels : "numba" or "reference"
         The fused kernels, or their slow reference twins.
     max_consecutive_skips : int or None
@@ -291,22 +306,31 @@ class TorchOptimizer(torch.optim.Optimizer):
     _step_supports_amp_scaling = True
     # an arraytrain optimizer that takes two gradient windows per step (SAM) needs a closure
     two_windows = False
-    # state_dtype is refused where the arraytrain optimizer keeps no element-wise state
+    # state_dtype is refused where the arraytrain optimizer takes none (Adafactor, Sophia)
     takes_state_dtype = True
 
     def __init__(self, params, defaults: dict, *, max_grad_norm=None, clip_eps=CLIP_EPS, state_dtype=None,
-                 kernels="numba", max_consecutive_skips=50):
+                 min_8bit_size=None, kernels="numba", max_consecutive_skips=50):
         if params is _PROBE:
             raise _Defaults(defaults)
         self.max_grad_norm = None if max_grad_norm is None else check_number("max_grad_norm", max_grad_norm, 0.0,
                                                                              lo_open=True)
         self.clip_eps = check_number("clip_eps", clip_eps, 0.0)
         if state_dtype is not None and not self.takes_state_dtype:
-            raise HyperparameterError(f"state_dtype: {type(self).__name__} keeps no element-wise state to store "
-                                      f"in another dtype, got state_dtype={state_dtype!r}")
-        if state_dtype not in (None, "float32", "bfloat16"):
-            raise HyperparameterError(f"state_dtype: expected None, 'float32' or 'bfloat16', got {state_dtype!r}")
+            raise HyperparameterError(f"state_dtype: {type(self).__name__} keeps its state in the parameters' "
+                                      "dtype (its arraytrain optimizer takes no state_dtype), got "
+                                      f"state_dtype={state_dtype!r}")
+        if state_dtype is not None and state_dtype not in optim.Optimizer.STATE_DTYPES:
+            allowed = ", ".join(repr(d) for d in optim.Optimizer.STATE_DTYPES)
+            raise HyperparameterError(f"state_dtype: expected None or one of {allowed}, got {state_dtype!r}")
         self.state_dtype = state_dtype
+        if min_8bit_size is None:
+            min_8bit_size = state8.DEFAULT_THRESHOLD
+        elif state_dtype != "8bit":
+            raise HyperparameterError(f"min_8bit_size: the size under which a parameter keeps float32 state applies "
+                                      f"with state_dtype='8bit' only, got min_8bit_size={min_8bit_size!r} with "
+                                      f"state_dtype={state_dtype!r}")
+        self.min_8bit_size = check_int("min_8bit_size", min_8bit_size, 0)
         if kernels not in ("numba", "reference"):
             raise HyperparameterError(f"kernels: expected 'numba' or 'reference', got {kernels!r}")
         self.kernels = kernels
@@ -419,6 +443,8 @@ class TorchOptimizer(torch.optim.Optimizer):
             else:
                 p, name = item, f"{where}.params[{j}]"
             _check_tensor(name, p)
+            if self.state_dtype == "8bit":
+                _check_8bit_tensor(name, p)
             if id(p) in existing:
                 raise LayoutError(f"{name!r}: the tensor is already in another param group")
             if id(p) in seen:
@@ -475,7 +501,7 @@ class TorchOptimizer(torch.optim.Optimizer):
                 old[(gi, j)] = (c, name)
         if [c.index for c in self._cohorts] == [index for _, index in partition]:
             return  # nothing moves
-        cohorts = []
+        cohorts, saved8 = [], {}
         for (dtype, device, _origin, sig), index in partition:
             entries = self._entries(index)
             masters, sources = {}, []
@@ -486,6 +512,7 @@ class TorchOptimizer(torch.optim.Optimizer):
                     sources.append((name, c, oname))
             values = {k: _value(self.param_groups[index[0][0]][k]) for k in self._read_keys}
             opt = self.arraytrain_optimizer(values)
+            opt.min_8bit_size = self.min_8bit_size  # read when the engine makes its slots
             if device.type == "cuda":
                 check_cuda_device(device, "params")
             elif device.type != "cpu":
@@ -496,7 +523,11 @@ class TorchOptimizer(torch.optim.Optimizer):
             for name, c, oname in sources:
                 for slot, buf in engine.state.slots.items():
                     src = c.engine.state.slots.get(slot)
-                    if src is not None and src.dtype == buf.dtype:
+                    if isinstance(buf, state8.Quant8Buffer) and isinstance(src, state8.Quant8Buffer):
+                        if (id(c), slot) not in saved8:
+                            saved8[(id(c), slot)] = src.as_dict()
+                        buf.assign(buf.check({name: saved8[(id(c), slot)][oname]}, strict=False))  # bitwise
+                    elif src is not None and src.dtype == buf.dtype:
                         buf[name][...] = src[oname]
             if sources:
                 src = sources[0][1].engine
@@ -512,11 +543,12 @@ class TorchOptimizer(torch.optim.Optimizer):
         state = defaultdict(dict)
         for c in self._cohorts:
             e = c.engine
+            views = {slot: _slot_views(buf, e.layout.names) for slot, buf in e.state.slots.items()}
             for (gi, j), name in zip(c.index, e.layout.names):
                 p = self.param_groups[gi]["params"][j]
                 entry = {"step": c.step_tensor}
-                for slot, buf in e.state.slots.items():
-                    entry[slot] = tensor_view(buf[name], torch)
+                for slot, by_name in views.items():
+                    entry[slot] = by_name[name]
                 entry.update(c.scalar_tensors)
                 if e.lowp:
                     entry["master"] = tensor_view(e.params[name], torch)
@@ -734,6 +766,15 @@ class TorchOptimizer(torch.optim.Optimizer):
         weights. Groups carry their hyperparameters, ``params`` (indices) and, where the parameters
         were given with names, ``param_names``. The tensors are live views, as torch's are:
         ``torch.save`` them, or copy them to keep a snapshot.
+
+        With ``state_dtype="8bit"`` a slot of a parameter of ``min_8bit_size`` elements or more is
+        ``{"codes": uint8 tensor of the parameter's shape, "absmax": float32 tensor (one per
+        256-element block), "map": "signed" or "unsigned"}`` (bitsandbytes' ``state1``/``absmax1``
+        and the dynamic map its ``qmap1`` holds; value = ``map[code] * absmax``, decoded by
+        :func:`arraytrain.state8.dequantize`), the same form as the engine's checkpoints; the
+        codes and scales are live views, and ``torch.save`` / ``torch.load(weights_only=True)``
+        keep them bitwise. A smaller parameter's slot is a float32 tensor. No decoded float copy
+        is offered in ``state[p]``: writes into it would be lost.
         """
         for hook in self._optimizer_state_dict_pre_hooks.values():
             hook(self)
@@ -745,7 +786,8 @@ class TorchOptimizer(torch.optim.Optimizer):
                 ids[id(p)] = i
             start += len(group["params"])
             groups.append(packed)
-        state = {ids[id(p)]: dict(entry) for p, entry in self.state.items() if id(p) in ids}
+        state = {ids[id(p)]: {k: dict(v) if isinstance(v, dict) else v for k, v in entry.items()}
+                 for p, entry in self.state.items() if id(p) in ids}
         out = {"state": state, "param_groups": groups}
         for hook in self._optimizer_state_dict_post_hooks.values():
             result = hook(self, out)
@@ -763,6 +805,10 @@ class TorchOptimizer(torch.optim.Optimizer):
         step. A bfloat16/float16 model's float32 master weights come from ``"master"``, or without
         it from the model's current weights. Anything refused raises
         :class:`~arraytrain.errors.StateDictError` before any write.
+
+        Slots convert as the engine's ``load_state_dict`` converts them (:mod:`arraytrain.state8`):
+        an 8-bit entry into an 8-bit slot is kept bitwise, into a float32/bfloat16 slot decoded;
+        a float tensor (float32, bfloat16, torch.optim's own) into an 8-bit slot is encoded.
         """
         if self._evaluating is not None:
             raise ConcurrentUseError("load_state_dict: the optimizer is in eval() mode; call train() first")
@@ -852,14 +898,23 @@ class TorchOptimizer(torch.optim.Optimizer):
                     v = float(v.item()) if isinstance(v, torch.Tensor) and v.numel() == 1 else v
                     checked[k] = check_number(f"{label}[{k!r}]", v, error=StateDictError)
                     continue
-                view = slots[k][name] if k != "master" else c.engine.params[name]
+                buf = slots[k] if k != "master" else c.engine.params
+                shape = tuple(buf.layout.shape(name))
+                if k != "master" and isinstance(v, Mapping):  # an 8-bit slot's {"codes", "absmax", "map"}
+                    checked[k] = _saved_8bit(f"{label}[{k!r}]", name, buf, v, shape)
+                    continue
                 if not isinstance(v, torch.Tensor) or not v.is_floating_point():
-                    raise StateDictError(f"{label}[{k!r}]: expected a floating-point tensor, got "
-                                         f"{getattr(v, 'dtype', type(v).__name__)}")
-                if tuple(v.shape) != tuple(view.shape):
-                    raise StateDictError(f"{label}[{k!r}]: shape {tuple(v.shape)} != {tuple(view.shape)}")
+                    raise StateDictError(f"{label}[{k!r}]: expected a floating-point tensor (or an 8-bit slot's "
+                                         f"{{'codes', 'absmax', 'map'}}), got {getattr(v, 'dtype', type(v).__name__)}")
+                if tuple(v.shape) != shape:
+                    raise StateDictError(f"{label}[{k!r}]: shape {tuple(v.shape)} != {shape}")
                 if not torch.isfinite(v).all() and k == "master":
                     raise StateDictError(f"{label}['master']: holds NaN/Inf")
+                if isinstance(buf, state8.Quant8Buffer):  # float state into an 8-bit slot: encoded
+                    try:
+                        v = _Encoded(buf.check({name: host_array(v, torch, copy=False)}, strict=False)[name])
+                    except (ValueError, TypeError, KeyError) as exc:
+                        raise StateDictError(f"{label}[{k!r}]: {exc}") from None
                 checked[k] = v
             entries[(gi, j)] = checked
         group_steps = []
@@ -886,7 +941,7 @@ class TorchOptimizer(torch.optim.Optimizer):
                         tensor_view(e.params[name], torch).copy_(self.param_groups[gi]["params"][j].detach())
                     if entry is None:  # no state saved for it (torch's, before its first gradient)
                         for slot in e.state.slots.values():
-                            slot[name][...] = 0
+                            _zero_slot(slot, name)
                         continue
                     # written one parameter at a time: the saved tensors may be views of these very
                     # buffers (opt.load_state_dict(opt.state_dict()), accelerate's device round trip)
@@ -895,6 +950,8 @@ class TorchOptimizer(torch.optim.Optimizer):
                             e.state.scalars[k] = v
                         elif k == "master":
                             tensor_view(e.params[name], torch).copy_(v)
+                        elif isinstance(v, _Encoded):
+                            e.state.slots[k].assign({name: v.raw})
                         else:
                             tensor_view(e.state.slots[k][name], torch).copy_(v)
             e.refresh()
@@ -919,6 +976,68 @@ def _check_tensor(name: str, p) -> None:
                          "bfloat16/float16 ones on float32 master weights")
     if p.device.type not in ("cpu", "cuda"):
         raise BackendUnavailableError(f"{name!r}: on {p.device}; the drop-in optimizers run on the CPU and CUDA")
+
+
+def _check_8bit_tensor(name: str, p) -> None:
+    """8-bit state is kept for float32 values (a bfloat16/float16 model's are its float32 masters), on the CPU."""
+    if p.dtype == torch.float64:
+        raise HyperparameterError(f"state_dtype: '8bit' state is kept for float32 parameters (or the float32 master "
+                                  f"weights of a bfloat16/float16 model), {name!r} is {p.dtype}; use "
+                                  "state_dtype=None for a float64 model")
+    if p.device.type != "cpu":
+        raise BackendUnavailableError(f"state_dtype: '8bit' state runs on the CPU (its CUDA kernels are not built "
+                                      f"yet), {name!r} is on {p.device}; use state_dtype='bfloat16' on the GPU")
+
+
+def _slot_views(buf, names) -> dict:
+    """Per name, what ``state[p]`` shows of a slot: a live tensor view, or for an 8-bit parameter
+    ``{"codes", "absmax", "map"}`` with live views of its codes and block scales."""
+    if not isinstance(buf, state8.Quant8Buffer):
+        return {name: tensor_view(buf[name], torch) for name in names}
+    out = {}
+    for name, v in buf.as_dict().items():
+        if state8.is_q8_entry(v):
+            out[name] = {"codes": tensor_view(v["codes"], torch), "absmax": tensor_view(v["absmax"], torch),
+                         "map": v["map"]}
+        else:  # a parameter under min_8bit_size: its float32 state
+            out[name] = tensor_view(v, torch)
+    return out
+
+
+class _Encoded:
+    """A slot's checked bytes for one parameter of an 8-bit slot (:meth:`Quant8Buffer.check`'s form)."""
+
+    __slots__ = ("raw",)
+
+    def __init__(self, raw):
+        self.raw = raw
+
+
+def _zero_slot(buf, name: str) -> None:
+    if isinstance(buf, state8.Quant8Buffer):  # the codes of 0 and a zero block scale, as a fresh slot's
+        buf.load({name: np.zeros(buf.layout.shape(name), np.float32)}, strict=False)
+    else:
+        buf[name][...] = 0
+
+
+def _saved_8bit(label: str, name: str, buf, v: Mapping, shape):
+    """A saved 8-bit entry ``{"codes", "absmax", "map"}`` for a slot: checked, and converted the
+    engine's way (:mod:`arraytrain.state8`): kept bitwise by an 8-bit slot (re-encoded if its map
+    differs), decoded to float32 for a float32/bfloat16 slot."""
+    if set(v) != {"codes", "absmax", "map"}:
+        raise StateDictError(f"{label}: an 8-bit slot is {{'codes', 'absmax', 'map'}}, got the keys "
+                             f"{sorted(map(str, v))}")
+    for part in ("codes", "absmax"):
+        if not isinstance(v[part], torch.Tensor):
+            raise StateDictError(f"{label}[{part!r}]: expected a tensor, got {type(v[part]).__name__}")
+    entry = {"codes": host_array(v["codes"], torch, copy=False), "absmax": host_array(v["absmax"], torch, copy=False),
+             "map": v["map"]}
+    try:
+        if isinstance(buf, state8.Quant8Buffer):
+            return _Encoded(buf.check({name: entry}, strict=False)[name])
+        return torch.from_numpy(state8.decode_entry(name, entry, shape))
+    except (ValueError, TypeError, KeyError) as exc:
+        raise StateDictError(f"{label}: {exc}") from None
 
 
 def _assign(dst, src) -> None:
@@ -965,12 +1084,12 @@ class Adam(TorchOptimizer):
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0, amsgrad=False, *,
                  foreach=None, maximize=False, capturable=False, differentiable=False, fused=None,
                  decoupled_weight_decay=False, max_grad_norm=None, clip_eps=CLIP_EPS, state_dtype=None,
-                 kernels="numba", max_consecutive_skips=50):
+                 min_8bit_size=None, kernels="numba", max_consecutive_skips=50):
         defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay, "amsgrad": amsgrad,
                     "maximize": maximize, "foreach": foreach, "capturable": capturable,
                     "differentiable": differentiable, "fused": fused, "decoupled_weight_decay": decoupled_weight_decay}
         super().__init__(params, defaults, max_grad_norm=max_grad_norm, clip_eps=clip_eps, state_dtype=state_dtype,
-                         kernels=kernels, max_consecutive_skips=max_consecutive_skips)
+                         min_8bit_size=min_8bit_size, kernels=kernels, max_consecutive_skips=max_consecutive_skips)
 
     def arraytrain_optimizer(self, values: Mapping):
         """:class:`arraytrain.optim.Adam`, or :class:`~arraytrain.optim.AdamW` with ``decoupled_weight_decay``."""
@@ -984,11 +1103,13 @@ class AdamW(Adam):
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False, *,
                  maximize=False, foreach=None, capturable=False, differentiable=False, fused=None,
-                 max_grad_norm=None, clip_eps=CLIP_EPS, state_dtype=None, kernels="numba", max_consecutive_skips=50):
+                 max_grad_norm=None, clip_eps=CLIP_EPS, state_dtype=None, min_8bit_size=None, kernels="numba",
+                 max_consecutive_skips=50):
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, foreach=foreach, maximize=maximize,
                          capturable=capturable, differentiable=differentiable, fused=fused,
                          decoupled_weight_decay=True, max_grad_norm=max_grad_norm, clip_eps=clip_eps,
-                         state_dtype=state_dtype, kernels=kernels, max_consecutive_skips=max_consecutive_skips)
+                         state_dtype=state_dtype, min_8bit_size=min_8bit_size, kernels=kernels,
+                         max_consecutive_skips=max_consecutive_skips)
 
 
 class SGD(TorchOptimizer):
@@ -996,12 +1117,13 @@ class SGD(TorchOptimizer):
 
     def __init__(self, params, lr=1e-3, momentum=0, dampening=0, weight_decay=0, nesterov=False, *,
                  maximize=False, foreach=None, differentiable=False, fused=None, max_grad_norm=None,
-                 clip_eps=CLIP_EPS, state_dtype=None, kernels="numba", max_consecutive_skips=50):
+                 clip_eps=CLIP_EPS, state_dtype=None, min_8bit_size=None, kernels="numba",
+                 max_consecutive_skips=50):
         defaults = {"lr": lr, "momentum": momentum, "dampening": dampening, "weight_decay": weight_decay,
                     "nesterov": nesterov, "maximize": maximize, "foreach": foreach, "differentiable": differentiable,
                     "fused": fused}
         super().__init__(params, defaults, max_grad_norm=max_grad_norm, clip_eps=clip_eps, state_dtype=state_dtype,
-                         kernels=kernels, max_consecutive_skips=max_consecutive_skips)
+                         min_8bit_size=min_8bit_size, kernels=kernels, max_consecutive_skips=max_consecutive_skips)
 
     def arraytrain_optimizer(self, values: Mapping):
         """:class:`arraytrain.optim.SGD` of one group's values."""
@@ -1014,12 +1136,13 @@ class Adagrad(TorchOptimizer):
 
     def __init__(self, params, lr=1e-2, lr_decay=0, weight_decay=0, initial_accumulator_value=0, eps=1e-10,
                  foreach=None, *, maximize=False, differentiable=False, fused=None, max_grad_norm=None,
-                 clip_eps=CLIP_EPS, state_dtype=None, kernels="numba", max_consecutive_skips=50):
+                 clip_eps=CLIP_EPS, state_dtype=None, min_8bit_size=None, kernels="numba",
+                 max_consecutive_skips=50):
         defaults = {"lr": lr, "lr_decay": lr_decay, "eps": eps, "weight_decay": weight_decay,
                     "initial_accumulator_value": initial_accumulator_value, "foreach": foreach,
                     "maximize": maximize, "differentiable": differentiable, "fused": fused}
         super().__init__(params, defaults, max_grad_norm=max_grad_norm, clip_eps=clip_eps, state_dtype=state_dtype,
-                         kernels=kernels, max_consecutive_skips=max_consecutive_skips)
+                         min_8bit_size=min_8bit_size, kernels=kernels, max_consecutive_skips=max_consecutive_skips)
 
     def arraytrain_optimizer(self, values: Mapping):
         """:class:`arraytrain.optim.Adagrad` of one group's values."""
@@ -1033,12 +1156,13 @@ class RMSprop(TorchOptimizer):
 
     def __init__(self, params, lr=1e-2, alpha=0.99, eps=1e-8, weight_decay=0, momentum=0, centered=False,
                  capturable=False, foreach=None, maximize=False, differentiable=False, *, max_grad_norm=None,
-                 clip_eps=CLIP_EPS, state_dtype=None, kernels="numba", max_consecutive_skips=50):
+                 clip_eps=CLIP_EPS, state_dtype=None, min_8bit_size=None, kernels="numba",
+                 max_consecutive_skips=50):
         defaults = {"lr": lr, "momentum": momentum, "alpha": alpha, "eps": eps, "centered": centered,
                     "weight_decay": weight_decay, "capturable": capturable, "foreach": foreach,
                     "maximize": maximize, "differentiable": differentiable}
         super().__init__(params, defaults, max_grad_norm=max_grad_norm, clip_eps=clip_eps, state_dtype=state_dtype,
-                         kernels=kernels, max_consecutive_skips=max_consecutive_skips)
+                         min_8bit_size=min_8bit_size, kernels=kernels, max_consecutive_skips=max_consecutive_skips)
 
     def arraytrain_optimizer(self, values: Mapping):
         """:class:`arraytrain.optim.RMSprop` of one group's values."""
@@ -1051,14 +1175,14 @@ class NAdam(TorchOptimizer):
 
     def __init__(self, params, lr=2e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0, momentum_decay=4e-3,
                  decoupled_weight_decay=False, *, foreach=None, maximize=False, capturable=False,
-                 differentiable=False, max_grad_norm=None, clip_eps=CLIP_EPS, state_dtype=None, kernels="numba",
-                 max_consecutive_skips=50):
+                 differentiable=False, max_grad_norm=None, clip_eps=CLIP_EPS, state_dtype=None, min_8bit_size=None,
+                 kernels="numba", max_consecutive_skips=50):
         defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay,
                     "momentum_decay": momentum_decay, "decoupled_weight_decay": decoupled_weight_decay,
                     "maximize": maximize, "foreach": foreach, "capturable": capturable,
                     "differentiable": differentiable}
         super().__init__(params, defaults, max_grad_norm=max_grad_norm, clip_eps=clip_eps, state_dtype=state_dtype,
-                         kernels=kernels, max_consecutive_skips=max_consecutive_skips)
+                         min_8bit_size=min_8bit_size, kernels=kernels, max_consecutive_skips=max_consecutive_skips)
 
     def arraytrain_optimizer(self, values: Mapping):
         """:class:`arraytrain.optim.NAdam` of one group's values."""
@@ -1072,12 +1196,13 @@ class RAdam(TorchOptimizer):
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0, decoupled_weight_decay=False,
                  *, foreach=None, maximize=False, capturable=False, differentiable=False, max_grad_norm=None,
-                 clip_eps=CLIP_EPS, state_dtype=None, kernels="numba", max_consecutive_skips=50):
+                 clip_eps=CLIP_EPS, state_dtype=None, min_8bit_size=None, kernels="numba",
+                 max_consecutive_skips=50):
         defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay, "maximize": maximize,
                     "foreach": foreach, "capturable": capturable, "decoupled_weight_decay": decoupled_weight_decay,
                     "differentiable": differentiable}
         super().__init__(params, defaults, max_grad_norm=max_grad_norm, clip_eps=clip_eps, state_dtype=state_dtype,
-                         kernels=kernels, max_consecutive_skips=max_consecutive_skips)
+                         min_8bit_size=min_8bit_size, kernels=kernels, max_consecutive_skips=max_consecutive_skips)
 
     def arraytrain_optimizer(self, values: Mapping):
         """:class:`arraytrain.optim.RAdam` of one group's values."""
@@ -1090,11 +1215,11 @@ class Adamax(TorchOptimizer):
 
     def __init__(self, params, lr=2e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0, foreach=None, *,
                  maximize=False, differentiable=False, capturable=False, max_grad_norm=None, clip_eps=CLIP_EPS,
-                 state_dtype=None, kernels="numba", max_consecutive_skips=50):
+                 state_dtype=None, min_8bit_size=None, kernels="numba", max_consecutive_skips=50):
         defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay, "foreach": foreach,
                     "maximize": maximize, "differentiable": differentiable, "capturable": capturable}
         super().__init__(params, defaults, max_grad_norm=max_grad_norm, clip_eps=clip_eps, state_dtype=state_dtype,
-                         kernels=kernels, max_consecutive_skips=max_consecutive_skips)
+                         min_8bit_size=min_8bit_size, kernels=kernels, max_consecutive_skips=max_consecutive_skips)
 
     def arraytrain_optimizer(self, values: Mapping):
         """:class:`arraytrain.optim.Adamax` of one group's values."""
@@ -1107,11 +1232,11 @@ class Adadelta(TorchOptimizer):
 
     def __init__(self, params, lr=1.0, rho=0.9, eps=1e-6, weight_decay=0, foreach=None, *, capturable=False,
                  maximize=False, differentiable=False, max_grad_norm=None, clip_eps=CLIP_EPS, state_dtype=None,
-                 kernels="numba", max_consecutive_skips=50):
+                 min_8bit_size=None, kernels="numba", max_consecutive_skips=50):
         defaults = {"lr": lr, "rho": rho, "eps": eps, "weight_decay": weight_decay, "maximize": maximize,
                     "capturable": capturable, "foreach": foreach, "differentiable": differentiable}
         super().__init__(params, defaults, max_grad_norm=max_grad_norm, clip_eps=clip_eps, state_dtype=state_dtype,
-                         kernels=kernels, max_consecutive_skips=max_consecutive_skips)
+                         min_8bit_size=min_8bit_size, kernels=kernels, max_consecutive_skips=max_consecutive_skips)
 
     def arraytrain_optimizer(self, values: Mapping):
         """:class:`arraytrain.optim.Adadelta` of one group's values."""
@@ -1125,12 +1250,13 @@ class Adafactor(TorchOptimizer):
     takes_state_dtype = False
 
     def __init__(self, params, lr=1e-2, beta2_decay=-0.8, eps=(None, 1e-3), d=1.0, weight_decay=0.0, *,
-                 foreach=None, maximize=False, max_grad_norm=None, clip_eps=CLIP_EPS, kernels="numba",
-                 max_consecutive_skips=50):
+                 foreach=None, maximize=False, max_grad_norm=None, clip_eps=CLIP_EPS, state_dtype=None,
+                 min_8bit_size=None, kernels="numba", max_consecutive_skips=50):
         defaults = {"lr": lr, "beta2_decay": beta2_decay, "eps": eps, "d": d, "weight_decay": weight_decay,
                     "foreach": foreach, "maximize": maximize}
-        super().__init__(params, defaults, max_grad_norm=max_grad_norm, clip_eps=clip_eps, kernels=kernels,
-                         max_consecutive_skips=max_consecutive_skips)
+        # state_dtype and min_8bit_size: taken to be refused with a typed error (arraytrain's Adafactor has none)
+        super().__init__(params, defaults, max_grad_norm=max_grad_norm, clip_eps=clip_eps, state_dtype=state_dtype,
+                         min_8bit_size=min_8bit_size, kernels=kernels, max_consecutive_skips=max_consecutive_skips)
 
     def arraytrain_optimizer(self, values: Mapping):
         """:class:`arraytrain.optim.Adafactor` of one group's values."""
@@ -1148,11 +1274,12 @@ class Muon(TorchOptimizer):
 
     def __init__(self, params, lr=1e-3, weight_decay=0.1, momentum=0.95, nesterov=True,
                  ns_coefficients=(3.4445, -4.775, 2.0315), eps=1e-7, ns_steps=5, adjust_lr_fn=None, *,
-                 max_grad_norm=None, clip_eps=CLIP_EPS, state_dtype=None, kernels="numba", max_consecutive_skips=50):
+                 max_grad_norm=None, clip_eps=CLIP_EPS, state_dtype=None, min_8bit_size=None, kernels="numba",
+                 max_consecutive_skips=50):
         defaults = {"lr": lr, "weight_decay": weight_decay, "momentum": momentum, "nesterov": nesterov,
                     "ns_coefficients": ns_coefficients, "eps": eps, "ns_steps": ns_steps, "adjust_lr_fn": adjust_lr_fn}
         super().__init__(params, defaults, max_grad_norm=max_grad_norm, clip_eps=clip_eps, state_dtype=state_dtype,
-                         kernels=kernels, max_consecutive_skips=max_consecutive_skips)
+                         min_8bit_size=min_8bit_size, kernels=kernels, max_consecutive_skips=max_consecutive_skips)
 
     def add_param_group(self, param_group: dict) -> None:
         """torch's ``add_param_group``; every parameter must have two or more dimensions."""
@@ -1178,10 +1305,11 @@ class Lion(TorchOptimizer):
     """:class:`arraytrain.optim.Lion` (Chen et al., 2023) as a torch optimizer; arraytrain's names and defaults."""
 
     def __init__(self, params, lr=1e-4, betas=(0.9, 0.99), weight_decay=1e-3, *, maximize=False, max_grad_norm=None,
-                 clip_eps=CLIP_EPS, state_dtype=None, kernels="numba", max_consecutive_skips=50):
+                 clip_eps=CLIP_EPS, state_dtype=None, min_8bit_size=None, kernels="numba",
+                 max_consecutive_skips=50):
         defaults = {"lr": lr, "betas": betas, "weight_decay": weight_decay, "maximize": maximize}
         super().__init__(params, defaults, max_grad_norm=max_grad_norm, clip_eps=clip_eps, state_dtype=state_dtype,
-                         kernels=kernels, max_consecutive_skips=max_consecutive_skips)
+                         min_8bit_size=min_8bit_size, kernels=kernels, max_consecutive_skips=max_consecutive_skips)
 
     def arraytrain_optimizer(self, values: Mapping):
         """:class:`arraytrain.optim.Lion` of one group's values."""
@@ -1193,12 +1321,13 @@ class LAMB(TorchOptimizer):
     """:class:`arraytrain.optim.LAMB` (You et al., 2020) as a torch optimizer; arraytrain's names and defaults."""
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.0, *, eps_root=0.0,
-                 maximize=False, max_grad_norm=None, clip_eps=CLIP_EPS, state_dtype=None, kernels="numba",
+                 maximize=False, max_grad_norm=None, clip_eps=CLIP_EPS, state_dtype=None, min_8bit_size=None,
+                 kernels="numba",
                  max_consecutive_skips=50):
         defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay, "eps_root": eps_root,
                     "maximize": maximize}
         super().__init__(params, defaults, max_grad_norm=max_grad_norm, clip_eps=clip_eps, state_dtype=state_dtype,
-                         kernels=kernels, max_consecutive_skips=max_consecutive_skips)
+                         min_8bit_size=min_8bit_size, kernels=kernels, max_consecutive_skips=max_consecutive_skips)
 
     def arraytrain_optimizer(self, values: Mapping):
         """:class:`arraytrain.optim.LAMB` of one group's values."""
@@ -1217,11 +1346,13 @@ class Sophia(TorchOptimizer):
     takes_state_dtype = False
 
     def __init__(self, params, lr=1e-4, betas=(0.965, 0.99), rho=0.04, weight_decay=0.1, *, eps=1e-15, bs=5120,
-                 maximize=False, max_grad_norm=None, clip_eps=CLIP_EPS, kernels="numba", max_consecutive_skips=50):
+                 maximize=False, max_grad_norm=None, clip_eps=CLIP_EPS, state_dtype=None, min_8bit_size=None,
+                 kernels="numba", max_consecutive_skips=50):
         defaults = {"lr": lr, "betas": betas, "rho": rho, "weight_decay": weight_decay, "eps": eps, "bs": bs,
                     "maximize": maximize}
-        super().__init__(params, defaults, max_grad_norm=max_grad_norm, clip_eps=clip_eps, kernels=kernels,
-                         max_consecutive_skips=max_consecutive_skips)
+        # state_dtype and min_8bit_size: taken to be refused with a typed error (arraytrain's Sophia has no state_dtype)
+        super().__init__(params, defaults, max_grad_norm=max_grad_norm, clip_eps=clip_eps, state_dtype=state_dtype,
+                         min_8bit_size=min_8bit_size, kernels=kernels, max_consecutive_skips=max_consecutive_skips)
 
     def arraytrain_optimizer(self, values: Mapping):
         """:class:`arraytrain.optim.Sophia` of one group's values."""
@@ -1256,11 +1387,11 @@ class ScheduleFreeAdamW(TorchOptimizer):
 
     def __init__(self, params, lr=0.0025, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, warmup_steps=0,
                  weight_lr_power=2.0, *, maximize=False, max_grad_norm=None, clip_eps=CLIP_EPS, state_dtype=None,
-                 kernels="numba", max_consecutive_skips=50):
+                 min_8bit_size=None, kernels="numba", max_consecutive_skips=50):
         defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay, "warmup_steps": warmup_steps,
                     "weight_lr_power": weight_lr_power, "maximize": maximize}
         super().__init__(params, defaults, max_grad_norm=max_grad_norm, clip_eps=clip_eps, state_dtype=state_dtype,
-                         kernels=kernels, max_consecutive_skips=max_consecutive_skips)
+                         min_8bit_size=min_8bit_size, kernels=kernels, max_consecutive_skips=max_consecutive_skips)
 
     def arraytrain_optimizer(self, values: Mapping):
         """:class:`arraytrain.optim.ScheduleFreeAdamW` of one group's values."""
@@ -1303,7 +1434,8 @@ class SAM(TorchOptimizer):
     two_windows = True
 
     def __init__(self, params, base_optimizer, rho=0.05, adaptive=False, *, max_grad_norm=None, clip_eps=CLIP_EPS,
-                 state_dtype=None, kernels="numba", max_consecutive_skips=50, **base_hyperparameters):
+                 state_dtype=None, min_8bit_size=None, kernels="numba", max_consecutive_skips=50,
+                 **base_hyperparameters):
         if params is _PROBE:
             raise _Defaults({})
         self.base_optimizer = _base_class(base_optimizer)
@@ -1314,11 +1446,13 @@ class SAM(TorchOptimizer):
             raise HyperparameterError(f"base_hyperparameters: {exc}") from None
         defaults.update(rho=rho, adaptive=adaptive)
         super().__init__(params, defaults, max_grad_norm=max_grad_norm, clip_eps=clip_eps, state_dtype=state_dtype,
-                         kernels=kernels, max_consecutive_skips=max_consecutive_skips)
+                         min_8bit_size=min_8bit_size, kernels=kernels, max_consecutive_skips=max_consecutive_skips)
 
     def arraytrain_optimizer(self, values: Mapping):
-        """:class:`arraytrain.optim.SAM` over the base's arraytrain optimizer."""
-        return optim.SAM(self.base_optimizer.arraytrain_optimizer(self, values), values["rho"], values["adaptive"])
+        """:class:`arraytrain.optim.SAM` over the base's arraytrain optimizer (which makes the state)."""
+        base = self.base_optimizer.arraytrain_optimizer(self, values)
+        base.min_8bit_size = self.min_8bit_size
+        return optim.SAM(base, values["rho"], values["adaptive"])
 
     def add_param_group(self, param_group: dict) -> None:
         """torch's ``add_param_group``, before the first step only: SAM's ascent is along the whole gradient."""

@@ -377,7 +377,11 @@ def test_low_precision_model_on_float32_masters(dtype):
 # -- state ------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("cls, kwargs", [("AdamW", {"lr": 1e-2}), ("NAdam", {"lr": 1e-2}),
-                                         ("SGD", {"lr": 1e-2, "momentum": 0.9})])
+                                         ("SGD", {"lr": 1e-2, "momentum": 0.9}),
+                                         # "emb.weight" (66 elements) and "conv.weight" (90) in 8 bits
+                                         ("AdamW", {"lr": 1e-2, "state_dtype": "8bit", "min_8bit_size": 64}),
+                                         ("NAdam", {"lr": 1e-2, "state_dtype": "8bit", "min_8bit_size": 64})],
+                         ids=["AdamW", "NAdam", "SGD", "AdamW-8bit", "NAdam-8bit"])
 def test_state_dict_resume_through_torch_save(cls, kwargs):
     """Save at step 6, load into a fresh model and optimizer, continue: bitwise the uninterrupted run."""
     batches = _batches()
@@ -591,6 +595,8 @@ BAD = [
     ("capturable", errors.HyperparameterError, lambda m: at_torch.AdamW(m.parameters(), capturable=True)),
     ("differentiable", errors.HyperparameterError, lambda m: at_torch.SGD(m.parameters(), differentiable=True)),
     ("state_dtype", errors.HyperparameterError, lambda m: at_torch.SGD(m.parameters(), state_dtype="float16")),
+    ("state_dtype", errors.HyperparameterError, lambda m: at_torch.Adafactor(m.parameters(), state_dtype="8bit")),
+    ("min_8bit_size", errors.HyperparameterError, lambda m: at_torch.AdamW(m.parameters(), min_8bit_size=64)),
     ("params", errors.ArgumentTypeError, lambda m: at_torch.AdamW(m.fc.weight)),
     ("empty", errors.LayoutError, lambda m: at_torch.AdamW([])),
     ("int64", errors.DTypeError, lambda m: at_torch.AdamW([torch.zeros(3, dtype=torch.int64)])),
