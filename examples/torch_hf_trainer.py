@@ -10,7 +10,9 @@ values of one fused kernel.
 The model is a small GPT-2 built from a config (random weights, nothing downloaded),
 trained on synthetic token sequences. ``python examples/torch_hf_trainer.py`` trains it
 with the arraytrain AdamW and with torch's, and prints both loss curves (about 15 s on 2 cores);
-the tests check that they agree.
+the tests check that they agree. ``train(functools.partial(at_torch.AdamW, state_dtype="8bit"))``
+trains it with 8-bit optimizer state, as ``bnb.optim.AdamW8bit`` keeps it (the MLP weights,
+4096 elements each, reach its ``min_8bit_size``); the tests check that too.
 """
 
 from __future__ import annotations
