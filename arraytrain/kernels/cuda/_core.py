@@ -69,6 +69,102 @@ template <> struct state<u16> {
     }
 };
 
+// -- 8-bit state (arraytrain.state8): bitsandbytes' blockwise dynamic quantization ---------
+// An 8-bit slot reaches a kernel as a pointer to its descriptor `q8` in device memory (built
+// from arraytrain.state8.Q8 by the launchers: 7 pointers and 4 ints, 72 bytes). Per segment:
+// quant[seg] != 0: one uint8 code per element (codes[i], at the flat offsets) and one float32
+// absmax per block of Q8_BLOCK elements counted from the parameter's first element
+// (aux[base[seg] + (i - offset[seg]) / Q8_BLOCK]), value = qmap[code] * absmax; else the
+// segment's float32 values in the side array (aux[base[seg] + i - offset[seg]]).
+#define Q8_BLOCK 256
+struct q8 {
+    unsigned char* codes; float* aux; const i64* base; const unsigned char* quant; const i64* offset;
+    const float* qmap; const int* table; int shift, bias, nb, unused;
+};
+static_assert(sizeof(q8) == 72, "q8: the launchers write 9 eight-byte words");
+template <typename S> struct is_q8 { static constexpr bool value = false; };
+template <> struct is_q8<q8> { static constexpr bool value = true; };
+
+// The largest of every thread's u32 in the block (all threads must call it; blockDim.x a
+// multiple of 32). Two barriers: the partials are free again when it returns.
+__device__ __forceinline__ u32 block_umax(u32 u) {
+    __shared__ u32 q8_part[32];
+#if __CUDA_ARCH__ >= 800
+    u = __reduce_max_sync(0xffffffffu, u);
+#else
+    for (int o = 16; o > 0; o >>= 1) u = max(u, __shfl_xor_sync(0xffffffffu, u, o));
+#endif
+    if ((threadIdx.x & 31) == 0) q8_part[threadIdx.x >> 5] = u;
+    __syncthreads();
+    u = q8_part[0];
+    for (int w = 1; w < (int)(blockDim.x >> 5); ++w) u = max(u, q8_part[w]);
+    __syncthreads();
+    return u;
+}
+
+// The code of float32 q from the codebook's bucket table (arraytrain.state8.Codebook): the
+// bucket of q's bits (sign, exponent, top mantissa bits) holds `threshold << 8 | code`; the
+// code moves one towards larger magnitude where q's low `shift` bits reach the threshold.
+// The same integer steps as the CPU family's q8_bucket/q8_pick, so the same codes for the
+// same q (a NaN takes the top code of its sign's half: 255 for +NaN, 0 for -NaN).
+__device__ __forceinline__ unsigned char q8_code(float q, const int* table, int shift, int bias, int nb) {
+    const u32 u = __float_as_uint(q);
+    const u32 sign = u >> 31;
+    int k = (int)((u & 0x7FFFFFFFu) >> shift) - bias;
+    k = k < 0 ? 0 : (k > nb - 1 ? nb - 1 : k);
+    const u32 e = (u32)__ldg(table + sign * (u32)nb + (u32)k);
+    const u32 moved = (u & ((1u << shift) - 1u)) >= (e >> 8) ? 1u : 0u;
+    return (unsigned char)((e & 255u) + (sign ? 0u - moved : moved));
+}
+
+// -- a state slot inside a kernel: slot<S> M(m, seg); M.load(i), M.store(i, x), M.close(i, live) --
+// float/double/u16 storage: the state accessor above, close() does nothing.
+template <typename S> struct slot {
+    S* a;
+    __device__ __forceinline__ slot(const S* a_, int) : a(const_cast<S*>(a_)) {}
+    __device__ __forceinline__ auto load(i64 i) const { return state<S>::load(a, i); }
+    template <typename X> __device__ __forceinline__ auto store(i64 i, X x) { return state<S>::store(a, i, x); }
+    __device__ __forceinline__ void close(i64, bool) {}
+};
+// 8-bit storage. load decodes (a float32 product, never contracted into what follows, as the
+// CPU family's decode stores it); store keeps this thread's new value in `x` and returns it
+// (the update goes on with the float value; side-array segments are written at once);
+// close(i, live), reached by every thread of the block once per Q8_BLOCK elements after the
+// element loop's body, encodes the block from the kept values: absmax = the largest |x| as
+// bits (a NaN wins), r = 1/absmax (0 where absmax is 0 or NaN), code(x * r). Lanes past the
+// chunk's end keep x = 0, which never raises the max. Read before written: a block's codes
+// and absmax are read in the body, written after close's first barrier.
+template <> struct slot<q8> {
+    unsigned char* codes; float* aux; const float* qmap; const int* table;
+    i64 off; int shift, bias, nb; bool quant; float x;
+    __device__ __forceinline__ slot(const q8* d, int seg)
+        : codes(nullptr), aux(nullptr), qmap(nullptr), table(nullptr), off(0), shift(0), bias(0), nb(0),
+          quant(false), x(0.0f) {
+        if (d == nullptr) return;  // a slot this configuration lacks (never read, stored or closed)
+        codes = d->codes; qmap = d->qmap; table = d->table;
+        shift = d->shift; bias = d->bias; nb = d->nb;
+        aux = d->aux + d->base[seg];
+        off = d->offset[seg];
+        quant = d->quant[seg] != 0;
+    }
+    // i - off >= 0: a chunk lies inside its segment, so >> 8 is the block index
+    __device__ __forceinline__ float load(i64 i) const {
+        return quant ? __fmul_rn(__ldg(qmap + codes[i]), aux[(i - off) >> 8]) : aux[i - off];
+    }
+    __device__ __forceinline__ float store(i64 i, float v) {
+        if (quant) x = v; else aux[i - off] = v;
+        return v;
+    }
+    __device__ __forceinline__ void close(i64 i, bool live) {
+        if (!quant) return;  // one segment per chunk: the same branch for the whole block
+        const float am = __uint_as_float(block_umax(__float_as_uint(x) & 0x7FFFFFFFu));
+        const float r = am > 0.0f ? __fdiv_rn(1.0f, am) : 0.0f;
+        if (live) codes[i] = q8_code(__fmul_rn(x, r), table, shift, bias, nb);
+        if (threadIdx.x == 0) aux[(i - off) >> 8] = am;  // thread 0's element starts the block
+        x = 0.0f;
+    }
+};
+
 // -- the per-element epilogue: mask, working copy ---------------------------------------
 // WK: 0 no working copy, 1 bfloat16, 2 float16 (uint16 bits). MASK: a uint8 keep-mask.
 template <typename T, int WK, bool MASK>
@@ -195,6 +291,12 @@ class Chunks:
         self.table = cupy().asarray(self._host)
         self._ranges = {}
         self._scratch = {}
+
+    def host_rows(self) -> np.ndarray:
+        """The table's rows on the host (read-only)."""
+        out = self._host.view()
+        out.flags.writeable = False
+        return out
 
     def seg_ranges(self, nseg: int):
         """``(seg_lo, seg_hi)`` int64 device arrays of ``nseg`` segments."""

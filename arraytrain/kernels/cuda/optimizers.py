@@ -20,9 +20,14 @@ from __future__ import annotations
 
 import numpy as np
 
+from ...state8 import BLOCK as Q8_BLOCK
+from ...state8 import Q8
 from ..interface import LP_NONE
 from . import reductions
-from ._core import CHUNK, NULL, THREADS, DeviceScale, Source, chunks_for, ctype, cupy, launch, ptr, seg_arg
+from ._core import CHUNK, NULL, THREADS, DeviceScale, Source, chunks_for, ctype, cupy, launch, ptr, seg_arg, to_host
+
+# the 8-bit loop gives each thread one element of a block: a block of threads is a block of state
+assert THREADS == Q8_BLOCK and CHUNK % Q8_BLOCK == 0
 
 # Shared head of every update loop; the per-optimizer body (one element ``i``) sits between
 # OPEN and CLOSE. Each thread takes ILP elements a blockDim apart per outer iteration, in an
@@ -41,6 +46,33 @@ _CLOSE = r"""
     }
 """
 _TAIL = "u16* __restrict__ w, int zero_grad, const unsigned char* __restrict__ mask"
+
+# The loop head of the kernels with state slots (template argument ``S``). For float, double
+# and u16 storage it is _OPEN's loop. For 8-bit state (S = q8, see _core.HEADER) the chunk is
+# walked one block of Q8_BLOCK (= THREADS) elements at a time, a thread per element, and the
+# loop's trip count is the same for every thread of the block: the slots' close() after the
+# body holds barriers (the block's absmax), which threads past the chunk's end reach too, with
+# nothing to store. A chunk starts on a block boundary of its parameter (checked on the host).
+_SOPEN = r"""
+    const chunk c = load_chunk(chunks);
+    constexpr bool Q8 = is_q8<S>::value;
+    constexpr int UNROLL = Q8 ? 1 : ILP;
+    for (i64 base = c.lo + (Q8 ? 0 : (i64)threadIdx.x); base < c.hi; base += UNROLL * (i64)blockDim.x) {
+      #pragma unroll
+      for (int k = 0; k < UNROLL; ++k) {
+        const i64 i = base + (Q8 ? (i64)threadIdx.x : k * (i64)blockDim.x);
+        const bool live = i < c.hi;
+        if (!Q8 && !live) break;
+        if (live) {
+"""
+
+
+def _sclose(closes: str = "", zero_grad: bool = True) -> str:
+    """The end of a _SOPEN loop: the gradient zeroed, then ``closes`` (the slots' close() calls, each
+    under a flag that is the same for the whole block), reached by every thread."""
+    return (("          if (zero_grad) g[i] = (T)0;\n" if zero_grad else "") + "        }\n        " + closes
+            + "\n      }\n    }\n")
+
 
 # What every optimizer source shares after the common header: the unroll factor, the device
 # gate and two NaN-keeping helpers.
@@ -66,16 +98,17 @@ __global__ void arraytrain_sgd_step(T* __restrict__ p, T* __restrict__ g, S* __r
     const int seg = (int)chunks[3 * (i64)blockIdx.x + 2];
     const T lr_s = seg_value(lr, lr0, seg), wd_s = seg_value(wd, wd0, seg);
     const bool has_buf = momentum != (T)0;
-""" + _OPEN + r"""
+    slot<S> B(buf, seg);
+""" + _SOPEN + r"""
         const T pi = p[i];
         T d = gscale * g[i] + wd_s * pi;
         if (has_buf) {
-            T bi = first ? d : momentum * (T)state<S>::load(buf, i) + damp_c * d;
-            bi = state<S>::store(buf, i, bi);
+            T bi = first ? d : momentum * (T)B.load(i) + damp_c * d;
+            bi = B.store(i, bi);
             d = nesterov ? d + momentum * bi : bi;
         }
         store_param<T, WK, MASK>(p, w, mask, i, pi - lr_s * d);
-""" + _CLOSE + r"""
+""" + _sclose("if (has_buf) B.close(i, live);") + r"""
 }
 
 template <typename T, typename S, int WK, bool MASK>
@@ -86,18 +119,20 @@ __global__ void arraytrain_adam_step(T* __restrict__ p, T* __restrict__ g, S* __
     GATE_SCALE
     const int seg = (int)chunks[3 * (i64)blockIdx.x + 2];
     const T ss = seg_value(step_size, step_size0, seg), l2_s = seg_value(l2, l20, seg), dec = seg_value(decay, decay0, seg);
-""" + _OPEN + r"""
+    // without AMSGrad, vmax is never read, stored or closed (8-bit: it may be m's own descriptor)
+    slot<S> M(m, seg), V(v, seg), X(vmax, seg);
+""" + _SOPEN + r"""
         const T pi = p[i];
         const T d = gscale * g[i] + l2_s * pi;
-        T mi = state<S>::load(m, i);
+        T mi = M.load(i);
         mi = mi + beta1c * (d - mi);
-        T vi = beta2 * (T)state<S>::load(v, i) + beta2c * d * d;
+        T vi = beta2 * (T)V.load(i) + beta2c * d * d;
         // continue from the stored values, so a low-precision state is what the update sees
-        mi = state<S>::store(m, i, mi);
-        vi = state<S>::store(v, i, vi);
-        if (amsgrad) vi = state<S>::store(vmax, i, nan_max((T)state<S>::load(vmax, i), vi));
+        mi = M.store(i, mi);
+        vi = V.store(i, vi);
+        if (amsgrad) vi = X.store(i, nan_max((T)X.load(i), vi));
         store_param<T, WK, MASK>(p, w, mask, i, pi * dec - ss * mi / (sqrt(vi) * inv_bc2_sqrt + eps));
-""" + _CLOSE + r"""
+""" + _sclose("M.close(i, live); V.close(i, live); if (amsgrad) X.close(i, live);") + r"""
 }
 
 template <typename T, typename S, int WK, bool MASK>
@@ -107,12 +142,13 @@ __global__ void arraytrain_adagrad_step(T* __restrict__ p, T* __restrict__ g, S*
     GATE_SCALE
     const int seg = (int)chunks[3 * (i64)blockIdx.x + 2];
     const T clr_s = seg_value(clr, clr0, seg), wd_s = seg_value(wd, wd0, seg);
-""" + _OPEN + r"""
+    slot<S> Q(sum_sq, seg);
+""" + _SOPEN + r"""
         const T pi = p[i];
         const T d = gscale * g[i] + wd_s * pi;
-        const T si = state<S>::store(sum_sq, i, (T)state<S>::load(sum_sq, i) + d * d);
+        const T si = Q.store(i, (T)Q.load(i) + d * d);
         store_param<T, WK, MASK>(p, w, mask, i, pi - clr_s * (d / (sqrt(si) + eps)));
-""" + _CLOSE + r"""
+""" + _sclose("Q.close(i, live);") + r"""
 }
 
 template <typename T, typename S, int WK, bool MASK>
@@ -123,19 +159,20 @@ __global__ void arraytrain_rmsprop_step(T* __restrict__ p, T* __restrict__ g, S*
     GATE_SCALE
     const int seg = (int)chunks[3 * (i64)blockIdx.x + 2];
     const T lr_s = seg_value(lr, lr0, seg), wd_s = seg_value(wd, wd0, seg);
-""" + _OPEN + r"""
+    slot<S> Q(sq, seg), A(gavg, seg), B(buf, seg);  // A, B: null pointers where unused
+""" + _SOPEN + r"""
         const T pi = p[i];
         const T d = gscale * g[i] + wd_s * pi;
-        T qi = state<S>::store(sq, i, alpha * (T)state<S>::load(sq, i) + alpha_c * d * d);
+        T qi = Q.store(i, alpha * (T)Q.load(i) + alpha_c * d * d);
         if (centered) {
-            T ai = state<S>::load(gavg, i);
-            ai = state<S>::store(gavg, i, ai + alpha_c * (d - ai));
+            T ai = A.load(i);
+            ai = A.store(i, ai + alpha_c * (d - ai));
             qi = qi - ai * ai;
         }
         T step = d / (sqrt(qi) + eps);
-        if (use_momentum) step = state<S>::store(buf, i, momentum * (T)state<S>::load(buf, i) + step);
+        if (use_momentum) step = B.store(i, momentum * (T)B.load(i) + step);
         store_param<T, WK, MASK>(p, w, mask, i, pi - lr_s * step);
-""" + _CLOSE + r"""
+""" + _sclose("Q.close(i, live); if (centered) A.close(i, live); if (use_momentum) B.close(i, live);") + r"""
 }
 
 template <typename T, typename S, int WK, bool MASK>
@@ -145,13 +182,14 @@ __global__ void arraytrain_lion_step(T* __restrict__ p, T* __restrict__ g, S* __
     GATE_SCALE
     const int seg = (int)chunks[3 * (i64)blockIdx.x + 2];
     const T lr_s = seg_value(lr, lr0, seg), dec = seg_value(decay, decay0, seg);
-""" + _OPEN + r"""
+    slot<S> M(m, seg);
+""" + _SOPEN + r"""
         const T d = gscale * g[i];
-        const T mi = state<S>::load(m, i);
+        const T mi = M.load(i);
         const T c = sign_of(beta1 * mi + beta1c * d);
-        state<S>::store(m, i, beta2 * mi + beta2c * d);
+        M.store(i, beta2 * mi + beta2c * d);
         store_param<T, WK, MASK>(p, w, mask, i, p[i] * dec - lr_s * c);
-""" + _CLOSE + r"""
+""" + _sclose("M.close(i, live);") + r"""
 }
 
 template <typename T, typename S, int WK, bool MASK>
@@ -190,20 +228,21 @@ __global__ void arraytrain_lamb_moments(const T* __restrict__ p, T* __restrict__
         const i64* __restrict__ chunks, T gscale_, const double* __restrict__ gate, const T* __restrict__ wd, T wd0, T b1c, T b2, T b2c, T inv_bc1,
         T inv_bc2, T eps, T eps_root, int zero_grad, double* __restrict__ psq, double* __restrict__ usq) {
     GATE_SCALE
-    const chunk c = load_chunk(chunks);
-    const T wd_s = seg_value(wd, wd0, c.seg);
+    const int seg = (int)chunks[3 * (i64)blockIdx.x + 2];
+    const T wd_s = seg_value(wd, wd0, seg);
+    slot<S> M(m, seg), V(v, seg);
     double sp = 0.0, su = 0.0;
-    for (i64 i = c.lo + threadIdx.x; i < c.hi; i += blockDim.x) {
+    // each thread adds its elements in the same order as a plain strided loop (deterministic bits)
+""" + _SOPEN + r"""
         const T pi = p[i];
         const T d = gscale * g[i];
-        T mi = state<S>::load(m, i);
-        mi = state<S>::store(m, i, mi + b1c * (d - mi));
-        const T vi = state<S>::store(v, i, b2 * (T)state<S>::load(v, i) + b2c * d * d);
+        T mi = M.load(i);
+        mi = M.store(i, mi + b1c * (d - mi));
+        const T vi = V.store(i, b2 * (T)V.load(i) + b2c * d * d);
         const T u = (mi * inv_bc1) / (sqrt(vi * inv_bc2 + eps_root) + eps) + wd_s * pi;
         sp += (double)pi * (double)pi;
         su += (double)u * (double)u;
-        if (zero_grad) g[i] = (T)0;
-    }
+""" + _sclose("M.close(i, live); V.close(i, live);") + r"""
     sp = block_reduce<false>(sp);
     su = block_reduce<false>(su);
     if (threadIdx.x == 0) { psq[blockIdx.x] = sp; usq[blockIdx.x] = su; }
@@ -230,14 +269,15 @@ __global__ void arraytrain_lamb_apply(T* __restrict__ p, const S* __restrict__ m
     GATE_SKIP
     const chunk c = load_chunk(chunks);
     const T wd_s = seg_value(wd, wd0, c.seg), st = step[c.seg];
+    // 8-bit moments are read back decoded (the codes pass 1 wrote, not the float values it formed)
+    const slot<S> M(m, c.seg), V(v, c.seg);
     for (i64 base = c.lo + threadIdx.x; base < c.hi; base += ILP * (i64)blockDim.x) {
       #pragma unroll
       for (int k = 0; k < ILP; ++k) {
         const i64 i = base + k * (i64)blockDim.x;
         if (i >= c.hi) break;
         const T pi = p[i];
-        const T u = ((T)state<S>::load(m, i) * inv_bc1) / (sqrt((T)state<S>::load(v, i) * inv_bc2 + eps_root) + eps)
-                    + wd_s * pi;
+        const T u = ((T)M.load(i) * inv_bc1) / (sqrt((T)V.load(i) * inv_bc2 + eps_root) + eps) + wd_s * pi;
         store_param<T, WK, MASK>(p, w, mask, i, pi - st * u);
       }
     }
@@ -384,15 +424,16 @@ __global__ void arraytrain_nadam_radam_step(T* __restrict__ p, T* __restrict__ g
     const int seg = (int)chunks[3 * (i64)blockIdx.x + 2];
     const T a_s = seg_value(a, a0, seg), b_s = seg_value(b, b0, seg), l2_s = seg_value(l2, l20, seg),
             dec = seg_value(decay, decay0, seg);
-""" + _OPEN + r"""
+    slot<S> M(m, seg), V(v, seg);
+""" + _SOPEN + r"""
         const T pi = p[i];
         const T d = gscale * g[i] + l2_s * pi;
-        T mi = state<S>::load(m, i);
-        mi = state<S>::store(m, i, mi + beta1c * (d - mi));
-        const T vi = state<S>::store(v, i, beta2 * (T)state<S>::load(v, i) + beta2c * d * d);
+        T mi = M.load(i);
+        mi = M.store(i, mi + beta1c * (d - mi));
+        const T vi = V.store(i, beta2 * (T)V.load(i) + beta2c * d * d);
         const T step = adaptive ? (a_s * d + b_s * mi) * rect / (sqrt(vi) * inv_bc2_sqrt + eps) : b_s * mi;
         store_param<T, WK, MASK>(p, w, mask, i, pi * dec - step);
-""" + _CLOSE + r"""
+""" + _sclose("M.close(i, live); V.close(i, live);") + r"""
 }
 
 template <typename T, typename S, int WK, bool MASK>
@@ -402,14 +443,15 @@ __global__ void arraytrain_adamax_step(T* __restrict__ p, T* __restrict__ g, S* 
     GATE_SCALE
     const int seg = (int)chunks[3 * (i64)blockIdx.x + 2];
     const T ss = seg_value(step_size, step_size0, seg), l2_s = seg_value(l2, l20, seg);
-""" + _OPEN + r"""
+    slot<S> M(m, seg), U(u, seg);
+""" + _SOPEN + r"""
         const T pi = p[i];
         const T d = gscale * g[i] + l2_s * pi;
-        T mi = state<S>::load(m, i);
-        mi = state<S>::store(m, i, mi + beta1c * (d - mi));
-        const T ui = state<S>::store(u, i, nan_max(beta2 * (T)state<S>::load(u, i), fabs(d) + eps));  // torch.maximum
+        T mi = M.load(i);
+        mi = M.store(i, mi + beta1c * (d - mi));
+        const T ui = U.store(i, nan_max(beta2 * (T)U.load(i), fabs(d) + eps));  // torch.maximum
         store_param<T, WK, MASK>(p, w, mask, i, pi - ss * (mi / ui));
-""" + _CLOSE + r"""
+""" + _sclose("M.close(i, live); U.close(i, live);") + r"""
 }
 
 template <typename T, typename S, int WK, bool MASK>
@@ -419,19 +461,21 @@ __global__ void arraytrain_adadelta_step(T* __restrict__ p, T* __restrict__ g, S
     GATE_SCALE
     const int seg = (int)chunks[3 * (i64)blockIdx.x + 2];
     const T lr_s = seg_value(lr, lr0, seg), wd_s = seg_value(wd, wd0, seg);
-""" + _OPEN + r"""
+    slot<S> Q(sq, seg), A(acc, seg);
+""" + _SOPEN + r"""
         const T pi = p[i];
         const T d = gscale * g[i] + wd_s * pi;
-        const T qi = state<S>::store(sq, i, rho * (T)state<S>::load(sq, i) + rho_c * d * d);
-        const T ai = state<S>::load(acc, i);
+        const T qi = Q.store(i, rho * (T)Q.load(i) + rho_c * d * d);
+        const T ai = A.load(i);
         const T delta = sqrt(ai + eps) / sqrt(qi + eps) * d;
-        state<S>::store(acc, i, rho * ai + rho_c * delta * delta);
+        A.store(i, rho * ai + rho_c * delta * delta);
         store_param<T, WK, MASK>(p, w, mask, i, pi - lr_s * delta);
-""" + _CLOSE + r"""
+""" + _sclose("Q.close(i, live); A.close(i, live);") + r"""
 }
 """, [])
 
-# Which state storages each optimizer instantiates besides the parameters' own type.
+# Which state storages each optimizer instantiates besides the parameters' own type: those in
+# _BF16_STATE take bfloat16 (u16) and 8-bit (q8) state with float parameters.
 _BF16_STATE = {"sgd", "adam", "adagrad", "rmsprop", "lion"}  # and LAMB (below); not Sophia, Adafactor
 _ELEMENTWISE = ("sgd", "adam", "adagrad", "rmsprop", "lion", "sophia")
 # NAdam and RAdam (one template), Adamax, Adadelta: element-wise, bfloat16 state offered
@@ -439,8 +483,9 @@ _BF16_STATE |= {"nadam_radam", "adamax", "adadelta"}
 _ELEMENTWISE += ("nadam_radam", "adamax", "adadelta")
 
 
-def _states(t: str, bf16: bool):
-    return [t] + (["u16"] if bf16 and t == "float" else [])
+def _states(t: str, low: bool):
+    """The state storages of parameters ``t``: its own, and with ``low`` bfloat16 and 8-bit for float."""
+    return [t] + (["u16", "q8"] if low and t == "float" else [])
 
 
 def _variants(t: str, bf16: bool):
@@ -468,12 +513,73 @@ SOURCE.instances = tuple(_instances())
 def _run(name, p, state, pieces, arrays, scalars, w, wkind, zero_grad, mask):
     """Launch ``arraytrain_<name><T,S,WK,MASK>(*arrays, chunks, *scalars, w, zero_grad, mask)``."""
     t = ctype(p.dtype)
-    s = "u16" if state is not None and state.dtype == np.uint16 else t
+    s = _storage(state, t)
     wk = 0 if w is None else int(wkind)
     expr = f"arraytrain_{name}<{t},{s},{wk},{'true' if mask is not None else 'false'}>"
-    ch = chunks_for(pieces)
+    ch = _chunks(pieces, state)
     launch(SOURCE.function(expr), ch.count,
-           (*(ptr(a) for a in arrays), ch.table, *scalars, ptr(w), np.int32(bool(zero_grad)), ptr(mask)))
+           (*(_arg(a) for a in arrays), ch.table, *scalars, ptr(w), np.int32(bool(zero_grad)), ptr(mask)))
+
+
+# -- 8-bit state (arraytrain.state8.Q8 of CuPy arrays) ----------------------------------------
+
+
+def _storage(state, t: str) -> str:
+    """The template's ``S`` for a state slot: ``q8`` (8-bit), ``u16`` (bfloat16 bits) or ``t``."""
+    if isinstance(state, Q8):
+        return "q8"
+    return "u16" if state is not None and state.dtype == np.uint16 else t
+
+
+def _arg(a):
+    """A kernel's slot argument: an 8-bit slot's device descriptor, else :func:`ptr`. A slot a
+    configuration lacks arrives as an empty array (a null pointer), whatever the others' storage."""
+    return q8_descriptor(a) if isinstance(a, Q8) else ptr(a)
+
+
+_descriptors: dict = {}
+
+
+def q8_descriptor(q: Q8):
+    """The ``q8`` struct of :data:`arraytrain.kernels.cuda._core.HEADER` for slot ``q`` (CuPy arrays),
+    in device memory: 9 little-endian 64-bit words, the 7 pointers then ``shift | bias << 32`` and
+    ``nb``. Built once per content (its pointers and ints are its key, so a stale entry cannot
+    describe other memory), at most 256 kept."""
+    cp = cupy()
+    words = (q.codes.data.ptr, q.aux.data.ptr, q.base.data.ptr, q.quant.data.ptr, q.offset.data.ptr, q.qmap.data.ptr,
+             q.table.data.ptr, (int(q.shift) & 0xFFFFFFFF) | ((int(q.bias) & 0xFFFFFFFF) << 32),
+             int(q.nb) & 0xFFFFFFFF)
+    key = (cp.cuda.Device().id, words)
+    hit = _descriptors.get(key)
+    if hit is None:
+        if len(_descriptors) >= 256:
+            _descriptors.clear()  # launches on the stream keep their order: a queued kernel read its copy first
+        hit = _descriptors[key] = cp.asarray(np.array(words, dtype=np.uint64))
+    return hit
+
+
+_aligned: dict = {}
+
+
+def _chunks(pieces, state):
+    """The chunk table of ``pieces``; with an 8-bit slot, checked once per table (per ``pieces`` and
+    segment offsets) to start every chunk on a block boundary of its parameter: the 8-bit loop
+    takes a block of state per pass of the thread block (the reference raises the same error)."""
+    ch = chunks_for(pieces)
+    if isinstance(state, Q8) and ch.count:
+        key = (id(ch), state.offset.data.ptr, state.offset.size)
+        if _aligned.get(key) is not ch:
+            offsets = to_host(state.offset) if hasattr(state.offset, "get") else np.asarray(state.offset)
+            rows = ch.host_rows()
+            bad = (rows[:, 0] - offsets[rows[:, 2]]) % Q8_BLOCK != 0
+            if bad.any():
+                lo, hi, seg = rows[np.argmax(bad)].tolist()
+                raise ValueError(f"pieces: row [{lo}, {hi}) splits an 8-bit block of segment {seg} "
+                                 f"(8-bit state needs pieces cut at multiples of {Q8_BLOCK} from each parameter's start)")
+            if len(_aligned) >= 256:
+                _aligned.clear()
+            _aligned[key] = ch
+    return ch
 
 
 def _seg(values, p):
@@ -559,9 +665,9 @@ def lamb_step(p, g, m, v, pieces, *, gscale, lr, weight_decay, beta1, beta2, eps
     (``reduce_sums`` gets the device array of the ``2 * nseg`` sums, on the current stream).
     """
     cp, t, tn = cupy(), p.dtype.type, ctype(p.dtype)
-    sn = ctype(m.dtype)  # the state's storage: the parameters' type, or u16 bfloat16 bits
+    sn = _storage(m, tn)  # the state's storage: the parameters' type, u16 bfloat16 bits or q8
     nseg = len(np.asarray(lr).reshape(-1))
-    ch = chunks_for(pieces)
+    ch = _chunks(pieces, m)
     wd = _seg(weight_decay, p)
     gs = _gs(gscale, t)
     gate = gs[1]
@@ -575,7 +681,7 @@ def lamb_step(p, g, m, v, pieces, *, gscale, lr, weight_decay, beta1, beta2, eps
     if ch.count:
         psq, usq = cp.empty(ch.count, cp.float64), cp.empty(ch.count, cp.float64)
         launch(SOURCE.function(f"arraytrain_lamb_moments<{tn},{sn}>"), ch.count,
-               (p, g, m, v, ch.table, *gs, *wd, t(1.0 - beta1), t(beta2), t(1.0 - beta2), inv_bc1, inv_bc2,
+               (p, g, _arg(m), _arg(v), ch.table, *gs, *wd, t(1.0 - beta1), t(beta2), t(1.0 - beta2), inv_bc1, inv_bc2,
                 t(eps), t(eps_root), np.int32(bool(zero_grad)), psq, usq))
         reductions.seg_reduce(psq, *ch.seg_ranges(nseg), nseg, pn, total=False)
         reductions.seg_reduce(usq, *ch.seg_ranges(nseg), nseg, un, total=False)
@@ -590,7 +696,7 @@ def lamb_step(p, g, m, v, pieces, *, gscale, lr, weight_decay, beta1, beta2, eps
     if ch.count == 0:
         return ratio
     launch(SOURCE.function(f"arraytrain_lamb_apply<{tn},{sn},{wk},{'true' if mask is not None else 'false'}>"),
-           ch.count, (p, m, v, ch.table, *wd, step, inv_bc1, inv_bc2, t(eps), t(eps_root), ptr(working), ptr(mask),
+           ch.count, (p, _arg(m), _arg(v), ch.table, *wd, step, inv_bc1, inv_bc2, t(eps), t(eps_root), ptr(working), ptr(mask),
                       gate))
     return ratio
 
@@ -730,14 +836,15 @@ __global__ void arraytrain_muon_momentum(T* __restrict__ g, S* __restrict__ buf,
         int zero_grad, double* __restrict__ part) {
     GATE_SCALE
     double s = 0.0;
-""" + _OPEN + r"""
+    slot<S> B(buf, (int)chunks[3 * (i64)blockIdx.x + 2]);
+""" + _SOPEN + r"""
         const T d = gscale * g[i];
-        T b = state<S>::load(buf, i);
-        b = state<S>::store(buf, i, b + mc * (d - b));
+        T b = B.load(i);
+        b = B.store(i, b + mc * (d - b));
         const T x = nesterov ? b + mc * (d - b) : b;
         u[i - off] = x;
         s += (double)x * (double)x;
-""" + _CLOSE + r"""
+""" + _sclose("B.close(i, live);") + r"""
     s = block_reduce<false>(s);
     if (threadIdx.x == 0) part[blockIdx.x] = s;
 }
@@ -790,16 +897,17 @@ __global__ void arraytrain_sf_adamw_step(T* __restrict__ p, T* __restrict__ g, T
     const T lr_s = seg_value(lr, lr0, seg), wd_s = seg_value(wd, wd0, seg), cw = (T)ck[seg];
     // y' = b1 x' + (1 - b1) z' with x' = (1 - cw) x + cw z' and x = (y - (1 - b1) z) / b1
     const T keep = (T)1 - cw, take = b1 * cw + b1c;
-""" + _OPEN + r"""
+    slot<S> V(v, seg);
+""" + _SOPEN + r"""
         const T y = p[i];
         const T d = gscale * g[i];
-        const T vi = state<S>::store(v, i, beta2 * (T)state<S>::load(v, i) + beta2c * d * d);
+        const T vi = V.store(i, beta2 * (T)V.load(i) + beta2c * d * d);
         const T upd = d / (sqrt(vi) * inv_bc2_sqrt + eps) + wd_s * y;
         const T zo = z[i];
         const T zn = zo - lr_s * upd;
         store_param<T, 0, MASK>(z, (u16*)0, mask, i, zn);
         store_param<T, WK, MASK>(p, w, mask, i, keep * (y - b1c * zo) + take * zn);
-""" + _CLOSE + r"""
+""" + _sclose("V.close(i, live);") + r"""
 }
 """, [])
 
@@ -837,7 +945,7 @@ def muon_step(p, g, buf, work, mats, pieces, *, gscale, momentum, nesterov, adju
 
     cp, t, tn = cupy(), p.dtype.type, ctype(p.dtype)
     fn = MUON_SF_SOURCE.function
-    ch = chunks_for(pieces)
+    ch = _chunks(pieces, buf)
     if ch.count == 0:
         return
     # each piece is cut into ceil(size / CHUNK) consecutive chunks: a matrix's chunk range
@@ -846,7 +954,8 @@ def muon_step(p, g, buf, work, mats, pieces, *, gscale, momentum, nesterov, adju
     gs = _gs(gscale, t)
     gate = gs[1]
     alr, dec = _seg(adjusted_lr, p), _seg(decay, p)
-    momentum_fn = fn(f"arraytrain_muon_momentum<{tn},{ctype(buf.dtype)}>")
+    momentum_fn = fn(f"arraytrain_muon_momentum<{tn},{_storage(buf, tn)}>")
+    bufarg = _arg(buf)
     norm_fn = fn("arraytrain_muon_norm")
     wk = 0 if working is None else int(kind)
     apply_fn = fn(f"arraytrain_muon_apply<{tn},{wk},{'true' if mask is not None else 'false'}>")
@@ -857,7 +966,7 @@ def muon_step(p, g, buf, work, mats, pieces, *, gscale, momentum, nesterov, adju
         scratch = cp.empty(stack.size + 2 * len(batch) * m * m, p.dtype)
         scales = cp.empty(len(batch), cp.float64)
         for j, (off, c0, c1) in enumerate(batch):
-            launch(momentum_fn, c1 - c0, (g, buf, stack[j], ch.table[c0:c1], np.int64(off), *gs, t(1.0 - momentum),
+            launch(momentum_fn, c1 - c0, (g, bufarg, stack[j], ch.table[c0:c1], np.int64(off), *gs, t(1.0 - momentum),
                                           np.int32(bool(nesterov)), np.int32(bool(zero_grad)), part[c0:c1]))
             launch(norm_fn, 1, (part[c0:c1], np.int64(c1 - c0), np.float64(eps_norm), scales[j:j + 1]))
         stack *= scales.astype(p.dtype)[:, None, None]  # as the scale kernel: the factor cast to T, then multiplied
@@ -893,10 +1002,11 @@ def schedule_free_adamw_step(p, g, z, v, max_lr, weight_sum, pieces, *, gscale, 
         launch(MUON_SF_SOURCE.function("arraytrain_sf_weights"), -(-nseg // THREADS),
                (max_lr, weight_sum, *seg_arg(weight_lr, np.float64), np.float64(weight_lr_power), np.int32(nseg), ck,
                 gs[1]))
-    t_name, s_name = ctype(p.dtype), ctype(v.dtype)
+    t_name = ctype(p.dtype)
+    s_name = _storage(v, t_name)
     wk = 0 if working is None else int(kind)
-    ch = chunks_for(pieces)
+    ch = _chunks(pieces, v)
     expr = f"arraytrain_sf_adamw_step<{t_name},{s_name},{wk},{'true' if mask is not None else 'false'}>"
     launch(MUON_SF_SOURCE.function(expr), ch.count,
-           (p, g, z, v, ch.table, *gs, *_seg(lr, p), *_seg(weight_decay, p), ck, t(beta1), t(1.0 - beta1), t(beta2),
+           (p, g, z, _arg(v), ch.table, *gs, *_seg(lr, p), *_seg(weight_decay, p), ck, t(beta1), t(1.0 - beta1), t(beta2),
             t(1.0 - beta2), t(eps), t(inv_bc2_sqrt), ptr(working), np.int32(bool(zero_grad)), ptr(mask)))
