@@ -209,11 +209,14 @@ def quantize(x, signed: bool) -> tuple[np.ndarray, np.ndarray]:
     return nearest_codes(q, codebook(signed).qmap), absmax.astype(np.float32)
 
 
-def dequantize(codes, absmax, signed: bool) -> np.ndarray:
-    """float32 values ``map[code] * absmax`` of a block-quantized 1-D array."""
-    codes = np.asarray(codes, np.uint8).ravel()
-    scale = np.repeat(np.asarray(absmax, np.float32), BLOCK)[: codes.size]
-    return (codes_value(codes, signed) * scale).astype(np.float32)
+def dequantize(codes, absmax, signed: bool):
+    """float32 values ``map[code] * absmax`` of a block-quantized 1-D array (NumPy, or CuPy on the
+    device of CuPy ``codes`` and ``absmax``)."""
+    xp = _xp(codes)
+    codes = xp.asarray(codes, np.uint8).ravel()
+    scale = xp.repeat(xp.asarray(absmax, np.float32), BLOCK)[: codes.size]
+    qmap = codebook(signed).qmap if xp is np else xp.asarray(codebook(signed).qmap)
+    return (qmap[codes] * scale).astype(np.float32)
 
 
 def codes_value(codes, signed: bool) -> np.ndarray:
@@ -263,6 +266,13 @@ def block_pieces(layout: Layout, chunk: int) -> np.ndarray:
 class Quant8Buffer:
     """A state slot in 8 bits: codes and block scales for large parameters, float32 for small ones.
 
+    ``xp``: the array module of the slot's memory, NumPy (the default) or CuPy (an engine on the
+    GPU): ``flat`` and its views ``codes`` and ``aux`` live there, and so do the arrays of
+    :meth:`kernel_arg`; the per-segment tables ``base``, ``quant`` and ``offset`` are also kept
+    on the host. On CuPy, :meth:`check` reads its inputs (host or device arrays) on the host,
+    where entries are validated and float arrays encoded, and returns device arrays;
+    :meth:`as_dict` gives device arrays (a checkpoint reads them to the host).
+
     The engine's state protocol sees what it sees of a :class:`~arraytrain.buffer.FlatBuffer`:
     ``layout``, ``flat`` (one aligned uint8 allocation holding codes and the float32 side
     array, so ``flat.nbytes`` is the slot's memory), ``dtype``, ``as_dict``, ``check`` and
@@ -273,27 +283,34 @@ class Quant8Buffer:
     state saved with float32 or bfloat16 slots loads into 8-bit slots and back.
     """
 
-    __slots__ = ("layout", "signed", "threshold", "flat", "codes", "aux", "base", "quant", "offset", "_arg")
+    __slots__ = ("layout", "signed", "threshold", "flat", "codes", "aux", "base", "quant", "offset", "xp", "_arg")
 
-    def __init__(self, layout: Layout, signed: bool, threshold: int = DEFAULT_THRESHOLD):
-        self.layout, self.signed, self.threshold = layout, bool(signed), int(threshold)
+    def __init__(self, layout: Layout, signed: bool, threshold: int = DEFAULT_THRESHOLD, xp=np):
+        self.layout, self.signed, self.threshold, self.xp = layout, bool(signed), int(threshold), xp
         quant = quantized_names(layout, self.threshold)
         base, naux = [], 0
         for q, n in zip(quant, layout.sizes):
             base.append(naux)
             naux += -(-n // BLOCK) if q else n
         ncodes = -(-layout.size // 16) * 16  # the side array starts 64-byte aligned
-        self.flat = _aligned_bytes(ncodes + 4 * naux)
+        if xp is np:
+            self.flat = _aligned_bytes(ncodes + 4 * naux)
+        else:
+            from .buffer import aligned_zeros
+
+            self.flat = aligned_zeros(ncodes + 4 * naux, np.uint8, xp)
         self.codes = self.flat[: layout.size]
         self.aux = self.flat[ncodes:].view(np.float32)
         self.base = np.asarray(base, np.int64)
         self.quant = np.asarray(quant, np.uint8)
         self.offset = np.asarray(layout.offsets, np.int64)
         if self.signed:  # value 0 is code 127 in the signed map, 0 in the unsigned one
-            self.codes[...] = np.uint8(np.searchsorted(SIGNED_MAP, 0.0))
+            self.codes.fill(np.uint8(np.searchsorted(SIGNED_MAP, 0.0)))
         book = codebook(self.signed)
-        self._arg = Q8(self.codes, self.aux, self.base, self.quant, self.offset, book.qmap, book.table,
-                       book.shift, book.bias, book.nb)
+        tables = (self.base, self.quant, self.offset, book.qmap, book.table)
+        if xp is not np:  # the kernels read every table on the device
+            tables = tuple(xp.asarray(t) for t in tables)
+        self._arg = Q8(self.codes, self.aux, *tables[:3], *tables[3:], book.shift, book.bias, book.nb)
 
     dtype = np.dtype(np.uint8)  # what ready-to-assign arrays (see :meth:`check`) hold
 
@@ -320,16 +337,16 @@ class Quant8Buffer:
             return self.codes[off : off + n], self.aux[b : b + -(-n // BLOCK)]
         return None, self.aux[b : b + n]
 
-    def values(self, name: str) -> np.ndarray:
-        """The float32 values of parameter ``name``'s slot (decoded; a copy), in its shape."""
+    def values(self, name: str):
+        """The float32 values of parameter ``name``'s slot (decoded; a copy), in its shape, on the slot's device."""
         seg = self.layout.index(name)
         codes, aux = self._parts(seg)
         out = aux.copy() if codes is None else dequantize(codes, aux, self.signed)
         return out.reshape(self.layout.shapes[seg])
 
-    def to_float32(self) -> np.ndarray:
-        """Every value, decoded, as a flat float32 array of the layout (padding 0)."""
-        out = np.zeros(self.layout.size, np.float32)
+    def to_float32(self):
+        """Every value, decoded, as a flat float32 array of the layout (padding 0), on the slot's device."""
+        out = self.xp.zeros(self.layout.size, np.float32)
         for seg, name in enumerate(self.layout.names):
             off, n = self.layout.offsets[seg], self.layout.sizes[seg]
             out[off : off + n] = self.values(name).ravel()
@@ -379,18 +396,20 @@ class Quant8Buffer:
             missing = [k for k in self.layout.names if k not in out]
             if missing:
                 raise LayoutError(f"missing arrays for {missing}")
+        if self.xp is not np:  # ready to assign on the slot's device (the one move, after every check)
+            out = {k: self.xp.asarray(v) for k, v in out.items()}
         return out
 
     def assign(self, checked: dict) -> None:
-        """Write what :meth:`check` returned."""
+        """Write what :meth:`check` returned (bytes: the float32 side array may start unaligned in ``raw``)."""
         for name, raw in checked.items():
             seg = self.layout.index(name)
             codes, aux = self._parts(seg)
             if codes is None:
-                aux[...] = raw.view(np.float32)
+                aux.view(np.uint8)[...] = raw
             else:
                 codes[...] = raw[: codes.size]
-                aux[...] = raw[codes.size :].view(np.float32)
+                aux.view(np.uint8)[...] = raw[codes.size :]
 
     def load(self, arrays: Mapping, *, strict: bool = True) -> None:
         self.assign(self.check(arrays, strict=strict))
@@ -399,6 +418,20 @@ class Quant8Buffer:
         nq = int(self.quant.sum())
         return (f"Quant8Buffer({len(self.layout)} params, {nq} in 8 bits, {'signed' if self.signed else 'unsigned'} "
                 f"map, {self.flat.nbytes} bytes)")
+
+
+def _xp(a):
+    """The array module of ``a``: CuPy for a CuPy array (already imported then), else NumPy."""
+    if type(a).__module__.partition(".")[0] == "cupy":
+        import cupy
+
+        return cupy
+    return np
+
+
+def _host(a):
+    """``a`` on the host: a CuPy array read back (validating and encoding state runs on the host)."""
+    return a.get() if _xp(a) is not np else a
 
 
 def _aligned_bytes(n: int) -> np.ndarray:
@@ -417,7 +450,7 @@ def check_entry(name: str, a: Mapping, shape, n: int):
     """The codes, absmax and signedness of an 8-bit entry for a parameter of ``shape``, checked."""
     if a["map"] not in ("signed", "unsigned"):
         raise StateDictError(f"{name!r}: 8-bit state's map: expected 'signed' or 'unsigned', got {a['map']!r}")
-    codes, absmax = np.asarray(a["codes"]), np.asarray(a["absmax"])
+    codes, absmax = np.asarray(_host(a["codes"])), np.asarray(_host(a["absmax"]))
     if codes.dtype != np.uint8 or absmax.dtype != np.float32:
         raise DTypeError(f"{name!r}: 8-bit state expects uint8 codes and float32 absmax, got "
                          f"{codes.dtype} and {absmax.dtype}")
@@ -428,11 +461,14 @@ def check_entry(name: str, a: Mapping, shape, n: int):
     return codes, absmax, a["map"] == "signed"
 
 
-def decode_entry(name: str, a: Mapping, shape) -> np.ndarray:
-    """An 8-bit entry's float32 values in ``shape`` (loading 8-bit state into float slots)."""
+def decode_entry(name: str, a: Mapping, shape):
+    """An 8-bit entry's float32 values in ``shape`` (loading 8-bit state into float slots), on the
+    device its codes are on."""
     n = int(np.prod(shape, dtype=np.int64))
     codes, absmax, signed = check_entry(name, a, shape, n)
-    return dequantize(codes, absmax, signed).reshape(shape)
+    out = dequantize(codes, absmax, signed).reshape(shape)
+    xp = _xp(a["codes"])
+    return out if xp is np else xp.asarray(out)
 
 
 def _float_values(name: str, a, shape) -> np.ndarray:
@@ -444,4 +480,4 @@ def _float_values(name: str, a, shape) -> np.ndarray:
     if arr.dtype.kind != "f" and arr.dtype.name != "bfloat16":
         raise DTypeError(f"{name!r}: expected a float array or an 8-bit entry, got dtype {arr.dtype}")
     with np.errstate(all="ignore"):
-        return np.asarray(arr, np.float32)
+        return np.asarray(_host(arr), np.float32)

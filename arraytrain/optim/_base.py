@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .._checks import check_bool, check_number
+from ..backend import array_module
 from ..buffer import FlatBuffer, kernel_view
 from ..errors import ArgumentTypeError, DTypeError, HyperparameterError, LayoutError
 from ..layout import REDUCE_CHUNK, Layout
@@ -123,7 +124,8 @@ class Optimizer(ABC):
         """A zero element-wise slot ``name`` for ``params`` in ``state_dtype``'s storage."""
         if self.state_dtype == "8bit":
             check_8bit(params)
-            return state8.Quant8Buffer(params.layout, signed=name not in UNSIGNED_SLOTS, threshold=self.min_8bit_size)
+            return state8.Quant8Buffer(params.layout, signed=name not in UNSIGNED_SLOTS, threshold=self.min_8bit_size,
+                                       xp=array_module(params.flat))  # the parameters' device
         return params.zeros_like(self._slot_dtype(params))
 
     def _slot_dtype(self, params: FlatBuffer):
@@ -298,12 +300,7 @@ def slot_arg(buf):
 
 
 def check_8bit(params) -> None:
-    """8-bit state needs float32 parameters on the CPU (a typed error, before any state exists)."""
-    if not isinstance(params.flat, np.ndarray):
-        from ..errors import BackendUnavailableError
-
-        raise BackendUnavailableError("state_dtype='8bit': the CUDA kernels for 8-bit state are not built yet; "
-                                      "use state_dtype='bfloat16' on the GPU, or 8-bit state on the CPU")
+    """8-bit state needs float32 parameters, NumPy or CuPy (a typed error, before any state exists)."""
     if params.dtype != np.float32:
         raise HyperparameterError(f"state_dtype: 8bit state needs float32 parameters, got {params.dtype}")
 
