@@ -7,7 +7,9 @@ kernel-vs-reference test (and to the compressors' and the predictor's tests) as 
 copies, masks) to the GPU, runs the CUDA kernel, and copies each one back into the
 array it came from; host-side tables and per-parameter hyperparameters (``pieces``,
 ``lr``, ...) stay NumPy, as the optimizers pass them. Arguments that are the same
-NumPy array share one device copy, so aliasing behaves as on the CPU.
+NumPy array share one device copy, so aliasing behaves as on the CPU. An 8-bit slot
+(:class:`arraytrain.state8.Q8` of NumPy arrays) goes over as a ``Q8`` of device copies, and its
+codes and side array come back.
 
 :func:`cuda_usable` probes by running a tiny kernel (CuPy imports fine without a GPU).
 """
@@ -67,17 +69,27 @@ class OnDevice:
         def call(*args, **kwargs):
             import cupy as cp
 
+            from arraytrain.state8 import Q8
+
             bound = sig.bind(*args, **kwargs)
-            copies = {}
+            copies, q8s = {}, {}
             for key, value in bound.arguments.items():
                 if isinstance(value, np.ndarray) and key not in HOST_ARGS:
                     if id(value) not in copies:
                         copies[id(value)] = (value, cp.asarray(value))
                     bound.arguments[key] = copies[id(value)][1]
+                elif isinstance(value, Q8):  # one device copy per slot (Adam's unused vmax is m's own)
+                    if id(value) not in q8s:
+                        q8s[id(value)] = (value, Q8(*(cp.asarray(f) if isinstance(f, np.ndarray) else f
+                                                      for f in value)))
+                    bound.arguments[key] = q8s[id(value)][1]
             out = fn(*bound.args, **bound.kwargs)
             for host, dev in copies.values():
                 if host.flags.writeable:
                     host[...] = dev.get()
+            for host, dev in q8s.values():
+                host.codes[...] = dev.codes.get()
+                host.aux[...] = dev.aux.get()
             if isinstance(out, cp.ndarray):
                 return out.get()
             if isinstance(out, tuple):

@@ -270,3 +270,162 @@ def test_float64_overflow_is_not_a_skip_on_cuda():
     assert rc.applied and rg.applied and not rg.skipped and gpu.state.step == 1
     assert rg.grad_norm == pytest.approx(rc.grad_norm, rel=1e-12)
     np.testing.assert_allclose(gpu.params.flat.get(), cpu.params.flat, rtol=1e-12)
+
+
+# -- 8-bit optimizer state on the device ------------------------------------------------------------
+#
+# SHAPES' matrices (2112 and 640 elements) hold 8-bit slots with min_8bit_size 256, with a partial
+# last block each; the biases keep float32 slots. The per-step equality of the CUDA and numba
+# kernels is checked in tests/optim/test_state8.py; here the engine: training against the CPU
+# engine, skips, checkpoints across devices, masks and working copies.
+
+EIGHT_BIT = {
+    "adamw": lambda: at.optim.AdamW(lr=1e-2, state_dtype="8bit"),
+    "sgd": lambda: at.optim.SGD(lr=1e-2, momentum=0.9, state_dtype="8bit"),
+    "lion": lambda: at.optim.Lion(lr=1e-3, state_dtype="8bit"),
+    "rmsprop": lambda: at.optim.RMSprop(lr=1e-3, centered=True, momentum=0.5, state_dtype="8bit"),
+    "lamb": lambda: at.optim.LAMB(lr=1e-2, state_dtype="8bit"),
+    "muon": lambda: at.optim.Muon(lr=2e-2, fallback=at.optim.AdamW(lr=1e-2), state_dtype="8bit"),
+}
+
+
+def _8bit(name):
+    opt = EIGHT_BIT[name]()
+    opt.min_8bit_size = 256
+    return opt
+
+
+def _decoded(buf):
+    """An 8-bit slot's values on the host (float32 per name), or a float slot's arrays."""
+    from arraytrain import state8
+
+    if isinstance(buf, state8.Quant8Buffer):
+        return {k: (v.get() if hasattr(v, "get") else v) for k, v in ((k, buf.values(k)) for k in buf.names)}
+    return _host(buf)
+
+
+@pytest.mark.parametrize("name", list(EIGHT_BIT))
+def test_cuda_engine_with_8bit_state_follows_the_cpu_engine(name):
+    """30 clipped steps on both devices from the same start: the slots' values and the parameters
+    stay together (a code one off at a rounding boundary moves a value by one code, so not bitwise)."""
+    from arraytrain import state8
+
+    rng = np.random.default_rng(21)
+    p0 = _params(rng)
+    cpu = at.Engine(p0, _8bit(name), max_grad_norm=1.0)
+    gpu = at.Engine(p0, _8bit(name), max_grad_norm=1.0, device="cuda")
+    quantized = [b for b in gpu.state.slots.values() if isinstance(b, state8.Quant8Buffer)]
+    assert quantized and all(b.is_quantized("fc1.weight") and not b.is_quantized("fc1.bias") for b in quantized)
+    for _ in range(30):
+        g = {k: rng.standard_normal(s).astype(np.float32) for k, s in SHAPES.items()}
+        cpu.step(g)
+        gpu.step({k: _cp().asarray(v) for k, v in g.items()})
+    for slot, buf in gpu.state.slots.items():
+        mine, theirs = _decoded(buf), _decoded(cpu.state.slots[slot])
+        for k in SHAPES:
+            scale = float(np.abs(theirs[k]).max()) if theirs[k].size else 0.0
+            np.testing.assert_allclose(mine[k], theirs[k], rtol=0, atol=0.03 * scale + 1e-6, err_msg=f"{slot}[{k!r}]")
+    for k, a in _host(gpu.params).items():
+        np.testing.assert_allclose(a, cpu.params[k], rtol=1e-3, atol=3e-3, err_msg=f"params[{k!r}]")
+
+
+def test_cuda_8bit_state_trains():
+    rng = np.random.default_rng(22)
+    shapes = {"w": (96, 80), "b": (30,)}
+    curv = {k: _cp().asarray(rng.uniform(0.5, 2.0, s).astype(np.float32)) for k, s in shapes.items()}
+    p0 = {k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()}
+    eng = at.Engine(p0, at.optim.AdamW(lr=0.03, state_dtype="8bit"), device="cuda")
+
+    def loss():
+        return sum(float((curv[k] * eng.params[k].astype(_cp().float64) ** 2).sum()) for k in shapes)
+
+    start = loss()
+    for _ in range(40):
+        eng.step({k: curv[k] * eng.params[k] for k in shapes})
+    assert loss() < 0.7 * start
+
+
+def test_nonfinite_step_changes_no_8bit_state_on_the_device():
+    rng = np.random.default_rng(23)
+    eng = at.Engine(_params(rng), _8bit("adamw"), device="cuda", loss_scaler=at.LossScaler())
+    g = {k: _cp().asarray(rng.standard_normal(s).astype(np.float32)) for k, s in SHAPES.items()}
+    eng.step(g)
+    before = [eng.params.flat.get().tobytes()] + [b.flat.get().tobytes() for b in eng.state.slots.values()]
+    bad = dict(g)
+    bad["fc1.weight"] = bad["fc1.weight"].copy()
+    bad["fc1.weight"][3, 4] = np.nan
+    r = eng.step(bad)
+    assert r.skipped and eng.state.step == 1
+    assert [eng.params.flat.get().tobytes()] + [b.flat.get().tobytes() for b in eng.state.slots.values()] == before
+
+
+@pytest.mark.parametrize("name", ["adamw", "muon"])
+def test_8bit_checkpoint_moves_between_devices_bitwise(name, tmp_path):
+    """GPU engine (8-bit) -> file -> CPU engine (8-bit) -> file -> GPU engine: every code, absmax and
+    float32 value bit for bit; the file loads into a float32 engine decoded."""
+    rng = np.random.default_rng(24)
+    gpu = at.Engine(_params(rng), _8bit(name), device="cuda")
+    for _ in range(3):
+        gpu.step({k: _cp().asarray(rng.standard_normal(s).astype(np.float32)) for k, s in SHAPES.items()})
+    at.save(tmp_path / "gpu.safetensors", gpu)
+    cpu = at.Engine(_params(np.random.default_rng(99)), _8bit(name))
+    at.load(tmp_path / "gpu.safetensors", cpu)
+    assert cpu.state.step == gpu.state.step
+    assert cpu.params.flat.tobytes() == gpu.params.flat.get().tobytes()
+    for slot, buf in gpu.state.slots.items():
+        assert cpu.state.slots[slot].flat.tobytes() == buf.flat.get().tobytes(), slot
+    at.save(tmp_path / "cpu.safetensors", cpu)
+    back = at.Engine(_params(np.random.default_rng(98)), _8bit(name), device="cuda")
+    at.load(tmp_path / "cpu.safetensors", back)
+    for slot, buf in gpu.state.slots.items():
+        assert back.state.slots[slot].flat.get().tobytes() == buf.flat.get().tobytes(), slot
+    g = {k: _cp().asarray(rng.standard_normal(s).astype(np.float32)) for k, s in SHAPES.items()}
+    gpu.step(g)
+    back.step(g)
+    assert back.params.flat.get().tobytes() == gpu.params.flat.get().tobytes()
+    for slot, buf in gpu.state.slots.items():
+        assert back.state.slots[slot].flat.get().tobytes() == buf.flat.get().tobytes(), slot
+    if name == "adamw":
+        f32 = at.Engine(_params(np.random.default_rng(97)), at.optim.AdamW(lr=1e-2))
+        at.load(tmp_path / "gpu.safetensors", f32)
+        np.testing.assert_array_equal(f32.state.slots["exp_avg"]["fc1.weight"],
+                                      cpu.state.slots["exp_avg"].values("fc1.weight"))
+
+
+def test_8bit_state_dict_round_trip_on_the_device():
+    """state_dict/load_state_dict within the device (CuPy entries), decoded into float32 slots and encoded back."""
+    rng = np.random.default_rng(25)
+    a = at.Engine(_params(rng), _8bit("adamw"), device="cuda")
+    for _ in range(2):
+        a.step({k: _cp().asarray(rng.standard_normal(s).astype(np.float32)) for k, s in SHAPES.items()})
+    b = at.Engine(_params(rng), _8bit("adamw"), device="cuda")
+    b.load_state_dict(a.state_dict(copy=True))
+    for slot, buf in a.state.slots.items():
+        assert b.state.slots[slot].flat.get().tobytes() == buf.flat.get().tobytes(), slot
+    f32 = at.Engine(_params(rng), at.optim.AdamW(lr=1e-2), device="cuda")
+    f32.load_state_dict(a.state_dict(copy=True))  # 8 bits -> float32 on the device: decoded
+    np.testing.assert_array_equal(f32.state.slots["exp_avg"]["fc1.weight"].get(),
+                                  a.state.slots["exp_avg"].values("fc1.weight").get())
+    c = at.Engine(_params(rng), _8bit("adamw"), device="cuda")
+    c.load_state_dict(f32.state_dict(copy=True))  # and back: encoded as state8.quantize encodes
+    from arraytrain import state8
+
+    entry = c.state_dict()["optimizer"]["slots"]["exp_avg"]["fc1.weight"]
+    codes, absmax = state8.quantize(f32.state.slots["exp_avg"]["fc1.weight"].get(), True)
+    np.testing.assert_array_equal(entry["codes"].get().ravel(), codes)
+    np.testing.assert_array_equal(entry["absmax"].get(), absmax)
+
+
+def test_mask_and_working_copy_under_8bit_state_on_the_device():
+    import ml_dtypes
+
+    rng = np.random.default_rng(26)
+    eng = at.Engine(_params(rng), _8bit("adamw"), device="cuda", working_dtype="bfloat16")
+    mask = {"fc1.weight": (rng.random(SHAPES["fc1.weight"]) > 0.5).astype(np.uint8)}
+    eng.set_mask(mask)
+    for _ in range(5):
+        eng.step({k: _cp().asarray(rng.standard_normal(s).astype(np.float32)) for k, s in SHAPES.items()})
+    w = eng.params["fc1.weight"].get()
+    assert not np.any(w[mask["fc1.weight"] == 0]) and np.all(w[mask["fc1.weight"] == 1] != 0)
+    np.testing.assert_array_equal(eng.working.flat.get().view(np.uint16),
+                                  eng.params.flat.get().astype(ml_dtypes.bfloat16).view(np.uint16))

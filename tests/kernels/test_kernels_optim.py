@@ -342,3 +342,107 @@ def test_bfloat16_state_matches_reference(family, n, variant, rng):
             far = np.abs(a - d) > 2 ** -7 * np.abs(d) + 1e-6
             assert far.sum() <= 2 + 1e-4 * far.size, f"{name}, step {t}: {far.sum()} elements beyond one rounding"
             assert not np.any(states["fast"]["slots"][name][~live_mask(layout)]), f"{name}: padding"
+
+
+# -- 8-bit state (arraytrain.state8) ---------------------------------------------------------------
+#
+# Every variant with its slots in 8 bits (Q8 arguments), the pieces cut at multiples of 16384
+# from each parameter's start (as the optimizers cut them), "a" (n elements) in 8 bits with a
+# partial last block (but for 768 = 3 blocks) and "b" (15 elements) in float32 beside it. Each
+# step starts every family from the same state (the fast family's), so what is checked is the
+# step itself: params and the side arrays/absmax at the float32 tolerance, codes equal but for a
+# rare one-code-off where float32 rounding moves a value across a decision boundary (as in
+# tests/optim/test_state8.py). A NaN gradient at step 5 makes its block's absmax NaN: that block
+# decodes to NaN everywhere from then on, in every family (its codes, +-NaN's top code, are not
+# compared: the sign of a NaN the hardware makes differs between CPU and GPU).
+
+Q8_SIZES = (7, 768, 1037, 278011)
+Q8_THRESHOLD = 16
+
+
+def _q8_slots(layout, slots, variant):
+    from arraytrain import state8
+    from arraytrain.optim._base import UNSIGNED_SLOTS
+
+    out = {name: state8.Quant8Buffer(layout, signed=name not in UNSIGNED_SLOTS, threshold=Q8_THRESHOLD)
+           for name in slots}
+    if variant == "adagrad":
+        out["sum"].load({k: np.full(s, 0.1, np.float32) for k, s in zip(layout.names, layout.shapes)})
+    return out
+
+
+def _q8_codes_compared(buf):
+    """Elements whose codes are compared: 8-bit segments, in blocks with a finite absmax."""
+    from arraytrain.state8 import BLOCK
+
+    keep = np.zeros(buf.codes.size, bool)
+    for seg, (off, n) in enumerate(zip(buf.layout.offsets, buf.layout.sizes)):
+        if buf.quant[seg]:
+            b = buf.base[seg]
+            keep[off : off + n] = np.repeat(np.isfinite(buf.aux[b : b + -(-n // BLOCK)]), BLOCK)[:n]
+    return keep
+
+
+def _q8_compare(a, b, lamb, what):
+    same = np.ones(a["p"].size, bool)
+    if lamb:  # LAMB's second pass reads the codes back: a one-off code moves its parameter by that code
+        for k in a["slots"]:
+            same &= a["slots"][k].codes == b["slots"][k].codes
+    np.testing.assert_allclose(a["p"][same], b["p"][same], rtol=1.3e-6 * 5, atol=1e-5 * 5, err_msg=f"{what}: params")
+    for k, x in a["slots"].items():
+        y = b["slots"][k]
+        np.testing.assert_allclose(x.aux, y.aux, rtol=1.3e-6 * 5, atol=1e-6, err_msg=f"{what}: {k} absmax/float32")
+        keep = _q8_codes_compared(x) & _q8_codes_compared(y)
+        diff = x.codes[keep].astype(np.int64) - y.codes[keep]
+        assert np.abs(diff).max(initial=0) <= 1, (what, k)
+        assert np.count_nonzero(diff) <= max(3, diff.size // 10_000), (what, k, np.count_nonzero(diff))
+
+
+@pytest.mark.parametrize("n", Q8_SIZES)
+@variants
+def test_8bit_state_matches_reference(family, n, variant, rng):
+    """8-bit slots, STEPS steps, each from the same state: the fast family against the reference,
+    and the CUDA family against the numba one too."""
+    from types import SimpleNamespace
+
+    from arraytrain import state8
+    from arraytrain.layout import REDUCE_CHUNK
+
+    layout = padded_layout(n)
+    slots, run = VARIANTS[variant]
+    blocks = SimpleNamespace(pieces=state8.block_pieces(layout, REDUCE_CHUNK))
+    lr, wd = _seg_values(layout, 1e-2, rng), _seg_values(layout, 0.1, rng)
+    families = {"fast": family, "ref": ref}
+    if family is not cpu:
+        families["numba"] = cpu
+    p0 = random_flat(layout, np.float32, rng)
+    st = {k: {"p": p0.copy(), "slots": _q8_slots(layout, slots, variant)} for k in families}
+    assert n < Q8_THRESHOLD or st["fast"]["slots"][slots[0]].is_quantized("a")
+    live = live_indices(layout)
+    for t in range(1, STEPS + 1):
+        g0 = random_flat(layout, np.float32, rng, scale=[1.0, 5.0, 0.1][t % 3])
+        if t == 5:
+            g0[live[len(live) // 3]] = np.nan
+        for k in families:  # the same start: the fast family's state
+            if k != "fast":
+                st[k]["p"][...] = st["fast"]["p"]
+                for name in slots:
+                    st[k]["slots"][name].flat[...] = st["fast"]["slots"][name].flat
+        ties = None
+        if variant == "lion":  # sign(c) within rounding of 0: float32 and float64 may differ (see _sign_ties)
+            m = st["fast"]["slots"]["exp_avg"].to_float32().astype(np.float64)
+            ties = (np.abs(LION_B1 * m + (1 - LION_B1) * 0.7 * g0.astype(np.float64)) < 1e-6) & live_mask(layout)
+        with np.errstate(invalid="ignore", over="ignore"):
+            for k, kernels in families.items():
+                args = {name: b.kernel_arg() for name, b in st[k]["slots"].items()}
+                run(kernels, st[k]["p"], g0.copy(), args, blocks, t, lr, wd, 0.7, None, 0, t % 2 == 0)
+        if ties is not None and ties.any():
+            assert ties.sum() <= 2 + 1e-4 * ties.size
+            for k in families:
+                st[k]["p"][ties] = st["ref"]["p"][ties]
+        _q8_compare(st["fast"], st["ref"], variant == "lamb", f"{variant} step {t}")
+        if "numba" in st:
+            _q8_compare(st["fast"], st["numba"], variant == "lamb", f"{variant} step {t}, CUDA vs numba")
+        assert_padding_zero(st["fast"]["p"], layout, "params")
+    if n >= Q8_THRESHOLD:  # the NaN reached the state: its block decodes to NaN
+        assert any(np.isnan(b.aux).any() for b in st["fast"]["slots"].values())

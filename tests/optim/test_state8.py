@@ -8,6 +8,8 @@
   7, 1037 and 278011 with parameters under the threshold (float32 slots) mixed in.
 * Through the engine: training, bitwise resume from a checkpoint, conversion to and from
   float32 state, memory per parameter, and the refusals.
+* On a GPU (skipped without one): every optimizer's CUDA kernels against the numba ones, one
+  step at a time from the same state; working copies and masks; slots allocated on the device.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import pytest
 
 import arraytrain as at
 from arraytrain import Engine, FlatBuffer, optim, state8
-from arraytrain.errors import BackendUnavailableError, HyperparameterError, StateDictError
+from arraytrain.errors import HyperparameterError, StateDictError
 from arraytrain.kernels import cpu
 from arraytrain.kernels import reference as ref
 
@@ -321,14 +323,120 @@ def test_refusals_change_nothing():
         assert np.array_equal(b.flat, before[k])
 
 
-def test_cuda_8bit_refused_with_a_typed_error():
-    cupy = pytest.importorskip("cupy")
-    try:
-        p = {"w": cupy.zeros((64, 64), cupy.float32)}
-    except Exception:  # no device
-        pytest.skip("no CUDA device")
-    with pytest.raises(BackendUnavailableError, match="8-bit"):
-        Engine(p, optim.AdamW(state_dtype="8bit"))
+def _require_cuda():
+    from cuda_family import require_cuda
+
+    require_cuda()
+    import cupy
+
+    return cupy
+
+
+def test_cuda_8bit_state_lives_on_the_device_and_needs_float32():
+    cp = _require_cuda()
+    with pytest.raises(HyperparameterError, match="float32"):
+        Engine({"w": cp.zeros((64, 64), cp.float64)}, optim.AdamW(state_dtype="8bit"))
+    e = Engine({"w": cp.zeros((64, 64), cp.float32), "b": cp.zeros(8, cp.float32)}, optim.AdamW(state_dtype="8bit"))
+    for b in e.state.slots.values():
+        assert isinstance(b, state8.Quant8Buffer) and type(b.flat).__module__.startswith("cupy")
+        assert all(type(a).__module__.startswith("cupy") for a in b.kernel_arg()[:7])
+    assert int(e.state.slots["exp_avg"].codes[0]) == 127  # the signed map's zero
+
+
+# -- the CUDA kernels against the numba ones, one step at a time -----------------------------------
+
+
+def _to_device(cp, params_cpu, opt, state_cpu):
+    """A CuPy twin of ``params_cpu`` and of ``opt``'s state for it (slots copied bitwise)."""
+    pg = FlatBuffer(params_cpu.layout, cp.asarray(params_cpu.flat))
+    sg = opt.init(pg)
+    _copy_state(cp, state_cpu, sg)
+    return pg, sg
+
+
+def _copy_state(cp, src, dst):
+    for k, b in src.slots.items():
+        dst.slots[k].flat[...] = cp.asarray(b.flat)
+    dst.step, dst.scalars = src.step, dict(src.scalars)
+
+
+def _host_slot(b):
+    """A slot's arrays on the host: (codes, aux) of an 8-bit slot, else (None, flat)."""
+    if isinstance(b, state8.Quant8Buffer):
+        return b.codes.get(), b.aux.get()
+    return None, b.flat.get()
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_cuda_kernels_equal_numba_every_step(name):
+    """Every optimizer with 8-bit state: the CUDA kernels against the numba ones over STEPS steps,
+    each from the same state (the numba run's): params, the float32 side arrays and absmax at the
+    float32 tolerance, codes equal but for a rare one-code-off (see above)."""
+    cp = _require_cuda()
+    from arraytrain.kernels.interface import family
+
+    cuda = family("cupy")
+    rng, pc = _setup(name)
+    opt_c, opt_g = _make(name), _make(name)
+    sc = opt_c.init(pc)
+    pg, sg = _to_device(cp, pc, opt_g, sc)
+    for step in range(STEPS):
+        g = pc.zeros_like()
+        g.flat[...] = (rng.standard_normal(g.flat.size) * (10.0 if step == 3 else 1.0)).astype(np.float32)
+        gg = FlatBuffer(g.layout, cp.asarray(g.flat))
+        pg.flat[...] = cp.asarray(pc.flat)
+        _copy_state(cp, sc, sg)
+        opt_c.update(cpu, pc, g, sc, gscale=0.5)
+        opt_g.update(cuda, pg, gg, sg, gscale=0.5)
+        same = np.ones(pc.flat.size, bool)
+        if name == "LAMB":
+            for k, b in _q8(sc).items():
+                same &= b.codes == sg.slots[k].codes.get()
+        got = pg.flat.get()
+        # Muon's Newton-Schulz runs on cuBLAS: an absolute floor of 8 ulps of the largest weight
+        atol = max(1e-5 * 5, 8 * float(np.finfo(np.float32).eps) * float(np.abs(pc.flat).max()))
+        np.testing.assert_allclose(got[same], pc.flat[same], rtol=1.3e-6 * 5, atol=atol, err_msg=f"{name} step {step}")
+        for k, b in sc.slots.items():
+            codes, aux = _host_slot(sg.slots[k])
+            if codes is None:
+                np.testing.assert_allclose(aux, b.flat, rtol=1.3e-6 * 5, atol=1e-5 * 5, err_msg=k)
+                continue
+            np.testing.assert_allclose(aux, b.aux, rtol=1.3e-6 * 5, atol=1e-6, err_msg=f"{name} {k} step {step}")
+            diff = codes.astype(np.int64) - b.codes
+            assert np.abs(diff).max(initial=0) <= 1, (name, k, step)
+            assert np.count_nonzero(diff) <= max(3, diff.size // 10_000), (name, k, step, np.count_nonzero(diff))
+
+
+@pytest.mark.parametrize("name", ["AdamW", "SGD-nesterov", "NAdam", "RMSprop-centered-momentum"])
+def test_cuda_working_copy_and_mask_under_8bit_state(name):
+    """The CUDA 8-bit kernels write the bfloat16 working copy of every weight and keep pruned weights 0,
+    as the numba ones."""
+    import ml_dtypes
+
+    cp = _require_cuda()
+    from arraytrain.kernels.interface import family
+
+    rng, pc = _setup(name)
+    opt_c, opt_g = _make(name), _make(name)
+    sc = opt_c.init(pc)
+    pg, sg = _to_device(cp, pc, opt_g, sc)
+    mask = (rng.random(pc.flat.size) > 0.3).astype(np.uint8)
+    wc, wg = np.zeros(pc.flat.size, np.uint16), cp.zeros(pc.flat.size, cp.uint16)
+    from arraytrain.kernels.interface import LP_BF16
+
+    for _ in range(3):
+        g = pc.zeros_like()
+        g.flat[...] = rng.standard_normal(g.flat.size).astype(np.float32)
+        opt_c.update(cpu, pc, g, sc, working=(wc, LP_BF16), mask=mask)
+        opt_g.update(family("cupy"), pg, FlatBuffer(g.layout, cp.asarray(g.flat)), sg, working=(wg, LP_BF16),
+                     mask=cp.asarray(mask))
+    got = pg.flat.get()
+    live = np.zeros(pc.flat.size, bool)
+    for off, n in zip(pc.layout.offsets, pc.layout.sizes):
+        live[off : off + n] = True
+    assert not np.any(got[live & (mask == 0)])
+    np.testing.assert_array_equal(wg.get()[live], got[live].astype(ml_dtypes.bfloat16).view(np.uint16))
+    np.testing.assert_allclose(got, pc.flat, rtol=1e-3, atol=1e-3)
 
 
 def test_torch_binding_takes_8bit_and_the_drop_ins_refuse_it():
