@@ -285,8 +285,8 @@ class TorchOptimizer(torch.optim.Optimizer):
         float32; "8bit" stores it as ``bnb.optim.AdamW8bit`` and its siblings do (bitsandbytes'
         blockwise dynamic quantization: a uint8 code per element and a float32 ``absmax`` per
         256-element block, see :mod:`arraytrain.state8`), math in float32, for float32 parameters
-        or a bfloat16/float16 model's float32 master weights, on the CPU (float64 parameters and
-        CUDA tensors are refused at construction). A parameter with fewer than ``min_8bit_size``
+        or a bfloat16/float16 model's float32 master weights (float64 parameters are refused at
+        construction), on the CPU or CUDA as the engine runs it. A parameter with fewer than ``min_8bit_size``
         elements keeps float32 state. An 8-bit slot shows in ``state[p]`` and ``state_dict()`` as
         ``{"codes": uint8 tensor (the parameter's shape), "absmax": float32 tensor (blocks,),
         "map": "signed" or "unsigned"}``, the tensors live views of the engine's bytes (a write
@@ -979,14 +979,12 @@ def _check_tensor(name: str, p) -> None:
 
 
 def _check_8bit_tensor(name: str, p) -> None:
-    """8-bit state is kept for float32 values (a bfloat16/float16 model's are its float32 masters), on the CPU."""
+    """8-bit state is kept for float32 values (a bfloat16/float16 model's are its float32 masters); the
+    device is the engine's to accept (CPU, and CUDA through the engine's 8-bit CUDA kernels)."""
     if p.dtype == torch.float64:
         raise HyperparameterError(f"state_dtype: '8bit' state is kept for float32 parameters (or the float32 master "
                                   f"weights of a bfloat16/float16 model), {name!r} is {p.dtype}; use "
                                   "state_dtype=None for a float64 model")
-    if p.device.type != "cpu":
-        raise BackendUnavailableError(f"state_dtype: '8bit' state runs on the CPU (its CUDA kernels are not built "
-                                      f"yet), {name!r} is on {p.device}; use state_dtype='bfloat16' on the GPU")
 
 
 def _slot_views(buf, names) -> dict:

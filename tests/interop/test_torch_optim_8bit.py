@@ -6,7 +6,8 @@
 * ``state[p]`` / ``state_dict()``: an 8-bit slot is ``{"codes", "absmax", "map"}`` of live
   views (a write lands in the state); it round-trips through ``torch.save`` bitwise, resumes
   bitwise, and converts to and from float32 state as the engine's ``load_state_dict`` does.
-* The refusals, each a typed error naming the argument, before anything changes.
+* The refusals, each a typed error naming the argument, before anything changes; on CUDA (where
+  a GPU is usable) the drop-in follows the CPU one.
 * bitsandbytes' ``AdamW8bit`` on the CPU (where it installs): the same gradients give
   parameters far closer to bitsandbytes' than to float32 AdamW's, and a small model's losses
   follow bitsandbytes' (its CPU kernel rounds values under ~1.6e-5 of a block's absmax to one
@@ -448,13 +449,30 @@ def test_bad_8bit_state_dicts_change_nothing(what, error, spoil):
         assert _flat(_save_load(target.state_dict())["state"]) == _flat(before["state"])
 
 
-def test_cuda_8bit_refused_with_a_typed_error():
+def test_cuda_8bit_drop_in_follows_the_cpu_one():
+    """On CUDA the engine's 8-bit kernels run the step: the parameters follow the CPU drop-in's (a code
+    one off at a rounding boundary moves a value by one code, so not bitwise), and its state dict loads
+    into the CPU drop-in with the codes and scales as they are."""
     from cuda_family import require_cuda
 
     require_cuda()
-    a = _model().cuda()
-    with pytest.raises(errors.BackendUnavailableError, match="state_dtype"):
-        at_torch.AdamW(a.parameters(), state_dtype="8bit")
+    a = _model()
+    b = copy.deepcopy(a)
+    a.cuda()
+    gpu = at_torch.AdamW(a.named_parameters(), lr=1e-2, state_dtype="8bit", min_8bit_size=THRESHOLD)
+    cpu = at_torch.AdamW(b.named_parameters(), lr=1e-2, state_dtype="8bit", min_8bit_size=THRESHOLD)
+    for tokens, y in _batches(12):
+        for model, opt, dev in ((a, gpu, "cuda"), (b, cpu, "cpu")):
+            opt.zero_grad()
+            _loss(model, (tokens.to(dev), y.to(dev))).backward()
+            opt.step()
+    for p, q in zip(a.parameters(), b.parameters()):
+        np.testing.assert_allclose(p.detach().cpu().numpy(), q.detach().numpy(), rtol=1e-3, atol=3e-3)
+    assert gpu.state[a.emb.weight]["exp_avg"]["codes"].device.type == "cuda"
+    sd = _save_load(gpu.state_dict())
+    cpu.load_state_dict(sd)
+    e = cpu.state[b.emb.weight]["exp_avg"]
+    assert torch.equal(e["codes"], gpu.state[a.emb.weight]["exp_avg"]["codes"].cpu())
 
 
 # -- bitsandbytes' AdamW8bit, the reference 8-bit optimizer -------------------------------------------------
