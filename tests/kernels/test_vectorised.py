@@ -1,7 +1,9 @@
 """The low-precision CPU kernels are packed loops on AVX2 as well as on AVX-512.
 
 (8-bit state too: every optimizer's kernel with 8-bit slots must hold the packed float loop and
-the encoder's 8-lane ``vpgatherdd``, and the encoder's codes equal state8.nearest_codes.)
+the encoder's vector loop: the 8-lane ``vpgatherdd`` on AVX2, the arithmetic encoder's
+exponent permute (``vpermi2d``/``vpermt2d``) and the decoder's two-table permutes (``vpermi2ps``/``vpermt2ps``) on
+AVX-512; and the encoder's codes equal state8.nearest_codes on both.)
 
 Each kernel with bfloat16 state, each optimizer's working-copy writer (bfloat16 and float16)
 and the cast that rebuilds a working copy is compiled in a subprocess for an AVX2 target
@@ -44,6 +46,8 @@ PATTERNS = {
     "narrow": r"vpackusdw\s|vpmovu?s?dw\s",
     "cvtph": r"vcvtps2ph\s+\$\w+,\s*%[yz]mm",
     "gather": r"vpgatherdd\s[^\n]*%ymm",
+    "arith": r"vperm[it]2d\s[^\n]*%zmm",
+    "decode": r"vperm[it]2ps\s[^\n]*%zmm",
 }
 # kernels whose update loop takes a square root
 SQRT = {"adam", "adagrad", "rmsprop", "lamb_apply", "nadam", "adadelta", "schedule_free_adamw"}
@@ -193,23 +197,27 @@ def _q8_checks():
     from arraytrain.kernels.cpu.codecs import q8_encode_block
 
     @njit
-    def encode(x, codes, table, shift, bias, nb):
+    def encode(x, codes, table, shift, bias, nb, signed):
         for k in range(0, x.size, 256):
-            q8_encode_block(x[k : k + 256], codes[k : k + 256], table, shift, bias, nb)
+            q8_encode_block(x[k : k + 256], codes[k : k + 256], table, shift, bias, nb, signed)
 
     out = {}
     rng = np.random.default_rng(0)
     for signed in (True, False):
         book = state8.codebook(signed)
         m = book.qmap
-        # one block of 256 holding 1.0 (absmax 1: q = x), then the map's values, midpoints and neighbours
-        q = np.concatenate([m, (m[1:] + m[:-1]) / 2, np.nextafter((m[1:] + m[:-1]) / 2, np.float32(2)),
-                            rng.uniform(-1, 1, 4000), [0.0, -0.0, 1e-30, -1e-30, 2.0**-23, -(2.0**-23)]])
+        # blocks of 256 holding 1.0 (absmax 1: q = x), then the map's values, every decision bound
+        # with its 64 float32 neighbours on each side, both signs (the arithmetic encoder's
+        # flagged lanes), uniform and log-uniform values, zeros and tiny values
+        bounds = np.abs((m[1:] + m[:-1]) / np.float32(2)).astype(np.float32).view(np.int32)
+        near = (bounds[:, None] + np.arange(-64, 65, dtype=np.int32)[None, :]).ravel().view(np.float32)
+        q = np.concatenate([m, near, -near, rng.uniform(-1, 1, 4000), np.exp(rng.uniform(-40, 0, 4000)),
+                            [0.0, -0.0, 1e-30, -1e-30, 1e-45, -1e-45, 2.0**-23, -(2.0**-23)]])
         q = np.abs(q) if not signed else q
         q = np.concatenate([q, np.zeros(-q.size % 256)]).astype(np.float32)
         q[::256] = 1.0
         codes = np.zeros(q.size, np.uint8)
-        encode(q, codes, book.table, book.shift, book.bias, book.nb)
+        encode(q, codes, book.table, book.shift, book.bias, book.nb, signed)
         out[f"q8/{'signed' if signed else 'unsigned'}"] = int(np.count_nonzero(codes != state8.nearest_codes(q, m)))
     return out
 
@@ -236,8 +244,11 @@ def test_update_loops_are_packed(compiled):
     bad = []
     for key, c in found["asm"].items():
         name, tag = (key.split("/") + [""])[:2]
-        if tag.startswith("8bit-state"):  # no narrowing store; the encoder's table lookup is a gather
-            need = ["gather"] if name != "lamb_apply" else []  # LAMB's second loop only decodes
+        if tag.startswith("8bit-state"):  # no narrowing store; the encoder (and on AVX-512 the decoder)
+            encoder = ["gather"] if target == "avx2" else ["arith"]
+            need = encoder if name != "lamb_apply" else []  # LAMB's second loop only decodes
+            if target == "avx512":
+                need.append("decode")
             if name not in ORDERED_SUMS:
                 need.append("float")
                 if name in SQRT:

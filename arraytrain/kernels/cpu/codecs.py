@@ -14,6 +14,7 @@ from llvmlite import ir
 from numba import njit, types
 from numba.core.errors import NumbaIRAssumptionWarning
 from numba.extending import intrinsic, overload
+from numba.core import cgutils
 from numba.np.numpy_support import as_dtype
 
 from ._jit import JIT
@@ -359,10 +360,18 @@ def q8_pick(typingctx, q, entry, shift):
     return types.uint8(types.float32, types.int32, types.int64), codegen
 
 
+def _features(context) -> list:
+    return (getattr(context.codegen(), "_tm_features", "") or "").split(",")
+
+
 def has_avx2(context) -> bool:
     """Whether the target the kernels are compiled for has AVX2 (its 8-lane gathers)."""
-    features = getattr(context.codegen(), "_tm_features", "") or ""
-    return "+avx2" in features.split(",")
+    return "+avx2" in _features(context)
+
+
+def has_avx512(context) -> bool:
+    """Whether the target has AVX-512F (16-lane vectors, two-table permutes)."""
+    return "+avx512f" in _features(context)
 
 
 def _splat(builder, value, vt):
@@ -372,52 +381,223 @@ def _splat(builder, value, vt):
     return builder.shuffle_vector(one, undef, ir.Constant(ir.VectorType(i32, vt.count), [0] * vt.count))
 
 
-# The encoder's table lookup is a gather. LLVM's cost model prices a gather as the scalar
+def _x86(builder, name, ret, args):
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, [a.type for a in args]), name)
+    return builder.call(fn, args)
+
+
+def _vec(vt, values):
+    et = vt.element
+    return ir.Constant(vt, [ir.Constant(et, float(v) if isinstance(et, ir.FloatType) else int(v)) for v in values])
+
+
+def _halves(builder, v, i32):
+    lo = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(i32, 8), list(range(8))))
+    hi = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(i32, 8), list(range(8, 16))))
+    return lo, hi
+
+
+def _picked(builder, u, base, sh, bi, nb, lanes):
+    """The exact codes (``<lanes x i32>``) of the float32 bits ``u`` from the bucket table at
+    ``base``: the table lookup as 8-lane ``vpgatherdd``s (two for 16 lanes)."""
+    i8, i32 = ir.IntType(8), ir.IntType(32)
+    vt = ir.VectorType(i32, lanes)
+    c = lambda v: ir.Constant(vt, [v] * lanes)  # noqa: E731
+    sh, bi, nb = (_splat(builder, x, vt) for x in (sh, bi, nb))
+    sign = builder.lshr(u, c(31))
+    k = builder.sub(builder.lshr(builder.and_(u, c(0x7FFFFFFF)), sh), bi)
+    k = builder.select(builder.icmp_signed("<", k, c(0)), c(0), k)
+    top = builder.sub(nb, c(1))
+    k = builder.select(builder.icmp_signed(">", k, top), top, k)
+    idx = builder.add(builder.mul(sign, nb), k)
+    v8 = ir.VectorType(i32, 8)
+    parts = _halves(builder, idx, i32) if lanes == 16 else (idx,)
+    got = [_x86(builder, "llvm.x86.avx2.gather.d.d.256", v8,
+                [ir.Constant(v8, [0] * 8), base, p, ir.Constant(v8, [-1] * 8), ir.Constant(i8, 4)]) for p in parts]
+    e = got[0] if lanes == 8 else builder.shuffle_vector(got[0], got[1], ir.Constant(vt, list(range(16))))
+    low = builder.and_(u, builder.sub(builder.shl(c(1), sh), c(1)))
+    moved = builder.zext(builder.icmp_unsigned(">=", low, builder.lshr(e, c(8))), vt)
+    step = builder.select(builder.icmp_unsigned("==", sign, c(0)), moved, builder.sub(c(0), moved))
+    return builder.add(builder.and_(e, c(255)), step)
+
+
+# The arithmetic encoder (AVX-512 targets). A dynamic map's positive values come in seven
+# decades of 2**i (signed) or 2**(i+1) (unsigned) evenly spaced means, then 1.0; so a q's code
+# is its decade's first code plus ``floor(|q| * S - O)`` (the decision bounds of a decade fall
+# at whole numbers of that linear coordinate), and no table lookup is needed. The decade is
+# read from |q|'s binary exponent (a 32-entry table, one permute: no binade holds two decade
+# edges) and one compare with that decade's edge. Where the coordinate lies within DELTA of a
+# whole number (a decision bound, up to float32 rounding of the map), the lane's code comes
+# from the bucket table instead (a gather, for about 3 elements in 100,000): the encoder's
+# codes equal nearest_codes bit for bit. That was checked over every float32 in [-1.125,
+# 1.125] for both maps (no code differs outside the flagged lanes; the largest distance of a
+# real bound from its whole number is 1.5e-5); tests/optim/test_state8.py checks every bound's
+# neighbourhood. Negative q count the bounds <= |q| (ties go to the larger magnitude, the lower
+# code): |q| is moved up one ulp. On AVX2 targets (8 lanes, no two-table permute) this
+# measured slower than the gather below, so they keep the gather.
+_DELTA = 1e-4
+_EXP0 = 96  # the exponent table covers 2**-31 .. 2**0; anything smaller is below the first edge
+
+
+def _arith_constants(qmap) -> dict:
+    """The arithmetic encoder's tables for one dynamic map (see above)."""
+    f32 = np.float32
+    bounds = ((qmap[:-1] + qmap[1:]) / f32(2)).astype(f32)
+    pos = bounds[bounds > 0]
+    vals = qmap[qmap > 0].astype(np.float64)
+    decade = np.floor(np.log10(vals) + 1e-9).astype(int)[:-1]  # the top value, 1.0, apart
+    edges, S, O, base, top = [pos[0]], [0.0], [-0.5], [0], [0]  # class 0: below the first bound (q ~ 0)
+    for i, dd in enumerate(sorted(set(decade))):
+        first = int(np.nonzero(decade == dd)[0][0])
+        n = int((decade == dd).sum())
+        if i:
+            edges.append(pos[first])
+        S.append(n / (0.9 * 10.0 ** (dd + 1)))
+        O.append(0.1 * n / 0.9)
+        base.append(first + 1)
+        top.append(n - 1)
+        coord = pos[first + 1 : first + n] * f32(S[-1]) - f32(O[-1])
+        if n > 1 and np.abs(coord - np.arange(1, n)).max() > _DELTA / 4:
+            raise AssertionError("dynamic map: a decade is not evenly spaced")
+    edges = np.array(edges + [pos[-1]], f32)
+    if edges.size != 8 or base[-1] + top[-1] + 1 != pos.size or np.any(edges[1:] < 2 * edges[:-1]):
+        raise AssertionError("dynamic map: unexpected decade structure")
+    lowest = [sum(1 for e in edges if e < 2.0 ** (k + _EXP0 - 127)) for k in range(32)]
+    return dict(zero=int((bounds <= 0).sum()), npos=int(pos.size), edges=np.concatenate([edges, np.full(8, np.inf, f32)]),
+                S=S + [0.0] * 8, O=O + [0.0] * 8, base=base + [0] * 8, top=top + [0] * 8, lowest=lowest)
+
+
+_ARITH = {}
+
+
+def _arith(signed: bool) -> dict:
+    if signed not in _ARITH:
+        from ...state8 import SIGNED_MAP, UNSIGNED_MAP
+
+        _ARITH[signed] = _arith_constants(SIGNED_MAP if signed else UNSIGNED_MAP)
+    return _ARITH[signed]
+
+
+def _emit_arith(builder, u, signed, lanes=16):
+    """Codes (``<16 x i32>``) of the float32 bits ``u`` and the lanes to take from the table instead."""
+    i32, f = ir.IntType(32), ir.FloatType()
+    vi, vf = ir.VectorType(i32, lanes), ir.VectorType(f, lanes)
+    c = lambda v: ir.Constant(vi, [v] * lanes)  # noqa: E731
+    cf = lambda v: ir.Constant(vf, [float(np.float32(v))] * lanes)  # noqa: E731
+    s, un = _arith(True), _arith(False)
+
+    def table(key, vt):  # both maps' table, picked by the runtime ``signed``
+        return builder.select(signed, _vec(vt, s[key][:16]), _vec(vt, un[key][:16]))
+
+    def scalar(key):
+        return builder.select(signed, c(s[key]), c(un[key]))
+
+    sign = builder.lshr(u, c(31))
+    a = builder.bitcast(builder.add(builder.and_(u, c(0x7FFFFFFF)), sign), vf)  # one ulp up for q < 0
+    e = builder.sub(builder.lshr(builder.bitcast(a, vi), c(23)), c(_EXP0))
+    e = builder.select(builder.icmp_signed("<", e, c(0)), c(0), e)
+    e = builder.select(builder.icmp_signed(">", e, c(31)), c(31), e)
+    lo = builder.select(signed, _vec(vi, s["lowest"][:16]), _vec(vi, un["lowest"][:16]))
+    hi = builder.select(signed, _vec(vi, s["lowest"][16:]), _vec(vi, un["lowest"][16:]))
+    d = _x86(builder, "llvm.x86.avx512.vpermi2var.d.512", vi, [lo, e, hi])
+    perm_f = lambda t: _x86(builder, "llvm.x86.avx512.permvar.sf.512", vf, [t, d])  # noqa: E731
+    perm_i = lambda t: _x86(builder, "llvm.x86.avx512.permvar.si.512", vi, [t, d])  # noqa: E731
+    d = builder.add(d, builder.zext(builder.fcmp_ordered("<", perm_f(table("edges", vf)), a), vi))
+    t = builder.fsub(builder.fmul(a, perm_f(table("S", vf))), perm_f(table("O", vf)))
+    j = builder.fptosi(t, vi)
+    frac = builder.fsub(t, builder.sitofp(j, vf))
+    above = builder.icmp_unsigned("==", d, c(8))  # above the last bound: 1.0's code
+    near = builder.and_(builder.or_(builder.fcmp_ordered("<", frac, cf(_DELTA)), builder.fcmp_ordered(">", frac, cf(1 - _DELTA))),
+                        builder.not_(above))
+    top = perm_i(table("top", vi))
+    m = builder.add(perm_i(table("base", vi)), builder.select(builder.icmp_signed("<", j, top), j, top))
+    m = builder.select(above, scalar("npos"), m)
+    zero = scalar("zero")
+    neg = builder.icmp_unsigned("!=", sign, c(0))
+    code = builder.select(neg, builder.sub(zero, builder.select(builder.icmp_signed("<", m, zero), m, zero)),
+                          builder.add(zero, m))
+    nan = builder.fcmp_unordered("uno", a, a)
+    return builder.select(nan, builder.select(neg, c(0), c(255)), code), near
+
+
+# The encoder's loop, written in vector IR: LLVM's cost model prices a gather as the scalar
 # loads it replaces on AMD cores and on Haswell, so a numba loop that indexes the table stays
-# scalar (1.6 ns per element measured on a Zen 5 core, 6x the rest of the step). The loop is
-# written here in vector IR instead, 8 lanes per iteration with one vpgatherdd (AVX2, so the
-# same code for an AVX2 and an AVX-512 target); it returns where the scalar tail starts (0 on
-# a target without AVX2: the whole block through the scalar loop).
+# scalar (1.6 ns per element measured on a Zen 5 core). AVX-512 targets: 16 lanes of the
+# arithmetic encoder, the flagged lanes re-read from the table. AVX2 targets: 8 lanes, the
+# table read with one vpgatherdd. Returns where the scalar tail starts (0 on a target without
+# AVX2: the whole block through the scalar loop).
 @intrinsic
-def q8_encode_lanes(typingctx, vals, codes, r, table, shift, bias, nb):
-    """Codes of ``vals[i] * r`` for the first ``8 * (n // 8)`` elements; returns that count."""
-    sig = types.intp(vals, codes, types.float32, table, types.int64, types.int64, types.int64)
+def q8_encode_lanes(typingctx, vals, codes, r, table, shift, bias, nb, signed):
+    """Codes of ``vals[i] * r`` for the first ``L * (n // L)`` elements; returns that count."""
+    sig = types.intp(vals, codes, types.float32, table, types.int64, types.int64, types.int64, types.boolean)
 
     def codegen(context, builder, signature, args):
-        from numba.core import cgutils
-
         intp = context.get_value_type(types.intp)
-        if not has_avx2(context):
+        lanes = 16 if has_avx512(context) else 8 if has_avx2(context) else 0
+        if not lanes:
             return ir.Constant(intp, 0)
         i8, i32 = ir.IntType(8), ir.IntType(32)
-        v8i32, v8f, v8i8 = ir.VectorType(i32, 8), ir.VectorType(ir.FloatType(), 8), ir.VectorType(i8, 8)
-        c = lambda v: ir.Constant(v8i32, [v] * 8)  # noqa: E731
+        vi, vf, vb = ir.VectorType(i32, lanes), ir.VectorType(ir.FloatType(), lanes), ir.VectorType(i8, lanes)
         va = context.make_array(signature.args[0])(context, builder, args[0])
         ca = context.make_array(signature.args[1])(context, builder, args[1])
         ta = context.make_array(signature.args[3])(context, builder, args[3])
-        sh, bi, nbs = (builder.trunc(a, i32) for a in args[4:7])
-        r8, sh8, bi8, nb8 = _splat(builder, args[2], v8f), _splat(builder, sh, v8i32), _splat(builder, bi, v8i32), \
-            _splat(builder, nbs, v8i32)
-        top8 = builder.sub(nb8, c(1))
-        lowmask8 = builder.sub(builder.shl(c(1), sh8), c(1))
-        gather = cgutils.get_or_insert_function(
-            builder.module, ir.FunctionType(v8i32, [v8i32, i8.as_pointer(), v8i32, v8i32, i8]),
-            "llvm.x86.avx2.gather.d.d.256")
         base = builder.bitcast(ta.data, i8.as_pointer())
-        n8 = builder.and_(va.nitems, ir.Constant(intp, -8))
-        with cgutils.for_range_slice(builder, ir.Constant(intp, 0), n8, ir.Constant(intp, 8)) as (i, _):
-            x = builder.load(builder.bitcast(cgutils.gep_inbounds(builder, va.data, i), v8f.as_pointer()), align=4)
-            u = builder.bitcast(builder.fmul(x, r8), v8i32)
-            sign = builder.lshr(u, c(31))
-            k = builder.sub(builder.lshr(builder.and_(u, c(0x7FFFFFFF)), sh8), bi8)
-            k = builder.select(builder.icmp_signed("<", k, c(0)), c(0), k)
-            k = builder.select(builder.icmp_signed(">", k, top8), top8, k)
-            e = builder.call(gather, [c(0), base, builder.add(builder.mul(sign, nb8), k), c(-1), ir.Constant(i8, 4)])
-            moved = builder.zext(builder.icmp_unsigned(">=", builder.and_(u, lowmask8), builder.lshr(e, c(8))), v8i32)
-            step = builder.select(builder.icmp_unsigned("==", sign, c(0)), moved, builder.sub(c(0), moved))
-            code = builder.trunc(builder.add(builder.and_(e, c(255)), step), v8i8)
-            builder.store(code, builder.bitcast(cgutils.gep_inbounds(builder, ca.data, i), v8i8.as_pointer()), align=1)
-        return n8
+        sh, bi, nbs = (builder.trunc(a, i32) for a in args[4:7])
+        signed = _splat(builder, args[7], ir.VectorType(ir.IntType(1), lanes))
+        r = _splat(builder, args[2], vf)
+        n = builder.and_(va.nitems, ir.Constant(intp, -lanes))
+        with cgutils.for_range_slice(builder, ir.Constant(intp, 0), n, ir.Constant(intp, lanes)) as (i, _):
+            x = builder.load(builder.bitcast(cgutils.gep_inbounds(builder, va.data, i), vf.as_pointer()), align=4)
+            u = builder.bitcast(builder.fmul(x, r), vi)
+            if lanes == 16:
+                code, near = _emit_arith(builder, u, signed)
+                slot = cgutils.alloca_once_value(builder, code)
+                flagged = builder.icmp_unsigned("!=", builder.bitcast(near, ir.IntType(16)), ir.Constant(ir.IntType(16), 0))
+                with builder.if_then(flagged, likely=False):
+                    builder.store(builder.select(near, _picked(builder, u, base, sh, bi, nbs, 16), code), slot)
+                code = builder.load(slot)
+            else:
+                code = _picked(builder, u, base, sh, bi, nbs, 8)
+            builder.store(builder.trunc(code, vb), builder.bitcast(cgutils.gep_inbounds(builder, ca.data, i), vb.as_pointer()),
+                          align=1)
+        return n
+
+    return sig, codegen
+
+
+# The decoder on AVX-512 targets: the 256-entry map as 8 two-register permutes (32 entries
+# each, by the code's low 5 bits) and a select on each of the top 3 bits, 16 lanes at a time.
+# Elsewhere the numba loop (a gather would be priced as scalar loads, as above).
+@intrinsic
+def q8_decode_lanes(typingctx, cb, am, qmap, tmp):
+    """``tmp[i] = qmap[cb[i]] * am`` for the first ``16 * (n // 16)`` elements; returns that count."""
+    sig = types.intp(cb, types.float32, qmap, tmp)
+
+    def codegen(context, builder, signature, args):
+        intp = context.get_value_type(types.intp)
+        if not has_avx512(context):
+            return ir.Constant(intp, 0)
+        i8, i32 = ir.IntType(8), ir.IntType(32)
+        vi, vf, vb = ir.VectorType(i32, 16), ir.VectorType(ir.FloatType(), 16), ir.VectorType(i8, 16)
+        c = lambda v: ir.Constant(vi, [v] * 16)  # noqa: E731
+        ca = context.make_array(signature.args[0])(context, builder, args[0])
+        qa = context.make_array(signature.args[2])(context, builder, args[2])
+        ta = context.make_array(signature.args[3])(context, builder, args[3])
+        rows = [builder.load(builder.bitcast(cgutils.gep_inbounds(builder, qa.data, ir.Constant(intp, 16 * k)),
+                                             vf.as_pointer()), align=4) for k in range(16)]
+        am = _splat(builder, args[1], vf)
+        n = builder.and_(ca.nitems, ir.Constant(intp, -16))
+        with cgutils.for_range_slice(builder, ir.Constant(intp, 0), n, ir.Constant(intp, 16)) as (i, _):
+            code = builder.zext(builder.load(builder.bitcast(cgutils.gep_inbounds(builder, ca.data, i), vb.as_pointer()),
+                                             align=1), vi)
+            v = [_x86(builder, "llvm.x86.avx512.vpermi2var.ps.512", vf, [rows[2 * k], code, rows[2 * k + 1]])
+                 for k in range(8)]
+            for bit in (32, 64, 128):
+                on = builder.icmp_unsigned("!=", builder.and_(code, c(bit)), c(0))
+                v = [builder.select(on, v[k + 1], v[k]) for k in range(0, len(v), 2)]
+            builder.store(builder.fmul(v[0], am), builder.bitcast(cgutils.gep_inbounds(builder, ta.data, i), vf.as_pointer()),
+                          align=4)
+        return n
 
     return sig, codegen
 
@@ -425,19 +605,19 @@ def q8_encode_lanes(typingctx, vals, codes, r, table, shift, bias, nb):
 @njit(inline="always", **JIT)
 def q8_decode_block(cb, am, qmap, tmp):
     """``tmp[i] = qmap[cb[i]] * am``: a block's float32 values from its codes."""
-    for i in range(cb.size):
+    for i in range(q8_decode_lanes(cb, am, qmap, tmp), cb.size):
         tmp[i] = qmap[cb[i]] * am
 
 
 @njit(inline="always", **JIT)
-def q8_encode_block(vals, cb, table, shift, bias, nb):
-    """Encode a block's float32 ``vals`` into ``cb``; returns the block's absmax."""
+def q8_encode_block(vals, cb, table, shift, bias, nb, signed):
+    """Encode a block's float32 ``vals`` into ``cb`` (``signed``: the signed map); returns the block's absmax."""
     m = np.uint32(0)
     for i in range(vals.size):
         m = umax32(m, abs_bits(vals[i]))
     am = bits_as_f32(m)
     r = np.float32(1.0) / am if am > 0 else np.float32(0.0)
-    for i in range(q8_encode_lanes(vals, cb, r, table, shift, bias, nb), vals.size):
+    for i in range(q8_encode_lanes(vals, cb, r, table, shift, bias, nb, signed), vals.size):
         q = vals[i] * r
         cb[i] = q8_pick(q, table[q8_bucket(q, shift, bias, nb)], shift)
     return am
@@ -502,7 +682,7 @@ def _state_close(a, seg, lo, hi, vals):
     if _is_q8(a):
         def impl(a, seg, lo, hi, vals):
             if a.quant[seg]:
-                am = q8_encode_block(vals, a.codes[lo:hi], a.table, a.shift, a.bias, a.nb)
+                am = q8_encode_block(vals, a.codes[lo:hi], a.table, a.shift, a.bias, a.nb, a.qmap[0] < 0)
                 # through a one-element view: a store straight into ``a.aux[k]`` was dropped
                 # inside a prange loop (numba 0.68's parfor lowering of a tuple member)
                 k = a.base[seg] + (lo - a.offset[seg]) // QBLOCK
