@@ -439,9 +439,10 @@ def test_cuda_working_copy_and_mask_under_8bit_state(name):
     np.testing.assert_allclose(got, pc.flat, rtol=1e-3, atol=1e-3)
 
 
-def test_torch_binding_takes_8bit_and_the_drop_ins_refuse_it():
-    """bind(module, optimizer) runs 8-bit state; the drop-in torch optimizers do not take it yet
-    (a typed error at construction)."""
+def test_torch_binding_takes_8bit():
+    """bind(module, optimizer) runs 8-bit state; a drop-in whose optimizer keeps no element-wise
+    state refuses it (a typed error at construction; tests/interop/test_torch_optim_8bit.py
+    covers the drop-ins that take it)."""
     torch = pytest.importorskip("torch")
     from arraytrain.interop import torch as att
 
@@ -459,7 +460,7 @@ def test_torch_binding_takes_8bit_and_the_drop_ins_refuse_it():
         losses.append(float(loss))
     assert losses[-1] < 0.1 * losses[0]
     with pytest.raises(HyperparameterError, match="state_dtype"):
-        att.AdamW(m.parameters(), state_dtype="8bit")
+        att.Adafactor(m.parameters(), state_dtype="8bit")
 
 
 @pytest.mark.parametrize("make", [lambda: at.optim.NAdam(lr=1e-2, state_dtype="8bit"),
