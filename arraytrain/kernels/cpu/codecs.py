@@ -565,9 +565,11 @@ def q8_encode_lanes(typingctx, vals, codes, r, table, shift, bias, nb, signed):
     return sig, codegen
 
 
-# The decoder on AVX-512 targets: the 256-entry map as 8 two-register permutes (32 entries
-# each, by the code's low 5 bits) and a select on each of the top 3 bits, 16 lanes at a time.
-# Elsewhere the numba loop (a gather would be priced as scalar loads, as above).
+# The decoder on AVX-512 targets, in vector IR: the 256-entry map as 8 two-table permutes (32
+# entries each, by the code's low 5 bits) and a select on each of the top 3 bits, 16 lanes at
+# a time: 1.06 ms against the numba loop's 1.91 ms for 1e7 codes on one Zen 5 core. AVX2
+# targets keep the numba loop (scalar): an 8-lane vgatherdps measured slower there (2.46 ms
+# against 2.0 ms, compiled for haswell on the same core).
 @intrinsic
 def q8_decode_lanes(typingctx, cb, am, qmap, tmp):
     """``tmp[i] = qmap[cb[i]] * am`` for the first ``16 * (n // 16)`` elements; returns that count."""
