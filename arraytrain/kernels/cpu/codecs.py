@@ -423,17 +423,22 @@ def _picked(builder, u, base, sh, bi, nb, lanes):
 
 # The arithmetic encoder (AVX-512 targets). A dynamic map's positive values come in seven
 # decades of 2**i (signed) or 2**(i+1) (unsigned) evenly spaced means, then 1.0; so a q's code
-# is its decade's first code plus ``floor(|q| * S - O)`` (the decision bounds of a decade fall
-# at whole numbers of that linear coordinate), and no table lookup is needed. The decade is
-# read from |q|'s binary exponent (a 32-entry table, one permute: no binade holds two decade
-# edges) and one compare with that decade's edge. Where the coordinate lies within DELTA of a
-# whole number (a decision bound, up to float32 rounding of the map), the lane's code comes
-# from the bucket table instead (a gather, for about 3 elements in 100,000): the encoder's
-# codes equal nearest_codes bit for bit. That was checked over every float32 in [-1.125,
-# 1.125] for both maps (no code differs outside the flagged lanes; the largest distance of a
-# real bound from its whole number is 1.5e-5); tests/optim/test_state8.py checks every bound's
-# neighbourhood. Negative q count the bounds <= |q| (ties go to the larger magnitude, the lower
-# code): |q| is moved up one ulp. On AVX2 targets (8 lanes, no two-table permute) this
+# is its class's first code plus ``floor(|q| * S - O)`` (the decision bounds of a decade fall
+# at whole numbers of that linear coordinate), and no table lookup is needed. The classes: 0
+# below the first bound (the code of 0), 1-7 the decades, 8 above the last bound (1.0's code,
+# and NaN's: its top code); each a row of 16-entry tables read by one permute. The class is
+# read from |q|'s binary exponent (a 32-entry table, one two-table permute: no binade holds two
+# class edges) and one compare with the class's upper edge. Where the coordinate lies within
+# DELTA of a whole number (a decision bound, up to float32 rounding of the map), the lane's
+# code comes from the bucket table instead (a gather, for about 3 elements in 100,000): the
+# encoder's codes equal nearest_codes bit for bit. That was checked over every float32 in
+# [-1.125, 1.125] for both maps (no code differs outside the flagged lanes; the largest
+# distance of a real bound from its whole number is 1.5e-5); tests/kernels/test_vectorised.py
+# checks every bound's 64 neighbours on each side. Negative q count the bounds <= |q| (ties go
+# to the larger magnitude, the lower code): |q| is moved up one ulp. A NaN or infinite q lands
+# in class 8, whose coordinate is NaN: the truncation's integer indefinite (0x80000000, read as
+# unsigned by the clamp) gives the class's first code, and no lane is flagged. About 34
+# instructions per 16 codes. On AVX2 targets (8 lanes, no two-table permute) the arithmetic
 # measured slower than the gather below, so they keep the gather.
 _DELTA = 1e-4
 _EXP0 = 96  # the exponent table covers 2**-31 .. 2**0; anything smaller is below the first edge
@@ -462,9 +467,11 @@ def _arith_constants(qmap) -> dict:
     edges = np.array(edges + [pos[-1]], f32)
     if edges.size != 8 or base[-1] + top[-1] + 1 != pos.size or np.any(edges[1:] < 2 * edges[:-1]):
         raise AssertionError("dynamic map: unexpected decade structure")
+    S, O, base, top = S + [0.0], O + [-0.5], base + [pos.size], top + [0]  # class 8: above the last bound
     lowest = [sum(1 for e in edges if e < 2.0 ** (k + _EXP0 - 127)) for k in range(32)]
-    return dict(zero=int((bounds <= 0).sum()), npos=int(pos.size), edges=np.concatenate([edges, np.full(8, np.inf, f32)]),
-                S=S + [0.0] * 8, O=O + [0.0] * 8, base=base + [0] * 8, top=top + [0] * 8, lowest=lowest)
+    pad = 16 - len(S)
+    return dict(zero=int((bounds <= 0).sum()), edges=np.concatenate([edges, np.full(8, np.inf, f32)]),
+                S=S + [0.0] * pad, O=O + [0.0] * pad, base=base + [0] * pad, top=top + [0] * pad, lowest=lowest)
 
 
 _ARITH = {}
@@ -480,44 +487,37 @@ def _arith(signed: bool) -> dict:
 
 def _emit_arith(builder, u, signed, lanes=16):
     """Codes (``<16 x i32>``) of the float32 bits ``u`` and the lanes to take from the table instead."""
-    i32, f = ir.IntType(32), ir.FloatType()
+    i16, i32, f = ir.IntType(16), ir.IntType(32), ir.FloatType()
     vi, vf = ir.VectorType(i32, lanes), ir.VectorType(f, lanes)
     c = lambda v: ir.Constant(vi, [v] * lanes)  # noqa: E731
     cf = lambda v: ir.Constant(vf, [float(np.float32(v))] * lanes)  # noqa: E731
     s, un = _arith(True), _arith(False)
 
-    def table(key, vt):  # both maps' table, picked by the runtime ``signed``
-        return builder.select(signed, _vec(vt, s[key][:16]), _vec(vt, un[key][:16]))
-
-    def scalar(key):
-        return builder.select(signed, c(s[key]), c(un[key]))
+    def table(key, vt, part=slice(0, 16)):  # both maps' table, picked by the runtime ``signed``
+        return builder.select(signed, _vec(vt, s[key][part]), _vec(vt, un[key][part]))
 
     sign = builder.lshr(u, c(31))
     a = builder.bitcast(builder.add(builder.and_(u, c(0x7FFFFFFF)), sign), vf)  # one ulp up for q < 0
     e = builder.sub(builder.lshr(builder.bitcast(a, vi), c(23)), c(_EXP0))
     e = builder.select(builder.icmp_signed("<", e, c(0)), c(0), e)
     e = builder.select(builder.icmp_signed(">", e, c(31)), c(31), e)
-    lo = builder.select(signed, _vec(vi, s["lowest"][:16]), _vec(vi, un["lowest"][:16]))
-    hi = builder.select(signed, _vec(vi, s["lowest"][16:]), _vec(vi, un["lowest"][16:]))
-    d = _x86(builder, "llvm.x86.avx512.vpermi2var.d.512", vi, [lo, e, hi])
+    d = _x86(builder, "llvm.x86.avx512.vpermi2var.d.512", vi,
+             [table("lowest", vi), e, table("lowest", vi, slice(16, 32))])
     perm_f = lambda t: _x86(builder, "llvm.x86.avx512.permvar.sf.512", vf, [t, d])  # noqa: E731
     perm_i = lambda t: _x86(builder, "llvm.x86.avx512.permvar.si.512", vi, [t, d])  # noqa: E731
     d = builder.add(d, builder.zext(builder.fcmp_ordered("<", perm_f(table("edges", vf)), a), vi))
     t = builder.fsub(builder.fmul(a, perm_f(table("S", vf))), perm_f(table("O", vf)))
-    j = builder.fptosi(t, vi)
+    # the hardware truncation (0x80000000 for NaN): LLVM's fptosi would make a NaN lane poison
+    j = _x86(builder, "llvm.x86.avx512.mask.cvttps2dq.512", vi, [t, c(0), ir.Constant(i16, -1), ir.Constant(i32, 4)])
     frac = builder.fsub(t, builder.sitofp(j, vf))
-    above = builder.icmp_unsigned("==", d, c(8))  # above the last bound: 1.0's code
-    near = builder.and_(builder.or_(builder.fcmp_ordered("<", frac, cf(_DELTA)), builder.fcmp_ordered(">", frac, cf(1 - _DELTA))),
-                        builder.not_(above))
+    near = builder.or_(builder.fcmp_ordered("<", frac, cf(_DELTA)), builder.fcmp_ordered(">", frac, cf(1 - _DELTA)))
     top = perm_i(table("top", vi))
-    m = builder.add(perm_i(table("base", vi)), builder.select(builder.icmp_signed("<", j, top), j, top))
-    m = builder.select(above, scalar("npos"), m)
-    zero = scalar("zero")
+    m = builder.add(perm_i(table("base", vi)), builder.select(builder.icmp_unsigned("<", j, top), j, top))
+    zero = builder.select(signed, c(s["zero"]), c(un["zero"]))
     neg = builder.icmp_unsigned("!=", sign, c(0))
-    code = builder.select(neg, builder.sub(zero, builder.select(builder.icmp_signed("<", m, zero), m, zero)),
+    code = builder.select(neg, builder.sub(zero, builder.select(builder.icmp_unsigned("<", m, zero), m, zero)),
                           builder.add(zero, m))
-    nan = builder.fcmp_unordered("uno", a, a)
-    return builder.select(nan, builder.select(neg, c(0), c(255)), code), near
+    return code, near
 
 
 # The encoder's loop, written in vector IR: LLVM's cost model prices a gather as the scalar
