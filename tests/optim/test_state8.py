@@ -90,6 +90,57 @@ def test_bucket_table_gives_the_nearest_code(signed):
     np.testing.assert_array_equal(got, _table_codes(q, book))
 
 
+@pytest.mark.parametrize("signed", [True, False])
+def test_block_encoder_gives_the_nearest_code_across_every_exponent(signed):
+    """The block encoder this CPU's kernels run (arithmetic with flagged lanes on AVX-512, the
+    gather on AVX2) over every 61st float32 bit pattern in [-1, 1] of both signs (all
+    exponents, 35 million values), blocks of 255 values and 1.0, so that q is the value itself."""
+    from numba import njit
+
+    from arraytrain.kernels.cpu.codecs import q8_encode_block
+
+    @njit
+    def encode(x, codes, table, shift, bias, nb, signed):
+        for k in range(0, x.size, 256):
+            q8_encode_block(x[k : k + 256], codes[k : k + 256], table, shift, bias, nb, signed)
+
+    book = state8.codebook(signed)
+    u = np.arange(0, 0x3F800001, 61, dtype=np.uint32)
+    q = np.concatenate([u, u | np.uint32(0x80000000)]).view(np.float32)
+    q = np.concatenate([q, np.zeros(-q.size % 255, np.float32)])
+    x = np.ones((q.size // 255, 256), np.float32)
+    x[:, 1:] = q.reshape(-1, 255)
+    codes = np.empty(x.size, np.uint8)
+    encode(x.reshape(-1), codes, book.table, book.shift, book.bias, book.nb, signed)
+    got = codes.reshape(-1, 256)
+    assert np.all(got[:, 0] == 255)
+    np.testing.assert_array_equal(got[:, 1:].reshape(-1), state8.nearest_codes(q, book.qmap))
+
+
+@pytest.mark.parametrize("signed", [True, False])
+def test_block_decoder_is_the_map_times_the_scale(signed):
+    """Every code through the block decoder this CPU's kernels run (byte planes with AVX-512
+    VBMI, two-table permutes with AVX-512, the numba loop elsewhere), bit for bit, with scales
+    that are NaN, 0, inf and subnormal too, and a block shorter than its lanes."""
+    from numba import njit
+
+    from arraytrain.kernels.cpu.codecs import q8_decode_block
+
+    @njit
+    def decode(codes, scales, qmap, out, signed):
+        for k in range(0, codes.size, 256):
+            q8_decode_block(codes[k : k + 256], scales[k // 256], qmap, out[k : k + 256], signed)
+
+    qmap = state8.codebook(signed).qmap
+    rng = np.random.default_rng(0)
+    codes = np.concatenate([np.arange(256), rng.integers(0, 256, 256 * 7 + 77)]).astype(np.uint8)
+    scales = np.concatenate([[1.0, np.nan, 0.0, np.inf, 1e-40], rng.random(4)]).astype(np.float32)
+    out = np.empty(codes.size, np.float32)
+    decode(codes, scales, qmap, out, signed)
+    want = (qmap[codes] * np.repeat(scales, 256)[: codes.size]).astype(np.float32)
+    np.testing.assert_array_equal(out.view(np.uint32), want.view(np.uint32))
+
+
 def _encode_jitted(q, out, book):
     from numba import njit
 
