@@ -471,7 +471,8 @@ def _arith_constants(qmap) -> dict:
     lowest = [sum(1 for e in edges if e < 2.0 ** (k + _EXP0 - 127)) for k in range(32)]
     pad = 16 - len(S)
     return dict(zero=int((bounds <= 0).sum()), edges=np.concatenate([edges, np.full(8, np.inf, f32)]),
-                S=S + [0.0] * pad, O=O + [0.0] * pad, base=base + [0] * pad, top=top + [0] * pad, lowest=lowest)
+                S=S + [0.0] * pad, O=[o - _DELTA for o in O] + [0.0] * pad, base=base + [0] * pad, top=top + [0] * pad,
+                lowest=lowest)
 
 
 _ARITH = {}
@@ -498,19 +499,21 @@ def _emit_arith(builder, u, signed, lanes=16):
 
     sign = builder.lshr(u, c(31))
     a = builder.bitcast(builder.add(builder.and_(u, c(0x7FFFFFFF)), sign), vf)  # one ulp up for q < 0
-    e = builder.sub(builder.lshr(builder.bitcast(a, vi), c(23)), c(_EXP0))
-    e = builder.select(builder.icmp_signed("<", e, c(0)), c(0), e)
-    e = builder.select(builder.icmp_signed(">", e, c(31)), c(31), e)
+    # the two-table permute reads the index's low 5 bits: exponents 96..127 are 0..31, and
+    # NaN/inf (255) is 31 like 1.0; anything below 2**-31 is raised to exponent 96 first
+    bits = builder.bitcast(a, vi)
+    e = builder.lshr(builder.select(builder.icmp_unsigned("<", bits, c(_EXP0 << 23)), c(_EXP0 << 23), bits), c(23))
     d = _x86(builder, "llvm.x86.avx512.vpermi2var.d.512", vi,
              [table("lowest", vi), e, table("lowest", vi, slice(16, 32))])
     perm_f = lambda t: _x86(builder, "llvm.x86.avx512.permvar.sf.512", vf, [t, d])  # noqa: E731
     perm_i = lambda t: _x86(builder, "llvm.x86.avx512.permvar.si.512", vi, [t, d])  # noqa: E731
-    d = builder.add(d, builder.zext(builder.fcmp_ordered("<", perm_f(table("edges", vf)), a), vi))
+    d = builder.select(builder.fcmp_ordered("<", perm_f(table("edges", vf)), a), builder.add(d, c(1)), d)
+    # the coordinate plus DELTA (folded into the offsets): a lane is flagged when that lies
+    # within 2 * DELTA above a whole number, and otherwise truncates to the coordinate's floor
     t = builder.fsub(builder.fmul(a, perm_f(table("S", vf))), perm_f(table("O", vf)))
     # the hardware truncation (0x80000000 for NaN): LLVM's fptosi would make a NaN lane poison
     j = _x86(builder, "llvm.x86.avx512.mask.cvttps2dq.512", vi, [t, c(0), ir.Constant(i16, -1), ir.Constant(i32, 4)])
-    frac = builder.fsub(t, builder.sitofp(j, vf))
-    near = builder.or_(builder.fcmp_ordered("<", frac, cf(_DELTA)), builder.fcmp_ordered(">", frac, cf(1 - _DELTA)))
+    near = builder.fcmp_ordered("<", builder.fsub(t, builder.sitofp(j, vf)), cf(2 * _DELTA))
     top = perm_i(table("top", vi))
     m = builder.add(perm_i(table("base", vi)), builder.select(builder.icmp_unsigned("<", j, top), j, top))
     zero = builder.select(signed, c(s["zero"]), c(un["zero"]))
