@@ -36,10 +36,12 @@ from typing import NamedTuple
 import numpy as np
 
 from .errors import DTypeError, LayoutError, ShapeMismatchError, StateDictError, UnknownParameterError
+# Q8, the slot as the kernels take it, is defined with the kernel interface (re-exported here)
+from .kernels.interface import Q8, Q8_BLOCK  # noqa: F401
 from .layout import Layout
 
 #: Elements per block: one float32 absmax each (bitsandbytes' blocksize since 0.44).
-BLOCK = 256
+BLOCK = Q8_BLOCK
 #: Parameters with fewer elements keep their slots in float32 (bitsandbytes' ``min_8bit_size``).
 DEFAULT_THRESHOLD = 4096
 
@@ -227,27 +229,6 @@ def codes_value(codes, signed: bool) -> np.ndarray:
 # -- slots -----------------------------------------------------------------------------------
 
 
-class Q8(NamedTuple):
-    """An 8-bit slot as the kernels take it (every family): arrays and integers only.
-
-    ``codes``: uint8, one per element of the flat buffer (at the parameters' offsets);
-    ``aux``: float32, per segment from ``base[seg]``: one absmax per block where
-    ``quant[seg]``, else the segment's float32 values; ``offset``: the segments' flat
-    offsets; the codebook's ``qmap``, ``table``, ``shift``, ``bias``, ``nb``.
-    """
-
-    codes: np.ndarray
-    aux: np.ndarray
-    base: np.ndarray
-    quant: np.ndarray
-    offset: np.ndarray
-    qmap: np.ndarray
-    table: np.ndarray
-    shift: int
-    bias: int
-    nb: int
-
-
 def quantized_names(layout: Layout, threshold: int) -> tuple[bool, ...]:
     """Per segment: whether its slot is 8-bit (``size >= threshold`` and not empty)."""
     return tuple(n >= threshold and n > 0 for n in layout.sizes)
@@ -293,12 +274,7 @@ class Quant8Buffer:
             base.append(naux)
             naux += -(-n // BLOCK) if q else n
         ncodes = -(-layout.size // 16) * 16  # the side array starts 64-byte aligned
-        if xp is np:
-            self.flat = _aligned_bytes(ncodes + 4 * naux)
-        else:
-            from .buffer import aligned_zeros
-
-            self.flat = aligned_zeros(ncodes + 4 * naux, np.uint8, xp)
+        self.flat = _aligned_bytes(ncodes + 4 * naux, xp)
         self.codes = self.flat[: layout.size]
         self.aux = self.flat[ncodes:].view(np.float32)
         self.base = np.asarray(base, np.int64)
@@ -434,10 +410,13 @@ def _host(a):
     return a.get() if _xp(a) is not np else a
 
 
-def _aligned_bytes(n: int) -> np.ndarray:
-    """``n`` zero bytes starting on a 64-byte boundary (as every FlatBuffer allocation)."""
-    raw = np.zeros(n + 64, np.uint8)
-    start = -raw.__array_interface__["data"][0] % 64
+def _aligned_bytes(n: int, xp=np):
+    """``n`` zero bytes of ``xp`` (NumPy or CuPy) starting on a 64-byte boundary (as every
+    FlatBuffer allocation; written here so that this module stays below arraytrain.buffer,
+    whose backends import the kernels, which import this module)."""
+    raw = xp.zeros(n + 64, xp.uint8)
+    address = raw.__array_interface__["data"][0] if xp is np else raw.data.ptr
+    start = -address % 64
     return raw[start : start + n]
 
 

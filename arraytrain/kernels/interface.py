@@ -42,11 +42,37 @@ from __future__ import annotations
 
 import importlib
 from types import ModuleType
+from typing import NamedTuple
 
 import numpy as np
 
 #: Kinds of low-precision working copies (uint16 bits), as the kernels take them (``kind``).
 LP_NONE, LP_BF16, LP_F16 = 0, 1, 2
+#: Elements per block of 8-bit state (:mod:`arraytrain.state8`): one float32 absmax each.
+Q8_BLOCK = 256
+
+
+class Q8(NamedTuple):
+    """An 8-bit slot (:mod:`arraytrain.state8`) as the kernels take it (every family): arrays
+    and integers only.
+
+    ``codes``: uint8, one per element of the flat buffer (at the parameters' offsets);
+    ``aux``: float32, per segment from ``base[seg]``: one absmax per block where
+    ``quant[seg]``, else the segment's float32 values; ``offset``: the segments' flat
+    offsets; the codebook's ``qmap``, ``table``, ``shift``, ``bias``, ``nb``.
+    """
+
+    codes: np.ndarray
+    aux: np.ndarray
+    base: np.ndarray
+    quant: np.ndarray
+    offset: np.ndarray
+    qmap: np.ndarray
+    table: np.ndarray
+    shift: int
+    bias: int
+    nb: int
+
 # Formats shared by every family's compression kernels.
 #: int8 codes are ``round(x / absmax * 127)``: the scale is ``absmax / 127``.
 INV127 = 1.0 / 127.0

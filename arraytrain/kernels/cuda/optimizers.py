@@ -20,9 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ...state8 import BLOCK as Q8_BLOCK
-from ...state8 import Q8
-from ..interface import LP_NONE
+from ..interface import LP_NONE, Q8, Q8_BLOCK
 from . import reductions
 from ._core import CHUNK, NULL, THREADS, DeviceScale, Source, chunks_for, ctype, cupy, launch, ptr, seg_arg, to_host
 

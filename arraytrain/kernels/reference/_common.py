@@ -114,7 +114,7 @@ def with_q8(fn):
 
     @functools.wraps(fn)
     def run(*args, **kwargs):
-        from ...state8 import Q8
+        from ..interface import Q8
 
         slots = {k: a for k, a in enumerate(args) if isinstance(a, Q8)}
         if not slots:
