@@ -437,7 +437,7 @@ def _picked(builder, u, base, sh, bi, nb, lanes):
 # checks every bound's 64 neighbours on each side. Negative q count the bounds <= |q| (ties go
 # to the larger magnitude, the lower code): |q| is moved up one ulp. A NaN or infinite q lands
 # in class 8, whose coordinate is NaN: the truncation's integer indefinite (0x80000000, read as
-# unsigned by the clamp) gives the class's first code, and no lane is flagged. About 34
+# unsigned by the clamp) gives the class's first code, and no lane is flagged. About 30
 # instructions per 16 codes. On AVX2 targets (8 lanes, no two-table permute) the arithmetic
 # measured slower than the gather below, so they keep the gather.
 _DELTA = 1e-4
