@@ -189,12 +189,18 @@ def probe() -> dict:
 
 
 def _q8_checks():
-    """The 8-bit encoder (vector lanes and scalar tail) against state8.nearest_codes, both maps."""
+    """The 8-bit encoder (vector lanes and scalar tail) against state8.nearest_codes, and the
+    decoder bit for bit, both maps."""
     import numpy as np
     from numba import njit
 
     from arraytrain import state8
-    from arraytrain.kernels.cpu.codecs import q8_encode_block
+    from arraytrain.kernels.cpu.codecs import q8_decode_block, q8_encode_block
+
+    @njit
+    def decode(codes, scales, qmap, out, signed):
+        for k in range(0, codes.size, 256):
+            q8_decode_block(codes[k : k + 256], scales[k // 256], qmap, out[k : k + 256], signed)
 
     @njit
     def encode(x, codes, table, shift, bias, nb, signed):
@@ -219,6 +225,15 @@ def _q8_checks():
         codes = np.zeros(q.size, np.uint8)
         encode(q, codes, book.table, book.shift, book.bias, book.nb, signed)
         out[f"q8/{'signed' if signed else 'unsigned'}"] = int(np.count_nonzero(codes != state8.nearest_codes(q, m)))
+        # the decoder (two-table permutes on this AVX-512 target, the numba loop on AVX2): every
+        # code, scales with NaN, 0 and inf among them, a last block shorter than the lanes
+        codes = np.concatenate([np.arange(256), rng.integers(0, 256, 256 * 5 + 77)]).astype(np.uint8)
+        scales = np.concatenate([[1.0, np.nan, 0.0, np.inf], rng.random(3)]).astype(np.float32)
+        vals = np.empty(codes.size, np.float32)
+        decode(codes, scales, m, vals, signed)
+        want = (m[codes] * np.repeat(scales, 256)[: codes.size]).astype(np.float32)
+        out[f"q8-decode/{'signed' if signed else 'unsigned'}"] = int(np.count_nonzero(vals.view(np.uint32)
+                                                                                      != want.view(np.uint32)))
     return out
 
 
