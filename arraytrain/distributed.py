@@ -73,8 +73,8 @@ import numpy as np
 
 from ._checks import check_int
 from .backend import CUPY, NUMPY, backend_of
-from .errors import ArgumentTypeError, BackendError, BackendUnavailableError, DTypeError, ReadOnlyError
-from .exchange import DONE, OPS, Exchange, Pending, block_length
+from .errors import ArgumentTypeError, BackendError, BackendUnavailableError, DTypeError
+from .exchange import DONE, OPS, Exchange, Pending, block_length, check_buffer
 from .torch_comm import TorchComm  # torch.distributed as a transport (torch imported on construction only)
 
 __all__ = ["INSTALL_HINT", "MPIComm", "MPIRequest", "NCCLComm", "TorchComm", "abort_on_error", "find_mpiexec",
@@ -124,12 +124,7 @@ def _checked(x, name: str, backend: str, types: dict, writeable: bool):
     dt = types.get(x.dtype)
     if dt is None:
         raise DTypeError(f"{name}: expected one of {', '.join(str(t) for t in types)}, got {x.dtype}")
-    flags = x.flags
-    if not flags.c_contiguous:
-        raise ArgumentTypeError(f"{name}: expected a C-contiguous array (collectives move one buffer), "
-                                f"got strides {x.strides} for shape {x.shape}")
-    if writeable and not getattr(flags, "writeable", True):  # CuPy's flags have no writeable: always
-        raise ReadOnlyError(f"{name}: the collective writes its result into it, but the array is read-only")
+    check_buffer(x, name, writeable)
     return dt
 
 

@@ -54,7 +54,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 
 from .backend import backend_of
-from .errors import ArgumentTypeError, HyperparameterError, LayoutError
+from .errors import ArgumentTypeError, HyperparameterError, LayoutError, ReadOnlyError
 
 #: The element-wise operations of ``allreduce``.
 OPS = ("sum", "max")
@@ -169,6 +169,17 @@ def block_length(x, size: int) -> int:
         raise ArgumentTypeError(f"x: expected a 1-D array whose length is a multiple of the group's size {size}, "
                                 f"got shape {getattr(x, 'shape', type(x).__name__)}")
     return x.shape[0] // size
+
+
+def check_buffer(x, name: str, writeable: bool) -> None:
+    """A collective's array: C-contiguous (one buffer moves) and, where the collective writes
+    into it, writeable; an :class:`ArgumentTypeError` or :class:`ReadOnlyError` naming it otherwise."""
+    flags = x.flags
+    if not flags.c_contiguous:
+        raise ArgumentTypeError(f"{name}: expected a C-contiguous array (collectives move one buffer), "
+                                f"got strides {x.strides} for shape {x.shape}")
+    if writeable and not getattr(flags, "writeable", True):  # CuPy's flags have no writeable: always
+        raise ReadOnlyError(f"{name}: the collective writes its result into it, but the array is read-only")
 
 
 class LocalExchange(Exchange):

@@ -98,8 +98,8 @@ import numpy as np
 
 from ._checks import check_int
 from .backend import CUPY, NUMPY, backend_of
-from .errors import ArgumentTypeError, BackendError, BackendUnavailableError, DTypeError, ReadOnlyError
-from .exchange import DONE, OPS, Exchange, Pending, block_length
+from .errors import ArgumentTypeError, BackendError, BackendUnavailableError, DTypeError
+from .exchange import DONE, OPS, Exchange, Pending, block_length, check_buffer
 
 __all__ = ["TorchComm", "TorchWork", "INIT_HINT"]
 
@@ -247,12 +247,7 @@ class TorchComm(Exchange):
                 raise DTypeError(f"{name}: expected one of {', '.join(_REDUCED)} for a reduction, got {dt}")
         elif dt not in _MOVED_NAMES:
             raise DTypeError(f"{name}: expected one of {', '.join(sorted(_MOVED_NAMES))}, got {dt}")
-        flags = x.flags
-        if not flags.c_contiguous:
-            raise ArgumentTypeError(f"{name}: expected a C-contiguous array (collectives move one buffer), "
-                                    f"got strides {x.strides} for shape {x.shape}")
-        if writeable and not getattr(flags, "writeable", True):  # CuPy's flags have no writeable: always
-            raise ReadOnlyError(f"{name}: the collective writes its result into it, but the array is read-only")
+        check_buffer(x, name, writeable)
         return kind
 
     def _tensor(self, x, kind: str):
