@@ -139,16 +139,16 @@ def make_arraytrain(opt: str, n: int, zero_grad: bool = False, state_dtype: str 
     return _warm(step, opt)
 
 
-def _make_torch(opt: str, n: int, mode: str, zero_grad: bool = False):
-    _check_available(f"torch-{mode}", opt)
+def _torch_step(opt: str, n: int, make_optimizer, zero_grad: bool = False):
+    """A torch optimizer's clipped step on CPU parameters sharing the data's memory:
+    ``make_optimizer(params)`` builds the optimizer, torch's ``clip_grad_norm_`` clips."""
     import torch
 
     params, grads = make_data(n, opt=opt)
     ps = [torch.nn.Parameter(torch.from_numpy(p)) for p in params]
     for p, g in zip(ps, grads):
         p.grad = torch.from_numpy(g)
-    flag = {"foreach": False} if mode == "forloop" else {mode: True}
-    optimizer = torch_optimizer(opt, ps, flag)
+    optimizer = make_optimizer(ps)
 
     def step():
         torch.nn.utils.clip_grad_norm_(ps, MAX_NORM, foreach=True)
@@ -158,6 +158,12 @@ def _make_torch(opt: str, n: int, mode: str, zero_grad: bool = False):
 
     step.params = lambda: [p.detach().numpy() for p in ps]
     return _warm(step, opt)
+
+
+def _make_torch(opt: str, n: int, mode: str, zero_grad: bool = False):
+    _check_available(f"torch-{mode}", opt)
+    flag = {"foreach": False} if mode == "forloop" else {mode: True}
+    return _torch_step(opt, n, lambda ps: torch_optimizer(opt, ps, flag), zero_grad)
 
 
 def make_torch_foreach(opt, n, zero_grad=False):
@@ -531,32 +537,18 @@ def make_bnb_8bit(opt: str, n: int, zero_grad: bool = False):
     """bitsandbytes' 8-bit optimizers (blockwise, 256) on CPU torch tensors, after torch's
     ``clip_grad_norm_``: the reference implementation of 8-bit state (a benchmark-only dependency)."""
     _check_available("bnb-8bit", opt)
-    import torch
-
     try:
         import bitsandbytes as bnb
     except ImportError as exc:
         raise ImportError(f"bitsandbytes: {exc}") from None
-    params, grads = make_data(n, opt=opt)
-    ps = [torch.nn.Parameter(torch.from_numpy(p)) for p in params]
-    for p, g in zip(ps, grads):
-        p.grad = torch.from_numpy(g)
     o = bnb.optim
-    optimizer = {"adamw": lambda: o.AdamW8bit(ps, LR, BETAS, EPS, WD),
-                 "adam": lambda: o.Adam8bit(ps, LR, BETAS, EPS),
-                 "sgd": lambda: o.SGD8bit(ps, LR, momentum=MOMENTUM),
-                 "adagrad": lambda: o.Adagrad8bit(ps, **ADAGRAD),
-                 "rmsprop": lambda: o.RMSprop8bit(ps, **RMSPROP),
-                 "lion": lambda: o.Lion8bit(ps, **LION)}[opt]()
-
-    def step():
-        torch.nn.utils.clip_grad_norm_(ps, MAX_NORM, foreach=True)
-        optimizer.step()
-        if zero_grad:
-            optimizer.zero_grad(set_to_none=False)
-
-    step.params = lambda: [p.detach().numpy() for p in ps]
-    return _warm(step, opt)
+    build = {"adamw": lambda ps: o.AdamW8bit(ps, LR, BETAS, EPS, WD),
+             "adam": lambda ps: o.Adam8bit(ps, LR, BETAS, EPS),
+             "sgd": lambda ps: o.SGD8bit(ps, LR, momentum=MOMENTUM),
+             "adagrad": lambda ps: o.Adagrad8bit(ps, **ADAGRAD),
+             "rmsprop": lambda ps: o.RMSprop8bit(ps, **RMSPROP),
+             "lion": lambda ps: o.Lion8bit(ps, **LION)}[opt]
+    return _torch_step(opt, n, build, zero_grad)
 
 
 CONTESTANTS = {
