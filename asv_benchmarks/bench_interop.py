@@ -1,0 +1,42 @@
+"""The drop-in torch optimizers (``arraytrain.interop.torch``): one ``optimizer.step()`` on CPU
+torch parameters, float32, bfloat16 and 8-bit state, beside ``torch.optim.AdamW(fused=True)``.
+
+Skipped where torch is not installed (asv's environment installs arraytrain alone; ``python -m
+asv_benchmarks.direct bench_interop`` runs it in an environment with torch).
+"""
+
+from __future__ import annotations
+
+from .common import SIZES, split
+
+
+class DropInAdamWStep:
+    """A clipped AdamW step over 100 tensors of ``n`` elements in all, gradients already in ``.grad``."""
+
+    params = [["arraytrain-float32", "arraytrain-bfloat16", "arraytrain-8bit", "torch-fused"], SIZES]
+    param_names = ["optimizer", "n"]
+
+    def setup(self, optimizer, n):
+        try:
+            import torch
+        except ImportError:
+            raise NotImplementedError("needs torch") from None
+        from arraytrain.interop import torch as att
+
+        gen = torch.Generator().manual_seed(0)
+        ps = [torch.nn.Parameter(torch.randn(k, generator=gen)) for k in split(n)]
+        for p in ps:
+            p.grad = torch.randn(p.shape, generator=gen) * 0.01
+        if optimizer == "torch-fused":
+            self.opt = torch.optim.AdamW(ps, lr=1e-3, fused=True)
+            self.clip = lambda: torch.nn.utils.clip_grad_norm_(ps, 1.0, foreach=True)
+        else:
+            state = optimizer.split("-")[1]
+            self.opt = att.AdamW(ps, lr=1e-3, max_grad_norm=1.0, state_dtype=None if state == "float32" else state)
+            self.clip = lambda: None
+        for _ in range(2):  # JIT compilation and the state's allocation: outside the timed method
+            self.time_step(optimizer, n)
+
+    def time_step(self, optimizer, n):
+        self.clip()
+        self.opt.step()
