@@ -60,18 +60,18 @@ from .errors import ArgumentTypeError, HyperparameterError, LayoutError, ReadOnl
 OPS = ("sum", "max")
 
 
-class Pending:
+class Pending(ABC):
     """A started nonblocking collective: :meth:`wait` completes it, :meth:`test` polls it."""
 
     __slots__ = ()
 
+    @abstractmethod
     def wait(self) -> None:
         """Complete the operation (its result is then in the array)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def test(self) -> bool:
         """True once the operation has completed (a transport also moves it on here)."""
-        raise NotImplementedError
 
 
 class Done(Pending):
