@@ -328,11 +328,8 @@ class TorchComm(Exchange):
         kind = self._check(x, "x", True, True)
         if not x.size:
             return DONE
-        on_stream = self._on_stream(x, kind)
-        with on_stream():
-            t, finish = self._reduced(x, kind)
-            work = self._dist.all_reduce(t, op=red, group=self._group_of(kind), async_op=True)
-        return TorchWork(work, finish, (x, t), on_stream if kind == CUPY else None)
+        return self._start(x, kind, lambda t: self._dist.all_reduce(t, op=red, group=self._group_of(kind),
+                                                                     async_op=True))
 
     def ireduce(self, x, root: int = 0) -> Pending:
         """Start a sum of every rank's ``x`` into rank ``root``'s ``x``, in place; elsewhere ``x`` is left
@@ -341,11 +338,15 @@ class TorchComm(Exchange):
         kind = self._check(x, "x", True, True)
         if not x.size:
             return DONE
+        return self._start(x, kind, lambda t: self._dist.reduce(t, dst=self._ranks[root], op=self._ops["sum"],
+                                                                 group=self._group_of(kind), async_op=True))
+
+    def _start(self, x, kind: str, collective) -> Pending:
+        """``collective(t)`` started on ``x``'s reduction tensor (on the array's stream for CuPy)."""
         on_stream = self._on_stream(x, kind)
         with on_stream():
             t, finish = self._reduced(x, kind)
-            work = self._dist.reduce(t, dst=self._ranks[root], op=self._ops["sum"], group=self._group_of(kind),
-                                     async_op=True)
+            work = collective(t)
         return TorchWork(work, finish, (x, t), on_stream if kind == CUPY else None)
 
     def allgather(self, x) -> list:
