@@ -225,11 +225,11 @@ class FlatBuffer(Mapping):
         for name, a in arrays.items():
             if name not in self._views:
                 raise UnknownParameterError(f"{name!r}: no such parameter; known: {list(self.layout.names)}")
-            if isinstance(a, Mapping):  # 8-bit optimizer state (arraytrain.state8): decoded
+            if isinstance(a, Mapping):  # 8-bit optimizer state (arraytrain.state8): decoded, onto this device
                 from .state8 import decode_entry, is_q8_entry
 
                 if is_q8_entry(a):
-                    a = decode_entry(name, a, self.layout.shape(name))
+                    a = array_module(self.flat).asarray(decode_entry(name, a, self.layout.shape(name)))
             arr = as_array(a, name, backend_of(self.flat))
             if tuple(arr.shape) != self.layout.shape(name):
                 raise ShapeMismatchError(name, self.layout.shape(name), arr.shape, what="array")

@@ -92,7 +92,7 @@ import numpy as np
 from .errors import ArgumentTypeError, CheckpointError, StateDictError
 from .engine_state import checked_everywhere
 from .exchange import PerRank
-from .shard import Owned, OwnedPart
+from .owned import Owned, OwnedPart
 
 
 def __getattr__(name: str):
@@ -832,8 +832,8 @@ def _q8_conversion(got, want) -> bool:
     ``load_state_dict`` converts (arraytrain.state8); the file's own form is matched here."""
     from .state8 import is_q8_entry
 
-    if isinstance(want, np.ndarray) and isinstance(got, dict) and is_q8_entry(got):
-        return True
+    if (isinstance(want, (np.ndarray, Owned)) or _is_cupy(want)) and isinstance(got, dict) and is_q8_entry(got):
+        return True  # read whole: the engine decodes it
     return isinstance(got, _Ref) and isinstance(want, Mapping) and is_q8_entry(want)
 
 
@@ -842,7 +842,7 @@ def _q8_template(got, want, specs: dict):
     the float array (its own float dtype) for an 8-bit entry's."""
     from .state8 import BLOCK
 
-    if isinstance(want, np.ndarray):
+    if not isinstance(want, Mapping):  # a float slot's array (of this rank's range, or on the device)
         n = int(np.prod(want.shape, dtype=np.int64))
         return {"codes": np.broadcast_to(np.zeros((), np.uint8), want.shape),
                 "absmax": np.broadcast_to(np.zeros((), np.float32), (-(-n // BLOCK),)), "map": got.get("map")}

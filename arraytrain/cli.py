@@ -635,8 +635,6 @@ def _check_flags(args, comm) -> None:
         why = optimizers()[args.optimizer].shard_refusal
         if why is not None:
             raise _usage(f"--shard-state with --optimizer {args.optimizer}: {why}")
-        if args.state_dtype == "8bit":
-            raise _usage(f"--shard-state with --state-dtype 8bit: {optim.AdamW(state_dtype='8bit').shard_refusal}")
     if args.state_dtype in ("bfloat16", "8bit") and args.dtype != "float32":
         raise _usage(f"--state-dtype {args.state_dtype} needs float32 parameters, got --dtype {args.dtype}")
     if args.prune_epochs is not None:

@@ -132,7 +132,11 @@ class Engine:
         ``engine.params`` is this rank's :class:`~arraytrain.shard.ShardBuffer` of the masters
         (:meth:`gather_params` assembles them). Element-wise optimizers shard (LAMB's
         per-parameter norms are completed over ranks); Muon, Adafactor, Sophia and SAM, and a
-        compressor, are refused with a :class:`HyperparameterError` on every rank. State dicts
+        compressor, are refused with a :class:`HyperparameterError` on every rank. With
+        ``state_dtype="8bit"`` the engine lays the parameters out with every offset on a
+        256-element block (``engine.layout.align`` 256; up to 255 elements of padding per
+        parameter), so that no partition boundary cuts a block, and each rank keeps the codes,
+        block scales and small parameters' float32 values of its partition. State dicts
         and checkpoints keep the replicated engine's name-keyed form (gathered), so they load
         on any number of ranks. :meth:`memory` reports the bytes per rank.
     overlap : bool
@@ -222,6 +226,8 @@ class Engine:
         moved = to_device(self.params.flat, device)
         if moved is not self.params.flat:
             self.params = FlatBuffer(self.params.layout, aligned(moved))  # a fresh copy: aligned too
+        if shard_state:  # 8-bit state: every offset on a block, so that no partition boundary cuts one
+            self.params = shard.aligned_to(self.params, optimizer.shard_align)
         if wspec is not None and self.params.dtype != np.float32:
             raise HyperparameterError(f"working_dtype: working copies need float32 parameters, got {self.params.dtype}")
         check_kernel_dtype(self.params.dtype)

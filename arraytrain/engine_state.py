@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import _intake, shard
+from . import _intake, shard, state8
 from ._checks import check_count, check_int, check_number, shown
 from .buffer import FlatBuffer
 from .errors import LayoutError, StateDictError
@@ -145,9 +145,15 @@ def _tree(parts: StateParts, params: dict, slots: dict, acc, comp, copy: bool) -
 def _arrays(parts: StateParts, buf, copy: bool, gather: bool) -> dict:
     """A buffer's name-keyed arrays; a rank's shard (sharded state) as the full arrays: gathered over
     ranks (a collective), or for a template of their shapes only."""
+    if _windowed(buf):  # a rank's partition of an 8-bit slot
+        return state8.gather_window(parts.comm, buf) if gather else state8.window_template(buf)
     if not isinstance(buf, shard.ShardBuffer):
         return buf.as_dict(copy=copy)
     return shard.gather(parts.comm, buf).as_dict() if gather else shard.template(buf)
+
+
+def _windowed(buf) -> bool:
+    return isinstance(buf, state8.Quant8Buffer) and buf.window is not None
 
 
 def check_state(parts: StateParts, state: Mapping) -> list:
@@ -335,6 +341,8 @@ def _state_to_root(parts: StateParts, copy: bool, root: int) -> dict | None:
     comp = None if parts.compressor is None else _gather_by_rank(comm, parts.compressor.state_dict(), root)
 
     def arrays(buf):
+        if _windowed(buf):
+            return state8.gather_window(comm, buf, root)
         if not isinstance(buf, shard.ShardBuffer):
             return buf.as_dict(copy=copy)
         full = shard.gather(comm, buf, root)

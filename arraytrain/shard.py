@@ -19,6 +19,7 @@ the end move name-keyed arrays (a state dict, a checkpoint) in and out of shards
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -29,6 +30,8 @@ from .buffer import FlatBuffer, aligned_empty, aligned_zeros
 from .errors import (ArgumentTypeError, HyperparameterError, LayoutError, ShapeMismatchError,
                      UnknownParameterError)
 from .layout import REDUCE_CHUNK, Layout
+from .owned import Owned, OwnedPart
+from .state8 import decode_entry, is_q8_entry
 
 
 @dataclass(frozen=True)
@@ -133,6 +136,21 @@ class ShardBuffer:
         return f"ShardBuffer(rank {p.rank} of {p.ranks}, elements [{p.lo}, {p.hi}), dtype={self.flat.dtype})"
 
 
+def aligned_to(params: FlatBuffer, align: int) -> FlatBuffer:
+    """``params`` in a layout whose offsets are multiples of ``align`` too: ``params`` itself where they
+    are, else a copy in the same names, shapes and dtype with the alignment raised (see
+    :attr:`arraytrain.optim.Optimizer.shard_align`)."""
+    lay = params.layout
+    if lay.align % align == 0:
+        return params
+    wider = Layout(dict(zip(lay.names, lay.shapes)), align=math.lcm(lay.align, align))
+    out = FlatBuffer(wider, aligned_zeros(wider.size, params.dtype, array_module(params.flat)))
+    for name, off, size in zip(lay.names, lay.offsets, lay.sizes):
+        start = wider.offsets[wider.index(name)]
+        out.flat[start : start + size] = params.flat[off : off + size]
+    return out
+
+
 def padded_buffer(layout: Layout, dtype, xp, part: Partition) -> tuple[FlatBuffer, object]:
     """A zero :class:`FlatBuffer` of ``layout`` whose array is the head of a padded one of
     ``part.padded`` elements; returns ``(buffer, padded array)``."""
@@ -157,29 +175,6 @@ def gather(comm, shard: ShardBuffer, root: int | None = None) -> FlatBuffer | No
     return FlatBuffer(part.layout, full[: part.layout.size])
 
 
-@dataclass(frozen=True)
-class Owned:
-    """A reader's template for one saved array of a sharded buffer: its full ``shape`` and ``dtype``,
-    and the flat range ``[start, stop)`` of it that this rank owns (``start == stop``: none).
-    :func:`arraytrain.load` reads only that range of the file."""
-
-    shape: tuple
-    dtype: np.dtype
-    start: int
-    stop: int
-    on_device: bool
-
-
-@dataclass(frozen=True)
-class OwnedPart:
-    """What a reader took of one saved array: its flat elements ``[start, start + data.size)`` of an
-    array of ``shape``."""
-
-    data: object
-    start: int
-    shape: tuple
-
-
 def template(shard: ShardBuffer) -> dict:
     """``{name: Owned}``: the full shapes, the shard's dtype and this rank's range of each (a reader's
     template: no memory, and a reader takes only the owned elements)."""
@@ -200,6 +195,8 @@ def check_arrays(shard: ShardBuffer, arrays) -> dict:
     for name, a in arrays.items():
         if name not in lay:
             raise UnknownParameterError(f"{name!r}: no such parameter; known: {list(lay.names)}")
+        if is_q8_entry(a):  # 8-bit state into float slots: decoded (a reader took the whole entry)
+            a = array_module(shard.flat).asarray(decode_entry(name, a, lay.shape(name)))
         if isinstance(a, OwnedPart):  # a reader took this rank's range only (see Owned)
             data = as_array(a.data, name, backend_of(shard.flat))
             if tuple(a.shape) != lay.shape(name):

@@ -39,6 +39,7 @@ from .errors import DTypeError, LayoutError, ShapeMismatchError, StateDictError,
 # Q8, the slot as the kernels take it, is defined with the kernel interface (re-exported here)
 from .kernels.interface import Q8, Q8_BLOCK  # noqa: F401
 from .layout import Layout
+from .owned import Owned, OwnedPart
 
 #: Elements per block: one float32 absmax each (bitsandbytes' blocksize since 0.44).
 BLOCK = Q8_BLOCK
@@ -244,6 +245,33 @@ def block_pieces(layout: Layout, chunk: int) -> np.ndarray:
     return np.asarray(rows, dtype=np.int64).reshape(-1, 3)
 
 
+class _Tables(NamedTuple):
+    base: np.ndarray  # per segment: its first side-array entry here
+    quant: np.ndarray  # per segment: 1 where 8-bit
+    offset: np.ndarray  # per segment: where its first element held here sits in the slot's codes
+    spans: tuple  # per segment: ``(start, stop)`` of its elements held here ((0, 0): none)
+    naux: int  # side-array entries
+
+
+def _tables(layout: Layout, threshold: int, lo: int, length: int) -> _Tables:
+    """The per-segment tables of a slot holding the layout's flat elements ``[lo, lo + length)``."""
+    quant = quantized_names(layout, threshold)
+    hi = lo + length
+    base, offset, spans, naux = [], [], [], 0
+    for q, off, n in zip(quant, layout.offsets, layout.sizes):
+        a, b = min(max(off, lo), hi), min(max(off + n, lo), hi)
+        span = (a - off, b - off) if a < b else (0, 0)
+        if q and span[0] % BLOCK:
+            raise LayoutError(f"window [{lo}, {hi}) cuts an 8-bit block of {layout.names[len(base)]!r} "
+                              f"(its offset {off}): 8-bit state needs the window and offsets on multiples of {BLOCK}")
+        base.append(naux)
+        offset.append(a - lo)
+        spans.append(span)
+        naux += _nblocks(*span) if q else span[1] - span[0]
+    return _Tables(np.asarray(base, np.int64), np.asarray(quant, np.uint8), np.asarray(offset, np.int64),
+                   tuple(spans), naux)
+
+
 class Quant8Buffer:
     """A state slot in 8 bits: codes and block scales for large parameters, float32 for small ones.
 
@@ -262,24 +290,31 @@ class Quant8Buffer:
     :meth:`check` takes that form bitwise, the other form converted (float arrays of any float
     dtype are encoded, an 8-bit entry for a parameter kept in float32 here is decoded), so a
     state saved with float32 or bfloat16 slots loads into 8-bit slots and back.
+
+    ``window=(lo, length)``: the slot holds only the flat elements ``[lo, lo + length)`` of the
+    layout (one rank's partition under sharded state, :mod:`arraytrain.shard`): ``codes`` has
+    ``length`` entries, and the side array holds the blocks and small parameters' values of
+    that range. ``lo`` and every 8-bit parameter's offset must be multiples of :data:`BLOCK`
+    (the sharded engine lays the parameters out so), so the window cuts no block. Such a slot
+    has no :meth:`as_dict` (:func:`gather_window` assembles every rank's part into full entries,
+    :func:`window_template` describes this rank's part to a reader); :meth:`check` takes full
+    entries or the parts a reader took (:class:`arraytrain.owned.OwnedPart`) and keeps this
+    window's elements.
     """
 
-    __slots__ = ("layout", "signed", "threshold", "flat", "codes", "aux", "base", "quant", "offset", "xp", "_arg")
+    __slots__ = ("layout", "signed", "threshold", "flat", "codes", "aux", "base", "quant", "offset", "spans", "xp",
+                 "window", "_arg")
 
-    def __init__(self, layout: Layout, signed: bool, threshold: int = DEFAULT_THRESHOLD, xp=np):
+    def __init__(self, layout: Layout, signed: bool, threshold: int = DEFAULT_THRESHOLD, xp=np, window=None):
         self.layout, self.signed, self.threshold, self.xp = layout, bool(signed), int(threshold), xp
-        quant = quantized_names(layout, self.threshold)
-        base, naux = [], 0
-        for q, n in zip(quant, layout.sizes):
-            base.append(naux)
-            naux += -(-n // BLOCK) if q else n
-        ncodes = -(-layout.size // 16) * 16  # the side array starts 64-byte aligned
-        self.flat = _aligned_bytes(ncodes + 4 * naux, xp)
-        self.codes = self.flat[: layout.size]
+        self.window = None if window is None else (int(window[0]), int(window[1]))
+        lo, length = (0, layout.size) if window is None else self.window
+        t = _tables(layout, self.threshold, lo, length)
+        ncodes = -(-length // 16) * 16  # the side array starts 64-byte aligned
+        self.flat = _aligned_bytes(ncodes + 4 * t.naux, xp)
+        self.codes = self.flat[:length]
         self.aux = self.flat[ncodes:].view(np.float32)
-        self.base = np.asarray(base, np.int64)
-        self.quant = np.asarray(quant, np.uint8)
-        self.offset = np.asarray(layout.offsets, np.int64)
+        self.base, self.quant, self.offset, self.spans = t.base, t.quant, t.offset, t.spans
         if self.signed:  # value 0 is code 127 in the signed map, 0 in the unsigned one
             self.codes.fill(np.uint8(np.searchsorted(SIGNED_MAP, 0.0)))
         book = codebook(self.signed)
@@ -307,14 +342,21 @@ class Quant8Buffer:
         return bool(self.quant[self.layout.index(name)])
 
     def _parts(self, seg: int):
-        n = self.layout.sizes[seg]
-        off, b = self.layout.offsets[seg], self.base[seg]
+        """Segment ``seg``'s codes (None for a small parameter) and side-array entries held here."""
+        a, b = self.spans[seg]
+        off, k = int(self.offset[seg]), int(self.base[seg])
         if self.quant[seg]:
-            return self.codes[off : off + n], self.aux[b : b + -(-n // BLOCK)]
-        return None, self.aux[b : b + n]
+            return self.codes[off : off + b - a], self.aux[k : k + _nblocks(a, b)]
+        return None, self.aux[k : k + b - a]
+
+    def _whole(self, what: str) -> None:
+        if self.window is not None:
+            raise LayoutError(f"{what}: this slot holds one rank's partition [{self.window[0]}, "
+                              f"{self.window[0] + self.window[1]}) of the layout; gather_window assembles every rank's")
 
     def values(self, name: str):
         """The float32 values of parameter ``name``'s slot (decoded; a copy), in its shape, on the slot's device."""
+        self._whole("values")
         seg = self.layout.index(name)
         codes, aux = self._parts(seg)
         out = aux.copy() if codes is None else dequantize(codes, aux, self.signed)
@@ -322,6 +364,7 @@ class Quant8Buffer:
 
     def to_float32(self):
         """Every value, decoded, as a flat float32 array of the layout (padding 0), on the slot's device."""
+        self._whole("to_float32")
         out = self.xp.zeros(self.layout.size, np.float32)
         for seg, name in enumerate(self.layout.names):
             off, n = self.layout.offsets[seg], self.layout.sizes[seg]
@@ -330,6 +373,7 @@ class Quant8Buffer:
 
     def as_dict(self, copy: bool = False) -> dict:
         """Per name: ``{"codes", "absmax"}`` (8-bit) or a float32 array (small), as views or copies."""
+        self._whole("as_dict")
         out = {}
         for seg, name in enumerate(self.layout.names):
             codes, aux = self._parts(seg)
@@ -354,16 +398,16 @@ class Quant8Buffer:
             if name not in self.layout:
                 raise UnknownParameterError(f"{name!r}: no such parameter; known: {list(self.layout.names)}")
             seg = self.layout.index(name)
-            shape, n = self.layout.shapes[seg], self.layout.sizes[seg]
+            shape, n, span = self.layout.shapes[seg], self.layout.sizes[seg], self.spans[seg]
             if is_q8_entry(a):
-                codes, absmax, signed = check_entry(name, a, shape, n)
+                codes, absmax, signed = check_entry(name, a, shape, n, span)
                 if self.quant[seg] and signed == self.signed:
                     out[name] = np.concatenate([codes.ravel(), absmax.view(np.uint8)])
                     continue
                 values = dequantize(codes, absmax, signed)
             else:
-                values = _float_values(name, a, shape)
-            if self.quant[seg]:
+                values = _float_values(name, a, shape, span)
+            if self.quant[seg]:  # the span starts on a block: its blocks are the whole parameter's
                 codes, absmax = quantize(values, self.signed)
                 out[name] = np.concatenate([codes, absmax.view(np.uint8)])
             else:
@@ -396,6 +440,63 @@ class Quant8Buffer:
                 f"map, {self.flat.nbytes} bytes)")
 
 
+def window_template(slot: Quant8Buffer) -> dict:
+    """A reader's template of a windowed slot: per name, :class:`~arraytrain.owned.Owned` ranges of
+    the codes and absmax (8-bit) or of the float32 values (small) this slot holds."""
+    on_device = slot.xp is not np
+    out = {}
+    for seg, name in enumerate(slot.layout.names):
+        shape, (a, b) = slot.layout.shapes[seg], slot.spans[seg]
+        if slot.quant[seg]:
+            nb = -(-slot.layout.sizes[seg] // BLOCK)
+            out[name] = {"codes": Owned(shape, np.dtype(np.uint8), a, b, on_device),
+                         "absmax": Owned((nb,), np.dtype(np.float32), a // BLOCK, a // BLOCK + _nblocks(a, b),
+                                         on_device),
+                         "map": slot.map_name}
+        else:
+            out[name] = Owned(shape, np.dtype(np.float32), a, b, on_device)
+    return out
+
+
+def gather_window(comm, slot: Quant8Buffer, root: int | None = None) -> dict | None:
+    """Every rank's window of a slot assembled into full :meth:`Quant8Buffer.as_dict` entries (a
+    collective over ``comm``); with ``root``, on that rank only (None on the others)."""
+    xp, lay = slot.xp, slot.layout
+    infos = comm.gather_objects((int(slot.flat.size), *slot.window))
+    mine = xp.zeros(max(size for size, _, _ in infos), np.uint8)
+    mine[: slot.flat.size] = slot.flat
+    got = comm.allgather(mine) if root is None else comm.gather(mine, root)
+    if got is None:
+        return None
+    out = {}
+    for seg, name in enumerate(lay.names):
+        n = lay.sizes[seg]
+        if slot.quant[seg]:
+            out[name] = {"codes": xp.empty(n, np.uint8), "absmax": xp.empty(-(-n // BLOCK), np.float32),
+                         "map": slot.map_name}
+        else:
+            out[name] = xp.empty(n, np.float32)
+    for raw, (_, lo, length) in zip(got, infos):
+        t = _tables(lay, slot.threshold, lo, length)
+        ncodes = -(-length // 16) * 16
+        aux = raw[ncodes : ncodes + 4 * t.naux].view(np.float32)
+        for seg, name in enumerate(lay.names):
+            a, b = t.spans[seg]
+            off, k = int(t.offset[seg]), int(t.base[seg])
+            if not t.quant[seg]:
+                out[name][a:b] = aux[k : k + b - a]
+            elif b > a:
+                out[name]["codes"][a:b] = raw[off : off + b - a]
+                out[name]["absmax"][a // BLOCK : a // BLOCK + _nblocks(a, b)] = aux[k : k + _nblocks(a, b)]
+    for seg, name in enumerate(lay.names):
+        shape, entry = lay.shapes[seg], out[name]
+        if slot.quant[seg]:
+            entry["codes"] = entry["codes"].reshape(shape)
+        else:
+            out[name] = entry.reshape(shape)
+    return out
+
+
 def _xp(a):
     """The array module of ``a``: CuPy for a CuPy array (already imported then), else NumPy."""
     if type(a).__module__.partition(".")[0] == "cupy":
@@ -425,19 +526,46 @@ def is_q8_entry(a) -> bool:
     return isinstance(a, Mapping) and set(a) == {"codes", "absmax", "map"}
 
 
-def check_entry(name: str, a: Mapping, shape, n: int):
-    """The codes, absmax and signedness of an 8-bit entry for a parameter of ``shape``, checked."""
+def check_entry(name: str, a: Mapping, shape, n: int, span=None):
+    """The codes, absmax and signedness of an 8-bit entry for a parameter of ``shape``, checked.
+
+    ``span=(start, stop)``: only the parameter's flat elements ``[start, stop)`` (``start`` on a
+    block) are wanted: the flat codes and the absmax of their blocks are returned, taken from
+    full arrays or from the parts a reader took (:class:`~arraytrain.owned.OwnedPart`).
+    """
     if a["map"] not in ("signed", "unsigned"):
         raise StateDictError(f"{name!r}: 8-bit state's map: expected 'signed' or 'unsigned', got {a['map']!r}")
-    codes, absmax = np.asarray(_host(a["codes"])), np.asarray(_host(a["absmax"]))
+    start, stop = (0, n) if span is None else span
+    nb = -(-n // BLOCK)
+    codes = _own(name, a["codes"], tuple(shape), (start, stop), "codes")
+    absmax = _own(name, a["absmax"], (nb,), (start // BLOCK, start // BLOCK + _nblocks(start, stop)), "absmax")
     if codes.dtype != np.uint8 or absmax.dtype != np.float32:
         raise DTypeError(f"{name!r}: 8-bit state expects uint8 codes and float32 absmax, got "
                          f"{codes.dtype} and {absmax.dtype}")
-    if tuple(codes.shape) != tuple(shape):
-        raise ShapeMismatchError(name, tuple(shape), codes.shape, what="codes")
-    if absmax.shape != (-(-n // BLOCK),):
-        raise ShapeMismatchError(name, (-(-n // BLOCK),), absmax.shape, what="absmax")
     return codes, absmax, a["map"] == "signed"
+
+
+def _own(name: str, a, shape: tuple, want: tuple, what: str):
+    """The flat elements ``want = (start, stop)`` of an array of ``shape`` (on the host): sliced from
+    the full array, or a reader's :class:`~arraytrain.owned.OwnedPart` of exactly that range."""
+    if isinstance(a, OwnedPart):
+        data = np.asarray(_host(a.data)).reshape(-1)
+        if tuple(a.shape) != shape:
+            raise ShapeMismatchError(name, shape, tuple(a.shape), what=what)
+        if (a.start, a.start + data.size) != want:
+            raise LayoutError(f"{name!r}: {what} holds elements [{a.start}, {a.start + data.size}), this slot "
+                              f"keeps [{want[0]}, {want[1]})")
+        return data
+    arr = np.asarray(_host(a))
+    if tuple(arr.shape) != shape:
+        raise ShapeMismatchError(name, shape, arr.shape, what=what)
+    flat = arr.reshape(-1)
+    return flat if want == (0, flat.size) else flat[want[0] : want[1]]
+
+
+def _nblocks(start: int, stop: int) -> int:
+    """Blocks holding a parameter's elements ``[start, stop)`` (``start`` on a block; 0 if empty)."""
+    return -(-stop // BLOCK) - start // BLOCK if stop > start else 0
 
 
 def decode_entry(name: str, a: Mapping, shape):
@@ -450,13 +578,14 @@ def decode_entry(name: str, a: Mapping, shape):
     return out if xp is np else xp.asarray(out)
 
 
-def _float_values(name: str, a, shape) -> np.ndarray:
+def _float_values(name: str, a, shape, span=None) -> np.ndarray:
+    """A float state entry's float32 values (flat; only the elements ``span`` with one), on the host."""
     from .backend import as_array
 
-    arr = as_array(a, name)
-    if tuple(arr.shape) != tuple(shape):
-        raise ShapeMismatchError(name, tuple(shape), arr.shape, what="array")
-    if arr.dtype.kind != "f" and arr.dtype.name != "bfloat16":
-        raise DTypeError(f"{name!r}: expected a float array or an 8-bit entry, got dtype {arr.dtype}")
+    data = as_array(a.data if isinstance(a, OwnedPart) else a, name)
+    if data.dtype.kind != "f" and data.dtype.name != "bfloat16":
+        raise DTypeError(f"{name!r}: expected a float array or an 8-bit entry, got dtype {data.dtype}")
+    n = int(np.prod(shape, dtype=np.int64))
+    part = _own(name, a if isinstance(a, OwnedPart) else data, tuple(shape), span or (0, n), "array")
     with np.errstate(all="ignore"):
-        return np.asarray(_host(arr), np.float32)
+        return np.asarray(part, np.float32)

@@ -124,8 +124,11 @@ class Optimizer(ABC):
         """A zero element-wise slot ``name`` for ``params`` in ``state_dtype``'s storage."""
         if self.state_dtype == "8bit":
             check_8bit(params)
-            return state8.Quant8Buffer(params.layout, signed=name not in UNSIGNED_SLOTS, threshold=self.min_8bit_size,
-                                       xp=array_module(params.flat))  # the parameters' device
+            part = getattr(params, "partition", None)  # sharded state: this rank's partition only
+            return state8.Quant8Buffer(params.layout if part is None else part.layout,
+                                       signed=name not in UNSIGNED_SLOTS, threshold=self.min_8bit_size,
+                                       xp=array_module(params.flat),  # the parameters' device
+                                       window=None if part is None else (part.lo, part.length))
         return params.zeros_like(self._slot_dtype(params))
 
     def _slot_dtype(self, params: FlatBuffer):
@@ -144,11 +147,12 @@ class Optimizer(ABC):
         return slot_arg(state.slots[name])
 
     def _pieces(self, params) -> np.ndarray:
-        """The pieces the kernels walk: the layout's, or with 8-bit state the same parameters cut at
-        multiples of 16384 elements from each parameter's start, so no 256-element block is split."""
+        """The pieces the kernels walk: the layout's, or with 8-bit state in a layout whose offsets
+        are not on 256-element blocks the same parameters cut at multiples of 16384 elements from
+        each parameter's start, so no block is split."""
         pieces = params.layout.pieces
-        if self.state_dtype != "8bit":
-            return pieces
+        if self.state_dtype != "8bit" or params.layout.align % state8.BLOCK == 0:
+            return pieces  # offsets on blocks: the layout's chunks cut no block
         return _block_pieces(params.layout, np.ascontiguousarray(pieces[:, 2]).tobytes())
 
     @abstractmethod
@@ -192,8 +196,6 @@ class Optimizer(ABC):
         if state_dtype is not None and state_dtype not in self.STATE_DTYPES:
             raise HyperparameterError(f"state_dtype: expected None or one of {self.STATE_DTYPES}, got {state_dtype!r}")
         self.state_dtype = state_dtype
-        if state_dtype == "8bit" and type(self).shard_refusal is None:
-            self.shard_refusal = SHARD_8BIT
 
     def _signed(self, gscale):
         """The kernels' ``gscale``: negated with ``maximize`` (torch negates the gradient; exact)."""
@@ -229,6 +231,13 @@ class Optimizer(ABC):
     # per-parameter partial sums it forms over a partition (LAMB's trust ratios) in place.
     shard_refusal: str | None = None
     segment_sums = False
+
+    @property
+    def shard_align(self) -> int:
+        """Elements every parameter's offset must be a multiple of for this state to shard: 8-bit
+        state's block (a partition boundary then never cuts a block), else 1. The sharded engine
+        lays the parameters out so (:func:`arraytrain.shard.aligned_to`)."""
+        return state8.BLOCK if self.state_dtype == "8bit" else 1
 
     def eval_params(self, params: FlatBuffer, state: OptState, out: FlatBuffer | None = None) -> FlatBuffer:
         """The weights to evaluate the model at: ``params`` themselves here (a copy into ``out`` if given)."""
@@ -283,14 +292,6 @@ def decoupled_decay(lr, weight_decay):
 #: Slots never negative (second moments, sums of squares): the unsigned dynamic map. Every other
 #: slot (first moments, momentum buffers, RMSprop's mean gradient) takes the signed map.
 UNSIGNED_SLOTS = frozenset({"exp_avg_sq", "max_exp_avg_sq", "sum", "square_avg", "acc_delta", "exp_inf"})
-
-# Sharded state cuts the flat buffer at multiples of 16384 elements, and a parameter's 8-bit
-# blocks start at the parameter's own first element (at any multiple of 16): the block across
-# a partition boundary would belong to two ranks, and its absmax needs both halves.
-SHARD_8BIT = ("8-bit state keeps one absmax per 256-element block counted from each parameter's start, and a "
-              "partition boundary (a multiple of 16384 elements of the flat buffer) can cut such a block between "
-              "two ranks; use state_dtype='bfloat16' or None with shard_state=True, or 8-bit state unsharded")
-
 
 def slot_arg(buf):
     """A slot as the kernels take it (see :meth:`Optimizer._slot`)."""

@@ -361,8 +361,9 @@ def test_refusals_change_nothing():
         optim.AdamW(state_dtype="int8")
     with pytest.raises(HyperparameterError, match="float32"):
         Engine({k: v.astype(np.float64) for k, v in p0.items()}, optim.AdamW(state_dtype="8bit"))
-    assert "partition" in optim.AdamW(state_dtype="8bit").shard_refusal
-    assert optim.AdamW(state_dtype="bfloat16").shard_refusal is None
+    assert optim.AdamW(state_dtype="8bit").shard_refusal is None  # shards on blocks (tests/distributed)
+    assert optim.AdamW(state_dtype="8bit").shard_align == state8.BLOCK
+    assert optim.AdamW(state_dtype="bfloat16").shard_align == 1
     e = Engine(p0, optim.AdamW(state_dtype="8bit"))
     e.step({k: curv[k] * e.params[k] for k in shapes})
     before = {k: b.flat.copy() for k, b in e.state.slots.items()}

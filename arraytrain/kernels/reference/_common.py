@@ -75,11 +75,14 @@ def q8_expand(slot) -> np.ndarray:
 
 def _seg_size(slot, seg) -> int:
     """Segment ``seg``'s element count, from the side array's layout (absmax blocks or values)."""
+    from ...state8 import BLOCK
+
     nxt = slot.base[seg + 1] if seg + 1 < slot.base.size else slot.aux.size
     if not slot.quant[seg]:
         return int(nxt - slot.base[seg])
+    # up to the next segment's codes, within the segment's blocks (padding codes decode to 0)
     stop = slot.offset[seg + 1] if seg + 1 < slot.offset.size else slot.codes.size
-    return int(stop - slot.offset[seg]) if nxt - slot.base[seg] else 0
+    return int(min(stop - slot.offset[seg], (nxt - slot.base[seg]) * BLOCK))
 
 
 def q8_commit(slot, values, pieces) -> None:
