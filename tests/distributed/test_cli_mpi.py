@@ -96,12 +96,13 @@ def test_several_gpus_from_the_command_line(tmp_path):
 
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "8bit"])
 def test_sharded_state_follows_the_replicated_run(tmp_path, precision):
-    """--shard-state: each process holds part of the optimizer state (and of the masters under bf16),
-    and the run follows the replicated one; its checkpoint resumes in one process."""
+    """--shard-state: each process holds part of the optimizer state (and of the masters under bf16;
+    8bit: 8-bit state), and the run follows the replicated one; its checkpoint resumes in one process."""
     data = small_npz(tmp_path / "d.npz", n=120)
-    common = ["--data", str(data), "--epochs", "3", "--batch-size", "16", "--clip", "1.0", "--precision", precision]
+    common = ["--data", str(data), "--epochs", "3", "--batch-size", "16", "--clip", "1.0"]
+    common += ["--precision", "fp32", "--state-dtype", "8bit"] if precision == "8bit" else ["--precision", precision]
     _, rep = _train(tmp_path, 2, *common, name="rep")
     ckpt = tmp_path / "shard.safetensors"
     proc, sha = _train(tmp_path, 2, *common, "--shard-state", "--save", str(ckpt), name="sha")

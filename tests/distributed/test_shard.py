@@ -472,3 +472,236 @@ def test_a_sharded_load_reads_only_the_owned_range_of_each_slot(tmp_path, monkey
     for k, v in one.state_dict()["optimizer"]["slots"].items():
         for n in SHAPES:
             np.testing.assert_array_equal(out[0][1]["optimizer"]["slots"][k][n], v[n])
+
+
+# -- 8-bit state: partitions cut between 256-element blocks ---------------------------------------
+
+EIGHT_BIT = sorted(ELEMENTWISE)
+
+
+def _aligned_params(seed=0):
+    """The parameters in the layout a sharded 8-bit engine uses (every offset on a block)."""
+    return at.FlatBuffer.from_arrays(_params(np.float32, seed), align=256)
+
+
+def _train8(ranks, shard, make, *, steps=4, overlap=False, kernels="numba", seed=0):
+    grads, weights = _windows(steps, ranks, 2, nan_at=2)
+
+    def rank_run(rank, comm):
+        eng = at.Engine(_aligned_params(seed), make(), comm=comm, shard_state=shard, accumulation_steps=2,
+                        max_grad_norm=5.0, overlap=overlap, kernels=kernels)
+        for t in range(steps):
+            for m in range(2):
+                eng.step(grads[t][rank][m], weight=weights[t, rank, m])
+        return {n: np.array(v) for n, v in eng.params.items()}, eng.state_dict(), eng
+
+    return ThreadGroup(ranks).run(rank_run)
+
+
+def _same_state(got, want):
+    """Two slots' name-keyed state, bitwise: 8-bit entries' codes and absmax, float32 arrays."""
+    assert got.keys() == want.keys()
+    for n, w in want.items():
+        g = got[n]
+        if isinstance(w, dict):
+            assert g["map"] == w["map"], n
+            np.testing.assert_array_equal(g["codes"], w["codes"], err_msg=n)
+            np.testing.assert_array_equal(g["absmax"], w["absmax"], err_msg=n)
+        else:
+            np.testing.assert_array_equal(g, w, err_msg=n)
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+@pytest.mark.parametrize("name", EIGHT_BIT)
+def test_sharded_8bit_state_follows_replicated_bitwise(name, ranks):
+    """The partitions of a block-aligned layout cut no block: each rank encodes its blocks exactly as
+    the replicated engine does, so weights and every code and scale agree bit for bit (with a NaN
+    micro-batch, weighted accumulation and clipping)."""
+    make = (lambda f: lambda: f(state_dtype="8bit"))(ELEMENTWISE[name])
+    rep = _train8(ranks, False, make)
+    sha = _train8(ranks, True, make)
+    q8 = [k for k, b in sha[0][2].state.slots.items() if isinstance(b, at.state8.Quant8Buffer)]
+    assert q8 and all(sha[0][2].state.slots[k].window is not None for k in q8)  # schedule-free: z stays float32
+    assert any(isinstance(e, dict) for e in sha[0][1]["optimizer"]["slots"][q8[0]].values())
+    for r in range(ranks):
+        for n in SHAPES:
+            np.testing.assert_array_equal(sha[r][0][n], rep[r][0][n], err_msg=n)
+        for k, v in rep[0][1]["optimizer"]["slots"].items():
+            _same_state(sha[r][1]["optimizer"]["slots"][k], v)
+
+
+def test_sharded_8bit_state_with_the_reference_kernels_overlap_and_every_parameter_in_8_bits():
+    def make():
+        opt = at.optim.AdamW(lr=1e-2, weight_decay=0.01, amsgrad=True, state_dtype="8bit")
+        opt.min_8bit_size = 1  # even the 7-element bias: one block, cut by no partition
+        return opt
+
+    for kw in ({"kernels": "reference"}, {"overlap": True}):
+        rep = _train8(3, False, make, steps=3, kernels=kw.get("kernels", "numba"))
+        sha = _train8(3, True, make, steps=3, **kw)
+        for n in SHAPES:
+            np.testing.assert_array_equal(sha[1][0][n], rep[1][0][n], err_msg=f"{kw} {n}")
+        assert isinstance(sha[1][1]["optimizer"]["slots"]["exp_avg"]["b"], dict)
+        for k, v in rep[1][1]["optimizer"]["slots"].items():
+            _same_state(sha[1][1]["optimizer"]["slots"][k], v)
+
+
+def test_a_sharded_8bit_engine_lays_parameters_on_blocks_and_holds_its_partition():
+    params = _params(np.float32)
+
+    def rank_run(rank, comm):
+        rep = at.Engine(params, at.optim.AdamW(state_dtype="8bit"), comm=comm)
+        sha = at.Engine(params, at.optim.AdamW(state_dtype="8bit"), comm=comm, shard_state=True)
+        return rep, sha
+
+    for ranks in (2, 3):
+        for rank, (rep, sha) in enumerate(ThreadGroup(ranks).run(rank_run)):
+            assert rep.layout.align == 16 and sha.layout.align == 256
+            assert sha.layout.names == rep.layout.names and sha.layout.shapes == rep.layout.shapes
+            assert all(off % 256 == 0 for off in sha.layout.offsets)
+            for n, v in params.items():
+                np.testing.assert_array_equal(sha.params[n], v)
+            part = partition(sha.layout, ranks, rank)
+            slot = sha.state.slots["exp_avg"]
+            assert slot.window == (part.lo, part.length) and slot.codes.size == part.length
+            with pytest.raises(LayoutError, match="gather_window"):
+                slot.as_dict()
+            # about 1/K of the replicated 8-bit state: the codes of a partition plus its scales and
+            # the small parameters' float32 values it holds
+            assert sha.memory()["state"] <= rep.memory()["state"] / ranks + 2 * (REDUCE_CHUNK + 4096)
+    # a layout already on blocks is used as it is
+    buf = _aligned_params()
+    out = ThreadGroup(2).run(lambda rank, comm: at.Engine(buf, at.optim.AdamW(state_dtype="8bit"), comm=comm,
+                                                          shard_state=True).layout)
+    assert out[0] == buf.layout
+
+
+def test_a_sharded_8bit_checkpoint_loads_on_any_number_of_ranks_and_converts(tmp_path):
+    """Saved by 2 sharded ranks with 8-bit state: the replicated engine's entries, bit for bit; resumed
+    by 2 (bitwise) and 3 sharded ranks and by one process (its own layout) as the uninterrupted run goes on; loaded
+    into sharded float32 state (decoded) and a float32 file into sharded 8-bit state (encoded)."""
+    path = tmp_path / "q8.safetensors"
+    make = (lambda: at.optim.AdamW(lr=1e-2, weight_decay=0.01, amsgrad=True, state_dtype="8bit"))
+    grads, _ = _windows(6, 1, 1)
+
+    def engine(comm=None, shard=True, opt=make, seed=0):
+        return at.Engine(_aligned_params(seed), opt(), comm=comm, shard_state=shard and comm is not None,
+                         max_grad_norm=5.0)
+
+    def first(rank, comm):
+        eng = engine(comm)
+        for t in range(3):
+            eng.step(grads[t][0][0])
+        at.save(path, eng)
+        return eng.state_dict()
+
+    saved = ThreadGroup(2).run(first)[0]
+    ref = engine()
+    for t in range(3):
+        ref.step(grads[t][0][0])
+    for k, v in ref.state_dict()["optimizer"]["slots"].items():
+        _same_state(saved["optimizer"]["slots"][k], v)
+    for t in range(3, 6):
+        ref.step(grads[t][0][0])
+
+    def resume(rank, comm):
+        eng = engine(comm, seed=9)
+        at.load(path, eng)
+        for t in range(3, 6):
+            eng.step(grads[t][0][0])
+        return {n: v.copy() for n, v in eng.params.items()}, eng.state_dict()
+
+    for params, _ in ThreadGroup(3).run(resume):  # the mean of 3 equal gradients may round an ulp off
+        _close(params, dict(ref.params), 1e-5)
+    for params, state in ThreadGroup(2).run(resume):
+        for n in SHAPES:
+            np.testing.assert_array_equal(params[n], ref.params[n], err_msg=n)
+        for k, v in ref.state_dict()["optimizer"]["slots"].items():
+            _same_state(state["optimizer"]["slots"][k], v)
+    one = at.Engine(_params(np.float32, 9), make(), max_grad_norm=5.0)  # the default layout
+    at.load(path, one)
+    for t in range(3, 6):
+        one.step(grads[t][0][0])
+    _close(dict(one.params), dict(ref.params), 1e-5)
+
+    def as_float(rank, comm):
+        eng = engine(comm, opt=lambda: at.optim.AdamW(lr=1e-2, weight_decay=0.01, amsgrad=True), seed=9)
+        at.load(path, eng)
+        return eng.state_dict()
+
+    decoded = ThreadGroup(2).run(as_float)[0]["optimizer"]["slots"]
+    for k, v in saved["optimizer"]["slots"].items():
+        for n, e in v.items():
+            want = at.state8.dequantize(e["codes"], e["absmax"], e["map"] == "signed").reshape(SHAPES[n]) \
+                if isinstance(e, dict) else e
+            np.testing.assert_array_equal(decoded[k][n], want, err_msg=f"{k} {n}")
+    fpath = tmp_path / "f32.safetensors"
+    f32 = engine(opt=lambda: at.optim.AdamW(lr=1e-2, weight_decay=0.01, amsgrad=True))
+    f32.step(grads[0][0][0])
+    at.save(fpath, f32)
+
+    def as_8bit(rank, comm):
+        eng = engine(comm, seed=9)
+        at.load(fpath, eng)
+        return eng.state_dict()
+
+    encoded = ThreadGroup(2).run(as_8bit)[0]["optimizer"]["slots"]
+    for k, v in f32.state_dict()["optimizer"]["slots"].items():
+        for n, a in v.items():
+            e = encoded[k][n]
+            if a.size >= at.state8.DEFAULT_THRESHOLD:
+                codes, absmax = at.state8.quantize(a, signed=k == "exp_avg")
+                np.testing.assert_array_equal(e["codes"].reshape(-1), codes, err_msg=f"{k} {n}")
+                np.testing.assert_array_equal(e["absmax"], absmax, err_msg=f"{k} {n}")
+            else:
+                np.testing.assert_array_equal(e, a, err_msg=f"{k} {n}")
+
+
+def test_a_sharded_8bit_load_reads_only_the_owned_range_and_refuses_a_bad_state(tmp_path, monkeypatch):
+    import safetensors
+
+    path = tmp_path / "c.safetensors"
+    one = at.Engine(_params(np.float32), at.optim.AdamW(state_dtype="8bit"))
+    one.step(_windows(1, 1, 1)[0][0][0][0])
+    at.save(path, one)
+    whole = []
+    real_open = safetensors.safe_open
+
+    class Recording:
+        def __init__(self, *args, **kw):
+            self._f = real_open(*args, **kw)
+
+        def __enter__(self):
+            self._inner = self._f.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self._f.__exit__(*exc)
+
+        def get_tensor(self, key):
+            whole.append(key)
+            return self._inner.get_tensor(key)
+
+        def __getattr__(self, name):
+            return getattr(self._inner, name)
+
+    monkeypatch.setattr(safetensors, "safe_open", Recording)
+
+    def rank_run(rank, comm):
+        eng = at.Engine(_params(np.float32, 5), at.optim.AdamW(state_dtype="8bit"), comm=comm, shard_state=True)
+        at.load(path, eng)
+        state = eng.state_dict()
+        before = {k: b.flat.copy() for k, b in eng.state.slots.items()}
+        bad = dict(state, optimizer=dict(state["optimizer"], slots=dict(state["optimizer"]["slots"])))
+        entry = dict(bad["optimizer"]["slots"]["exp_avg"]["mid"])
+        entry["absmax"] = entry["absmax"][:-1] if rank == 1 else entry["absmax"]
+        bad["optimizer"]["slots"]["exp_avg"] = dict(bad["optimizer"]["slots"]["exp_avg"], mid=entry)
+        with pytest.raises(StateDictError):
+            eng.load_state_dict(bad)
+        return state, all(np.array_equal(before[k], b.flat) for k, b in eng.state.slots.items())
+
+    out = ThreadGroup(2).run(rank_run)
+    assert whole and not [k for k in whole if "slots" in k], "the slots were read whole"
+    assert [ok for _, ok in out] == [True, True]
+    for k, v in one.state_dict()["optimizer"]["slots"].items():
+        _same_state(out[0][0]["optimizer"]["slots"][k], v)

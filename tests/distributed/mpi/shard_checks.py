@@ -81,9 +81,9 @@ def check_block_collectives(comm) -> int:
     return cases + 1
 
 
-def _run(comm, make, shard, dtype=np.float64, steps=4, micro=2, **kw):
-    eng = at.Engine(params(dtype), make(), comm=comm, shard_state=shard, accumulation_steps=micro,
-                    max_grad_norm=5.0, **kw)
+def _run(comm, make, shard, dtype=np.float64, steps=4, micro=2, align=16, **kw):
+    start = at.FlatBuffer.from_arrays(params(dtype), align=align)
+    eng = at.Engine(start, make(), comm=comm, shard_state=shard, accumulation_steps=micro, max_grad_norm=5.0, **kw)
     last = comm.size - 1
     reports = []
     for t in range(steps):
@@ -120,6 +120,29 @@ def check_low_precision_sharded_equals_replicated(comm) -> int:
             assert same_everywhere(comm, got), name
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=f"{name} {kw}")
             cases += 1
+    return cases
+
+
+def check_8bit_sharded_equals_replicated(comm) -> int:
+    """8-bit state: the sharded engine lays the parameters on 256-element blocks, its partitions cut
+    no block, and it follows the replicated engine of the same layout; the gathered state dict holds
+    the replicated form (8-bit entries), the same on every rank."""
+    cases = 0
+    for name in ("adamw", "lamb", "rmsprop", "schedule-free"):
+        make = (lambda f: lambda: f(state_dtype="8bit"))(ELEMENTWISE[name])
+        want, _, rep = _run(comm, make, False, np.float32, align=256)
+        got, _, eng = _run(comm, make, True, np.float32)
+        assert eng.layout == rep.layout and same_everywhere(comm, got), name
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=name)
+        state = eng.state_dict()["optimizer"]["slots"]
+        q8 = [k for k, v in state.items() if isinstance(v["mid"], dict)]
+        assert q8, name
+        for k in q8:
+            codes = state[k]["mid"]["codes"]
+            assert same_everywhere(comm, codes), name
+            # a code may differ where the sum of 3+ ranks' gradients rounds in another order
+            assert np.mean(codes != rep.state_dict()["optimizer"]["slots"][k]["mid"]["codes"]) < 1e-3, name
+        cases += 1
     return cases
 
 
