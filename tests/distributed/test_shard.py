@@ -354,24 +354,41 @@ def test_the_jax_binding_passes_shard_state_through():
     ThreadGroup(2).run(lowp)
 
 
-def test_sharded_state_on_cupy_buffers_follows_the_replicated_engine():
-    """The CUDA family with sharded state (thread ranks sharing one GPU; NCCL itself needs a GPU per rank)."""
+@pytest.mark.parametrize("state_dtype", ["bfloat16", "8bit"])
+def test_sharded_state_on_cupy_buffers_follows_the_replicated_engine(state_dtype):
+    """The CUDA family with sharded state (thread ranks sharing one GPU; NCCL itself needs a GPU per rank);
+    8-bit state: its windows gathered into a state dict that loads back into a sharded engine."""
     from cuda_family import require_cuda
 
     require_cuda()
     import cupy
 
     def rank_run(rank, comm, shard):
-        eng = at.Engine(_params(np.float32), at.optim.LAMB(lr=1e-2, state_dtype="bfloat16"), comm=comm,
+        start = at.FlatBuffer.from_arrays(_params(np.float32), align=256)
+        eng = at.Engine(start, at.optim.LAMB(lr=1e-2, state_dtype=state_dtype), comm=comm,
                         shard_state=shard, device="cuda", max_grad_norm=1.0, working_dtype="bfloat16")
         for t in range(3):
             eng.step({n: cupy.asarray(g) for n, g in _windows(1, 1, 1, seed=t)[0][0][0][0].items()})
+        state = eng.state_dict()
+        eng.load_state_dict(state)
+        again = eng.state_dict()["optimizer"]["slots"]
+        for k, v in state["optimizer"]["slots"].items():
+            _same_state({n: _host_entry(e) for n, e in again[k].items()}, {n: _host_entry(e) for n, e in v.items()})
         return {n: cupy.asnumpy(eng.gather_params()[n]) for n in SHAPES}
 
     rep = ThreadGroup(2).run(rank_run, False)
     sha = ThreadGroup(2).run(rank_run, True)
     for r in range(2):
         _close(sha[r], rep[r], 1e-3)
+
+
+def _host_entry(e):
+    """A state-dict entry's arrays on the host (an 8-bit entry's codes and absmax, or the array)."""
+    import cupy
+
+    if isinstance(e, dict):
+        return {k: cupy.asnumpy(v) if hasattr(v, "get") else v for k, v in e.items()}
+    return cupy.asnumpy(e)
 
 
 def test_schedule_free_evaluation_weights_are_gathered():
