@@ -207,17 +207,19 @@ def _gathered(comp) -> bool:
 
 
 def worker_sharding(comm, cfg) -> dict:
-    """engine.memory() of the replicated and sharded engines (float32 and under a bfloat16 working copy);
-    with ``cfg["time"]`` the two float32 engines' clipped steps, taking turns."""
+    """engine.memory() of the replicated and sharded engines (float32, under a bfloat16 working copy, and
+    with 8-bit state); with ``cfg["time"]`` the two float32 engines' clipped steps, taking turns."""
     from .. import Engine, optim
 
     group = comm if comm.size > 1 else None
     params = _params(cfg["n"], 100, False)
     out = {"ranks": comm.size, "n": sum(v.size for v in params.values()), "memory": {}}
     engines = {}
-    for precision, extra in (("fp32", {}), ("bf16", {"working_dtype": "bfloat16"})):
+    for precision, extra, state in (("fp32", {}, None), ("bf16", {"working_dtype": "bfloat16"}, None),
+                                    ("8bit", {}, "8bit")):
         for shard in (False, True) if group is not None else (False,):
-            eng = Engine(params, optim.AdamW(lr=1e-3), comm=group, shard_state=shard, max_grad_norm=1.0, **extra)
+            eng = Engine(params, optim.AdamW(lr=1e-3, state_dtype=state), comm=group, shard_state=shard,
+                         max_grad_norm=1.0, **extra)
             out["memory"][f"{precision}/{'sharded' if shard else 'replicated'}"] = eng.memory()
             if precision == "fp32" and cfg.get("time"):
                 engines["sharded" if shard else "replicated"] = eng

@@ -97,6 +97,10 @@ def test_sharding_on_tiny_settings(tmp_path, capsys):
     chunk = 16384 * 4 * 2  # one reduction chunk of padding per slot
     assert two["fp32/sharded"]["state"] <= one["fp32/replicated"]["state"] / 2 + chunk
     assert two["bf16/sharded"]["params"] == 0 and two["bf16/sharded"]["master"] > 0
+    # 8-bit state lays the 100 tensors of 1000 elements (all under the 4096-element threshold: float32)
+    # on 256-element blocks, 7 chunks of which rank 0 owns 4: per slot a code per element of its 65,536
+    # and the float32 values of its 64 tensors
+    assert two["8bit/sharded"]["state"] == 2 * (65536 + 4 * 64 * 1000)
     assert rows[1]["same_weights"] or rows[1]["max_rel_diff"] < 1e-5
 
 
