@@ -501,16 +501,20 @@ def _aligned_params(seed=0):
     return at.FlatBuffer.from_arrays(_params(np.float32, seed), align=256)
 
 
-def _train8(ranks, shard, make, *, steps=4, overlap=False, kernels="numba", seed=0):
+def _train8(ranks, shard, make, *, steps=4, seed=0, mask=False, loss_scale=None, **kw):
     grads, weights = _windows(steps, ranks, 2, nan_at=2)
 
     def rank_run(rank, comm):
+        scaler = None if loss_scale is None else at.LossScaler(init_scale=loss_scale)  # one per engine
         eng = at.Engine(_aligned_params(seed), make(), comm=comm, shard_state=shard, accumulation_steps=2,
-                        max_grad_norm=5.0, overlap=overlap, kernels=kernels)
+                        max_grad_norm=5.0, loss_scaler=scaler, **kw)
+        if mask:
+            eng.set_mask({"head": (np.arange(95 * 400).reshape(95, 400) % 3 != 0)})
         for t in range(steps):
             for m in range(2):
                 eng.step(grads[t][rank][m], weight=weights[t, rank, m])
-        return {n: np.array(v) for n, v in eng.params.items()}, eng.state_dict(), eng
+        weights_now = eng.working if eng.working is not None else eng.params
+        return {n: np.array(v) for n, v in weights_now.items()}, eng.state_dict(), eng
 
     return ThreadGroup(ranks).run(rank_run)
 
@@ -547,14 +551,16 @@ def test_sharded_8bit_state_follows_replicated_bitwise(name, ranks):
             _same_state(sha[r][1]["optimizer"]["slots"][k], v)
 
 
-def test_sharded_8bit_state_with_the_reference_kernels_overlap_and_every_parameter_in_8_bits():
+def test_sharded_8bit_state_with_the_reference_kernels_overlap_a_working_copy_and_every_parameter_in_8_bits():
     def make():
         opt = at.optim.AdamW(lr=1e-2, weight_decay=0.01, amsgrad=True, state_dtype="8bit")
         opt.min_8bit_size = 1  # even the 7-element bias: one block, cut by no partition
         return opt
 
-    for kw in ({"kernels": "reference"}, {"overlap": True}):
-        rep = _train8(3, False, make, steps=3, kernels=kw.get("kernels", "numba"))
+    for kw in ({"kernels": "reference"}, {"overlap": True},
+               {"working_dtype": "bfloat16", "mask": True, "loss_scale": 2.0**10}):
+        same = {k: v for k, v in kw.items() if k != "overlap"}  # the replicated run of the same set-up
+        rep = _train8(3, False, make, steps=3, **same)
         sha = _train8(3, True, make, steps=3, **kw)
         for n in SHAPES:
             np.testing.assert_array_equal(sha[1][0][n], rep[1][0][n], err_msg=f"{kw} {n}")
