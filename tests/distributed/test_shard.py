@@ -303,12 +303,13 @@ def test_the_torch_binding_passes_shard_state_through():
     torch.manual_seed(0)  # the global generator: once, not in the rank threads
     init = torch.nn.Sequential(torch.nn.Linear(300, 120), torch.nn.Tanh(), torch.nn.Linear(120, 10)).state_dict()
 
-    def rank_run(rank, comm, shard, lowp):
+    def rank_run(rank, comm, shard, lowp, state_dtype=None):
         model = torch.nn.Sequential(torch.nn.Linear(300, 120), torch.nn.Tanh(), torch.nn.Linear(120, 10))
         model.load_state_dict(init)
         if lowp:
             model = model.to(torch.bfloat16)
-        eng = att.bind(model, at.optim.AdamW(lr=1e-2), comm=comm, shard_state=shard, max_grad_norm=1.0)
+        eng = att.bind(model, at.optim.AdamW(lr=1e-2, state_dtype=state_dtype), comm=comm, shard_state=shard,
+                       max_grad_norm=1.0)
         gen = torch.Generator().manual_seed(rank)
         for _ in range(3):
             x = torch.randn(16, 300, generator=gen).to(model[0].weight.dtype)
@@ -316,9 +317,9 @@ def test_the_torch_binding_passes_shard_state_through():
             eng.step()
         return [p.detach().float().numpy().copy() for p in model.parameters()], eng.memory()
 
-    for lowp in (False, True):
-        rep = ThreadGroup(2).run(rank_run, False, lowp)
-        sha = ThreadGroup(2).run(rank_run, True, lowp)
+    for lowp, state_dtype in ((False, None), (True, None), (False, "8bit")):
+        rep = ThreadGroup(2).run(rank_run, False, lowp, state_dtype)
+        sha = ThreadGroup(2).run(rank_run, True, lowp, state_dtype)
         for r in range(2):
             for a, b in zip(sha[r][0], rep[r][0]):
                 np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
