@@ -729,3 +729,30 @@ def test_a_sharded_8bit_load_reads_only_the_owned_range_and_refuses_a_bad_state(
     assert [ok for _, ok in out] == [True, True]
     for k, v in one.state_dict()["optimizer"]["slots"].items():
         _same_state(out[0][0]["optimizer"]["slots"][k], v)
+
+
+def test_sharded_8bit_state_where_ranks_own_only_padding():
+    """One reduction chunk of parameters over 3 ranks: ranks 1 and 2 hold no element, and the state
+    dict, a reload and the steps still follow the replicated engine."""
+    shapes = {"w": (50, 100), "b": (3,), "none": (0,)}
+    start = {n: np.random.default_rng(0).standard_normal(s).astype(np.float32) for n, s in shapes.items()}
+    grads = [{n: np.random.default_rng(t).standard_normal(s) for n, s in shapes.items()} for t in range(3)]
+
+    def rank_run(rank, comm, shard):
+        eng = at.Engine(at.FlatBuffer.from_arrays(start, align=256), at.optim.Adam(lr=1e-2, state_dtype="8bit"),
+                        comm=comm, shard_state=shard)
+        for g in grads[:2]:
+            eng.step(g)
+        eng.load_state_dict(eng.state_dict())
+        eng.step(grads[2])
+        return {n: np.array(v) for n, v in eng.params.items()}, eng.state_dict(), eng.state.slots["exp_avg"]
+
+    rep = ThreadGroup(3).run(rank_run, False)
+    sha = ThreadGroup(3).run(rank_run, True)
+    assert [s.window[0] for _, _, s in sha] == [0, REDUCE_CHUNK, 2 * REDUCE_CHUNK]
+    assert sha[2][2].aux.size == 0  # nothing of any parameter
+    for r in range(3):
+        for n in shapes:
+            np.testing.assert_array_equal(sha[r][0][n], rep[r][0][n], err_msg=n)
+        for k, v in rep[0][1]["optimizer"]["slots"].items():
+            _same_state(sha[r][1]["optimizer"]["slots"][k], v)
