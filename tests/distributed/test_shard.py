@@ -334,19 +334,20 @@ def test_the_jax_binding_passes_shard_state_through():
     tree = {"w": np.random.default_rng(0).standard_normal((300, 120)).astype(np.float32),
             "b": np.zeros(120, np.float32)}
 
-    def rank_run(rank, comm, shard):
-        eng = atj.bind(jax.tree_util.tree_map(jax.numpy.asarray, tree), at.optim.Lion(lr=1e-3), comm=comm,
-                       shard_state=shard)
+    def rank_run(rank, comm, shard, state_dtype=None):
+        start = jax.tree_util.tree_map(jax.numpy.asarray, tree)
+        eng = atj.bind(start, at.optim.Lion(lr=1e-3, state_dtype=state_dtype), comm=comm, shard_state=shard)
         for t in range(3):
             g = {k: np.random.default_rng([t, rank]).standard_normal(v.shape).astype(np.float32)
                  for k, v in tree.items()}
             eng.step(g)
         return {k: np.asarray(v).copy() for k, v in eng.tree().items()}
 
-    rep = ThreadGroup(2).run(rank_run, False)
-    sha = ThreadGroup(2).run(rank_run, True)
-    for r in range(2):
-        _close(sha[r], rep[r], 1e-6)
+    for state_dtype in (None, "8bit"):
+        rep = ThreadGroup(2).run(rank_run, False, state_dtype)
+        sha = ThreadGroup(2).run(rank_run, True, state_dtype)
+        for r in range(2):
+            _close(sha[r], rep[r], 1e-6)
 
     def lowp(rank, comm):
         with pytest.raises(HyperparameterError, match="shard_state with working_dtype"):
