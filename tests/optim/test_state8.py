@@ -533,3 +533,60 @@ def test_a_working_copy_under_8bit_state_is_the_whole_rounded_parameter(make, wo
     dt = ml_dtypes.bfloat16 if working == "bfloat16" else np.float16
     for n in sizes:
         np.testing.assert_array_equal(np.asarray(eng.working[n]), eng.params[n].astype(dt))
+
+
+# -- a slot that holds one window of the layout (a rank's partition under sharded state) -----------
+
+
+def test_a_windowed_slot_takes_its_part_of_full_entries_or_of_a_readers_parts():
+    from arraytrain.errors import LayoutError
+    from arraytrain.owned import Owned, OwnedPart
+
+    lay = at.Layout({"a": (70, 300), "b": (7,), "c": (30000,), "d": (5000,)}, align=256)
+    rng = np.random.default_rng(3)
+    values = {n: rng.standard_normal(s).astype(np.float32) for n, s in zip(lay.names, lay.shapes)}
+    whole = state8.Quant8Buffer(lay, signed=True)
+    whole.load(values)
+    full = whole.as_dict(copy=True)
+    chunk = 16384
+    for lo in range(0, lay.size, chunk):
+        win = state8.Quant8Buffer(lay, signed=True, window=(lo, chunk))
+        win.load(full)  # from the full entries
+        held = slice(lo, min(lo + chunk, lay.size))
+        for seg, name in enumerate(lay.names):
+            off, n = lay.offsets[seg], lay.sizes[seg]
+            a, b = min(max(off, lo), held.stop), min(max(off + n, lo), held.stop)
+            if a == b:
+                assert win.spans[seg] == (0, 0)
+                continue
+            assert win.spans[seg] == (a - off, b - off)
+            codes, aux = win._parts(seg)
+            if win.quant[seg]:
+                np.testing.assert_array_equal(codes, whole.codes[a:b])
+                np.testing.assert_array_equal(aux, full[name]["absmax"][(a - off) // 256 : -(-(b - off) // 256)])
+            else:
+                np.testing.assert_array_equal(aux, full[name].reshape(-1)[a - off : b - off])
+        # from a reader's parts, as the template names them
+        parts = {}
+        for name, t in state8.window_template(win).items():
+            src = full[name]
+            if isinstance(t, Owned):
+                parts[name] = OwnedPart(src.reshape(-1)[t.start : t.stop].copy(), t.start, t.shape)
+                continue
+            parts[name] = {k: OwnedPart(src[k].reshape(-1)[o.start : o.stop].copy(), o.start, o.shape)
+                           for k, o in t.items() if k != "map"}
+            parts[name]["map"] = t["map"]
+        again = state8.Quant8Buffer(lay, signed=True, window=(lo, chunk))
+        again.load(parts)
+        np.testing.assert_array_equal(again.flat, win.flat)
+        with pytest.raises(LayoutError, match="gather_window"):
+            win.as_dict()
+    # a part of another range, and a window that cuts a block, are refused
+    win = state8.Quant8Buffer(lay, signed=True, window=(chunk, chunk))
+    bad = dict(full, c={**full["c"], "codes": OwnedPart(full["c"]["codes"][:10], 0, (30000,))})
+    before = win.flat.copy()
+    with pytest.raises(LayoutError, match="holds elements"):
+        win.load(bad)
+    np.testing.assert_array_equal(win.flat, before)
+    with pytest.raises(LayoutError, match="cuts an 8-bit block"):
+        state8.Quant8Buffer(at.Layout({"c": (30000,)}), signed=True, window=(100, 16384))
