@@ -208,7 +208,7 @@ def _gathered(comp) -> bool:
 
 def worker_sharding(comm, cfg) -> dict:
     """engine.memory() of the replicated and sharded engines (float32, under a bfloat16 working copy, and
-    with 8-bit state); with ``cfg["time"]`` the two float32 engines' clipped steps, taking turns."""
+    with 8-bit state); with ``cfg["time"]`` the float32 and the 8-bit engines' clipped steps, taking turns."""
     from .. import Engine, optim
 
     group = comm if comm.size > 1 else None
@@ -220,18 +220,23 @@ def worker_sharding(comm, cfg) -> dict:
         for shard in (False, True) if group is not None else (False,):
             eng = Engine(params, optim.AdamW(lr=1e-3, state_dtype=state), comm=group, shard_state=shard,
                          max_grad_norm=1.0, **extra)
-            out["memory"][f"{precision}/{'sharded' if shard else 'replicated'}"] = eng.memory()
-            if precision == "fp32" and cfg.get("time"):
-                engines["sharded" if shard else "replicated"] = eng
+            key = f"{precision}/{'sharded' if shard else 'replicated'}"
+            out["memory"][key] = eng.memory()
+            if precision in ("fp32", "8bit") and cfg.get("time"):
+                engines[key] = eng
             else:
                 del eng
     if engines:
         rng = np.random.default_rng(1 + comm.rank)
-        g = rng.standard_normal(engines["replicated"].grads.flat.size).astype(np.float32) * 1e-3
+        g = {name: rng.standard_normal(v.shape).astype(np.float32) * 1e-3 for name, v in params.items()}
+        flat = {}
+        for key, eng in engines.items():  # each engine's gradient buffer as it lays the names out
+            eng.grads.load(g)
+            flat[key] = eng.grads.flat.copy()
         times = {k: [] for k in engines}
         for i in range(cfg["steps"] + 1):
             for key, eng in engines.items():
-                eng.grads.flat[...] = g
+                eng.grads.flat[...] = flat[key]
                 comm.comm.Barrier()
                 t0 = time.perf_counter()
                 eng.step()
@@ -239,10 +244,12 @@ def worker_sharding(comm, cfg) -> dict:
                 if i:
                     times[key].append(dt)
         out["step_s"] = {k: min(v) for k, v in times.items()}
-        same = np.array_equal(engines["replicated"].params.flat, engines["sharded"].params.flat)
-        out["same_weights"] = bool(same)
-        out["max_rel_diff"] = float(np.max(np.abs(engines["replicated"].params.flat - engines["sharded"].params.flat)
-                                           / (np.abs(engines["replicated"].params.flat) + 1e-30)))
+        out["same_weights"], out["max_rel_diff"] = {}, {}
+        for precision in ("fp32", "8bit"):
+            rep, sha = (engines[f"{precision}/{kind}"].params for kind in ("replicated", "sharded"))
+            diff = max(float(np.max(np.abs(rep[n] - sha[n]) / (np.abs(rep[n]) + 1e-30))) for n in params)
+            out["same_weights"][precision] = diff == 0.0
+            out["max_rel_diff"][precision] = diff
     return out
 
 
@@ -513,11 +520,13 @@ def part_sharding(args) -> dict:
         st = timed["step_s"]
         print(f"\nThe clipped AdamW step at {timed['ranks']} processes ({n:,} parameters, {args.threads} numba "
               f"thread(s) per process; best of {args.steps}, the slowest rank's):")
-        print("| replicated ms | sharded ms | sharded / replicated speed | weights |")
-        print("|---|---|---|---|")
-        same = "equal bit for bit" if timed["same_weights"] else f"max rel. diff {timed['max_rel_diff']:.1e}"
-        print(f"| {1e3 * st['replicated']:.2f} | {1e3 * st['sharded']:.2f} | "
-              f"{st['replicated'] / st['sharded']:.2f}x | {same} |")
+        print("| state | replicated ms | sharded ms | sharded / replicated speed | weights |")
+        print("|---|---|---|---|---|")
+        for precision in ("fp32", "8bit"):
+            rep, sha = st[f"{precision}/replicated"], st[f"{precision}/sharded"]
+            same = ("equal bit for bit" if timed["same_weights"][precision]
+                    else f"max rel. diff {timed['max_rel_diff'][precision]:.1e}")
+            print(f"| {precision} | {1e3 * rep:.2f} | {1e3 * sha:.2f} | {rep / sha:.2f}x | {same} |")
     return {"rows": rows}
 
 

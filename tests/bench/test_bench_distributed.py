@@ -101,7 +101,8 @@ def test_sharding_on_tiny_settings(tmp_path, capsys):
     # on 256-element blocks, 7 chunks of which rank 0 owns 4: per slot a code per element of its 65,536
     # and the float32 values of its 64 tensors
     assert two["8bit/sharded"]["state"] == 2 * (65536 + 4 * 64 * 1000)
-    assert rows[1]["same_weights"] or rows[1]["max_rel_diff"] < 1e-5
+    assert rows[1]["same_weights"]["fp32"] or rows[1]["max_rel_diff"]["fp32"] < 1e-5
+    assert set(rows[1]["step_s"]) == {"fp32/replicated", "fp32/sharded", "8bit/replicated", "8bit/sharded"}
 
 
 def test_overlap_on_tiny_settings(tmp_path, capsys):
