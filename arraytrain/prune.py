@@ -58,16 +58,19 @@ class MaskBuffer(FlatBuffer):
     def from_user(cls, mask, layout: Layout) -> "MaskBuffer":
         """A host mask for ``layout`` from what a user passes to :meth:`arraytrain.Engine.set_mask`.
 
-        A uint8 :class:`FlatBuffer` of the same layout (copied; a CuPy one read back),
-        or a mapping name -> array of 0/1 (bool or integer; names left out are kept
-        whole). Everything is validated before the mask is built.
+        A uint8 :class:`FlatBuffer` of the same layout (copied; a CuPy one read back) or of
+        the same names and shapes in another alignment (read by name: a sharded engine with
+        8-bit state lays its parameters on blocks), or a mapping name -> array of 0/1 (bool
+        or integer; names left out are kept whole). Everything is validated before the mask
+        is built.
         """
         if isinstance(mask, FlatBuffer):
-            if mask.layout != layout:
-                raise LayoutError(f"mask: its layout {mask.layout!r} differs from the parameters' {layout!r}")
             if mask.dtype != np.uint8:
                 raise DTypeError(f"mask: expected a uint8 buffer (1 keep, 0 pruned), got {mask.dtype}")
-            return cls(layout, _host_array(mask.flat).copy())
+            if mask.layout == layout:
+                return cls(layout, _host_array(mask.flat).copy())
+            if (mask.layout.names, mask.layout.shapes) != (layout.names, layout.shapes):
+                raise LayoutError(f"mask: its layout {mask.layout!r} differs from the parameters' {layout!r}")
         if not isinstance(mask, Mapping):
             raise ArgumentTypeError(f"mask: expected a uint8 FlatBuffer, a mapping name -> 0/1 array, or None; "
                                     f"got {type(mask).__name__}")

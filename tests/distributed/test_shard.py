@@ -757,3 +757,34 @@ def test_sharded_8bit_state_where_ranks_own_only_padding():
             np.testing.assert_array_equal(sha[r][0][n], rep[r][0][n], err_msg=n)
         for k, v in rep[0][1]["optimizer"]["slots"].items():
             _same_state(sha[r][1]["optimizer"]["slots"][k], v)
+
+
+def test_a_mask_built_on_the_users_layout_prunes_a_sharded_8bit_engine():
+    """The sharded 8-bit engine lays the parameters on blocks; a uint8 FlatBuffer mask of the user's
+    own layout (the same names and shapes) is read by name, anything else refused."""
+    from arraytrain.errors import DTypeError
+
+    user = at.prune.magnitude_mask(at.FlatBuffer.from_arrays(_params(np.float32)), ratio=0.3)
+    assert user.layout.align == 16
+    grads, _ = _windows(3, 2, 1)
+
+    def rank_run(rank, comm, shard, mask):
+        eng = at.Engine(_aligned_params(), at.optim.AdamW(lr=1e-2, state_dtype="8bit"), comm=comm, shard_state=shard)
+        eng.set_mask(mask)
+        for t in range(3):
+            eng.step(grads[t][rank][0])
+        return {n: np.array(v) for n, v in eng.params.items()}
+
+    rep = ThreadGroup(2).run(rank_run, False, {n: np.array(v) for n, v in user.items()})
+    sha = ThreadGroup(2).run(rank_run, True, user)
+    for n in SHAPES:
+        np.testing.assert_array_equal(sha[0][n], rep[0][n], err_msg=n)
+        assert not sha[0][n][user[n] == 0].any()
+    eng = at.Engine(_params(np.float32), at.optim.AdamW(state_dtype="8bit"))
+    bad = at.prune.MaskBuffer.ones(user.layout)
+    bad.flat[...] = 2
+    with pytest.raises(DTypeError, match="0/1"):
+        at.Engine(_aligned_params(), at.optim.AdamW(state_dtype="8bit")).set_mask(bad)
+    with pytest.raises(LayoutError, match="layout"):
+        eng.set_mask(at.prune.MaskBuffer.ones(at.Layout({"w": (3,)})))
+    assert eng.mask is None
