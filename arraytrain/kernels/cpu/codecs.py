@@ -433,12 +433,13 @@ def _picked(builder, u, base, sh, bi, nb, lanes):
 # code comes from the bucket table instead (a gather, for about 3 elements in 100,000): the
 # encoder's codes equal nearest_codes bit for bit. That was checked over every float32 in
 # [-1.125, 1.125] for both maps (no code differs outside the flagged lanes; the largest
-# distance of a real bound from its whole number is 1.5e-5); tests/kernels/test_vectorised.py
+# distance of a real bound from its whole number is 1.5e-5), and again over every float32 in
+# [-1, 1] once the class's first code moved into the offsets; tests/kernels/test_vectorised.py
 # checks every bound's 64 neighbours on each side. Negative q count the bounds <= |q| (ties go
 # to the larger magnitude, the lower code): |q| is moved up one ulp. A NaN or infinite q lands
 # in class 8, whose coordinate is NaN: the truncation's integer indefinite (0x80000000, read as
-# unsigned by the clamp) gives the class's first code, and no lane is flagged. About 30
-# instructions per 16 codes. On AVX2 targets (8 lanes, no two-table permute) the arithmetic
+# unsigned by the clamp) gives the class's last code, and no lane is flagged. 27 instructions
+# and 5 permutes per 16 codes. On AVX2 targets (8 lanes, no two-table permute) the arithmetic
 # measured slower than the gather below, so they keep the gather.
 _DELTA = 1e-4
 _EXP0 = 96  # the exponent table covers 2**-31 .. 2**0; anything smaller is below the first edge
@@ -470,9 +471,11 @@ def _arith_constants(qmap) -> dict:
     S, O, base, top = S + [0.0], O + [-0.5], base + [pos.size], top + [0]  # class 8: above the last bound
     lowest = [sum(1 for e in edges if e < 2.0 ** (k + _EXP0 - 127)) for k in range(32)]
     pad = 16 - len(S)
+    # the offsets take DELTA and the class's first code: floor(|q| * S - O) is the code itself
+    # (below hi = the class's last code), so one permute (hi) stands for two (first code, count)
     return dict(zero=int((bounds <= 0).sum()), edges=np.concatenate([edges, np.full(8, np.inf, f32)]),
-                S=S + [0.0] * pad, O=[o - _DELTA for o in O] + [0.0] * pad, base=base + [0] * pad, top=top + [0] * pad,
-                lowest=lowest)
+                S=S + [0.0] * pad, O=[o - _DELTA - b for o, b in zip(O, base)] + [0.0] * pad,
+                hi=[b + t for b, t in zip(base, top)] + [0] * pad, lowest=lowest)
 
 
 _ARITH = {}
@@ -508,14 +511,15 @@ def _emit_arith(builder, u, signed, lanes=16):
     perm_f = lambda t: _x86(builder, "llvm.x86.avx512.permvar.sf.512", vf, [t, d])  # noqa: E731
     perm_i = lambda t: _x86(builder, "llvm.x86.avx512.permvar.si.512", vi, [t, d])  # noqa: E731
     d = builder.select(builder.fcmp_ordered("<", perm_f(table("edges", vf)), a), builder.add(d, c(1)), d)
-    # the coordinate plus DELTA (folded into the offsets): a lane is flagged when that lies
-    # within 2 * DELTA above a whole number, and otherwise truncates to the coordinate's floor
-    t = builder.fsub(builder.fmul(a, perm_f(table("S", vf))), perm_f(table("O", vf)))
+    # the class's first code plus the coordinate plus DELTA (all folded into the offsets), in
+    # one fused multiply-add: a lane is flagged when that lies within 2 * DELTA above a whole
+    # number, and otherwise truncates to the code (float32 error below 3e-5 up to 255)
+    t = _x86(builder, "llvm.fma.v16f32", vf, [a, perm_f(table("S", vf)), builder.fneg(perm_f(table("O", vf)))])
     # the hardware truncation (0x80000000 for NaN): LLVM's fptosi would make a NaN lane poison
     j = _x86(builder, "llvm.x86.avx512.mask.cvttps2dq.512", vi, [t, c(0), ir.Constant(i16, -1), ir.Constant(i32, 4)])
     near = builder.fcmp_ordered("<", builder.fsub(t, builder.sitofp(j, vf)), cf(2 * _DELTA))
-    top = perm_i(table("top", vi))
-    m = builder.add(perm_i(table("base", vi)), builder.select(builder.icmp_unsigned("<", j, top), j, top))
+    hi = perm_i(table("hi", vi))
+    m = builder.select(builder.icmp_unsigned("<", j, hi), j, hi)
     zero = builder.select(signed, c(s["zero"]), c(un["zero"]))
     neg = builder.icmp_unsigned("!=", sign, c(0))
     code = builder.select(neg, builder.sub(zero, builder.select(builder.icmp_unsigned("<", m, zero), m, zero)),
