@@ -110,6 +110,23 @@ def step_bytes(opt: str, itemsize: int = 4) -> int:
     return itemsize * (1 + OPTIMIZERS[opt])
 
 
+def bnb_optimizer(opt: str, params):
+    """bitsandbytes' 8-bit optimizer ``opt`` (AdamW8bit, Adam8bit, SGD8bit, Adagrad8bit, RMSprop8bit,
+    Lion8bit) over torch ``params`` (CPU or CUDA) with the benchmark's hyperparameters; bitsandbytes
+    is a benchmark-only dependency (an ImportError that says so where it is missing)."""
+    try:
+        import bitsandbytes as bnb
+    except ImportError as exc:
+        raise ImportError(f"bitsandbytes: {exc}") from None
+    o = bnb.optim
+    return {"adamw": lambda: o.AdamW8bit(params, LR, BETAS, EPS, WD),
+            "adam": lambda: o.Adam8bit(params, LR, BETAS, EPS),
+            "sgd": lambda: o.SGD8bit(params, LR, momentum=MOMENTUM),
+            "adagrad": lambda: o.Adagrad8bit(params, **ADAGRAD),
+            "rmsprop": lambda: o.RMSprop8bit(params, **RMSPROP),
+            "lion": lambda: o.Lion8bit(params, **LION)}[opt]()
+
+
 def arraytrain_optimizer(opt: str, state_dtype: str | None = None):
     """arraytrain's optimizer ``opt`` with the benchmark's hyperparameters (and ``state_dtype``)."""
     import arraytrain as at

@@ -80,6 +80,7 @@ from .common import (
     RMSPROP,
     SCHEDULE_FREE,
     WD,
+    bnb_optimizer,
     first_step_seconds,
     make_engine,
     make_inplace,
@@ -537,18 +538,7 @@ def make_bnb_8bit(opt: str, n: int, zero_grad: bool = False):
     """bitsandbytes' 8-bit optimizers (blockwise, 256) on CPU torch tensors, after torch's
     ``clip_grad_norm_``: the reference implementation of 8-bit state (a benchmark-only dependency)."""
     _check_available("bnb-8bit", opt)
-    try:
-        import bitsandbytes as bnb
-    except ImportError as exc:
-        raise ImportError(f"bitsandbytes: {exc}") from None
-    o = bnb.optim
-    build = {"adamw": lambda ps: o.AdamW8bit(ps, LR, BETAS, EPS, WD),
-             "adam": lambda ps: o.Adam8bit(ps, LR, BETAS, EPS),
-             "sgd": lambda ps: o.SGD8bit(ps, LR, momentum=MOMENTUM),
-             "adagrad": lambda ps: o.Adagrad8bit(ps, **ADAGRAD),
-             "rmsprop": lambda ps: o.RMSprop8bit(ps, **RMSPROP),
-             "lion": lambda ps: o.Lion8bit(ps, **LION)}[opt]
-    return _torch_step(opt, n, build, zero_grad)
+    return _torch_step(opt, n, lambda ps: bnb_optimizer(opt, ps), zero_grad)
 
 
 CONTESTANTS = {

@@ -7,7 +7,10 @@ CUDA's ``clip_grad_norm_(foreach=True)`` + ``torch.optim.<X>(fused=True)`` and
 alternate in blocks; every call is timed with CUDA events on each side's stream after
 a synchronisation, so the figure is device time plus the host gaps inside the step.
 The device's copy bandwidth (a device-to-device copy of 2 GB, bytes read plus bytes
-written) is measured in the same rotation. GB/s counts the bytes a fused clipped step
+written) is measured in the same rotation. Named with ``--contestants`` only:
+``arraytrain-bf16`` and ``arraytrain-8bit`` (``state_dtype="bfloat16"`` / ``"8bit"``) and
+``bnb-8bit`` (bitsandbytes' CUDA ``AdamW8bit`` and siblings after the same
+``clip_grad_norm_``; bitsandbytes is a benchmark-only dependency). GB/s counts the bytes a fused clipped step
 cannot avoid (:func:`arraytrain.bench.common.step_bytes`), for everyone alike.
 """
 
@@ -24,6 +27,7 @@ from .common import (
     MAX_NORM,
     N_TENSORS,
     NOT_AVAILABLE,
+    bnb_optimizer,
     first_step_seconds,
     make_engine,
     shapes,
@@ -34,6 +38,10 @@ from .common import (
 BLOCK = 5
 DEFAULT_OPTIMIZERS = ("adamw", "adam", "sgd", "adagrad", "rmsprop", "lion", "lamb", "adafactor")
 CONTESTANTS = ("arraytrain", "torch-fused", "torch-foreach")
+#: Run only where named: arraytrain with bfloat16 or 8-bit state, bitsandbytes' CUDA 8-bit optimizers
+#: (``AdamW8bit`` and siblings, a benchmark-only dependency).
+OPTIONAL = ("arraytrain-bf16", "arraytrain-8bit", "bnb-8bit")
+STATE_DTYPES = {"arraytrain": None, "arraytrain-bf16": "bfloat16", "arraytrain-8bit": "8bit"}
 
 
 def _cuda_data(n: int, seed: int = 0, opt: str = ""):
@@ -61,9 +69,9 @@ def _timer():
     return time_call
 
 
-def make_arraytrain(opt: str, n: int):
+def make_arraytrain(opt: str, n: int, state_dtype: str | None = None):
     params, grads = _cuda_data(n, opt=opt)
-    engine = make_engine(opt, params, grads)
+    engine = make_engine(opt, params, grads, state_dtype=state_dtype)
     del params, grads
 
     def step():
@@ -74,10 +82,9 @@ def make_arraytrain(opt: str, n: int):
     return step
 
 
-def make_torch(opt: str, n: int, mode: str):
-    why = NOT_AVAILABLE.get((f"torch-{mode}", opt))
-    if why is not None:
-        raise LookupError(why)
+def _torch_step(opt: str, n: int, build, what: str):
+    """A clipped step of the torch optimizer ``build(params)`` makes, on CUDA tensors sharing the data's
+    memory: torch's ``clip_grad_norm_(foreach=True)``, then its ``step()``."""
     import torch
 
     params, grads = _cuda_data(n, opt=opt)
@@ -85,10 +92,10 @@ def make_torch(opt: str, n: int, mode: str):
     for p, g in zip(ps, grads):
         p.grad = torch.from_dlpack(g)
     try:
-        optimizer = torch_optimizer(opt, ps, {"foreach": False} if mode == "forloop" else {mode: True})
+        optimizer = build(ps)
         optimizer.step()  # torch checks the device here (its fused Adagrad is CPU-only)
-    except RuntimeError as exc:
-        raise LookupError(f"torch.optim {opt} {mode}: {str(exc).splitlines()[0][:80]}") from None
+    except (RuntimeError, ImportError) as exc:
+        raise LookupError(f"{what} {opt}: {str(exc).splitlines()[0][:80]}") from None
 
     def step():
         torch.nn.utils.clip_grad_norm_(ps, MAX_NORM, foreach=True)
@@ -96,6 +103,23 @@ def make_torch(opt: str, n: int, mode: str):
 
     step()
     return step
+
+
+def make_torch(opt: str, n: int, mode: str):
+    flags = {"foreach": False} if mode == "forloop" else {mode: True}
+    return _torch_step(opt, n, lambda ps: torch_optimizer(opt, ps, flags), f"torch.optim {mode}")
+
+
+def make_contestant(name: str, opt: str, n: int):
+    """Contestant ``name``'s step for ``opt`` on ``n`` parameters; LookupError where it has none."""
+    why = NOT_AVAILABLE.get((name, opt))
+    if why is not None:
+        raise LookupError(why)
+    if name in STATE_DTYPES:
+        return make_arraytrain(opt, n, STATE_DTYPES[name])
+    if name == "bnb-8bit":
+        return _torch_step(opt, n, lambda ps: bnb_optimizer(opt, ps), "bitsandbytes 8-bit")
+    return make_torch(opt, n, name.split("-")[1])
 
 
 def make_copy(nbytes: int = 2 << 30):
@@ -162,8 +186,7 @@ def run(optimizers, sizes, reps, names=CONTESTANTS, log=print):
             contestants = {}
             for name in names:
                 try:
-                    contestants[name] = (make_arraytrain(opt, n) if name == "arraytrain"
-                                         else make_torch(opt, n, name.split("-")[1]))
+                    contestants[name] = make_contestant(name, opt, n)
                 except LookupError as exc:
                     unavailable[f"{name}/{opt}"] = str(exc)
             contestants["copy"] = copy
@@ -201,19 +224,23 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda", choices=("cuda",))
     ap.add_argument("--optimizers", default=",".join(DEFAULT_OPTIMIZERS))
     ap.add_argument("--sizes", default="1e6,1e7,1e8", help="comma-separated parameter counts (1e9 needs ~40 GB)")
-    ap.add_argument("--contestants", default=",".join(CONTESTANTS))
+    ap.add_argument("--contestants", default=",".join(CONTESTANTS),
+                    help=f"comma-separated, from: {', '.join(CONTESTANTS + OPTIONAL)} (arraytrain among them)")
     ap.add_argument("--reps", type=int, default=30, help="timed calls per contestant (in blocks of 5)")
     ap.add_argument("--startup", action="store_true", help="also time the first step with a cold/warm kernel cache")
     ap.add_argument("--stages", action="store_true", help="also time the norm pass and the update alone")
     ap.add_argument("--json", metavar="FILE")
     args = ap.parse_args(argv)
+    names = [c.strip() for c in args.contestants.split(",")]
+    unknown = [c for c in names if c not in CONTESTANTS + OPTIONAL]
+    if unknown or "arraytrain" not in names:
+        ap.error(f"--contestants: unknown {unknown}" if unknown else "--contestants: the table compares with arraytrain")
     from arraytrain.backend import require_cuda
 
     require_cuda("--device cuda")
     import cupy as cp
 
     optimizers = [o.strip() for o in args.optimizers.split(",")]
-    names = [c.strip() for c in args.contestants.split(",")]
     sizes = [int(float(s)) for s in args.sizes.split(",")]
     rows, copy_gbs, unavailable = run(optimizers, sizes, args.reps, names, log=lambda s: print(s, file=sys.stderr))
     props = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)

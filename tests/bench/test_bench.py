@@ -128,6 +128,16 @@ def test_cli_rejects_unknown_names():
         compare.main(["--contestants", "jax"])
 
 
+def test_cuda_cli_rejects_unknown_contestants_before_needing_a_gpu(capsys):
+    from arraytrain.bench import cuda
+
+    for names in ("arraytrain,jax", "arraytrain-8bit,bnb-8bit"):  # unknown; no arraytrain to compare with
+        with pytest.raises(SystemExit):
+            cuda.main(["--contestants", names])
+    assert "the table compares with arraytrain" in capsys.readouterr().err
+    assert set(cuda.OPTIONAL) <= set(compare.CONTESTANTS)  # the same names as the CPU comparison's
+
+
 def test_cli_lists_unavailable_pairs(tmp_path, capsys):
     out = tmp_path / "run.json"
     rc = compare.main(["--optimizers", "lion", "--sizes", "1000", "--contestants", "arraytrain,torch-fused",
