@@ -98,23 +98,24 @@ class _Mirror:
 class ShardedStepLocalWork:
     """One rank's own work in a clipped AdamW step of a group of 2, replicated or with sharded state
     (``Engine(shard_state=True)``: the update of half the buffer, plus clearing the gradient
-    buffer), over a transport that moves nothing. The exchange's own cost is
-    ``python -m arraytrain.bench distributed --parts sharding``'s (it launches mpiexec)."""
+    buffer), float32 or 8-bit state, over a transport that moves nothing. The exchange's own cost
+    is ``python -m arraytrain.bench distributed --parts sharding``'s (it launches mpiexec)."""
 
-    params = [["replicated", "sharded"], [100_000, 1_000_000] if not QUICK else [100_000]]
-    param_names = ["state", "size"]
+    params = [["replicated", "sharded"], ["float32", "8bit"], [100_000, 1_000_000] if not QUICK else [100_000]]
+    param_names = ["state", "state_dtype", "size"]
 
-    def setup(self, state, n):
+    def setup(self, state, state_dtype, n):
         import arraytrain as at
         from arraytrain.exchange import Exchange
 
         comm = type("Mirror", (_Mirror, Exchange), {})()
-        self.engine = at.Engine({"w": np.zeros(n, np.float32)}, at.optim.AdamW(lr=1e-3), comm=comm,
-                                max_grad_norm=1.0, shard_state=state == "sharded")
+        opt = at.optim.AdamW(lr=1e-3, state_dtype=None if state_dtype == "float32" else state_dtype)
+        self.engine = at.Engine({"w": np.zeros(n, np.float32)}, opt, comm=comm, max_grad_norm=1.0,
+                                shard_state=state == "sharded")
         self.g = np.random.default_rng(0).standard_normal(n).astype(np.float32)
-        self.time_step(state, n)
+        self.time_step(state, state_dtype, n)
 
-    def time_step(self, state, n):
+    def time_step(self, state, state_dtype, n):
         self.engine.grads["w"][...] = self.g
         self.engine.step()
 

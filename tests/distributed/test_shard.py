@@ -437,27 +437,11 @@ def test_a_state_assembled_on_one_rank_only():
                                           full["accumulation"]["ranks"][r]["grads"][n])
 
 
-def test_a_sharded_load_reads_only_the_owned_range_of_each_slot(tmp_path, monkeypatch):
+def _record_whole_reads(monkeypatch) -> list:
+    """The keys of every tensor safetensors reads whole from now on (``get_tensor``), recorded in
+    the returned list; slices (``get_slice``) pass through unrecorded."""
     import safetensors
 
-    from arraytrain import checkpoint
-    from arraytrain.shard import Owned
-
-    path = tmp_path / "c.safetensors"
-    one = at.Engine(_params(), at.optim.AdamW())
-    one.step(_windows(1, 1, 1)[0][0][0][0])
-    at.save(path, one)
-    # the reader's range read against slicing the whole tensor, over shapes and ranges
-    with safetensors.safe_open(str(path), framework="numpy") as f:
-        keys = [k for k in f.keys() if "exp_avg_sq" in k]
-        for key in keys:
-            full = f.get_tensor(key).reshape(-1)
-            for a, b in ((0, 0), (0, full.size), (3, 17), (full.size // 3, full.size - 1)):
-                a = min(a, full.size)
-                b = min(max(a, b), full.size)
-                shape = tuple(f.get_slice(key).get_shape())
-                got = checkpoint._read_owned(str(path), f, key, Owned(shape, full.dtype, a, b, False))
-                np.testing.assert_array_equal(got.data, full[a:b])
     whole = []
     real_open = safetensors.safe_open
 
@@ -480,6 +464,31 @@ def test_a_sharded_load_reads_only_the_owned_range_of_each_slot(tmp_path, monkey
             return getattr(self._inner, name)
 
     monkeypatch.setattr(safetensors, "safe_open", Recording)
+    return whole
+
+
+def test_a_sharded_load_reads_only_the_owned_range_of_each_slot(tmp_path, monkeypatch):
+    import safetensors
+
+    from arraytrain import checkpoint
+    from arraytrain.shard import Owned
+
+    path = tmp_path / "c.safetensors"
+    one = at.Engine(_params(), at.optim.AdamW())
+    one.step(_windows(1, 1, 1)[0][0][0][0])
+    at.save(path, one)
+    # the reader's range read against slicing the whole tensor, over shapes and ranges
+    with safetensors.safe_open(str(path), framework="numpy") as f:
+        keys = [k for k in f.keys() if "exp_avg_sq" in k]
+        for key in keys:
+            full = f.get_tensor(key).reshape(-1)
+            for a, b in ((0, 0), (0, full.size), (3, 17), (full.size // 3, full.size - 1)):
+                a = min(a, full.size)
+                b = min(max(a, b), full.size)
+                shape = tuple(f.get_slice(key).get_shape())
+                got = checkpoint._read_owned(str(path), f, key, Owned(shape, full.dtype, a, b, False))
+                np.testing.assert_array_equal(got.data, full[a:b])
+    whole = _record_whole_reads(monkeypatch)
 
     def rank_run(rank, comm):
         eng = at.Engine(_params(seed=5), at.optim.AdamW(), comm=comm, shard_state=True)
@@ -683,34 +692,11 @@ def test_a_sharded_8bit_checkpoint_loads_on_any_number_of_ranks_and_converts(tmp
 
 
 def test_a_sharded_8bit_load_reads_only_the_owned_range_and_refuses_a_bad_state(tmp_path, monkeypatch):
-    import safetensors
-
     path = tmp_path / "c.safetensors"
     one = at.Engine(_params(np.float32), at.optim.AdamW(state_dtype="8bit"))
     one.step(_windows(1, 1, 1)[0][0][0][0])
     at.save(path, one)
-    whole = []
-    real_open = safetensors.safe_open
-
-    class Recording:
-        def __init__(self, *args, **kw):
-            self._f = real_open(*args, **kw)
-
-        def __enter__(self):
-            self._inner = self._f.__enter__()
-            return self
-
-        def __exit__(self, *exc):
-            return self._f.__exit__(*exc)
-
-        def get_tensor(self, key):
-            whole.append(key)
-            return self._inner.get_tensor(key)
-
-        def __getattr__(self, name):
-            return getattr(self._inner, name)
-
-    monkeypatch.setattr(safetensors, "safe_open", Recording)
+    whole = _record_whole_reads(monkeypatch)
 
     def rank_run(rank, comm):
         eng = at.Engine(_params(np.float32, 5), at.optim.AdamW(state_dtype="8bit"), comm=comm, shard_state=True)
