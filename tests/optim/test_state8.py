@@ -265,6 +265,20 @@ def test_blocks_start_at_each_parameters_start():
         assert codes.shape == entry["codes"].ravel().shape
 
 
+def test_kernels_with_an_8bit_slot_take_the_parallel_twin_at_every_size():
+    """The serial twin refcounts the 8-bit slot's arrays at every block (2.4x slower), so a kernel
+    with one runs the parallel twin even below SERIAL_BELOW; float state keeps the serial one."""
+    from arraytrain.kernels.cpu._jit import SERIAL_BELOW, pick
+
+    pair = ("parallel", "serial")
+    q8 = state8.Quant8Buffer(at.Layout({"w": (300,)}), True, 0).kernel_arg()
+    floats = np.zeros(300, np.float32)
+    assert pick(pair, 300, floats, floats) == "serial"
+    assert pick(pair, 300, floats, q8) == "parallel"
+    assert pick(pair, 0, q8) == "parallel"
+    assert pick(pair, SERIAL_BELOW, floats) == "parallel"
+
+
 # -- through the engine --------------------------------------------------------------------------
 
 

@@ -105,7 +105,7 @@ def sgd_step(p, g, buf, pieces, *, gscale, lr, l2, momentum, dampening, nesterov
              zero_grad=False, mask=None):
     """Fused SGD update; see :func:`arraytrain.kernels.reference.sgd_step`."""
     t = p.dtype.type
-    pick(_SGD, p.size)(
+    pick(_SGD, p.size, buf)(
         p, g, buf, pieces, t(gscale), seg_array(lr, p.dtype), seg_array(l2, p.dtype), t(momentum),
         t(1.0 - dampening), bool(nesterov), bool(first), working, int(kind), grad_fill(zero_grad), mask,
     )
@@ -163,7 +163,7 @@ def adam_step(p, g, m, v, vmax, pieces, *, gscale, step_size, beta1, beta2, eps,
               working=None, kind=LP_NONE, zero_grad=False, mask=None):
     """Fused Adam/AdamW update; see :func:`arraytrain.kernels.reference.adam_step`."""
     t = p.dtype.type
-    pick(_ADAM, p.size)(
+    pick(_ADAM, p.size, m, v, vmax)(
         p, g, m, v, vmax, pieces, t(gscale), seg_array(step_size, p.dtype), t(1.0 - beta1), t(beta2),
         t(1.0 - beta2), t(eps), t(inv_bc2_sqrt), seg_array(l2, p.dtype), seg_array(decay, p.dtype),
         bool(amsgrad), working, int(kind), grad_fill(zero_grad), mask,
@@ -200,7 +200,7 @@ _ADAGRAD = twins(_adagrad)
 def adagrad_step(p, g, sum_sq, pieces, *, gscale, lr, l2, eps, working=None, kind=LP_NONE, zero_grad=False, mask=None):
     """Fused Adagrad update; see :func:`arraytrain.kernels.reference.adagrad_step`."""
     t = p.dtype.type
-    pick(_ADAGRAD, p.size)(
+    pick(_ADAGRAD, p.size, sum_sq)(
         p, g, sum_sq, pieces, t(gscale), seg_array(lr, p.dtype), seg_array(l2, p.dtype), t(eps),
         working, int(kind), grad_fill(zero_grad), mask,
     )
@@ -268,7 +268,7 @@ def rmsprop_step(p, g, square_avg, grad_avg, momentum_buffer, pieces, *, gscale,
                  centered, working=None, kind=LP_NONE, zero_grad=False, mask=None):
     """Fused RMSprop update; see :func:`arraytrain.kernels.reference.rmsprop_step`."""
     t = p.dtype.type
-    pick(_RMSPROP, p.size)(
+    pick(_RMSPROP, p.size, square_avg, grad_avg, momentum_buffer)(
         p, g, square_avg, grad_avg, momentum_buffer, pieces, t(gscale), seg_array(lr, p.dtype),
         seg_array(l2, p.dtype), t(alpha), t(1.0 - alpha), t(eps), t(momentum), bool(centered),
         bool(momentum > 0), working, int(kind), grad_fill(zero_grad), mask,
@@ -305,7 +305,7 @@ def lion_step(p, g, m, pieces, *, gscale, lr, decay, beta1, beta2, working=None,
               mask=None):
     """Fused Lion update; see :func:`arraytrain.kernels.reference.lion_step`."""
     t = p.dtype.type
-    pick(_LION, p.size)(
+    pick(_LION, p.size, m)(
         p, g, m, pieces, t(gscale), seg_array(lr, p.dtype), seg_array(decay, p.dtype), t(beta1), t(1.0 - beta1),
         t(beta2), t(1.0 - beta2), working, int(kind), grad_fill(zero_grad), mask,
     )
@@ -389,7 +389,7 @@ def lamb_step(p, g, m, v, pieces, *, gscale, lr, weight_decay, beta1, beta2, eps
     lr, wd = seg_array(lr, p.dtype), seg_array(weight_decay, p.dtype)
     nseg = lr.size
     inv_bc1, inv_bc2, eps, eps_root = t(inv_bc1), t(inv_bc2), t(eps), t(eps_root)
-    sums = pick(_LAMB_MOMENTS, p.size)(p, g, m, v, pieces, t(gscale), wd, t(1.0 - beta1), t(beta2), t(1.0 - beta2),
+    sums = pick(_LAMB_MOMENTS, p.size, m, v)(p, g, m, v, pieces, t(gscale), wd, t(1.0 - beta1), t(beta2), t(1.0 - beta2),
                                        inv_bc1, inv_bc2, eps, eps_root, grad_fill(zero_grad), nseg)
     if reduce_sums is not None:
         reduce_sums(sums)
@@ -397,7 +397,7 @@ def lamb_step(p, g, m, v, pieces, *, gscale, lr, weight_decay, beta1, beta2, eps
     with np.errstate(invalid="ignore", divide="ignore"):
         ratio = np.where((pn == 0.0) | (un == 0.0), 1.0, pn / un)
     step = (lr.astype(np.float64) * ratio).astype(p.dtype)  # lr * ratio rounded to the storage dtype
-    pick(_LAMB_APPLY, p.size)(p, m, v, pieces, wd, step, inv_bc1, inv_bc2, eps, eps_root, working, int(kind), mask)
+    pick(_LAMB_APPLY, p.size, m, v)(p, m, v, pieces, wd, step, inv_bc1, inv_bc2, eps, eps_root, working, int(kind), mask)
     return ratio
 
 
@@ -718,7 +718,7 @@ _NADAM_RADAM = twins(_nadam_radam)
 def _run_nadam_radam(p, g, m, v, pieces, gscale, a, b, beta1, beta2, eps, inv_bc2_sqrt, rect, l2, decay, adaptive,
                      w, wkind, zero_grad, mask):
     t = p.dtype.type
-    pick(_NADAM_RADAM, p.size)(
+    pick(_NADAM_RADAM, p.size, m, v)(
         p, g, m, v, pieces, t(gscale), seg_array(a, p.dtype), seg_array(b, p.dtype), t(1.0 - beta1), t(beta2),
         t(1.0 - beta2), t(eps), t(inv_bc2_sqrt), t(rect), seg_array(l2, p.dtype), seg_array(decay, p.dtype),
         bool(adaptive), w, int(wkind), grad_fill(zero_grad), mask,
@@ -772,7 +772,7 @@ def adamax_step(p, g, m, u, pieces, *, gscale, step_size, beta1, beta2, eps, l2,
                 zero_grad=False, mask=None):
     """Fused Adamax update; see :func:`arraytrain.kernels.reference.adamax_step`."""
     t = p.dtype.type
-    pick(_ADAMAX, p.size)(
+    pick(_ADAMAX, p.size, m, u)(
         p, g, m, u, pieces, t(gscale), seg_array(step_size, p.dtype), t(1.0 - beta1), t(beta2), t(eps),
         seg_array(l2, p.dtype), working, int(kind), grad_fill(zero_grad), mask,
     )
@@ -811,7 +811,7 @@ def adadelta_step(p, g, square_avg, acc_delta, pieces, *, gscale, lr, l2, rho, e
                   zero_grad=False, mask=None):
     """Fused Adadelta update; see :func:`arraytrain.kernels.reference.adadelta_step`."""
     t = p.dtype.type
-    pick(_ADADELTA, p.size)(
+    pick(_ADADELTA, p.size, square_avg, acc_delta)(
         p, g, square_avg, acc_delta, pieces, t(gscale), seg_array(lr, p.dtype), seg_array(l2, p.dtype), t(rho),
         t(1.0 - rho), t(eps), working, int(kind), grad_fill(zero_grad), mask,
     )
@@ -953,7 +953,7 @@ def schedule_free_adamw_step(p, g, z, v, max_lr, weight_sum, pieces, *, gscale, 
     ck = np.empty(max_lr.size, np.float64)
     _sf_weights(max_lr, weight_sum, seg_array(weight_lr, np.float64), float(weight_lr_power), ck)
     t = p.dtype.type
-    pick(_SF_ADAMW, p.size)(
+    pick(_SF_ADAMW, p.size, v)(
         p, g, z, v, pieces, t(gscale), seg_array(lr, p.dtype), seg_array(weight_decay, p.dtype), seg_array(ck, p.dtype),
         t(beta1), t(1.0 - beta1), t(beta2), t(1.0 - beta2), t(eps), t(inv_bc2_sqrt), working, int(kind),
         grad_fill(zero_grad), mask,
