@@ -19,8 +19,9 @@ skipped on a CPU without it), and its bfloat16/float16 encoders are checked bit 
 against NumPy/ml_dtypes over every float32 exponent and sign with NaN, Inf, subnormals and
 ties, through the serial and the parallel twin.
 
-The inspected machine code is the serial twin's for every variant, and the parallel twin's
-(numba's parfor function around the same ``prange`` body) for bfloat16 state.
+The inspected machine code is the serial twin's for bfloat16 state and working copies, and the
+parallel twin's (numba's parfor function around the same ``prange`` body) for bfloat16 state and
+for 8-bit state (which runs only that twin, see arraytrain.kernels.cpu._jit.pick).
 """
 
 from __future__ import annotations
@@ -169,9 +170,9 @@ def probe() -> dict:
             # parfor function, where LLVM speculates less (a load under a runtime flag kept
             # SGD's bfloat16 loop scalar there while the serial twin was packed)
             ("bf16-state-parallel", np.uint16, None, cpu.LP_NONE, big, 0),
-            # 8-bit state: the decode, the float32 loop on the block and the encoder's gather
-            ("8bit-state", "8bit", None, cpu.LP_NONE, 64, 1),
-            ("8bit-state-parallel", "8bit", None, cpu.LP_NONE, big, 0)):
+            # 8-bit state: the decode, the float32 loop on the block and the encoder's gather; a
+            # kernel with an 8-bit slot runs its parallel twin at every size (kernels.cpu._jit.pick)
+            ("8bit-state-parallel", "8bit", None, cpu.LP_NONE, 64, 0)):
         for names, pairs, call in _kernels(state, working, kind, n):
             if isinstance(names, str):
                 names, pairs = (names,), (pairs,)
