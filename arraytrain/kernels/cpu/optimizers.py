@@ -389,15 +389,19 @@ def lamb_step(p, g, m, v, pieces, *, gscale, lr, weight_decay, beta1, beta2, eps
     lr, wd = seg_array(lr, p.dtype), seg_array(weight_decay, p.dtype)
     nseg = lr.size
     inv_bc1, inv_bc2, eps, eps_root = t(inv_bc1), t(inv_bc2), t(eps), t(eps_root)
-    sums = pick(_LAMB_MOMENTS, p.size, m, v)(p, g, m, v, pieces, t(gscale), wd, t(1.0 - beta1), t(beta2), t(1.0 - beta2),
-                                       inv_bc1, inv_bc2, eps, eps_root, grad_fill(zero_grad), nseg)
+    sums = pick(_LAMB_MOMENTS, p.size, m, v)(
+        p, g, m, v, pieces, t(gscale), wd, t(1.0 - beta1), t(beta2), t(1.0 - beta2), inv_bc1, inv_bc2, eps, eps_root,
+        grad_fill(zero_grad), nseg,
+    )
     if reduce_sums is not None:
         reduce_sums(sums)
     pn, un = np.sqrt(sums[:nseg]), np.sqrt(sums[nseg:])
     with np.errstate(invalid="ignore", divide="ignore"):
         ratio = np.where((pn == 0.0) | (un == 0.0), 1.0, pn / un)
     step = (lr.astype(np.float64) * ratio).astype(p.dtype)  # lr * ratio rounded to the storage dtype
-    pick(_LAMB_APPLY, p.size, m, v)(p, m, v, pieces, wd, step, inv_bc1, inv_bc2, eps, eps_root, working, int(kind), mask)
+    pick(_LAMB_APPLY, p.size, m, v)(
+        p, m, v, pieces, wd, step, inv_bc1, inv_bc2, eps, eps_root, working, int(kind), mask,
+    )
     return ratio
 
 
