@@ -158,7 +158,9 @@ class Layout:
         chunk ``[c * REDUCE_CHUNK, (c + 1) * REDUCE_CHUNK)`` of the flat buffer.
         Kernels reduce each piece independently (in parallel) and then add the
         pieces in this order, so the result is the same for any thread count.
-        Padding is never read; zero-size parameters have no pieces.
+        Padding is never read; zero-size parameters have no pieces. Read-only: it is shared,
+        and every array of pieces the kernels see (a partition's, an 8-bit layout's) is
+        read-only too, so numba compiles one signature for them, not two.
         """
         rows = []
         for seg, (start, size) in enumerate(zip(self._offsets, self._sizes)):
@@ -168,4 +170,6 @@ class Layout:
                 cut = min(stop, (pos // REDUCE_CHUNK + 1) * REDUCE_CHUNK)
                 rows.append((pos, cut, seg))
                 pos = cut
-        return np.asarray(rows, dtype=np.int64).reshape(-1, 3)
+        out = np.asarray(rows, dtype=np.int64).reshape(-1, 3)
+        out.flags.writeable = False
+        return out

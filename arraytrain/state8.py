@@ -242,7 +242,9 @@ def block_pieces(layout: Layout, chunk: int) -> np.ndarray:
     for seg, (start, size) in enumerate(zip(layout.offsets, layout.sizes)):
         for a in range(0, size, chunk):
             rows.append((start + a, start + min(size, a + chunk), seg))
-    return np.asarray(rows, dtype=np.int64).reshape(-1, 3)
+    out = np.asarray(rows, dtype=np.int64).reshape(-1, 3)
+    out.flags.writeable = False  # as every array of pieces (see Layout.pieces)
+    return out
 
 
 class _Tables(NamedTuple):

@@ -6,7 +6,7 @@ import numpy as np
 
 from .._checks import check_betas, check_bool, check_number
 from .._deprecation import legacy_arguments
-from ._base import Optimizer, decoupled_decay, mask_arg, working_args
+from ._base import Optimizer, decoupled_decay, mask_arg, unused_slot, working_args
 
 
 # the positional order that shipped (state_dtype, maximize and overrides are keyword-only now)
@@ -72,7 +72,7 @@ class Adam(Optimizer):
         else:
             l2, decay = wd, np.ones_like(wd)
         s = {k: self._slot(state, k) for k in state.slots}
-        vmax = s["max_exp_avg_sq"] if self.amsgrad else _unused(s["exp_avg"])
+        vmax = s["max_exp_avg_sq"] if self.amsgrad else unused_slot(s["exp_avg"])
         kernels.adam_step(params.flat, grads.flat, s["exp_avg"], s["exp_avg_sq"], vmax, self._pieces(params),
                           gscale=self._signed(gscale), step_size=lr / (1.0 - b1**t), beta1=b1, beta2=b2,
                           eps=self.eps, inv_bc2_sqrt=1.0 / math.sqrt(1.0 - b2**t), l2=l2, decay=decay,
@@ -96,8 +96,3 @@ class AdamW(Adam):
                  state_dtype: str | None = None, overrides=None):
         super().__init__(lr, betas, eps, weight_decay, amsgrad, maximize=maximize, state_dtype=state_dtype,
                          overrides=overrides)
-
-
-def _unused(slot):
-    """The kernels' ``vmax`` without AMSGrad: never read (an empty array, or the 8-bit slot itself)."""
-    return slot[:0] if isinstance(slot, np.ndarray) else slot

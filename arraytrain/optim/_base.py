@@ -293,6 +293,13 @@ def decoupled_decay(lr, weight_decay):
 #: slot (first moments, momentum buffers, RMSprop's mean gradient) takes the signed map.
 UNSIGNED_SLOTS = frozenset({"exp_avg_sq", "max_exp_avg_sq", "sum", "square_avg", "acc_delta", "exp_inf"})
 
+def unused_slot(slot):
+    """What the kernels take for a slot a configuration lacks (never read): an empty array of the
+    same storage as ``slot``, or ``slot`` itself when it is 8-bit, so that every configuration of
+    an optimizer shares one compiled signature per state dtype."""
+    return slot if isinstance(slot, state8.Q8) else slot[:0]
+
+
 def slot_arg(buf):
     """A slot as the kernels take it (see :meth:`Optimizer._slot`)."""
     if isinstance(buf, state8.Quant8Buffer):

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 from .._checks import check_bool, check_number
 from .._deprecation import legacy_arguments
-from ._base import Optimizer, mask_arg, working_args
+from ._base import Optimizer, mask_arg, unused_slot, working_args
 
 
 class RMSprop(Optimizer):
@@ -53,7 +53,7 @@ class RMSprop(Optimizer):
     def update(self, kernels, params, grads, state, *, gscale=1.0, lr=None, zero_grad=False, working=None,
                mask=None):
         square_avg = self._slot(state, "square_avg")
-        empty = params.flat[:0]  # the slots this configuration lacks: never read
+        empty = unused_slot(square_avg)  # the slots this configuration lacks: never read
         gavg = self._slot(state, "grad_avg") if self.centered else empty
         buf = self._slot(state, "momentum_buffer") if self.momentum > 0 else empty
         kernels.rmsprop_step(params.flat, grads.flat, square_avg, gavg, buf, self._pieces(params),

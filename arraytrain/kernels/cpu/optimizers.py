@@ -97,8 +97,10 @@ _SGD = twins(_sgd)
 
 
 def seg_array(a, dtype):
-    """A per-segment hyperparameter as a contiguous array of the storage dtype."""
-    return np.ascontiguousarray(a, dtype=dtype)
+    """A per-segment hyperparameter as a contiguous, writable array of the storage dtype (a
+    read-only one is copied: numba would compile a second signature for it)."""
+    out = np.ascontiguousarray(a, dtype=dtype)
+    return out if out.flags.writeable else out.copy()
 
 
 def sgd_step(p, g, buf, pieces, *, gscale, lr, l2, momentum, dampening, nesterov, first, working=None, kind=LP_NONE,
