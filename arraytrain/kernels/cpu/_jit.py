@@ -19,6 +19,11 @@ from numba.core.caching import Cache
 from ...threads import start_numba_threads
 
 FASTMATH = {"nsz", "arcp", "contract", "afn", "reassoc"}
+# Without ``arcp``/``afn`` LLVM keeps ``sqrt(a) / sqrt(b)`` as two roots and a division: with them
+# it forms ``sqrt(a) * rsqrt(b)`` from the hardware's reciprocal-root estimate and one Newton
+# step, whose bits differ between CPU generations (Adadelta's float32 ``acc_delta`` moved up to
+# 3 ulp from the reference and 4e-4 relative from torch after 10 steps on an AMD Zen 5).
+EXACT_DIVISION = FASTMATH - {"arcp", "afn"}
 # error_model="numpy": IEEE division (x/0 -> inf) instead of Python's
 # ZeroDivisionError check, whose branch stops LLVM from vectorising the loops.
 JIT = dict(fastmath=FASTMATH, error_model="numpy", cache=True)
@@ -26,17 +31,19 @@ BLOCK = 1 << 14
 SERIAL_BELOW = 1 << 16
 
 
-def twins(fn):
+def twins(fn, fastmath=FASTMATH):
     """Compile ``fn`` twice: parallel (prange over blocks) and serial.
 
     Both dispatchers share the Python source; the serial one treats ``prange``
     as ``range``. ``fn.__qualname__`` differs per twin so their on-disk caches
-    do not collide.
+    do not collide. ``fastmath``: the flags, for a kernel that needs fewer than
+    :data:`FASTMATH` (see :data:`EXACT_DIVISION`).
     """
-    par = njit(parallel=True, **JIT)(fn)
+    options = dict(JIT, fastmath=fastmath)
+    par = njit(parallel=True, **options)(fn)
     ser_fn = type(fn)(fn.__code__, fn.__globals__, fn.__name__ + "_serial", fn.__defaults__, fn.__closure__)
     ser_fn.__qualname__ = fn.__qualname__ + "_serial"
-    ser = njit(parallel=False, **JIT)(ser_fn)
+    ser = njit(parallel=False, **options)(ser_fn)
     return par, ser
 
 

@@ -12,7 +12,7 @@ from numba import njit, prange
 
 from .. import _newton_schulz as newton_schulz
 from ..interface import LP_NONE
-from ._jit import JIT, pick, twins
+from ._jit import EXACT_DIVISION, JIT, pick, twins
 from .codecs import (clear_grad, grad_fill, load_state, piece_mask, state_close, state_open, state_scratch, state_step,
                      store_masked, store_state, store_working)
 from .reductions import piece_totals
@@ -810,7 +810,7 @@ def _adadelta(p, g, sq, acc, pieces, gscale, lr, wd, rho, rho_c, eps, w, wkind, 
             store_working(w[lo:hi], p[lo:hi], wkind)  # the whole piece (8-bit state walks it in blocks)
 
 
-_ADADELTA = twins(_adadelta)
+_ADADELTA = twins(_adadelta, fastmath=EXACT_DIVISION)  # the ratio of two roots, exactly (see _jit)
 
 
 def adadelta_step(p, g, square_avg, acc_delta, pieces, *, gscale, lr, l2, rho, eps, working=None, kind=LP_NONE,
