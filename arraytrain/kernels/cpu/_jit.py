@@ -9,12 +9,26 @@ every size: its Newton-Schulz GEMMs, on threaded BLAS, are the step's cost.)
 Floating-point rules: ``fastmath`` is restricted to flags that keep NaN/Inf semantics (no
 ``nnan``/``ninf``), so non-finite detection stays exact. Kernels compile lazily on first
 call (``cache=True`` keeps the machine code on disk for later processes).
+
+Compiling: a cache load skips numba's full context refresh; processes that meet one uncached
+signature at once compile it once (a file lock per signature); :data:`COMPILE_CLOCK` counts this
+process's compile seconds (the engine's first-step notice reads it); :func:`both_twins` makes a
+call compile the other twin too (``arraytrain compile``, :mod:`arraytrain.precompile`).
 """
 
 from __future__ import annotations
 
+import hashlib
+import os
+import threading
+import time
+from contextlib import contextmanager
+
 from numba import njit
+from numba.core import event
 from numba.core.caching import Cache
+from numba.core.compiler_lock import global_compiler_lock
+from numba.core.dispatcher import Dispatcher
 
 from ...threads import start_numba_threads
 
@@ -47,6 +61,29 @@ def twins(fn, fastmath=FASTMATH):
     return par, ser
 
 
+_both = threading.local()
+
+
+@contextmanager
+def both_twins():
+    """Inside: a kernel called through :func:`pick` also compiles its other twin for the same
+    argument types, so that a small compile-ahead step (``arraytrain compile``) leaves both the
+    serial and the parallel machine code in the cache, whatever size a later run has."""
+    _both.on = True
+    try:
+        yield
+    finally:
+        _both.on = False
+
+
+def _with_twin(chosen, other):
+    def run(*args):
+        other.compile(tuple(other.typeof_pyval(a) for a in args))
+        return chosen(*args)
+
+    return run
+
+
 def pick(pair, n, *slots):
     """The twin for ``n`` elements; ``slots``: the kernel's state slots. A kernel with an 8-bit
     slot (arraytrain.state8.Q8, a tuple) runs its parallel twin at every size: in the serial one
@@ -54,10 +91,12 @@ def pick(pair, n, *slots):
     function does not), and AdamW's serial twin took 1.8 ns per element against 0.76 for the
     parallel one on one thread; with two threads the parallel twin was the faster from 5,000
     elements (9 against 13 us) up."""
-    if n < SERIAL_BELOW and not any(isinstance(s, tuple) for s in slots):
-        return pair[1]
+    eight_bit = any(isinstance(s, tuple) for s in slots)
+    both = getattr(_both, "on", False) and not eight_bit  # (an 8-bit kernel never runs its serial twin)
+    if n < SERIAL_BELOW and not eight_bit:
+        return _with_twin(pair[1], pair[0]) if both else pair[1]
     start_numba_threads()  # idempotent: numba's pool starts under arraytrain's policy (arraytrain.threads)
-    return pair[0]
+    return _with_twin(pair[0], pair[1]) if both else pair[0]
 
 
 def _load_cached_without_refresh(load_overload=Cache.load_overload):
@@ -92,3 +131,88 @@ def _load_cached_without_refresh(load_overload=Cache.load_overload):
 
 
 _load_cached_without_refresh()
+
+
+def _ours(dispatcher) -> bool:
+    return getattr(dispatcher.py_func, "__module__", "").startswith("arraytrain.")
+
+
+def _compile_once_across_processes(compile=Dispatcher.compile):
+    """Processes that meet the same uncached kernel signature at once compile it once.
+
+    Without this, two pytest-xdist workers (or two ranks started together on a cold cache)
+    each compile what the other is compiling, and a kernel signature costs 2-7 s here. A
+    compile of one of arraytrain's functions takes an exclusive file lock named after the
+    function and the signature next to numba's cache index, then compiles as usual: numba's
+    compile first tries the on-disk cache, so the process that waited loads what the other
+    wrote. The lock is taken inside numba's own (per-process) compiler lock, so a thread that
+    holds it never waits on a thread of its own process; a compile that calls another kernel
+    takes that kernel's lock inside its own, in the order of the call graph, which has no
+    cycles. Where file locks are unavailable (no ``fcntl``, a cache that is not on disk) the
+    compile runs unlocked, as numba's does.
+    """
+    if getattr(compile, "_arraytrain", False):
+        return
+    try:
+        import fcntl
+    except ImportError:  # Windows: numba's own behaviour
+        return
+
+    def locked(self, sig):
+        index = getattr(getattr(getattr(self, "_cache", None), "_cache_file", None), "_index_path", None)
+        if index is None or not _ours(self):
+            return compile(self, sig)
+        key = hashlib.sha1(repr(sig).encode()).hexdigest()[:16]
+        with global_compiler_lock:
+            try:
+                os.makedirs(os.path.dirname(index), exist_ok=True)
+                fd = os.open(f"{index[:-4]}.{key}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+            except OSError:  # a read-only cache directory: numba will not write there either
+                return compile(self, sig)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+                return compile(self, sig)
+            finally:
+                os.close(fd)  # releases the lock
+
+    locked._arraytrain = True
+    Dispatcher.compile = locked
+
+
+_compile_once_across_processes()
+
+
+class CompileClock(event.Listener):
+    """Seconds spent compiling arraytrain's kernels in this process (cache loads excluded).
+
+    A compile that calls other kernels is counted once, at the outermost level. numba's
+    compiles run under its global compiler lock, so the events of one process never overlap.
+    """
+
+    def __init__(self):
+        self.seconds = 0.0
+        self.count = 0
+        #: ``"<function qualname>(<argument types>)"`` of each outermost compile, in order
+        self.compiled: list[str] = []
+        self._depth = 0
+        self._start = 0.0
+
+    def on_start(self, ev):
+        if _ours(ev.data["dispatcher"]):
+            if self._depth == 0:
+                self._start = time.perf_counter()
+            self._depth += 1
+
+    def on_end(self, ev):
+        if _ours(ev.data["dispatcher"]):
+            self._depth -= 1
+            if self._depth == 0:
+                self.seconds += time.perf_counter() - self._start
+                self.count += 1
+                args = ", ".join(map(str, ev.data["args"]))
+                self.compiled.append(f"{ev.data['dispatcher'].py_func.__qualname__}({args})")
+
+
+#: The process's clock (see :class:`CompileClock`).
+COMPILE_CLOCK = CompileClock()
+event.register("numba:compile", COMPILE_CLOCK)
