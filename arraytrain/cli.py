@@ -39,7 +39,7 @@ import sys
 
 import numpy as np
 
-from . import optim, schedules
+from . import optim, precompile, schedules
 from .engine import Engine
 from .errors import ArrayTrainError, CheckpointError, DataError, NonFiniteError
 from .nn.callbacks import MagnitudePruning
@@ -62,18 +62,8 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(f"{self.prog}: error: {message}")
 
 
-def optimizers() -> dict:
-    """``{name: class}`` of the optimizers in ``arraytrain.optim`` that need nothing but an lr."""
-    out = {}
-    for name in getattr(optim, "__all__", dir(optim)):
-        cls = getattr(optim, name)
-        if not (isinstance(cls, type) and issubclass(cls, optim.Optimizer)) or inspect.isabstract(cls):
-            continue
-        params = inspect.signature(cls).parameters
-        if "lr" in params and all(p.default is not p.empty or n == "lr" for n, p in params.items()
-                                  if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)):
-            out[name.lower()] = cls
-    return out
+#: ``{name: class}`` of the optimizers ``--optimizer`` takes (:func:`arraytrain.optim.by_name`).
+optimizers = optim.by_name
 
 
 def _positive(kind):
@@ -298,6 +288,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--no-progress", action="store_true",
                    help="no progress bar (there is none anyway when stderr is not a terminal)")
     t.set_defaults(func=train)
+    precompile.add_parser(sub)
     return parser
 
 

@@ -8,7 +8,7 @@ from contextlib import contextmanager
 
 import numpy as np
 
-from . import _intake, engine_state, shard
+from . import _compile_notice, _intake, engine_state, shard
 from ._checks import check_bool, check_int, check_number, check_positive
 from ._guard import CallGuard, guarded
 from .accumulate import REDUCTIONS
@@ -233,6 +233,12 @@ class Engine:
         check_kernel_dtype(self.params.dtype)
         self._layout = self.params.layout
         self._kernels = family(backend_of(self.params.flat), kernels)
+        self._working_dtype = working_dtype
+        self._compile_clock = None  # numba's kernels: a first step that compiles says so (_compile_notice)
+        if kernels == "numba" and backend_of(self.params.flat) == NUMPY:
+            from .kernels.cpu._jit import COMPILE_CLOCK
+
+            self._compile_clock = COMPILE_CLOCK
         self._guard = CallGuard()
         self._evaluating = False
         if not comm.is_local:
@@ -434,7 +440,22 @@ class Engine:
         The stages: intake (validate, then accumulate into ``engine.grads``); at a
         boundary exchange -> norm pass and non-finite check -> skip or clip ->
         update -> bookkeeping (see :mod:`arraytrain.stages`).
+
+        A step whose kernels numba has to compile first (not in its on-disk cache) for more
+        than a second says so once per process on stderr, naming the ``arraytrain compile``
+        command that compiles them ahead (:mod:`arraytrain.precompile`).
         """
+        clock = self._compile_clock
+        if clock is None or not _compile_notice.pending():
+            return self._step(grads, weight)
+        before = clock.seconds
+        try:
+            return self._step(grads, weight)
+        finally:
+            _compile_notice.notice(clock.seconds - before, lambda: _compile_notice.command_for(
+                self.optimizer, self.params.dtype, self._working_dtype))
+
+    def _step(self, grads, weight) -> StepReport:
         w = self.check_weight(weight)
         boundary = self.counters.micro + 1 >= self.accumulation_steps
         # the schedule, evaluated once and checked before any write
