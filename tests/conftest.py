@@ -6,6 +6,16 @@ directory on ``sys.path``); fixtures are picked up automatically.
 
 from __future__ import annotations
 
+import os
+
+# pytest-xdist runs one worker process per core: there torch and BLAS take one thread each, set
+# before numpy or torch is imported (N workers of N threads on N cores spin against each other: a
+# drop-in test of 0.1 s took 2.3 s with both workers in torch). numba keeps its threads, so the
+# parallel twins still run on every core.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ.setdefault(_var, "1")
+
 import functools
 import struct
 from typing import Callable, NamedTuple
@@ -34,9 +44,86 @@ LP_TOL = {"rtol": 5e-3, "atol": 5e-3}
 OWN_DEPRECATION = r"error:.*will be removed in the next release; use :DeprecationWarning"
 
 
-def pytest_collection_modifyitems(items):
+# Tiers (numpy's and scipy's "fast" and "full"): the README's command runs the default tier;
+# ``--tier slow`` runs the tests marked ``slow`` (exhaustive matrices, builds, subprocess
+# races, examples, benchmark smoke runs: CI runs them after the default tier), ``--tier full``
+# both. What each tier holds: the README's "Tests" section.
+TIERS = ("default", "slow", "full")
+def tiered(values, default):
+    """A test's parameter values: those in ``default`` run in the default tier, the others carry the
+    ``slow`` mark (the exhaustive part of a matrix)."""
+    return [v if v in default else pytest.param(v, marks=pytest.mark.slow) for v in values]
+
+
+#: The dtypes of a test that runs the parallel twins only: float32 in the default tier, float64 in the
+#: slow tier (see _float64_parallel_twin).
+parallel_dtypes = pytest.mark.parametrize("dtype", tiered(DTYPES, default=(np.float32,)),
+                                          ids=lambda d: np.dtype(d).name)
+
+
+def zero_grad_at(t: int, dtype, odd: bool = False) -> bool:
+    """A kernel matrix's ``zero_grad`` at step ``t``: alternating in float32 (on at even ``t``, or odd
+    ones with ``odd``), so both compiled variants run, at both twins' sizes; always on in float64,
+    the engines' default (``zero_grad_on_step=True``), so float64 compiles the one variant the
+    engine tests share (the zeroing is the same store in either dtype)."""
+    return t % 2 == int(odd) if np.dtype(dtype) == np.float32 else True
+
+
+def _float64_parallel_twin(item) -> bool:
+    """A float64 case of a kernel matrix at a size that runs the parallel twin (a parameter ``n``
+    over SERIAL_BELOW, or a ``layout`` that large): slow tier. The default tier runs float32 at
+    every size (both twins) and float64 at the serial twin's sizes, which compiles one float64
+    kernel signature instead of two."""
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    n, dtype = params.get("n"), params.get("dtype")
+    if isinstance(params.get("layout"), Layout):
+        n = params["layout"].size
+    try:
+        return isinstance(n, int) and n >= cpu.SERIAL_BELOW and np.dtype(dtype) == np.float64
+    except TypeError:
+        return False
+
+
+# The kernels nearly every test file steps (every optimizer's fused update on float32 parameters,
+# both twins, the gradient zeroed in the kernel or not, the norm pass and the accumulation),
+# compiled ahead by ``arraytrain compile`` in one process per xdist worker before the workers
+# start, so that two workers never wait on the same compile (arraytrain.precompile).
+WARM_UP = {"optimizers": "all", "dtypes": "float32", "state_dtypes": "float32"}
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_setupnodes(config, specs):
+    """pytest-xdist's controller, before its workers start: :data:`WARM_UP` for a run of the whole
+    suite (a run of chosen files or tests compiles what it meets instead)."""
+    if config.args_source != pytest.Config.ArgsSource.TESTPATHS or config.getoption("--tier") == "slow":
+        return
+    from arraytrain import precompile
+
+    summary = precompile.compile_ahead(precompile.jobs(**WARM_UP), processes=len(specs), progress=False)
+    config.pluginmanager.get_plugin("terminalreporter").write_line(
+        f"arraytrain compile --optimizers all: {summary['signatures']} kernel signatures compiled ahead in "
+        f"{summary['seconds']:.0f} s ({summary['processes']} processes)")
+
+
+def pytest_addoption(parser):
+    parser.addoption("--tier", choices=TIERS, default="default",
+                     help="default: the tests not marked slow (the README's command); slow: only those; full: all")
+
+
+def pytest_collection_modifyitems(config, items):
     for item in items:
         item.add_marker(pytest.mark.filterwarnings(OWN_DEPRECATION))
+        if _float64_parallel_twin(item):
+            item.add_marker(pytest.mark.slow)
+    tier = config.getoption("--tier")
+    if tier == "full":
+        return
+    keep, drop = [], []
+    for item in items:
+        (keep if (item.get_closest_marker("slow") is not None) == (tier == "slow") else drop).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
 
 
 # The project's tolerance rule (fast kernels vs. references, arraytrain vs. torch).

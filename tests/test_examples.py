@@ -26,6 +26,8 @@ import arraytrain as at
 from arraytrain.backend import as_array
 from conftest import assert_close
 
+pytestmark = pytest.mark.slow  # the slow tier: the examples run as scripts (torch, JAX, phases)
+
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 STEPS = 100
 LR, BETAS, EPS, WD = 1e-2, (0.9, 0.999), 1e-8, 0.1

@@ -1017,6 +1017,7 @@ def _fresh_engine():
     return Engine({"w": np.zeros(1 << 20, np.float32), "b": np.zeros(7, np.float32)}, Adam(lr=0.1))
 
 
+@pytest.mark.slow  # the slow tier: kills at random instants (each phase is killed deterministically below)
 def test_killed_saves_always_leave_a_loadable_checkpoint_and_no_pile_of_temporaries(tmp_path):
     """A process saving in a loop is SIGKILLed at random moments, 20 times.
 

@@ -13,6 +13,9 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
+
+pytestmark = pytest.mark.slow  # the slow tier: fresh processes on cold caches of their own
 
 PROBE = """
 import json, sys

@@ -9,6 +9,7 @@ import pytest
 
 from arraytrain.bench import common, compare
 
+pytestmark = pytest.mark.slow  # the slow tier: the benchmarks' smoke runs (tiny settings, real subprocesses)
 
 PAIRS = [(name, opt) for opt in common.OPTIMIZERS for name in compare.CONTESTANTS
          if not name.startswith("arraytrain") and (name, opt) not in common.NOT_AVAILABLE]

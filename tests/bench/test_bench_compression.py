@@ -10,6 +10,7 @@ import pytest
 from arraytrain.bench import compression
 from arraytrain.bench.__main__ import main as bench_main
 
+pytestmark = pytest.mark.slow  # the slow tier: the benchmarks' smoke runs (tiny settings, real subprocesses)
 
 def test_compression_table_json_and_plot(tmp_path, capsys):
     pytest.importorskip("sklearn")

@@ -12,6 +12,7 @@ from arraytrain.bench import compression
 from arraytrain.bench import distributed as bench
 from arraytrain.distributed import find_mpiexec
 
+pytestmark = pytest.mark.slow  # the slow tier: the benchmarks' smoke runs (tiny settings, real subprocesses)
 
 def _need_mpi():
     if importlib.util.find_spec("mpi4py") is None or find_mpiexec() is None:

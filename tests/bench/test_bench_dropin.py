@@ -14,6 +14,7 @@ import pytest
 torch = pytest.importorskip("torch")
 from arraytrain.bench import common, dropin
 
+pytestmark = pytest.mark.slow  # the slow tier: the benchmarks' smoke runs (tiny settings, real subprocesses)
 
 @pytest.mark.parametrize("clipped", [False, True], ids=["plain", "clipped"])
 def test_contestants_take_the_same_step(clipped):

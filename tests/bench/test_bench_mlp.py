@@ -10,6 +10,8 @@ import pytest
 from arraytrain.bench import mlp
 from arraytrain.bench.__main__ import main as bench_main
 
+pytestmark = pytest.mark.slow  # the slow tier: the benchmarks' smoke runs (tiny settings, real subprocesses)
+
 SIZES = [12, 16, 8, 5]
 TORCH = [name for name in mlp.CONTESTANTS if name.startswith("torch")]
 

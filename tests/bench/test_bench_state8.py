@@ -8,6 +8,7 @@ import pytest
 
 from arraytrain.bench import state8
 
+pytestmark = pytest.mark.slow  # the slow tier: the benchmarks' smoke runs (tiny settings, real subprocesses)
 
 def test_transformer_and_digits_on_tiny_settings(tmp_path, capsys):
     pytest.importorskip("torch")

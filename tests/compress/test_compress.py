@@ -11,7 +11,7 @@ import math
 import numba
 import numpy as np
 import pytest
-from conftest import DTYPES
+from conftest import DTYPES, parallel_dtypes
 
 from arraytrain import Layout
 from arraytrain.compress import ErrorFeedback, Int8Block, RandomK, Sign, Ternary, TopK
@@ -92,9 +92,10 @@ def test_kernels_match_reference(cfg, dtype, n, rng):
         assert pf.nbytes == ps.nbytes
 
 
+@parallel_dtypes
 @pytest.mark.parametrize("cfg", ["topk", "sign", "ternary_block", "int8_stochastic"])
-def test_thread_count_does_not_change_bits(cfg, rng):
-    x = rng.standard_normal(200_003)
+def test_thread_count_does_not_change_bits(cfg, dtype, rng):
+    x = rng.standard_normal(200_003).astype(dtype)
     outs = []
     default = numba.get_num_threads()
     try:
@@ -146,9 +147,11 @@ def test_topk_keeps_exactly_the_k_largest(kernels, dtype, rng):
     np.testing.assert_array_equal(dec, expect)
 
 
+# uint32 indices, as TopK sends them (int64 above 2**32 elements: the slow tier)
+@pytest.mark.parametrize("index", [np.uint32, pytest.param(np.int64, marks=pytest.mark.slow)], ids=["uint32", "int64"])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_topk_ties_and_edge_cases(family, dtype):
-    idx, val = np.empty(3, np.int64), np.empty(3, dtype)
+def test_topk_ties_and_edge_cases(family, dtype, index):
+    idx, val = np.empty(3, index), np.empty(3, dtype)
     x = np.array([1, -2, 2, 1, -1, 2, 0], dtype)  # |2| three times: the lowest two of them, then ...
     for kern in (family, ref):
         kern.topk(x, idx, val, k=3)
@@ -160,13 +163,13 @@ def test_topk_ties_and_edge_cases(family, dtype):
         np.testing.assert_array_equal(idx, [1, 2, 4])
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@parallel_dtypes
 def test_topk_heavy_ties_parallel_path(family, dtype, rng):
     # few distinct magnitudes over many chunks: the candidate bin holds most elements and
     # the selection among equal keys runs through every refinement level
     x = rng.choice(np.array([0.5, -0.5, 0.25, 1 + 2.0**-20, 1.0], dtype), size=300_000)
     for k in (1, 4_321, 150_000, 300_000):
-        out = [(np.empty(k, np.int64), np.empty(k, dtype)) for _ in range(2)]
+        out = [(np.empty(k, np.uint32), np.empty(k, dtype)) for _ in range(2)]
         family.topk(x, *out[0], k=k)
         ref.topk(x, *out[1], k=k)
         np.testing.assert_array_equal(out[0][0], out[1][0])

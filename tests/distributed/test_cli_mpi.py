@@ -29,7 +29,7 @@ def _train(tmp_path, ranks, *args, name="run"):
     return proc, json.loads(js.read_text())
 
 
-@pytest.mark.parametrize("ranks", [2, 3])
+@pytest.mark.parametrize("ranks", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_data_parallel_training_follows_the_one_process_run(tmp_path, ranks):
     data = small_npz(tmp_path / "d.npz", n=120)
     common = ["--data", str(data), "--epochs", "4", "--dtype", "float64", "--batch-size", "16", "--clip", "1.0"]
@@ -43,6 +43,7 @@ def test_data_parallel_training_follows_the_one_process_run(tmp_path, ranks):
     assert many["test_accuracy"] == one["test_accuracy"]
 
 
+@pytest.mark.slow  # the slow tier: the compressors under mpiexec are checked in test_distributed
 def test_compressed_data_parallel_training(tmp_path):
     data = small_npz(tmp_path / "d.npz", n=120)
     proc, many = _train(tmp_path, 2, "--data", str(data), "--epochs", "4", "--batch-size", "16",
@@ -96,6 +97,7 @@ def test_several_gpus_from_the_command_line(tmp_path):
 
 
 
+@pytest.mark.slow  # the slow tier: three CLI runs under mpiexec (sharding: tests/distributed/test_shard.py)
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "8bit"])
 def test_sharded_state_follows_the_replicated_run(tmp_path, precision):
     """--shard-state: each process holds part of the optimizer state (and of the masters under bf16;
@@ -114,6 +116,7 @@ def test_sharded_state_follows_the_replicated_run(tmp_path, precision):
     assert len(more["history"]) == 4 and more["history"][:3] == sha["history"]
 
 
+@pytest.mark.slow  # the slow tier: usage errors under mpiexec
 def test_shard_state_usage_errors(tmp_path):
     pytest.importorskip("mpi4py")
     base = [sys.executable, "-m", "arraytrain", "train"]
@@ -127,6 +130,7 @@ def test_shard_state_usage_errors(tmp_path):
         assert proc.returncode == 2 and proc.stderr.count("error:") == 1 and words in proc.stderr, proc.stderr
 
 
+@pytest.mark.slow  # the slow tier: two CLI runs under mpiexec
 def test_overlapped_exchange_follows_the_blocking_run(tmp_path):
     data = small_npz(tmp_path / "d.npz", n=120)
     common = ["--data", str(data), "--epochs", "3", "--batch-size", "16", "--dtype", "float64"]

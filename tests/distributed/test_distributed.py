@@ -46,7 +46,7 @@ def ranks(n: int, *args, timeout: float = TIMEOUT) -> subprocess.CompletedProces
                     f"stdout:\n{exc.output}\nstderr:\n{exc.stderr}")
 
 
-@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("n", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_collectives_compressed_exchange_and_engine(n):
     proc = ranks(n, CHECKS, "comm", "compress", "engine")
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -55,6 +55,7 @@ def test_collectives_compressed_exchange_and_engine(n):
     print(summary)
 
 
+@pytest.mark.slow  # the slow tier: 2 then 3 ranks, every sharded and overlapped check
 def test_sharded_state_and_overlap_over_mpi_and_a_checkpoint_across_numbers_of_ranks(tmp_path):
     """2 ranks then 3 ranks: the sharded engine follows the replicated one, the overlapped exchange the
     blocking one (MPI's nonblocking collectives); 3 ranks resume the 2 ranks' checkpoint, and one

@@ -58,7 +58,7 @@ def test_the_local_exchange_is_the_default_and_others_are_refused():
     assert isinstance(check_exchange(None), LocalExchange)
 
 
-@pytest.mark.parametrize("ranks", [2, 3])
+@pytest.mark.parametrize("ranks", [2, pytest.param(3, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 def test_dense_data_parallel_equals_one_process_with_the_global_batch(name, ranks):
     """Clipping, weighted accumulation, loss scaling and a NaN window on one rank."""

@@ -8,6 +8,7 @@ import sys
 import textwrap
 
 import numpy as np
+import pytest
 
 from arraytrain.kernels import cpu
 from arraytrain.layout import Layout
@@ -40,6 +41,7 @@ def _spawn(code, **env):
                             text=True, env=dict(os.environ, **env))
 
 
+@pytest.mark.slow  # the slow tier: three processes race on a cold cache
 def test_concurrent_cold_cache_starts_agree(tmp_path):
     procs = [_spawn(RUN, NUMBA_CACHE_DIR=str(tmp_path)) for _ in range(3)]
     outs = [p.communicate(timeout=600) for p in procs]

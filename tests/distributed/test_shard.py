@@ -19,6 +19,7 @@ from arraytrain import schedules
 from arraytrain.errors import HyperparameterError, LayoutError, StateDictError
 from arraytrain.layout import REDUCE_CHUNK
 from arraytrain.shard import ShardBuffer, partition
+from conftest import tiered
 from thread_group import ThreadGroup
 
 # 7 reduction chunks: with 2 and 3 ranks every rank owns elements, and "mid" straddles a cut
@@ -79,8 +80,13 @@ def _close(a, b, rtol):
         np.testing.assert_allclose(a[n], b[n], rtol=rtol, atol=rtol * 1e-3, err_msg=n)
 
 
-@pytest.mark.parametrize("ranks", [2, 3])
-@pytest.mark.parametrize("name", sorted(ELEMENTWISE))
+# the default tier: Adam on two ranks (test_sharded_low_precision_follows_replicated and the 8-bit
+# checks add others); the slow tier: every optimizer on 2 and 3 ranks
+SHARD_DEFAULT = ("adam",)
+
+
+@pytest.mark.parametrize("ranks", tiered([2, 3], default=(2,)))
+@pytest.mark.parametrize("name", tiered(sorted(ELEMENTWISE), default=SHARD_DEFAULT))
 def test_sharded_follows_replicated_float64(name, ranks):
     kw = dict(max_grad_norm=5.0, nan_at=2, schedule=schedules.CosineAnnealingLR(T_max=6))
     rep = _train(ranks, False, ELEMENTWISE[name], **kw)
@@ -98,9 +104,9 @@ def test_sharded_follows_replicated_float64(name, ranks):
         _close(sha[r][0], sha[0][0], 0.0)
 
 
-@pytest.mark.parametrize("name", ["adamw-amsgrad", "sgd", "lion", "lamb", "rmsprop", "adadelta", "nadam",
-                                  "schedule-free"])
-@pytest.mark.parametrize("low", ["state", "working-bf16", "working-f16"])
+@pytest.mark.parametrize("name", tiered(["adamw-amsgrad", "sgd", "lion", "lamb", "rmsprop", "adadelta", "nadam",
+                                         "schedule-free"], default=("adamw-amsgrad",)))
+@pytest.mark.parametrize("low", ["state", "working-bf16", pytest.param("working-f16", marks=pytest.mark.slow)])
 def test_sharded_low_precision_follows_replicated(name, low):
     kw = dict(dtype=np.float32, max_grad_norm=5.0, mask=True, loss_scaler=at.LossScaler(init_scale=2.0**10))
     make = ELEMENTWISE[name]
@@ -296,6 +302,7 @@ def test_partitions_are_equal_chunk_multiples_covering_the_layout():
             assert sum(b - a for a, b in spans) == size, name
 
 
+@pytest.mark.slow  # the slow tier: three set-ups (bfloat16 model, 8-bit state), each its kernel signatures
 def test_the_torch_binding_passes_shard_state_through():
     torch = pytest.importorskip("torch")
     from arraytrain.interop import torch as att
@@ -327,6 +334,7 @@ def test_the_torch_binding_passes_shard_state_through():
         assert (sha[0][1]["master"] > 0) == lowp
 
 
+@pytest.mark.slow  # the slow tier: Lion with 8-bit state, a kernel signature of its own (~8 s to compile here)
 def test_the_jax_binding_passes_shard_state_through():
     jax = pytest.importorskip("jax")
     from arraytrain.interop import jax as atj
@@ -543,8 +551,8 @@ def _same_state(got, want):
             np.testing.assert_array_equal(g, w, err_msg=n)
 
 
-@pytest.mark.parametrize("ranks", [2, 3])
-@pytest.mark.parametrize("name", EIGHT_BIT)
+@pytest.mark.parametrize("ranks", tiered([2, 3], default=(2,)))
+@pytest.mark.parametrize("name", tiered(EIGHT_BIT, default=("adam",)))
 def test_sharded_8bit_state_follows_replicated_bitwise(name, ranks):
     """The partitions of a block-aligned layout cut no block: each rank encodes its blocks exactly as
     the replicated engine does, so weights and every code and scale agree bit for bit (with a NaN
@@ -562,6 +570,7 @@ def test_sharded_8bit_state_follows_replicated_bitwise(name, ranks):
             _same_state(sha[r][1]["optimizer"]["slots"][k], v)
 
 
+@pytest.mark.slow  # the slow tier: three set-ups on 3 ranks, each an 8-bit kernel signature of its own
 def test_sharded_8bit_state_with_the_reference_kernels_overlap_a_working_copy_and_every_parameter_in_8_bits():
     def make():
         opt = at.optim.AdamW(lr=1e-2, weight_decay=0.01, amsgrad=True, state_dtype="8bit")
@@ -745,6 +754,7 @@ def test_sharded_8bit_state_where_ranks_own_only_padding():
             _same_state(sha[r][1]["optimizer"]["slots"][k], v)
 
 
+@pytest.mark.slow  # the slow tier: a masked 8-bit kernel signature (~10 s to compile here)
 def test_a_mask_built_on_the_users_layout_prunes_a_sharded_8bit_engine():
     """The sharded 8-bit engine lays the parameters on blocks; a uint8 FlatBuffer mask of the user's
     own layout (the same names and shapes) is read by name, anything else refused."""

@@ -75,12 +75,21 @@ def helpers(name: str):
         del sys.path[:2]
 
 
-def test_every_gloo_check_on_2_ranks_and_their_checkpoints_in_one_process(tmp_path):
-    """Collectives, nonblocking handles, bad input, the engine (dense, compressed, sharded), the torch and
-    JAX bindings and checkpoints, under torchrun on 2 ranks; then one process resumes the sharded
-    checkpoints they wrote and continues the one-process trajectory."""
+def test_gloo_collectives_on_2_ranks():
+    """TorchComm's collectives, nonblocking handles and bad input under torchrun on 2 ranks (gloo)."""
+    proc = torchrun(2, CHECKS, "comm")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    summary = proc.stdout.strip().splitlines()[-1]
+    assert summary.startswith("all ") and "checks passed on 2 ranks" in summary, proc.stdout + proc.stderr
+
+
+@pytest.mark.slow  # the slow tier: every engine check under torchrun (about 25 s here)
+def test_every_gloo_engine_check_on_2_ranks_and_their_checkpoints_in_one_process(tmp_path):
+    """The engine (dense, compressed, sharded), the torch and JAX bindings and checkpoints, under
+    torchrun on 2 ranks; then one process resumes the sharded checkpoints they wrote and continues
+    the one-process trajectory."""
     t0 = time.monotonic()
-    proc = torchrun(2, CHECKS, "comm", "engine", "shard", "bindings",
+    proc = torchrun(2, CHECKS, "engine", "shard", "bindings",
                     ARRAYTRAIN_SHARD_DIR=str(tmp_path), ARRAYTRAIN_TORCHRUN_DIR=str(tmp_path))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     summary = proc.stdout.strip().splitlines()[-1]
@@ -116,6 +125,7 @@ def test_every_gloo_check_on_2_ranks_and_their_checkpoints_in_one_process(tmp_pa
     np.testing.assert_allclose(bc.flat_params(m), bc.flat_params(want), rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.slow  # the slow tier: a crash under torchrun (test_distributed checks one under mpiexec)
 def test_a_crashing_rank_ends_the_job_with_its_error():
     """The last rank fails before a collective the other waits in: torchrun ends both, non-zero."""
     t0 = time.monotonic()
@@ -127,6 +137,7 @@ def test_a_crashing_rank_ends_the_job_with_its_error():
     assert "unreachable" not in out
 
 
+@pytest.mark.slow  # the slow tier: an example script under torchrun
 def test_the_example_under_torchrun_prints_the_one_process_losses():
     """examples/torchrun_train.py on 2 ranks prints the losses it prints alone (float32 rounding)."""
     proc = torchrun(2, EXAMPLE, timeout=180)

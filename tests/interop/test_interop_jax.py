@@ -111,7 +111,8 @@ def _optax_run(params, x, y, steps):
     return params, losses
 
 
-@pytest.mark.parametrize("route", ["pytree", "flat", "dict"])
+@pytest.mark.parametrize("route", ["pytree", pytest.param("flat", marks=pytest.mark.slow),
+                                   pytest.param("dict", marks=pytest.mark.slow)])
 def test_trajectory_follows_optax(route):
     x, y = data()
     engine = atj.bind(mlp_params(), at.optim.AdamW(lr=LR, weight_decay=WD), max_grad_norm=MAX_NORM)

@@ -24,6 +24,7 @@ import arraytrain
 from arraytrain import errors
 
 torch = pytest.importorskip("torch")
+import torch_optim_db  # noqa: E402  (imports torch)
 from arraytrain.interop import torch as at_torch
 
 STEPS = 12
@@ -368,7 +369,15 @@ def test_low_precision_model_on_float32_masters(dtype):
         theirs.step()
         for p, q in zip(a.parameters(), ref.parameters()):
             assert p.dtype == dtype
-            np.testing.assert_array_equal(p.detach().float().numpy(), q.detach().to(dtype).float().numpy())
+            # the model's weights are its float32 masters rounded, bit for bit; torch's float32 AdamW
+            # rounds its last bit differently now and then, which may move a weight by one ulp of
+            # ``dtype`` (whether it does depends on the gradients, so on torch's thread count)
+            assert torch.equal(p.detach(), mine.state[p]["master"].to(dtype))
+            want = q.detach().to(dtype).float().numpy()
+            ulp = np.spacing(np.abs(want).astype(np.float16 if dtype == torch.float16 else np.float32))
+            if dtype == torch.bfloat16:
+                ulp = np.abs(want) * 2.0**-7 + 1e-38
+            assert np.all(np.abs(p.detach().float().numpy() - want) <= ulp)
     masters = [mine.state[p]["master"] for p in a.parameters()]
     for m, q in zip(masters, ref.parameters()):
         np.testing.assert_allclose(m.numpy(), q.detach().numpy(), rtol=1e-5, atol=1e-6)
@@ -380,7 +389,8 @@ def test_low_precision_model_on_float32_masters(dtype):
                                          ("SGD", {"lr": 1e-2, "momentum": 0.9}),
                                          # "emb.weight" (66 elements) and "conv.weight" (90) in 8 bits
                                          ("AdamW", {"lr": 1e-2, "state_dtype": "8bit", "min_8bit_size": 64}),
-                                         ("NAdam", {"lr": 1e-2, "state_dtype": "8bit", "min_8bit_size": 64})],
+                                         pytest.param("NAdam", {"lr": 1e-2, "state_dtype": "8bit", "min_8bit_size": 64},
+                                                      marks=pytest.mark.slow)],
                          ids=["AdamW", "NAdam", "SGD", "AdamW-8bit", "NAdam-8bit"])
 def test_state_dict_resume_through_torch_save(cls, kwargs):
     """Save at step 6, load into a fresh model and optimizer, continue: bitwise the uninterrupted run."""
@@ -452,29 +462,17 @@ def test_loads_torch_optims_own_state_dict():
 # -- torch's optim_db configurations through the drop-ins -----------------------------------------------
 
 OPTIM_DB_CLASSES = ("Adam", "AdamW", "SGD", "Adagrad", "RMSprop", "NAdam", "RAdam", "Adamax", "Adadelta")
-_READ = f"""
-import json, torch
-from torch.testing._internal.common_optimizers import optim_db
-rows = []
-for info in optim_db:
-    if info.optim_cls.__name__ in {OPTIM_DB_CLASSES!r}:
-        for inp in info.optim_inputs_func(device="cpu"):
-            kw = {{k: {{"tensor": float(v)}} if isinstance(v, torch.Tensor) else v for k, v in inp.kwargs.items()}}
-            rows.append({{"optimizer": info.optim_cls.__name__, "desc": inp.desc, "kwargs": kw}})
-print(json.dumps(rows))
-"""
 
 
 def _optim_db():
-    out = subprocess.run([sys.executable, "-c", _READ], capture_output=True, text=True, timeout=300, check=False)
-    if out.returncode:
-        why = (out.stderr.strip().splitlines() or ["no output"])[-1]
-        return [pytest.param(None, id="optim_db", marks=pytest.mark.skip(reason=f"torch's optim_db: {why}"))]
-    rows = json.loads(out.stdout.strip().splitlines()[-1])
+    got = torch_optim_db.rows()  # read once per torch version (tests/torch_optim_db.py)
+    if isinstance(got, str):
+        return [pytest.param(None, id="optim_db", marks=pytest.mark.skip(reason=f"torch's optim_db: {got}"))]
     return [pytest.param(r, id=f"{r['optimizer']}-{re.sub(r'[^a-z0-9]+', '_', r['desc'].lower()).strip('_')}")
-            for r in rows]
+            for r in got if r["optimizer"] in OPTIM_DB_CLASSES and r["device"] == "cpu"]
 
 
+@pytest.mark.slow  # the slow tier: torch's exhaustive matrix (test_matches_torch_optim: every drop-in meets torch)
 @pytest.mark.parametrize("config", _optim_db())
 def test_optim_db_configurations(config):
     kwargs = {k: (torch.tensor(v["tensor"]) if isinstance(v, dict) else tuple(v) if isinstance(v, list) else v)

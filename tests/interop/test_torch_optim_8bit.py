@@ -122,7 +122,9 @@ def _assert_state_equals_engine(opt, model, engine):
                 np.testing.assert_array_equal(mine.numpy(), ref, err_msg=f"{n} {slot}")
 
 
-@pytest.mark.parametrize("cls, kwargs, make", ROWS, ids=[r[0] for r in ROWS])
+# the default tier: AdamW; the slow tier: every row (each an 8-bit kernel signature, ~10 s to compile here)
+@pytest.mark.parametrize("cls, kwargs, make",
+                         [pytest.param(*r, id=r[0], marks=() if r[0] == "AdamW" else pytest.mark.slow) for r in ROWS])
 def test_drop_in_equals_the_engine_with_8bit_state(cls, kwargs, make):
     a = _model()
     ref = copy.deepcopy(a)
@@ -334,6 +336,7 @@ def test_grad_scaler_equals_unscaled_gradients():
     assert int(mine.state[a.fc.weight]["step"]) == 7
 
 
+@pytest.mark.slow  # the slow tier: an 8-bit kernel signature with a working copy (~13 s to compile here)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bfloat16", "float16"])
 def test_low_precision_model_keeps_8bit_state_of_its_masters(dtype):
     torch.manual_seed(0)
@@ -354,6 +357,7 @@ def test_low_precision_model_keeps_8bit_state_of_its_masters(dtype):
     assert torch.equal(m[0].weight, st["master"].to(dtype))
 
 
+@pytest.mark.slow  # the slow tier: two more 8-bit kernel signatures (SAM's ascent, Muon's momentum)
 def test_sam_and_muon_take_8bit_state():
     a = _model()
     sam = at_torch.SAM(a.parameters(), "AdamW", rho=0.05, lr=1e-2, state_dtype="8bit", min_8bit_size=THRESHOLD)

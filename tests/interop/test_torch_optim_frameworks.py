@@ -24,6 +24,9 @@ import pytest
 torch = pytest.importorskip("torch")
 from arraytrain.interop import torch as at_torch
 
+# the slow tier: Hugging Face's and Lightning's Trainers (each run imports and starts a framework)
+pytestmark = pytest.mark.slow
+
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 

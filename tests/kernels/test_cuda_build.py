@@ -14,7 +14,8 @@ import pytest
 
 from arraytrain.kernels.cuda import build
 
-pytestmark = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
+# the slow tier: nvcc builds every CUDA source for two architectures
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")]
 
 
 @pytest.mark.parametrize("arch", build.ARCHS)

@@ -26,8 +26,10 @@ from conftest import (
     live_indices,
     live_mask,
     padded_layout,
+    parallel_dtypes,
     random_flat,
     sizes,
+    zero_grad_at,
 )
 
 NONFINITE = (np.nan, np.inf, -np.inf)
@@ -252,7 +254,7 @@ def _check_grad_after_step(g_after, g_before, zero_grad, layout):
 @dtypes
 @pytest.mark.parametrize("cfg", SGD_CONFIGS, ids=_sgd_id)
 def test_sgd_step_matches_reference(family, n, dtype, cfg, rng):
-    """STEPS consecutive steps; zero_grad alternates off/on from step to step."""
+    """STEPS consecutive steps; zero_grad alternates off/on from step to step (float32; see zero_grad_at)."""
     layout = padded_layout(n)
     lr, gscale = 0.05, 0.8
     has_buf = cfg["momentum"] != 0
@@ -260,7 +262,7 @@ def test_sgd_step_matches_reference(family, n, dtype, cfg, rng):
     p["ref"][...] = p["fast"]
     buf = {k: (np.zeros(layout.size, dtype) if has_buf else p[k][:0]) for k in ("fast", "ref")}
     for t in range(STEPS):
-        zero_grad = t % 2 == 1
+        zero_grad = zero_grad_at(t, dtype, odd=True)
         g0 = random_flat(layout, dtype, rng)
         for k, kernels in (("fast", family), ("ref", ref)):
             g = g0.copy()
@@ -334,7 +336,7 @@ def _adam_scalars(t, lr, betas, wd, decoupled, layout):
 @pytest.mark.parametrize("amsgrad", [False, True], ids=["adam", "amsgrad"])
 @pytest.mark.parametrize("decoupled", [False, True], ids=["l2", "decoupled"])
 def test_adam_step_matches_reference(family, n, dtype, amsgrad, decoupled, rng):
-    """STEPS consecutive steps of params and every slot; zero_grad alternates off/on."""
+    """STEPS consecutive steps of params and every slot; zero_grad alternates off/on (float32; see zero_grad_at)."""
     layout = padded_layout(n)
     lr, betas, eps, wd, gscale = 1e-2, (0.9, 0.99), 1e-8, 0.1, 0.7
     p0 = random_flat(layout, dtype, rng)
@@ -344,7 +346,7 @@ def test_adam_step_matches_reference(family, n, dtype, amsgrad, decoupled, rng):
         states[k] = {"p": p0.copy(), "m": z(), "v": z(), "vmax": z() if amsgrad else None}
         states[k]["vmax_arg"] = states[k]["vmax"] if amsgrad else states[k]["p"][:0]
     for t in range(1, STEPS + 1):
-        zero_grad = t % 2 == 0
+        zero_grad = zero_grad_at(t, dtype)
         # the gradient scale varies so that AMSGrad's running max matters
         g0 = random_flat(layout, dtype, rng, scale=[1.0, 5.0, 0.1][t % 3])
         sc = _adam_scalars(t, lr, betas, wd, decoupled, layout)
@@ -384,7 +386,7 @@ def test_adam_first_step_formula(kernels, rng):
 # -- determinism --------------------------------------------------------------------------------
 
 
-@dtypes
+@parallel_dtypes
 def test_sumsq_bitwise_independent_of_thread_count(dtype, rng, restore_threads):
     if numba.config.NUMBA_NUM_THREADS < 2:
         pytest.skip("numba has fewer than 2 threads")
@@ -401,7 +403,7 @@ def test_sumsq_bitwise_independent_of_thread_count(dtype, rng, restore_threads):
 
 
 @pytest.mark.parametrize("kernel", ["sumsq", "sgd_step", "adam_step"])
-@dtypes
+@parallel_dtypes
 def test_identical_runs_are_bitwise_equal(family, kernel, dtype, rng):
     layout = padded_layout(SIZES[-1])
     p0 = random_flat(layout, dtype, rng)

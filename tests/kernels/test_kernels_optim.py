@@ -4,7 +4,7 @@
 STEPS consecutive steps on params and every state slot, at every size in SIZES
 with zero-size parameters first, middle and last (conftest.padded_layout), for
 float32 and float64, with per-parameter lr / weight_decay arrays that differ
-from parameter to parameter, zero_grad alternating, and optionally a bfloat16
+from parameter to parameter, zero_grad alternating (float32; conftest.zero_grad_at), and optionally a bfloat16
 or float16 working copy compared with the reference's. A NaN or Inf gradient
 propagates exactly as in the reference.
 """
@@ -29,8 +29,11 @@ from conftest import (
     live_indices,
     live_mask,
     padded_layout,
+    parallel_dtypes,
     random_flat,
     sizes,
+    tiered,
+    zero_grad_at,
 )
 
 STEPS = 8
@@ -149,6 +152,12 @@ VARIANTS = {
     "adadelta": _adadelta(),
 }
 variants = pytest.mark.parametrize("variant", list(VARIANTS))
+# The working-copy, bfloat16- and 8-bit-state matrices run these variants in the default tier (one
+# slot; two passes; three slots) and every variant in the slow tier: each variant is a kernel
+# signature of its own to compile (an 8-bit one ~10 s here), and the code the matrix adds (the
+# working-copy writer, the state codec) is the same in every kernel.
+LP_DEFAULT = ("sgd_nesterov", "lamb", "rmsprop_centered_momentum")
+Q8_DEFAULT = ("sgd_nesterov",)
 
 
 def _sign_ties(variant, states, g0, gscale, dtype):
@@ -195,14 +204,14 @@ def _compare(states, layout, slots, t, lp=None):
 @dtypes
 @variants
 def test_matches_reference(family, n, dtype, variant, rng):
-    """STEPS steps of params and every slot; per-parameter lr/wd; zero_grad alternates."""
+    """STEPS steps of params and every slot; per-parameter lr/wd; zero_grad alternates (float32)."""
     layout = padded_layout(n)
     slots, run = VARIANTS[variant]
     states = _init(layout, dtype, slots, rng, variant)
     lr = _seg_values(layout, 1e-2, rng)
     wd = _seg_values(layout, 0.1, rng)
     for t in range(1, STEPS + 1):
-        zero_grad = t % 2 == 0
+        zero_grad = zero_grad_at(t, dtype)
         g0 = random_flat(layout, dtype, rng, scale=[1.0, 5.0, 0.1][t % 3])
         ratios = {}
         ties = _sign_ties(variant, states, g0, 0.7, dtype)
@@ -223,8 +232,8 @@ def test_matches_reference(family, n, dtype, variant, rng):
                     assert ratios["fast"][seg] == 1.0
 
 
-@pytest.mark.parametrize("n", [7, 1037, 278011])
-@variants
+@pytest.mark.parametrize("n", tiered([7, 1037, 278011], default=(7, 278011)))
+@pytest.mark.parametrize("variant", tiered(VARIANTS, default=LP_DEFAULT))
 @pytest.mark.parametrize("working", ["bf16", "f16"])
 def test_working_copy_matches_reference(family, n, variant, working, rng):
     """float32 master weights with a low-precision working copy written in the same kernel."""
@@ -258,13 +267,15 @@ def test_working_copy_matches_reference(family, n, variant, working, rng):
 @pytest.mark.parametrize("n", [7, 278011])
 @dtypes
 @variants
-@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf], ids=["nan", "+inf", "-inf"])
+@pytest.mark.parametrize("bad", [np.nan, np.inf, pytest.param(-np.inf, marks=pytest.mark.slow)],
+                         ids=["nan", "+inf", "-inf"])
 def test_nonfinite_gradient_propagates_as_reference(family, n, dtype, variant, bad, rng):
     layout = padded_layout(n)
     slots, run = VARIANTS[variant]
     states = _init(layout, dtype, slots, rng, variant)
     lr, wd = _seg_values(layout, 1e-2, rng), _seg_values(layout, 0.1, rng)
     live = live_indices(layout)
+    zero_grad = zero_grad_at(1, dtype)  # off in float32, on in float64 (the engines' variant)
     for t in range(1, 4):
         g0 = random_flat(layout, dtype, rng)
         if t == 2:
@@ -272,7 +283,7 @@ def test_nonfinite_gradient_propagates_as_reference(family, n, dtype, variant, b
         ties = _sign_ties(variant, states, g0, 1.0, dtype)
         with np.errstate(invalid="ignore", over="ignore"):
             for k, kernels in (("fast", family), ("ref", ref)):
-                run(kernels, states[k]["p"], g0.copy(), states[k]["slots"], layout, t, lr, wd, 1.0, None, 0, False)
+                run(kernels, states[k]["p"], g0.copy(), states[k]["slots"], layout, t, lr, wd, 1.0, None, 0, zero_grad)
             _resync(states, ties)
         for what in ("p",) + slots:
             a = states["fast"]["p"] if what == "p" else states["fast"]["slots"][what]
@@ -288,7 +299,7 @@ def test_nonfinite_gradient_propagates_as_reference(family, n, dtype, variant, b
             assert any(not np.isfinite(a).all() for a in reached)
 
 
-@dtypes
+@parallel_dtypes
 def test_lamb_bitwise_independent_of_thread_count(dtype, rng, restore_threads):
     if numba.config.NUMBA_NUM_THREADS < 2:
         pytest.skip("numba has fewer than 2 threads")
@@ -306,8 +317,8 @@ def test_lamb_bitwise_independent_of_thread_count(dtype, rng, restore_threads):
     assert out[1] == out[2]
 
 
-@pytest.mark.parametrize("n", [7, 1037, 278011])
-@variants
+@pytest.mark.parametrize("n", tiered([7, 1037, 278011], default=(7, 278011)))
+@pytest.mark.parametrize("variant", tiered(VARIANTS, default=LP_DEFAULT))
 def test_bfloat16_state_matches_reference(family, n, variant, rng):
     """Float32 parameters, every slot in bfloat16 (uint16 bits) through the kernels' state accessor.
 
@@ -398,8 +409,8 @@ def _q8_compare(a, b, lamb, what):
         assert np.count_nonzero(diff) <= max(3, diff.size // 10_000), (what, k, np.count_nonzero(diff))
 
 
-@pytest.mark.parametrize("n", Q8_SIZES)
-@variants
+@pytest.mark.parametrize("n", tiered(Q8_SIZES, default=(768, 278011)))
+@pytest.mark.parametrize("variant", tiered(VARIANTS, default=Q8_DEFAULT))
 def test_8bit_state_matches_reference(family, n, variant, rng):
     """8-bit slots, STEPS steps, each from the same state: the fast family against the reference,
     and the CUDA family against the numba one too."""

@@ -36,6 +36,9 @@ import tempfile
 
 import pytest
 
+# the slow tier: every kernel compiled for two other targets in subprocesses (a machine-code check)
+pytestmark = pytest.mark.slow
+
 AVX2 = {"NUMBA_CPU_NAME": "haswell", "NUMBA_CPU_FEATURES": "+avx2,+avx,+fma,+f16c,+sse4.2,+bmi,+bmi2,+popcnt"}
 AVX512 = {"NUMBA_CPU_NAME": "skylake-avx512",
           "NUMBA_CPU_FEATURES": AVX2["NUMBA_CPU_FEATURES"] + ",+avx512f,+avx512bw,+avx512vl,+avx512dq"}

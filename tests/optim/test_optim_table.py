@@ -19,13 +19,15 @@ import pytest
 from arraytrain import Engine, optim
 from arraytrain.kernels import cpu
 from arraytrain.kernels import reference as ref
-from conftest import OPTAX_CONFIGS, OPTIMIZER_CONFIGS, assert_close, oracle, rosenbrock, rosenbrock_grad, tol
+from conftest import OPTAX_CONFIGS, OPTIMIZER_CONFIGS, assert_close, oracle, rosenbrock, rosenbrock_grad, tiered, tol
 
 STEPS = 50
 GRAD_SCALE = 1e3
 SHAPES = {"w": (7, 5), "empty": (0,), "b": (5,), "scalar": (), "conv": (3, 2, 2, 2), "tail_empty": (2, 0)}
 DTYPES = {"float32": np.float32, "float64": np.float64}
-KERNELS = ["numba", "reference"]
+# numba's kernels meet optax in the default tier, the reference twins too in the slow tier (the two
+# families meet each other in tests/kernels)
+KERNELS = ["numba", pytest.param("reference", marks=pytest.mark.slow)]
 
 optax_rows = pytest.mark.parametrize("name, cls_name, kwargs", OPTAX_CONFIGS, ids=[r[0] for r in OPTAX_CONFIGS])
 
@@ -307,7 +309,9 @@ def test_bfloat16_state_offered_where_moments_are_elementwise():
         optim.SGD(lr=0.1, momentum=0.9, state_dtype="float16")
 
 
-@pytest.mark.parametrize("name", list(BF16_STATE))
+# the default tier: four kinds of update (moments; trust ratios; Newton-Schulz with a fallback; the
+# schedule-free pair); the slow tier: every optimizer (each its bfloat16 kernel signature to compile)
+@pytest.mark.parametrize("name", tiered(BF16_STATE, default=("AdamW", "LAMB", "Muon", "ScheduleFreeAdamW")))
 def test_bfloat16_state_trains_like_float32_and_resumes_bitwise(name, tmp_path):
     import arraytrain as at
 

@@ -22,6 +22,7 @@ from arraytrain import Engine, HyperparameterError, optim
 from conftest import TORCH_CONFIGS, assert_close, tol
 
 torch = pytest.importorskip("torch")
+import torch_optim_db  # noqa: E402  (imports torch)
 
 STEPS = 50
 GRAD_SCALE = 1e3
@@ -199,10 +200,10 @@ def test_boundary_hyperparameters_are_accepted(make):
 #
 # Every configuration torch's ``optim_db`` (torch.testing._internal.common_optimizers) lists for
 # these optimizers runs here as above: 50 steps of large gradients, params after every step, then
-# every slot and scalar. The matrix is read in a subprocess: importing torch's test utilities
-# disables torch.backends' global flags for the rest of the process (other tests set them), and
-# needs ``expecttest``. The CPU list is run; the configurations torch adds for CUDA devices are
-# listed too and skipped, each with the reason (arraytrain has no counterpart of the flag).
+# every slot and scalar (the slow tier: torch's own exhaustive matrix; the table above runs in the
+# default tier). The matrix is read once (tests/torch_optim_db.py). The CPU list is run; the
+# configurations torch adds for CUDA devices are listed too and skipped, each with the reason
+# (arraytrain has no counterpart of the flag).
 OPTIM_DB_CLASSES = ("NAdam", "RAdam", "Adamax", "Adadelta")
 UNSUPPORTED = {
     "capturable": "capturable: torch's CUDA-graph mode (step and lr on the device); arraytrain forms its "
@@ -212,33 +213,16 @@ UNSUPPORTED = {
     "fused": "fused: a choice of torch's implementation (the oracle here runs foreach=False)",
     "tensor lr": "a tensor lr: arraytrain takes a float lr per parameter (and a schedule)",
 }
-_READ_OPTIM_DB = f"""
-import json
-import torch
-from torch.testing._internal.common_optimizers import optim_db
-
-rows, seen = [], set()
-for info in optim_db:
-    name = info.optim_cls.__name__
-    if name not in {OPTIM_DB_CLASSES!r}:
-        continue
-    for device in ("cpu", "cuda"):
-        for inp in info.optim_inputs_func(device=device):
-            kwargs = {{k: {{"tensor": float(v)}} if isinstance(v, torch.Tensor) else v for k, v in inp.kwargs.items()}}
-            key = (name, json.dumps(kwargs, sort_keys=True))
-            if key not in seen:
-                seen.add(key)
-                rows.append({{"optimizer": name, "device": device, "desc": inp.desc, "kwargs": kwargs}})
-print(json.dumps(rows))
-"""
-
-
 def _optim_db():
-    out = subprocess.run([sys.executable, "-c", _READ_OPTIM_DB], capture_output=True, text=True, timeout=300)
-    if out.returncode:
-        why = (out.stderr.strip().splitlines() or ["no output"])[-1]
-        return [pytest.param(None, id="optim_db", marks=pytest.mark.skip(reason=f"torch's optim_db: {why}"))]
-    rows = json.loads(out.stdout.strip().splitlines()[-1])
+    got = torch_optim_db.rows()
+    if isinstance(got, str):
+        return [pytest.param(None, id="optim_db", marks=pytest.mark.skip(reason=f"torch's optim_db: {got}"))]
+    rows, seen = [], set()
+    for r in got:  # each configuration once: the CPU's, then what the CUDA list adds
+        key = (r["optimizer"], json.dumps(r["kwargs"], sort_keys=True))
+        if r["optimizer"] in OPTIM_DB_CLASSES and key not in seen:
+            seen.add(key)
+            rows.append(r)
     ids = [f"{r['optimizer']}-{r['device']}-{re.sub(r'[^a-z0-9]+', '_', r['desc'].lower()).strip('_')}" for r in rows]
     return [pytest.param(r, id=i) for r, i in zip(rows, ids)]
 
@@ -253,6 +237,7 @@ def _unsupported(kwargs) -> list[str]:
     return found
 
 
+@pytest.mark.slow  # the slow tier: torch's exhaustive matrix (every optimizer meets torch above)
 @pytest.mark.parametrize("config", OPTIM_DB)
 @dtypes
 def test_matches_torch_optim_db(config, dtype_name):

@@ -8,7 +8,7 @@ import pytest
 from arraytrain import Engine, FlatBuffer, HyperparameterError, optim
 from arraytrain.kernels import cpu
 from arraytrain.kernels import reference as ref
-from conftest import SIZES, assert_close, assert_padding_zero, dtypes, padded_layout, random_flat
+from conftest import SIZES, assert_close, assert_padding_zero, dtypes, padded_layout, random_flat, zero_grad_at
 
 STEPS = 8
 
@@ -37,7 +37,7 @@ def test_kernel_matches_reference(family, n, dtype, cfg, rng):
             items = _hessian_items(layout, dtype, rng, [0.1, 2.0][t % 4 // 2])
             for name, kernels in (("fast", family), ("ref", ref)):
                 opt.update_hessian(kernels, runs[name][1], items, layout)
-        zero_grad = t % 2 == 1
+        zero_grad = zero_grad_at(t, dtype, odd=True)
         g0 = random_flat(layout, dtype, rng)
         for name, kernels in (("fast", family), ("ref", ref)):
             p, state = runs[name]

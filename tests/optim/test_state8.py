@@ -22,6 +22,7 @@ from arraytrain import Engine, FlatBuffer, optim, state8
 from arraytrain.errors import HyperparameterError, StateDictError
 from arraytrain.kernels import cpu
 from arraytrain.kernels import reference as ref
+from conftest import tiered
 
 SIZES = {"z0": (0,), "one": (1,), "seven": (7,), "small": (999,), "mid": (1037,), "mat": (40, 129),
          "empty2": (3, 0), "big": (278011,), "tiny_mat": (3, 5), "z1": (0,)}
@@ -90,7 +91,7 @@ def test_bucket_table_gives_the_nearest_code(signed):
     np.testing.assert_array_equal(got, _table_codes(q, book))
 
 
-@pytest.mark.parametrize("signed", [True, False])
+@pytest.mark.parametrize("signed", [True, pytest.param(False, marks=pytest.mark.slow)])
 def test_block_encoder_gives_the_nearest_code_across_every_exponent(signed):
     """The block encoder this CPU's kernels run (arithmetic with flagged lanes on AVX-512, the
     gather on AVX2) over every 61st float32 bit pattern in [-1, 1] of both signs (all
@@ -203,7 +204,9 @@ def _setup(name, seed=0):
     return rng, params
 
 
-@pytest.mark.parametrize("name", list(CASES))
+# the default tier: AdamW (an 8-bit kernel signature compiles in ~10 s here);
+# the slow tier: every optimizer (tests/kernels/test_kernels_optim.py checks more kernels in 8 bits)
+@pytest.mark.parametrize("name", tiered(CASES, default=("AdamW",)))
 def test_kernels_equal_reference_every_step(name):
     rng, pf = _setup(name)
     opt_f, opt_r = _make(name), _make(name)
@@ -299,7 +302,7 @@ TRAIN = {
 }
 
 
-@pytest.mark.parametrize("name", list(TRAIN))
+@pytest.mark.parametrize("name", tiered(TRAIN, default=("AdamW",)))
 def test_trains_and_resumes_bitwise(name, tmp_path):
     shapes, curv, p0 = _quadratic()
     e = Engine(p0, TRAIN[name]())
@@ -529,6 +532,7 @@ def test_torch_binding_takes_8bit():
         att.Adafactor(m.parameters(), state_dtype="8bit")
 
 
+@pytest.mark.slow  # the slow tier: 8-bit kernel signatures with a working copy (~15 s each to compile here)
 @pytest.mark.parametrize("make", [lambda: at.optim.NAdam(lr=1e-2, state_dtype="8bit"),
                                   lambda: at.optim.AdamW(lr=1e-2, state_dtype="8bit"),
                                   lambda: at.optim.SGD(lr=1e-2, momentum=0.9, state_dtype="8bit")])
