@@ -11,7 +11,6 @@ from __future__ import annotations
 import copy
 import inspect
 import io
-import json
 import re
 import subprocess
 import sys
@@ -472,9 +471,16 @@ def _optim_db():
             for r in got if r["optimizer"] in OPTIM_DB_CLASSES and r["device"] == "cpu"]
 
 
+def pytest_generate_tests(metafunc):
+    """torch's matrix is read only where its test runs: the slow tier (its rows are the ids)."""
+    if "optim_db_config" in metafunc.fixturenames:
+        slow = metafunc.config.getoption("--tier") != "default"
+        metafunc.parametrize("optim_db_config", _optim_db() if slow else [pytest.param(None, id="not-read")])
+
+
 @pytest.mark.slow  # the slow tier: torch's exhaustive matrix (test_matches_torch_optim: every drop-in meets torch)
-@pytest.mark.parametrize("config", _optim_db())
-def test_optim_db_configurations(config):
+def test_optim_db_configurations(optim_db_config):
+    config = optim_db_config
     kwargs = {k: (torch.tensor(v["tensor"]) if isinstance(v, dict) else tuple(v) if isinstance(v, list) else v)
               for k, v in config["kwargs"].items()}
     kwargs.pop("foreach", None)

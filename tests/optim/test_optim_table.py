@@ -48,7 +48,7 @@ def _slot_close(actual, desired, np_dtype, what):
 
 
 @optax_rows
-@pytest.mark.parametrize("dtype_name", list(DTYPES))
+@pytest.mark.parametrize("dtype_name", ["float32", pytest.param("float64", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("kernels", KERNELS)
 def test_matches_optax(name, cls_name, kwargs, dtype_name, kernels):
     jax, x64 = _jax_context(dtype_name)
@@ -236,7 +236,7 @@ def test_overrides_equal_separate_runs(name, cls, kwargs, kernels):
         assert not np.any(grads.flat)
         for k, (o, p, gr, st) in alone.items():
             gr[k][...] = g[k]
-            o.update(kernels, p, gr, st, gscale=0.5)
+            o.update(kernels, p, gr, st, gscale=0.5, zero_grad=True)  # the one float64 variant the engines compile
             np.testing.assert_allclose(params[k], p[k], rtol=1e-12, atol=1e-12, err_msg=f"{k!r}, step {t}")
             for slot in st.slots:
                 np.testing.assert_allclose(state.slots[slot][k], st.slots[slot][k], rtol=1e-12, atol=1e-12,

@@ -4,15 +4,13 @@ One table drives every comparison: a row is (name, arraytrain optimizer
 factory, torch optimizer factory); add a row to test a new optimizer. Both
 sides start from identical parameters and receive identical large gradients;
 parameters are compared after every step. torch's own optimizer test matrix
-(``optim_db``) drives a second comparison (see OPTIM_DB below).
+(``optim_db``) drives a second comparison (the slow tier; see _optim_db below).
 """
 
 from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -112,7 +110,7 @@ def test_matches_torch(name, make_at, make_torch, dtype_name):
 
 
 @optimizers
-@dtypes
+@pytest.mark.parametrize("dtype_name", ["float32", pytest.param("float64", marks=pytest.mark.slow)])
 def test_matches_torch_with_clipping(name, make_at, make_torch, dtype_name):
     # gradient norms range over ~[0.1, 3] * 1e3 * sqrt(82): clipping at 1e4 is active on some steps only
     engine, topt, tparams, clipped, _ = _run_both(make_at, make_torch, dtype_name, max_grad_norm=1e4)
@@ -227,7 +225,6 @@ def _optim_db():
     return [pytest.param(r, id=i) for r, i in zip(rows, ids)]
 
 
-OPTIM_DB = _optim_db()
 
 
 def _unsupported(kwargs) -> list[str]:
@@ -237,10 +234,17 @@ def _unsupported(kwargs) -> list[str]:
     return found
 
 
+def pytest_generate_tests(metafunc):
+    """torch's matrix is read only where its tests run: the slow tier (their rows are its ids)."""
+    if "optim_db_config" in metafunc.fixturenames:
+        slow = metafunc.config.getoption("--tier") != "default"
+        metafunc.parametrize("optim_db_config", _optim_db() if slow else [pytest.param(None, id="not-read")])
+
+
 @pytest.mark.slow  # the slow tier: torch's exhaustive matrix (every optimizer meets torch above)
-@pytest.mark.parametrize("config", OPTIM_DB)
 @dtypes
-def test_matches_torch_optim_db(config, dtype_name):
+def test_matches_torch_optim_db(optim_db_config, dtype_name):
+    config = optim_db_config
     kwargs = {k: tuple(v) if isinstance(v, list) else v for k, v in config["kwargs"].items()}
     why = _unsupported(kwargs)
     if why:
@@ -255,11 +259,13 @@ def test_matches_torch_optim_db(config, dtype_name):
     assert moved > 10 * tol(np_dtype)["atol"]
 
 
+@pytest.mark.slow  # the slow tier, with the matrix
 def test_optim_db_covers_the_classes():
     """The matrix was read and lists each class, on the CPU, at least with its defaults."""
-    rows = [p.values[0] for p in OPTIM_DB]
+    db = _optim_db()
+    rows = [p.values[0] for p in db]
     if rows == [None]:
-        pytest.skip(OPTIM_DB[0].marks[0].kwargs["reason"])
+        pytest.skip(db[0].marks[0].kwargs["reason"])
     for name in OPTIM_DB_CLASSES:
         assert any(r["optimizer"] == name and r["device"] == "cpu" and r["kwargs"] == {} for r in rows), name
     assert all(_unsupported(r["kwargs"]) for r in rows if r["device"] == "cuda")  # CUDA adds only such flags

@@ -169,7 +169,7 @@ def test_nonfinite_propagates_as_in_the_reference(family, n, dtype, bad, rng):
     {"lr": 2e-2, "warmup_steps": 5},
     {"lr": 1e-2, "betas": (0.8, 0.99), "weight_decay": 0.5, "warmup_steps": 60, "weight_lr_power": 3.0},
 ], ids=["warmup5", "warmup60_wd_power3"])
-@pytest.mark.parametrize("dtype_name", ["float32", "float64"])
+@pytest.mark.parametrize("dtype_name", ["float32", pytest.param("float64", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("kernels", ["numba", pytest.param("reference", marks=pytest.mark.slow)])
 def test_warmup_matches_optax(kwargs, dtype_name, kernels):
     """optax's warm-up: the weights at its count t, the step at t - 1 (the first step holds z)."""
