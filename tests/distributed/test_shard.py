@@ -106,7 +106,7 @@ def test_sharded_follows_replicated_float64(name, ranks):
 
 @pytest.mark.parametrize("name", tiered(["adamw-amsgrad", "sgd", "lion", "lamb", "rmsprop", "adadelta", "nadam",
                                          "schedule-free"], default=("adamw-amsgrad",)))
-@pytest.mark.parametrize("low", ["state", "working-bf16", pytest.param("working-f16", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("low", tiered(["state", "working-bf16", "working-f16"], default=("state",)))
 def test_sharded_low_precision_follows_replicated(name, low):
     kw = dict(dtype=np.float32, max_grad_norm=5.0, mask=True, loss_scaler=at.LossScaler(init_scale=2.0**10))
     make = ELEMENTWISE[name]
