@@ -84,7 +84,9 @@ def test_ci_runs_the_readme_commands():
     test_command = next(c for c in commands if "pytest" in c)
     main_job = next(c for c in commands if "arraytrain train" in c)
     assert test_command in ci and main_job in ci
-    assert ci.rstrip().endswith(test_command)
+    slow = "python -m pytest -q -n auto --tier slow"
+    assert f"`{slow}`" in README  # the README names the slow tier's command, which CI runs last,
+    assert ci.rstrip().endswith(f"{test_command}\n{slow}")  # right after the README's (the default tier)
 
 
 def test_quickstart_example_trains():
