@@ -249,6 +249,7 @@ def inventory(tmp_path_factory):
     return _inventory(out / "html" / "objects.inv")
 
 
+@pytest.mark.slow  # the slow tier: a Sphinx build of the reference (about 25 s)
 def test_reference_documents_every_public_name(inventory):
     by_object = {}
     for name, role in inventory.items():
