@@ -23,6 +23,15 @@ _shown = False
 _silenced = 0
 
 
+def clock(numba_kernels: bool):
+    """The compile clock an engine reads around its steps: numba's (for the CPU kernels), else None."""
+    if not numba_kernels:
+        return None
+    from .kernels.cpu._jit import COMPILE_CLOCK
+
+    return COMPILE_CLOCK
+
+
 def pending() -> bool:
     """Whether a step that compiles may still print the notice in this process."""
     return not _shown

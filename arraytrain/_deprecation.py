@@ -10,6 +10,7 @@ signature (what :func:`inspect.signature` shows and ``tests/test_public_api.py``
 from __future__ import annotations
 
 import functools
+import importlib
 import inspect
 import warnings
 from collections.abc import Callable
@@ -134,5 +135,20 @@ def renamed_names(module: str, renamed: dict, namespace: dict) -> Callable[[str]
             raise AttributeError(f"module {module!r} has no attribute {name!r}")
         warn(f"{module}.{name}", f"{module}.{new}")
         return namespace[new]
+
+    return __getattr__
+
+
+def moved_names(module: str, moved: dict) -> Callable[[str], object]:
+    """A module ``__getattr__`` for a module whose names moved to other modules: ``moved`` maps each
+    old name to ``"new.module:new_name"``, imported on first use. As :func:`renamed_names` otherwise."""
+
+    def __getattr__(name: str):
+        target = moved.get(name)
+        if target is None:
+            raise AttributeError(f"module {module!r} has no attribute {name!r}")
+        where, new = target.split(":")
+        warn(f"{module}.{name}", f"{where}.{new}")
+        return getattr(importlib.import_module(where), new)
 
     return __getattr__

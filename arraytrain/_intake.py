@@ -19,7 +19,9 @@ import numpy as np
 
 from .backend import KERNEL_DTYPES, NUMPY, array_module, as_array, backend_of
 from .buffer import FlatBuffer
-from .errors import AliasingError, ArgumentTypeError, ShapeMismatchError, UnknownParameterError
+from ._checks import check_positive
+from .errors import (AliasingError, ArgumentTypeError, HyperparameterError, ShapeMismatchError,
+                     UnknownParameterError)
 
 # Gradients of fewer elements than this go through the staging array and the one scatter call
 # of the fast path; larger ones are written directly, one accumulate call each: a call costs
@@ -99,6 +101,28 @@ def write_grads(kernels, buf: FlatBuffer, grads: dict, weight: float, overwrite:
 
 
 # -- the engine's dict path: a validated structure, reused -------------------------------------
+def check_weight(weight, dtype, mean: bool, weight_sum: float, loss_scale: float) -> float:
+    """A micro-batch's ``weight`` (None: 1.0) as :meth:`arraytrain.Engine.step` takes it, or its error: a
+    normal number of the buffer's ``dtype``, and with the ``mean`` reduction a window's weight sum times
+    the loss scale whose inverse (the mean's factor) is normal too."""
+    w = 1.0 if weight is None else check_positive("weight", weight)
+    info = np.finfo(dtype)
+    tiny, big = float(info.tiny), float(info.max)
+    if not tiny <= w <= big:
+        raise HyperparameterError(f"weight: expected a normal {dtype} number in [{tiny!r}, {big!r}] "
+                                  f"(the kernels multiply by it in {dtype}), got {w!r}")
+    if mean:
+        wsum = weight_sum + w
+        scaled = wsum * loss_scale
+        if not 1.0 / big <= scaled <= 1.0 / tiny:
+            raise HyperparameterError(
+                f"weight: the window's weight sum {wsum!r} times the loss scale "
+                f"{loss_scale!r} is {scaled!r}, outside [{1.0 / big!r}, {1.0 / tiny!r}], so its "
+                f"inverse (the mean's factor) is not a normal {dtype} number"
+            )
+    return w
+
+
 class _Plan:
     """What validating one structure of ``{name: ndarray}`` established, for reuse.
 

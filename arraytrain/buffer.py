@@ -6,7 +6,7 @@ from collections.abc import Iterator, Mapping
 
 import numpy as np
 
-from .backend import BFLOAT16, NUMPY, array_module, as_array, backend_of, check_float_dtype, same_backend
+from .backend import BFLOAT16, NUMPY, array_module, as_array, backend_of, check_float_dtype, same_backend, to_device
 from .errors import ArgumentTypeError, BackendUnavailableError, LayoutError, ReadOnlyError, ShapeMismatchError, UnknownParameterError
 from .layout import DEFAULT_ALIGN, Layout
 
@@ -247,3 +247,20 @@ class FlatBuffer(Mapping):
 
     def __repr__(self) -> str:
         return f"FlatBuffer({len(self)} params, {self.layout.num_elements} elements, dtype={self.flat.dtype})"
+
+
+def as_flat_buffer(params, dtype=None, device=None) -> FlatBuffer:
+    """An engine's parameters as a :class:`FlatBuffer` on ``device``: a mapping name -> array copied
+    into a new buffer (``dtype``, or the common floating dtype); a FlatBuffer used in place (it must
+    hold ``dtype`` where one is given), or copied once where ``device`` names the other side."""
+    if isinstance(params, FlatBuffer):
+        if dtype is not None and np.dtype(dtype) != params.dtype:
+            raise LayoutError(f"dtype: the FlatBuffer holds {params.dtype}, got dtype={np.dtype(dtype)}")
+    elif isinstance(params, Mapping):
+        params = FlatBuffer.from_arrays(params, dtype=dtype)
+    else:
+        raise ArgumentTypeError(f"params: expected a mapping name -> array or a FlatBuffer, got {type(params).__name__}")
+    moved = to_device(params.flat, device)
+    if moved is not params.flat:
+        params = FlatBuffer(params.layout, aligned(moved))  # a fresh copy: aligned too
+    return params

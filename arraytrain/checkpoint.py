@@ -91,7 +91,7 @@ import numpy as np
 
 from .errors import ArgumentTypeError, CheckpointError, StateDictError
 from .engine_state import checked_everywhere
-from .exchange import PerRank
+from .parallel.communicator import PerRank
 from .owned import Owned, OwnedPart
 
 

@@ -21,11 +21,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import _intake, shard, state8
+from . import _intake, state8
+from .parallel import shard
 from ._checks import check_count, check_int, check_number, shown
 from .buffer import FlatBuffer
 from .errors import LayoutError, StateDictError
-from .exchange import PerRank
+from .parallel.communicator import PerRank
 
 #: The version of the state dict's structure (``state["format"]``).
 STATE_FORMAT = 3
@@ -99,7 +100,7 @@ def state_dict(parts: StateParts, copy: bool, gather: bool, root: int | None = N
 
     ``gather=True``: with a group of processes, the per-rank parts (the open window, the
     compressor's state) are gathered by rank, a collective. ``gather=False``: this rank's
-    own share, the per-rank parts wrapped in :class:`~arraytrain.exchange.PerRank` (a
+    own share, the per-rank parts wrapped in :class:`~arraytrain.parallel.communicator.PerRank` (a
     template for a reader that takes a state saved by any number of ranks). ``root``
     (with ``gather``): the gathered parts reach that rank only, and the others return None.
     """
@@ -147,9 +148,7 @@ def _arrays(parts: StateParts, buf, copy: bool, gather: bool) -> dict:
     ranks (a collective), or for a template of their shapes only."""
     if _windowed(buf):  # a rank's partition of an 8-bit slot
         return state8.gather_window(parts.comm, buf) if gather else state8.window_template(buf)
-    if not isinstance(buf, shard.ShardBuffer):
-        return buf.as_dict(copy=copy)
-    return shard.gather(parts.comm, buf).as_dict() if gather else shard.template(buf)
+    return shard.state_arrays(parts.comm, buf, copy, gather)
 
 
 def _windowed(buf) -> bool:
@@ -220,8 +219,9 @@ def check_state(parts: StateParts, state: Mapping) -> list:
         buffers = [(parts.params, params), (parts.grads, grads)]
         buffers += [(opt_state.slots[k], v) for k, v in slots.items()]
         for buf, arrays in buffers:
-            if isinstance(buf, shard.ShardBuffer):  # sharded state: this rank's elements of the full arrays
-                writes.append(shard.own_part(buf, shard.check_arrays(buf, arrays)))
+            own = shard.shard_write(buf, arrays)  # sharded state: this rank's elements of the full arrays
+            if own is not None:
+                writes.append(own)
                 continue
             checked = _intake.ready_to_assign(buf, buf.check(arrays), protect)
             writes.append(functools.partial(buf.assign, checked))
@@ -343,10 +343,7 @@ def _state_to_root(parts: StateParts, copy: bool, root: int) -> dict | None:
     def arrays(buf):
         if _windowed(buf):
             return state8.gather_window(comm, buf, root)
-        if not isinstance(buf, shard.ShardBuffer):
-            return buf.as_dict(copy=copy)
-        full = shard.gather(comm, buf, root)
-        return None if full is None else full.as_dict()
+        return shard.state_arrays_at(comm, buf, copy, root)
 
     params = arrays(parts.params)
     slots = {k: arrays(buf) for k, buf in parts.opt_state.slots.items()}

@@ -1,9 +1,9 @@
 """One rank's range of a saved array: what a reader is asked for and what it returns.
 
-Under sharded state (:mod:`arraytrain.shard`) a rank holds a contiguous range of each
+Under sharded state (:mod:`arraytrain.parallel.shard`) a rank holds a contiguous range of each
 parameter's optimizer state. :func:`arraytrain.load` reads only that range of each saved
 array: the engine's template names it with :class:`Owned`, and the reader hands back an
-:class:`OwnedPart`. The state buffers that take such parts (:class:`arraytrain.shard.ShardBuffer`,
+:class:`OwnedPart`. The state buffers that take such parts (:class:`arraytrain.parallel.shard.ShardBuffer`,
 a partition's :class:`arraytrain.state8.Quant8Buffer`) check its range against their own.
 """
 

@@ -78,7 +78,7 @@ from ._checks import check_bool, check_count, check_int, check_number, shown
 from .backend import module_of_backend
 from .buffer import FlatBuffer
 from .engine import Engine
-from .exchange import LocalExchange
+from .parallel.communicator import LocalComm
 from .errors import ArgumentTypeError, CheckpointError, HyperparameterError, PhaseOrderError, StateDictError
 from .predict import GradientPredictor
 
@@ -678,7 +678,7 @@ class _Checkpointed:
                                   "this engine runs over a group of processes")
         self.controller, self.engine = controller, engine
 
-        self.comm = LocalExchange()
+        self.comm = LocalComm()
 
     def exclusive(self, what: str):
         """The engine's call guard, held while the file is written or read: another thread's

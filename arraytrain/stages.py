@@ -1,21 +1,19 @@
-"""Pieces of the engine's boundary stages that work on data: the exchanges and the norm's verdict.
+"""The boundary's stages and what passes between them: the norm's :class:`Verdict` and the :class:`StepReport`.
 
 A boundary runs, in every mode (see :meth:`arraytrain.Engine.step`)::
 
-    exchange            dense: one in-place all-reduce of the flat gradient and the weight sum;
-                        with a compressor: the ranks agree on the weight sum and on finiteness,
-                        then each compresses its share of the mean and receives the decoded sum
-    norm pass           one read: global and per-parameter norms and the non-finite flag,
-                        as a :class:`Verdict` (on CUDA it may stay on the device: a gate)
+    exchange + norm     the gradient sync (:mod:`arraytrain.parallel.sync`) moves the window's
+                        gradient across ranks through the placement
+                        (:mod:`arraytrain.parallel.placement`), whose norm pass gives a
+                        :class:`Verdict`: global and per-parameter norms and the non-finite flag
+                        (on CUDA it may stay on the device: a gate); a :class:`Judge` carries the
+                        unscale and clip settings the verdict needs
     skip or clip        NaN/Inf: nothing changes anywhere; else the clip factor
-    update              the optimizer's fused kernel (SAM's first window: the ascent instead)
+    update              the optimizer's fused kernel on what the placement owns, then its
+                        publish (SAM's first window: the ascent instead)
     bookkeeping         counters, loss scaler, report
 
-With one process the exchanges are the identity and cost nothing. With sharded state
-(:mod:`arraytrain.shard`) the exchange and the norm pass are one stage,
-:func:`reduce_scatter_norm`: one reduce-scatter of the flat gradient, the sums of squares
-of this rank's partition, and one small all-reduce that completes them and the weight sum;
-the update runs on the partition, and one all-gather publishes the updated weights.
+With one process the exchange is the identity and costs nothing.
 """
 
 from __future__ import annotations
@@ -28,58 +26,24 @@ import numpy as np
 from .ops import NormPass, clip_coef, norm_pass
 
 
-def exchange_dense(comm, flat, wsum: float) -> float:
-    """The flat gradient buffer and the window's weight sum become their sums over ranks.
+class Judge:
+    """How a boundary's norm pass becomes a :class:`Verdict`: the kernels, the unscale factor of
+    a window's weight sum and the clip settings, as the engine holds them at that boundary
+    (the drop-in optimizers change ``max_grad_norm`` between steps)."""
 
-    The flat buffer is the fusion buffer: one in-place all-reduce. A NaN/Inf on any rank
-    reaches every rank through the sum, so the norm pass that follows finds it everywhere.
-    """
-    if comm.is_local:
-        return wsum
-    comm.allreduce(flat, "sum")
-    return exchange_scalars(comm, wsum, False)[0]
+    __slots__ = ("kernels", "unscale", "max_norm", "eps")
 
+    def __init__(self, kernels, unscale, max_norm, eps: float):
+        self.kernels, self.unscale, self.max_norm, self.eps = kernels, unscale, max_norm, eps
 
-def exchange_scalars(comm, wsum: float, bad: bool) -> tuple[float, bool]:
-    """The window's weight sum over ranks, and whether any rank's gradient is not finite."""
-    if comm.is_local:
-        return wsum, bad
-    both = np.array([wsum, float(bad)])
-    comm.allreduce(both, "sum")
-    return float(both[0]), bool(both[1])
+    def found(self, found: NormPass, wsum: float) -> Verdict:
+        """A finding made elsewhere (sharded: from the partitions' sums), for the weight sum ``wsum``."""
+        return Verdict(found, unscale=self.unscale(wsum), max_norm=self.max_norm, eps=self.eps)
 
-
-def reduce_scatter_norm(sharding, kernels, wsum: float, reduced=None):
-    """Sharded state: ``(gradient partition, weight sum over ranks, NormPass)``.
-
-    One reduce-scatter of the flat gradient; the partition's float64 sums of squares
-    (total and per parameter) and the window's weight sum travel in one small all-reduce,
-    so every rank finds the same norms, and a NaN/Inf in any partition makes every rank's
-    total non-finite. A float64 total that is not finite takes the norm pass's overflow
-    path (see :func:`arraytrain.ops.norm_pass`) with two more small all-reduces. ``reduced``:
-    the partition already reduced (by the overlapped exchange), instead of the reduce-scatter.
-    """
-    comm, part = sharding.comm, sharding.part
-    g = sharding.reduce_scatter() if reduced is None else reduced
-    nseg = len(part.layout)
-    total, per_seg = kernels.sumsq(g.flat, part.pieces, nseg=nseg)
-    sums = np.concatenate(([total], per_seg, [wsum]))
-    comm.allreduce(sums, "sum")
-    wsum, total = float(sums[-1]), float(sums[0])
-    if math.isfinite(total):
-        return g, wsum, NormPass(math.sqrt(total), np.sqrt(sums[1:-1]), False)
-    nonfinite = NormPass(math.nan, np.full(nseg, np.nan), True)
-    if g.flat.dtype.itemsize < 8:
-        return g, wsum, nonfinite
-    flags = np.array([0.0 if kernels.all_finite(g.flat) else 1.0, kernels.max_abs(g.flat, part.pieces)])
-    comm.allreduce(flags, "max")
-    if flags[0]:
-        return g, wsum, nonfinite
-    peak = float(flags[1])
-    total, per_seg = kernels.sumsq_scaled(g.flat, part.pieces, nseg=nseg, inv=1.0 / peak)
-    sums = np.concatenate(([total], per_seg))
-    comm.allreduce(sums, "sum")
-    return g, wsum, NormPass(peak * math.sqrt(sums[0]), peak * np.sqrt(sums[1:]), False)
+    def norm_pass(self, flat, layout, unscale: float, on_device: bool) -> Verdict:
+        """The norm pass over ``flat``, on the host or (CUDA) as a gate left on the device."""
+        how = Verdict.on_device if on_device else Verdict.from_host
+        return how(self.kernels, flat, layout, unscale=unscale, max_norm=self.max_norm, eps=self.eps)
 
 
 class Verdict:
@@ -141,6 +105,27 @@ class Verdict:
             kernels, _, gate, _, _ = self._device
             return kernels.DeviceScale(gate)
         return self.coef / self.unscale
+
+    def apply(self, update, state) -> bool:
+        """Run ``update(gscale)``, the optimizer's fused update; False when a device gate held it back.
+
+        On the host it runs once. On the device it runs gated, then :meth:`settle` reads the
+        finding back: if the gate held every kernel back, nothing moved, nor may the host's
+        counters and scalar state (NAdam's mu_product) that the optimizer advanced, which are
+        restored; a finding that is finite after all is applied with the host's norm."""
+        if not self.pending:
+            update(self.gscale())
+            return True
+        step, scalars = state.step, dict(state.scalars)
+        update(self.gscale())
+        if self.settle():
+            return True
+        state.step = step
+        state.scalars.update(scalars)
+        if self.nonfinite:
+            return False
+        update(self.gscale())
+        return True
 
     def settle(self) -> bool:
         """Read a device finding back (the step's one synchronisation); True when the gated

@@ -294,7 +294,7 @@ class Quant8Buffer:
     state saved with float32 or bfloat16 slots loads into 8-bit slots and back.
 
     ``window=(lo, length)``: the slot holds only the flat elements ``[lo, lo + length)`` of the
-    layout (one rank's partition under sharded state, :mod:`arraytrain.shard`): ``codes`` has
+    layout (one rank's partition under sharded state, :mod:`arraytrain.parallel.shard`): ``codes`` has
     ``length`` entries, and the side array holds the blocks and small parameters' values of
     that range. ``lo`` and every 8-bit parameter's offset must be multiples of :data:`BLOCK`
     (the sharded engine lays the parameters out so), so the window cuts no block. Such a slot

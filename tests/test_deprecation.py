@@ -133,6 +133,29 @@ def test_an_old_callback_name_warns_and_is_the_new_class(module, old, new):
     assert callbacks.RENAMED == OLD_CALLBACKS
 
 
+# the modules that moved into arraytrain.parallel: (old module, old name, new module, new name)
+MOVED = [("arraytrain.exchange", "Exchange", "arraytrain.parallel.communicator", "Communicator"),
+         ("arraytrain.exchange", "LocalExchange", "arraytrain.parallel.communicator", "LocalComm"),
+         ("arraytrain.exchange", "PerRank", "arraytrain.parallel.communicator", "PerRank"),
+         ("arraytrain.overlap", "buckets", "arraytrain.parallel.sync", "buckets"),
+         ("arraytrain.shard", "partition", "arraytrain.parallel.shard", "partition"),
+         ("arraytrain.torch_comm", "TorchComm", "arraytrain.parallel.torch_dist", "TorchComm")]
+
+
+@pytest.mark.parametrize("old_module, old, module, new", MOVED)
+def test_a_moved_module_name_warns_and_is_the_new_object(old_module, old, module, new):
+    import importlib
+
+    mod = importlib.import_module(old_module)
+    with pytest.warns(DeprecationWarning, match=f"{old_module}.{old} is deprecated.*{module}.{new}") as record:
+        obj = getattr(mod, old)
+    assert record[0].filename == __file__
+    assert obj is getattr(importlib.import_module(module), new)
+    assert mod.__all__ == [] and old not in dir(mod)
+    with pytest.raises(AttributeError, match="nothing_here"):
+        mod.nothing_here  # noqa: B018
+
+
 def test_the_old_callback_name_feeds_the_schedule_as_before():
     from arraytrain import nn
 

@@ -30,7 +30,7 @@ from arraytrain.errors import (
     StateDictError,
     UnknownParameterError,
 )
-from arraytrain.exchange import LocalExchange
+from arraytrain.parallel.communicator import LocalComm
 from arraytrain.phase import Phase, PhaseController, PhaseOrderError, PhaseStats, load, save
 
 CFG = dict(full_steps=2, predict_steps=4, correct_every=2, history=3)   # F F P P C P C | F F ...
@@ -380,7 +380,7 @@ class Tree:
     """Anything with the state protocol (arraytrain.checkpoint.PROTOCOL), for writing hand-made
     checkpoints with arraytrain.save."""
 
-    comm = LocalExchange()
+    comm = LocalComm()
 
     def __init__(self, tree):
         self.tree = tree

@@ -1,4 +1,4 @@
-"""A group of ranks as threads of one process: the Exchange seam tested without MPI.
+"""A group of ranks as threads of one process: the communicator tested without MPI.
 
 Each collective copies every rank's input into a shared slot, waits at a barrier,
 and combines the slots in rank order (so every rank computes the same bits), then
@@ -12,7 +12,7 @@ import threading
 
 import numpy as np
 
-from arraytrain.exchange import OPS, Exchange
+from arraytrain.parallel.communicator import OPS, Communicator
 
 
 class ThreadGroup:
@@ -49,7 +49,7 @@ class ThreadGroup:
         return out
 
 
-class ThreadExchange(Exchange):
+class ThreadExchange(Communicator):
     def __init__(self, group: ThreadGroup, rank: int):
         self.group, self.rank, self.size = group, rank, group.size
 

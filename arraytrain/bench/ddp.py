@@ -66,7 +66,7 @@ def worker_ddp(comm, cfg) -> dict:
 
     from .. import optim
     from ..interop import torch as att
-    from ..torch_comm import TorchComm
+    from ..parallel.torch_dist import TorchComm
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{cfg['port']}", rank=comm.rank,

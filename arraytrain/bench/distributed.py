@@ -256,7 +256,7 @@ def worker_sharding(comm, cfg) -> dict:
 def worker_overlap(comm, cfg) -> dict:
     """One MLP training step, blocking and overlapped exchange taking turns; seconds, the slowest rank's."""
     from .. import Engine, nn, optim
-    from ..overlap import buckets
+    from ..parallel.sync import buckets
 
     models, engines = {}, {}
     for key in ("blocking", "overlapped"):

@@ -6,7 +6,7 @@ arrays (``payload.nbytes`` is measured, never nominal) and decodes it back;
 state. Pass one to ``Engine(..., compressor=...)``.
 """
 
-from ._base import Compressor, Domain, ErrorFeedback, Payload, Segment
+from ._base import Compressor, Domain, ErrorFeedback, Payload, Segment, check_compressor  # noqa: F401 (the engine checks with it)
 from ._powersgd import PowerSGD
 from ._quant import Int8Block, Sign, Ternary
 from ._sparse import RandomK, TopK

@@ -39,7 +39,7 @@ from .._checks import check_count, check_int, shown
 from .._intake import ready_to_assign
 from ..backend import NUMPY, backend_of, module_of_backend
 from ..buffer import FlatBuffer
-from ..exchange import check_exchange
+from ..parallel.communicator import check_comm
 from ..errors import (
     ArgumentTypeError,
     BackendError,
@@ -247,7 +247,7 @@ class Compressor(ABC):
         self.domain: Domain | None = None
         self._backend: str | None = None  # fixed by the first array given (see the module docstring)
         self._kern = None
-        self.comm = check_exchange(None)  # the group the payloads travel in (set by bind)
+        self.comm = check_comm(None)  # the group the payloads travel in (set by bind)
 
     @property
     def backend(self) -> str | None:
@@ -281,10 +281,10 @@ class Compressor(ABC):
     def bind(self, layout: Layout, dtype=np.float32, comm=None) -> "Compressor":
         """Fix the layout, dtype and process group this compressor works on (the engine calls it).
 
-        ``comm``: the :class:`~arraytrain.exchange.Exchange` that :meth:`exchange` sends
+        ``comm``: the :class:`~arraytrain.parallel.Communicator` that :meth:`exchange` sends
         payloads through (None: this process alone).
         """
-        comm = check_exchange(comm)
+        comm = check_comm(comm)
         if not isinstance(layout, Layout):
             raise ArgumentTypeError(f"layout: expected an arraytrain Layout, got {type(layout).__name__}")
         dtype = np.dtype(dtype)

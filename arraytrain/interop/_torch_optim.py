@@ -230,7 +230,7 @@ class GroupEngine(Engine):
 
     def refresh(self) -> None:
         """Rewrite the working copy (the model's bf16/fp16 weights) from the master weights."""
-        self._refresh_working()
+        self.refresh_working()
 
 
 def _check_kind(name: str, what: str, got, bound) -> None:

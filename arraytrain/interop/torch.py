@@ -66,7 +66,7 @@ copied. How it works, and what it guards against:
   a ``register_post_accumulate_grad_hook`` on every bound parameter marks its gradient ready
   (:meth:`~arraytrain.Engine.mark_ready`) during the last micro-batch of a window, and the
   engine starts each bucket's all-reduce as soon as its gradients are final (see
-  :mod:`arraytrain.overlap`). A gradient torch allocated outside the buffer (after
+  :mod:`arraytrain.parallel.sync`). A gradient torch allocated outside the buffer (after
   ``zero_grad(set_to_none=True)``) is not marked: it is copied in at ``step()``, and its
   bucket (with the later ones) is exchanged there. Accumulate micro-batches with
   ``accumulation_steps`` (one ``step()`` after each backward pass): a second backward pass into
@@ -276,7 +276,7 @@ class TorchEngine(Engine):
             bound.append((name, p, data, grad))
         self._bound = bound
         self._hooks = []
-        if self._overlap is not None:
+        if self.overlapped:
             me = weakref.ref(self)  # the hooks do not keep the engine alive
             for name, p, _, grad in bound:
                 self._hooks.append(p.register_post_accumulate_grad_hook(

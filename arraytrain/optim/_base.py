@@ -225,7 +225,7 @@ class Optimizer(ABC):
     fallback_capable = True
     has_eval_params = False
     # ``shard_refusal``: None where the state is element-wise, so that ``Engine(shard_state=True)``
-    # can give each rank one contiguous partition of it (see :mod:`arraytrain.shard`); else why
+    # can give each rank one contiguous partition of it (see :mod:`arraytrain.parallel.shard`); else why
     # not and what to use instead, the message of the typed error the engine raises.
     # ``segment_sums``: ``update`` takes ``reduce_sums``, a callable that completes the float64
     # per-parameter partial sums it forms over a partition (LAMB's trust ratios) in place.
@@ -236,7 +236,7 @@ class Optimizer(ABC):
     def shard_align(self) -> int:
         """Elements every parameter's offset must be a multiple of for this state to shard: 8-bit
         state's block (a partition boundary then never cuts a block), else 1. The sharded engine
-        lays the parameters out so (:func:`arraytrain.shard.aligned_to`)."""
+        lays the parameters out so (:func:`arraytrain.parallel.shard.aligned_to`)."""
         return state8.BLOCK if self.state_dtype == "8bit" else 1
 
     def eval_params(self, params: FlatBuffer, state: OptState, out: FlatBuffer | None = None) -> FlatBuffer:

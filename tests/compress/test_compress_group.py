@@ -13,7 +13,7 @@ from arraytrain import Layout
 from arraytrain import compress as C
 from arraytrain.compress._quant import _decode_wide
 from arraytrain.compress._summed import allreduce_arrays
-from arraytrain.exchange import LocalExchange
+from arraytrain.parallel.communicator import LocalComm
 from thread_group import ThreadGroup
 
 
@@ -32,7 +32,7 @@ def test_summable_arrays_travel_in_one_all_reduce_per_dtype():
     assert group.calls[0] == [("allreduce", (8,), "<f4", "sum"), ("allreduce", (5,), "<i2", "sum")]
 
 
-class _Sized(LocalExchange):
+class _Sized(LocalComm):
     """A group of ``size`` processes for rules that depend on the size alone (no collective runs)."""
 
     def __init__(self, size):

@@ -13,7 +13,7 @@ import pytest
 import arraytrain as at
 from arraytrain import compress as C
 from arraytrain.errors import ArgumentTypeError, HyperparameterError, LayoutError
-from arraytrain.exchange import LocalExchange, check_exchange
+from arraytrain.parallel.communicator import LocalComm, check_comm
 from thread_group import ThreadGroup
 
 SHAPES = {"w1": (12, 9), "b1": (12,), "w2": (4, 12), "b2": (4,)}
@@ -52,10 +52,10 @@ def _engine(opt, comm=None, seed=0, **kw):
 
 def test_the_local_exchange_is_the_default_and_others_are_refused():
     eng = _engine(at.optim.SGD(lr=0.1))
-    assert isinstance(eng.comm, LocalExchange) and eng.comm.is_local
+    assert isinstance(eng.comm, LocalComm) and eng.comm.is_local
     with pytest.raises(ArgumentTypeError, match="comm"):
         _engine(at.optim.SGD(lr=0.1), comm=object())
-    assert isinstance(check_exchange(None), LocalExchange)
+    assert isinstance(check_comm(None), LocalComm)
 
 
 @pytest.mark.parametrize("ranks", [2, pytest.param(3, marks=pytest.mark.slow)])

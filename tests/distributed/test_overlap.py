@@ -14,7 +14,9 @@ import pytest
 import arraytrain as at
 from arraytrain import nn
 from arraytrain.errors import ConcurrentUseError, HyperparameterError, UnknownParameterError
-from arraytrain.overlap import OverlappedExchange, buckets
+from arraytrain.parallel.communicator import DONE
+from arraytrain.parallel.placement import Replicated, Sharded
+from arraytrain.parallel.sync import BucketedSync, buckets
 from thread_group import ThreadGroup
 
 SIZES = [20, 64, 48, 32, 10]
@@ -104,7 +106,7 @@ def test_three_ranks_follow_the_blocking_exchange():
 
 
 class _Recording:
-    """An exchange that records which slices each nonblocking call got (a group of 2, rank 0)."""
+    """A communicator that records which slices each nonblocking call got (a group of 2, rank 0)."""
 
     rank, size = 0, 2
 
@@ -113,17 +115,22 @@ class _Recording:
 
     def iallreduce(self, x, op="sum"):
         self.calls.append(("allreduce", x.size))
-        return at.exchange.DONE
+        return DONE
 
     def ireduce(self, x, root=0):
         self.calls.append(("reduce", x.size, root))
-        return at.exchange.DONE
+        return DONE
+
+
+def _bucketed(comm, lay, bucket_bytes, shard=False):
+    params = at.FlatBuffer(lay, np.zeros(lay.size))
+    return BucketedSync(Sharded(comm, params) if shard else Replicated(comm, params), bucket_bytes)
 
 
 def test_buckets_start_in_order_and_only_when_complete():
     lay = at.Layout({"a": (10,), "b": (10,), "c": (10,), "d": (10,)})
     comm = _Recording()
-    ex = OverlappedExchange(comm, lay, np.zeros(lay.size), bucket_bytes=8 * 16)  # one parameter per bucket
+    ex = _bucketed(comm, lay, 8 * 16)  # one parameter per bucket
     ex.ready([0])  # "a" is bucket 3: nothing may start before buckets 0..2
     assert comm.calls == [] and not ex.started
     ex.ready([3, 2])  # buckets 0 ("d") and 1 ("c")
@@ -136,7 +143,7 @@ def test_buckets_start_in_order_and_only_when_complete():
 
 def test_a_gradient_marked_again_while_its_bucket_is_in_flight_is_refused():
     lay = at.Layout({"a": (10,), "b": (10,)})
-    ex = OverlappedExchange(_Recording(), lay, np.zeros(lay.size), bucket_bytes=8 * 16)
+    ex = _bucketed(_Recording(), lay, 8 * 16)
     ex.ready([0])  # "a" is bucket 1: not started yet, so marking it again is harmless
     ex.ready([0])
     ex.ready([1])  # both buckets start
@@ -146,11 +153,11 @@ def test_a_gradient_marked_again_while_its_bucket_is_in_flight_is_refused():
 
 def test_sharded_buckets_reduce_each_partition_to_its_owner():
     lay = at.Layout({"a": (30000,), "b": (5000,)})
-    from arraytrain.shard import partition
+    from arraytrain.parallel.shard import partition
 
     part = partition(lay, 2, 0)
     comm = _Recording()
-    ex = OverlappedExchange(comm, lay, np.zeros(part.padded), bucket_bytes=2**30, part=part)
+    ex = _bucketed(comm, lay, 2**30, shard=True)
     ex.finish()
     # one bucket [0, 35008): its first 16384 elements to rank 0, the rest to rank 1
     assert comm.calls == [("reduce", part.length, 0), ("reduce", lay.size - part.length, 1)]
@@ -163,16 +170,16 @@ def test_mark_ready_checks_names_acts_in_the_last_micro_batch_only_and_guards_th
         with pytest.raises(UnknownParameterError):
             eng.mark_ready("nope")
         eng.mark_ready(["w", "b"])  # the first micro-batch: nothing starts
-        assert not eng._overlap.started
+        assert not eng._sync.started
         eng.step({"w": np.ones(8), "b": np.ones(3)})
         eng.mark_ready("b")  # the last micro-batch: its bucket starts
-        assert eng._overlap.started
+        assert eng._sync.started
         with pytest.raises(ConcurrentUseError, match="being exchanged"):
             eng.step({"w": np.ones(8), "b": np.ones(3)})
         with pytest.raises(ConcurrentUseError, match="being exchanged"):
             eng.state_dict()
         eng.zero_grad()  # completes the window's exchange, then drops it
-        assert not eng._overlap.started and eng.micro_batches == 0
+        assert not eng._sync.started and eng.micro_batches == 0
         eng.step({"w": np.ones(8), "b": np.ones(3)})
         rep = eng.step({"w": np.ones(8), "b": np.ones(3)})
         return rep.applied, eng.params["w"].copy()
@@ -224,7 +231,7 @@ def test_the_torch_binding_overlaps_by_default_and_equals_blocking(shard, ranks)
         kw = {} if overlap is None else {"overlap": overlap}
         eng = att.bind(model, at.optim.AdamW(lr=1e-2), comm=comm, shard_state=shard, accumulation_steps=2,
                        bucket_bytes=2048, max_grad_norm=1.0, loss_scaler=at.LossScaler(init_scale=2.0**6), **kw)
-        assert (eng._overlap is not None) == (overlap is None)
+        assert isinstance(eng._sync, BucketedSync) == (overlap is None)
         gen = torch.Generator().manual_seed(rank)
         reports = []
         for t in range(4):

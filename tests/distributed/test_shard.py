@@ -18,7 +18,7 @@ from arraytrain import compress as C
 from arraytrain import schedules
 from arraytrain.errors import HyperparameterError, LayoutError, StateDictError
 from arraytrain.layout import REDUCE_CHUNK
-from arraytrain.shard import ShardBuffer, partition
+from arraytrain.parallel.shard import ShardBuffer, partition
 from conftest import tiered
 from thread_group import ThreadGroup
 
@@ -479,7 +479,7 @@ def test_a_sharded_load_reads_only_the_owned_range_of_each_slot(tmp_path, monkey
     import safetensors
 
     from arraytrain import checkpoint
-    from arraytrain.shard import Owned
+    from arraytrain.parallel.shard import Owned
 
     path = tmp_path / "c.safetensors"
     one = at.Engine(_params(), at.optim.AdamW())

@@ -174,7 +174,7 @@ def test_nccl_over_cupy_buffers_one_rank_per_gpu():
 
 
 def test_without_torch_or_an_initialised_group_a_clear_error(monkeypatch, tmp_path):
-    from arraytrain.torch_comm import TorchComm
+    from arraytrain.parallel.torch_dist import TorchComm
 
     torchrun_exe()
     import torch.distributed as dist
@@ -203,7 +203,7 @@ def test_without_torch_or_an_initialised_group_a_clear_error(monkeypatch, tmp_pa
 
 
 def test_import_arraytrain_does_not_import_torch():
-    code = ("import sys, arraytrain, arraytrain.distributed, arraytrain.torch_comm; "
+    code = ("import sys, arraytrain, arraytrain.distributed, arraytrain.parallel.torch_dist; "
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120,
                          env=dict(os.environ, PYTHONPATH=SOURCE)).stdout

@@ -3,7 +3,7 @@
 
 ``tests/distributed/test_torchrun.py`` launches this with a timeout; run it by hand to
 debug a failure. Each rank joins a gloo process group and builds one
-:class:`~arraytrain.torch_comm.TorchComm`; one launch runs many checks (process start-up and
+:class:`~arraytrain.parallel.torch_dist.TorchComm`; one launch runs many checks (process start-up and
 the imports of torch, numba and JAX are the cost). After each check every rank reports its
 outcome in one collective, so the ranks stay in step and rank 0 prints every rank's failures;
 the last line is ``all N checks passed on K ranks (C cases)`` and the exit status is 0, or the
@@ -84,7 +84,7 @@ def crash(comm) -> None:
 def main(argv) -> int:
     import torch.distributed as dist
 
-    from arraytrain.torch_comm import TorchComm
+    from arraytrain.parallel.torch_dist import TorchComm
 
     limit = float(os.environ.get("ARRAYTRAIN_RANK_TIMEOUT", "0"))
     if limit > 0:

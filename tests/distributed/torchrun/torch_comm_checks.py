@@ -26,7 +26,7 @@ from comm_checks import (  # noqa: F401  (run here over TorchComm, in this order
 )
 
 from arraytrain.errors import ArgumentTypeError, BackendError, DTypeError, ReadOnlyError
-from arraytrain.torch_comm import TorchComm, TorchWork
+from arraytrain.parallel.torch_dist import TorchComm, TorchWork
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 REDUCED = (np.float16, BF16, np.float32, np.float64, np.int8, np.uint8, np.int16, np.uint16, np.int32, np.int64,

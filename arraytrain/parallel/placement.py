@@ -1,0 +1,324 @@
+"""The placement: which weights, gradients and optimizer state a rank holds, and how a boundary
+reduces, judges, updates and publishes them.
+
+An engine holds one, picked in ``__init__`` (:func:`placement`):
+
+- :class:`Replicated`: every rank holds everything. A window's gradient is all-reduced
+  (by the gradient sync: whole at the boundary, or in buckets), its norm pass reads the
+  whole buffer, and the optimizer updates every weight. With one process this is plain
+  training: every collective is the identity.
+- :class:`Sharded` (``shard_state=True``, ZeRO stage 1-2): each rank owns one contiguous
+  partition (:class:`~arraytrain.parallel.shard.Partition`) of the optimizer state, and
+  under a working copy of the float32 master weights too. A window's gradient is
+  reduce-scattered (or reduced to each partition's owner, bucket by bucket); the norm
+  comes from the partitions' sums of squares, completed with the weight sum in one small
+  all-reduce; the rank updates its partition, then one all-gather publishes the updated
+  weights (or working copy) into every rank's full copy.
+
+Both give the engine the same surface: ``params`` (what the model reads), ``master``
+(what the optimizer updates), ``grads`` (what the model writes into), ``working``; for the
+gradient sync ``bucket_flat`` and :meth:`start_reduce`; for the boundary :meth:`reduce`
+(the exchange and the norm pass, a :class:`~arraytrain.stages.Verdict`), :meth:`update`,
+:meth:`drop_window`; and :meth:`refresh_working`, :meth:`weights_moved`, the mask
+(:meth:`keep_mask`, :meth:`apply_mask`), :meth:`gather_params` and :meth:`memory`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ..backend import array_module
+from ..buffer import FlatBuffer, aligned_zeros
+from ..errors import HyperparameterError
+from ..ops import NormPass
+from .communicator import agree_on_setup, window_sums
+from .shard import ShardBuffer, gather, padded_buffer, partition
+
+
+class _Placement:
+    """What both placements share: the working copy's rebuild and the mask the kernels apply."""
+
+    comm = None
+    working = None
+    working_kind = 0
+    kernel_mask = None  # the mask the update kernels apply (sharded: this rank's part)
+
+    @property
+    def layout(self):
+        """The full layout of the parameters."""
+        return self.grads.layout
+
+    def working_args(self):
+        """The kernels' working copy ``(uint16 bits, kind)`` (sharded: this rank's part), or None."""
+        bits = self.working_bits()
+        return None if bits is None else (bits, self.working_kind)
+
+    def refresh_working(self, kernels) -> None:
+        """Rebuild the working copy from the master weights (after a load or a SAM move); sharded,
+        then one all-gather (a collective)."""
+        if self.working is not None:
+            bits = self.working_bits()
+            kernels.cast_working(bits, self.master.flat, self.master.layout.pieces, kind=self.working_kind)
+            self.publish()
+
+    def weights_moved(self, kernels) -> None:
+        """The master weights changed outside the update kernel: the working copy rebuilt, or the
+        weights published."""
+        if self.working is not None:
+            self.refresh_working(kernels)
+        else:
+            self.publish()
+
+
+class Replicated(_Placement):
+    """Every rank holds all the weights, the whole gradient and all the state (see the module docstring).
+
+    ``device_gate``: the norm pass leaves its verdict on the CUDA device, a gate the update
+    kernels read (not with a compressor or SAM, whose stages read the verdict first).
+    """
+
+    def __init__(self, comm, params: FlatBuffer, working_spec=None, *, device_gate: bool = False):
+        self.comm, self.params, self.master = comm, params, params
+        self.grads = params.zeros_like()
+        if working_spec is not None:
+            self.working, self.working_kind = params.zeros_like(working_spec[0]), working_spec[1]
+        self.device_gate = device_gate
+
+    def working_bits(self):
+        """The working copy as the kernels write it (uint16 bits), or None."""
+        return None if self.working is None else self.working.flat.view(np.uint16)
+
+    @property
+    def bucket_flat(self):
+        """The array the gradient sync cuts into buckets."""
+        return self.grads.flat
+
+    def start_reduce(self, lo: int, hi: int) -> list:
+        """A bucket's collective: the nonblocking in-place all-reduce of ``[lo, hi)``."""
+        return [self.comm.iallreduce(self.grads.flat[lo:hi])]
+
+    def reduce(self, wsum: float, judge, *, reduced: bool = False):
+        """The window's gradient summed over ranks (in place, one all-reduce, unless the buckets
+        ``reduced`` it), the weight sum with it, then the norm pass. The buffer is the fusion
+        buffer; a NaN/Inf on any rank reaches every rank through the sum."""
+        if not self.comm.is_local and not reduced:
+            self.comm.allreduce(self.grads.flat, "sum")
+        wsum = window_sums(self.comm, wsum, False)[0]
+        return self.norm_pass(judge.unscale(wsum), judge)
+
+    def norm_pass(self, unscale: float, judge):
+        """The norm pass and non-finite check over the whole buffer: one read."""
+        return judge.norm_pass(self.grads.flat, self.layout, unscale, self.device_gate)
+
+    def update(self, optimizer, kernels, state, gscale, lrs, zero_grad: bool) -> None:
+        """The optimizer's fused update of every weight (the gradient zeroed in it with ``zero_grad``)."""
+        optimizer.update(kernels, self.params, self.grads, state, gscale=gscale, lr=lrs, zero_grad=zero_grad,
+                         working=self.working_args(), mask=self.kernel_mask)
+
+    def drop_window(self) -> None:
+        """A skipped boundary: the window's gradient is dropped."""
+        self.grads.flat.fill(0)
+
+    def publish(self) -> None:
+        """Nothing to publish: every rank updated every weight."""
+
+    def keep_mask(self, mask) -> None:
+        """The pruning mask (a :class:`~arraytrain.prune.MaskBuffer` or None) the kernels apply."""
+        self.kernel_mask = mask
+
+    def apply_mask(self, mask) -> None:
+        """:meth:`keep_mask`, and zero the pruned weights now."""
+        self.keep_mask(mask)
+        xp = array_module(self.params.flat)
+        xp.multiply(self.params.flat, mask.flat, out=self.params.flat, casting="unsafe")
+
+    def gather_params(self) -> FlatBuffer:
+        """The full parameters: a copy."""
+        return self.params.copy()
+
+    def memory(self) -> dict:
+        """Bytes of the parameter, gradient and working buffers (see :meth:`arraytrain.Engine.memory`)."""
+        return {"params": self.params.flat.nbytes, "grads": self.grads.flat.nbytes,
+                "working": 0 if self.working is None else self.working.flat.nbytes}
+
+
+class Sharded(_Placement):
+    """Each rank keeps and updates one partition (see the module docstring).
+
+    Every rank keeps the full gradient buffer (what the model writes into) and the full
+    weights the model reads: the parameters, or under a working copy the working copy,
+    with the float32 master weights sharded. Each array the collectives move is padded
+    to ``ranks * length`` elements; the engine's :class:`~arraytrain.FlatBuffer` views
+    are its head.
+    """
+
+    def __init__(self, comm, params: FlatBuffer, working_spec=None):
+        layout = params.layout
+        part = partition(layout, comm.size, comm.rank)
+        xp = array_module(params.flat)
+        self.comm, self.part = comm, part
+        self.grads, self._grads = padded_buffer(layout, params.dtype, xp, part)
+        own = slice(part.lo, part.hi)
+        if working_spec is None:
+            self.params, self._weights = padded_buffer(layout, params.dtype, xp, part)
+            self.params.flat[...] = params.flat
+            self.master = ShardBuffer(part, self._weights[own])  # a view: the rank's part of the weights
+        else:
+            masters = aligned_zeros(part.length, params.dtype, xp)
+            n = max(0, min(part.hi, layout.size) - part.lo)
+            masters[:n] = params.flat[part.lo : part.lo + n]
+            self.master = self.params = ShardBuffer(part, masters)
+            self.working, self._weights = padded_buffer(layout, working_spec[0], xp, part)
+            self.working_kind = working_spec[1]
+        self._own_weights = self._weights[own]
+        self._grad_part = None  # this rank's partition of the reduced gradient, from reduce() to update()
+
+    @property
+    def sharded_masters(self) -> bool:
+        """The float32 master weights are sharded (a working copy holds the full weights)."""
+        return self.working is not None
+
+    def working_bits(self):
+        """This rank's part of the working copy, as the kernels write it (uint16 bits), or None."""
+        return None if self.working is None else self._own_weights.view(np.uint16)
+
+    @property
+    def bucket_flat(self):
+        """The whole padded gradient array (the engine's ``grads.flat`` is its head)."""
+        return self._grads
+
+    def start_reduce(self, lo: int, hi: int) -> list:
+        """A bucket's collectives: each partition's piece of ``[lo, hi)`` reduced to its owner."""
+        length = self.part.length
+        return [self.comm.ireduce(self._grads[max(lo, r * length) : min(hi, (r + 1) * length)], r)
+                for r in range(lo // length, (hi - 1) // length + 1)]
+
+    def reduce(self, wsum: float, judge, *, reduced: bool = False):
+        """The exchange and the norm pass as one stage: one reduce-scatter of the gradient (unless the
+        buckets ``reduced`` each partition to its owner), the partition's float64 sums of squares
+        (total and per parameter) and the weight sum in one small all-reduce, so every rank finds the
+        same norms and a NaN/Inf in any partition makes every rank's total non-finite. A float64 total
+        that is not finite takes the norm pass's overflow path (:func:`arraytrain.ops.norm_pass`) with
+        two more small all-reduces. The partition waits for :meth:`update`."""
+        comm, part, kernels = self.comm, self.part, judge.kernels
+        own = slice(part.lo, part.hi)
+        g = ShardBuffer(part, self._grads[own] if reduced else comm.reduce_scatter(self._grads))
+        self._grad_part = g
+        nseg = len(part.layout)
+        total, per_seg = kernels.sumsq(g.flat, part.pieces, nseg=nseg)
+        sums = np.concatenate(([total], per_seg, [wsum]))
+        comm.allreduce(sums, "sum")
+        wsum, total = float(sums[-1]), float(sums[0])
+        if math.isfinite(total):
+            return judge.found(NormPass(math.sqrt(total), np.sqrt(sums[1:-1]), False), wsum)
+        nonfinite = judge.found(NormPass(math.nan, np.full(nseg, np.nan), True), wsum)
+        if g.flat.dtype.itemsize < 8:
+            return nonfinite
+        flags = np.array([0.0 if kernels.all_finite(g.flat) else 1.0, kernels.max_abs(g.flat, part.pieces)])
+        comm.allreduce(flags, "max")
+        if flags[0]:
+            return nonfinite
+        peak = float(flags[1])
+        total, per_seg = kernels.sumsq_scaled(g.flat, part.pieces, nseg=nseg, inv=1.0 / peak)
+        sums = np.concatenate(([total], per_seg))
+        comm.allreduce(sums, "sum")
+        return judge.found(NormPass(peak * math.sqrt(sums[0]), peak * np.sqrt(sums[1:]), False), wsum)
+
+    def update(self, optimizer, kernels, state, gscale, lrs, zero_grad: bool) -> None:
+        """The own partition's update, then every rank's into every rank's weights; the gradient
+        buffer (the rank's unreduced gradient and the reduce-scatter's scratch) is cleared whole."""
+        sums = {"reduce_sums": self._reduce_sums} if optimizer.segment_sums else {}
+        grads, self._grad_part = self._grad_part, None
+        optimizer.update(kernels, self.master, grads, state, gscale=gscale, lr=lrs, working=self.working_args(),
+                         mask=self.kernel_mask, **sums)
+        self.publish()
+        self._grads.fill(0)
+
+    def _reduce_sums(self, sums) -> None:
+        """Complete per-parameter partial sums over ranks, in place (LAMB's norms)."""
+        self.comm.allreduce(sums, "sum")
+
+    def drop_window(self) -> None:
+        """A skipped boundary: the window's gradient and the reduce-scatter's scratch are dropped."""
+        self._grad_part = None
+        self._grads.fill(0)
+
+    def publish(self) -> None:
+        """Every rank's updated part of the weights (or working copy) into every rank's full copy."""
+        self.comm.allgather_blocks(self._weights.view(np.uint8))
+
+    def keep_mask(self, mask) -> None:
+        """This rank's part of a pruning mask, padded to the partition's length, for the kernels."""
+        if mask is None:
+            self.kernel_mask = None
+            return
+        part = self.part
+        out = array_module(mask.flat).zeros(part.length, np.uint8)
+        n = max(0, min(part.hi, part.layout.size) - part.lo)
+        out[:n] = mask.flat[part.lo : part.lo + n]
+        self.kernel_mask = out
+
+    def apply_mask(self, mask) -> None:
+        """:meth:`keep_mask`, and zero the pruned weights now (the sharded masters' part, or every
+        rank's full weights)."""
+        self.keep_mask(mask)
+        xp = array_module(self.params.flat)
+        if self.sharded_masters:
+            xp.multiply(self.master.flat, self.kernel_mask, out=self.master.flat, casting="unsafe")
+        else:
+            xp.multiply(self.params.flat, mask.flat, out=self.params.flat, casting="unsafe")
+
+    def gather_params(self) -> FlatBuffer:
+        """The full parameters: a copy, or the sharded masters' all-gather (a collective)."""
+        if not self.sharded_masters:
+            return self.params.copy()
+        return gather(self.comm, self.params)
+
+    def memory(self) -> dict:
+        """Bytes of the buffers held here, by kind (see :meth:`arraytrain.Engine.memory`)."""
+        out = {"grads": self._grads.nbytes,
+               "scratch": 0 if self.kernel_mask is None else self.kernel_mask.nbytes}
+        if self.working is None:
+            out["params"] = self._weights.nbytes
+        else:
+            out["master"] = self.master.flat.nbytes
+            out["working"] = self._weights.nbytes
+        return out
+
+
+def refuse_unshardable(optimizer, compressor) -> None:
+    """A typed error (the same on every rank, before anything is allocated) for what cannot shard."""
+    why = optimizer.shard_refusal
+    if why is not None:
+        raise HyperparameterError(f"shard_state: {type(optimizer).__name__} cannot shard its state: {why}")
+    if compressor is not None:
+        raise HyperparameterError("shard_state: a compressor's exchange replaces the reduce-scatter; "
+                                  "compression and sharded state do not compose yet (drop one of them)")
+
+
+def join(comm, params: FlatBuffer, optimizer, compressor, *, shard_state: bool, overlap: bool, two_windows: bool,
+         **settings) -> None:
+    """An engine joins its group: every rank has the same layout, optimizer and settings (else the same
+    typed error on every rank: :func:`~arraytrain.parallel.communicator.agree_on_setup`), what cannot
+    shard or overlap is refused, the compressor is bound to the group, and every rank starts from rank
+    0's weights (broadcast as bytes: any dtype)."""
+    if not comm.is_local:
+        agree_on_setup(comm, params, optimizer, compressor, shard_state=shard_state, overlap=overlap, **settings)
+    if shard_state:  # the same error on every rank: their optimizers and settings agree
+        refuse_unshardable(optimizer, compressor)
+    if overlap and not comm.is_local and (compressor is not None or two_windows):
+        raise HyperparameterError("overlap: a compressor's exchange and SAM's two windows need the whole "
+                                  "window's gradient at once; pass overlap=False")
+    if compressor is not None:
+        compressor.bind(params.layout, params.dtype, comm=comm)
+    if not comm.is_local:
+        comm.broadcast(params.flat.view(np.uint8), 0)
+
+
+def placement(comm, params: FlatBuffer, working_spec=None, *, shard: bool = False, device_gate: bool = False):
+    """The engine's placement: :class:`Sharded` with ``shard``, else :class:`Replicated`."""
+    if shard:
+        return Sharded(comm, params, working_spec)
+    return Replicated(comm, params, working_spec, device_gate=device_gate)

@@ -1,0 +1,235 @@
+"""The gradient sync: how the window's gradient crosses the ranks, and when.
+
+An engine holds one, picked in ``__init__`` (:func:`gradient_sync`):
+
+- :class:`BlockingSync`: at the boundary the placement reduces the whole buffer in one
+  collective (an all-reduce; sharded, a reduce-scatter). With one process, the identity.
+- :class:`BucketedSync` (``overlap=True``): the buffer cut into buckets that start their
+  nonblocking reduces while the backward pass still runs; the boundary starts the rest and
+  waits. Blocking is its degenerate case: no bucket marked, all started at the boundary.
+- :class:`CompressedSync` (a compressor): the ranks agree on the weight sum and on
+  finiteness, then each compresses its share of the mean and receives the decoded sum.
+
+Each answers :meth:`reduce` (the boundary's exchange and norm pass, through the
+placement: a :class:`~arraytrain.stages.Verdict`, or None to skip), :meth:`mark_ready`,
+``started`` (something is in flight: what ``step(grads)``, ``state_dict()`` and
+``apply_state()`` refuse) and :meth:`drain` (``zero_grad()``: complete what was started).
+
+Buckets
+-------
+
+A framework's backward pass writes the gradients of the last layers first. The flat
+buffer's parameters are in forward order, so the buffer is cut into buckets from its end:
+bucket 0 holds the last parameters, each bucket a contiguous slice of about
+``bucket_bytes`` of whole parameters (one larger parameter: a bucket of its own). During
+the last micro-batch of a window, :meth:`arraytrain.Engine.mark_ready` says which
+gradients are final; a bucket whose parameters are all final starts its exchange at
+once — a nonblocking in-place all-reduce (with sharded state: one nonblocking reduce per
+partition it touches, to the rank that owns it, which moves the bytes of a
+reduce-scatter) — and the boundary waits only for what is still in flight, after
+starting the buckets nobody marked (a parameter that got no gradient is exchanged as the
+blocking path exchanges it: as the zeros or values the buffer holds).
+
+Buckets start strictly in order: bucket ``k`` waits until buckets ``0..k-1`` have
+started. The ranks then enter their collectives in the same order whatever order their
+gradients become final in, and a bucket one rank cannot complete (a parameter unused
+there) only delays the later ones to the boundary, where every rank starts what is
+left, in order: never a hang.
+
+Progress. MPI moves a nonblocking collective forward only inside MPI calls (MPICH has no
+progress thread unless ``MPIR_CVAR_ASYNC_PROGRESS=1`` is set). Every
+:meth:`~BucketedSync.ready` therefore also tests the requests in flight
+(``MPI_Test``): the backward pass polls from its hooks, one test per call and request.
+NCCL and torch.distributed progress on their own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..errors import ArgumentTypeError, ConcurrentUseError, UnknownParameterError
+from ..layout import Layout
+from .communicator import window_sums
+
+#: The default bucket size, DDP's.
+BUCKET_BYTES = 25 * 2**20
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """A contiguous slice ``[lo, hi)`` of the flat buffer and the parameters (indices) in it."""
+
+    lo: int
+    hi: int
+    params: tuple[int, ...]
+
+
+def buckets(layout: Layout, bucket_bytes: int, itemsize: int) -> tuple[Bucket, ...]:
+    """``layout`` cut into buckets from its end (bucket 0: the last parameters), each of whole
+    parameters and about ``bucket_bytes``; together they cover ``[0, layout.size)``."""
+    per = max(1, bucket_bytes // itemsize)
+    out = []
+    hi = layout.size
+    members: list[int] = []
+    for i in range(len(layout) - 1, -1, -1):
+        members.append(i)
+        lo = layout.offsets[i]
+        if hi - lo >= per or i == 0:
+            out.append(Bucket(0 if i == 0 else lo, hi, tuple(members)))
+            hi, members = lo, []
+    return tuple(out)
+
+
+class BlockingSync:
+    """The whole window's gradient reduced at the boundary, in one collective of the placement."""
+
+    started = False  # nothing is ever in flight between two calls
+    overlaps = False  # mark_ready starts nothing
+
+    def __init__(self, placement):
+        self.placement = placement
+
+    def reduce(self, wsum: float, ascent: bool, judge):
+        """The boundary's exchange and norm pass: ``(Verdict, None)``."""
+        return self.placement.reduce(wsum, judge), None
+
+    def mark_ready(self, names, last: bool) -> None:
+        """Only checks the names (an unknown one raises)."""
+        layout = self.placement.layout
+        for name in (names,) if isinstance(names, str) else names:
+            layout.index(name)
+
+    def drain(self) -> None:
+        """Nothing was started."""
+
+
+class BucketedSync:
+    """The buckets of one engine's gradient and the collectives in flight in the current window
+    (see the module docstring); the placement says what a bucket's collective is."""
+
+    overlaps = True  # mark_ready starts buckets while the backward pass runs
+
+    def __init__(self, placement, bucket_bytes: int):
+        self.placement = placement
+        self.layout = layout = placement.layout
+        flat = placement.bucket_flat
+        self.buckets = buckets(layout, bucket_bytes, flat.dtype.itemsize)
+        self._bucket_of = np.empty(len(layout), np.int64)
+        for k, b in enumerate(self.buckets):
+            self._bucket_of[list(b.params)] = k
+        self._sizes = np.array([len(b.params) for b in self.buckets], np.int64)
+        self.reset()
+
+    def reset(self) -> None:
+        """A new window: nothing marked, nothing in flight."""
+        self._final = np.zeros(len(self.layout), bool)
+        self._missing = self._sizes.copy()
+        self._next = 0  # the next bucket to start, in order
+        self._pending: list = []
+
+    @property
+    def started(self) -> bool:
+        """Some bucket of this window has started its exchange."""
+        return self._next > 0
+
+    def indices(self, names) -> list[int]:
+        """The layout indices of ``names`` (a name or an iterable of names), checked."""
+        if isinstance(names, str):
+            names = (names,)
+        try:
+            return [self.layout.index(n) for n in names]
+        except UnknownParameterError:
+            raise
+        except TypeError:
+            raise ArgumentTypeError(f"names: expected a parameter name or an iterable of names, "
+                                    f"got {type(names).__name__}") from None
+
+    def mark_ready(self, names, last: bool) -> None:
+        """``names`` are final: during the window's last micro-batch (``last``), :meth:`ready`."""
+        idx = self.indices(names)
+        if last:
+            self.ready(idx)
+
+    def ready(self, indices) -> None:
+        """Parameters ``indices`` are final: start every bucket that is complete, in order; poll.
+
+        Marking again a parameter whose bucket has started means its gradient was written
+        again while being exchanged (a second backward pass before ``step()``): refused
+        with :class:`~arraytrain.errors.ConcurrentUseError` rather than sending a mix.
+        """
+        for i in indices:
+            if self._final[i] and self._bucket_of[i] < self._next:
+                raise ConcurrentUseError(
+                    f"{self.layout.names[i]!r}: its gradient was marked ready again while its bucket is being "
+                    "exchanged (a second backward pass before step()?); accumulate micro-batches with "
+                    "accumulation_steps, one step() after each backward pass")
+            if not self._final[i]:
+                self._final[i] = True
+                self._missing[self._bucket_of[i]] -= 1
+        while self._next < len(self.buckets) and self._missing[self._next] == 0:
+            self._start(self.buckets[self._next])
+        self._pending = [p for p in self._pending if not p.test()]
+
+    def finish(self) -> None:
+        """Start what is left, in order, and wait for everything: the buffer (under sharded state,
+        this rank's partition of it) then holds the sum over ranks."""
+        while self._next < len(self.buckets):
+            self._start(self.buckets[self._next])
+        for p in self._pending:
+            p.wait()
+        self._pending = []
+
+    def reduce(self, wsum: float, ascent: bool, judge):
+        """The buckets nobody marked, then every one in flight; the placement's norm pass."""
+        self.finish()
+        self.reset()
+        return self.placement.reduce(wsum, judge, reduced=True), None
+
+    def drain(self) -> None:
+        """Complete the buckets started in this window (every rank's collectives still match), then
+        forget the window."""
+        if self.started:
+            self.finish()
+            self.reset()
+
+    def _start(self, b: Bucket) -> None:
+        self._next += 1
+        if b.hi > b.lo:
+            self._pending.extend(self.placement.start_reduce(b.lo, b.hi))
+
+
+class CompressedSync(BlockingSync):
+    """A compressor's exchange (replicated placement): the ranks agree on the weight sum and on
+    finiteness (a non-finite gradient anywhere: nothing is compressed, the step skips), then each
+    compresses its share of the mean and receives the decoded sum (``payload``: what it sent).
+    SAM's ascent window keeps the exact local gradient."""
+
+    def __init__(self, placement, compressor):
+        super().__init__(placement)
+        self.compressor = compressor
+
+    def reduce(self, wsum: float, ascent: bool, judge):
+        place = self.placement
+        kernels, flat = judge.kernels, place.grads.flat
+        wsum, bad = window_sums(place.comm, wsum, not kernels.all_finite(flat))
+        if bad:
+            return None, None
+        unscale = judge.unscale(wsum)
+        if ascent:
+            return place.norm_pass(unscale, judge), None
+        if unscale != 1.0:
+            kernels.scale(flat, factor=1.0 / unscale)
+        payload = self.compressor.exchange(flat)
+        return place.norm_pass(1.0, judge), payload
+
+
+def gradient_sync(placement, *, compressor=None, overlap: bool = False, bucket_bytes: int = BUCKET_BYTES):
+    """The engine's gradient sync: compressed with a compressor, bucketed with ``overlap`` and a group of
+    processes, else blocking (the engine refused the combinations that cannot be)."""
+    if compressor is not None:
+        return CompressedSync(placement, compressor)
+    if overlap and not placement.comm.is_local:
+        return BucketedSync(placement, bucket_bytes)
+    return BlockingSync(placement)
