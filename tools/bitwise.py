@@ -2,7 +2,8 @@
 
     python tools/bitwise.py compare OLD [NEW]      # NEW: the working tree when left out
 
-checks out each revision into a temporary ``git worktree``, runs the configurations below
+checks out each revision into a temporary ``git worktree`` (a revision that names a directory
+is taken as a checkout as it is, with its warm numba cache), runs the configurations below
 with that revision's ``arraytrain`` (one process; the 2-rank ones under ``mpiexec -n 2``),
 and prints one row per configuration: equal or not, and which entries differ. Each run
 takes six boundaries, saves a checkpoint after the third and hashes (SHA-256 of dtype,
@@ -213,8 +214,8 @@ def compare(old: str, new: str | None, only) -> int:
     trees, added = {}, []
     try:
         for label, rev in (("old", old), ("new", new)):
-            if rev is None:
-                trees[label] = root
+            if rev is None or Path(rev).is_dir():
+                trees[label] = root if rev is None else Path(rev).resolve()
                 continue
             tree = work / f"tree-{label}"
             subprocess.run(["git", "-C", str(root), "worktree", "add", "--detach", "-q", str(tree), rev], check=True)
