@@ -268,7 +268,7 @@ def test_output_probe_leaves_nothing_behind_and_clobbers_nothing(tmp_path, capsy
     assert sorted(p.name for p in tmp_path.iterdir()) == ["old.json"]
     assert old.read_text() == "keep me" and old.stat().st_mtime == 1_000_000
     if os.access("/dev/stdout", os.W_OK):  # a device is written in place, not probed
-        cli._check_output("--json", "/dev/stdout")
+        cli.arguments.check_output("--json", "/dev/stdout")
 
 
 def test_every_output_is_announced(tmp_path, capsys):
@@ -486,12 +486,12 @@ def test_a_usage_error_on_one_rank_stops_every_rank():
             return "ok"
 
         try:
-            return cli._agreed(comm, check)
+            return cli.arguments.agreed(comm, check)
         except cli.UsageError as exc:
             return str(exc)
 
     assert ThreadGroup(2).run(rank_run) == ["arraytrain train: error: --json out.json: not writable"] * 2
-    assert ThreadGroup(2).run(lambda rank, comm: cli._agreed(comm, lambda: rank)) == [0, 1]
+    assert ThreadGroup(2).run(lambda rank, comm: cli.arguments.agreed(comm, lambda: rank)) == [0, 1]
 
 
 def test_state_dtype_8bit(tmp_path, capsys):

@@ -40,6 +40,7 @@ MODULES = (
     "arraytrain.accumulate",
     "arraytrain.amp",
     "arraytrain.checkpoint",
+    "arraytrain.checkpoint.format",
     "arraytrain.compress",
     "arraytrain.distributed",
     "arraytrain.engine_state",

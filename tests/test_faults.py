@@ -440,7 +440,7 @@ NEST_SAVE = [
     ("extra-dict-500", lambda: {"x": _deep_dict(500)}, ("extra", "nested deeper")),
     ("extra-tuple-300", lambda: {"x": _deep_tuple(300)}, ("extra", "nested deeper")),
     ("extra-list-5000", lambda: {"x": _deep_list(5000)}, ("extra", "nested deeper")),
-    ("extra-just-too-deep", lambda: {"x": _deep_list(checkpoint.MAX_DEPTH - 1)}, ("extra", "nested deeper")),
+    ("extra-just-too-deep", lambda: {"x": _deep_list(checkpoint.format.MAX_DEPTH - 1)}, ("extra", "nested deeper")),
     ("extra-self-list", lambda: {"x": _cycle_list()}, ("extra['x']", "contains itself")),
     ("extra-self-dict", _cycle_dict, ("extra['self'][0]['inner']", "contains itself")),
     ("extra-is-its-own-value", lambda: (lambda d: (d.__setitem__("me", d), d)[1])({}), ("extra['me']", "itself")),
@@ -459,7 +459,7 @@ def test_nesting_up_to_the_bound_round_trips(tmp_path):
     """The neighbour that must pass: extra as deep as allowed (the root mapping is one level, a tuple two)."""
     path = tmp_path / "ck.safetensors"
     e = _live()
-    extra = {"x": _deep_list(checkpoint.MAX_DEPTH - 2), "t": _deep_tuple((checkpoint.MAX_DEPTH - 3) // 2)}
+    extra = {"x": _deep_list(checkpoint.format.MAX_DEPTH - 2), "t": _deep_tuple((checkpoint.format.MAX_DEPTH - 3) // 2)}
     at.save(path, e, extra=extra)
     assert at.load(path, _live(seed=4)) == extra
 
@@ -472,8 +472,8 @@ NEST_LOAD = [
     ("tree-list-100000", dict(tree='{"params": ' + _deep_json(100000) + "}")),
     ("extra-list-500", dict(extra='{"x": ' + _deep_json(500) + "}")),
     ("extra-dict-3000", dict(extra='{"x": ' + '{"a":' * 3000 + "1" + "}" * 3000 + "}")),
-    ("tree-just-too-deep", dict(tree='{"params": ' + _deep_json(checkpoint.MAX_DEPTH) + "}")),
-    ("extra-just-too-deep", dict(extra='{"x": ' + _deep_json(checkpoint.MAX_DEPTH) + "}")),
+    ("tree-just-too-deep", dict(tree='{"params": ' + _deep_json(checkpoint.format.MAX_DEPTH) + "}")),
+    ("extra-just-too-deep", dict(extra='{"x": ' + _deep_json(checkpoint.format.MAX_DEPTH) + "}")),
 ]
 
 

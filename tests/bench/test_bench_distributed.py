@@ -30,7 +30,7 @@ def test_wire_bytes_of_the_ring_algorithms():
 @pytest.mark.parametrize("ef", [False, True])
 def test_the_cli_spec_builds_the_same_compressor(key, ef):
     comp = compression.METHODS[key][1](3, ef)
-    method, kwargs = cli._compress_spec(bench.cli_spec(comp))
+    method, kwargs = cli.arguments.compress_spec(bench.cli_spec(comp))
     again = getattr(__import__("arraytrain").compress, cli.COMPRESSORS[method])(**kwargs)
     assert again.describe() == comp.describe()
 
