@@ -69,7 +69,7 @@ def to_device(flat, device: str | None, name: str = "params"):
 
 def require_cuda(name: str = "device") -> None:
     """Raise :class:`BackendUnavailableError` unless CuPy is installed and runs a kernel on a GPU."""
-    from .kernels.cuda._core import cupy, probe
+    from .kernels.cuda.core import cupy, probe
 
     cupy()  # the install hint when CuPy is missing
     if not probe():

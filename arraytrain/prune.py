@@ -90,7 +90,7 @@ class MaskBuffer(FlatBuffer):
         return new
 
     def __repr__(self) -> str:
-        kept = sum(int((v != 0).sum()) for v in self._views.values())
+        kept = sum(int((v != 0).sum()) for v in self.values())
         return f"MaskBuffer({len(self)} params, {kept}/{self.layout.num_elements} kept)"
 
 

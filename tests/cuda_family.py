@@ -34,7 +34,7 @@ HOST_ARGS |= {"mats", "adjusted_lr", "weight_lr"}  # Muon's matrix table, Muon's
 @functools.lru_cache(maxsize=1)
 def cuda_usable() -> bool:
     try:
-        from arraytrain.kernels.cuda._core import probe
+        from arraytrain.kernels.cuda.core import probe
     except Exception:
         return False
     return probe()

@@ -137,13 +137,13 @@ def make_copy(nbytes: int = 2 << 30):
 
 def per_step_counts(opt: str, n: int = 1_000_000, steps: int = 5) -> dict:
     """Kernel launches and host synchronisations per ``engine.step()`` (arraytrain's own counters)."""
-    from arraytrain.kernels.cuda import _core
+    from arraytrain.kernels.cuda import core
 
     step = make_arraytrain(opt, n)
-    before = dict(_core.counters)
+    before = dict(core.counters)
     for _ in range(steps):
         step()
-    return {k: (_core.counters[k] - before[k]) / steps for k in before}
+    return {k: (core.counters[k] - before[k]) / steps for k in before}
 
 
 def stage_times(opt: str, n: int, reps: int = 20) -> dict:

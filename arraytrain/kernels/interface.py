@@ -229,6 +229,18 @@ DEVICE_KERNELS = {
 }
 
 
+def export(namespace: dict, package: str, kernels: dict = KERNELS) -> list[str]:
+    """Put every kernel of ``kernels`` (name -> (domain, what)) into a family package's ``namespace``,
+    each from the package's module of its domain, and the low-precision kinds beside them; returns
+    the names (the package's ``__all__``). The one list of a family's kernels is the table above."""
+    names = ["LP_BF16", "LP_F16", "LP_NONE"]
+    namespace.update(LP_BF16=LP_BF16, LP_F16=LP_F16, LP_NONE=LP_NONE)
+    for name, (domain, _) in kernels.items():
+        namespace[name] = getattr(importlib.import_module(f"{package}.{domain}"), name)
+        names.append(name)
+    return names
+
+
 def family_name(backend: str, impl: str = "numba") -> str:
     """``"reference"``, ``"cpu"`` or ``"cuda"`` for arrays of ``backend`` ("numpy"/"cupy")."""
     from ..errors import BackendUnavailableError, HyperparameterError

@@ -14,7 +14,7 @@ import numpy as np
 from .._checks import check_bool, check_int, check_number
 from ..backend import array_module
 from ..errors import HyperparameterError
-from ..kernels import _newton_schulz
+from ..kernels import newton_schulz
 from ..layout import Layout
 from ._base import Optimizer, OptState, decoupled_decay, mask_arg, working_args
 
@@ -244,7 +244,7 @@ class Routing:
     ``mats``: one int64 row per Muon parameter, ``[seg, offset, rows, cols, piece_lo,
     piece_hi]`` (its matrix and its range of ``pieces``). ``fallback_pieces``: the pieces of
     the others. ``work``: the scratch the largest matrix needs (its work copy plus the
-    Newton-Schulz iteration's, see :mod:`arraytrain.kernels._newton_schulz`).
+    Newton-Schulz iteration's, see :mod:`arraytrain.kernels.newton_schulz`).
     """
 
     muon: np.ndarray
@@ -274,7 +274,7 @@ def routing(layout: Layout, fallback_for: tuple[str, ...] = ()) -> Routing:
         rows, cols = matrix_of(layout.shapes[seg])
         lo, hi = np.searchsorted(pieces[:, 2], [seg, seg + 1]) if len(pieces) else (0, 0)
         mats.append((seg, layout.offsets[seg], rows, cols, lo, hi))
-        work = max(work, rows * cols + _newton_schulz.work_size(rows, cols))
+        work = max(work, rows * cols + newton_schulz.work_size(rows, cols))
     out = Routing(muon, np.asarray(mats, np.int64).reshape(-1, 6), np.ascontiguousarray(pieces),
                   np.ascontiguousarray(fallback_pieces), work)
     for a in (out.muon, out.mats, out.pieces, out.fallback_pieces):

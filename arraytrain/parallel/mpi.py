@@ -190,7 +190,7 @@ class MPIRequest(Pending):
 
 def _nccl():
     """``cupy.cuda.nccl``; a clear error when CuPy or its NCCL binding is missing."""
-    from ..kernels.cuda._core import cupy
+    from ..kernels.cuda.core import cupy
 
     cupy()
     try:

@@ -9,13 +9,13 @@ import pytest
 
 import arraytrain as at
 from arraytrain.errors import BackendUnavailableError
-from arraytrain.kernels.cuda import _core
+from arraytrain.kernels.cuda import core
 
 
 @pytest.fixture
 def no_cupy(monkeypatch):
     monkeypatch.setitem(sys.modules, "cupy", None)  # import cupy -> ImportError
-    monkeypatch.setattr(_core, "_cupy", None)
+    monkeypatch.setattr(core, "_cupy", None)
 
 
 def test_missing_cupy_names_the_extras(no_cupy):
@@ -33,6 +33,6 @@ def test_missing_cupy_from_the_cli(no_cupy, capsys):
 
 def test_no_gpu_is_a_clear_error(monkeypatch):
     pytest.importorskip("cupy")
-    monkeypatch.setattr(_core, "probe", lambda: False)
+    monkeypatch.setattr(core, "probe", lambda: False)
     with pytest.raises(BackendUnavailableError, match="no CUDA device"):
         at.Engine({"w": np.zeros(3, np.float32)}, at.optim.SGD(lr=0.1), device="cuda")

@@ -268,7 +268,7 @@ def test_any_elementwise_fallback_equals_running_it_alone(fallback):
 def test_newton_schulz_on_a_stack_equals_each_matrix_alone(tall, rng):
     """The CUDA family iterates same-shape matrices as one stack (batched GEMMs); stacked or one
     at a time, each matrix gets the same iterate (NumPy's stacked matmul: to rounding)."""
-    from arraytrain.kernels import _newton_schulz as ns
+    from arraytrain.kernels import newton_schulz as ns
 
     rows, cols = (9, 4) if tall else (4, 9)
     x = rng.standard_normal((3, rows, cols)).astype(np.float32)

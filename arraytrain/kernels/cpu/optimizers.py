@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from .. import _newton_schulz as newton_schulz
+from .. import newton_schulz
 from ..interface import LP_NONE
 from ._jit import EXACT_DIVISION, JIT, pick, twins
 from .codecs import (clear_grad, grad_fill, load_state, piece_mask, state_close, state_open, state_scratch, state_step,

@@ -12,7 +12,7 @@ import subprocess
 import sys
 import tempfile
 
-from ._core import OPTIONS
+from .core import OPTIONS
 
 ARCHS = ("sm_80", "sm_90")
 

@@ -43,7 +43,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..interface import INV127
-from ._core import THREADS, Source, cupy, launch
+from .core import THREADS, Source, cupy, launch
 from .reductions import grid
 
 # Elements per piece of the sign / ternary block reductions (one warp each: 64 per lane).

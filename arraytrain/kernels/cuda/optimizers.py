@@ -1,7 +1,7 @@
 """CUDA optimizer kernels: the same names, signatures and math as :mod:`arraytrain.kernels.cpu.optimizers`.
 
 One launch per step covers every parameter: a block per chunk of the layout (see
-:mod:`._core`) reads its parameter's hyperparameters once. Variants are template
+:mod:`.core`) reads its parameter's hyperparameters once. Variants are template
 arguments of one kernel per optimizer (never near-copies): ``T`` the parameters'
 float/double, ``S`` the state's storage (``T``, or ``u16`` bfloat16 bits), ``WK`` the
 working copy (0 none, 1 bfloat16, 2 float16), ``MASK`` a pruning mask. The learning
@@ -22,7 +22,7 @@ import numpy as np
 
 from ..interface import LP_NONE, Q8, Q8_BLOCK
 from . import reductions
-from ._core import CHUNK, NULL, THREADS, DeviceScale, Source, chunks_for, ctype, cupy, launch, ptr, seg_arg, to_host
+from .core import CHUNK, NULL, THREADS, DeviceScale, Source, chunks_for, ctype, cupy, launch, ptr, seg_arg, to_host
 
 # the 8-bit loop gives each thread one element of a block: a block of threads is a block of state
 assert THREADS == Q8_BLOCK and CHUNK % Q8_BLOCK == 0
@@ -46,7 +46,7 @@ _CLOSE = r"""
 _TAIL = "u16* __restrict__ w, int zero_grad, const unsigned char* __restrict__ mask"
 
 # The loop head of the kernels with state slots (template argument ``S``). For float, double
-# and u16 storage it is _OPEN's loop. For 8-bit state (S = q8, see _core.HEADER) the chunk is
+# and u16 storage it is _OPEN's loop. For 8-bit state (S = q8, see core.HEADER) the chunk is
 # walked one block of Q8_BLOCK (= THREADS) elements at a time, a thread per element, and the
 # loop's trip count is the same for every thread of the block: the slots' close() after the
 # body holds barriers (the block's absmax), which threads past the chunk's end reach too, with
@@ -539,7 +539,7 @@ _descriptors: dict = {}
 
 
 def q8_descriptor(q: Q8):
-    """The ``q8`` struct of :data:`arraytrain.kernels.cuda._core.HEADER` for slot ``q`` (CuPy arrays),
+    """The ``q8`` struct of :data:`arraytrain.kernels.cuda.core.HEADER` for slot ``q`` (CuPy arrays),
     in device memory: 9 little-endian 64-bit words, the 7 pointers then ``shift | bias << 32`` and
     ``nb``. Built once per content (its pointers and ints are its key, so a stale entry cannot
     describe other memory), at most 256 kept."""
@@ -939,7 +939,7 @@ def muon_step(p, g, buf, work, mats, pieces, *, gscale, momentum, nesterov, adju
     a transformer) thus cost 3 launches each plus ~20 per stack, not ~40 each. The stacks
     and their scratch come from CuPy's memory pool (``work`` is the CPU family's scratch).
     """
-    from .. import _newton_schulz as newton_schulz
+    from .. import newton_schulz
 
     cp, t, tn = cupy(), p.dtype.type, ctype(p.dtype)
     fn = MUON_SF_SOURCE.function

@@ -24,7 +24,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..counter_rng import uniform_np
-from ._core import Source, cupy, launch
+from .core import Source, cupy, launch
 from .compression import COUNTER_RNG
 from .reductions import grid
 

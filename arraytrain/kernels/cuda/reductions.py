@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._core import REDUCE_CHUNK, THREADS, Source, chunks_for, ctype, cupy, launch, to_host
+from .core import REDUCE_CHUNK, THREADS, Source, chunks_for, ctype, cupy, launch, to_host
 
 _FLOATS = ("float", "double")
 
@@ -195,7 +195,7 @@ def sumsq_gate(x, pieces, *, nseg, unscale, max_norm, eps):
     """The norm pass and the device gate, no synchronisation: ``(sums, gate)`` device arrays.
 
     ``sums`` = ``[total, per_segment...]`` sums of squares (read it with :func:`read_sums`);
-    ``gate`` feeds the update kernels (see :class:`._core.DeviceScale`): the clip factor
+    ``gate`` feeds the update kernels (see :class:`.core.DeviceScale`): the clip factor
     ``min(1, max_norm / (sqrt(total) / unscale + eps))`` over ``unscale``, or a skip when
     the total is not finite. ``max_norm=None``: no clipping.
     """

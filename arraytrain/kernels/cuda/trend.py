@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._core import Source, cupy, launch
+from .core import Source, cupy, launch
 from .reductions import grid
 
 _FLOATS = ("float", "double")

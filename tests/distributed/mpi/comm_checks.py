@@ -21,7 +21,7 @@ from arraytrain.errors import (
 
 SIZES = (0, 1, 7, 1037, 278011)
 INT_TYPES = (np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64)
-FakeCupyArray = type("ndarray", (), {"__module__": "cupy._core.core"})  # what backend_of sees of CuPy
+FakeCupyArray = type("ndarray", (), {"__module__": "cupy.core.core"})  # what backend_of sees of CuPy
 
 
 def same_everywhere(comm, x) -> bool:
