@@ -238,7 +238,7 @@ def test_refused_before_training(tmp_path, capsys, monkeypatch, args, text):
         pytest.skip("no /proc here")
     small_npz(tmp_path / "good.npz")
     loaded = []
-    monkeypatch.setattr(cli, "_load_data", lambda a: loaded.append(a))  # the first step of a run
+    monkeypatch.setattr(cli.run, "_load_data", lambda a: loaded.append(a))  # the first step of a run
     t0 = time.perf_counter()
     rc, out, err = run(capsys, *QUIET, *[a.format(tmp=tmp_path, step="{step}") for a in args])
     seconds = time.perf_counter() - t0
@@ -257,7 +257,7 @@ def test_output_probe_leaves_nothing_behind_and_clobbers_nothing(tmp_path, capsy
     """The outputs are created (and removed) or opened for writing before the run; a refusal after
     the probe (here --plot's format, checked next) leaves no new file and an existing one as it was."""
     pytest.importorskip("matplotlib")
-    monkeypatch.setattr(cli, "_load_data", lambda a: pytest.fail("loaded the data"))
+    monkeypatch.setattr(cli.run, "_load_data", lambda a: pytest.fail("loaded the data"))
     old = tmp_path / "old.json"
     old.write_text("keep me")
     os.utime(old, (1_000_000, 1_000_000))
