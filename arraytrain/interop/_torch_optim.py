@@ -1,7 +1,9 @@
-"""Drop-in ``torch.optim.Optimizer`` classes whose step is an arraytrain engine's.
+"""The drop-in optimizers' contract: :class:`TorchOptimizer`, a ``torch.optim.Optimizer`` whose step is
+arraytrain's, and the table its subclasses fill (torch's constructor, :data:`OPTIONS`).
 
 Imported with torch, lazily, by :mod:`arraytrain.interop.torch` (``at_torch.AdamW``): see that
-module's docstring for what the classes do; this module is their implementation.
+module's docstring for what the classes do. The classes are in :mod:`._torch_dropins`, their
+engines in :mod:`._torch_engine`, the state dict's checks and writes in :mod:`._torch_state`.
 
 How a step runs. The parameters of the param groups live in one or a few engines
 (:class:`GroupEngine`, a "cohort" each): parameters that share a dtype and device, a step
@@ -22,9 +24,8 @@ carried over by parameter name.
 
 from __future__ import annotations
 
-import contextlib
+import inspect
 import math
-import numbers
 from collections import defaultdict
 from collections.abc import Mapping
 
@@ -33,8 +34,6 @@ import torch
 
 from .. import optim, state8
 from .._checks import check_bool, check_int, check_number
-from ..amp import LossScaler
-from ..engine import Engine
 from ..errors import (
     ArgumentTypeError,
     BackendError,
@@ -44,31 +43,12 @@ from ..errors import (
     HyperparameterError,
     LayoutError,
     NonFiniteError,
-    ShapeMismatchError,
     StateDictError,
 )
 from ..ops import CLIP_EPS, clip_coef, norm_pass
-from ._torch_views import check_cuda_device, host_array, tensor_view
-
-__all__ = [
-    "LAMB",
-    "SAM",
-    "SGD",
-    "Adadelta",
-    "Adafactor",
-    "Adagrad",
-    "Adam",
-    "AdamW",
-    "Adamax",
-    "Lion",
-    "Muon",
-    "NAdam",
-    "RAdam",
-    "RMSprop",
-    "ScheduleFreeAdamW",
-    "Sophia",
-    "TorchOptimizer",
-]
+from ._torch_engine import Cohort, GroupEngine, group_name, plain_value
+from ._torch_state import check_state, load_entries, slot_views
+from ._torch_views import check_cuda_device, tensor_view
 
 PUBLIC_MODULE = "arraytrain.interop.torch"
 # torch.optim's implementation switches: foreach and fused choose among torch's own kernels (the
@@ -82,20 +62,11 @@ REFUSED_FLAGS = {
     "differentiable": "autograd through the optimizer step is not built",
 }
 PER_PARAM = ("lr", "weight_decay")
-_LOWP = (torch.bfloat16, torch.float16)
 _FLOATS = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
-
-
-def _value(v):
-    """A group's value as plain Python: a 0-d (one-element) tensor read as a float, tuples element-wise."""
-    if isinstance(v, torch.Tensor):
-        try:
-            return v.item()  # a float (an int, a bool) for a one-element tensor
-        except RuntimeError:
-            return v  # several elements: refused by the checks, which name the key
-    if isinstance(v, (tuple, list)):
-        return tuple(_value(x) for x in v)
-    return v
+#: The options every drop-in takes after torch's hyperparameters, keyword-only, with their defaults
+#: (:class:`TorchOptimizer` documents them).
+OPTIONS = {"max_grad_norm": None, "clip_eps": CLIP_EPS, "state_dtype": None, "min_8bit_size": None,
+           "kernels": "numba", "max_consecutive_skips": 50}
 
 
 class _Seen:
@@ -110,10 +81,10 @@ class _Seen:
 def _rate(gi: int, key: str, v) -> float:
     """``lr`` or ``weight_decay``: a finite number >= 0 (a float, an int, or a one-element tensor)."""
     if type(v) is not float:
-        v = _value(v)
+        v = plain_value(v)
     if type(v) is float and 0.0 <= v < math.inf:  # the common case, in a few tens of ns
         return v
-    name = _group_name(gi, key)
+    name = group_name(gi, key)
     if isinstance(v, torch.Tensor):
         raise HyperparameterError(f"{name}: expected a number or a one-element tensor, got a tensor of shape "
                                   f"{tuple(v.shape)}")
@@ -129,140 +100,6 @@ def _same(a: tuple, b: tuple) -> bool:
 
 def _has_tensor(values) -> bool:
     return any(isinstance(v, torch.Tensor) or (isinstance(v, (tuple, list)) and _has_tensor(v)) for v in values)
-
-
-def _group_name(gi: int, key: str | None = None) -> str:
-    return f"param_groups[{gi}]" + ("" if key is None else f"[{key!r}]")
-
-
-class GroupEngine(Engine):
-    """An :class:`~arraytrain.Engine` over some param groups' tensors, which it re-points into its buffers.
-
-    ``entries`` are ``(name, tensor)`` pairs of one dtype and device; ``masters`` maps names to
-    the values the engine starts from (an earlier engine's float32 master weights), else the
-    tensors' values are taken. The tensors' ``.data`` become views of the engine's parameters
-    (of its low-precision working copy for a bfloat16/float16 model). ``.grad`` is left alone
-    until a step finds it (see :meth:`check`).
-    """
-
-    def __init__(self, entries, optimizer, masters: Mapping, *, dtype, device, kernels: str,
-                 max_consecutive_skips, clip_eps: float):
-        lowp = dtype in _LOWP
-        kw = {"kernels": kernels, "max_consecutive_skips": max_consecutive_skips, "clip_eps": clip_eps,
-              # carries the scale of the step's gradients (torch.amp.GradScaler's, or a clip factor
-              # across engines): set before every step, unscaled in the norm pass and the kernel
-              "loss_scaler": LossScaler(init_scale=1.0)}
-        if lowp:
-            kw["working_dtype"] = "bfloat16" if dtype == torch.bfloat16 else "float16"
-        with torch.no_grad():
-            params = {}
-            for n, p in entries:
-                if n in masters:
-                    params[n] = masters[n]
-                    continue
-                t = (p.detach().float() if lowp else p.detach()).contiguous()
-                params[n] = t.numpy() if device.type == "cpu" else t
-            super().__init__(params, optimizer, **kw)
-        self.initial_scalars = dict(self.state.scalars)  # a fresh state's (NAdam's mu_product: 1)
-        self.lowp = lowp
-        weights = self.working if lowp else self.params
-        if lowp:  # .grad must have the parameter's dtype: a low-precision buffer, added into the float32 one
-            self.lp_grads = torch.zeros(self.layout.size, dtype=dtype, device=device)
-            self.grads_tensor = tensor_view(self.grads.flat, torch)
-        self.bound = []
-        with torch.no_grad():
-            for n, p in entries:
-                data = tensor_view(weights[n], torch)
-                grad = self.lp_grads[self.layout.slice(n)].view(p.shape) if lowp else tensor_view(self.grads[n], torch)
-                p.data = data
-                self.bound.append((n, p, data, grad, data.data_ptr(), p.dtype, tuple(p.shape)))
-        # parameters whose .grad was None at the last applied step, when the kernel zeroed the buffer
-        self.clean: set[int] = set()
-
-    def check(self) -> tuple[list, list, list]:
-        """Find what a step must repair, changing nothing: ``(data_fixes, grad_fixes, held)``.
-
-        ``.data`` replaced by a tensor of the same dtype, device and shape: its values are taken
-        into the engine; ``.grad`` allocated by torch (after ``zero_grad(set_to_none=True)``): its
-        values are copied into the buffer; ``.grad`` None: the parameter is held this step.
-        Anything else raises before a write.
-        """
-        data_fixes, grad_fixes, held = [], [], []
-        for i, (n, p, data, grad, ptr, dtype, shape) in enumerate(self.bound):
-            if p.data_ptr() != ptr or p.dtype is not dtype or p.shape != shape:
-                _check_kind(n, "parameter", p, data)
-                data_fixes.append(i)
-            g = p.grad
-            if g is grad:
-                continue
-            if g is None:
-                held.append(i)
-            else:
-                if g.is_sparse or g.layout != torch.strided:
-                    raise BackendError(f"{n!r}: a {g.layout} gradient; the drop-in optimizers take dense gradients")
-                _check_kind(n, "gradient", g, grad)
-                grad_fixes.append(i)
-        return data_fixes, grad_fixes, held
-
-    def connect(self, data_fixes, grad_fixes, held) -> None:
-        """Apply what :meth:`check` found: every ``.grad`` that is not None then points into the buffer."""
-        with torch.no_grad():
-            for i in data_fixes:
-                _, p, data, *_ = self.bound[i]
-                data.copy_(p.detach())
-                p.data = data
-            for i in grad_fixes:
-                _, p, _, grad, *_ = self.bound[i]
-                grad.copy_(p.grad)
-                p.grad = grad
-            for i in held:  # a held parameter's gradient must read 0: the norm and the moments see it
-                if i not in self.clean:
-                    self.bound[i][3].zero_()
-            if self.lowp:
-                self.grads_tensor.copy_(self.lp_grads)
-                self.lp_grads.zero_()
-
-    def zero_grad(self) -> None:
-        """:meth:`Engine.zero_grad`, and the low-precision gradient buffer of a bf16/fp16 model."""
-        super().zero_grad()
-        if self.lowp:
-            self.lp_grads.zero_()
-
-    def refresh(self) -> None:
-        """Rewrite the working copy (the model's bf16/fp16 weights) from the master weights."""
-        self.refresh_working()
-
-
-def _check_kind(name: str, what: str, got, bound) -> None:
-    if got.dtype != bound.dtype:
-        raise DTypeError(f"{name!r}: {what} dtype {got.dtype} != {bound.dtype} the optimizer holds (convert "
-                         "the model before building the optimizer)")
-    if got.device != bound.device:
-        raise BackendError(f"{name!r}: {what} on {got.device}, the optimizer holds it on {bound.device} (move "
-                           "the model before building the optimizer)")
-    if tuple(got.shape) != tuple(bound.shape):
-        raise ShapeMismatchError(name, tuple(bound.shape), tuple(got.shape), what=what)
-
-
-class _Cohort:
-    """One engine and where its parameters sit in the param groups."""
-
-    __slots__ = ("engine", "group_of", "held", "index", "lrs", "scalar_tensors", "signature", "step_tensor", "wds")
-
-    def __init__(self, engine: GroupEngine, index: list, signature):
-        self.engine = engine
-        self.index = index  # (group, position in the group) per engine parameter, in layout order
-        self.group_of = np.array([g for g, _ in index], np.intp)
-        self.signature = signature
-        self.step_tensor = torch.tensor(float(engine.state.step))
-        self.scalar_tensors = {k: torch.tensor(v, dtype=torch.float32) for k, v in engine.state.scalars.items()}
-        n = len(index)
-        self.lrs, self.wds, self.held = np.zeros(n), np.zeros(n), False  # set by the first read of the groups
-
-    def sync_tensors(self) -> None:
-        self.step_tensor.fill_(float(self.engine.state.step))
-        for k, t in self.scalar_tensors.items():
-            t.fill_(self.engine.state.scalars[k])
 
 
 class TorchOptimizer(torch.optim.Optimizer):
@@ -308,11 +145,49 @@ class TorchOptimizer(torch.optim.Optimizer):
     two_windows = False
     # state_dtype is refused where the arraytrain optimizer takes none (Adafactor, Sophia)
     takes_state_dtype = True
+    #: torch's constructor of the class: ``(positional, keyword-only)`` hyperparameters, each a
+    #: ``(name, default)`` pair in torch's order; the class's signature is built from it and :data:`OPTIONS`
+    HYPERPARAMETERS: tuple = ((), ())
+    #: group values the class sets itself (AdamW: ``decoupled_weight_decay=True``)
+    FIXED: dict = {}
 
-    def __init__(self, params, defaults: dict, *, max_grad_norm=None, clip_eps=CLIP_EPS, state_dtype=None,
-                 min_8bit_size=None, kernels="numba", max_consecutive_skips=50):
-        if params is _PROBE:
-            raise _Defaults(defaults)
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if "HYPERPARAMETERS" in cls.__dict__:
+            positional, keyword = cls.HYPERPARAMETERS
+            P = inspect.Parameter
+            cls.__signature__ = inspect.Signature(
+                [P("params", P.POSITIONAL_OR_KEYWORD)]
+                + [P(n, P.POSITIONAL_OR_KEYWORD, default=d) for n, d in positional]
+                + [P(n, P.KEYWORD_ONLY, default=d) for n, d in (*keyword, *OPTIONS.items())])
+
+    def __init__(self, params, *args, **kwargs):
+        """torch's constructor of the class (its ``inspect.signature``), then :data:`OPTIONS`."""
+        bound = type(self).__signature__.bind(params, *args, **kwargs)
+        bound.apply_defaults()
+        values = dict(bound.arguments)
+        options = {k: values.pop(k) for k in OPTIONS}
+        del values["params"]
+        self.setup(params, {**values, **self.FIXED}, options)
+
+    @classmethod
+    def group_defaults(cls, **hyperparameters) -> dict:
+        """The param-group defaults ``cls(params, **hyperparameters)`` makes (a ``TypeError`` for an unknown
+        or missing name, as the constructor's)."""
+        positional, keyword = cls.HYPERPARAMETERS
+        P = inspect.Parameter
+        sig = inspect.Signature([P(n, P.KEYWORD_ONLY, default=d) for n, d in (*positional, *keyword)])
+        bound = sig.bind(**hyperparameters)
+        bound.apply_defaults()
+        return {**bound.arguments, **cls.FIXED}
+
+    def setup(self, params, defaults: dict, options: Mapping) -> None:
+        """What every constructor does: the options (:data:`OPTIONS`, those not given at their defaults)
+        checked, the groups made from ``params`` and ``defaults`` (torch's), the engines built."""
+        options = {**OPTIONS, **options}
+        max_grad_norm, clip_eps, state_dtype = options["max_grad_norm"], options["clip_eps"], options["state_dtype"]
+        min_8bit_size, kernels = options["min_8bit_size"], options["kernels"]
+        max_consecutive_skips = options["max_consecutive_skips"]
         self.max_grad_norm = None if max_grad_norm is None else check_number("max_grad_norm", max_grad_norm, 0.0,
                                                                              lo_open=True)
         self.clip_eps = check_number("clip_eps", clip_eps, 0.0)
@@ -340,7 +215,7 @@ class TorchOptimizer(torch.optim.Optimizer):
         self._keys = tuple(k for k in defaults if k not in PER_PARAM and k not in IGNORED_FLAGS
                            and k not in REFUSED_FLAGS)
         self._read_keys = ("lr", "weight_decay", *self._keys)
-        self._cohorts: list[_Cohort] = []
+        self._cohorts: list[Cohort] = []
         self._seen: list = []  # per group: (raw tuple, has tensors, (lr, wd, signature))
         self._built = False
         self._skips = 0
@@ -382,7 +257,7 @@ class TorchOptimizer(torch.optim.Optimizer):
         for k in self._read_keys:
             if k not in group:
                 raise HyperparameterError(f"{where}: lacks {k!r}")
-            v = _value(group[k])
+            v = plain_value(group[k])
             if isinstance(v, torch.Tensor):
                 raise HyperparameterError(f"{named(k)}: expected a number or a one-element tensor, got a tensor "
                                           f"of shape {tuple(v.shape)}")
@@ -409,7 +284,7 @@ class TorchOptimizer(torch.optim.Optimizer):
         if self._evaluating is not None:
             raise ConcurrentUseError("add_param_group: the optimizer is in eval() mode; call train() first")
         gi = len(self.param_groups)
-        where = _group_name(gi)
+        where = group_name(gi)
         if "params" not in param_group:
             raise HyperparameterError(f"{where}: lacks 'params'")
         params = param_group["params"]
@@ -472,7 +347,7 @@ class TorchOptimizer(torch.optim.Optimizer):
                 where[gp] = c
         keyed: dict = {}
         for gi, group in enumerate(self.param_groups):
-            sig = signatures[gi] if signatures is not None else self._check_group_values(group, _group_name(gi))[2]
+            sig = signatures[gi] if signatures is not None else self._check_group_values(group, group_name(gi))[2]
             for j, p in enumerate(group["params"]):
                 c = where.get((gi, j))
                 if steps is not None:
@@ -490,7 +365,7 @@ class TorchOptimizer(torch.optim.Optimizer):
         for gi, j in index:
             group = self.param_groups[gi]
             names = group.get("param_names")
-            out.append((names[j] if names else f"{_group_name(gi)}.params[{j}]", group["params"][j]))
+            out.append((names[j] if names else f"{group_name(gi)}.params[{j}]", group["params"][j]))
         return out
 
     def _rebuild(self, partition) -> None:
@@ -510,7 +385,7 @@ class TorchOptimizer(torch.optim.Optimizer):
                     c, oname = old[(gi, j)]
                     masters[name] = c.engine.params[oname]
                     sources.append((name, c, oname))
-            values = {k: _value(self.param_groups[index[0][0]][k]) for k in self._read_keys}
+            values = {k: plain_value(self.param_groups[index[0][0]][k]) for k in self._read_keys}
             opt = self.arraytrain_optimizer(values)
             opt.min_8bit_size = self.min_8bit_size  # read when the engine makes its slots
             if device.type == "cuda":
@@ -533,7 +408,7 @@ class TorchOptimizer(torch.optim.Optimizer):
                 src = sources[0][1].engine
                 engine.state.step = src.state.step
                 engine.state.scalars.update(src.state.scalars)
-            cohorts.append(_Cohort(engine, list(index), sig))
+            cohorts.append(Cohort(engine, list(index), sig))
         self._cohorts = cohorts
         self._seen = [None] * len(self.param_groups)
         self._publish_state()
@@ -543,7 +418,7 @@ class TorchOptimizer(torch.optim.Optimizer):
         state = defaultdict(dict)
         for c in self._cohorts:
             e = c.engine
-            views = {slot: _slot_views(buf, e.layout.names) for slot, buf in e.state.slots.items()}
+            views = {slot: slot_views(buf, e.layout.names) for slot, buf in e.state.slots.items()}
             for (gi, j), name in zip(c.index, e.layout.names):
                 p = self.param_groups[gi]["params"][j]
                 entry = {"step": c.step_tensor}
@@ -572,7 +447,7 @@ class TorchOptimizer(torch.optim.Optimizer):
             try:
                 raw = tuple([group[k] for k in keys])
             except KeyError as exc:
-                raise HyperparameterError(f"{_group_name(gi)}: lacks {exc.args[0]!r}") from None
+                raise HyperparameterError(f"{group_name(gi)}: lacks {exc.args[0]!r}") from None
             seen = seen_all[gi]
             if seen is not None and not seen.tensors and _same(raw, seen.raw):
                 continue
@@ -582,7 +457,7 @@ class TorchOptimizer(torch.optim.Optimizer):
                 sig, sig_tensors = seen.sig, False
             else:
                 sig_tensors = _has_tensor(raw[2:])
-                sig = self._check_group_values(group, _group_name(gi))[2]
+                sig = self._check_group_values(group, group_name(gi))[2]
                 if seen is None or sig != seen.sig:
                     resig.append((gi, sig))
             if seen is None or lr != seen.lr or wd != seen.wd:
@@ -624,12 +499,12 @@ class TorchOptimizer(torch.optim.Optimizer):
                     before = dict(zip(self._keys, c.signature))
                     diff = {k: (before[k], values[k]) for k in self._keys if before[k] != values[k]}
                     raise HyperparameterError(
-                        f"{_group_name(gi)}: changing "
+                        f"{group_name(gi)}: changing "
                         f"{', '.join(f'{k} from {a!r} to {b!r}' for k, (a, b) in diff.items())} changes the "
                         f"optimizer's state ({list(cur.slot_names)} -> {list(new.slot_names)}); set it when the "
                         "group is created")
 
-    def _reconfigure(self, c: _Cohort, sig) -> None:
+    def _reconfigure(self, c: Cohort, sig) -> None:
         """A cohort's kernel-wide values changed alike in all its groups (checked by :meth:`_check_same_state`)."""
         values = dict(zip(self._keys, sig))
         values.update(lr=1.0, weight_decay=0.0)
@@ -704,9 +579,9 @@ class TorchOptimizer(torch.optim.Optimizer):
             return [self._engine_step(c, divisor, plans[0][2])]
         return self._take_across(divisor, plans)
 
-    def _engine_step(self, c: _Cohort, divisor: float, held):
+    def _engine_step(self, c: Cohort, divisor: float, held):
         e = c.engine
-        e.loss_scaler.scale = divisor
+        e.loss_scaler.scale = divisor  # the engine's Divisor: what the gradients carry this step
         report = e.step()
         e.clean = set(held)
         c.sync_tensors()
@@ -819,144 +694,16 @@ class TorchOptimizer(torch.optim.Optimizer):
             result = hook(self, state_dict)
             if result is not None:
                 state_dict = result
-        plan = self._check_state(state_dict)
+        plan = check_state(state_dict, self.param_groups, self._cohorts, self._check_group_values)
         self._apply_state(plan)
         for hook in self._optimizer_load_state_dict_post_hooks.values():
             hook(self)
-
-    def _check_state(self, sd) -> dict:
-        if "state" not in sd or "param_groups" not in sd:
-            raise StateDictError(f"state_dict: expected the keys 'state' and 'param_groups', got {sorted(sd)}")
-        saved_state, saved_groups = sd["state"], sd["param_groups"]
-        if not isinstance(saved_state, Mapping):
-            raise StateDictError(f"state_dict['state']: expected a mapping, got {type(saved_state).__name__}")
-        if not isinstance(saved_groups, (list, tuple)) or len(saved_groups) != len(self.param_groups):
-            got = len(saved_groups) if isinstance(saved_groups, (list, tuple)) else type(saved_groups).__name__
-            raise StateDictError(f"state_dict['param_groups']: expected {len(self.param_groups)} groups, got {got}")
-        groups, sources = [], {}
-        for gi, (saved, group) in enumerate(zip(saved_groups, self.param_groups)):
-            where = f"state_dict['param_groups'][{gi}]"
-            if not isinstance(saved, Mapping) or not isinstance(saved.get("params"), (list, tuple)):
-                raise StateDictError(f"{where}: expected a mapping with a 'params' list")
-            ids = list(saved["params"])
-            if len(ids) != len(group["params"]):
-                raise StateDictError(f"{where}: {len(ids)} parameters, this optimizer's group has "
-                                     f"{len(group['params'])}")
-            ours, theirs = group.get("param_names"), saved.get("param_names")
-            if ours is not None and theirs is not None:
-                theirs = list(theirs)
-                if sorted(map(str, theirs)) != sorted(ours):
-                    missing = sorted(set(ours) - set(theirs))
-                    extra = sorted(set(map(str, theirs)) - set(ours))
-                    raise StateDictError(f"{where}: parameter names differ: missing {missing}, unexpected {extra}")
-                by_name = dict(zip(theirs, ids))
-                ids = [by_name[n] for n in ours]
-            values = {k: v for k, v in saved.items() if k not in ("params", "param_names")}
-            merged = {**group, **values}
-            try:
-                _, _, sig = self._check_group_values(merged, where)
-            except HyperparameterError as exc:
-                raise StateDictError(str(exc)) from None
-            groups.append((values, sig))
-            for j, i in enumerate(ids):
-                sources[(gi, j)] = i
-        # each parameter's entry, checked against what its engine holds
-        where_now = {}
-        for c in self._cohorts:
-            for (gi, j), name in zip(c.index, c.engine.layout.names):
-                where_now[(gi, j)] = (c, name)
-        entries, steps = {}, {}
-        for (gi, j), sid in sources.items():
-            c, name = where_now[(gi, j)]
-            entry = saved_state.get(sid)
-            label = f"state_dict['state'][{sid!r}] ({name!r})"
-            if entry is None:
-                entries[(gi, j)] = None
-                continue
-            if not isinstance(entry, Mapping):
-                raise StateDictError(f"{label}: expected a mapping, got {type(entry).__name__}")
-            slots = c.engine.state.slots
-            allowed = {"step", *slots, *c.engine.state.scalars} | ({"master"} if c.engine.lowp else set())
-            unknown = sorted(k for k in set(entry) - allowed if entry[k] is not None)
-            absent = sorted(set(slots) - set(entry))
-            if unknown or absent:
-                raise StateDictError(f"{label}: expected the state {sorted(allowed)}, missing {absent}, "
-                                     f"unexpected {unknown} (another optimizer's, or another configuration's, state?)")
-            step = entry.get("step", 0)
-            step = float(step.item()) if isinstance(step, torch.Tensor) and step.numel() == 1 else step
-            if isinstance(step, bool) or not isinstance(step, numbers.Real) or not math.isfinite(step) \
-                    or step < 0 or step != int(step) or step > 2**53:
-                raise StateDictError(f"{label}['step']: expected a whole number of steps >= 0, got {step!r}")
-            steps.setdefault(gi, {}).setdefault(int(step), []).append(name)
-            checked = {}
-            for k, v in entry.items():
-                if k == "step":
-                    continue
-                if v is None and k not in slots:  # torch's SGD keeps momentum_buffer None without momentum
-                    continue
-                if k in c.engine.state.scalars:
-                    v = float(v.item()) if isinstance(v, torch.Tensor) and v.numel() == 1 else v
-                    checked[k] = check_number(f"{label}[{k!r}]", v, error=StateDictError)
-                    continue
-                buf = slots[k] if k != "master" else c.engine.params
-                shape = tuple(buf.layout.shape(name))
-                if k != "master" and isinstance(v, Mapping):  # an 8-bit slot's {"codes", "absmax", "map"}
-                    checked[k] = _saved_8bit(f"{label}[{k!r}]", name, buf, v, shape)
-                    continue
-                if not isinstance(v, torch.Tensor) or not v.is_floating_point():
-                    raise StateDictError(f"{label}[{k!r}]: expected a floating-point tensor (or an 8-bit slot's "
-                                         f"{{'codes', 'absmax', 'map'}}), got {getattr(v, 'dtype', type(v).__name__)}")
-                if tuple(v.shape) != shape:
-                    raise StateDictError(f"{label}[{k!r}]: shape {tuple(v.shape)} != {shape}")
-                if not torch.isfinite(v).all() and k == "master":
-                    raise StateDictError(f"{label}['master']: holds NaN/Inf")
-                if isinstance(buf, state8.Quant8Buffer):  # float state into an 8-bit slot: encoded
-                    try:
-                        v = _Encoded(buf.check({name: host_array(v, torch, copy=False)}, strict=False)[name])
-                    except (ValueError, TypeError, KeyError) as exc:
-                        raise StateDictError(f"{label}[{k!r}]: {exc}") from None
-                checked[k] = v
-            entries[(gi, j)] = checked
-        group_steps = []
-        for gi in range(len(self.param_groups)):
-            found = steps.get(gi, {})
-            if len(found) > 1:
-                raise StateDictError(f"state_dict: {_group_name(gi)}'s parameters stand at different steps "
-                                     f"{ {s: n[:3] for s, n in found.items()} }; arraytrain counts steps per group")
-            group_steps.append(next(iter(found)) if found else 0)
-        return {"groups": groups, "entries": entries, "steps": group_steps}
 
     def _apply_state(self, plan) -> None:
         for gi, (values, _) in enumerate(plan["groups"]):
             self.param_groups[gi].update(values)
         self._rebuild(self._partition(steps=plan["steps"], signatures=[s for _, s in plan["groups"]]))
-        for c in self._cohorts:
-            e = c.engine
-            e.state.scalars.update(e.initial_scalars)
-            e.state.step = plan["steps"][int(c.group_of[0])]
-            with torch.no_grad():
-                for (gi, j), name in zip(c.index, e.layout.names):
-                    entry = plan["entries"][(gi, j)]
-                    if e.lowp and (entry is None or "master" not in entry):
-                        tensor_view(e.params[name], torch).copy_(self.param_groups[gi]["params"][j].detach())
-                    if entry is None:  # no state saved for it (torch's, before its first gradient)
-                        for slot in e.state.slots.values():
-                            _zero_slot(slot, name)
-                        continue
-                    # written one parameter at a time: the saved tensors may be views of these very
-                    # buffers (opt.load_state_dict(opt.state_dict()), accelerate's device round trip)
-                    for k, v in entry.items():
-                        if k in e.state.scalars:
-                            e.state.scalars[k] = v
-                        elif k == "master":
-                            tensor_view(e.params[name], torch).copy_(v)
-                        elif isinstance(v, _Encoded):
-                            e.state.slots[k].assign({name: v.raw})
-                        else:
-                            tensor_view(e.state.slots[k][name], torch).copy_(v)
-            e.refresh()
-            e.clean.clear()
-            c.sync_tensors()
+        load_entries(self._cohorts, plan, self.param_groups)
         self._seen = [None] * len(self.param_groups)
 
     def __reduce_ex__(self, protocol):
@@ -987,57 +734,6 @@ def _check_8bit_tensor(name: str, p) -> None:
                                   "state_dtype=None for a float64 model")
 
 
-def _slot_views(buf, names) -> dict:
-    """Per name, what ``state[p]`` shows of a slot: a live tensor view, or for an 8-bit parameter
-    ``{"codes", "absmax", "map"}`` with live views of its codes and block scales."""
-    if not isinstance(buf, state8.Quant8Buffer):
-        return {name: tensor_view(buf[name], torch) for name in names}
-    out = {}
-    for name, v in buf.as_dict().items():
-        if state8.is_q8_entry(v):
-            out[name] = {"codes": tensor_view(v["codes"], torch), "absmax": tensor_view(v["absmax"], torch),
-                         "map": v["map"]}
-        else:  # a parameter under min_8bit_size: its float32 state
-            out[name] = tensor_view(v, torch)
-    return out
-
-
-class _Encoded:
-    """A slot's checked bytes for one parameter of an 8-bit slot (:meth:`Quant8Buffer.check`'s form)."""
-
-    __slots__ = ("raw",)
-
-    def __init__(self, raw):
-        self.raw = raw
-
-
-def _zero_slot(buf, name: str) -> None:
-    if isinstance(buf, state8.Quant8Buffer):  # the codes of 0 and a zero block scale, as a fresh slot's
-        buf.load({name: np.zeros(buf.layout.shape(name), np.float32)}, strict=False)
-    else:
-        buf[name][...] = 0
-
-
-def _saved_8bit(label: str, name: str, buf, v: Mapping, shape):
-    """A saved 8-bit entry ``{"codes", "absmax", "map"}`` for a slot: checked, and converted the
-    engine's way (:mod:`arraytrain.state8`): kept bitwise by an 8-bit slot (re-encoded if its map
-    differs), decoded to float32 for a float32/bfloat16 slot."""
-    if set(v) != {"codes", "absmax", "map"}:
-        raise StateDictError(f"{label}: an 8-bit slot is {{'codes', 'absmax', 'map'}}, got the keys "
-                             f"{sorted(map(str, v))}")
-    for part in ("codes", "absmax"):
-        if not isinstance(v[part], torch.Tensor):
-            raise StateDictError(f"{label}[{part!r}]: expected a tensor, got {type(v[part]).__name__}")
-    entry = {"codes": host_array(v["codes"], torch, copy=False), "absmax": host_array(v["absmax"], torch, copy=False),
-             "map": v["map"]}
-    try:
-        if isinstance(buf, state8.Quant8Buffer):
-            return _Encoded(buf.check({name: entry}, strict=False)[name])
-        return torch.from_numpy(state8.decode_entry(name, entry, shape))
-    except (ValueError, TypeError, KeyError) as exc:
-        raise StateDictError(f"{label}: {exc}") from None
-
-
 def _assign(dst, src) -> None:
     """Copy ``src``'s hyperparameters (but lr, weight_decay and overrides) onto ``dst``, SAM's base too."""
     for k, v in src.hyperparameters().items():
@@ -1049,429 +745,6 @@ def _assign(dst, src) -> None:
         _assign(dst.base, base)
 
 
-
-
-class _Defaults(Exception):
-    def __init__(self, defaults):
-        super().__init__()
-        self.defaults = defaults
-
-
-_PROBE = object()
-
-
-def group_defaults(cls, **hyperparameters) -> dict:
-    """The param-group defaults ``cls(params, **hyperparameters)`` would make (its constructor's binding)."""
-    probe = cls.__new__(cls)
-    try:
-        cls.__init__(probe, _PROBE, **hyperparameters)
-    except _Defaults as found:
-        return found.defaults
-    raise AssertionError(f"{cls.__name__}.__init__ does not pass its defaults to TorchOptimizer")  # pragma: no cover
-
-
-def _bool(h, key) -> bool:
-    return check_bool(key, h[key])
-
-
-# -- the optimizers, torch's constructors ---------------------------------------------------------
-
-class Adam(TorchOptimizer):
-    """torch.optim.Adam's constructor, :class:`arraytrain.optim.Adam`'s step (AdamW's with ``decoupled_weight_decay``)."""
-
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0, amsgrad=False, *,
-                 foreach=None, maximize=False, capturable=False, differentiable=False, fused=None,
-                 decoupled_weight_decay=False, max_grad_norm=None, clip_eps=CLIP_EPS, state_dtype=None,
-                 min_8bit_size=None, kernels="numba", max_consecutive_skips=50):
-        defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay, "amsgrad": amsgrad,
-                    "maximize": maximize, "foreach": foreach, "capturable": capturable,
-                    "differentiable": differentiable, "fused": fused, "decoupled_weight_decay": decoupled_weight_decay}
-        super().__init__(params, defaults, max_grad_norm=max_grad_norm, clip_eps=clip_eps, state_dtype=state_dtype,
-                         min_8bit_size=min_8bit_size, kernels=kernels, max_consecutive_skips=max_consecutive_skips)
-
-    def arraytrain_optimizer(self, values: Mapping):
-        """:class:`arraytrain.optim.Adam`, or :class:`~arraytrain.optim.AdamW` with ``decoupled_weight_decay``."""
-        cls = optim.AdamW if _bool(values, "decoupled_weight_decay") else optim.Adam
-        return cls(values["lr"], values["betas"], values["eps"], values["weight_decay"], values["amsgrad"],
-                   maximize=values["maximize"], state_dtype=self.state_dtype)
-
-
-class AdamW(Adam):
-    """torch.optim.AdamW's constructor, :class:`arraytrain.optim.AdamW`'s step (decoupled weight decay)."""
-
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False, *,
-                 maximize=False, foreach=None, capturable=False, differentiable=False, fused=None,
-                 max_grad_norm=None, clip_eps=CLIP_EPS, state_dtype=None, min_8bit_size=None, kernels="numba",
-                 max_consecutive_skips=50):
-        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, foreach=foreach, maximize=maximize,
-                         capturable=capturable, differentiable=differentiable, fused=fused,
-                         decoupled_weight_decay=True, max_grad_norm=max_grad_norm, clip_eps=clip_eps,
-                         state_dtype=state_dtype, min_8bit_size=min_8bit_size, kernels=kernels,
-                         max_consecutive_skips=max_consecutive_skips)
-
-
-class SGD(TorchOptimizer):
-    """torch.optim.SGD's constructor, :class:`arraytrain.optim.SGD`'s step (momentum, dampening, Nesterov)."""
-
-    def __init__(self, params, lr=1e-3, momentum=0, dampening=0, weight_decay=0, nesterov=False, *,
-                 maximize=False, foreach=None, differentiable=False, fused=None, max_grad_norm=None,
-                 clip_eps=CLIP_EPS, state_dtype=None, min_8bit_size=None, kernels="numba",
-                 max_consecutive_skips=50):
-        defaults = {"lr": lr, "momentum": momentum, "dampening": dampening, "weight_decay": weight_decay,
-                    "nesterov": nesterov, "maximize": maximize, "foreach": foreach, "differentiable": differentiable,
-                    "fused": fused}
-        super().__init__(params, defaults, max_grad_norm=max_grad_norm, clip_eps=clip_eps, state_dtype=state_dtype,
-                         min_8bit_size=min_8bit_size, kernels=kernels, max_consecutive_skips=max_consecutive_skips)
-
-    def arraytrain_optimizer(self, values: Mapping):
-        """:class:`arraytrain.optim.SGD` of one group's values."""
-        return optim.SGD(values["lr"], values["momentum"], values["dampening"], values["weight_decay"],
-                         values["nesterov"], maximize=values["maximize"], state_dtype=self.state_dtype)
-
-
-class Adagrad(TorchOptimizer):
-    """torch.optim.Adagrad's constructor, :class:`arraytrain.optim.Adagrad`'s step."""
-
-    def __init__(self, params, lr=1e-2, lr_decay=0, weight_decay=0, initial_accumulator_value=0, eps=1e-10,
-                 foreach=None, *, maximize=False, differentiable=False, fused=None, max_grad_norm=None,
-                 clip_eps=CLIP_EPS, state_dtype=None, min_8bit_size=None, kernels="numba",
-                 max_consecutive_skips=50):
-        defaults = {"lr": lr, "lr_decay": lr_decay, "eps": eps, "weight_decay": weight_decay,
-                    "initial_accumulator_value": initial_accumulator_value, "foreach": foreach,
-                    "maximize": maximize, "differentiable": differentiable, "fused": fused}
-        super().__init__(params, defaults, max_grad_norm=max_grad_norm, clip_eps=clip_eps, state_dtype=state_dtype,
-                         min_8bit_size=min_8bit_size, kernels=kernels, max_consecutive_skips=max_consecutive_skips)
-
-    def arraytrain_optimizer(self, values: Mapping):
-        """:class:`arraytrain.optim.Adagrad` of one group's values."""
-        return optim.Adagrad(values["lr"], values["lr_decay"], values["weight_decay"],
-                             values["initial_accumulator_value"], values["eps"], maximize=values["maximize"],
-                             state_dtype=self.state_dtype)
-
-
-class RMSprop(TorchOptimizer):
-    """torch.optim.RMSprop's constructor, :class:`arraytrain.optim.RMSprop`'s step (momentum, centered)."""
-
-    def __init__(self, params, lr=1e-2, alpha=0.99, eps=1e-8, weight_decay=0, momentum=0, centered=False,
-                 capturable=False, foreach=None, maximize=False, differentiable=False, *, max_grad_norm=None,
-                 clip_eps=CLIP_EPS, state_dtype=None, min_8bit_size=None, kernels="numba",
-                 max_consecutive_skips=50):
-        defaults = {"lr": lr, "momentum": momentum, "alpha": alpha, "eps": eps, "centered": centered,
-                    "weight_decay": weight_decay, "capturable": capturable, "foreach": foreach,
-                    "maximize": maximize, "differentiable": differentiable}
-        super().__init__(params, defaults, max_grad_norm=max_grad_norm, clip_eps=clip_eps, state_dtype=state_dtype,
-                         min_8bit_size=min_8bit_size, kernels=kernels, max_consecutive_skips=max_consecutive_skips)
-
-    def arraytrain_optimizer(self, values: Mapping):
-        """:class:`arraytrain.optim.RMSprop` of one group's values."""
-        return optim.RMSprop(values["lr"], values["alpha"], values["eps"], values["weight_decay"], values["momentum"],
-                             values["centered"], maximize=values["maximize"], state_dtype=self.state_dtype)
-
-
-class NAdam(TorchOptimizer):
-    """torch.optim.NAdam's constructor, :class:`arraytrain.optim.NAdam`'s step (``mu_product`` in the state)."""
-
-    def __init__(self, params, lr=2e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0, momentum_decay=4e-3,
-                 decoupled_weight_decay=False, *, foreach=None, maximize=False, capturable=False,
-                 differentiable=False, max_grad_norm=None, clip_eps=CLIP_EPS, state_dtype=None, min_8bit_size=None,
-                 kernels="numba", max_consecutive_skips=50):
-        defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay,
-                    "momentum_decay": momentum_decay, "decoupled_weight_decay": decoupled_weight_decay,
-                    "maximize": maximize, "foreach": foreach, "capturable": capturable,
-                    "differentiable": differentiable}
-        super().__init__(params, defaults, max_grad_norm=max_grad_norm, clip_eps=clip_eps, state_dtype=state_dtype,
-                         min_8bit_size=min_8bit_size, kernels=kernels, max_consecutive_skips=max_consecutive_skips)
-
-    def arraytrain_optimizer(self, values: Mapping):
-        """:class:`arraytrain.optim.NAdam` of one group's values."""
-        return optim.NAdam(values["lr"], values["betas"], values["eps"], values["weight_decay"],
-                           values["momentum_decay"], values["decoupled_weight_decay"], maximize=values["maximize"],
-                           state_dtype=self.state_dtype)
-
-
-class RAdam(TorchOptimizer):
-    """torch.optim.RAdam's constructor, :class:`arraytrain.optim.RAdam`'s step."""
-
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0, decoupled_weight_decay=False,
-                 *, foreach=None, maximize=False, capturable=False, differentiable=False, max_grad_norm=None,
-                 clip_eps=CLIP_EPS, state_dtype=None, min_8bit_size=None, kernels="numba",
-                 max_consecutive_skips=50):
-        defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay, "maximize": maximize,
-                    "foreach": foreach, "capturable": capturable, "decoupled_weight_decay": decoupled_weight_decay,
-                    "differentiable": differentiable}
-        super().__init__(params, defaults, max_grad_norm=max_grad_norm, clip_eps=clip_eps, state_dtype=state_dtype,
-                         min_8bit_size=min_8bit_size, kernels=kernels, max_consecutive_skips=max_consecutive_skips)
-
-    def arraytrain_optimizer(self, values: Mapping):
-        """:class:`arraytrain.optim.RAdam` of one group's values."""
-        return optim.RAdam(values["lr"], values["betas"], values["eps"], values["weight_decay"],
-                           values["decoupled_weight_decay"], maximize=values["maximize"], state_dtype=self.state_dtype)
-
-
-class Adamax(TorchOptimizer):
-    """torch.optim.Adamax's constructor, :class:`arraytrain.optim.Adamax`'s step."""
-
-    def __init__(self, params, lr=2e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0, foreach=None, *,
-                 maximize=False, differentiable=False, capturable=False, max_grad_norm=None, clip_eps=CLIP_EPS,
-                 state_dtype=None, min_8bit_size=None, kernels="numba", max_consecutive_skips=50):
-        defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay, "foreach": foreach,
-                    "maximize": maximize, "differentiable": differentiable, "capturable": capturable}
-        super().__init__(params, defaults, max_grad_norm=max_grad_norm, clip_eps=clip_eps, state_dtype=state_dtype,
-                         min_8bit_size=min_8bit_size, kernels=kernels, max_consecutive_skips=max_consecutive_skips)
-
-    def arraytrain_optimizer(self, values: Mapping):
-        """:class:`arraytrain.optim.Adamax` of one group's values."""
-        return optim.Adamax(values["lr"], values["betas"], values["eps"], values["weight_decay"],
-                            maximize=values["maximize"], state_dtype=self.state_dtype)
-
-
-class Adadelta(TorchOptimizer):
-    """torch.optim.Adadelta's constructor, :class:`arraytrain.optim.Adadelta`'s step."""
-
-    def __init__(self, params, lr=1.0, rho=0.9, eps=1e-6, weight_decay=0, foreach=None, *, capturable=False,
-                 maximize=False, differentiable=False, max_grad_norm=None, clip_eps=CLIP_EPS, state_dtype=None,
-                 min_8bit_size=None, kernels="numba", max_consecutive_skips=50):
-        defaults = {"lr": lr, "rho": rho, "eps": eps, "weight_decay": weight_decay, "maximize": maximize,
-                    "capturable": capturable, "foreach": foreach, "differentiable": differentiable}
-        super().__init__(params, defaults, max_grad_norm=max_grad_norm, clip_eps=clip_eps, state_dtype=state_dtype,
-                         min_8bit_size=min_8bit_size, kernels=kernels, max_consecutive_skips=max_consecutive_skips)
-
-    def arraytrain_optimizer(self, values: Mapping):
-        """:class:`arraytrain.optim.Adadelta` of one group's values."""
-        return optim.Adadelta(values["lr"], values["rho"], values["eps"], values["weight_decay"],
-                              maximize=values["maximize"], state_dtype=self.state_dtype)
-
-
-class Adafactor(TorchOptimizer):
-    """torch.optim.Adafactor's constructor, :class:`arraytrain.optim.Adafactor`'s step (factored second moments)."""
-
-    takes_state_dtype = False
-
-    def __init__(self, params, lr=1e-2, beta2_decay=-0.8, eps=(None, 1e-3), d=1.0, weight_decay=0.0, *,
-                 foreach=None, maximize=False, max_grad_norm=None, clip_eps=CLIP_EPS, state_dtype=None,
-                 min_8bit_size=None, kernels="numba", max_consecutive_skips=50):
-        defaults = {"lr": lr, "beta2_decay": beta2_decay, "eps": eps, "d": d, "weight_decay": weight_decay,
-                    "foreach": foreach, "maximize": maximize}
-        # state_dtype and min_8bit_size: taken to be refused with a typed error (arraytrain's Adafactor has none)
-        super().__init__(params, defaults, max_grad_norm=max_grad_norm, clip_eps=clip_eps, state_dtype=state_dtype,
-                         min_8bit_size=min_8bit_size, kernels=kernels, max_consecutive_skips=max_consecutive_skips)
-
-    def arraytrain_optimizer(self, values: Mapping):
-        """:class:`arraytrain.optim.Adafactor` of one group's values."""
-        return optim.Adafactor(values["lr"], values["beta2_decay"], values["eps"], values["d"], values["weight_decay"],
-                               maximize=values["maximize"])
-
-
-class Muon(TorchOptimizer):
-    """torch.optim.Muon's constructor, :class:`arraytrain.optim.Muon`'s step: matrices only, as torch's.
-
-    Parameters with two or more dimensions (a >2-D one as its first dimension by the rest);
-    give biases, norms and embeddings to another optimizer (e.g. this module's ``AdamW``), as
-    with torch's Muon.
-    """
-
-    def __init__(self, params, lr=1e-3, weight_decay=0.1, momentum=0.95, nesterov=True,
-                 ns_coefficients=(3.4445, -4.775, 2.0315), eps=1e-7, ns_steps=5, adjust_lr_fn=None, *,
-                 max_grad_norm=None, clip_eps=CLIP_EPS, state_dtype=None, min_8bit_size=None, kernels="numba",
-                 max_consecutive_skips=50):
-        defaults = {"lr": lr, "weight_decay": weight_decay, "momentum": momentum, "nesterov": nesterov,
-                    "ns_coefficients": ns_coefficients, "eps": eps, "ns_steps": ns_steps, "adjust_lr_fn": adjust_lr_fn}
-        super().__init__(params, defaults, max_grad_norm=max_grad_norm, clip_eps=clip_eps, state_dtype=state_dtype,
-                         min_8bit_size=min_8bit_size, kernels=kernels, max_consecutive_skips=max_consecutive_skips)
-
-    def add_param_group(self, param_group: dict) -> None:
-        """torch's ``add_param_group``; every parameter must have two or more dimensions."""
-        if isinstance(param_group, dict) and "params" in param_group:
-            params = param_group["params"]
-            params = [params] if isinstance(params, torch.Tensor) else list(params)
-            for j, item in enumerate(params):
-                name, p = item if isinstance(item, tuple) and len(item) == 2 else (f"params[{j}]", item)
-                if isinstance(p, torch.Tensor) and p.dim() < 2:
-                    raise LayoutError(f"{name!r}: Muon updates matrices (2 or more dims), got shape "
-                                      f"{tuple(p.shape)}; give biases and norms to another optimizer, e.g. AdamW")
-            param_group = {**param_group, "params": params}
-        super().add_param_group(param_group)
-
-    def arraytrain_optimizer(self, values: Mapping):
-        """:class:`arraytrain.optim.Muon` of one group's values (no fallback: matrices only)."""
-        return optim.Muon(values["lr"], values["weight_decay"], values["momentum"], values["nesterov"],
-                          values["ns_coefficients"], values["eps"], values["ns_steps"], values["adjust_lr_fn"],
-                          state_dtype=self.state_dtype)
-
-
-class Lion(TorchOptimizer):
-    """:class:`arraytrain.optim.Lion` (Chen et al., 2023) as a torch optimizer; arraytrain's names and defaults."""
-
-    def __init__(self, params, lr=1e-4, betas=(0.9, 0.99), weight_decay=1e-3, *, maximize=False, max_grad_norm=None,
-                 clip_eps=CLIP_EPS, state_dtype=None, min_8bit_size=None, kernels="numba",
-                 max_consecutive_skips=50):
-        defaults = {"lr": lr, "betas": betas, "weight_decay": weight_decay, "maximize": maximize}
-        super().__init__(params, defaults, max_grad_norm=max_grad_norm, clip_eps=clip_eps, state_dtype=state_dtype,
-                         min_8bit_size=min_8bit_size, kernels=kernels, max_consecutive_skips=max_consecutive_skips)
-
-    def arraytrain_optimizer(self, values: Mapping):
-        """:class:`arraytrain.optim.Lion` of one group's values."""
-        return optim.Lion(values["lr"], values["betas"], values["weight_decay"], maximize=values["maximize"],
-                          state_dtype=self.state_dtype)
-
-
-class LAMB(TorchOptimizer):
-    """:class:`arraytrain.optim.LAMB` (You et al., 2020) as a torch optimizer; arraytrain's names and defaults."""
-
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.0, *, eps_root=0.0,
-                 maximize=False, max_grad_norm=None, clip_eps=CLIP_EPS, state_dtype=None, min_8bit_size=None,
-                 kernels="numba",
-                 max_consecutive_skips=50):
-        defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay, "eps_root": eps_root,
-                    "maximize": maximize}
-        super().__init__(params, defaults, max_grad_norm=max_grad_norm, clip_eps=clip_eps, state_dtype=state_dtype,
-                         min_8bit_size=min_8bit_size, kernels=kernels, max_consecutive_skips=max_consecutive_skips)
-
-    def arraytrain_optimizer(self, values: Mapping):
-        """:class:`arraytrain.optim.LAMB` of one group's values."""
-        return optim.LAMB(values["lr"], values["betas"], values["eps"], values["weight_decay"],
-                          eps_root=values["eps_root"], maximize=values["maximize"], state_dtype=self.state_dtype)
-
-
-class Sophia(TorchOptimizer):
-    """:class:`arraytrain.optim.Sophia` (Liu et al., 2023) as a torch optimizer, with SophiaG's ``update_hessian``.
-
-    Every k steps, take the gradient of the loss on labels sampled from the model's own
-    output distribution (the Gauss-Newton-Bartlett estimator), call :meth:`update_hessian`,
-    then zero the gradients and take the ordinary step's gradient.
-    """
-
-    takes_state_dtype = False
-
-    def __init__(self, params, lr=1e-4, betas=(0.965, 0.99), rho=0.04, weight_decay=0.1, *, eps=1e-15, bs=5120,
-                 maximize=False, max_grad_norm=None, clip_eps=CLIP_EPS, state_dtype=None, min_8bit_size=None,
-                 kernels="numba", max_consecutive_skips=50):
-        defaults = {"lr": lr, "betas": betas, "rho": rho, "weight_decay": weight_decay, "eps": eps, "bs": bs,
-                    "maximize": maximize}
-        # state_dtype and min_8bit_size: taken to be refused with a typed error (arraytrain's Sophia has no state_dtype)
-        super().__init__(params, defaults, max_grad_norm=max_grad_norm, clip_eps=clip_eps, state_dtype=state_dtype,
-                         min_8bit_size=min_8bit_size, kernels=kernels, max_consecutive_skips=max_consecutive_skips)
-
-    def arraytrain_optimizer(self, values: Mapping):
-        """:class:`arraytrain.optim.Sophia` of one group's values."""
-        return optim.Sophia(values["lr"], values["betas"], values["rho"], values["weight_decay"], eps=values["eps"],
-                            bs=values["bs"], maximize=values["maximize"])
-
-    @torch.no_grad()
-    def update_hessian(self) -> None:
-        """SophiaG's ``update_hessian``: ``h <- beta2 h + (1 - beta2) g*g`` from each parameter's ``.grad``.
-
-        A parameter whose ``.grad`` is None counts as a zero estimate. The gradients are read, not changed.
-        """
-        if self._evaluating is not None:
-            raise ConcurrentUseError("update_hessian: the optimizer is in eval() mode; call train() first")
-        self.read_param_groups()
-        for c in self._cohorts:
-            estimates = {}
-            for name, p, *_ in c.engine.bound:
-                g = p.grad
-                est = torch.zeros(p.shape, dtype=torch.float32, device=p.device) if g is None else g.float().square()
-                estimates[name] = est.numpy() if est.device.type == "cpu" else est
-            c.engine.update_hessian(estimates)
-
-
-class ScheduleFreeAdamW(TorchOptimizer):
-    """:class:`arraytrain.optim.ScheduleFreeAdamW` (Defazio et al., 2024) as a torch optimizer.
-
-    As the ``schedulefree`` package's optimizers: call :meth:`train` before training steps
-    and :meth:`eval` before evaluating or saving the model, whose parameters then hold the
-    averaged weights x (while training they hold y, where gradients are taken).
-    """
-
-    def __init__(self, params, lr=0.0025, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, warmup_steps=0,
-                 weight_lr_power=2.0, *, maximize=False, max_grad_norm=None, clip_eps=CLIP_EPS, state_dtype=None,
-                 min_8bit_size=None, kernels="numba", max_consecutive_skips=50):
-        defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay, "warmup_steps": warmup_steps,
-                    "weight_lr_power": weight_lr_power, "maximize": maximize}
-        super().__init__(params, defaults, max_grad_norm=max_grad_norm, clip_eps=clip_eps, state_dtype=state_dtype,
-                         min_8bit_size=min_8bit_size, kernels=kernels, max_consecutive_skips=max_consecutive_skips)
-
-    def arraytrain_optimizer(self, values: Mapping):
-        """:class:`arraytrain.optim.ScheduleFreeAdamW` of one group's values."""
-        return optim.ScheduleFreeAdamW(values["lr"], values["betas"], values["eps"], values["weight_decay"],
-                                       values["warmup_steps"], values["weight_lr_power"], maximize=values["maximize"],
-                                       state_dtype=self.state_dtype)
-
-    def eval(self) -> None:
-        """The parameters hold the evaluation weights x until :meth:`train` (no-op when already there)."""
-        if self._evaluating is not None:
-            return
-        stack = contextlib.ExitStack()
-        try:
-            for c in self._cohorts:
-                stack.enter_context(c.engine.evaluation())
-        except BaseException:
-            stack.close()
-            raise
-        self._evaluating = stack
-
-    def train(self) -> None:
-        """The parameters hold y again, bit for bit (no-op when already there)."""
-        if self._evaluating is None:
-            return
-        stack, self._evaluating = self._evaluating, None
-        stack.close()
-
-
-class SAM(TorchOptimizer):
-    """SAM / ASAM (Foret et al., 2021; Kwon et al., 2021) over a base optimizer, davda54/sam's constructor.
-
-    ``SAM(params, AdamW, rho=0.05, adaptive=False, lr=..., weight_decay=...)``: the base is one
-    of this module's classes (or the torch.optim class of the same name), its hyperparameters
-    given as keywords; the groups hold them with ``rho`` and ``adaptive``.
-    :meth:`~TorchOptimizer.step` needs a closure (zero the gradients if you like, compute the
-    loss, ``backward()``, return the loss): it is called at the weights, then at the ascent
-    point; the base step is then taken from the weights with the second gradient.
-    """
-
-    two_windows = True
-
-    def __init__(self, params, base_optimizer, rho=0.05, adaptive=False, *, max_grad_norm=None, clip_eps=CLIP_EPS,
-                 state_dtype=None, min_8bit_size=None, kernels="numba", max_consecutive_skips=50,
-                 **base_hyperparameters):
-        if params is _PROBE:
-            raise _Defaults({})
-        self.base_optimizer = _base_class(base_optimizer)
-        self.takes_state_dtype = self.base_optimizer.takes_state_dtype
-        try:
-            defaults = group_defaults(self.base_optimizer, **base_hyperparameters)
-        except TypeError as exc:
-            raise HyperparameterError(f"base_hyperparameters: {exc}") from None
-        defaults.update(rho=rho, adaptive=adaptive)
-        super().__init__(params, defaults, max_grad_norm=max_grad_norm, clip_eps=clip_eps, state_dtype=state_dtype,
-                         min_8bit_size=min_8bit_size, kernels=kernels, max_consecutive_skips=max_consecutive_skips)
-
-    def arraytrain_optimizer(self, values: Mapping):
-        """:class:`arraytrain.optim.SAM` over the base's arraytrain optimizer (which makes the state)."""
-        base = self.base_optimizer.arraytrain_optimizer(self, values)
-        base.min_8bit_size = self.min_8bit_size
-        return optim.SAM(base, values["rho"], values["adaptive"])
-
-    def add_param_group(self, param_group: dict) -> None:
-        """torch's ``add_param_group``, before the first step only: SAM's ascent is along the whole gradient."""
-        if self._built and any(c.engine.state.step for c in self._cohorts):
-            raise LayoutError("add_param_group: SAM perturbs all parameters along one gradient norm; a group "
-                              "added after the first step (with a step count of its own) is not supported")
-        super().add_param_group(param_group)
-
-
-def _base_class(base):
-    mine = {n: globals()[n] for n in __all__ if n not in ("SAM", "TorchOptimizer")}
-    if isinstance(base, str) and base in mine:
-        return mine[base]
-    if isinstance(base, type) and issubclass(base, TorchOptimizer) and base is not SAM and base is not TorchOptimizer:
-        return base
-    if isinstance(base, type) and issubclass(base, torch.optim.Optimizer) and base.__name__ in mine:
-        return mine[base.__name__]
-    raise HyperparameterError(f"base_optimizer: expected one of {sorted(mine)} (a class of "
-                              f"arraytrain.interop.torch, the torch.optim class of that name, or the name), got {base!r}")
-
-
-for _cls in (TorchOptimizer, Adam, AdamW, SGD, Adagrad, RMSprop, NAdam, RAdam, Adamax, Adadelta, Adafactor, Muon,
-             Lion, LAMB, Sophia, ScheduleFreeAdamW, SAM):
-    _cls.__module__ = PUBLIC_MODULE
+def flag(values: Mapping, key: str) -> bool:
+    """A group's boolean value, checked (a drop-in's ``arraytrain_optimizer`` reads its switches so)."""
+    return check_bool(key, values[key])

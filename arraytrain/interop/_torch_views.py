@@ -12,6 +12,13 @@ import numpy as np
 from ..backend import BFLOAT16, NUMPY, backend_of
 from ..errors import MissingDependencyError
 
+#: The drop-in ``torch.optim.Optimizer`` classes of :mod:`arraytrain.interop.torch`, defined with torch in
+#: ``_torch_dropins`` and loaded on first access: the one list of their names.
+DROP_INS = (
+    "Adadelta", "Adafactor", "Adagrad", "Adam", "AdamW", "Adamax", "LAMB", "Lion", "Muon", "NAdam", "RAdam",
+    "RMSprop", "SAM", "SGD", "ScheduleFreeAdamW", "Sophia", "TorchOptimizer",
+)
+
 
 def torch_module():
     """The ``torch`` module, or :class:`MissingDependencyError` saying how to install it."""

@@ -82,7 +82,6 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -101,6 +100,7 @@ from ..errors import (
     StateDictError,
 )
 from ._torch_views import (
+    DROP_INS,
     check_cuda_device,
     host_array,
     numpy_dtype,
@@ -108,64 +108,15 @@ from ._torch_views import (
     torch_module,
 )
 
-if TYPE_CHECKING:  # at run time, module __getattr__ below imports them with torch, on first access
-    from ._torch_optim import (
-        LAMB,
-        SAM,
-        SGD,
-        Adadelta,
-        Adafactor,
-        Adagrad,
-        Adam,
-        Adamax,
-        AdamW,
-        Lion,
-        Muon,
-        NAdam,
-        RAdam,
-        RMSprop,
-        ScheduleFreeAdamW,
-        Sophia,
-        TorchOptimizer,
-    )
-
-# the drop-in torch.optim.Optimizer classes (arraytrain.interop._torch_optim), defined with torch, so
-# imported on first access: importing this module does not import torch
-DROP_INS = (
-    "Adadelta", "Adafactor", "Adagrad", "Adam", "AdamW", "Adamax", "LAMB", "Lion", "Muon", "NAdam", "RAdam",
-    "RMSprop", "SAM", "SGD", "ScheduleFreeAdamW", "Sophia", "TorchOptimizer",
-)
-"""The names of the drop-in optimizer classes (each loaded, with torch, on first access)."""
-
-__all__ = [
-    "LAMB",
-    "SAM",
-    "SGD",
-    "Adadelta",
-    "Adafactor",
-    "Adagrad",
-    "Adam",
-    "AdamW",
-    "Adamax",
-    "Lion",
-    "Muon",
-    "NAdam",
-    "RAdam",
-    "RMSprop",
-    "ScheduleFreeAdamW",
-    "Sophia",
-    "TorchEngine",
-    "TorchOptimizer",
-    "bind",
-]
+__all__ = sorted([*DROP_INS, "TorchEngine", "bind"])
 
 
 def __getattr__(name: str):
     if name in DROP_INS:
         torch_module()  # the install hint when torch is missing
-        from . import _torch_optim
+        from . import _torch_dropins
 
-        return getattr(_torch_optim, name)
+        return getattr(_torch_dropins, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

@@ -1,0 +1,180 @@
+"""The drop-in optimizers' engines: an :class:`~arraytrain.Engine` over some param groups' tensors.
+
+A :class:`GroupEngine` re-points its tensors' ``.data`` (and ``.grad``) into its flat buffers; a
+:class:`Cohort` is one engine and where its parameters sit in the param groups
+(:mod:`arraytrain.interop._torch_optim` explains when parameters share an engine).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+import torch
+
+from ..amp import LossScaler
+from ..engine import Engine
+from ..errors import BackendError, DTypeError, ShapeMismatchError
+from ._torch_views import tensor_view
+
+#: Model dtypes kept on float32 master weights (the engine's working copy is the model's tensors).
+LOWP = (torch.bfloat16, torch.float16)
+
+
+def plain_value(v):
+    """A group's value as plain Python: a 0-d (one-element) tensor read as a float, tuples element-wise."""
+    if isinstance(v, torch.Tensor):
+        try:
+            return v.item()  # a float (an int, a bool) for a one-element tensor
+        except RuntimeError:
+            return v  # several elements: refused by the checks, which name the key
+    if isinstance(v, (tuple, list)):
+        return tuple(plain_value(x) for x in v)
+    return v
+
+
+def group_name(gi: int, key: str | None = None) -> str:
+    """``param_groups[gi]`` (and ``[key]``) as messages name a group and its value."""
+    return f"param_groups[{gi}]" + ("" if key is None else f"[{key!r}]")
+
+
+class Divisor(LossScaler):
+    """The factor a step's gradients carry, which the engine divides out in its norm pass and kernel:
+    torch.amp.GradScaler's scale, times the clip factor of a norm taken across engines. The optimizer
+    sets :attr:`scale` before every step; unlike a loss scaler it never adjusts itself."""
+
+    def __init__(self):
+        super().__init__(init_scale=1.0)
+
+    def update(self, found_inf: bool) -> None:
+        """Nothing: the optimizer sets the divisor before each step."""
+
+
+class GroupEngine(Engine):
+    """An :class:`~arraytrain.Engine` over some param groups' tensors, which it re-points into its buffers.
+
+    ``entries`` are ``(name, tensor)`` pairs of one dtype and device; ``masters`` maps names to
+    the values the engine starts from (an earlier engine's float32 master weights), else the
+    tensors' values are taken. The tensors' ``.data`` become views of the engine's parameters
+    (of its low-precision working copy for a bfloat16/float16 model). ``.grad`` is left alone
+    until a step finds it (see :meth:`check`).
+    """
+
+    def __init__(self, entries, optimizer, masters: Mapping, *, dtype, device, kernels: str,
+                 max_consecutive_skips, clip_eps: float):
+        lowp = dtype in LOWP
+        kw = {"kernels": kernels, "max_consecutive_skips": max_consecutive_skips, "clip_eps": clip_eps,
+              "loss_scaler": Divisor()}
+        if lowp:
+            kw["working_dtype"] = "bfloat16" if dtype == torch.bfloat16 else "float16"
+        with torch.no_grad():
+            params = {}
+            for n, p in entries:
+                if n in masters:
+                    params[n] = masters[n]
+                    continue
+                t = (p.detach().float() if lowp else p.detach()).contiguous()
+                params[n] = t.numpy() if device.type == "cpu" else t
+            super().__init__(params, optimizer, **kw)
+        self.initial_scalars = dict(self.state.scalars)  # a fresh state's (NAdam's mu_product: 1)
+        self.lowp = lowp
+        weights = self.working if lowp else self.params
+        if lowp:  # .grad must have the parameter's dtype: a low-precision buffer, added into the float32 one
+            self.lp_grads = torch.zeros(self.layout.size, dtype=dtype, device=device)
+            self.grads_tensor = tensor_view(self.grads.flat, torch)
+        self.bound = []
+        with torch.no_grad():
+            for n, p in entries:
+                data = tensor_view(weights[n], torch)
+                grad = self.lp_grads[self.layout.slice(n)].view(p.shape) if lowp else tensor_view(self.grads[n], torch)
+                p.data = data
+                self.bound.append((n, p, data, grad, data.data_ptr(), p.dtype, tuple(p.shape)))
+        # parameters whose .grad was None at the last applied step, when the kernel zeroed the buffer
+        self.clean: set[int] = set()
+
+    def check(self) -> tuple[list, list, list]:
+        """Find what a step must repair, changing nothing: ``(data_fixes, grad_fixes, held)``.
+
+        ``.data`` replaced by a tensor of the same dtype, device and shape: its values are taken
+        into the engine; ``.grad`` allocated by torch (after ``zero_grad(set_to_none=True)``): its
+        values are copied into the buffer; ``.grad`` None: the parameter is held this step.
+        Anything else raises before a write.
+        """
+        data_fixes, grad_fixes, held = [], [], []
+        for i, (n, p, data, grad, ptr, dtype, shape) in enumerate(self.bound):
+            if p.data_ptr() != ptr or p.dtype is not dtype or p.shape != shape:
+                check_kind(n, "parameter", p, data)
+                data_fixes.append(i)
+            g = p.grad
+            if g is grad:
+                continue
+            if g is None:
+                held.append(i)
+            else:
+                if g.is_sparse or g.layout != torch.strided:
+                    raise BackendError(f"{n!r}: a {g.layout} gradient; the drop-in optimizers take dense gradients")
+                check_kind(n, "gradient", g, grad)
+                grad_fixes.append(i)
+        return data_fixes, grad_fixes, held
+
+    def connect(self, data_fixes, grad_fixes, held) -> None:
+        """Apply what :meth:`check` found: every ``.grad`` that is not None then points into the buffer."""
+        with torch.no_grad():
+            for i in data_fixes:
+                _, p, data, *_ = self.bound[i]
+                data.copy_(p.detach())
+                p.data = data
+            for i in grad_fixes:
+                _, p, _, grad, *_ = self.bound[i]
+                grad.copy_(p.grad)
+                p.grad = grad
+            for i in held:  # a held parameter's gradient must read 0: the norm and the moments see it
+                if i not in self.clean:
+                    self.bound[i][3].zero_()
+            if self.lowp:
+                self.grads_tensor.copy_(self.lp_grads)
+                self.lp_grads.zero_()
+
+    def zero_grad(self) -> None:
+        """:meth:`Engine.zero_grad`, and the low-precision gradient buffer of a bf16/fp16 model."""
+        super().zero_grad()
+        if self.lowp:
+            self.lp_grads.zero_()
+
+    def refresh(self) -> None:
+        """Rewrite the working copy (the model's bf16/fp16 weights) from the master weights."""
+        self.refresh_working()
+
+
+def check_kind(name: str, what: str, got, bound) -> None:
+    """A tensor put where the optimizer holds ``bound``: the same dtype, device and shape, or a typed error."""
+    if got.dtype != bound.dtype:
+        raise DTypeError(f"{name!r}: {what} dtype {got.dtype} != {bound.dtype} the optimizer holds (convert "
+                         "the model before building the optimizer)")
+    if got.device != bound.device:
+        raise BackendError(f"{name!r}: {what} on {got.device}, the optimizer holds it on {bound.device} (move "
+                           "the model before building the optimizer)")
+    if tuple(got.shape) != tuple(bound.shape):
+        raise ShapeMismatchError(name, tuple(bound.shape), tuple(got.shape), what=what)
+
+
+class Cohort:
+    """One engine and where its parameters sit in the param groups."""
+
+    __slots__ = ("engine", "group_of", "held", "index", "lrs", "scalar_tensors", "signature", "step_tensor", "wds")
+
+    def __init__(self, engine: GroupEngine, index: list, signature):
+        self.engine = engine
+        self.index = index  # (group, position in the group) per engine parameter, in layout order
+        self.group_of = np.array([g for g, _ in index], np.intp)
+        self.signature = signature
+        self.step_tensor = torch.tensor(float(engine.state.step))
+        self.scalar_tensors = {k: torch.tensor(v, dtype=torch.float32) for k, v in engine.state.scalars.items()}
+        n = len(index)
+        self.lrs, self.wds, self.held = np.zeros(n), np.zeros(n), False  # set by the first read of the groups
+
+    def sync_tensors(self) -> None:
+        """``state[p]["step"]`` and the scalar states' tensors follow the engine's counters."""
+        self.step_tensor.fill_(float(self.engine.state.step))
+        for k, t in self.scalar_tensors.items():
+            t.fill_(self.engine.state.scalars[k])

@@ -1,0 +1,210 @@
+"""The drop-in optimizers' state: torch's ``state_dict`` structure checked against the engines, and
+written into them; what ``state[p]`` shows of a slot (8-bit slots as ``{"codes", "absmax", "map"}``).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Mapping
+
+import numpy as np
+import torch
+
+from .. import state8
+from .._checks import check_number
+from ..errors import HyperparameterError, StateDictError
+from ._torch_engine import group_name
+from ._torch_views import host_array, tensor_view
+
+
+def check_state(sd, param_groups, cohorts, check_group_values) -> dict:
+    """A torch-structured state dict checked against the optimizer's ``param_groups`` and its engines
+    (``cohorts``): the plan that :func:`load_entries` and the optimizer's rebuild apply, or a
+    :class:`~arraytrain.errors.StateDictError` before any write. ``check_group_values(group, where)``
+    validates a group's values as the optimizer's constructor does."""
+    if "state" not in sd or "param_groups" not in sd:
+        raise StateDictError(f"state_dict: expected the keys 'state' and 'param_groups', got {sorted(sd)}")
+    saved_state, saved_groups = sd["state"], sd["param_groups"]
+    if not isinstance(saved_state, Mapping):
+        raise StateDictError(f"state_dict['state']: expected a mapping, got {type(saved_state).__name__}")
+    if not isinstance(saved_groups, (list, tuple)) or len(saved_groups) != len(param_groups):
+        got = len(saved_groups) if isinstance(saved_groups, (list, tuple)) else type(saved_groups).__name__
+        raise StateDictError(f"state_dict['param_groups']: expected {len(param_groups)} groups, got {got}")
+    groups, sources = [], {}
+    for gi, (saved, group) in enumerate(zip(saved_groups, param_groups)):
+        where = f"state_dict['param_groups'][{gi}]"
+        if not isinstance(saved, Mapping) or not isinstance(saved.get("params"), (list, tuple)):
+            raise StateDictError(f"{where}: expected a mapping with a 'params' list")
+        ids = list(saved["params"])
+        if len(ids) != len(group["params"]):
+            raise StateDictError(f"{where}: {len(ids)} parameters, this optimizer's group has "
+                                 f"{len(group['params'])}")
+        ours, theirs = group.get("param_names"), saved.get("param_names")
+        if ours is not None and theirs is not None:
+            theirs = list(theirs)
+            if sorted(map(str, theirs)) != sorted(ours):
+                missing = sorted(set(ours) - set(theirs))
+                extra = sorted(set(map(str, theirs)) - set(ours))
+                raise StateDictError(f"{where}: parameter names differ: missing {missing}, unexpected {extra}")
+            by_name = dict(zip(theirs, ids))
+            ids = [by_name[n] for n in ours]
+        values = {k: v for k, v in saved.items() if k not in ("params", "param_names")}
+        merged = {**group, **values}
+        try:
+            _, _, sig = check_group_values(merged, where)
+        except HyperparameterError as exc:
+            raise StateDictError(str(exc)) from None
+        groups.append((values, sig))
+        for j, i in enumerate(ids):
+            sources[(gi, j)] = i
+    # each parameter's entry, checked against what its engine holds
+    where_now = {}
+    for c in cohorts:
+        for (gi, j), name in zip(c.index, c.engine.layout.names):
+            where_now[(gi, j)] = (c, name)
+    entries, steps = {}, {}
+    for (gi, j), sid in sources.items():
+        c, name = where_now[(gi, j)]
+        entry = saved_state.get(sid)
+        label = f"state_dict['state'][{sid!r}] ({name!r})"
+        if entry is None:
+            entries[(gi, j)] = None
+            continue
+        if not isinstance(entry, Mapping):
+            raise StateDictError(f"{label}: expected a mapping, got {type(entry).__name__}")
+        slots = c.engine.state.slots
+        allowed = {"step", *slots, *c.engine.state.scalars} | ({"master"} if c.engine.lowp else set())
+        unknown = sorted(k for k in set(entry) - allowed if entry[k] is not None)
+        absent = sorted(set(slots) - set(entry))
+        if unknown or absent:
+            raise StateDictError(f"{label}: expected the state {sorted(allowed)}, missing {absent}, "
+                                 f"unexpected {unknown} (another optimizer's, or another configuration's, state?)")
+        step = entry.get("step", 0)
+        step = float(step.item()) if isinstance(step, torch.Tensor) and step.numel() == 1 else step
+        if isinstance(step, bool) or not isinstance(step, numbers.Real) or not math.isfinite(step) \
+                or step < 0 or step != int(step) or step > 2**53:
+            raise StateDictError(f"{label}['step']: expected a whole number of steps >= 0, got {step!r}")
+        steps.setdefault(gi, {}).setdefault(int(step), []).append(name)
+        checked = {}
+        for k, v in entry.items():
+            if k == "step":
+                continue
+            if v is None and k not in slots:  # torch's SGD keeps momentum_buffer None without momentum
+                continue
+            if k in c.engine.state.scalars:
+                v = float(v.item()) if isinstance(v, torch.Tensor) and v.numel() == 1 else v
+                checked[k] = check_number(f"{label}[{k!r}]", v, error=StateDictError)
+                continue
+            buf = slots[k] if k != "master" else c.engine.params
+            shape = tuple(buf.layout.shape(name))
+            if k != "master" and isinstance(v, Mapping):  # an 8-bit slot's {"codes", "absmax", "map"}
+                checked[k] = saved_8bit(f"{label}[{k!r}]", name, buf, v, shape)
+                continue
+            if not isinstance(v, torch.Tensor) or not v.is_floating_point():
+                raise StateDictError(f"{label}[{k!r}]: expected a floating-point tensor (or an 8-bit slot's "
+                                     f"{{'codes', 'absmax', 'map'}}), got {getattr(v, 'dtype', type(v).__name__)}")
+            if tuple(v.shape) != shape:
+                raise StateDictError(f"{label}[{k!r}]: shape {tuple(v.shape)} != {shape}")
+            if not torch.isfinite(v).all() and k == "master":
+                raise StateDictError(f"{label}['master']: holds NaN/Inf")
+            if isinstance(buf, state8.Quant8Buffer):  # float state into an 8-bit slot: encoded
+                try:
+                    v = Encoded(buf.check({name: host_array(v, torch, copy=False)}, strict=False)[name])
+                except (ValueError, TypeError, KeyError) as exc:
+                    raise StateDictError(f"{label}[{k!r}]: {exc}") from None
+            checked[k] = v
+        entries[(gi, j)] = checked
+    group_steps = []
+    for gi in range(len(param_groups)):
+        found = steps.get(gi, {})
+        if len(found) > 1:
+            raise StateDictError(f"state_dict: {group_name(gi)}'s parameters stand at different steps "
+                                 f"{ {s: n[:3] for s, n in found.items()} }; arraytrain counts steps per group")
+        group_steps.append(next(iter(found)) if found else 0)
+    return {"groups": groups, "entries": entries, "steps": group_steps}
+
+
+def load_entries(cohorts, plan: dict, param_groups) -> None:
+    """Write :func:`check_state`'s checked entries into the engines (rebuilt for the plan's steps), one
+    parameter at a time: the saved tensors may be views of these very buffers
+    (``opt.load_state_dict(opt.state_dict())``, accelerate's device round trip)."""
+    for c in cohorts:
+        e = c.engine
+        e.state.scalars.update(e.initial_scalars)
+        e.state.step = plan["steps"][int(c.group_of[0])]
+        with torch.no_grad():
+            for (gi, j), name in zip(c.index, e.layout.names):
+                entry = plan["entries"][(gi, j)]
+                if e.lowp and (entry is None or "master" not in entry):
+                    tensor_view(e.params[name], torch).copy_(param_groups[gi]["params"][j].detach())
+                if entry is None:  # no state saved for it (torch's, before its first gradient)
+                    for slot in e.state.slots.values():
+                        zero_slot(slot, name)
+                    continue
+                # written one parameter at a time: the saved tensors may be views of these very
+                # buffers (opt.load_state_dict(opt.state_dict()), accelerate's device round trip)
+                for k, v in entry.items():
+                    if k in e.state.scalars:
+                        e.state.scalars[k] = v
+                    elif k == "master":
+                        tensor_view(e.params[name], torch).copy_(v)
+                    elif isinstance(v, Encoded):
+                        e.state.slots[k].assign({name: v.raw})
+                    else:
+                        tensor_view(e.state.slots[k][name], torch).copy_(v)
+        e.refresh()
+        e.clean.clear()
+        c.sync_tensors()
+
+
+def slot_views(buf, names) -> dict:
+    """Per name, what ``state[p]`` shows of a slot: a live tensor view, or for an 8-bit parameter
+    ``{"codes", "absmax", "map"}`` with live views of its codes and block scales."""
+    if not isinstance(buf, state8.Quant8Buffer):
+        return {name: tensor_view(buf[name], torch) for name in names}
+    out = {}
+    for name, v in buf.as_dict().items():
+        if state8.is_q8_entry(v):
+            out[name] = {"codes": tensor_view(v["codes"], torch), "absmax": tensor_view(v["absmax"], torch),
+                         "map": v["map"]}
+        else:  # a parameter under min_8bit_size: its float32 state
+            out[name] = tensor_view(v, torch)
+    return out
+
+
+class Encoded:
+    """A slot's checked bytes for one parameter of an 8-bit slot (:meth:`Quant8Buffer.check`'s form)."""
+
+    __slots__ = ("raw",)
+
+    def __init__(self, raw):
+        self.raw = raw
+
+
+def zero_slot(buf, name: str) -> None:
+    """A parameter's state in one slot back to a fresh slot's (8-bit: the codes of 0, a zero block scale)."""
+    if isinstance(buf, state8.Quant8Buffer):  # the codes of 0 and a zero block scale, as a fresh slot's
+        buf.load({name: np.zeros(buf.layout.shape(name), np.float32)}, strict=False)
+    else:
+        buf[name][...] = 0
+
+
+def saved_8bit(label: str, name: str, buf, v: Mapping, shape):
+    """A saved 8-bit entry ``{"codes", "absmax", "map"}`` for a slot: checked, and converted the
+    engine's way (:mod:`arraytrain.state8`): kept bitwise by an 8-bit slot (re-encoded if its map
+    differs), decoded to float32 for a float32/bfloat16 slot."""
+    if set(v) != {"codes", "absmax", "map"}:
+        raise StateDictError(f"{label}: an 8-bit slot is {{'codes', 'absmax', 'map'}}, got the keys "
+                             f"{sorted(map(str, v))}")
+    for part in ("codes", "absmax"):
+        if not isinstance(v[part], torch.Tensor):
+            raise StateDictError(f"{label}[{part!r}]: expected a tensor, got {type(v[part]).__name__}")
+    entry = {"codes": host_array(v["codes"], torch, copy=False), "absmax": host_array(v["absmax"], torch, copy=False),
+             "map": v["map"]}
+    try:
+        if isinstance(buf, state8.Quant8Buffer):
+            return Encoded(buf.check({name: entry}, strict=False)[name])
+        return torch.from_numpy(state8.decode_entry(name, entry, shape))
+    except (ValueError, TypeError, KeyError) as exc:
+        raise StateDictError(f"{label}: {exc}") from None
