@@ -37,7 +37,7 @@ from .communicator import agree_on_setup, window_sums
 from .shard import ShardBuffer, gather, padded_buffer, partition
 
 
-class _Placement:
+class Placement:
     """What both placements share: the working copy's rebuild and the mask the kernels apply."""
 
     comm = None
@@ -72,7 +72,7 @@ class _Placement:
             self.publish()
 
 
-class Replicated(_Placement):
+class Replicated(Placement):
     """Every rank holds all the weights, the whole gradient and all the state (see the module docstring).
 
     ``device_gate``: the norm pass leaves its verdict on the CUDA device, a gate the update
@@ -144,7 +144,7 @@ class Replicated(_Placement):
                 "working": 0 if self.working is None else self.working.flat.nbytes}
 
 
-class Sharded(_Placement):
+class Sharded(Placement):
     """Each rank keeps and updates one partition (see the module docstring).
 
     Every rank keeps the full gradient buffer (what the model writes into) and the full
