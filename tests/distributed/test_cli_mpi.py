@@ -11,9 +11,11 @@ import sys
 import numpy as np
 import pytest
 
+from arraytrain.distributed import find_mpiexec
 from test_cli import small_npz
 
-MPIEXEC = shutil.which("mpiexec") or shutil.which("mpirun")
+# beside this interpreter (the mpich wheel's, in a virtualenv that is not activated), else on PATH
+MPIEXEC = find_mpiexec() or shutil.which("mpirun")
 pytestmark = pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec (pip install 'arraytrain[mpi]')")
 
 
