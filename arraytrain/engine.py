@@ -26,7 +26,7 @@ from .errors import (
     NonFiniteError,
 )
 from .ops import CLIP_EPS
-from .optim import Optimizer
+from .optim import Optimizer, check_optimizer
 from .prune import MaskBuffer
 from .schedules import Schedule
 from .parallel.communicator import check_parallel
@@ -162,8 +162,7 @@ class Engine:
                  max_consecutive_skips: int | None = 50, compressor=None, device: str | None = None,
                  clip_eps: float = CLIP_EPS, comm=None, shard_state: bool = False, overlap: bool = False,
                  bucket_bytes: int = BUCKET_BYTES):
-        if not isinstance(optimizer, Optimizer):
-            raise ArgumentTypeError(f"optimizer: expected an arraytrain.optim.Optimizer, got {type(optimizer).__name__}")
+        optimizer = check_optimizer(optimizer)
         accumulation_steps = check_int("accumulation_steps", accumulation_steps, 1)
         if max_grad_norm is not None:
             max_grad_norm = check_positive("max_grad_norm", max_grad_norm)

@@ -5,7 +5,7 @@ import inspect
 from ._adagrad import Adagrad
 from ._adafactor import Adafactor
 from ._adam import Adam, AdamW
-from ._base import Optimizer, OptState
+from ._base import Optimizer, OptState, check_optimizer  # noqa: F401 (the engine checks with it)
 from ._lamb import LAMB
 from ._lion import Lion
 from ._rmsprop import RMSprop

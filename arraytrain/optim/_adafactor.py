@@ -59,7 +59,7 @@ class Adafactor(Optimizer):
     @legacy_arguments(old_positional=("lr", "beta2_decay", "eps", "d", "weight_decay", "maximize", "overrides"))
     def __init__(self, lr: float = 1e-2, beta2_decay: float = -0.8, eps=(None, 1e-3), d: float = 1.0,
                  weight_decay: float = 0.0, *, maximize: bool = False, overrides=None):
-        self.lr = check_number("lr", lr, 0.0)
+        self.lr = self._checked_lr(lr)
         self.beta2_decay = check_number("beta2_decay", beta2_decay, hi=0.0)
         try:
             e1, e2 = eps

@@ -29,7 +29,7 @@ class Adagrad(Optimizer):
     def __init__(self, lr: float = 1e-2, lr_decay: float = 0.0, weight_decay: float = 0.0,
                  initial_accumulator_value: float = 0.0, eps: float = 1e-10, *, maximize: bool = False,
                  state_dtype: str | None = None, overrides=None):
-        self.lr = check_number("lr", lr, 0.0)
+        self.lr = self._checked_lr(lr)
         self.lr_decay = check_number("lr_decay", lr_decay, 0.0)
         self.weight_decay = check_number("weight_decay", weight_decay, 0.0)
         self.initial_accumulator_value = check_number("initial_accumulator_value", initial_accumulator_value, 0.0)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import fnmatch
 import functools
+import numbers
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -37,6 +38,16 @@ class OptState:
     hp: dict[str, np.ndarray] = field(default_factory=dict)
     scalars: dict[str, float] = field(default_factory=dict)
 
+
+
+def _looks_like_parameters(value) -> bool:
+    """``value`` is what torch's optimizers take first (an iterator of tensors, a list of them or of
+    param groups, a tensor), not a number."""
+    if isinstance(value, (str, bytes, numbers.Number)):
+        return False
+    if hasattr(value, "__next__") or isinstance(value, (list, tuple, set, dict)):
+        return True
+    return getattr(value, "ndim", 0) >= 1
 
 class Optimizer(ABC):
     """Base class. Subclasses set ``slot_names`` and implement :meth:`update`.
@@ -182,10 +193,23 @@ class Optimizer(ABC):
     #: (bitsandbytes' ``min_8bit_size``); set it on the optimizer before the engine is built.
     min_8bit_size: int = state8.DEFAULT_THRESHOLD
 
+    def _checked_lr(self, lr) -> float:
+        """``lr >= 0``. Parameters where the learning rate goes (``AdamW(model.parameters())``: torch's
+        signature) are refused with an :class:`~arraytrain.errors.ArgumentTypeError` that names the two
+        doors: an Engine over the parameters, or the drop-in torch optimizer of the same name."""
+        if _looks_like_parameters(lr):
+            name = type(self).__name__
+            raise ArgumentTypeError(
+                f"lr: got {type(lr).__name__} where {name}'s learning rate goes. arraytrain.optim.{name} takes "
+                f"hyperparameters; the parameters go to an Engine (Engine(params, arraytrain.optim.{name}(lr=...)), or "
+                f"arraytrain.interop.torch.bind(model, ...)). For torch's form, {name}(model.parameters(), lr=...), "
+                f"use arraytrain.interop.torch.{name}")
+        return check_number("lr", lr, 0.0)
+
     def _set_basics(self, lr, eps, weight_decay, maximize, state_dtype, overrides) -> None:
         """Check and set what every optimizer names alike: ``lr >= 0``, ``eps > 0``, ``weight_decay >= 0``,
         ``maximize``, ``state_dtype`` and ``overrides``."""
-        self.lr = check_number("lr", lr, 0.0)
+        self.lr = self._checked_lr(lr)
         self.eps = check_number("eps", eps, 0.0, lo_open=True)
         self.weight_decay = check_number("weight_decay", weight_decay, 0.0)
         self.maximize = check_bool("maximize", maximize)
@@ -320,3 +344,21 @@ def _block_pieces(layout: Layout, segs: bytes) -> np.ndarray:
     out = np.ascontiguousarray(rows[np.isin(rows[:, 2], wanted)])
     out.flags.writeable = False
     return out
+
+
+def check_optimizer(optimizer, name: str = "optimizer"):
+    """``optimizer`` if it is an :class:`Optimizer`; else an :class:`~arraytrain.errors.ArgumentTypeError`
+    naming the argument, and for a torch optimizer (``torch.optim.AdamW``, or the drop-in
+    ``arraytrain.interop.torch.AdamW``) the arraytrain optimizer to give instead."""
+    if isinstance(optimizer, Optimizer):
+        return optimizer
+    kind = type(optimizer)
+    if any(k.__name__ == "Optimizer" and k.__module__.startswith("torch.optim") for k in kind.__mro__):
+        from . import by_name
+
+        ours = kind.__name__ if kind.__name__.lower() in by_name() else "AdamW"
+        raise ArgumentTypeError(
+            f"{name}: got {kind.__module__}.{kind.__name__}, a torch.optim.Optimizer: it steps a model by itself "
+            f"(optimizer.step()), without an Engine or bind. Here give an arraytrain optimizer, e.g. "
+            f"arraytrain.optim.{ours}(lr=...)")
+    raise ArgumentTypeError(f"{name}: expected an arraytrain.optim.Optimizer, got {kind.__name__}")

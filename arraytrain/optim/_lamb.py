@@ -42,7 +42,7 @@ class LAMB(Optimizer):
     def __init__(self, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-6,
                  weight_decay: float = 0.0, *, eps_root: float = 0.0, maximize: bool = False,
                  state_dtype: str | None = None, overrides=None):
-        self.lr = check_number("lr", lr, 0.0)
+        self.lr = self._checked_lr(lr)
         self.betas = check_betas(betas)
         self.eps = check_number("eps", eps, 0.0, lo_open=True)
         self.eps_root = check_number("eps_root", eps_root, 0.0)

@@ -29,7 +29,7 @@ class Lion(Optimizer):
                       old_positional=("lr", "b1", "b2", "weight_decay", "maximize", "state_dtype", "overrides"))
     def __init__(self, lr: float = 1e-4, betas: tuple[float, float] = (0.9, 0.99), weight_decay: float = 1e-3, *,
                  maximize: bool = False, state_dtype: str | None = None, overrides=None):
-        self.lr = check_number("lr", lr, 0.0)
+        self.lr = self._checked_lr(lr)
         self.betas = check_betas(betas)
         self.weight_decay = check_number("weight_decay", weight_decay, 0.0)
         self.maximize = check_bool("maximize", maximize)

@@ -81,7 +81,7 @@ class Muon(Optimizer):
                  ns_coefficients: tuple[float, float, float] = NS_COEFFICIENTS, eps: float = 1e-7,
                  ns_steps: int = 5, adjust_lr_fn: str | None = None, *, fallback=None, fallback_for=(),
                  maximize: bool = False, state_dtype: str | None = None, overrides=None):
-        self.lr = check_number("lr", lr, 0.0)
+        self.lr = self._checked_lr(lr)
         self.weight_decay = check_number("weight_decay", weight_decay, 0.0)
         self.momentum = check_number("momentum", momentum, 0.0, 1.0, hi_open=True)
         self.nesterov = check_bool("nesterov", nesterov)

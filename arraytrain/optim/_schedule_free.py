@@ -62,7 +62,7 @@ class ScheduleFreeAdamW(Optimizer):
     def __init__(self, lr: float = 0.0025, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, warmup_steps: int = 0, weight_lr_power: float = 2.0, *,
                  maximize: bool = False, state_dtype: str | None = None, overrides=None):
-        self.lr = check_number("lr", lr, 0.0)
+        self.lr = self._checked_lr(lr)
         self.betas = check_betas(betas)
         if self.betas[0] == 0.0:
             raise HyperparameterError("betas[0]: expected a value in (0.0, 1.0) (x is recovered from y and z "

@@ -25,7 +25,7 @@ class SGD(Optimizer):
     def __init__(self, lr: float = 1e-3, momentum: float = 0.0, dampening: float = 0.0,
                  weight_decay: float = 0.0, nesterov: bool = False, *, maximize: bool = False,
                  state_dtype: str | None = None, overrides=None):
-        self.lr = check_number("lr", lr, 0.0)
+        self.lr = self._checked_lr(lr)
         self.momentum = check_number("momentum", momentum, 0.0)
         self.dampening = check_number("dampening", dampening, 0.0, 1.0)
         self.weight_decay = check_number("weight_decay", weight_decay, 0.0)

@@ -51,7 +51,7 @@ class Sophia(Optimizer):
     def __init__(self, lr: float = 1e-4, betas: tuple[float, float] = (0.965, 0.99), rho: float = 0.04,
                  weight_decay: float = 1e-1, *, eps: float = 1e-15, bs: float = 5120, maximize: bool = False,
                  overrides=None):
-        self.lr = check_number("lr", lr, 0.0)
+        self.lr = self._checked_lr(lr)
         self.betas = check_betas(betas)
         self.rho = check_number("rho", rho, 0.0, lo_open=True)
         self.weight_decay = check_number("weight_decay", weight_decay, 0.0)

@@ -361,6 +361,28 @@ def test_bad_arguments_get_typed_errors():
     print(f"{len(cases)} bad bind calls, each a typed error")
 
 
+@pytest.mark.parametrize("make", [lambda m: torch.optim.AdamW(m.parameters()), lambda m: att.AdamW(m.parameters())],
+                         ids=["torch.optim", "drop-in"])
+def test_bind_given_a_torch_optimizer_says_what_it_takes_and_changes_nothing(make):
+    model = nn.Linear(3, 2)
+    opt = make(model)  # the drop-in points the parameters into its own buffers: the state bind must keep
+    before = [(p.data_ptr(), p.grad) for p in model.parameters()]
+    with pytest.raises(ArgumentTypeError, match=r"optimizer: got .*AdamW, a torch.optim.Optimizer.*"
+                                                r"arraytrain\.optim\.AdamW\(lr=\.\.\.\)"):
+        att.bind(model, opt)
+    assert [(p.data_ptr(), p.grad) for p in model.parameters()] == before
+
+
+def test_an_arraytrain_optimizer_given_torch_parameters_points_to_the_drop_in():
+    model = nn.Linear(3, 2)
+    for name, cls in at.optim.by_name().items():
+        for params in (model.parameters(), list(model.parameters()), [{"params": list(model.parameters())}]):
+            with pytest.raises(ArgumentTypeError, match=f"lr: .*use arraytrain.interop.torch.{cls.__name__}$"):
+                cls(params)
+    with pytest.raises(HyperparameterError, match="lr: expected a finite real number"):
+        at.optim.AdamW("fast")  # not parameters: the usual error
+
+
 def test_torch_missing_is_a_typed_import_error(monkeypatch):
     monkeypatch.setitem(sys.modules, "torch", None)
     with pytest.raises(MissingDependencyError, match="PyTorch"):
