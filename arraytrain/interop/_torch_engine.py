@@ -14,9 +14,11 @@ import torch
 
 from ..amp import LossScaler
 from ..engine import Engine
-from ..errors import BackendError, DTypeError, ShapeMismatchError
-from ._torch_views import tensor_view
+from ..errors import BackendError
+from ._torch_views import check_kind, tensor_view
 
+# who holds the tensors, and when a model must be converted or moved (check_kind's messages)
+_HELD = {"holder": "the optimizer", "before": "before building the optimizer"}
 #: Model dtypes kept on float32 master weights (the engine's working copy is the model's tensors).
 LOWP = (torch.bfloat16, torch.float16)
 
@@ -103,7 +105,7 @@ class GroupEngine(Engine):
         data_fixes, grad_fixes, held = [], [], []
         for i, (n, p, data, grad, ptr, dtype, shape) in enumerate(self.bound):
             if p.data_ptr() != ptr or p.dtype is not dtype or p.shape != shape:
-                check_kind(n, "parameter", p, data)
+                check_kind(n, "parameter", p, data, **_HELD)
                 data_fixes.append(i)
             g = p.grad
             if g is grad:
@@ -113,7 +115,7 @@ class GroupEngine(Engine):
             else:
                 if g.is_sparse or g.layout != torch.strided:
                     raise BackendError(f"{n!r}: a {g.layout} gradient; the drop-in optimizers take dense gradients")
-                check_kind(n, "gradient", g, grad)
+                check_kind(n, "gradient", g, grad, **_HELD)
                 grad_fixes.append(i)
         return data_fixes, grad_fixes, held
 
@@ -144,18 +146,6 @@ class GroupEngine(Engine):
     def refresh(self) -> None:
         """Rewrite the working copy (the model's bf16/fp16 weights) from the master weights."""
         self.refresh_working()
-
-
-def check_kind(name: str, what: str, got, bound) -> None:
-    """A tensor put where the optimizer holds ``bound``: the same dtype, device and shape, or a typed error."""
-    if got.dtype != bound.dtype:
-        raise DTypeError(f"{name!r}: {what} dtype {got.dtype} != {bound.dtype} the optimizer holds (convert "
-                         "the model before building the optimizer)")
-    if got.device != bound.device:
-        raise BackendError(f"{name!r}: {what} on {got.device}, the optimizer holds it on {bound.device} (move "
-                           "the model before building the optimizer)")
-    if tuple(got.shape) != tuple(bound.shape):
-        raise ShapeMismatchError(name, tuple(bound.shape), tuple(got.shape), what=what)
 
 
 class Cohort:

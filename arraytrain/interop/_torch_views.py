@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..backend import BFLOAT16, NUMPY, backend_of
-from ..errors import MissingDependencyError
+from ..errors import BackendError, DTypeError, MissingDependencyError, ShapeMismatchError
 
 #: The drop-in ``torch.optim.Optimizer`` classes of :mod:`arraytrain.interop.torch`, defined with torch in
 #: ``_torch_dropins`` and loaded on first access: the one list of their names.
@@ -70,3 +70,16 @@ def check_cuda_device(device, what: str = "module") -> None:
 
         raise BackendError(f"{what}: on {device}, but CuPy's current device is cuda:{current}; "
                            f"build it under `with cupy.cuda.Device({device.index}):`")
+
+
+def check_kind(name: str, what: str, got, bound, *, holder: str, before: str) -> None:
+    """A tensor put where ``holder`` (the drop-in optimizer, bind) holds ``bound``: the same dtype, device
+    and shape, or a typed error saying to convert or move the model ``before`` that."""
+    if got.dtype != bound.dtype:
+        raise DTypeError(f"{name!r}: {what} dtype {got.dtype} != {bound.dtype}, which {holder} holds (convert the "
+                         f"model {before})")
+    if got.device != bound.device:
+        raise BackendError(f"{name!r}: {what} on {got.device}, {holder} holds it on {bound.device} (move the model "
+                           f"{before})")
+    if tuple(got.shape) != tuple(bound.shape):
+        raise ShapeMismatchError(name, tuple(bound.shape), tuple(got.shape), what=what)

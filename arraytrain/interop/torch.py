@@ -96,12 +96,12 @@ from ..errors import (
     HyperparameterError,
     LayoutError,
     NoGradientsError,
-    ShapeMismatchError,
     StateDictError,
 )
 from ._torch_views import (
     DROP_INS,
     check_cuda_device,
+    check_kind,
     host_array,
     numpy_dtype,
     tensor_view,
@@ -254,7 +254,7 @@ class TorchEngine(Engine):
                                   "trains it (and would decay it); bind the module again")
             if p.data_ptr() != data.data_ptr() or p.shape != data.shape or p.dtype != data.dtype \
                     or p.device != data.device:
-                self._check_kind(name, "parameter", p, data)
+                check_kind(name, "parameter", p, data, holder="bind", before="before bind")
                 data_fixes.append((p, data))
             g = p.grad
             if g is grad:
@@ -262,7 +262,7 @@ class TorchEngine(Engine):
             if g is None:
                 zero.append((p, grad))
             else:
-                self._check_kind(name, "gradient", g, grad)
+                check_kind(name, "gradient", g, grad, holder="bind", before="before bind")
                 grad_fixes.append((p, g, grad))
         if len(zero) == len(self._bound):
             raise NoGradientsError("no parameter has a gradient (every .grad is None, e.g. after "
@@ -287,17 +287,6 @@ class TorchEngine(Engine):
                 else:
                     self._grads_view.add_(self._lp_grads)
                 self._lp_grads.zero_()
-
-    @staticmethod
-    def _check_kind(name: str, what: str, got, bound) -> None:
-        if got.dtype != bound.dtype:
-            raise DTypeError(f"{name!r}: {what} dtype {got.dtype} != bound {bound.dtype} (the module was "
-                             "converted after bind: convert it first, then bind)")
-        if got.device != bound.device:
-            raise BackendError(f"{name!r}: {what} on {got.device}, bound on {bound.device} (the module was "
-                               "moved after bind: move it first, then bind)")
-        if tuple(got.shape) != tuple(bound.shape):
-            raise ShapeMismatchError(name, tuple(bound.shape), tuple(got.shape), what=what)
 
     @guarded
     def zero_grad(self) -> None:
