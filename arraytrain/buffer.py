@@ -264,3 +264,34 @@ def as_flat_buffer(params, dtype=None, device=None) -> FlatBuffer:
     if moved is not params.flat:
         params = FlatBuffer(params.layout, aligned(moved))  # a fresh copy: aligned too
     return params
+
+
+class SubsetLayout:
+    """A layout whose ``pieces`` are some of another's rows (everything else is the other's): what a
+    kernel walks when it is to touch some parameters only."""
+
+    __slots__ = ("_layout", "pieces")
+
+    def __init__(self, layout: Layout, pieces: np.ndarray):
+        self._layout, self.pieces = layout, pieces
+
+    def __getattr__(self, name):
+        return getattr(self._layout, name)
+
+    def __len__(self) -> int:
+        return len(self._layout)
+
+
+class Subset:
+    """A flat buffer as an update over some parameters sees it: the same array, the given pieces only
+    (Muon's fallback parameters; the parameters that have a gradient this step, see
+    :mod:`arraytrain.steps`)."""
+
+    __slots__ = ("flat", "layout")
+
+    def __init__(self, buf, pieces: np.ndarray):
+        self.flat, self.layout = buf.flat, SubsetLayout(buf.layout, pieces)
+
+    @property
+    def dtype(self):
+        return self.flat.dtype

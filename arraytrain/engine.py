@@ -8,7 +8,7 @@ from contextlib import contextmanager
 
 import numpy as np
 
-from . import _compile_notice, _intake, engine_state
+from . import _compile_notice, _intake, engine_state, param_steps
 from ._checks import check_int, check_number, check_positive
 from ._guard import CallGuard, guarded
 from .accumulate import REDUCTIONS
@@ -36,7 +36,7 @@ from .parallel.sync import BUCKET_BYTES, gradient_sync
 from .stages import Judge, StepReport, Verdict
 
 STATE_FORMAT = engine_state.STATE_FORMAT
-MISSING = ("error", "zero")
+MISSING = ("error", "zero", "skip")
 
 
 class Engine:
@@ -58,9 +58,18 @@ class Engine:
         How micro-batches combine: the (weight-)mean or the plain sum.
         ``step(grads, weight=n)`` weights a micro-batch, e.g. by its token
         count; with "mean" the result is ``sum(w*g) / sum(w)``.
-    missing : "error" or "zero"
-        A micro-batch without a gradient for some parameter: raise, or count
-        it as zero (a parameter that did not take part).
+    missing : "error", "zero" or "skip"
+        A micro-batch without a gradient for some parameter (a name left out of
+        ``step(grads)``, or named in ``step(absent=...)``): raise
+        :class:`~arraytrain.errors.MissingGradientError`; count it as zero (the
+        optimizer still moves the parameter: its moments decay, weight decay applies);
+        or torch's rule, "skip": a parameter without a gradient in any micro-batch
+        of a window is not touched by that boundary (weights, state and its own step
+        count, from which its bias corrections come; see :mod:`arraytrain.param_steps`).
+        A micro-batch that has a gradient for some of the window's parameters only
+        counts the others as zero. "skip" needs an optimizer that can step parameters
+        alone (``per_param_steps``: not NAdam, schedule-free AdamW, Adafactor, Muon
+        or SAM).
     dtype : dtype or None
         The floating dtype of the new buffer a mapping is copied into (None:
         the parameters' common floating dtype); a :class:`FlatBuffer` must
@@ -170,6 +179,8 @@ class Engine:
             raise HyperparameterError(f"reduction: expected one of {REDUCTIONS}, got {reduction!r}")
         if missing not in MISSING:
             raise HyperparameterError(f"missing: expected one of {MISSING}, got {missing!r}")
+        if missing == "skip":
+            param_steps.check_skip_capable(optimizer)
         if schedule is not None and not isinstance(schedule, Schedule):
             raise ArgumentTypeError(f"schedule: expected a schedule from arraytrain.schedules, got {type(schedule).__name__}")
         if loss_scaler is not None and not isinstance(loss_scaler, LossScaler):
@@ -330,13 +341,17 @@ class Engine:
 
     # -- the step ---------------------------------------------------------------------
     @guarded
-    def step(self, grads: Mapping | None = None, *, weight: float | None = None) -> StepReport:
+    def step(self, grads: Mapping | None = None, *, weight: float | None = None, absent=None) -> StepReport:
         """Take one micro-batch; at every ``accumulation_steps``-th call, apply the optimizer.
 
         ``grads`` maps names to arrays (any framework; cast to the buffer's
         dtype; non-contiguous inputs are copied). ``None`` means the gradients
         are already in ``engine.grads`` (the zero-copy path). The whole input
         is validated before anything is written: a refused call changes nothing.
+
+        ``absent``: with no ``grads``, the names (an iterable) that have no gradient in this
+        micro-batch, handled by the ``missing`` policy as a name left out of a mapping is; what
+        ``engine.grads`` holds for them is not read (the first micro-batch of a window zeroes it).
 
         ``weight`` must be a normal number of the buffer's dtype (the kernels
         multiply by it in that dtype: a subnormal would flush the gradient to
@@ -354,20 +369,21 @@ class Engine:
         """
         clock = self._compile_clock
         if clock is None or not _compile_notice.pending():
-            return self._step(grads, weight)
+            return self._step(grads, weight, absent)
         before = clock.seconds
         try:
-            return self._step(grads, weight)
+            return self._step(grads, weight, absent)
         finally:
             _compile_notice.notice(clock.seconds - before, lambda: _compile_notice.command_for(
                 self.optimizer, self.params.dtype, self._working_dtype))
 
-    def _step(self, grads, weight) -> StepReport:
+    def _step(self, grads, weight, absent) -> StepReport:
         w = self.check_weight(weight)
+        absent = self._check_absent(grads, absent)
         boundary = self.counters.micro + 1 >= self.accumulation_steps
         # the schedule, evaluated once and checked before any write
         lr, lrs = self._scheduled(boundary)
-        self._intake_stage(grads, w)
+        self._intake_stage(grads, w, absent)
         if not boundary:
             return StepReport(applied=False, skipped=False, step=self.state.step, micro_batches=self.counters.micro,
                               lr=lr, loss_scale=self.loss_scale)
@@ -394,23 +410,52 @@ class Engine:
         return float(rates[0]), rates[1:]
 
     # -- the stages ---------------------------------------------------------------------------
-    def _intake_stage(self, grads, w: float) -> None:
+    def _check_absent(self, grads, absent) -> tuple:
+        """``step(absent=...)``: names of this engine, given with no ``grads`` only."""
+        if absent is None:
+            return ()
+        if grads is not None:
+            raise ArgumentTypeError("absent: names the parameters without a gradient when the gradients are in "
+                                    "engine.grads (step() with no grads); a mapping names them by leaving them out")
+        if isinstance(absent, str):
+            absent = (absent,)
+        try:
+            absent = tuple(absent)
+        except TypeError:
+            raise ArgumentTypeError(f"absent: expected an iterable of parameter names, got "
+                                    f"{type(absent).__name__}") from None
+        for name in absent:
+            self.layout.index(name)  # UnknownParameterError naming the known ones
+        return absent
+
+    def _missing(self, absent) -> None:
+        """The ``missing`` policy on a micro-batch's parameters without a gradient (before any write)."""
+        if absent and self.missing == "error":
+            raise MissingGradientError(
+                f"no gradient for {list(absent)} (policy missing='error'; use missing='zero' to count them as "
+                "zero, or missing='skip' to leave them untouched, as torch.optim does)")
+
+    def _intake_stage(self, grads, w: float, absent: tuple) -> None:
         """Intake: validate the whole micro-batch, then accumulate it (the window's first overwrites)."""
+        overwrite = self.counters.micro == 0
         if grads is not None:
             self._nothing_in_flight("step(grads)")
             # validated against the last structure seen when names, shapes and dtype repeat
             # (see _intake.Intake); nothing is written before this returns
             checked = self._intake.check(grads)
             absent = checked.absent
-            if absent and self.missing == "error":
-                raise MissingGradientError(
-                    f"no gradient for {absent} (policy missing='error'; use missing='zero' to count them as zero)"
-                )
-            overwrite = self.counters.micro == 0
+            self._missing(absent)
             if overwrite:
                 for name in absent:
                     self.grads[name][...] = 0
             self._intake.write(checked, w, overwrite)
+        elif absent:
+            self._missing(absent)
+            if overwrite:  # (never in flight: an absent gradient is never marked ready)
+                for name in absent:
+                    self.grads[name][...] = 0
+        if self.missing == "skip":
+            self.counters.absent = param_steps.mark(self.counters.absent, self.layout, absent, overwrite)
         self.counters.micro += 1
         self.counters.weight_sum += w
 
@@ -418,14 +463,19 @@ class Engine:
         step = self.state.step
         ascent = self._two_windows and not self.counters.perturbed  # SAM's first window
         wsum = self.counters.close_window()
+        absent, self.counters.absent = self.counters.absent, None
         # the exchange and the norm pass: the gradient sync, through the placement
         judge = Judge(self._kernels, self._unscale, self.max_grad_norm, self.clip_eps)
         verdict, payload = self._sync.reduce(wsum, ascent, judge)
+        if self.missing == "skip":  # present where any rank had a gradient: with a group a collective,
+            absent = param_steps.agree(self.comm, absent, len(self.layout))  # after every bucket's
+        else:
+            absent = None
         if verdict is None or verdict.nonfinite:  # None: a compressor's ranks found a non-finite gradient
             return self._skip(step, lr)
         if ascent:
             return self._ascent_stage(verdict, step, lr)
-        if not self._update_stage(verdict, lrs):
+        if not self._update_stage(verdict, lrs, absent):
             return self._skip(step, lr)
         return self._bookkeeping(verdict, lr, payload)
 
@@ -433,10 +483,22 @@ class Engine:
         # the buffer holds sum(w * g) of the scaled loss: the mean gradient is flat / unscale
         return (wsum if self.reduction == "mean" else 1.0) * self.loss_scale
 
-    def _update_stage(self, verdict: Verdict, lrs) -> bool:
-        """The optimizer's fused update, clip factor folded in; False when a device gate held it back."""
-        return verdict.apply(lambda gscale: self._placement.update(self.optimizer, self._kernels, self.state, gscale,
-                                                                   lrs, self.zero_grad_on_step), self.state)
+    def _update_stage(self, verdict: Verdict, lrs, absent) -> bool:
+        """The optimizer's fused update, clip factor folded in; False when a device gate held it back.
+        With parameters absent from the window (``missing="skip"``), the present ones only, once per
+        step count among them (:mod:`arraytrain.param_steps`)."""
+        state, step = self.state, self.state.step
+        groups = None if absent is None and state.counts is None else param_steps.groups(absent, state.counts, step)
+
+        def update(gscale):
+            self._placement.update(self.optimizer, self._kernels, state, gscale, lrs, self.zero_grad_on_step, groups)
+            state.step = step + 1
+
+        if not verdict.apply(update, state):
+            return False
+        if groups is not None:
+            state.counts = param_steps.advanced(absent, state.counts, step, len(self.layout))
+        return True
 
     def _ascent_stage(self, verdict: Verdict, step: int, lr: float) -> StepReport:
         """SAM's first window: the update stage moves the weights to the ascent point instead."""
@@ -532,6 +594,7 @@ class Engine:
         self._sync.drain()
         self.grads.flat.fill(0)
         self.counters.close_window()
+        self.counters.absent = None
 
     @guarded
     def mark_ready(self, names) -> None:

@@ -50,6 +50,9 @@ class Counters:
     weight_sum: float = 0.0
     consecutive_skips: int = 0
     perturbed: bool = False
+    #: ``missing="skip"``: the open window's parameters without a gradient so far (a bool array by
+    #: segment; None: every parameter had one)
+    absent: np.ndarray | None = None
 
     def close_window(self) -> float:
         """End the accumulation window; return its weight sum."""
@@ -106,8 +109,7 @@ def state_dict(parts: StateParts, copy: bool, gather: bool, root: int | None = N
     """
     if root is not None and gather and not parts.comm.is_local:
         return _state_to_root(parts, copy, root)
-    c = parts.counters
-    acc = {"micro_batches": c.micro, "weight_sum": c.weight_sum, "grads": parts.grads.as_dict(copy=copy)}
+    acc = _window(parts, copy)
     comp = None if parts.compressor is None else parts.compressor.state_dict()
     if not gather:
         acc = PerRank(acc)
@@ -117,6 +119,16 @@ def state_dict(parts: StateParts, copy: bool, gather: bool, root: int | None = N
         comp = None if comp is None else {"ranks": _gather_by_rank(parts.comm, comp)}
     slots = {k: _arrays(parts, buf, copy, gather) for k, buf in parts.opt_state.slots.items()}
     return _tree(parts, _arrays(parts, parts.params, copy, gather), slots, acc, comp, copy)
+
+
+def _window(parts: StateParts, copy: bool) -> dict:
+    """The open accumulation window: its micro-batches, weight sum, gradient sums, and (only where
+    some parameter had no gradient in it yet, ``missing="skip"``) the names of those parameters."""
+    c = parts.counters
+    acc = {"micro_batches": c.micro, "weight_sum": c.weight_sum, "grads": parts.grads.as_dict(copy=copy)}
+    if c.absent is not None:
+        acc["absent"] = [n for n, a in zip(parts.params.layout.names, c.absent.tolist()) if a]
+    return acc
 
 
 def _tree(parts: StateParts, params: dict, slots: dict, acc, comp, copy: bool) -> dict:
@@ -132,6 +144,9 @@ def _tree(parts: StateParts, params: dict, slots: dict, acc, comp, copy: bool) -
             "slots": slots,
             # only where the optimizer keeps any (NAdam): the other states read as before
             **({"scalars": dict(opt.scalars)} if opt.scalars else {}),
+            # only where some parameter skipped a step for want of a gradient (missing="skip")
+            **({"param_steps": dict(zip(parts.params.layout.names, opt.counts.tolist()))}
+               if opt.counts is not None else {}),
         },
         "accumulation": acc,
         "schedule": None if parts.schedule is None else parts.schedule.state_dict(),
@@ -165,6 +180,7 @@ def check_state(parts: StateParts, state: Mapping) -> list:
         slots = opt["slots"]
         scalars = opt.get("scalars", {})  # absent where the optimizer keeps none
         step = opt["step"]
+        param_steps = opt.get("param_steps")  # absent while every parameter took every step
         skips, perturbed = state["consecutive_skips"], state["perturbed"]
         optional = {key: state[key] for key, _, _ in _PARTS}
         mask = state["mask"]
@@ -187,7 +203,9 @@ def check_state(parts: StateParts, state: Mapping) -> list:
         raise StateDictError(f"optimizer slots: expected {sorted(opt_state.slots)}, got {got}")
     scalars = _check_scalars(opt_state.scalars, scalars)
     step = check_count("optimizer step", step, 0, error=StateDictError)
+    counts = _check_param_steps(parts, param_steps, step)
     micro = check_int("micro_batches", micro, 0, parts.accumulation_steps - 1, error=StateDictError)
+    absent = _check_absent(parts, acc.get("absent"), micro)
     wsum = _check_weight_sum(parts.params.dtype, micro, wsum)
     skips = check_count("consecutive_skips", skips, 0, error=StateDictError)
     if not isinstance(perturbed, bool) or (perturbed and not parts.two_windows):
@@ -227,7 +245,7 @@ def check_state(parts: StateParts, state: Mapping) -> list:
             writes.append(functools.partial(buf.assign, checked))
     except (LayoutError, KeyError, ValueError, TypeError) as exc:
         raise StateDictError(f"state dict does not match the engine: {exc}") from exc
-    writes.append(functools.partial(_set_counters, parts, step, micro, wsum, skips, perturbed))
+    writes.append(functools.partial(_set_counters, parts, step, micro, wsum, skips, perturbed, counts, absent))
     writes.append(functools.partial(opt_state.scalars.update, scalars))
     return writes
 
@@ -256,10 +274,44 @@ def checked_everywhere(comm, check):
     return result
 
 
-def _set_counters(parts: StateParts, step: int, micro: int, wsum: float, skips: int, perturbed: bool) -> None:
-    parts.opt_state.step = step
+def _set_counters(parts: StateParts, step: int, micro: int, wsum: float, skips: int, perturbed: bool, counts,
+                  absent) -> None:
+    parts.opt_state.step, parts.opt_state.counts = step, counts
     c = parts.counters
-    c.micro, c.weight_sum, c.consecutive_skips, c.perturbed = micro, wsum, skips, perturbed
+    c.micro, c.weight_sum, c.consecutive_skips, c.perturbed, c.absent = micro, wsum, skips, perturbed, absent
+
+
+def _check_param_steps(parts: StateParts, saved, step: int):
+    """The per-parameter step counts (by name, each in ``[0, step]``) as ``OptState.counts``, or None
+    when there are none or all equal ``step``."""
+    if saved is None:
+        return None
+    names = parts.params.layout.names
+    if not isinstance(saved, Mapping) or set(saved) != set(names):
+        got = sorted(saved) if isinstance(saved, Mapping) else type(saved).__name__
+        raise StateDictError(f"optimizer param_steps: expected a count for each of {list(names)}, got {got}")
+    counts = np.array([check_int(f"optimizer param_steps[{n!r}]", saved[n], 0, step, error=StateDictError)
+                       for n in names], dtype=np.int64)
+    if (counts == step).all():
+        return None
+    if not parts.optimizer.per_param_steps:
+        raise StateDictError(f"optimizer param_steps: the parameters stand at different steps, which "
+                             f"{type(parts.optimizer).__name__} cannot hold ({parts.optimizer.per_param_steps_refusal})")
+    return counts
+
+
+def _check_absent(parts: StateParts, saved, micro: int):
+    """The open window's parameters without a gradient so far, by name, as ``Counters.absent``."""
+    if saved is None:
+        return None
+    layout = parts.params.layout
+    if not isinstance(saved, (list, tuple)) or not saved or micro == 0 \
+            or not all(isinstance(n, str) and n in layout for n in saved):
+        raise StateDictError(f"accumulation absent: expected a non-empty list of parameter names in an open window "
+                             f"(micro_batches > 0), got {shown(saved)} with micro_batches={micro}")
+    out = np.zeros(len(layout), dtype=bool)
+    out[[layout.index(n) for n in saved]] = True
+    return out
 
 
 def _check_scalars(mine: Mapping, scalars) -> dict:
@@ -335,9 +387,7 @@ def _state_to_root(parts: StateParts, copy: bool, root: int) -> dict | None:
     """The gathered state on rank ``root`` alone (None elsewhere): per-rank parts and sharded buffers
     travel to it only, so no other rank ever holds more than its own."""
     comm = parts.comm
-    c = parts.counters
-    acc = _gather_by_rank(comm, {"micro_batches": c.micro, "weight_sum": c.weight_sum,
-                                 "grads": parts.grads.as_dict(copy=copy)}, root)
+    acc = _gather_by_rank(comm, _window(parts, copy), root)
     comp = None if parts.compressor is None else _gather_by_rank(comm, parts.compressor.state_dict(), root)
 
     def arrays(buf):

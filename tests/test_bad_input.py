@@ -284,7 +284,7 @@ CASES: list[Case] = [
          "max_grad_norm"),
     Case("engine-max-grad-norm-inf", _engine_with(max_grad_norm=INF), HyperparameterError, "max_grad_norm"),
     Case("engine-reduction", _engine_with(reduction="avg"), HyperparameterError, ("reduction", "avg")),
-    Case("engine-missing-policy", _engine_with(missing="skip"), HyperparameterError, ("missing", "skip")),
+    Case("engine-missing-policy", _engine_with(missing="drop"), HyperparameterError, ("missing", "drop")),
     Case("engine-optimizer-type", lambda e: Engine({"x": np.zeros(2)}, "adam"), TypeError, "optimizer"),
     Case("engine-params-type", lambda e: Engine([np.zeros(2)], SGD()), TypeError, "params"),
     Case("engine-params-int", lambda e: Engine({"x": np.zeros(2, np.int32)}, SGD()), DTypeError, "'x'"),

@@ -420,6 +420,12 @@ def _has_arrays(node) -> bool:
     return False
 
 
+#: Keys of a mapping that holds arrays which a state has or lacks by its history, not by the engine's
+#: configuration (per-parameter step counts, an open window's parameters without a gradient: see
+#: :mod:`arraytrain.param_steps`): values, matched by the engine's ``load_state_dict``.
+VALUE_KEYS = frozenset({"param_steps", "absent"})
+
+
 def match(where: str, path: tuple, got, want, specs: dict, checks: list) -> None:
     """Check the decoded tree ``got`` against the engine's ``want``; collect (key, template array).
 
@@ -459,13 +465,14 @@ def match(where: str, path: tuple, got, want, specs: dict, checks: list) -> None
     elif isinstance(want, Mapping):
         if not isinstance(got, dict):
             fail(f"the engine holds a mapping, the checkpoint {_what(got)}")
-        missing = [k for k in want if k not in got]
-        unexpected = [k for k in got if k not in want]
+        missing = [k for k in want if k not in got and k not in VALUE_KEYS]
+        unexpected = [k for k in got if k not in want and not (k in VALUE_KEYS and not _has_arrays(got[k]))]
         if missing or unexpected:
             fail("; ".join(([f"the checkpoint lacks {missing}"] if missing else [])
                            + ([f"the checkpoint has unexpected {unexpected}"] if unexpected else [])))
         for k, v in want.items():
-            match(where, path + (k,), got[k], v, specs, checks)
+            if k in got:
+                match(where, path + (k,), got[k], v, specs, checks)
     elif isinstance(want, (list, tuple)):
         if not isinstance(got, (list, tuple)):
             fail(f"the engine holds {_what(want)}, the checkpoint {_what(got)}")

@@ -7,6 +7,7 @@ A :class:`GroupEngine` re-points its tensors' ``.data`` (and ``.grad``) into its
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Mapping
 
 import numpy as np
@@ -63,10 +64,13 @@ class GroupEngine(Engine):
     """
 
     def __init__(self, entries, optimizer, masters: Mapping, *, dtype, device, kernels: str,
-                 max_consecutive_skips, clip_eps: float):
+                 max_consecutive_skips, clip_eps: float, parallel: Mapping | None = None):
         lowp = dtype in LOWP
+        # torch's rule for a parameter whose .grad is None: untouched by the step, its own step count
+        # (where the optimizer can step parameters alone; see arraytrain.param_steps)
         kw = {"kernels": kernels, "max_consecutive_skips": max_consecutive_skips, "clip_eps": clip_eps,
-              "loss_scaler": Divisor()}
+              "loss_scaler": Divisor(), "missing": "skip" if optimizer.per_param_steps else "zero",
+              **(parallel or {})}
         if lowp:
             kw["working_dtype"] = "bfloat16" if dtype == torch.bfloat16 else "float16"
         with torch.no_grad():
@@ -93,6 +97,17 @@ class GroupEngine(Engine):
                 self.bound.append((n, p, data, grad, data.data_ptr(), p.dtype, tuple(p.shape)))
         # parameters whose .grad was None at the last applied step, when the kernel zeroed the buffer
         self.clean: set[int] = set()
+        self.hooks = []
+        if self.overlapped:  # the exchange starts while backward runs (see bind's hooks)
+            me = weakref.ref(self)
+            self.hooks = [p.register_post_accumulate_grad_hook(lambda t, i=i: _ready(me, i, t))
+                          for i, (_, p, *_) in enumerate(self.bound)]
+
+    def close(self) -> None:
+        """Remove the backward hooks (the optimizer replaced this engine)."""
+        for h in self.hooks:
+            h.remove()
+        self.hooks = []
 
     def check(self) -> tuple[list, list, list]:
         """Find what a step must repair, changing nothing: ``(data_fixes, grad_fixes, held)``.
@@ -130,9 +145,10 @@ class GroupEngine(Engine):
                 _, p, _, grad, *_ = self.bound[i]
                 grad.copy_(p.grad)
                 p.grad = grad
-            for i in held:  # a held parameter's gradient must read 0: the norm and the moments see it
-                if i not in self.clean:
-                    self.bound[i][3].zero_()
+            if self.missing != "skip":  # a held parameter's gradient must read 0: the moments see it
+                for i in held:            # (with "skip" the engine zeroes it and the step leaves it alone)
+                    if i not in self.clean:
+                        self.bound[i][3].zero_()
             if self.lowp:
                 self.grads_tensor.copy_(self.lp_grads)
                 self.lp_grads.zero_()
@@ -148,23 +164,47 @@ class GroupEngine(Engine):
         self.refresh_working()
 
 
+def _ready(engine_ref, i: int, p) -> None:
+    """A parameter's post-accumulate-grad hook under the overlapped exchange: a gradient torch allocated
+    (after ``zero_grad()``'s ``set_to_none=True``) is copied into the buffer here, while backward still
+    runs, and ``.grad`` pointed at it; then the gradient is marked ready, which may start its bucket."""
+    engine = engine_ref()
+    if engine is None:
+        return
+    name, _, _, grad, _, dtype, shape = engine.bound[i]
+    g = p.grad
+    if g is not grad:
+        if g is None or g.dtype is not dtype or tuple(g.shape) != shape or g.device != grad.device \
+                or g.layout != torch.strided:
+            return  # not marked: the step's checks deal with it
+        grad.copy_(g)
+        p.grad = grad
+    engine.mark_ready(name)
+
+
 class Cohort:
     """One engine and where its parameters sit in the param groups."""
 
-    __slots__ = ("engine", "group_of", "held", "index", "lrs", "scalar_tensors", "signature", "step_tensor", "wds")
+    __slots__ = ("engine", "group_of", "held", "index", "lrs", "scalar_tensors", "signature", "steps", "step_tensors",
+                 "wds")
 
     def __init__(self, engine: GroupEngine, index: list, signature):
         self.engine = engine
         self.index = index  # (group, position in the group) per engine parameter, in layout order
         self.group_of = np.array([g for g, _ in index], np.intp)
         self.signature = signature
-        self.step_tensor = torch.tensor(float(engine.state.step))
+        # state[p]["step"]: a 0-d view each of one float32 array of the parameters' step counts
+        self.steps = np.zeros(len(index), dtype=np.float32)
+        whole = torch.from_numpy(self.steps)
+        self.step_tensors = [whole[i] for i in range(len(index))]
         self.scalar_tensors = {k: torch.tensor(v, dtype=torch.float32) for k, v in engine.state.scalars.items()}
         n = len(index)
         self.lrs, self.wds, self.held = np.zeros(n), np.zeros(n), False  # set by the first read of the groups
+        self.sync_tensors()
 
     def sync_tensors(self) -> None:
         """``state[p]["step"]`` and the scalar states' tensors follow the engine's counters."""
-        self.step_tensor.fill_(float(self.engine.state.step))
+        state = self.engine.state
+        self.steps[...] = state.step if state.counts is None else state.counts
         for k, t in self.scalar_tensors.items():
             t.fill_(self.engine.state.scalars[k])

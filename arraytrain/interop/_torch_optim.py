@@ -46,7 +46,9 @@ from ..errors import (
     StateDictError,
 )
 from ..ops import CLIP_EPS, clip_coef, norm_pass
-from ._torch_engine import Cohort, GroupEngine, group_name, plain_value
+from ..parallel.communicator import check_parallel
+from ..parallel.sync import BUCKET_BYTES
+from ._torch_engine import LOWP, Cohort, GroupEngine, group_name, plain_value
 from ._torch_state import check_state, load_entries, slot_views
 from ._torch_views import check_cuda_device, tensor_view
 
@@ -66,7 +68,8 @@ _FLOATS = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 #: The options every drop-in takes after torch's hyperparameters, keyword-only, with their defaults
 #: (:class:`TorchOptimizer` documents them).
 OPTIONS = {"max_grad_norm": None, "clip_eps": CLIP_EPS, "state_dtype": None, "min_8bit_size": None,
-           "kernels": "numba", "max_consecutive_skips": 50}
+           "kernels": "numba", "max_consecutive_skips": 50, "comm": None, "shard_state": False, "overlap": None,
+           "bucket_bytes": BUCKET_BYTES}
 
 
 class _Seen:
@@ -138,6 +141,29 @@ class TorchOptimizer(torch.optim.Optimizer):
         A step whose gradient holds NaN/Inf changes nothing (GradScaler's found_inf, or the
         engine's own check); after this many in a row :class:`~arraytrain.NonFiniteError`
         is raised (None: never). A step under a GradScaler that found an inf is not counted.
+    comm : a :class:`~arraytrain.parallel.Communicator` or None
+        Data parallelism in the optimizer, DDP's work without wrapping the model: every rank
+        runs the same model on its share of the batch, and each ``step()`` averages the ranks'
+        gradients (one all-reduce, or buckets that overlap the backward pass) before its norm,
+        clip and update, so every rank steps identically; the ranks start from rank 0's
+        weights (broadcast at construction). E.g. ``arraytrain.distributed.TorchComm()`` under
+        ``torchrun``, or ``MPIComm()``. The gradients each rank's ``.grad`` holds until the step
+        are its own: clip with ``max_grad_norm=`` (the clip of the averaged gradient, as
+        ``clip_grad_norm_`` after DDP's backward), not ``clip_grad_norm_`` before the step. The
+        param groups must share one engine (one dtype and device, the same kernel-wide
+        hyperparameters). A parameter counts as having a gradient when any rank has one.
+    shard_state : bool
+        With ``comm``: not built for the drop-ins yet (their ``state[p]`` and state dicts
+        show whole slots); :func:`~arraytrain.interop.torch.bind` takes it.
+    overlap : bool or None
+        With ``comm``: start each bucket's all-reduce while the backward pass still runs (a
+        post-accumulate-grad hook per parameter copies a gradient torch allocated into the
+        buffer and marks it ready). None: on where it can be (float32/float64 parameters, not
+        SAM), as :func:`~arraytrain.interop.torch.bind` and DDP do. Accumulating several
+        backward passes before one step is then refused by the hook (as bind refuses it):
+        pass ``overlap=False`` for that.
+    bucket_bytes : int
+        The overlapped exchange's bucket size (25 MiB, DDP's).
     """
 
     _step_supports_amp_scaling = True
@@ -212,6 +238,16 @@ class TorchOptimizer(torch.optim.Optimizer):
         if max_consecutive_skips is not None:
             max_consecutive_skips = check_int("max_consecutive_skips", max_consecutive_skips, 1)
         self.max_consecutive_skips = max_consecutive_skips
+        comm, shard_state, overlap, bucket_bytes = check_parallel(
+            options["comm"], options["shard_state"], bool(options["overlap"]), options["bucket_bytes"])
+        if shard_state:
+            raise HyperparameterError("shard_state: sharded optimizer state is not built for the drop-in optimizers "
+                                      "yet (their state[p] and state dicts show whole slots); use "
+                                      "arraytrain.interop.torch.bind(model, optimizer, comm=..., shard_state=True)")
+        if options["overlap"] and comm.is_local:
+            raise HyperparameterError("overlap: the overlapped exchange needs a group of processes (comm=...)")
+        self._overlap = options["overlap"]  # None: on where it can be (see _rebuild)
+        self._parallel = {"comm": comm, "bucket_bytes": bucket_bytes}
         self._keys = tuple(k for k in defaults if k not in PER_PARAM and k not in IGNORED_FLAGS
                            and k not in REFUSED_FLAGS)
         self._read_keys = ("lr", "weight_decay", *self._keys)
@@ -368,6 +404,23 @@ class TorchOptimizer(torch.optim.Optimizer):
             out.append((names[j] if names else f"{group_name(gi)}.params[{j}]", group["params"][j]))
         return out
 
+    def _engine_parallel(self, partition, dtype) -> dict:
+        """The data-parallel arguments of an engine: with a group of processes, one engine only (each
+        step is one exchange, and the ranks' engines must pair up), overlapped where it can be."""
+        comm = self._parallel["comm"]
+        if comm.is_local:
+            return {}
+        if len(partition) > 1:
+            raise HyperparameterError(
+                f"comm: the param groups need {len(partition)} engines (they differ in dtype, device, step count "
+                "or a hyperparameter that is one number per kernel, such as betas); under a group of processes "
+                "the drop-ins take groups that share one engine (lr and weight_decay may differ)")
+        can = dtype not in LOWP and not self.two_windows
+        if self._overlap and not can:
+            raise HyperparameterError("overlap: a bfloat16/float16 model's gradients reach the float32 buffer at "
+                                      "step(), and SAM's exchange needs the whole window; pass overlap=False")
+        return {**self._parallel, "overlap": can if self._overlap is None else self._overlap}
+
     def _rebuild(self, partition) -> None:
         """Engines for ``partition``, state carried over by name from the engines there were."""
         old = {}
@@ -394,7 +447,8 @@ class TorchOptimizer(torch.optim.Optimizer):
                 raise BackendUnavailableError(f"params: tensors on {device}; the drop-in optimizers run on the CPU "
                                               "and CUDA")
             engine = GroupEngine(entries, opt, masters, dtype=dtype, device=device, kernels=self.kernels,
-                                 max_consecutive_skips=self.max_consecutive_skips, clip_eps=self.clip_eps)
+                                 max_consecutive_skips=self.max_consecutive_skips, clip_eps=self.clip_eps,
+                                 parallel=self._engine_parallel(partition, dtype))
             for name, c, oname in sources:
                 for slot, buf in engine.state.slots.items():
                     src = c.engine.state.slots.get(slot)
@@ -408,7 +462,14 @@ class TorchOptimizer(torch.optim.Optimizer):
                 src = sources[0][1].engine
                 engine.state.step = src.state.step
                 engine.state.scalars.update(src.state.scalars)
+                if src.state.counts is not None:  # the parameters' own step counts come along
+                    counts = np.full(len(engine.layout), src.state.step, dtype=np.int64)
+                    for name, c, oname in sources:
+                        counts[engine.layout.index(name)] = c.engine.state.counts[c.engine.layout.index(oname)]
+                    engine.state.counts = None if (counts == src.state.step).all() else counts
             cohorts.append(Cohort(engine, list(index), sig))
+        for c in self._cohorts:
+            c.engine.close()
         self._cohorts = cohorts
         self._seen = [None] * len(self.param_groups)
         self._publish_state()
@@ -419,9 +480,9 @@ class TorchOptimizer(torch.optim.Optimizer):
         for c in self._cohorts:
             e = c.engine
             views = {slot: slot_views(buf, e.layout.names) for slot, buf in e.state.slots.items()}
-            for (gi, j), name in zip(c.index, e.layout.names):
+            for k, ((gi, j), name) in enumerate(zip(c.index, e.layout.names)):
                 p = self.param_groups[gi]["params"][j]
-                entry = {"step": c.step_tensor}
+                entry = {"step": c.step_tensors[k]}
                 for slot, by_name in views.items():
                     entry[slot] = by_name[name]
                 entry.update(c.scalar_tensors)
@@ -563,16 +624,18 @@ class TorchOptimizer(torch.optim.Optimizer):
         if all(len(held) == len(c.engine.bound) for c, (_, _, held) in zip(self._cohorts, plans)):
             return []  # no gradient anywhere: torch's optimizers do nothing either
         for c, plan in zip(self._cohorts, plans):
-            held = plan[2]
             c.engine.connect(*plan)
-            if rates or held or c.held:
+            # a parameter without a gradient: the engine leaves it out of the step (torch's rule); where
+            # its optimizer cannot step parameters alone, a zero lr and decay keep its weights
+            hold = plan[2] if c.engine.missing != "skip" else []
+            if rates or hold or c.held:
                 hp = c.engine.state.hp
                 hp["lr"][...] = c.lrs
                 hp["weight_decay"][...] = c.wds
-                if held:  # a parameter without a gradient stays where it is, as torch leaves it
-                    hp["lr"][held] = 0.0
-                    hp["weight_decay"][held] = 0.0
-            c.held = bool(held)
+                if hold:
+                    hp["lr"][hold] = 0.0
+                    hp["weight_decay"][hold] = 0.0
+            c.held = bool(hold)
         if len(self._cohorts) == 1:
             c = self._cohorts[0]
             c.engine.max_grad_norm = self.max_grad_norm
@@ -582,7 +645,7 @@ class TorchOptimizer(torch.optim.Optimizer):
     def _engine_step(self, c: Cohort, divisor: float, held):
         e = c.engine
         e.loss_scaler.scale = divisor  # the engine's Divisor: what the gradients carry this step
-        report = e.step()
+        report = e.step(absent=[e.bound[i][0] for i in held] if held and e.missing == "skip" else None)
         e.clean = set(held)
         c.sync_tensors()
         return report

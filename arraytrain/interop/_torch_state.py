@@ -63,7 +63,7 @@ def check_state(sd, param_groups, cohorts, check_group_values) -> dict:
     for c in cohorts:
         for (gi, j), name in zip(c.index, c.engine.layout.names):
             where_now[(gi, j)] = (c, name)
-    entries, steps = {}, {}
+    entries, steps, param_steps = {}, {}, {}
     for (gi, j), sid in sources.items():
         c, name = where_now[(gi, j)]
         entry = saved_state.get(sid)
@@ -86,6 +86,7 @@ def check_state(sd, param_groups, cohorts, check_group_values) -> dict:
                 or step < 0 or step != int(step) or step > 2**53:
             raise StateDictError(f"{label}['step']: expected a whole number of steps >= 0, got {step!r}")
         steps.setdefault(gi, {}).setdefault(int(step), []).append(name)
+        param_steps[(gi, j)] = int(step)
         checked = {}
         for k, v in entry.items():
             if k == "step":
@@ -115,14 +116,15 @@ def check_state(sd, param_groups, cohorts, check_group_values) -> dict:
                     raise StateDictError(f"{label}[{k!r}]: {exc}") from None
             checked[k] = v
         entries[(gi, j)] = checked
-    group_steps = []
+    group_steps, alone = [], {gi for c in cohorts if c.engine.optimizer.per_param_steps for gi in c.group_of}
     for gi in range(len(param_groups)):
         found = steps.get(gi, {})
-        if len(found) > 1:
+        if len(found) > 1 and gi not in alone:
             raise StateDictError(f"state_dict: {group_name(gi)}'s parameters stand at different steps "
-                                 f"{ {s: n[:3] for s, n in found.items()} }; arraytrain counts steps per group")
-        group_steps.append(next(iter(found)) if found else 0)
-    return {"groups": groups, "entries": entries, "steps": group_steps}
+                                 f"{ {s: n[:3] for s, n in found.items()} }, which its optimizer cannot hold (it "
+                                 "steps all its parameters together)")
+        group_steps.append(max(found) if found else 0)
+    return {"groups": groups, "entries": entries, "steps": group_steps, "param_steps": param_steps}
 
 
 def load_entries(cohorts, plan: dict, param_groups) -> None:
@@ -132,7 +134,10 @@ def load_entries(cohorts, plan: dict, param_groups) -> None:
     for c in cohorts:
         e = c.engine
         e.state.scalars.update(e.initial_scalars)
-        e.state.step = plan["steps"][int(c.group_of[0])]
+        e.state.step = step = plan["steps"][int(c.group_of[0])]
+        if e.optimizer.per_param_steps:  # each parameter at its own count (0: no state saved for it)
+            counts = np.array([plan["param_steps"].get(gj, 0) for gj in c.index], dtype=np.int64)
+            e.state.counts = None if (counts == step).all() else counts
         with torch.no_grad():
             for (gi, j), name in zip(c.index, e.layout.names):
                 entry = plan["entries"][(gi, j)]

@@ -37,9 +37,13 @@ copied. How it works, and what it guards against:
   engine: its values are copied into the engine's buffer and ``.grad`` points
   at the buffer again (one copy per step; ``zero_grad(set_to_none=False)``, or
   no ``zero_grad`` at all since the engine zeroes the buffer itself, avoids
-  it). A ``.grad`` still None at the step counts as a zero gradient (torch.optim
-  would skip that parameter; freeze it before ``bind`` to leave it out), and a
-  step where every ``.grad`` is None raises :class:`NoGradientsError`. A
+  it). A ``.grad`` still None at the step is a parameter without a gradient in
+  that micro-batch, handled by the engine's ``missing`` policy (``step(absent=...)``):
+  by default torch.optim's rule, ``missing="skip"`` (the step leaves it alone: weights,
+  state and its own step count, see :mod:`arraytrain.param_steps`), or ``"zero"`` where
+  the optimizer cannot step parameters alone (NAdam, schedule-free AdamW, Adafactor, Muon,
+  SAM) or when given; its ``.grad`` stays None. A step where every ``.grad`` is None raises
+  :class:`NoGradientsError`. A
   parameter whose ``.data`` was replaced by a tensor of the same dtype, device
   and shape has its values taken into the engine and is re-pointed. What
   cannot be repaired raises before anything changes: a parameter moved to
@@ -132,7 +136,8 @@ def bind(module, optimizer, **engine_kwargs) -> TorchEngine:
 
     ``engine_kwargs`` are :class:`~arraytrain.Engine`'s (``max_grad_norm``,
     ``accumulation_steps``, ``schedule``, ``loss_scaler``, ``comm``, ``shard_state``, ...), except
-    ``dtype``, ``device`` and ``working_dtype``, which come from the module. With ``comm``,
+    ``dtype``, ``device`` and ``working_dtype``, which come from the module. ``missing`` defaults
+    to torch's rule, "skip", where the optimizer can step parameters alone (else "zero"). With ``comm``,
     ``overlap`` defaults to True (the backward pass's hooks start the exchange; see the
     module docstring) where the exchange can overlap: a float32/float64 module, no
     compressor, no SAM.
@@ -195,6 +200,8 @@ class TorchEngine(Engine):
             engine_kwargs["overlap"] = (engine_kwargs.get("comm") is not None and not lowp
                                         and engine_kwargs.get("compressor") is None
                                         and not callable(getattr(optimizer, "perturb", None)))
+        if "missing" not in engine_kwargs and hasattr(optimizer, "per_param_steps"):  # torch.optim's rule
+            engine_kwargs["missing"] = "skip" if optimizer.per_param_steps else "zero"
         if lowp:
             engine_kwargs["working_dtype"] = "bfloat16" if dtype == torch.bfloat16 else "float16"
             if dtype == torch.float16 and "loss_scaler" not in engine_kwargs:
@@ -238,16 +245,19 @@ class TorchEngine(Engine):
 
     # -- the step -------------------------------------------------------------------------
     @guarded
-    def step(self, grads: Mapping | None = None, *, weight: float | None = None):
-        """:meth:`Engine.step`; with no ``grads``, first reconnect the module (see the module docstring)."""
+    def step(self, grads: Mapping | None = None, *, weight: float | None = None, absent=None):
+        """:meth:`Engine.step`; with no ``grads``, first reconnect the module (see the module docstring):
+        the parameters whose ``.grad`` is None are ``absent`` (with the names given, if any)."""
         if grads is None:
             self.check_weight(weight)  # refused before the gradients are touched
-            self._connect()
-        return super().step(grads, weight=weight)
+            none = self._connect(self._check_absent(None, absent))
+            absent = none if absent is None else sorted(set(none) | set(absent), key=self.layout.index)
+        return super().step(grads, weight=weight, absent=absent)
 
-    def _connect(self) -> None:
-        """Check every parameter, then repair: nothing is written unless every check passes."""
-        data_fixes, grad_fixes, zero = [], [], []
+    def _connect(self, absent) -> list:
+        """Check every parameter, then repair: nothing is written unless every check passes. Returns
+        the names of the parameters whose ``.grad`` is None (they stay None)."""
+        data_fixes, grad_fixes, none = [], [], []
         for name, p, data, grad in self._bound:
             if not p.requires_grad:
                 raise LayoutError(f"{name!r}: requires_grad was turned off after bind, but the engine still "
@@ -260,17 +270,18 @@ class TorchEngine(Engine):
             if g is grad:
                 continue
             if g is None:
-                zero.append((p, grad))
+                none.append(name)
             else:
                 check_kind(name, "gradient", g, grad, holder="bind", before="before bind")
                 grad_fixes.append((p, g, grad))
-        if len(zero) == len(self._bound):
+        if len(none) == len(self._bound):
             raise NoGradientsError("no parameter has a gradient (every .grad is None, e.g. after "
                                    "model.zero_grad()): call loss.backward() before engine.step()")
         for name, p in self.frozen.items():
             if p.requires_grad:
                 raise LayoutError(f"{name!r}: frozen at bind and now requires_grad=True; the engine does "
                                   "not hold it, so it would never be trained: bind the module again")
+        self._missing([*none, *absent])  # the policy's error before any write
         with self._torch.no_grad():
             for p, data in data_fixes:  # p.data replaced by a tensor of the same kind: keep its values
                 data.copy_(p.detach())
@@ -278,15 +289,13 @@ class TorchEngine(Engine):
             for p, g, grad in grad_fixes:  # a gradient torch allocated after zero_grad(set_to_none=True)
                 grad.copy_(g)
                 p.grad = grad
-            for p, grad in zero:
-                grad.zero_()
-                p.grad = grad
             if self._lowp:
                 if self.micro_batches == 0:
                     self._grads_view.copy_(self._lp_grads)
                 else:
                     self._grads_view.add_(self._lp_grads)
                 self._lp_grads.zero_()
+        return none
 
     @guarded
     def zero_grad(self) -> None:

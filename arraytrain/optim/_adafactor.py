@@ -52,6 +52,9 @@ class Adafactor(Optimizer):
     or column statistics; here they stay zero).
     """
 
+    per_param_steps = False
+    per_param_steps_refusal = "its factored statistics are worked per matrix, not per piece"
+
     fallback_capable = False  # its statistics have layouts of their own
     shard_refusal = ("its factored second moment is formed from whole rows and columns of each matrix; train "
                      "Adafactor replicated (shard_state=False), or shard an element-wise optimizer (AdamW, LAMB, ...)")

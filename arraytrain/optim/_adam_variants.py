@@ -68,6 +68,9 @@ class NAdam(_AdamVariant):
     ``overrides`` (see :class:`Optimizer`).
     """
 
+    per_param_steps = False
+    per_param_steps_refusal = "its momentum-schedule product mu_product is one number for every parameter"
+
     _slots = ("exp_avg", "exp_avg_sq")
 
     def __init__(self, lr: float = 2e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,

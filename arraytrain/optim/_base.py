@@ -30,13 +30,17 @@ class OptState:
     name-pattern ``overrides``, NaN where the optimizer's own (possibly changed
     since) value applies; it is derived, not saved. ``scalars``: state that is one
     float for the whole buffer (NAdam's ``mu_product``), kept on the host, saved
-    and restored with the slots.
+    and restored with the slots. ``counts``: per-parameter step counts where they
+    differ from ``step`` (see :mod:`arraytrain.param_steps`).
     """
 
     step: int = 0
     slots: dict[str, FlatBuffer] = field(default_factory=dict)
     hp: dict[str, np.ndarray] = field(default_factory=dict)
     scalars: dict[str, float] = field(default_factory=dict)
+    #: the steps each parameter took (int64 by segment) where some parameter skipped a step for want
+    #: of a gradient (``missing="skip"``, :mod:`arraytrain.param_steps`); None while all equal ``step``
+    counts: np.ndarray | None = None
 
 
 
@@ -255,6 +259,12 @@ class Optimizer(ABC):
     # per-parameter partial sums it forms over a partition (LAMB's trust ratios) in place.
     shard_refusal: str | None = None
     segment_sums = False
+    # ``per_param_steps``: ``update`` depends on nothing but the element-wise slots, the pieces it
+    # is given and ``state.step``, so the engine can step the parameters that have a gradient alone,
+    # each group at its own step count (``missing="skip"``, torch's rule: see
+    # :mod:`arraytrain.param_steps`); ``per_param_steps_refusal`` says why not where it cannot.
+    per_param_steps = True
+    per_param_steps_refusal = ""
 
     @property
     def shard_align(self) -> int:

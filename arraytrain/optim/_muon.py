@@ -13,6 +13,7 @@ import numpy as np
 
 from .._checks import check_bool, check_int, check_number
 from ..backend import array_module
+from ..buffer import Subset, SubsetLayout
 from ..errors import HyperparameterError
 from ..kernels import newton_schulz
 from ..layout import Layout
@@ -72,6 +73,9 @@ class Muon(Optimizer):
     optimizer between steps, one per array type, dtype and device: an optimizer instance
     must not step two engines from two threads at once.
     """
+
+    per_param_steps = False
+    per_param_steps_refusal = "its Newton-Schulz step works per matrix on a shared work buffer"
 
     fallback_capable = False
     shard_refusal = ("Newton-Schulz orthogonalises each whole matrix, which a partition may cut; train Muon "
@@ -165,7 +169,7 @@ class Muon(Optimizer):
         mask = mask_arg(mask, params)
         layout = params.layout
         if self.state_dtype == "8bit":  # pieces that split no 8-bit block (see Optimizer._pieces)
-            layout = _SubsetLayout(layout, self._pieces(params))
+            layout = SubsetLayout(layout, self._pieces(params))
         route = routing(layout, self.fallback_for)
         lr = self._lr(state, lr)
         gs = self._signed(gscale)
@@ -179,8 +183,8 @@ class Muon(Optimizer):
                               ns_steps=self.ns_steps, **working_args(working), zero_grad=zero_grad, mask=mask)
         if self.fallback is not None and route.fallback_pieces.shape[0]:
             # the fallback's own fused kernel over its parameters' pieces; gscale carries Muon's sign
-            self.fallback.update(kernels, _Subset(params, route.fallback_pieces),
-                                 _Subset(grads, route.fallback_pieces), self._inner(state), gscale=gs, lr=lr,
+            self.fallback.update(kernels, Subset(params, route.fallback_pieces),
+                                 Subset(grads, route.fallback_pieces), self._inner(state), gscale=gs, lr=lr,
                                  zero_grad=zero_grad, working=working, mask=mask)
         state.step += 1
 
@@ -293,31 +297,3 @@ def lr_ratios(layout: Layout, fallback_for: tuple[str, ...], adjust_lr_fn: str |
             ratios[seg] = 0.2 * math.sqrt(max(rows, cols))
     ratios.flags.writeable = False
     return ratios
-
-
-class _SubsetLayout:
-    """A layout whose ``pieces`` are a subset of another's (everything else is the other's)."""
-
-    __slots__ = ("_layout", "pieces")
-
-    def __init__(self, layout: Layout, pieces: np.ndarray):
-        self._layout, self.pieces = layout, pieces
-
-    def __getattr__(self, name):
-        return getattr(self._layout, name)
-
-    def __len__(self) -> int:
-        return len(self._layout)
-
-
-class _Subset:
-    """A flat buffer as the fallback sees it: the same array, the pieces of its own parameters only."""
-
-    __slots__ = ("flat", "layout")
-
-    def __init__(self, buf, pieces: np.ndarray):
-        self.flat, self.layout = buf.flat, _SubsetLayout(buf.layout, pieces)
-
-    @property
-    def dtype(self):
-        return self.flat.dtype

@@ -39,6 +39,9 @@ class SAM(Optimizer):
     delegate to the base optimizer, which carries ``maximize``.
     """
 
+    per_param_steps = False
+    per_param_steps_refusal = "its two gradient windows per step"
+
     fallback_capable = False  # two gradient windows per step
     shard_refusal = ("its ascent moves every weight along the whole gradient, of which a rank with sharded "
                      "state receives its partition only; train SAM replicated (shard_state=False)")

@@ -56,6 +56,9 @@ class ScheduleFreeAdamW(Optimizer):
     be > 0 (:math:`x` is recovered through a division by it).
     """
 
+    per_param_steps = False
+    per_param_steps_refusal = "its averaging weights are shared by every parameter"
+
     fallback_capable = False
     has_eval_params = True
 

@@ -30,9 +30,10 @@ import math
 import numpy as np
 
 from ..backend import array_module
-from ..buffer import FlatBuffer, aligned_zeros
+from ..buffer import FlatBuffer, Subset, aligned_zeros
 from ..errors import HyperparameterError
 from ..ops import NormPass
+from ..param_steps import pieces_of
 from .communicator import agree_on_setup, window_sums
 from .shard import ShardBuffer, gather, padded_buffer, partition
 
@@ -112,10 +113,12 @@ class Replicated(Placement):
         """The norm pass and non-finite check over the whole buffer: one read."""
         return judge.norm_pass(self.grads.flat, self.layout, unscale, self.device_gate)
 
-    def update(self, optimizer, kernels, state, gscale, lrs, zero_grad: bool) -> None:
-        """The optimizer's fused update of every weight (the gradient zeroed in it with ``zero_grad``)."""
-        optimizer.update(kernels, self.params, self.grads, state, gscale=gscale, lr=lrs, zero_grad=zero_grad,
-                         working=self.working_args(), mask=self.kernel_mask)
+    def update(self, optimizer, kernels, state, gscale, lrs, zero_grad: bool, groups=None) -> None:
+        """The optimizer's fused update of every weight (the gradient zeroed in it with ``zero_grad``);
+        with ``groups`` (:func:`arraytrain.param_steps.groups`) of the present parameters only."""
+        run_groups(groups, state, self.params, self.grads,
+                   lambda p, g: optimizer.update(kernels, p, g, state, gscale=gscale, lr=lrs, zero_grad=zero_grad,
+                                                 working=self.working_args(), mask=self.kernel_mask))
 
     def drop_window(self) -> None:
         """A skipped boundary: the window's gradient is dropped."""
@@ -226,13 +229,14 @@ class Sharded(Placement):
         comm.allreduce(sums, "sum")
         return judge.found(NormPass(peak * math.sqrt(sums[0]), peak * np.sqrt(sums[1:]), False), wsum)
 
-    def update(self, optimizer, kernels, state, gscale, lrs, zero_grad: bool) -> None:
+    def update(self, optimizer, kernels, state, gscale, lrs, zero_grad: bool, groups=None) -> None:
         """The own partition's update, then every rank's into every rank's weights; the gradient
         buffer (the rank's unreduced gradient and the reduce-scatter's scratch) is cleared whole."""
         sums = {"reduce_sums": self._reduce_sums} if optimizer.segment_sums else {}
         grads, self._grad_part = self._grad_part, None
-        optimizer.update(kernels, self.master, grads, state, gscale=gscale, lr=lrs, working=self.working_args(),
-                         mask=self.kernel_mask, **sums)
+        run_groups(groups, state, self.master, grads,
+                   lambda p, g: optimizer.update(kernels, p, g, state, gscale=gscale, lr=lrs,
+                                                 working=self.working_args(), mask=self.kernel_mask, **sums))
         self.publish()
         self._grads.fill(0)
 
@@ -322,3 +326,19 @@ def placement(comm, params: FlatBuffer, working_spec=None, *, shard: bool = Fals
     if shard:
         return Sharded(comm, params, working_spec)
     return Replicated(comm, params, working_spec, device_gate=device_gate)
+
+
+def run_groups(groups, state, params, grads, update) -> None:
+    """``update(params, grads)`` over every weight, or once per group of present parameters that
+    stand at one step count (``state.step`` set to it, the buffers cut to its pieces: see
+    :mod:`arraytrain.param_steps`); the caller sets the engine's step count afterwards."""
+    if groups is None:
+        update(params, grads)
+        return
+    for count, keep in groups:
+        state.step = count
+        if keep is None:
+            update(params, grads)
+            continue
+        pieces = pieces_of(params.layout.pieces, keep)
+        update(Subset(params, pieces), Subset(grads, pieces))

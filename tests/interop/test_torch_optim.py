@@ -681,7 +681,6 @@ def test_bad_state_dicts_change_nothing():
         ("missing ['exp_avg_sq']", {**sd, "state": {**sd["state"], 0: {"step": sd["state"][0]["step"],
                                                                       "exp_avg": sd["state"][0]["exp_avg"]}}}),
         ("'step'", {**sd, "state": {**sd["state"], 0: {**sd["state"][0], "step": torch.tensor(-1.0)}}}),
-        ("different steps", {**sd, "state": {**sd["state"], 0: {**sd["state"][0], "step": torch.tensor(7.0)}}}),
         ("betas[0]", {**sd, "param_groups": [{**sd["param_groups"][0], "betas": (2.0, 0.9)},
                                              sd["param_groups"][1]]}),
     ]

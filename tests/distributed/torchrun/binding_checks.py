@@ -153,3 +153,40 @@ def check_jax_binding_equals_one_process_with_the_global_batch(comm) -> int:
         np.testing.assert_allclose(norms, want_norms, rtol=1e-12, err_msg=f"shard={shard}")
         np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-12, err_msg=f"shard={shard}")
     return 2
+
+
+def check_dropin_with_comm_equals_ddp(comm) -> int:
+    """``at_torch.AdamW(..., comm=comm)`` (blocking and overlapped, set_to_none zero_grad) against
+    DDP + torch.optim.AdamW + clip_grad_norm_, each rank on its half of every batch: the same
+    losses and weights (float64, to 1e-10)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    cases = 0
+    for overlap in (False, True):
+        ref = model(0)
+        ddp = DistributedDataParallel(ref)
+        topt = torch.optim.AdamW(ddp.parameters(), lr=1e-2, weight_decay=0.01, foreach=False)
+        m = model(comm.rank)  # rank 0's weights reach every rank at construction
+        opt = at_torch.AdamW(m.parameters(), lr=1e-2, weight_decay=0.01, max_grad_norm=0.5, comm=comm,
+                             overlap=overlap, bucket_bytes=256)
+        assert opt._cohorts[0].engine.overlapped is overlap
+        losses = []
+        for t in range(STEPS):
+            x, y = batch(t)
+            pair = []
+            for net, o in ((ddp, topt), (m, opt)):
+                o.zero_grad()
+                loss = torch.nn.functional.cross_entropy(net(half(x, comm)), half(y, comm))
+                loss.backward()
+                if o is topt:
+                    torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+                o.step()
+                pair.append(loss.item())
+            losses.append(pair)
+        losses = np.array(losses)
+        np.testing.assert_allclose(losses[:, 1], losses[:, 0], rtol=1e-10, err_msg=f"overlap={overlap}")
+        got = flat_params(m)
+        assert same_everywhere(comm, got), f"overlap={overlap}"
+        np.testing.assert_allclose(got, flat_params(ref), rtol=1e-10, atol=1e-12, err_msg=f"overlap={overlap}")
+        cases += 1
+    return cases
