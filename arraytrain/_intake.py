@@ -134,7 +134,7 @@ class _Plan:
     slice, view)`` of the large ones.
     """
 
-    __slots__ = ("names", "shapes", "dtype", "absent", "groups", "staging", "direct")
+    __slots__ = ("names", "shapes", "dtype", "absent", "groups", "staging", "direct", "_in_place")
 
     def __init__(self, names, shapes, dtype, buf: FlatBuffer):
         layout = buf.layout
@@ -164,6 +164,26 @@ class _Plan:
         self.groups = [(p if len(p) < len(names) else None, np.asarray(r, np.int64).reshape(-1, 3),
                         self.staging[:n]) for p, r, n in groups]
         self.direct = direct
+        self._in_place = None  # what reading in place needs, made on first use (see in_place)
+
+    def in_place(self, buf: FlatBuffer):
+        """``(small, staged, bases, large)`` for reading a micro-batch where it lies: the positions of the
+        small gradients and one array that holds them all, end to end; the address of every parameter's
+        gradient (the buffer's own, the staged ones' in that array); the position and segment of each
+        large gradient, whose own address is read at each step."""
+        if self._in_place is None:
+            layout, itemsize = buf.layout, buf.flat.itemsize
+            bases = buf.flat.ctypes.data + np.asarray(layout.offsets, np.int64) * itemsize
+            small = [i for p, _, _ in self.groups for i in (range(len(self.names)) if p is None else p)]
+            staged = np.empty(sum(layout.sizes[layout.index(self.names[i])] for i in small), buf.flat.dtype)
+            pos = 0
+            for i in small:
+                j = layout.index(self.names[i])
+                bases[j] = staged.ctypes.data + pos * itemsize
+                pos += layout.sizes[j]
+            large = [(i, layout.index(self.names[i])) for i, _, _ in self.direct]
+            self._in_place = (small, staged, bases, large)
+        return self._in_place
 
 
 class Checked:
@@ -254,6 +274,27 @@ class Intake:
         if any(s == o.shape for s in shapes for o in self._owners):
             return
         self._plan = _Plan(tuple(grads), shapes, dtype, self.buf)
+
+    def place(self, checked: Checked):
+        """Where a validated micro-batch's gradients lie, for a step that reads them there
+        (:class:`~arraytrain.buffer.GradsAt`): the address of every parameter's gradient (int64, by
+        segment), or None where the micro-batch must be written into the buffer instead (the
+        general path, another dtype, a large gradient that is not contiguous). The small gradients
+        are gathered into one array of the plan (one ``np.concatenate``); the large ones are read
+        in the caller's arrays, which must not change until the step returns."""
+        plan = checked.plan
+        if plan is None or plan.dtype is not self.buf.flat.dtype:
+            return None
+        values = checked.values
+        small, staged, bases, large = plan.in_place(self.buf)
+        if any(not values[i].flags.c_contiguous for i, _ in large):
+            return None
+        bases = bases.copy()
+        for i, j in large:
+            bases[j] = values[i].__array_interface__["data"][0]
+        if small:
+            np.concatenate([values[i] for i in small], axis=None, out=staged)
+        return bases
 
     def write(self, checked: Checked, weight: float, overwrite: bool) -> None:
         """``buf[name] (=|+=) weight * grad`` for a validated micro-batch (cannot fail)."""

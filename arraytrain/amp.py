@@ -33,6 +33,9 @@ class LossScaler:
     stays. Defaults: init 2**16, growth 2 every 2000 steps, backoff 0.5.
     """
 
+    #: it adapts its scale to overflows, so the engine must find them (nonfinite="skip")
+    adjusts = True
+
     def __init__(self, init_scale: float = 2.0**16, growth_factor: float = 2.0, backoff_factor: float = 0.5,
                  growth_interval: int = 2000, max_scale: float | None = None):
         self.scale = check_positive("init_scale", init_scale)

@@ -285,13 +285,44 @@ class SubsetLayout:
 class Subset:
     """A flat buffer as an update over some parameters sees it: the same array, the given pieces only
     (Muon's fallback parameters; the parameters that have a gradient this step, see
-    :mod:`arraytrain.steps`)."""
+    :mod:`arraytrain.param_steps`). A subset of :class:`GradsAt` still reads where the gradients lie."""
 
-    __slots__ = ("flat", "layout")
+    __slots__ = ("flat", "layout", "_source")
 
     def __init__(self, buf, pieces: np.ndarray):
-        self.flat, self.layout = buf.flat, SubsetLayout(buf.layout, pieces)
+        self.flat, self.layout, self._source = buf.flat, SubsetLayout(buf.layout, pieces), buf
 
     @property
     def dtype(self):
         return self.flat.dtype
+
+    @property
+    def bases(self):
+        """The source's :attr:`GradsAt.bases`, or None."""
+        return getattr(self._source, "bases", None)
+
+    def ptrs(self, pieces: np.ndarray) -> np.ndarray:
+        """:meth:`GradsAt.ptrs` of the source."""
+        return self._source.ptrs(pieces)
+
+
+class GradsAt:
+    """One step's gradient read where it lies: the engine's gradient buffer (its dtype and layout), and
+    for every parameter the address of its gradient's first element, which may be anywhere (a torch
+    ``.grad`` tensor, an array given to ``step(grads)``, or the buffer itself). Optimizers that
+    ``reads_in_place`` hand their kernels :meth:`ptrs` (``grad_ptrs``, see
+    :mod:`arraytrain.kernels.interface`) instead of copying the gradients into the buffer first."""
+
+    __slots__ = ("flat", "layout", "bases", "_offsets")
+
+    def __init__(self, grads: FlatBuffer, bases: np.ndarray, offsets: np.ndarray):
+        self.flat, self.layout, self.bases, self._offsets = grads.flat, grads.layout, bases, offsets
+
+    @property
+    def dtype(self):
+        return self.flat.dtype
+
+    def ptrs(self, pieces: np.ndarray) -> np.ndarray:
+        """The address of the gradient's element at each piece's start (int64, one per row)."""
+        seg = pieces[:, 2]
+        return self.bases[seg] + (pieces[:, 0] - self._offsets[seg]) * self.flat.itemsize

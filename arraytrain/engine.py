@@ -14,7 +14,7 @@ from ._guard import CallGuard, guarded
 from .accumulate import REDUCTIONS
 from .amp import LossScaler, working_spec
 from .backend import NUMPY, array_module, backend_of, check_kernel_dtype
-from .buffer import FlatBuffer, as_flat_buffer
+from .buffer import FlatBuffer, GradsAt, as_flat_buffer
 from .compress import check_compressor
 from .engine_state import CheckedState, Counters, StateParts, checked_everywhere
 from .kernels.interface import family
@@ -37,6 +37,7 @@ from .stages import Judge, StepReport, Verdict
 
 STATE_FORMAT = engine_state.STATE_FORMAT
 MISSING = ("error", "zero", "skip")
+NONFINITE = ("skip", "apply")
 
 
 class Engine:
@@ -140,6 +141,12 @@ class Engine:
         with a compressor or SAM, whose exchanges need the whole window.
     bucket_bytes : int
         The overlapped exchange's bucket size (default 25 MiB, DDP's).
+    nonfinite : "skip" or "apply"
+        A boundary whose gradient holds NaN/Inf: skip it (nothing changes; see
+        ``max_consecutive_skips``), or apply it as torch.optim does without a GradScaler (the
+        NaN/Inf reaches the weights). "apply" without ``max_grad_norm`` makes no norm pass at
+        all (the report's norms are then NaN): one read of the gradient less. Not with a
+        :class:`~arraytrain.LossScaler` (which must see overflows) or a compressor.
 
     Notes
     -----
@@ -170,7 +177,7 @@ class Engine:
                  loss_scaler: LossScaler | None = None, working_dtype: str | None = None,
                  max_consecutive_skips: int | None = 50, compressor=None, device: str | None = None,
                  clip_eps: float = CLIP_EPS, comm=None, shard_state: bool = False, overlap: bool = False,
-                 bucket_bytes: int = BUCKET_BYTES):
+                 bucket_bytes: int = BUCKET_BYTES, nonfinite: str = "skip"):
         optimizer = check_optimizer(optimizer)
         accumulation_steps = check_int("accumulation_steps", accumulation_steps, 1)
         if max_grad_norm is not None:
@@ -181,6 +188,11 @@ class Engine:
             raise HyperparameterError(f"missing: expected one of {MISSING}, got {missing!r}")
         if missing == "skip":
             param_steps.check_skip_capable(optimizer)
+        if nonfinite not in NONFINITE:
+            raise HyperparameterError(f"nonfinite: expected one of {NONFINITE}, got {nonfinite!r}")
+        if nonfinite == "apply" and (compressor is not None or getattr(loss_scaler, "adjusts", False)):
+            raise HyperparameterError("nonfinite: 'apply' takes every gradient as it is, which a loss scaler (it "
+                                      "must see overflows) and a compressor (its error feedback) cannot; use 'skip'")
         if schedule is not None and not isinstance(schedule, Schedule):
             raise ArgumentTypeError(f"schedule: expected a schedule from arraytrain.schedules, got {type(schedule).__name__}")
         if loss_scaler is not None and not isinstance(loss_scaler, LossScaler):
@@ -214,7 +226,7 @@ class Engine:
              schedule=None if schedule is None else schedule.state_dict(), working_dtype=working_dtype,
              bucket_bytes=bucket_bytes)
         # the strategies, picked once: which buffers this rank holds, and when the gradient crosses ranks
-        gate = backend_of(self.params.flat) != NUMPY and compressor is None and not two_windows
+        gate = backend_of(self.params.flat) != NUMPY and compressor is None and not two_windows and nonfinite == "skip"
         self._placement = placement(comm, self.params, wspec, shard=shard_state, device_gate=gate)
         self._sync = gradient_sync(self._placement, compressor=compressor, overlap=overlap, bucket_bytes=bucket_bytes)
         self.params, self.grads, self.working = self._placement.params, self._placement.grads, self._placement.working
@@ -227,6 +239,14 @@ class Engine:
         self.reduction = reduction
         self.missing = missing
         self.zero_grad_on_step = bool(zero_grad_on_step)
+        self.nonfinite = nonfinite
+        # gradients read where they lie (arraytrain.buffer.GradsAt) when a window is one micro-batch and
+        # nothing needs them in the buffer: one process, the CPU, an optimizer whose kernels take grad_ptrs
+        self._in_place_ok = (comm.is_local and accumulation_steps == 1 and compressor is None and not two_windows
+                             and backend_of(self.params.flat) == NUMPY and optimizer.reads_in_place
+                             and self.zero_grad_on_step)
+        self._grads_at = None  # this window's gradient, where it lies (None: in engine.grads)
+        self._grad_offsets = np.asarray(self.layout.offsets, dtype=np.int64)
         self._intake = _intake.Intake(self.grads, (self.params.flat, self.grads.flat), self._kernels, kernels)
         self.schedule = schedule
         self.loss_scaler = loss_scaler
@@ -448,7 +468,11 @@ class Engine:
             if overwrite:
                 for name in absent:
                     self.grads[name][...] = 0
-            self._intake.write(checked, w, overwrite)
+            bases = self._intake.place(checked) if self._in_place_ok and w == 1.0 else None
+            if bases is None:
+                self._intake.write(checked, w, overwrite)
+            else:
+                self.read_in_place(bases)
         elif absent:
             self._missing(absent)
             if overwrite:  # (never in flight: an absent gradient is never marked ready)
@@ -465,7 +489,9 @@ class Engine:
         wsum = self.counters.close_window()
         absent, self.counters.absent = self.counters.absent, None
         # the exchange and the norm pass: the gradient sync, through the placement
-        judge = Judge(self._kernels, self._unscale, self.max_grad_norm, self.clip_eps)
+        grads_at, self._grads_at = self._grads_at, None
+        judge = Judge(self._kernels, self._unscale, self.max_grad_norm, self.clip_eps,
+                      check=self.nonfinite == "skip", grads_at=grads_at)
         verdict, payload = self._sync.reduce(wsum, ascent, judge)
         if self.missing == "skip":  # present where any rank had a gradient: with a group a collective,
             absent = param_steps.agree(self.comm, absent, len(self.layout))  # after every bucket's
@@ -475,15 +501,34 @@ class Engine:
             return self._skip(step, lr)
         if ascent:
             return self._ascent_stage(verdict, step, lr)
-        if not self._update_stage(verdict, lrs, absent):
+        if not self._update_stage(verdict, lrs, absent, grads_at):
             return self._skip(step, lr)
         return self._bookkeeping(verdict, lr, payload)
+
+    def read_in_place(self, bases) -> None:
+        """This micro-batch's gradients lie at ``bases`` (int64, by segment: the address of each
+        parameter's gradient, contiguous, of the buffer's dtype; a parameter whose gradient is in
+        ``engine.grads`` gives that address), not in ``engine.grads``: the step reads them there.
+
+        For a binding that holds the gradients elsewhere (the torch drop-ins' fresh ``.grad``
+        tensors); the dict path does it by itself. Only where :attr:`reads_in_place`; the
+        memory must stay valid and unchanged until the boundary's :meth:`step` returns."""
+        if not self._in_place_ok:
+            raise ArgumentTypeError("read_in_place: this engine reads its gradient buffer (reads_in_place is False)")
+        self._grads_at = GradsAt(self.grads, bases, self._grad_offsets)
+
+    @property
+    def reads_in_place(self) -> bool:
+        """Whether a step may read gradients where they lie (:meth:`read_in_place`): one process, the CPU,
+        one micro-batch per window, ``zero_grad_on_step``, an optimizer whose kernels take ``grad_ptrs``,
+        no compressor, no SAM."""
+        return self._in_place_ok
 
     def _unscale(self, wsum: float) -> float:
         # the buffer holds sum(w * g) of the scaled loss: the mean gradient is flat / unscale
         return (wsum if self.reduction == "mean" else 1.0) * self.loss_scale
 
-    def _update_stage(self, verdict: Verdict, lrs, absent) -> bool:
+    def _update_stage(self, verdict: Verdict, lrs, absent, grads_at=None) -> bool:
         """The optimizer's fused update, clip factor folded in; False when a device gate held it back.
         With parameters absent from the window (``missing="skip"``), the present ones only, once per
         step count among them (:mod:`arraytrain.param_steps`)."""
@@ -491,7 +536,9 @@ class Engine:
         groups = None if absent is None and state.counts is None else param_steps.groups(absent, state.counts, step)
 
         def update(gscale):
-            self._placement.update(self.optimizer, self._kernels, state, gscale, lrs, self.zero_grad_on_step, groups)
+            # a gradient read where it lies is its owner's: the kernel does not clear it
+            zero = self.zero_grad_on_step and grads_at is None
+            self._placement.update(self.optimizer, self._kernels, state, gscale, lrs, zero, groups, grads_at)
             state.step = step + 1
 
         if not verdict.apply(update, state):
@@ -595,6 +642,7 @@ class Engine:
         self.grads.flat.fill(0)
         self.counters.close_window()
         self.counters.absent = None
+        self._grads_at = None
 
     @guarded
     def mark_ready(self, names) -> None:

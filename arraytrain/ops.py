@@ -24,7 +24,7 @@ class NormPass:
     nonfinite: bool
 
 
-def norm_pass(kernels, flat, layout: Layout) -> NormPass:
+def norm_pass(kernels, flat, layout: Layout, grad_ptrs=None) -> NormPass:
     """Global and per-parameter L2 norms and the non-finite flag, in one pass.
 
     The finite check is folded into the float64 sum of squares: a NaN/Inf
@@ -32,14 +32,21 @@ def norm_pass(kernels, flat, layout: Layout) -> NormPass:
     Only a float64 buffer can also overflow from finite values (|x| > 1e154);
     that rare case takes two more passes (a finite check, then the sum of
     ``(x / max|x|)^2``) so that huge finite gradients still get a finite norm.
+    ``grad_ptrs``: the gradient is read where it lies (see :mod:`arraytrain.kernels.interface`);
+    the overflow case then finds a non-finite element through the scaled sum.
     """
-    total, per_seg = kernels.sumsq(flat, layout.pieces, nseg=len(layout))
+    nonfinite = NormPass(math.nan, np.full(len(layout), np.nan), True)
+    total, per_seg = kernels.sumsq(flat, layout.pieces, nseg=len(layout), grad_ptrs=grad_ptrs)
     if math.isfinite(total):
         return NormPass(math.sqrt(total), np.sqrt(per_seg), False)
-    if flat.dtype.itemsize < 8 or not kernels.all_finite(flat):
-        return NormPass(math.nan, np.full(len(layout), np.nan), True)
-    peak = kernels.max_abs(flat, layout.pieces)
-    total, per_seg = kernels.sumsq_scaled(flat, layout.pieces, nseg=len(layout), inv=1.0 / peak)
+    if flat.dtype.itemsize < 8 or (grad_ptrs is None and not kernels.all_finite(flat)):
+        return nonfinite
+    peak = kernels.max_abs(flat, layout.pieces, grad_ptrs=grad_ptrs)
+    if not 0.0 < peak < math.inf:
+        return nonfinite
+    total, per_seg = kernels.sumsq_scaled(flat, layout.pieces, nseg=len(layout), inv=1.0 / peak, grad_ptrs=grad_ptrs)
+    if not math.isfinite(total):  # a NaN that max_abs passed over
+        return nonfinite
     return NormPass(peak * math.sqrt(total), peak * np.sqrt(per_seg), False)
 
 

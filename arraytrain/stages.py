@@ -31,19 +31,37 @@ class Judge:
     a window's weight sum and the clip settings, as the engine holds them at that boundary
     (the drop-in optimizers change ``max_grad_norm`` between steps)."""
 
-    __slots__ = ("kernels", "unscale", "max_norm", "eps")
+    __slots__ = ("kernels", "unscale", "max_norm", "eps", "check", "grads_at")
 
-    def __init__(self, kernels, unscale, max_norm, eps: float):
+    def __init__(self, kernels, unscale, max_norm, eps: float, *, check: bool = True, grads_at=None):
         self.kernels, self.unscale, self.max_norm, self.eps = kernels, unscale, max_norm, eps
+        # check: a NaN/Inf skips the step (nonfinite="skip"); else it is applied, as torch.optim does
+        # without a GradScaler. grads_at: the gradient read where it lies (arraytrain.buffer.GradsAt)
+        self.check, self.grads_at = check, grads_at
 
     def found(self, found: NormPass, wsum: float) -> Verdict:
         """A finding made elsewhere (sharded: from the partitions' sums), for the weight sum ``wsum``."""
-        return Verdict(found, unscale=self.unscale(wsum), max_norm=self.max_norm, eps=self.eps)
+        return Verdict(self._checked(found), unscale=self.unscale(wsum), max_norm=self.max_norm, eps=self.eps)
 
     def norm_pass(self, flat, layout, unscale: float, on_device: bool) -> Verdict:
-        """The norm pass over ``flat``, on the host or (CUDA) as a gate left on the device."""
-        how = Verdict.on_device if on_device else Verdict.from_host
-        return how(self.kernels, flat, layout, unscale=unscale, max_norm=self.max_norm, eps=self.eps)
+        """The norm pass over ``flat``, on the host or (CUDA) as a gate left on the device; none at all
+        when nothing needs it (no non-finite check and no clipping: the report's norms are NaN)."""
+        if not self.check and self.max_norm is None:
+            return Verdict(NormPass(math.nan, np.full(len(layout), math.nan), False), unscale=unscale,
+                           max_norm=None, eps=self.eps)
+        if on_device:
+            return Verdict.on_device(self.kernels, flat, layout, unscale=unscale, max_norm=self.max_norm,
+                                     eps=self.eps)
+        ptrs = None if self.grads_at is None else self.grads_at.ptrs(layout.pieces)
+        found = norm_pass(self.kernels, flat, layout, grad_ptrs=ptrs)
+        return Verdict(self._checked(found), unscale=unscale, max_norm=self.max_norm, eps=self.eps)
+
+    def _checked(self, found: NormPass) -> NormPass:
+        """Without the check a non-finite finding is applied: the clip factor of a NaN norm is 1, and the
+        update carries the NaN/Inf into the weights, as torch's step does."""
+        if self.check or not found.nonfinite:
+            return found
+        return NormPass(found.norm, found.segment_norms, False)
 
 
 class Verdict:
@@ -51,7 +69,7 @@ class Verdict:
 
     The buffer holds the gradient times ``unscale``; ``norm``, ``segment_norms`` and
     ``coef`` (the clip factor) are of the true gradient. Made on the host by
-    :meth:`from_host`; on CUDA by :meth:`on_device`, whose finding stays on the device
+    :meth:`Judge.norm_pass`; on CUDA by :meth:`on_device`, whose finding stays on the device
     until :meth:`settle` reads it (the update kernels read the clip factor and the skip
     decision from the device meanwhile).
     """
@@ -59,11 +77,6 @@ class Verdict:
     def __init__(self, found: NormPass | None, *, unscale: float, max_norm, eps: float, device=None):
         self.found, self.unscale, self._max_norm, self._eps = found, unscale, max_norm, eps
         self._device = device  # (kernels, sums, gate, flat, layout) while the finding is on the device
-
-    @classmethod
-    def from_host(cls, kernels, flat, layout, *, unscale, max_norm, eps) -> Verdict:
-        """The norm pass on the host (:func:`arraytrain.ops.norm_pass`): the finding is known at once."""
-        return cls(norm_pass(kernels, flat, layout), unscale=unscale, max_norm=max_norm, eps=eps)
 
     @classmethod
     def on_device(cls, kernels, flat, layout, *, unscale, max_norm, eps) -> Verdict:

@@ -18,6 +18,17 @@ and the clipped step, ``max_grad_norm=1.0`` inside the drop-in's step against
 ``clip_grad_norm_(foreach=True)`` + the fused step. The figure of merit is the ratio of each
 to torch fused (below 1: arraytrain is faster).
 
+Then the loop every torch tutorial writes, on three models (``--loops``): ``opt.zero_grad()``
+(torch's default ``set_to_none=True``), forward, backward, ``clip_grad_norm_(params, 1.0)``,
+``opt.step()``, ``OneCycleLR``, two param groups (weight decay on the matrices, none on biases and
+norms); timed: the clip and the step, summed over ``--loop-steps`` steps a round, contestants
+alternating round by round (the median and best of ``--repeats`` rounds):
+
+* ``torch fused``: ``torch.optim.AdamW(fused=True)`` after ``clip_grad_norm_(foreach=True)``;
+* ``drop-in``: ``arraytrain.interop.torch.AdamW`` after the same ``clip_grad_norm_``: the fresh
+  ``.grad`` tensors are read where they lie;
+* ``drop-in, max_grad_norm``: the clip inside the step (no ``clip_grad_norm_``): the fast form.
+
 Then the cost of reading the param groups (``read_param_groups()``, which every step calls
 first), per group, for 1, 10 and 100 groups over 100 one-element tensors: groups unchanged
 (the steady state), every group's ``lr`` set anew before each read (a scheduler that changes
@@ -161,12 +172,109 @@ def measure_groups(groups: int, calls: int = 2000, repeats: int = 7) -> dict:
             "writes_us_per_group": {"set": best["set"] * 1e6 / groups, "fill_": best["fill"] * 1e6 / groups}}
 
 
+#: The everyday loop's models: (what, builder, input shape, classes)
+LOOP_MODELS = ("transformer-128", "cnn-bn", "transformer-512x4")
+
+
+def loop_model(kind: str):
+    """A model of ``kind`` (:data:`LOOP_MODELS`), its input batch and integer targets (seeded)."""
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    torch.manual_seed(0)
+    nn = torch.nn
+    if kind.startswith("transformer"):
+        d, layers = (128, 2) if kind == "transformer-128" else (512, 4)
+        layer = nn.TransformerEncoderLayer(d, nhead=8 if d == 512 else 4, dim_feedforward=4 * d, dropout=0.0,
+                                           batch_first=True)
+
+        class Encoder(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.embed = nn.Linear(32, d)
+                self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+                self.norm = nn.LayerNorm(d)
+                self.head = nn.Linear(d, 10)
+
+            def forward(self, x):
+                return self.head(self.norm(self.encoder(self.embed(x))).mean(1))
+
+        return Encoder(), torch.randn(16, 32, 32, generator=g), torch.randint(0, 10, (16,), generator=g)
+    model = nn.Sequential(
+        nn.Conv2d(3, 32, 3, padding=1, bias=False), nn.BatchNorm2d(32), nn.ReLU(),
+        nn.Conv2d(32, 64, 3, padding=1, bias=False), nn.BatchNorm2d(64), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(64, 192, 3, padding=1, bias=False), nn.BatchNorm2d(192), nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(192, 10))
+    return model, torch.randn(32, 3, 16, 16, generator=g), torch.randint(0, 10, (32,), generator=g)
+
+
+def measure_loop(kind: str, steps: int = 20, repeats: int = 5) -> dict:
+    """Seconds of clip + step per step in the everyday loop, by contestant (median and best of rounds)."""
+    import copy
+    import statistics
+
+    import torch
+
+    from arraytrain.interop import torch as at_torch
+
+    base, x, y = loop_model(kind)
+    total = steps * (repeats + 1)
+
+    def groups(m):
+        decay = [p for n, p in m.named_parameters() if p.ndim >= 2]
+        rest = [p for n, p in m.named_parameters() if p.ndim < 2]
+        return [{"params": decay, "weight_decay": WD}, {"params": rest, "weight_decay": 0.0}]
+
+    def make(which):
+        m = copy.deepcopy(base)
+        kw = {"lr": LR, "betas": BETAS, "eps": EPS}
+        if which == "torch fused":
+            opt = torch.optim.AdamW(groups(m), fused=True, **kw)
+        else:
+            inside = which == "drop-in, max_grad_norm"
+            opt = at_torch.AdamW(groups(m), max_grad_norm=MAX_NORM if inside else None, **kw)
+        sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=LR, total_steps=total + 10)
+        clip = which != "drop-in, max_grad_norm"
+        params = list(m.parameters())
+
+        def round_():
+            spent = 0.0
+            for _ in range(steps):
+                opt.zero_grad()
+                loss = torch.nn.functional.cross_entropy(m(x), y)
+                loss.backward()
+                t = time.perf_counter()
+                if clip:
+                    torch.nn.utils.clip_grad_norm_(params, MAX_NORM, foreach=True)
+                opt.step()
+                spent += time.perf_counter() - t
+                sched.step()
+            return spent / steps
+
+        return round_
+
+    names = ("torch fused", "drop-in", "drop-in, max_grad_norm")
+    rounds = {k: make(k) for k in names}
+    for fn in rounds.values():  # warm-up: kernels compiled, state allocated
+        fn()
+    times = {k: [] for k in names}
+    for _ in range(repeats):
+        for k, fn in rounds.items():
+            times[k].append(fn())
+    n = sum(p.numel() for p in base.parameters())
+    return {"model": kind, "elements": n, "tensors": len(list(base.parameters())),
+            "median": {k: statistics.median(v) for k, v in times.items()}, "best": {k: min(v) for k, v in times.items()}}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m arraytrain.bench dropin", description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", type=float, nargs="+", default=[1e6, 1e7, 1e8])
     ap.add_argument("--calls", type=int, default=5, help="steps per round (default 5)")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--group-calls", type=int, default=2000, help="group reads per round (default 2000)")
+    ap.add_argument("--loops", nargs="*", default=list(LOOP_MODELS), choices=LOOP_MODELS,
+                    help="the everyday loop's models (default: all; none: skip it)")
+    ap.add_argument("--loop-steps", type=int, default=20, help="steps of the everyday loop per round (default 20)")
     ap.add_argument("--json", help="write every figure to this file")
     args = ap.parse_args(argv)
     import torch
@@ -182,6 +290,17 @@ def main(argv=None) -> int:
             ref = t["torch fused"]
             cells = " | ".join(f"{t[k] * 1e3:>11.3f} ({t[k] / ref:4.2f}x)" for k in names)
             print(f"{r['elements']:>10.0e} {mode:>8} | {cells}")
+    loops = [measure_loop(k, args.loop_steps, args.repeats) for k in args.loops]
+    if loops:
+        names = ("torch fused", "drop-in", "drop-in, max_grad_norm")
+        print("\nThe everyday loop: clip + step, ms per step (median / best of rounds; x: torch fused / it, "
+              "above 1: faster than torch)")
+        print(f"{'model':>18} {'params':>9} {'tensors':>7} | " + " | ".join(f"{k:>28}" for k in names))
+        for r in loops:
+            ref = r["median"]["torch fused"]
+            cells = " | ".join(f"{r['median'][k] * 1e3:7.3f} / {r['best'][k] * 1e3:7.3f} ({ref / r['median'][k]:4.2f}x)"
+                               for k in names)
+            print(f"{r['model']:>18} {r['elements']:>9} {r['tensors']:>7} | {cells}")
     groups = [measure_groups(g, args.group_calls, args.repeats) for g in GROUPS]
     print("\nread_param_groups(), us per group (target <= 2):")
     print(f"{'groups':>7} | " + " | ".join(f"{k:>18}" for k in groups[0]["us_per_group"]))
@@ -189,7 +308,7 @@ def main(argv=None) -> int:
         print(f"{g['groups']:>7} | " + " | ".join(f"{v:>18.3f}" for v in g["us_per_group"].values()))
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump({"steps": rows, "groups": groups}, fh, indent=1)
+            json.dump({"steps": rows, "loops": loops, "groups": groups}, fh, indent=1)
     return 0
 
 

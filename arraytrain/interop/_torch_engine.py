@@ -46,6 +46,8 @@ class Divisor(LossScaler):
     torch.amp.GradScaler's scale, times the clip factor of a norm taken across engines. The optimizer
     sets :attr:`scale` before every step; unlike a loss scaler it never adjusts itself."""
 
+    adjusts = False  # set by the optimizer before every step, never adapted
+
     def __init__(self):
         super().__init__(init_scale=1.0)
 
@@ -64,12 +66,13 @@ class GroupEngine(Engine):
     """
 
     def __init__(self, entries, optimizer, masters: Mapping, *, dtype, device, kernels: str,
-                 max_consecutive_skips, clip_eps: float, parallel: Mapping | None = None):
+                 max_consecutive_skips, clip_eps: float, nonfinite: str = "skip", parallel: Mapping | None = None):
         lowp = dtype in LOWP
         # torch's rule for a parameter whose .grad is None: untouched by the step, its own step count
         # (where the optimizer can step parameters alone; see arraytrain.param_steps)
         kw = {"kernels": kernels, "max_consecutive_skips": max_consecutive_skips, "clip_eps": clip_eps,
               "loss_scaler": Divisor(), "missing": "skip" if optimizer.per_param_steps else "zero",
+              "nonfinite": nonfinite,
               **(parallel or {})}
         if lowp:
             kw["working_dtype"] = "bfloat16" if dtype == torch.bfloat16 else "float16"
@@ -97,6 +100,9 @@ class GroupEngine(Engine):
                 self.bound.append((n, p, data, grad, data.data_ptr(), p.dtype, tuple(p.shape)))
         # parameters whose .grad was None at the last applied step, when the kernel zeroed the buffer
         self.clean: set[int] = set()
+        # where each parameter's gradient lies in the buffer (the addresses a step read in place starts from)
+        self.flat_bases = self.grads.flat.ctypes.data + np.asarray(self.layout.offsets, np.int64) * \
+            self.grads.flat.itemsize
         self.hooks = []
         if self.overlapped:  # the exchange starts while backward runs (see bind's hooks)
             me = weakref.ref(self)
@@ -133,6 +139,22 @@ class GroupEngine(Engine):
                 check_kind(n, "gradient", g, grad, **_HELD)
                 grad_fixes.append(i)
         return data_fixes, grad_fixes, held
+
+    def fresh_in_place(self, plan):
+        """The gradients' addresses (by segment) when the step can read them where they lie: the engine
+        can (:attr:`~arraytrain.Engine.reads_in_place`, not a bfloat16/float16 model), and every
+        parameter's ``.grad`` is a contiguous tensor torch allocated (after ``zero_grad()``'s
+        ``set_to_none=True``) or None; else None (the step copies them into the buffer)."""
+        _, grad_fixes, held = plan
+        if not grad_fixes or len(grad_fixes) + len(held) != len(self.bound) or self.lowp or not self.reads_in_place:
+            return None
+        bases = self.flat_bases.copy()
+        for i in grad_fixes:
+            g = self.bound[i][1].grad
+            if not g.is_contiguous():
+                return None
+            bases[i] = g.data_ptr()
+        return bases
 
     def connect(self, data_fixes, grad_fixes, held) -> None:
         """Apply what :meth:`check` found: every ``.grad`` that is not None then points into the buffer."""

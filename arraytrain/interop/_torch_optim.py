@@ -68,8 +68,8 @@ _FLOATS = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 #: The options every drop-in takes after torch's hyperparameters, keyword-only, with their defaults
 #: (:class:`TorchOptimizer` documents them).
 OPTIONS = {"max_grad_norm": None, "clip_eps": CLIP_EPS, "state_dtype": None, "min_8bit_size": None,
-           "kernels": "numba", "max_consecutive_skips": 50, "comm": None, "shard_state": False, "overlap": None,
-           "bucket_bytes": BUCKET_BYTES}
+           "kernels": "numba", "max_consecutive_skips": 50, "nonfinite": "skip", "comm": None, "shard_state": False,
+           "overlap": None, "bucket_bytes": BUCKET_BYTES}
 
 
 class _Seen:
@@ -141,6 +141,12 @@ class TorchOptimizer(torch.optim.Optimizer):
         A step whose gradient holds NaN/Inf changes nothing (GradScaler's found_inf, or the
         engine's own check); after this many in a row :class:`~arraytrain.NonFiniteError`
         is raised (None: never). A step under a GradScaler that found an inf is not counted.
+    nonfinite : "skip" or "apply"
+        "skip": the step finds NaN/Inf in the gradient (in the norm pass it makes anyway) and
+        changes nothing. "apply": torch.optim's choice without a GradScaler, the step applies the
+        gradient as it is (NaN/Inf reach the weights), and without ``max_grad_norm`` the step
+        makes no norm pass at all: one read of the gradients less. Under a GradScaler its
+        ``found_inf`` still skips the step.
     comm : a :class:`~arraytrain.parallel.Communicator` or None
         Data parallelism in the optimizer, DDP's work without wrapping the model: every rank
         runs the same model on its share of the batch, and each ``step()`` averages the ranks'
@@ -238,6 +244,9 @@ class TorchOptimizer(torch.optim.Optimizer):
         if max_consecutive_skips is not None:
             max_consecutive_skips = check_int("max_consecutive_skips", max_consecutive_skips, 1)
         self.max_consecutive_skips = max_consecutive_skips
+        if options["nonfinite"] not in ("skip", "apply"):
+            raise HyperparameterError(f"nonfinite: expected 'skip' or 'apply', got {options['nonfinite']!r}")
+        self.nonfinite = options["nonfinite"]
         comm, shard_state, overlap, bucket_bytes = check_parallel(
             options["comm"], options["shard_state"], bool(options["overlap"]), options["bucket_bytes"])
         if shard_state:
@@ -448,7 +457,7 @@ class TorchOptimizer(torch.optim.Optimizer):
                                               "and CUDA")
             engine = GroupEngine(entries, opt, masters, dtype=dtype, device=device, kernels=self.kernels,
                                  max_consecutive_skips=self.max_consecutive_skips, clip_eps=self.clip_eps,
-                                 parallel=self._engine_parallel(partition, dtype))
+                                 nonfinite=self.nonfinite, parallel=self._engine_parallel(partition, dtype))
             for name, c, oname in sources:
                 for slot, buf in engine.state.slots.items():
                     src = c.engine.state.slots.get(slot)
@@ -623,8 +632,14 @@ class TorchOptimizer(torch.optim.Optimizer):
         plans = [c.engine.check() for c in self._cohorts]
         if all(len(held) == len(c.engine.bound) for c, (_, _, held) in zip(self._cohorts, plans)):
             return []  # no gradient anywhere: torch's optimizers do nothing either
+        one = len(self._cohorts) == 1
         for c, plan in zip(self._cohorts, plans):
-            c.engine.connect(*plan)
+            bases = c.engine.fresh_in_place(plan) if one else None
+            if bases is not None:  # every gradient is a fresh .grad: read where it lies, nothing copied
+                c.engine.connect(plan[0], [], plan[2])
+                c.engine.read_in_place(bases)
+            else:
+                c.engine.connect(*plan)
             # a parameter without a gradient: the engine leaves it out of the step (torch's rule); where
             # its optimizer cannot step parameters alone, a zero lr and decay keep its weights
             hold = plan[2] if c.engine.missing != "skip" else []
@@ -653,11 +668,12 @@ class TorchOptimizer(torch.optim.Optimizer):
     def _take_across(self, divisor: float, plans) -> list:
         """Several engines: one global norm (and NaN/Inf verdict) over all of them, then each steps."""
         total, bad = 0.0, False
-        for c in self._cohorts:
-            found = norm_pass(c.engine.kernels, c.engine.grads.flat, c.engine.layout)
-            bad = bad or found.nonfinite
-            total += found.norm ** 2
-        if bad:
+        if self.max_grad_norm is not None or self.nonfinite == "skip":
+            for c in self._cohorts:
+                found = norm_pass(c.engine.kernels, c.engine.grads.flat, c.engine.layout)
+                bad = bad or found.nonfinite
+                total += found.norm ** 2
+        if bad and self.nonfinite == "skip":
             for c in self._cohorts:
                 c.engine.zero_grad()
                 c.engine.clean.clear()

@@ -34,10 +34,12 @@ copied. How it works, and what it guards against:
   parameter is checked (a pointer and an identity test per tensor):
   ``model.zero_grad()`` with ``set_to_none=True`` (torch's default) leaves
   ``.grad`` None, and the next ``backward()`` allocates a gradient outside the
-  engine: its values are copied into the engine's buffer and ``.grad`` points
-  at the buffer again (one copy per step; ``zero_grad(set_to_none=False)``, or
-  no ``zero_grad`` at all since the engine zeroes the buffer itself, avoids
-  it). A ``.grad`` still None at the step is a parameter without a gradient in
+  engine. When every gradient is such a tensor (or None) and the engine
+  ``reads_in_place`` (one process, the CPU, one micro-batch per window), the
+  step reads them where they lie; otherwise their values are copied into the
+  engine's buffer first. Either way ``.grad`` then points at the buffer again
+  (``zero_grad(set_to_none=False)``, or no ``zero_grad`` at all since the
+  engine zeroes the buffer itself, keeps it there). A ``.grad`` still None at the step is a parameter without a gradient in
   that micro-batch, handled by the engine's ``missing`` policy (``step(absent=...)``):
   by default torch.optim's rule, ``missing="skip"`` (the step leaves it alone: weights,
   state and its own step count, see :mod:`arraytrain.param_steps`), or ``"zero"`` where
@@ -250,13 +252,20 @@ class TorchEngine(Engine):
         the parameters whose ``.grad`` is None are ``absent`` (with the names given, if any)."""
         if grads is None:
             self.check_weight(weight)  # refused before the gradients are touched
-            none = self._connect(self._check_absent(None, absent))
+            none, fresh = self._connect(self._check_absent(None, absent))
             absent = none if absent is None else sorted(set(none) | set(absent), key=self.layout.index)
+            if fresh:  # read where they lie; then .grad points at the (zeroed) buffer, as after a copy
+                try:
+                    return super().step(grads, weight=weight, absent=absent)
+                finally:
+                    for _, p, _, grad in fresh:
+                        p.grad = grad
         return super().step(grads, weight=weight, absent=absent)
 
-    def _connect(self, absent) -> list:
+    def _connect(self, absent) -> tuple:
         """Check every parameter, then repair: nothing is written unless every check passes. Returns
-        the names of the parameters whose ``.grad`` is None (they stay None)."""
+        the names of the parameters whose ``.grad`` is None (they stay None), and the fresh gradients
+        the step reads where they lie (``(name, param, .grad, buffer view)``; empty when copied in)."""
         data_fixes, grad_fixes, none = [], [], []
         for name, p, data, grad in self._bound:
             if not p.requires_grad:
@@ -273,7 +282,7 @@ class TorchEngine(Engine):
                 none.append(name)
             else:
                 check_kind(name, "gradient", g, grad, holder="bind", before="before bind")
-                grad_fixes.append((p, g, grad))
+                grad_fixes.append((name, p, g, grad))
         if len(none) == len(self._bound):
             raise NoGradientsError("no parameter has a gradient (every .grad is None, e.g. after "
                                    "model.zero_grad()): call loss.backward() before engine.step()")
@@ -282,11 +291,15 @@ class TorchEngine(Engine):
                 raise LayoutError(f"{name!r}: frozen at bind and now requires_grad=True; the engine does "
                                   "not hold it, so it would never be trained: bind the module again")
         self._missing([*none, *absent])  # the policy's error before any write
+        bases = self._fresh_in_place(grad_fixes, none)
+        fresh = []
+        if bases is not None:  # every gradient a fresh .grad: the step reads them where they lie
+            fresh, grad_fixes = grad_fixes, []
         with self._torch.no_grad():
             for p, data in data_fixes:  # p.data replaced by a tensor of the same kind: keep its values
                 data.copy_(p.detach())
                 p.data = data
-            for p, g, grad in grad_fixes:  # a gradient torch allocated after zero_grad(set_to_none=True)
+            for _, p, g, grad in grad_fixes:  # a gradient torch allocated after zero_grad(set_to_none=True)
                 grad.copy_(g)
                 p.grad = grad
             if self._lowp:
@@ -295,7 +308,21 @@ class TorchEngine(Engine):
                 else:
                     self._grads_view.add_(self._lp_grads)
                 self._lp_grads.zero_()
-        return none
+        if bases is not None:
+            self.read_in_place(bases)
+        return none, fresh
+
+    def _fresh_in_place(self, grad_fixes, none):
+        """The gradients' addresses (by segment) when this micro-batch's gradients are all fresh ``.grad``
+        tensors torch allocated (or None) and the engine can read them there; else None."""
+        if not grad_fixes or len(grad_fixes) + len(none) != len(self._bound) or not self.reads_in_place \
+                or self._lowp or not all(g.is_contiguous() for _, _, g, _ in grad_fixes):
+            return None
+        flat = self.grads.flat
+        bases = flat.ctypes.data + np.asarray(self.layout.offsets, np.int64) * flat.itemsize
+        for name, _, g, _ in grad_fixes:
+            bases[self.layout.index(name)] = g.data_ptr()
+        return bases
 
     @guarded
     def zero_grad(self) -> None:

@@ -167,6 +167,11 @@ ARGUMENTS = {
     "kind": "kind of the low-precision working copy: LP_BF16 or LP_F16 (LP_NONE: none, with working=None)",
     "zero_grad": "zero the gradient in the same pass",
     "mask": "pruning mask (uint8, 1 keep) or None: pruned weights written as exactly 0",
+    "grad_ptrs": ("None (the gradient is the flat buffer g), or int64, one per row of pieces: the address of "
+                  "the gradient's element at the piece's start, wherever it lies (a torch .grad, a NumPy array), "
+                  "contiguous, of g's dtype: the gradient read where it lies, never copied in. Callers pass "
+                  "zero_grad=False with it (that memory is not the kernel's to clear). CPU families only: the "
+                  "CUDA kernels raise BackendUnavailableError"),
     "reduce_sums": ("LAMB: None, or a callable that completes the float64 per-parameter sums of squares "
                     "[||p||^2..., ||u||^2...] of a partition in place (sharded state: one all-reduce)"),
     "grad_step": "per parameter: NAdam's step of the gradient term, lr*(1 - mu_t)/(1 - mu_1*...*mu_t)",

@@ -41,5 +41,6 @@ class Adadelta(Optimizer):
         kernels.adadelta_step(params.flat, grads.flat, self._slot(state, "square_avg"), self._slot(state, "acc_delta"),
                               self._pieces(params), gscale=self._signed(gscale), lr=self._lr(state, lr),
                               l2=self.per_param(state, "weight_decay"), rho=self.rho, eps=self.eps,
-                              **working_args(working), zero_grad=zero_grad, mask=mask_arg(mask, params))
+                              **working_args(working), zero_grad=zero_grad, mask=mask_arg(mask, params),
+                              grad_ptrs=self._grad_ptrs(params, grads))
         state.step += 1

@@ -52,6 +52,8 @@ class Adafactor(Optimizer):
     or column statistics; here they stay zero).
     """
 
+    reads_in_place = False  # its kernels read the flat gradient buffer
+
     per_param_steps = False
     per_param_steps_refusal = "its factored statistics are worked per matrix, not per piece"
 

@@ -65,5 +65,6 @@ class Adagrad(Optimizer):
         clr = self._lr(state, lr) / (1.0 + (t - 1) * self.lr_decay)  # torch's decayed rate
         kernels.adagrad_step(params.flat, grads.flat, self._slot(state, "sum"), self._pieces(params),
                              gscale=self._signed(gscale), lr=clr, l2=self.per_param(state, "weight_decay"),
-                             eps=self.eps, **working_args(working), zero_grad=zero_grad, mask=mask_arg(mask, params))
+                             eps=self.eps, **working_args(working), zero_grad=zero_grad, mask=mask_arg(mask, params),
+                             grad_ptrs=self._grad_ptrs(params, grads))
         state.step = t

@@ -77,7 +77,7 @@ class Adam(Optimizer):
                           gscale=self._signed(gscale), step_size=lr / (1.0 - b1**t), beta1=b1, beta2=b2,
                           eps=self.eps, inv_bc2_sqrt=1.0 / math.sqrt(1.0 - b2**t), l2=l2, decay=decay,
                           amsgrad=self.amsgrad, **working_args(working), zero_grad=zero_grad,
-                          mask=mask_arg(mask, params))
+                          mask=mask_arg(mask, params), grad_ptrs=self._grad_ptrs(params, grads))
         state.step = t
 
 

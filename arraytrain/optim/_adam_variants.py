@@ -104,7 +104,8 @@ class NAdam(_AdamVariant):
                            grad_step=lr * (1.0 - mu) / (1.0 - mu_product),
                            moment_step=lr * mu_next / (1.0 - mu_product * mu_next),
                            inv_bc2_sqrt=1.0 / math.sqrt(1.0 - self.betas[1] ** t), **self._decays(state, lr),
-                           **self._common_args(params, gscale, working, zero_grad, mask))
+                           **self._common_args(params, gscale, working, zero_grad, mask),
+                           grad_ptrs=self._grad_ptrs(params, grads))
         state.scalars["mu_product"] = mu_product
         state.step = t
 
@@ -161,7 +162,8 @@ class RAdam(_AdamVariant):
         rect = self._rectification(t)
         kernels.radam_step(*self._arrays(state, params, grads), step_size=lr / (1.0 - self.betas[0] ** t),
                            rect=0.0 if rect is None else rect, rectified=rect is not None, **self._decays(state, lr),
-                           **self._common_args(params, gscale, working, zero_grad, mask))
+                           **self._common_args(params, gscale, working, zero_grad, mask),
+                           grad_ptrs=self._grad_ptrs(params, grads))
         state.step = t
 
 
@@ -197,5 +199,6 @@ class Adamax(_AdamVariant):
         t = state.step + 1
         kernels.adamax_step(*self._arrays(state, params, grads), step_size=lr / (1.0 - self.betas[0] ** t),
                             l2=self.per_param(state, "weight_decay"),
-                            **self._common_args(params, gscale, working, zero_grad, mask))
+                            **self._common_args(params, gscale, working, zero_grad, mask),
+                           grad_ptrs=self._grad_ptrs(params, grads))
         state.step = t

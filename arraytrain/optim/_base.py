@@ -170,6 +170,12 @@ class Optimizer(ABC):
             return pieces  # offsets on blocks: the layout's chunks cut no block
         return _block_pieces(params.layout, np.ascontiguousarray(pieces[:, 2]).tobytes())
 
+    def _grad_ptrs(self, params, grads):
+        """The kernels' ``grad_ptrs`` for the pieces this optimizer walks: None for a flat gradient
+        buffer, else (:class:`~arraytrain.buffer.GradsAt`, gradients read where they lie) an address
+        per piece."""
+        return None if getattr(grads, "bases", None) is None else grads.ptrs(self._pieces(params))
+
     @abstractmethod
     def update(self, kernels, params: FlatBuffer, grads: FlatBuffer, state: OptState, *,
                gscale: float = 1.0, lr=None, zero_grad: bool = False, working=None, mask=None) -> None:
@@ -265,6 +271,9 @@ class Optimizer(ABC):
     # :mod:`arraytrain.param_steps`); ``per_param_steps_refusal`` says why not where it cannot.
     per_param_steps = True
     per_param_steps_refusal = ""
+    # ``reads_in_place``: ``update`` passes its kernels ``grad_ptrs`` (:meth:`_grad_ptrs`), so the
+    # engine may hand it gradients that lie outside the flat buffer (:class:`~arraytrain.buffer.GradsAt`)
+    reads_in_place = True
 
     @property
     def shard_align(self) -> int:

@@ -76,6 +76,6 @@ class LAMB(Optimizer):
                                   beta1=b1, beta2=b2, eps=self.eps, eps_root=self.eps_root,
                                   inv_bc1=1.0 / (1.0 - b1**t), inv_bc2=1.0 / (1.0 - b2**t),
                                   **working_args(working), zero_grad=zero_grad, mask=mask_arg(mask, params),
-                                  reduce_sums=reduce_sums)
+                                  reduce_sums=reduce_sums, grad_ptrs=self._grad_ptrs(params, grads))
         self.trust_ratio = ratio  # float64, on the buffers' device
         state.step = t

@@ -55,5 +55,5 @@ class Lion(Optimizer):
                           gscale=self._signed(gscale), lr=lr,
                           decay=decoupled_decay(lr, self.per_param(state, "weight_decay")),
                           beta1=b1, beta2=b2, **working_args(working), zero_grad=zero_grad,
-                          mask=mask_arg(mask, params))
+                          mask=mask_arg(mask, params), grad_ptrs=self._grad_ptrs(params, grads))
         state.step += 1

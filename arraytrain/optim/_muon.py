@@ -74,6 +74,8 @@ class Muon(Optimizer):
     must not step two engines from two threads at once.
     """
 
+    reads_in_place = False  # its kernels read the flat gradient buffer
+
     per_param_steps = False
     per_param_steps_refusal = "its Newton-Schulz step works per matrix on a shared work buffer"
 

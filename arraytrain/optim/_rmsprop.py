@@ -60,5 +60,6 @@ class RMSprop(Optimizer):
                              gscale=self._signed(gscale), lr=self._lr(state, lr),
                              l2=self.per_param(state, "weight_decay"), alpha=self.alpha, eps=self.eps,
                              momentum=self.momentum, centered=self.centered, **working_args(working),
-                             zero_grad=zero_grad, mask=mask_arg(mask, params))
+                             zero_grad=zero_grad, mask=mask_arg(mask, params),
+                             grad_ptrs=self._grad_ptrs(params, grads))
         state.step += 1

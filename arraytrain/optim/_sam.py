@@ -39,6 +39,8 @@ class SAM(Optimizer):
     delegate to the base optimizer, which carries ``maximize``.
     """
 
+    reads_in_place = False  # its kernels read the flat gradient buffer
+
     per_param_steps = False
     per_param_steps_refusal = "its two gradient windows per step"
 

@@ -56,6 +56,8 @@ class ScheduleFreeAdamW(Optimizer):
     be > 0 (:math:`x` is recovered through a division by it).
     """
 
+    reads_in_place = False  # its kernels read the flat gradient buffer
+
     per_param_steps = False
     per_param_steps_refusal = "its averaging weights are shared by every parameter"
 

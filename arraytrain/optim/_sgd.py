@@ -52,5 +52,6 @@ class SGD(Optimizer):
         kernels.sgd_step(params.flat, grads.flat, buf, self._pieces(params), gscale=self._signed(gscale),
                          lr=self._lr(state, lr), l2=self.per_param(state, "weight_decay"), momentum=self.momentum,
                          dampening=self.dampening, nesterov=self.nesterov, first=state.step == 0,
-                         **working_args(working), zero_grad=zero_grad, mask=mask_arg(mask, params))
+                         **working_args(working), zero_grad=zero_grad, mask=mask_arg(mask, params),
+                         grad_ptrs=self._grad_ptrs(params, grads))
         state.step += 1

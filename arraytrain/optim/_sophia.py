@@ -43,6 +43,8 @@ class Sophia(Optimizer):
     :math:`\rho_t` is not an argument (torch computes it from ``lr``).
     """
 
+    reads_in_place = False  # its kernels read the flat gradient buffer
+
     fallback_capable = False  # fed by engine.update_hessian
     shard_refusal = ("its Hessian estimates are fed by name through engine.update_hessian, which does not "
                      "take partitions yet; train Sophia replicated (shard_state=False)")

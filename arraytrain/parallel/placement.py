@@ -113,10 +113,11 @@ class Replicated(Placement):
         """The norm pass and non-finite check over the whole buffer: one read."""
         return judge.norm_pass(self.grads.flat, self.layout, unscale, self.device_gate)
 
-    def update(self, optimizer, kernels, state, gscale, lrs, zero_grad: bool, groups=None) -> None:
+    def update(self, optimizer, kernels, state, gscale, lrs, zero_grad: bool, groups=None, grads_at=None) -> None:
         """The optimizer's fused update of every weight (the gradient zeroed in it with ``zero_grad``);
-        with ``groups`` (:func:`arraytrain.param_steps.groups`) of the present parameters only."""
-        run_groups(groups, state, self.params, self.grads,
+        with ``groups`` (:func:`arraytrain.param_steps.groups`) of the present parameters only; with
+        ``grads_at`` (:class:`~arraytrain.buffer.GradsAt`) reading the gradients where they lie."""
+        run_groups(groups, state, self.params, self.grads if grads_at is None else grads_at,
                    lambda p, g: optimizer.update(kernels, p, g, state, gscale=gscale, lr=lrs, zero_grad=zero_grad,
                                                  working=self.working_args(), mask=self.kernel_mask))
 
@@ -229,7 +230,7 @@ class Sharded(Placement):
         comm.allreduce(sums, "sum")
         return judge.found(NormPass(peak * math.sqrt(sums[0]), peak * np.sqrt(sums[1:]), False), wsum)
 
-    def update(self, optimizer, kernels, state, gscale, lrs, zero_grad: bool, groups=None) -> None:
+    def update(self, optimizer, kernels, state, gscale, lrs, zero_grad: bool, groups=None, grads_at=None) -> None:
         """The own partition's update, then every rank's into every rank's weights; the gradient
         buffer (the rank's unreduced gradient and the reduce-scatter's scratch) is cleared whole."""
         sums = {"reduce_sums": self._reduce_sums} if optimizer.segment_sums else {}

@@ -11,7 +11,7 @@ import warnings
 
 import numpy as np
 from llvmlite import ir
-from numba import njit, types
+from numba import carray, njit, types
 from numba.core.errors import NumbaIRAssumptionWarning
 from numba.extending import intrinsic, overload
 from numba.core import cgutils
@@ -195,6 +195,43 @@ def _store_masked(pb, i, x, kb):
 
 
 # -- zeroing the gradient in the update pass ---------------------------------------------------
+
+
+# -- gradients read where they lie ------------------------------------------------------------
+#
+# ``grad_ptrs`` (the kernels' keyword, see arraytrain.kernels.interface): None, the gradient is
+# the flat buffer ``g``; or an int64 array with one address per piece, of the gradient's element
+# at the piece's start, wherever that gradient lies (a torch ``.grad`` tensor, a NumPy array of
+# the dict path), contiguous and of ``g``'s dtype. Resolved when the kernel is typed: with None
+# the slice is ``g[a:b]``, instruction for instruction the loop it was.
+
+
+@intrinsic
+def _pointer(typingctx, address, like):
+    """``address`` (an int) as a pointer to ``like``'s elements (jitted code only)."""
+    sig = types.CPointer(like.dtype)(address, like)
+
+    def codegen(context, builder, signature, args):
+        return builder.inttoptr(args[0], context.get_value_type(signature.return_type))
+
+    return sig, codegen
+
+
+def grad_slice(g, grad_ptrs, j, lo, a, b):
+    """Elements ``[a, b)`` of piece ``j`` (which starts at ``lo``) of the gradient: ``g[a:b]``, or
+    read where it lies through ``grad_ptrs[j]`` (jitted code only)."""
+    raise NotImplementedError("only callable from jitted code")
+
+
+@overload(grad_slice, inline="always", jit_options=JIT)
+def _grad_slice(g, grad_ptrs, j, lo, a, b):
+    if isinstance(grad_ptrs, types.NoneType):
+        return lambda g, grad_ptrs, j, lo, a, b: g[a:b]
+    size = as_dtype(g.dtype).itemsize
+
+    def impl(g, grad_ptrs, j, lo, a, b):
+        return carray(_pointer(grad_ptrs[j] + (a - lo) * size, g), (b - a,))
+    return impl
 
 
 def grad_fill(zero_grad):

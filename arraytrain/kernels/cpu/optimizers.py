@@ -13,8 +13,8 @@ from numba import njit, prange
 from .. import newton_schulz
 from ..interface import LP_NONE
 from ._jit import EXACT_DIVISION, JIT, pick, twins
-from .codecs import (clear_grad, grad_fill, load_state, piece_mask, state_close, state_open, state_scratch, state_step,
-                     store_masked, store_state, store_working)
+from .codecs import (clear_grad, grad_fill, grad_slice, load_state, piece_mask, state_close, state_open,
+                     state_scratch, state_step, store_masked, store_state, store_working)
 from .reductions import piece_totals
 
 # -- optimizers -------------------------------------------------------------------------
@@ -65,7 +65,7 @@ def _sgd_piece(pb, gb, bb, kb, gscale, lr_j, wd_j, momentum, damp_c, nesterov, f
         clear_grad(gb, i, zero_grad)
 
 
-def _sgd(p, g, buf, pieces, gscale, lr, wd, momentum, damp_c, nesterov, first, w, wkind, zero_grad, mask):
+def _sgd(p, g, buf, pieces, gp, gscale, lr, wd, momentum, damp_c, nesterov, first, w, wkind, zero_grad, mask):
     has_buf = momentum != 0
     for j in prange(pieces.shape[0]):
         lo, hi, seg = pieces[j, 0], pieces[j, 1], pieces[j, 2]
@@ -75,7 +75,7 @@ def _sgd(p, g, buf, pieces, gscale, lr, wd, momentum, damp_c, nesterov, first, w
         tb = state_scratch(buf)
         for a in range(lo, hi, max(step, 1)):
             b = min(a + step, hi)
-            pb, gb = p[a:b], g[a:b]
+            pb, gb = p[a:b], grad_slice(g, gp, j, lo, a, b)
             kb = piece_mask(mask, a, b)
             # the flag that guards a state store is a constant in each copy of the loop (see above);
             # so is ``first``, which guards the buffer's load: under a runtime flag that load is a
@@ -104,11 +104,11 @@ def seg_array(a, dtype):
 
 
 def sgd_step(p, g, buf, pieces, *, gscale, lr, l2, momentum, dampening, nesterov, first, working=None, kind=LP_NONE,
-             zero_grad=False, mask=None):
+             zero_grad=False, mask=None, grad_ptrs=None):
     """Fused SGD update; see :func:`arraytrain.kernels.reference.sgd_step`."""
     t = p.dtype.type
     pick(_SGD, p.size, buf)(
-        p, g, buf, pieces, t(gscale), seg_array(lr, p.dtype), seg_array(l2, p.dtype), t(momentum),
+        p, g, buf, pieces, grad_ptrs, t(gscale), seg_array(lr, p.dtype), seg_array(l2, p.dtype), t(momentum),
         t(1.0 - dampening), bool(nesterov), bool(first), working, int(kind), grad_fill(zero_grad), mask,
     )
 
@@ -131,7 +131,7 @@ def _adam_piece(pb, gb, mb, vb, xb, kb, gscale, ss, beta1c, beta2, beta2c, eps, 
         clear_grad(gb, i, zero_grad)
 
 
-def _adam(p, g, m, v, vmax, pieces, gscale, step_size, beta1c, beta2, beta2c, eps, inv_bc2_sqrt, l2, decay,
+def _adam(p, g, m, v, vmax, pieces, gp, gscale, step_size, beta1c, beta2, beta2c, eps, inv_bc2_sqrt, l2, decay,
           amsgrad, w, wkind, zero_grad, mask):
     for j in prange(pieces.shape[0]):
         lo, hi, seg = pieces[j, 0], pieces[j, 1], pieces[j, 2]
@@ -140,7 +140,7 @@ def _adam(p, g, m, v, vmax, pieces, gscale, step_size, beta1c, beta2, beta2c, ep
         tm, tv = state_scratch(m), state_scratch(v)
         for a in range(lo, hi, step):
             b = min(a + step, hi)
-            pb, gb = p[a:b], g[a:b]
+            pb, gb = p[a:b], grad_slice(g, gp, j, lo, a, b)
             mb, vb = state_open(m, seg, a, b, tm), state_open(v, seg, a, b, tv)
             kb = piece_mask(mask, a, b)
             if amsgrad:
@@ -162,11 +162,11 @@ _ADAM = twins(_adam)
 
 
 def adam_step(p, g, m, v, vmax, pieces, *, gscale, step_size, beta1, beta2, eps, inv_bc2_sqrt, l2, decay, amsgrad,
-              working=None, kind=LP_NONE, zero_grad=False, mask=None):
+              working=None, kind=LP_NONE, zero_grad=False, mask=None, grad_ptrs=None):
     """Fused Adam/AdamW update; see :func:`arraytrain.kernels.reference.adam_step`."""
     t = p.dtype.type
     pick(_ADAM, p.size, m, v, vmax)(
-        p, g, m, v, vmax, pieces, t(gscale), seg_array(step_size, p.dtype), t(1.0 - beta1), t(beta2),
+        p, g, m, v, vmax, pieces, grad_ptrs, t(gscale), seg_array(step_size, p.dtype), t(1.0 - beta1), t(beta2),
         t(1.0 - beta2), t(eps), t(inv_bc2_sqrt), seg_array(l2, p.dtype), seg_array(decay, p.dtype),
         bool(amsgrad), working, int(kind), grad_fill(zero_grad), mask,
     )
@@ -175,7 +175,7 @@ def adam_step(p, g, m, v, vmax, pieces, *, gscale, step_size, beta1, beta2, eps,
 # -- adagrad, rmsprop, lion, lamb ---------------------------------------------------------
 
 
-def _adagrad(p, g, s, pieces, gscale, lr, wd, eps, w, wkind, zero_grad, mask):
+def _adagrad(p, g, s, pieces, gp, gscale, lr, wd, eps, w, wkind, zero_grad, mask):
     for j in prange(pieces.shape[0]):
         lo, hi, seg = pieces[j, 0], pieces[j, 1], pieces[j, 2]
         lr_j, wd_j = lr[seg], wd[seg]
@@ -183,7 +183,7 @@ def _adagrad(p, g, s, pieces, gscale, lr, wd, eps, w, wkind, zero_grad, mask):
         ts = state_scratch(s)
         for a in range(lo, hi, step):
             b = min(a + step, hi)
-            pb, gb, sb = p[a:b], g[a:b], state_open(s, seg, a, b, ts)
+            pb, gb, sb = p[a:b], grad_slice(g, gp, j, lo, a, b), state_open(s, seg, a, b, ts)
             kb = piece_mask(mask, a, b)
             for i in range(pb.size):
                 pi = pb[i]
@@ -199,11 +199,12 @@ def _adagrad(p, g, s, pieces, gscale, lr, wd, eps, w, wkind, zero_grad, mask):
 _ADAGRAD = twins(_adagrad)
 
 
-def adagrad_step(p, g, sum_sq, pieces, *, gscale, lr, l2, eps, working=None, kind=LP_NONE, zero_grad=False, mask=None):
+def adagrad_step(p, g, sum_sq, pieces, *, gscale, lr, l2, eps, working=None, kind=LP_NONE, zero_grad=False, mask=None,
+                 grad_ptrs=None):
     """Fused Adagrad update; see :func:`arraytrain.kernels.reference.adagrad_step`."""
     t = p.dtype.type
     pick(_ADAGRAD, p.size, sum_sq)(
-        p, g, sum_sq, pieces, t(gscale), seg_array(lr, p.dtype), seg_array(l2, p.dtype), t(eps),
+        p, g, sum_sq, pieces, grad_ptrs, t(gscale), seg_array(lr, p.dtype), seg_array(l2, p.dtype), t(eps),
         working, int(kind), grad_fill(zero_grad), mask,
     )
 
@@ -226,7 +227,7 @@ def _rmsprop_piece(pb, gb, qb, ab, bb, kb, gscale, lr_j, wd_j, alpha, alpha_c, e
         clear_grad(gb, i, zero_grad)
 
 
-def _rmsprop(p, g, sq, gavg, buf, pieces, gscale, lr, wd, alpha, alpha_c, eps, momentum, centered, use_momentum,
+def _rmsprop(p, g, sq, gavg, buf, pieces, gp, gscale, lr, wd, alpha, alpha_c, eps, momentum, centered, use_momentum,
              w, wkind, zero_grad, mask):
     # one template: ``centered`` and ``use_momentum`` select the variant (the unused
     # slots arrive as empty arrays and are never indexed), each a constant in its copy of the loop
@@ -237,7 +238,7 @@ def _rmsprop(p, g, sq, gavg, buf, pieces, gscale, lr, wd, alpha, alpha_c, eps, m
         tq, ta, tb = state_scratch(sq), state_scratch(gavg), state_scratch(buf)
         for a in range(lo, hi, step):
             b = min(a + step, hi)
-            pb, gb, qb = p[a:b], g[a:b], state_open(sq, seg, a, b, tq)
+            pb, gb, qb = p[a:b], grad_slice(g, gp, j, lo, a, b), state_open(sq, seg, a, b, tq)
             kb = piece_mask(mask, a, b)
             if centered and use_momentum:
                 ab, bb = state_open(gavg, seg, a, b, ta), state_open(buf, seg, a, b, tb)
@@ -267,17 +268,17 @@ _RMSPROP = twins(_rmsprop)
 
 
 def rmsprop_step(p, g, square_avg, grad_avg, momentum_buffer, pieces, *, gscale, lr, l2, alpha, eps, momentum,
-                 centered, working=None, kind=LP_NONE, zero_grad=False, mask=None):
+                 centered, working=None, kind=LP_NONE, zero_grad=False, mask=None, grad_ptrs=None):
     """Fused RMSprop update; see :func:`arraytrain.kernels.reference.rmsprop_step`."""
     t = p.dtype.type
     pick(_RMSPROP, p.size, square_avg, grad_avg, momentum_buffer)(
-        p, g, square_avg, grad_avg, momentum_buffer, pieces, t(gscale), seg_array(lr, p.dtype),
+        p, g, square_avg, grad_avg, momentum_buffer, pieces, grad_ptrs, t(gscale), seg_array(lr, p.dtype),
         seg_array(l2, p.dtype), t(alpha), t(1.0 - alpha), t(eps), t(momentum), bool(centered),
         bool(momentum > 0), working, int(kind), grad_fill(zero_grad), mask,
     )
 
 
-def _lion(p, g, m, pieces, gscale, lr, decay, beta1, beta1c, beta2, beta2c, w, wkind, zero_grad, mask):
+def _lion(p, g, m, pieces, gp, gscale, lr, decay, beta1, beta1c, beta2, beta2c, w, wkind, zero_grad, mask):
     for j in prange(pieces.shape[0]):
         lo, hi, seg = pieces[j, 0], pieces[j, 1], pieces[j, 2]
         lr_j, dec = lr[seg], decay[seg]
@@ -285,7 +286,7 @@ def _lion(p, g, m, pieces, gscale, lr, decay, beta1, beta1c, beta2, beta2c, w, w
         tm = state_scratch(m)
         for a in range(lo, hi, step):
             b = min(a + step, hi)
-            pb, gb, mb = p[a:b], g[a:b], state_open(m, seg, a, b, tm)
+            pb, gb, mb = p[a:b], grad_slice(g, gp, j, lo, a, b), state_open(m, seg, a, b, tm)
             kb = piece_mask(mask, a, b)
             for i in range(pb.size):
                 d = gscale * gb[i]
@@ -304,16 +305,16 @@ _LION = twins(_lion)
 
 
 def lion_step(p, g, m, pieces, *, gscale, lr, decay, beta1, beta2, working=None, kind=LP_NONE, zero_grad=False,
-              mask=None):
+              mask=None, grad_ptrs=None):
     """Fused Lion update; see :func:`arraytrain.kernels.reference.lion_step`."""
     t = p.dtype.type
     pick(_LION, p.size, m)(
-        p, g, m, pieces, t(gscale), seg_array(lr, p.dtype), seg_array(decay, p.dtype), t(beta1), t(1.0 - beta1),
+        p, g, m, pieces, grad_ptrs, t(gscale), seg_array(lr, p.dtype), seg_array(decay, p.dtype), t(beta1), t(1.0 - beta1),
         t(beta2), t(1.0 - beta2), working, int(kind), grad_fill(zero_grad), mask,
     )
 
 
-def _lamb_moments(p, g, m, v, pieces, gscale, wd, b1c, b2, b2c, inv_bc1, inv_bc2, eps, eps_root, zero_grad,
+def _lamb_moments(p, g, m, v, pieces, gp, gscale, wd, b1c, b2, b2c, inv_bc1, inv_bc2, eps, eps_root, zero_grad,
                   nseg):
     npieces = pieces.shape[0]
     psq = np.empty(npieces, dtype=np.float64)
@@ -328,7 +329,7 @@ def _lamb_moments(p, g, m, v, pieces, gscale, wd, b1c, b2, b2c, inv_bc1, inv_bc2
         tm, tv = state_scratch(m), state_scratch(v)
         for a in range(lo, hi, step):
             b = min(a + step, hi)
-            pb, gb = p[a:b], g[a:b]
+            pb, gb = p[a:b], grad_slice(g, gp, j, lo, a, b)
             mb, vb = state_open(m, seg, a, b, tm), state_open(v, seg, a, b, tv)
             for i in range(pb.size):
                 pi = pb[i]
@@ -380,7 +381,7 @@ _LAMB_APPLY = twins(_lamb_apply)
 
 
 def lamb_step(p, g, m, v, pieces, *, gscale, lr, weight_decay, beta1, beta2, eps, eps_root, inv_bc1, inv_bc2,
-              working=None, kind=LP_NONE, zero_grad=False, reduce_sums=None, mask=None):
+              working=None, kind=LP_NONE, zero_grad=False, reduce_sums=None, mask=None, grad_ptrs=None):
     """Fused LAMB update, returns the per-parameter trust ratios (float64).
 
     Two parallel loops; between them the per-parameter sums of squares (completed by
@@ -392,7 +393,7 @@ def lamb_step(p, g, m, v, pieces, *, gscale, lr, weight_decay, beta1, beta2, eps
     nseg = lr.size
     inv_bc1, inv_bc2, eps, eps_root = t(inv_bc1), t(inv_bc2), t(eps), t(eps_root)
     sums = pick(_LAMB_MOMENTS, p.size, m, v)(
-        p, g, m, v, pieces, t(gscale), wd, t(1.0 - beta1), t(beta2), t(1.0 - beta2), inv_bc1, inv_bc2, eps, eps_root,
+        p, g, m, v, pieces, grad_ptrs, t(gscale), wd, t(1.0 - beta1), t(beta2), t(1.0 - beta2), inv_bc1, inv_bc2, eps, eps_root,
         grad_fill(zero_grad), nseg,
     )
     if reduce_sums is not None:
@@ -688,7 +689,7 @@ def sam_perturb(p, g, backup, pieces, *, scale, adaptive, zero_grad=False, mask=
 # exactly for a finite d, and a non-finite d makes m and v non-finite too.
 
 
-def _nadam_radam(p, g, m, v, pieces, gscale, a, b, beta1c, beta2, beta2c, eps, inv_bc2_sqrt, rect, l2, decay,
+def _nadam_radam(p, g, m, v, pieces, gp, gscale, a, b, beta1c, beta2, beta2c, eps, inv_bc2_sqrt, rect, l2, decay,
                  adaptive, w, wkind, zero_grad, mask):
     for j in prange(pieces.shape[0]):
         lo, hi, seg = pieces[j, 0], pieces[j, 1], pieces[j, 2]
@@ -697,7 +698,7 @@ def _nadam_radam(p, g, m, v, pieces, gscale, a, b, beta1c, beta2, beta2c, eps, i
         tm, tv = state_scratch(m), state_scratch(v)
         for e0 in range(lo, hi, n):
             e1 = min(e0 + n, hi)
-            pb, gb = p[e0:e1], g[e0:e1]
+            pb, gb = p[e0:e1], grad_slice(g, gp, j, lo, e0, e1)
             mb, vb = state_open(m, seg, e0, e1, tm), state_open(v, seg, e0, e1, tv)
             kb = piece_mask(mask, e0, e1)
             for i in range(pb.size):
@@ -721,31 +722,31 @@ def _nadam_radam(p, g, m, v, pieces, gscale, a, b, beta1c, beta2, beta2c, eps, i
 _NADAM_RADAM = twins(_nadam_radam)
 
 
-def _run_nadam_radam(p, g, m, v, pieces, gscale, a, b, beta1, beta2, eps, inv_bc2_sqrt, rect, l2, decay, adaptive,
+def _run_nadam_radam(p, g, m, v, pieces, grad_ptrs, gscale, a, b, beta1, beta2, eps, inv_bc2_sqrt, rect, l2, decay, adaptive,
                      w, wkind, zero_grad, mask):
     t = p.dtype.type
     pick(_NADAM_RADAM, p.size, m, v)(
-        p, g, m, v, pieces, t(gscale), seg_array(a, p.dtype), seg_array(b, p.dtype), t(1.0 - beta1), t(beta2),
+        p, g, m, v, pieces, grad_ptrs, t(gscale), seg_array(a, p.dtype), seg_array(b, p.dtype), t(1.0 - beta1), t(beta2),
         t(1.0 - beta2), t(eps), t(inv_bc2_sqrt), t(rect), seg_array(l2, p.dtype), seg_array(decay, p.dtype),
         bool(adaptive), w, int(wkind), grad_fill(zero_grad), mask,
     )
 
 
 def nadam_step(p, g, m, v, pieces, *, gscale, grad_step, moment_step, beta1, beta2, eps, inv_bc2_sqrt, l2, decay,
-               working=None, kind=LP_NONE, zero_grad=False, mask=None):
+               working=None, kind=LP_NONE, zero_grad=False, mask=None, grad_ptrs=None):
     """Fused NAdam update; see :func:`arraytrain.kernels.reference.nadam_step`."""
-    _run_nadam_radam(p, g, m, v, pieces, gscale, grad_step, moment_step, beta1, beta2, eps, inv_bc2_sqrt, 1.0, l2,
+    _run_nadam_radam(p, g, m, v, pieces, grad_ptrs, gscale, grad_step, moment_step, beta1, beta2, eps, inv_bc2_sqrt, 1.0, l2,
                      decay, True, working, kind, zero_grad, mask)
 
 
 def radam_step(p, g, m, v, pieces, *, gscale, step_size, beta1, beta2, eps, rect, rectified, l2, decay, working=None,
-               kind=LP_NONE, zero_grad=False, mask=None):
+               kind=LP_NONE, zero_grad=False, mask=None, grad_ptrs=None):
     """Fused RAdam update; see :func:`arraytrain.kernels.reference.radam_step`."""
-    _run_nadam_radam(p, g, m, v, pieces, gscale, np.zeros(np.shape(step_size)), step_size, beta1, beta2,
+    _run_nadam_radam(p, g, m, v, pieces, grad_ptrs, gscale, np.zeros(np.shape(step_size)), step_size, beta1, beta2,
                      eps, 1.0, rect, l2, decay, rectified, working, kind, zero_grad, mask)
 
 
-def _adamax(p, g, m, u, pieces, gscale, step_size, beta1c, beta2, eps, l2, w, wkind, zero_grad, mask):
+def _adamax(p, g, m, u, pieces, gp, gscale, step_size, beta1c, beta2, eps, l2, w, wkind, zero_grad, mask):
     for j in prange(pieces.shape[0]):
         lo, hi, seg = pieces[j, 0], pieces[j, 1], pieces[j, 2]
         ss, l2_j = step_size[seg], l2[seg]
@@ -753,7 +754,7 @@ def _adamax(p, g, m, u, pieces, gscale, step_size, beta1c, beta2, eps, l2, w, wk
         tm, tu = state_scratch(m), state_scratch(u)
         for a in range(lo, hi, step):
             b = min(a + step, hi)
-            pb, gb = p[a:b], g[a:b]
+            pb, gb = p[a:b], grad_slice(g, gp, j, lo, a, b)
             mb, ub = state_open(m, seg, a, b, tm), state_open(u, seg, a, b, tu)
             kb = piece_mask(mask, a, b)
             for i in range(pb.size):
@@ -775,16 +776,16 @@ _ADAMAX = twins(_adamax)
 
 
 def adamax_step(p, g, m, u, pieces, *, gscale, step_size, beta1, beta2, eps, l2, working=None, kind=LP_NONE,
-                zero_grad=False, mask=None):
+                zero_grad=False, mask=None, grad_ptrs=None):
     """Fused Adamax update; see :func:`arraytrain.kernels.reference.adamax_step`."""
     t = p.dtype.type
     pick(_ADAMAX, p.size, m, u)(
-        p, g, m, u, pieces, t(gscale), seg_array(step_size, p.dtype), t(1.0 - beta1), t(beta2), t(eps),
+        p, g, m, u, pieces, grad_ptrs, t(gscale), seg_array(step_size, p.dtype), t(1.0 - beta1), t(beta2), t(eps),
         seg_array(l2, p.dtype), working, int(kind), grad_fill(zero_grad), mask,
     )
 
 
-def _adadelta(p, g, sq, acc, pieces, gscale, lr, wd, rho, rho_c, eps, w, wkind, zero_grad, mask):
+def _adadelta(p, g, sq, acc, pieces, gp, gscale, lr, wd, rho, rho_c, eps, w, wkind, zero_grad, mask):
     for j in prange(pieces.shape[0]):
         lo, hi, seg = pieces[j, 0], pieces[j, 1], pieces[j, 2]
         lr_j, wd_j = lr[seg], wd[seg]
@@ -792,7 +793,7 @@ def _adadelta(p, g, sq, acc, pieces, gscale, lr, wd, rho, rho_c, eps, w, wkind, 
         tq, ta = state_scratch(sq), state_scratch(acc)
         for a in range(lo, hi, step):
             b = min(a + step, hi)
-            pb, gb = p[a:b], g[a:b]
+            pb, gb = p[a:b], grad_slice(g, gp, j, lo, a, b)
             qb, ab = state_open(sq, seg, a, b, tq), state_open(acc, seg, a, b, ta)
             kb = piece_mask(mask, a, b)
             for i in range(pb.size):
@@ -814,11 +815,11 @@ _ADADELTA = twins(_adadelta, fastmath=EXACT_DIVISION)  # the ratio of two roots,
 
 
 def adadelta_step(p, g, square_avg, acc_delta, pieces, *, gscale, lr, l2, rho, eps, working=None, kind=LP_NONE,
-                  zero_grad=False, mask=None):
+                  zero_grad=False, mask=None, grad_ptrs=None):
     """Fused Adadelta update; see :func:`arraytrain.kernels.reference.adadelta_step`."""
     t = p.dtype.type
     pick(_ADADELTA, p.size, square_avg, acc_delta)(
-        p, g, square_avg, acc_delta, pieces, t(gscale), seg_array(lr, p.dtype), seg_array(l2, p.dtype), t(rho),
+        p, g, square_avg, acc_delta, pieces, grad_ptrs, t(gscale), seg_array(lr, p.dtype), seg_array(l2, p.dtype), t(rho),
         t(1.0 - rho), t(eps), working, int(kind), grad_fill(zero_grad), mask,
     )
 

@@ -10,7 +10,7 @@ import numpy as np
 from numba import njit, prange
 
 from ._jit import BLOCK, JIT, pick, twins
-from .codecs import store_working
+from .codecs import grad_slice, store_working
 
 # -- accumulate / scale ----------------------------------------------------------------
 
@@ -117,11 +117,11 @@ def all_finite(x):
     return bool(pick(_ALL_FINITE, x.size)(x))
 
 
-def _sumsq(x, pieces, nseg):
+def _sumsq(x, pieces, gp, nseg):
     npieces = pieces.shape[0]
     part = np.empty(npieces, dtype=np.float64)
     for j in prange(npieces):
-        xb = x[pieces[j, 0] : pieces[j, 1]]
+        xb = grad_slice(x, gp, j, pieces[j, 0], pieces[j, 0], pieces[j, 1])
         s = 0.0
         for i in range(xb.size):
             xi = np.float64(xb[i])
@@ -133,7 +133,7 @@ def _sumsq(x, pieces, nseg):
 _SUMSQ = twins(_sumsq)
 
 
-def sumsq(x, pieces, *, nseg):
+def sumsq(x, pieces, *, nseg, grad_ptrs=None):
     """``(total, per_segment)`` sums of squares in float64, one pass.
 
     A NaN or Inf element makes the total non-finite (squares are >= 0, so no
@@ -141,15 +141,15 @@ def sumsq(x, pieces, *, nseg):
     can only come from such an element; for float64 it may also be an
     overflow of finite values, which the caller resolves.
     """
-    total, per_seg = pick(_SUMSQ, x.size)(x, pieces, nseg)
+    total, per_seg = pick(_SUMSQ, x.size)(x, pieces, grad_ptrs, nseg)
     return float(total), per_seg
 
 
-def _max_abs(x, pieces):
+def _max_abs(x, pieces, gp):
     npieces = pieces.shape[0]
     part = np.zeros(npieces, dtype=np.float64)
     for j in prange(npieces):
-        xb = x[pieces[j, 0] : pieces[j, 1]]
+        xb = grad_slice(x, gp, j, pieces[j, 0], pieces[j, 0], pieces[j, 1])
         best = 0.0
         for i in range(xb.size):
             best = max(best, abs(np.float64(xb[i])))
@@ -163,16 +163,16 @@ def _max_abs(x, pieces):
 _MAX_ABS = twins(_max_abs)
 
 
-def max_abs(x, pieces):
+def max_abs(x, pieces, *, grad_ptrs=None):
     """Largest |element| over the pieces, for finite input (rescales a norm that overflowed)."""
-    return float(pick(_MAX_ABS, x.size)(x, pieces))
+    return float(pick(_MAX_ABS, x.size)(x, pieces, grad_ptrs))
 
 
-def _sumsq_scaled(x, pieces, nseg, inv):
+def _sumsq_scaled(x, pieces, gp, nseg, inv):
     npieces = pieces.shape[0]
     part = np.empty(npieces, dtype=np.float64)
     for j in prange(npieces):
-        xb = x[pieces[j, 0] : pieces[j, 1]]
+        xb = grad_slice(x, gp, j, pieces[j, 0], pieces[j, 0], pieces[j, 1])
         s = 0.0
         for i in range(xb.size):
             xi = np.float64(xb[i]) * inv
@@ -184,9 +184,9 @@ def _sumsq_scaled(x, pieces, nseg, inv):
 _SUMSQ_SCALED = twins(_sumsq_scaled)
 
 
-def sumsq_scaled(x, pieces, *, nseg, inv):
+def sumsq_scaled(x, pieces, *, nseg, inv, grad_ptrs=None):
     """Like :func:`sumsq` but of ``x * inv``: an overflow-safe second pass."""
-    total, per_seg = pick(_SUMSQ_SCALED, x.size)(x, pieces, nseg, float(inv))
+    total, per_seg = pick(_SUMSQ_SCALED, x.size)(x, pieces, grad_ptrs, nseg, float(inv))
     return float(total), per_seg
 
 

@@ -389,3 +389,11 @@ def probe() -> bool:
         return float((x * 2).sum().get()) == 12.0
     except Exception:
         return False
+
+
+def refuse_grad_ptrs(grad_ptrs) -> None:
+    """Gradients read where they lie (``grad_ptrs``) are the CPU families' alone: the CUDA kernels read
+    the flat gradient buffer (the engine copies a CUDA gradient in)."""
+    if grad_ptrs is not None:
+        raise BackendUnavailableError("grad_ptrs: the CUDA kernels read the flat gradient buffer; gradients read "
+                                      "where they lie are built for the CPU kernels only")

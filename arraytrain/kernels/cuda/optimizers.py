@@ -22,7 +22,8 @@ import numpy as np
 
 from ..interface import LP_NONE, Q8, Q8_BLOCK
 from . import reductions
-from .core import CHUNK, NULL, THREADS, DeviceScale, Source, chunks_for, ctype, cupy, launch, ptr, seg_arg, to_host
+from .core import (CHUNK, NULL, THREADS, DeviceScale, Source, chunks_for, ctype, cupy, launch, ptr,
+                   refuse_grad_ptrs, seg_arg, to_host)
 
 # the 8-bit loop gives each thread one element of a block: a block of threads is a block of state
 assert THREADS == Q8_BLOCK and CHUNK % Q8_BLOCK == 0
@@ -592,8 +593,9 @@ def _gs(gscale, t):
 
 
 def sgd_step(p, g, buf, pieces, *, gscale, lr, l2, momentum, dampening, nesterov, first, working=None, kind=LP_NONE,
-             zero_grad=False, mask=None):
+             zero_grad=False, mask=None, grad_ptrs=None):
     """Fused SGD update; see :func:`arraytrain.kernels.reference.sgd_step`."""
+    refuse_grad_ptrs(grad_ptrs)
     t = p.dtype.type
     _run("sgd_step", p, buf, pieces, (p, g, buf),
          (*_gs(gscale, t), *_seg(lr, p), *_seg(l2, p), t(momentum), t(1.0 - dampening), np.int32(bool(nesterov)),
@@ -601,24 +603,27 @@ def sgd_step(p, g, buf, pieces, *, gscale, lr, l2, momentum, dampening, nesterov
 
 
 def adam_step(p, g, m, v, vmax, pieces, *, gscale, step_size, beta1, beta2, eps, inv_bc2_sqrt, l2, decay, amsgrad,
-              working=None, kind=LP_NONE, zero_grad=False, mask=None):
+              working=None, kind=LP_NONE, zero_grad=False, mask=None, grad_ptrs=None):
     """Fused Adam/AdamW update; see :func:`arraytrain.kernels.reference.adam_step`."""
+    refuse_grad_ptrs(grad_ptrs)
     t = p.dtype.type
     _run("adam_step", p, m, pieces, (p, g, m, v, vmax),
          (*_gs(gscale, t), *_seg(step_size, p), t(1.0 - beta1), t(beta2), t(1.0 - beta2), t(eps), t(inv_bc2_sqrt),
           *_seg(l2, p), *_seg(decay, p), np.int32(bool(amsgrad))), working, kind, zero_grad, mask)
 
 
-def adagrad_step(p, g, sum_sq, pieces, *, gscale, lr, l2, eps, working=None, kind=LP_NONE, zero_grad=False, mask=None):
+def adagrad_step(p, g, sum_sq, pieces, *, gscale, lr, l2, eps, working=None, kind=LP_NONE, zero_grad=False, mask=None, grad_ptrs=None):
     """Fused Adagrad update; see :func:`arraytrain.kernels.reference.adagrad_step`."""
+    refuse_grad_ptrs(grad_ptrs)
     t = p.dtype.type
     _run("adagrad_step", p, sum_sq, pieces, (p, g, sum_sq),
          (*_gs(gscale, t), *_seg(lr, p), *_seg(l2, p), t(eps)), working, kind, zero_grad, mask)
 
 
 def rmsprop_step(p, g, square_avg, grad_avg, momentum_buffer, pieces, *, gscale, lr, l2, alpha, eps, momentum,
-                 centered, working=None, kind=LP_NONE, zero_grad=False, mask=None):
+                 centered, working=None, kind=LP_NONE, zero_grad=False, mask=None, grad_ptrs=None):
     """Fused RMSprop update; see :func:`arraytrain.kernels.reference.rmsprop_step`."""
+    refuse_grad_ptrs(grad_ptrs)
     t = p.dtype.type
     _run("rmsprop_step", p, square_avg, pieces, (p, g, square_avg, grad_avg, momentum_buffer),
          (*_gs(gscale, t), *_seg(lr, p), *_seg(l2, p), t(alpha), t(1.0 - alpha), t(eps), t(momentum),
@@ -626,8 +631,9 @@ def rmsprop_step(p, g, square_avg, grad_avg, momentum_buffer, pieces, *, gscale,
 
 
 def lion_step(p, g, m, pieces, *, gscale, lr, decay, beta1, beta2, working=None, kind=LP_NONE, zero_grad=False,
-              mask=None):
+              mask=None, grad_ptrs=None):
     """Fused Lion update; see :func:`arraytrain.kernels.reference.lion_step`."""
+    refuse_grad_ptrs(grad_ptrs)
     t = p.dtype.type
     _run("lion_step", p, m, pieces, (p, g, m),
          (*_gs(gscale, t), *_seg(lr, p), *_seg(decay, p), t(beta1), t(1.0 - beta1), t(beta2), t(1.0 - beta2)),
@@ -655,13 +661,14 @@ def sam_perturb(p, g, backup, pieces, *, scale, adaptive, zero_grad=False, mask=
 
 
 def lamb_step(p, g, m, v, pieces, *, gscale, lr, weight_decay, beta1, beta2, eps, eps_root, inv_bc1, inv_bc2,
-              working=None, kind=LP_NONE, zero_grad=False, reduce_sums=None, mask=None):
+              working=None, kind=LP_NONE, zero_grad=False, reduce_sums=None, mask=None, grad_ptrs=None):
     """Fused LAMB update; returns the per-parameter trust ratios (float64, on the device).
 
     Three launches and no synchronisation: moments with per-chunk norms, the trust
     ratios and steps per parameter, the update. See :func:`arraytrain.kernels.reference.lamb_step`
     (``reduce_sums`` gets the device array of the ``2 * nseg`` sums, on the current stream).
     """
+    refuse_grad_ptrs(grad_ptrs)
     cp, t, tn = cupy(), p.dtype.type, ctype(p.dtype)
     sn = _storage(m, tn)  # the state's storage: the parameters' type, u16 bfloat16 bits or q8
     nseg = len(np.asarray(lr).reshape(-1))
@@ -780,22 +787,25 @@ def _nadam_radam(p, g, m, v, pieces, gscale, a, b, beta1, beta2, eps, inv_bc2_sq
 
 
 def nadam_step(p, g, m, v, pieces, *, gscale, grad_step, moment_step, beta1, beta2, eps, inv_bc2_sqrt, l2, decay,
-               working=None, kind=LP_NONE, zero_grad=False, mask=None):
+               working=None, kind=LP_NONE, zero_grad=False, mask=None, grad_ptrs=None):
     """Fused NAdam update; see :func:`arraytrain.kernels.reference.nadam_step`."""
+    refuse_grad_ptrs(grad_ptrs)
     _nadam_radam(p, g, m, v, pieces, gscale, grad_step, moment_step, beta1, beta2, eps, inv_bc2_sqrt, 1.0, l2, decay,
                  True, working, kind, zero_grad, mask)
 
 
 def radam_step(p, g, m, v, pieces, *, gscale, step_size, beta1, beta2, eps, rect, rectified, l2, decay, working=None,
-               kind=LP_NONE, zero_grad=False, mask=None):
+               kind=LP_NONE, zero_grad=False, mask=None, grad_ptrs=None):
     """Fused RAdam update; see :func:`arraytrain.kernels.reference.radam_step`."""
+    refuse_grad_ptrs(grad_ptrs)
     _nadam_radam(p, g, m, v, pieces, gscale, np.zeros(np.shape(step_size)), step_size, beta1, beta2, eps, 1.0, rect,
                  l2, decay, rectified, working, kind, zero_grad, mask)
 
 
 def adamax_step(p, g, m, u, pieces, *, gscale, step_size, beta1, beta2, eps, l2, working=None, kind=LP_NONE,
-                zero_grad=False, mask=None):
+                zero_grad=False, mask=None, grad_ptrs=None):
     """Fused Adamax update; see :func:`arraytrain.kernels.reference.adamax_step`."""
+    refuse_grad_ptrs(grad_ptrs)
     t = p.dtype.type
     _run("adamax_step", p, m, pieces, (p, g, m, u),
          (*_gs(gscale, t), *_seg(step_size, p), t(1.0 - beta1), t(beta2), t(eps), *_seg(l2, p)),
@@ -803,8 +813,9 @@ def adamax_step(p, g, m, u, pieces, *, gscale, step_size, beta1, beta2, eps, l2,
 
 
 def adadelta_step(p, g, square_avg, acc_delta, pieces, *, gscale, lr, l2, rho, eps, working=None, kind=LP_NONE,
-                  zero_grad=False, mask=None):
+                  zero_grad=False, mask=None, grad_ptrs=None):
     """Fused Adadelta update; see :func:`arraytrain.kernels.reference.adadelta_step`."""
+    refuse_grad_ptrs(grad_ptrs)
     t = p.dtype.type
     _run("adadelta_step", p, square_avg, pieces, (p, g, square_avg, acc_delta),
          (*_gs(gscale, t), *_seg(lr, p), *_seg(l2, p), t(rho), t(1.0 - rho), t(eps)), working, kind, zero_grad, mask)

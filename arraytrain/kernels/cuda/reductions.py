@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .core import REDUCE_CHUNK, THREADS, Source, chunks_for, ctype, cupy, launch, to_host
+from .core import REDUCE_CHUNK, THREADS, Source, chunks_for, ctype, cupy, launch, refuse_grad_ptrs, to_host
 
 _FLOATS = ("float", "double")
 
@@ -180,13 +180,15 @@ def _split(out):
     return float(host[0]), host[1:]
 
 
-def sumsq(x, pieces, *, nseg):
+def sumsq(x, pieces, *, nseg, grad_ptrs=None):
     """``(total, per_segment)`` sums of squares in float64, one pass (see the CPU twin)."""
+    refuse_grad_ptrs(grad_ptrs)
     return _split(_reduce(0, x, None, 1.0, pieces, nseg))
 
 
-def max_abs(x, pieces):
+def max_abs(x, pieces, *, grad_ptrs=None):
     """Largest |element| over the pieces, for finite input (rescales a norm that overflowed)."""
+    refuse_grad_ptrs(grad_ptrs)
     nseg = int(np.asarray(pieces)[:, 2].max()) + 1 if len(pieces) else 0
     return _split(_reduce(3, x, None, 1.0, pieces, nseg))[0]
 
@@ -213,8 +215,9 @@ def read_sums(sums):
     return _split(sums)
 
 
-def sumsq_scaled(x, pieces, *, nseg, inv):
+def sumsq_scaled(x, pieces, *, nseg, inv, grad_ptrs=None):
     """Like :func:`sumsq` but of ``x * inv``: an overflow-safe second pass."""
+    refuse_grad_ptrs(grad_ptrs)
     return _split(_reduce(1, x, None, float(inv), pieces, nseg))
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+
 import ml_dtypes
 import numpy as np
 
@@ -134,3 +136,16 @@ def with_q8(fn):
         return out
 
     return run
+
+
+def gathered(g, pieces, grad_ptrs):
+    """The gradient as one flat array: ``g``, or (``grad_ptrs``: an address per piece, see
+    :mod:`arraytrain.kernels.interface`) a copy of ``g`` with every piece read where it lies."""
+    if grad_ptrs is None:
+        return g
+    out = g.copy()
+    for (lo, hi, _), address in zip(np.asarray(pieces).tolist(), np.asarray(grad_ptrs).tolist()):
+        if hi > lo:
+            raw = (ctypes.c_char * ((hi - lo) * g.itemsize)).from_address(address)
+            out[lo:hi] = np.frombuffer(raw, dtype=g.dtype)
+    return out

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..interface import LP_NONE
-from ._common import apply_mask, f64, q8_commit, q8_expand, segments, store, store_at, with_q8
+from ._common import apply_mask, f64, gathered, q8_commit, q8_expand, segments, store, store_at, with_q8
 from .reductions import cast_working
 
 # Arrays first, then every scalar and per-parameter value keyword-only: the argument
@@ -14,7 +14,7 @@ from .reductions import cast_working
 
 @with_q8
 def sgd_step(p, g, buf, pieces, *, gscale, lr, l2, momentum, dampening, nesterov, first, working=None, kind=LP_NONE,
-             zero_grad=False, mask=None):
+             zero_grad=False, mask=None, grad_ptrs=None):
     """SGD with momentum, dampening, Nesterov and L2 weight decay (torch.optim.SGD).
 
     Per element of segment ``s``: ``d = gscale*g + l2[s]*p``; with momentum
@@ -25,6 +25,7 @@ def sgd_step(p, g, buf, pieces, *, gscale, lr, l2, momentum, dampening, nesterov
     ``mask`` (uint8, or None; every kernel): the new ``p`` is 0 where ``mask == 0``
     (:func:`apply_mask`), before the working copy is written.
     """
+    g = gathered(g, pieces, grad_ptrs)
     i, s = segments(pieces, p.size)
     lr, wd = np.asarray(lr, np.float64)[s], np.asarray(l2, np.float64)[s]
     pp = f64(p[i])
@@ -63,7 +64,7 @@ def _adam_moments(p, g, m, v, pieces, gscale, l2, beta1, beta2):
 
 @with_q8
 def adam_step(p, g, m, v, vmax, pieces, *, gscale, step_size, beta1, beta2, eps, inv_bc2_sqrt, l2, decay, amsgrad,
-              working=None, kind=LP_NONE, zero_grad=False, mask=None):
+              working=None, kind=LP_NONE, zero_grad=False, mask=None, grad_ptrs=None):
     """Adam / AdamW (Kingma & Ba 2015; Loshchilov & Hutter 2019), torch's form.
 
     Per element of segment ``s``: ``d = gscale*g + l2[s]*p``; ``p *= decay[s]``
@@ -73,6 +74,7 @@ def adam_step(p, g, m, v, vmax, pieces, *, gscale, step_size, beta1, beta2, eps,
     and ``inv_bc2_sqrt = 1/sqrt(1 - beta2^t)``. ``m``, ``v``, ``vmax`` may be uint16 arrays of
     bfloat16 bits (low-precision state): the update then continues from the rounded values.
     """
+    g = gathered(g, pieces, grad_ptrs)
     i, s, pp, d, mm, vv = _adam_moments(p, g, m, v, pieces, gscale, l2, beta1, beta2)
     if amsgrad:
         vv = store_at(vmax, i, np.maximum(f64(vmax[i]), vv))
@@ -85,13 +87,14 @@ def adam_step(p, g, m, v, vmax, pieces, *, gscale, step_size, beta1, beta2, eps,
 
 
 @with_q8
-def adagrad_step(p, g, sum_sq, pieces, *, gscale, lr, l2, eps, working=None, kind=LP_NONE, zero_grad=False, mask=None):
+def adagrad_step(p, g, sum_sq, pieces, *, gscale, lr, l2, eps, working=None, kind=LP_NONE, zero_grad=False, mask=None, grad_ptrs=None):
     """Adagrad (Duchi, Hazan & Singer 2011), torch.optim.Adagrad's form.
 
     Per element of segment ``s``: ``d = gscale*g + l2[s]*p``;
     ``sum_sq += d^2``; ``p -= lr[s] * d / (sqrt(sum_sq) + eps)`` with ``lr`` the
     decayed rate ``lr / (1 + (t - 1)*lr_decay)`` (torch's ``clr``) formed by the optimizer.
     """
+    g = gathered(g, pieces, grad_ptrs)
     i, s = segments(pieces, p.size)
     pp = f64(p[i])
     d = gscale * f64(g[i]) + np.asarray(l2, np.float64)[s] * pp
@@ -102,7 +105,7 @@ def adagrad_step(p, g, sum_sq, pieces, *, gscale, lr, l2, eps, working=None, kin
 
 @with_q8
 def rmsprop_step(p, g, square_avg, grad_avg, momentum_buffer, pieces, *, gscale, lr, l2, alpha, eps, momentum,
-                 centered, working=None, kind=LP_NONE, zero_grad=False, mask=None):
+                 centered, working=None, kind=LP_NONE, zero_grad=False, mask=None, grad_ptrs=None):
     """RMSprop (Hinton, Coursera lecture 6e, 2012; centered: Graves 2013), torch.optim.RMSprop's form.
 
     Per element of segment ``s``: ``d = gscale*g + l2[s]*p``;
@@ -112,6 +115,7 @@ def rmsprop_step(p, g, square_avg, grad_avg, momentum_buffer, pieces, *, gscale,
     ``buf = momentum*buf + u``, ``u = buf``; then ``p -= lr[s]*u``. ``grad_avg``
     (not centered) and ``momentum_buffer`` (momentum 0) are ignored.
     """
+    g = gathered(g, pieces, grad_ptrs)
     i, s = segments(pieces, p.size)
     pp = f64(p[i])
     d = gscale * f64(g[i]) + np.asarray(l2, np.float64)[s] * pp
@@ -129,13 +133,14 @@ def rmsprop_step(p, g, square_avg, grad_avg, momentum_buffer, pieces, *, gscale,
 
 @with_q8
 def lion_step(p, g, m, pieces, *, gscale, lr, decay, beta1, beta2, working=None, kind=LP_NONE, zero_grad=False,
-              mask=None):
+              mask=None, grad_ptrs=None):
     """Lion (Chen et al. 2023, "Symbolic Discovery of Optimization Algorithms"), optax.lion's form.
 
     Per element of segment ``s``: ``d = gscale*g``; ``c = sign(beta1*m + (1 - beta1)*d)``;
     ``p = p*decay[s] - lr[s]*c`` with ``decay = 1 - lr*weight_decay`` (decoupled, scaled by
     the lr: optax's ``p - lr*(c + wd*p)``); ``m = beta2*m + (1 - beta2)*d``. ``sign`` keeps NaN.
     """
+    g = gathered(g, pieces, grad_ptrs)
     i, s = segments(pieces, p.size)
     pp, mm, d = f64(p[i]), f64(m[i]), gscale * f64(g[i])
     c = np.sign(beta1 * mm + (1.0 - beta1) * d)
@@ -145,7 +150,7 @@ def lion_step(p, g, m, pieces, *, gscale, lr, decay, beta1, beta2, working=None,
 
 
 def lamb_step(p, g, m, v, pieces, *, gscale, lr, weight_decay, beta1, beta2, eps, eps_root, inv_bc1, inv_bc2,
-              working=None, kind=LP_NONE, zero_grad=False, reduce_sums=None, mask=None):
+              working=None, kind=LP_NONE, zero_grad=False, reduce_sums=None, mask=None, grad_ptrs=None):
     """LAMB (You et al. 2020, "Large Batch Optimization for Deep Learning"), optax.lamb's form.
 
     Per element of segment ``s``: ``d = gscale*g``; ``m += (1 - beta1)*(d - m)``;
@@ -160,6 +165,7 @@ def lamb_step(p, g, m, v, pieces, *, gscale, lr, weight_decay, beta1, beta2, eps
     (``2 * nseg`` sums over these pieces) that completes it in place before the ratios are
     formed (with sharded state: the sums over every rank's partition).
     """
+    g = gathered(g, pieces, grad_ptrs)
     nseg = len(np.asarray(lr))
     q8 = not isinstance(m, np.ndarray)  # 8-bit moments (arraytrain.state8.Q8)
     m8, v8 = m, v
@@ -281,7 +287,7 @@ def sam_perturb(p, g, backup, pieces, *, scale, adaptive, zero_grad=False, mask=
 
 @with_q8
 def nadam_step(p, g, m, v, pieces, *, gscale, grad_step, moment_step, beta1, beta2, eps, inv_bc2_sqrt, l2, decay,
-               working=None, kind=LP_NONE, zero_grad=False, mask=None):
+               working=None, kind=LP_NONE, zero_grad=False, mask=None, grad_ptrs=None):
     """NAdam (Dozat 2016), torch.optim.NAdam's form (momentum schedule, NAdamW's decoupled decay).
 
     Per element of segment ``s``: ``d = gscale*g + l2[s]*p``; ``p *= decay[s]``;
@@ -290,6 +296,7 @@ def nadam_step(p, g, m, v, pieces, *, gscale, grad_step, moment_step, beta1, bet
     ``grad_step = lr*(1 - mu_t)/(1 - mu_1...mu_t)``, ``moment_step = lr*mu_{t+1}/(1 - mu_1...mu_{t+1})``
     and ``inv_bc2_sqrt = 1/sqrt(1 - beta2^t)``, all formed by the optimizer.
     """
+    g = gathered(g, pieces, grad_ptrs)
     i, s, pp, d, mm, vv = _adam_moments(p, g, m, v, pieces, gscale, l2, beta1, beta2)
     step = np.asarray(grad_step, np.float64)[s] * d + np.asarray(moment_step, np.float64)[s] * mm
     p[i] = pp * np.asarray(decay, np.float64)[s] - step / (np.sqrt(vv) * inv_bc2_sqrt + eps)
@@ -298,7 +305,7 @@ def nadam_step(p, g, m, v, pieces, *, gscale, grad_step, moment_step, beta1, bet
 
 @with_q8
 def radam_step(p, g, m, v, pieces, *, gscale, step_size, beta1, beta2, eps, rect, rectified, l2, decay, working=None,
-               kind=LP_NONE, zero_grad=False, mask=None):
+               kind=LP_NONE, zero_grad=False, mask=None, grad_ptrs=None):
     """RAdam (Liu et al. 2020), torch.optim.RAdam's form.
 
     Per element of segment ``s``: ``d = gscale*g + l2[s]*p``; ``p *= decay[s]``;
@@ -306,6 +313,7 @@ def radam_step(p, g, m, v, pieces, *, gscale, step_size, beta1, beta2, eps, rect
     ``p -= step_size[s] * m * rect / (sqrt(v) + eps)`` when ``rectified`` (rho_t > 5; ``rect``
     is r_t*sqrt(1 - beta2^t)), else ``p -= step_size[s] * m``; ``step_size = lr/(1 - beta1^t)``.
     """
+    g = gathered(g, pieces, grad_ptrs)
     i, s, pp, d, mm, vv = _adam_moments(p, g, m, v, pieces, gscale, l2, beta1, beta2)
     u = mm * rect / (np.sqrt(vv) + eps) if rectified else mm
     p[i] = pp * np.asarray(decay, np.float64)[s] - np.asarray(step_size, np.float64)[s] * u
@@ -314,13 +322,14 @@ def radam_step(p, g, m, v, pieces, *, gscale, step_size, beta1, beta2, eps, rect
 
 @with_q8
 def adamax_step(p, g, m, u, pieces, *, gscale, step_size, beta1, beta2, eps, l2, working=None, kind=LP_NONE,
-                zero_grad=False, mask=None):
+                zero_grad=False, mask=None, grad_ptrs=None):
     """Adamax (Kingma & Ba 2015, section 7.1), torch.optim.Adamax's form.
 
     Per element of segment ``s``: ``d = gscale*g + l2[s]*p``; ``m += (1 - beta1)*(d - m)``;
     ``u = max(beta2*u, |d| + eps)`` (NaN propagates, as torch.maximum);
     ``p -= step_size[s] * m / u`` with ``step_size = lr/(1 - beta1^t)``.
     """
+    g = gathered(g, pieces, grad_ptrs)
     i, s = segments(pieces, p.size)
     pp = f64(p[i])
     d = gscale * f64(g[i]) + np.asarray(l2, np.float64)[s] * pp
@@ -333,7 +342,7 @@ def adamax_step(p, g, m, u, pieces, *, gscale, step_size, beta1, beta2, eps, l2,
 
 @with_q8
 def adadelta_step(p, g, square_avg, acc_delta, pieces, *, gscale, lr, l2, rho, eps, working=None, kind=LP_NONE,
-                  zero_grad=False, mask=None):
+                  zero_grad=False, mask=None, grad_ptrs=None):
     """Adadelta (Zeiler 2012), torch.optim.Adadelta's form.
 
     Per element of segment ``s``: ``d = gscale*g + l2[s]*p``;
@@ -341,6 +350,7 @@ def adadelta_step(p, g, square_avg, acc_delta, pieces, *, gscale, lr, l2, rho, e
     ``delta = sqrt(acc_delta + eps) / sqrt(square_avg + eps) * d`` (the old ``acc_delta``);
     ``acc_delta = rho*acc_delta + (1 - rho)*delta^2``; ``p -= lr[s]*delta``.
     """
+    g = gathered(g, pieces, grad_ptrs)
     i, s = segments(pieces, p.size)
     pp = f64(p[i])
     d = gscale * f64(g[i]) + np.asarray(l2, np.float64)[s] * pp

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._common import LP_DTYPES, f64, segments
+from ._common import LP_DTYPES, f64, gathered, segments
 
 def accumulate(acc, g, *, w, overwrite):
     """``acc = w * g`` if ``overwrite`` else ``acc += w * g``."""
@@ -29,12 +29,13 @@ def all_finite(x):
     return bool(np.isfinite(x).all())
 
 
-def sumsq(x, pieces, *, nseg):
+def sumsq(x, pieces, *, nseg, grad_ptrs=None):
     """``(total, per_segment)`` sums of squares over the pieces, in float64.
 
     Padding outside the pieces is not read. A NaN/Inf element makes the
     total non-finite; so may an overflow of huge float64 values.
     """
+    x = gathered(x, pieces, grad_ptrs)
     per_seg = np.zeros(nseg, dtype=np.float64)
     for start, stop, seg in pieces:
         part = f64(x[start:stop])
@@ -42,8 +43,9 @@ def sumsq(x, pieces, *, nseg):
     return float(per_seg.sum()), per_seg
 
 
-def max_abs(x, pieces):
+def max_abs(x, pieces, *, grad_ptrs=None):
     """Largest |element| over the pieces, for finite input (rescales a norm that overflowed)."""
+    x = gathered(x, pieces, grad_ptrs)
     best = 0.0
     for start, stop, _ in pieces:
         if stop > start:
@@ -51,8 +53,9 @@ def max_abs(x, pieces):
     return best
 
 
-def sumsq_scaled(x, pieces, *, nseg, inv):
+def sumsq_scaled(x, pieces, *, nseg, inv, grad_ptrs=None):
     """Like :func:`sumsq` but of ``x * inv``: an overflow-safe second pass."""
+    x = gathered(x, pieces, grad_ptrs)
     per_seg = np.zeros(nseg, dtype=np.float64)
     for start, stop, seg in pieces:
         part = f64(x[start:stop]) * inv

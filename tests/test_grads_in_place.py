@@ -1,0 +1,161 @@
+"""Gradients read where they lie (``grad_ptrs``, :class:`arraytrain.buffer.GradsAt`): the kernels, the
+engine's dict path and the torch drop-ins read each gradient in its own array instead of copying it into
+the flat buffer first; the result is bitwise the copy path's, for every optimizer that reads in place,
+both CPU families, float32 and float64, bfloat16 and 8-bit state, parameters over several pieces."""
+
+import numpy as np
+import pytest
+
+import arraytrain as at
+from arraytrain.buffer import GradsAt
+from arraytrain.errors import ArgumentTypeError, BackendUnavailableError, HyperparameterError
+from arraytrain.kernels import cpu, reference
+from arraytrain.layout import REDUCE_CHUNK
+
+# small (staged), large (read in its own array) and multi-piece parameters, and a zero-size one
+SHAPES = {"emb": (3 * REDUCE_CHUNK // 64 + 5, 64), "w": (70, 90), "b": (90,), "empty": (0,), "head": (12, 7)}
+
+
+def make(name, state_dtype=None):
+    kw = {} if state_dtype is None else {"state_dtype": state_dtype}
+    return {
+        "AdamW": lambda: at.optim.AdamW(1e-2, weight_decay=0.1, **kw),
+        "Adam": lambda: at.optim.Adam(1e-2, weight_decay=0.01, amsgrad=True, **kw),
+        "SGD": lambda: at.optim.SGD(1e-2, momentum=0.9, nesterov=True, **kw),
+        "Adagrad": lambda: at.optim.Adagrad(1e-2, **kw),
+        "RMSprop": lambda: at.optim.RMSprop(1e-2, momentum=0.5, centered=True, **kw),
+        "Lion": lambda: at.optim.Lion(1e-3, **kw),
+        "LAMB": lambda: at.optim.LAMB(1e-2, **kw),
+        "NAdam": lambda: at.optim.NAdam(1e-2, **kw),
+        "RAdam": lambda: at.optim.RAdam(1e-2, **kw),
+        "Adamax": lambda: at.optim.Adamax(1e-2, **kw),
+        "Adadelta": lambda: at.optim.Adadelta(1.0, **kw),
+    }[name]
+
+
+def params(dtype=np.float32):
+    rng = np.random.default_rng(0)
+    return {n: rng.standard_normal(s).astype(dtype) for n, s in SHAPES.items()}
+
+
+def grads(t, dtype=np.float32):
+    rng = np.random.default_rng(10 + t)
+    return {n: rng.standard_normal(s).astype(dtype) for n, s in SHAPES.items()}
+
+
+def pair(optimizer, dtype=np.float32, **kw):
+    """An engine that reads in place and one that copies (the path it had), same settings."""
+    a = at.Engine(params(dtype), optimizer(), **kw)
+    b = at.Engine(params(dtype), optimizer(), **kw)
+    b._in_place_ok = False
+    assert a.reads_in_place
+    return a, b
+
+
+def run_pair(a, b, steps=4, dtype=np.float32):
+    seen = []
+    real = a.read_in_place
+    a.read_in_place = lambda bases: (seen.append(True), real(bases))[1]
+    for t in range(steps):
+        g = grads(t, dtype)
+        ra, rb = a.step(g), b.step(g)
+        assert ra.grad_norm == rb.grad_norm or (np.isnan(ra.grad_norm) and np.isnan(rb.grad_norm))
+    assert len(seen) == steps - 1  # the first micro-batch of a structure goes the general path
+    for n in SHAPES:
+        assert np.array_equal(a.params[n], b.params[n]), n
+    for k, slot in a.state.slots.items():
+        assert np.array_equal(slot.flat if hasattr(slot, "flat") else slot, b.state.slots[k].flat), k
+    assert not a.grads.flat.any()  # nothing was copied into the buffer
+
+
+@pytest.mark.parametrize("name", ["AdamW", "Adam", "SGD", "Adagrad", "RMSprop", "Lion", "LAMB", "NAdam", "RAdam",
+                                  "Adamax", "Adadelta"])
+@pytest.mark.parametrize("kernels", ["numba", "reference"])
+def test_dict_path_reads_in_place_bitwise_as_the_copy(name, kernels):
+    run_pair(*pair(make(name), kernels=kernels, max_grad_norm=1.0))
+
+
+@pytest.mark.parametrize("state_dtype", ["bfloat16", "8bit"])
+def test_low_precision_state_reads_in_place_bitwise(state_dtype):
+    run_pair(*pair(make("AdamW", state_dtype), max_grad_norm=1.0))
+
+
+def test_float64_with_missing_skip_and_a_schedule():
+    a, b = pair(make("AdamW"), np.float64, missing="zero", schedule=at.schedules.CosineAnnealingLR(10))
+    run_pair(a, b, dtype=np.float64)
+
+
+def test_float64_norm_overflow_is_resolved_in_place():
+    a, b = pair(make("SGD"), np.float64, max_grad_norm=1.0)
+    for t in range(3):
+        g = grads(t, np.float64)
+        g["w"] *= 1e160  # the sum of squares overflows: the overflow-safe passes read in place too
+        ra, rb = a.step(g), b.step(g)
+        assert np.isfinite(ra.grad_norm) and ra.grad_norm == rb.grad_norm
+    assert all(np.array_equal(a.params[n], b.params[n]) for n in SHAPES)
+    g = grads(9, np.float64)
+    g["w"] *= 1e160
+    g["emb"][5, 5] = np.nan
+    before = a.params.flat.copy()
+    assert a.step(g).skipped and np.array_equal(a.params.flat, before)
+
+
+def test_a_weight_or_a_noncontiguous_gradient_takes_the_copy():
+    a, b = pair(make("AdamW"))
+    run_pair(a, b, steps=2)
+    g = grads(5)
+    a.step(g, weight=2.0), b.step(g, weight=2.0)
+    g = {n: (np.asfortranarray(v) if v.ndim == 2 else v) for n, v in grads(6).items()}
+    a.step(g), b.step(g)
+    assert all(np.array_equal(a.params[n], b.params[n]) for n in SHAPES)
+
+
+def test_engines_that_need_the_buffer_do_not_read_in_place():
+    p = params()
+    assert not at.Engine(p, make("AdamW")(), accumulation_steps=2).reads_in_place
+    assert not at.Engine(p, at.optim.Adafactor()).reads_in_place
+    assert not at.Engine(p, make("AdamW")(), zero_grad_on_step=False).reads_in_place
+    e = at.Engine(p, make("AdamW")(), accumulation_steps=2)
+    with pytest.raises(ArgumentTypeError, match="read_in_place"):
+        e.read_in_place(np.zeros(len(SHAPES), np.int64))
+
+
+@pytest.mark.parametrize("family", [cpu, reference], ids=["cpu", "reference"])
+def test_norm_kernels_read_in_place(family):
+    layout = at.Layout(SHAPES)
+    g = grads(0, np.float64)
+    flat = np.zeros(layout.size)
+    for n in SHAPES:
+        flat[layout.slice(n)] = g[n].ravel()
+    bases = np.array([g[n].ctypes.data for n in SHAPES], np.int64)
+    ptrs = GradsAt(at.FlatBuffer(layout, np.zeros_like(flat)), bases,
+                   np.asarray(layout.offsets, np.int64)).ptrs(layout.pieces)
+    zeros = np.zeros_like(flat)  # the buffer itself is never read
+    assert family.sumsq(zeros, layout.pieces, nseg=len(layout), grad_ptrs=ptrs)[0] == \
+        family.sumsq(flat, layout.pieces, nseg=len(layout))[0]
+    assert family.max_abs(zeros, layout.pieces, grad_ptrs=ptrs) == family.max_abs(flat, layout.pieces)
+    assert np.array_equal(family.sumsq_scaled(zeros, layout.pieces, nseg=len(layout), inv=0.5, grad_ptrs=ptrs)[1],
+                          family.sumsq_scaled(flat, layout.pieces, nseg=len(layout), inv=0.5)[1])
+
+
+def test_nonfinite_apply_takes_the_step_as_torch():
+    a = at.Engine(params(), make("AdamW")(), nonfinite="apply")
+    g = grads(0)
+    g["w"][1, 2] = np.nan
+    report = a.step(g)
+    assert report.applied and np.isnan(report.grad_norm)  # no norm pass: nothing needed one
+    assert np.isnan(a.params["w"]).sum() == 1 and not np.isnan(a.params["emb"]).any()
+    clipped = at.Engine(params(), make("AdamW")(), nonfinite="apply", max_grad_norm=1.0)
+    assert clipped.step(g).applied and np.isnan(clipped.params["w"]).any()
+    with pytest.raises(HyperparameterError, match="nonfinite"):
+        at.Engine(params(), make("AdamW")(), nonfinite="ignore")
+    with pytest.raises(HyperparameterError, match="loss scaler"):
+        at.Engine(params(), make("AdamW")(), nonfinite="apply", loss_scaler=at.LossScaler())
+
+
+def test_cuda_kernels_refuse_grad_ptrs():
+    from arraytrain.kernels.cuda.core import refuse_grad_ptrs
+
+    refuse_grad_ptrs(None)
+    with pytest.raises(BackendUnavailableError, match="grad_ptrs"):
+        refuse_grad_ptrs(np.zeros(1, np.int64))
