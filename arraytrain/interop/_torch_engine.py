@@ -87,6 +87,7 @@ class GroupEngine(Engine):
             super().__init__(params, optimizer, **kw)
         self.initial_scalars = dict(self.state.scalars)  # a fresh state's (NAdam's mu_product: 1)
         self.lowp = lowp
+        self.on_cpu = device.type == "cpu"
         weights = self.working if lowp else self.params
         if lowp:  # .grad must have the parameter's dtype: a low-precision buffer, added into the float32 one
             self.lp_grads = torch.zeros(self.layout.size, dtype=dtype, device=device)
@@ -124,6 +125,7 @@ class GroupEngine(Engine):
         Anything else raises before a write.
         """
         data_fixes, grad_fixes, held = [], [], []
+        on_cpu, strided = self.on_cpu, torch.strided
         for i, (n, p, data, grad, ptr, dtype, shape) in enumerate(self.bound):
             if p.data_ptr() != ptr or p.dtype is not dtype or p.shape != shape:
                 check_kind(n, "parameter", p, data, **_HELD)
@@ -134,9 +136,12 @@ class GroupEngine(Engine):
             if g is None:
                 held.append(i)
             else:
-                if g.is_sparse or g.layout != torch.strided:
-                    raise BackendError(f"{n!r}: a {g.layout} gradient; the drop-in optimizers take dense gradients")
-                check_kind(n, "gradient", g, grad, **_HELD)
+                # the common case in a few attribute reads: a dense CPU gradient of the parameter's kind
+                if not (on_cpu and g.dtype is dtype and g.layout is strided and g.is_cpu and g.shape == shape):
+                    if g.is_sparse or g.layout != strided:
+                        raise BackendError(f"{n!r}: a {g.layout} gradient; the drop-in optimizers take dense "
+                                           "gradients")
+                    check_kind(n, "gradient", g, grad, **_HELD)
                 grad_fixes.append(i)
         return data_fixes, grad_fixes, held
 

@@ -261,6 +261,7 @@ class TorchOptimizer(torch.optim.Optimizer):
                            and k not in REFUSED_FLAGS)
         self._read_keys = ("lr", "weight_decay", *self._keys)
         self._cohorts: list[Cohort] = []
+        self._by_sig: dict = {}  # kernel-wide values -> their arraytrain optimizer (see _optimizer_of)
         self._seen: list = []  # per group: (raw tuple, has tensors, (lr, wd, signature))
         self._built = False
         self._skips = 0
@@ -527,7 +528,7 @@ class TorchOptimizer(torch.optim.Optimizer):
                 sig, sig_tensors = seen.sig, False
             else:
                 sig_tensors = _has_tensor(raw[2:])
-                sig = self._check_group_values(group, group_name(gi))[2]
+                sig = self._signature(group, gi)
                 if seen is None or sig != seen.sig:
                     resig.append((gi, sig))
             if seen is None or lr != seen.lr or wd != seen.wd:
@@ -558,13 +559,47 @@ class TorchOptimizer(torch.optim.Optimizer):
                 opt.lr, opt.weight_decay = float(c.lrs[0]), float(c.wds[0])
         return rates
 
+    def _signature(self, group: Mapping, gi: int):
+        """A group's kernel-wide values (plain Python), validated (a scheduler that changes them every step,
+        such as OneCycleLR's momentum, builds one arraytrain optimizer per new signature, not per group)."""
+        for flag, why in REFUSED_FLAGS.items():
+            if group.get(flag):
+                raise HyperparameterError(f"{group_name(gi, flag)}: {why}; got {flag}={group[flag]!r}")
+        sig = tuple(plain_value(group[k]) for k in self._keys)
+        for k, v in zip(self._keys, sig):
+            if isinstance(v, torch.Tensor):
+                raise HyperparameterError(f"{group_name(gi, k)}: expected a number or a one-element tensor, got a "
+                                          f"tensor of shape {tuple(v.shape)}")
+        try:
+            self._optimizer_of(sig)
+        except HyperparameterError as exc:
+            raise HyperparameterError(f"{group_name(gi)}: {exc}") from None
+        return sig
+
+    def _optimizer_of(self, sig):
+        """The arraytrain optimizer of the kernel-wide values ``sig`` (lr 1, no decay), kept for the few
+        signatures seen last."""
+        try:
+            return self._by_sig[sig]
+        except (KeyError, TypeError):  # TypeError: a value that cannot be a key (built every time)
+            pass
+        values = dict(zip(self._keys, sig))
+        values.update(lr=1.0, weight_decay=0.0)
+        opt = self.arraytrain_optimizer(values)
+        try:
+            if len(self._by_sig) >= 8:
+                self._by_sig.clear()
+            self._by_sig[sig] = opt
+        except TypeError:
+            pass
+        return opt
+
     def _check_same_state(self, gi: int, sig) -> None:
         """A group's kernel-wide values may change, but not into another state (amsgrad, momentum 0 or not)."""
         for c in self._cohorts:
             if gi in c.group_of:
                 values = dict(zip(self._keys, sig))
-                values.update(lr=1.0, weight_decay=0.0)
-                new, cur = self.arraytrain_optimizer(values), c.engine.optimizer
+                new, cur = self._optimizer_of(sig), c.engine.optimizer
                 if type(new) is not type(cur) or new.slot_names != cur.slot_names:
                     before = dict(zip(self._keys, c.signature))
                     diff = {k: (before[k], values[k]) for k in self._keys if before[k] != values[k]}
@@ -576,9 +611,7 @@ class TorchOptimizer(torch.optim.Optimizer):
 
     def _reconfigure(self, c: Cohort, sig) -> None:
         """A cohort's kernel-wide values changed alike in all its groups (checked by :meth:`_check_same_state`)."""
-        values = dict(zip(self._keys, sig))
-        values.update(lr=1.0, weight_decay=0.0)
-        _assign(c.engine.optimizer, self.arraytrain_optimizer(values))
+        _assign(c.engine.optimizer, self._optimizer_of(sig))
         c.signature = sig
 
     def _amp(self):
