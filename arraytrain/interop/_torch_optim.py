@@ -159,8 +159,13 @@ class TorchOptimizer(torch.optim.Optimizer):
         param groups must share one engine (one dtype and device, the same kernel-wide
         hyperparameters). A parameter counts as having a gradient when any rank has one.
     shard_state : bool
-        With ``comm``: not built for the drop-ins yet (their ``state[p]`` and state dicts
-        show whole slots); :func:`~arraytrain.interop.torch.bind` takes it.
+        With ``comm``: each rank keeps and updates one contiguous partition of the optimizer state
+        (ZeRO stage 1-2, as DDP + ``ZeroRedundancyOptimizer``): a step is a reduce-scatter of the
+        gradients, the own partition's update and an all-gather of the weights. ``state[p]`` then
+        holds ``"step"`` only (the slots are spread over the ranks), and :meth:`state_dict` and
+        :meth:`load_state_dict` are collectives that every rank calls (as ZeRO's
+        ``consolidate_state_dict``): ``state_dict()`` returns the whole state, torch's format, on
+        every rank. For float32/float64 models, with float32 or bfloat16 state.
     overlap : bool or None
         With ``comm``: start each bucket's all-reduce while the backward pass still runs (a
         post-accumulate-grad hook per parameter copies a gradient torch allocated into the
@@ -249,14 +254,14 @@ class TorchOptimizer(torch.optim.Optimizer):
         self.nonfinite = options["nonfinite"]
         comm, shard_state, overlap, bucket_bytes = check_parallel(
             options["comm"], options["shard_state"], bool(options["overlap"]), options["bucket_bytes"])
-        if shard_state:
-            raise HyperparameterError("shard_state: sharded optimizer state is not built for the drop-in optimizers "
-                                      "yet (their state[p] and state dicts show whole slots); use "
-                                      "arraytrain.interop.torch.bind(model, optimizer, comm=..., shard_state=True)")
+        if shard_state and state_dtype == "8bit":
+            raise HyperparameterError("shard_state: sharded 8-bit state is not built for the drop-in optimizers "
+                                      "(their state dicts show 8-bit slots by parameter); use bind(model, optimizer, "
+                                      "comm=..., shard_state=True), or state_dtype='bfloat16'")
         if options["overlap"] and comm.is_local:
             raise HyperparameterError("overlap: the overlapped exchange needs a group of processes (comm=...)")
         self._overlap = options["overlap"]  # None: on where it can be (see _rebuild)
-        self._parallel = {"comm": comm, "bucket_bytes": bucket_bytes}
+        self._parallel = {"comm": comm, "bucket_bytes": bucket_bytes, "shard_state": shard_state}
         self._keys = tuple(k for k in defaults if k not in PER_PARAM and k not in IGNORED_FLAGS
                            and k not in REFUSED_FLAGS)
         self._read_keys = ("lr", "weight_decay", *self._keys)
@@ -425,6 +430,10 @@ class TorchOptimizer(torch.optim.Optimizer):
                 f"comm: the param groups need {len(partition)} engines (they differ in dtype, device, step count "
                 "or a hyperparameter that is one number per kernel, such as betas); under a group of processes "
                 "the drop-ins take groups that share one engine (lr and weight_decay may differ)")
+        if self._parallel["shard_state"] and dtype in LOWP:
+            raise HyperparameterError("shard_state: a bfloat16/float16 model's float32 master weights are not sharded "
+                                      "by the drop-in optimizers; use bind(model, optimizer, comm=..., "
+                                      "shard_state=True)")
         can = dtype not in LOWP and not self.two_windows
         if self._overlap and not can:
             raise HyperparameterError("overlap: a bfloat16/float16 model's gradients reach the float32 buffer at "
@@ -489,7 +498,9 @@ class TorchOptimizer(torch.optim.Optimizer):
         state = defaultdict(dict)
         for c in self._cohorts:
             e = c.engine
-            views = {slot: slot_views(buf, e.layout.names) for slot, buf in e.state.slots.items()}
+            # sharded state: the slots are spread over the ranks (state_dict() gathers them)
+            views = {} if self._parallel["shard_state"] else \
+                {slot: slot_views(buf, e.layout.names) for slot, buf in e.state.slots.items()}
             for k, ((gi, j), name) in enumerate(zip(c.index, e.layout.names)):
                 p = self.param_groups[gi]["params"][j]
                 entry = {"step": c.step_tensors[k]}
@@ -773,13 +784,29 @@ class TorchOptimizer(torch.optim.Optimizer):
                 ids[id(p)] = i
             start += len(group["params"])
             groups.append(packed)
+        entries = self._gathered_state() if self._parallel["shard_state"] else self.state
         state = {ids[id(p)]: {k: dict(v) if isinstance(v, dict) else v for k, v in entry.items()}
-                 for p, entry in self.state.items() if id(p) in ids}
+                 for p, entry in entries.items() if id(p) in ids}
         out = {"state": state, "param_groups": groups}
         for hook in self._optimizer_state_dict_post_hooks.values():
             result = hook(self, out)
             if result is not None:
                 out = result
+        return out
+
+    def _gathered_state(self) -> dict:
+        """Sharded state: every parameter's entry with its whole slots, gathered from the ranks (a
+        collective), as copies."""
+        out = {}
+        for c in self._cohorts:
+            e = c.engine
+            slots = e.state_dict(copy=True)["optimizer"]["slots"]
+            for k, ((gi, j), name) in enumerate(zip(c.index, e.layout.names)):
+                entry = {"step": c.step_tensors[k].clone()}
+                for slot, arrays in slots.items():
+                    entry[slot] = tensor_view(np.ascontiguousarray(arrays[name]), torch)
+                entry.update({n: t.clone() for n, t in c.scalar_tensors.items()})
+                out[self.param_groups[gi]["params"][j]] = entry
         return out
 
     def load_state_dict(self, state_dict) -> None:

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from .. import state8
+from ..parallel.shard import ShardBuffer
 from .._checks import check_number
 from ..errors import HyperparameterError, StateDictError
 from ._torch_engine import group_name
@@ -138,6 +139,9 @@ def load_entries(cohorts, plan: dict, param_groups) -> None:
         if e.optimizer.per_param_steps:  # each parameter at its own count (0: no state saved for it)
             counts = np.array([plan["param_steps"].get(gj, 0) for gj in c.index], dtype=np.int64)
             e.state.counts = None if (counts == step).all() else counts
+        if any(isinstance(b, ShardBuffer) for b in e.state.slots.values()):
+            _load_sharded(c, plan)
+            continue
         with torch.no_grad():
             for (gi, j), name in zip(c.index, e.layout.names):
                 entry = plan["entries"][(gi, j)]
@@ -161,6 +165,30 @@ def load_entries(cohorts, plan: dict, param_groups) -> None:
         e.refresh()
         e.clean.clear()
         c.sync_tensors()
+
+
+def _load_sharded(c, plan: dict) -> None:
+    """Sharded state: the entries as the engine's own state dict (whole arrays, each rank keeping its
+    partition), loaded by the engine: a collective, as the state dict it starts from."""
+    e = c.engine
+    tree = e.state_dict(copy=True)
+    opt = tree["optimizer"]
+    opt["step"] = e.state.step
+    opt.pop("param_steps", None)
+    if e.state.counts is not None:
+        opt["param_steps"] = dict(zip(e.layout.names, e.state.counts.tolist()))
+    scalars = dict(e.initial_scalars)
+    for (gi, j), name in zip(c.index, e.layout.names):
+        entry = plan["entries"][(gi, j)] or {}
+        for k, arrays in opt["slots"].items():
+            v = entry.get(k)
+            arrays[name] = np.zeros_like(arrays[name]) if v is None else \
+                host_array(v, torch, copy=True).astype(arrays[name].dtype)
+        scalars.update({k: v for k, v in entry.items() if k in e.state.scalars})
+    if scalars:
+        opt["scalars"] = scalars
+    e.load_state_dict(tree)
+    c.sync_tensors()
 
 
 def slot_views(buf, names) -> dict:

@@ -152,8 +152,8 @@ def test_dropin_nadam_refuses_a_group_at_different_steps():
 
 
 def test_dropin_comm_refusals_name_the_argument():
-    """Under a group: sharded state is not built for the drop-ins; param groups that need two engines
-    are refused on every rank (typed errors, before any collective)."""
+    """Under a group: sharded 8-bit state is not built for the drop-ins; param groups that need two
+    engines are refused on every rank (typed errors, before any collective)."""
     from thread_group import ThreadGroup
 
     def build(rank, comm, **kw):
@@ -163,7 +163,7 @@ def test_dropin_comm_refusals_name_the_argument():
         return True
 
     group = ThreadGroup(2)
-    assert all(group.run(lambda r, c: build(r, c, shard_state=True, match="shard_state")))
+    assert all(group.run(lambda r, c: build(r, c, shard_state=True, state_dtype="8bit", match="shard_state")))
     m = model()
     groups = [{"params": list(m["trunk"].parameters()), "betas": (0.9, 0.99)},
               {"params": list(m["head"].parameters())}]

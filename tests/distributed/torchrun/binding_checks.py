@@ -190,3 +190,47 @@ def check_dropin_with_comm_equals_ddp(comm) -> int:
         np.testing.assert_allclose(got, flat_params(ref), rtol=1e-10, atol=1e-12, err_msg=f"overlap={overlap}")
         cases += 1
     return cases
+
+
+def check_dropin_with_sharded_state_equals_ddp_and_resumes(comm) -> int:
+    """``at_torch.AdamW(..., comm=comm, shard_state=True)`` against DDP + torch.optim.AdamW (float64, to
+    1e-10); its state_dict (a collective) holds torch's slots; a fresh sharded drop-in that loads the
+    state saved after 2 steps continues as the uninterrupted run."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    ref = model(0)
+    ddp = DistributedDataParallel(ref)
+    topt = torch.optim.AdamW(ddp.parameters(), lr=1e-2, weight_decay=0.01, foreach=False)
+    m = model(comm.rank)
+    kw = {"lr": 1e-2, "weight_decay": 0.01, "max_grad_norm": 0.5, "comm": comm, "shard_state": True}
+    opt = at_torch.AdamW(m.parameters(), **kw)
+    saved = None
+    for t in range(STEPS):
+        x, y = batch(t)
+        for net, o in ((ddp, topt), (m, opt)):
+            o.zero_grad()
+            torch.nn.functional.cross_entropy(net(half(x, comm)), half(y, comm)).backward()
+            if o is topt:
+                torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+            o.step()
+        if t == 1:
+            saved = (opt.state_dict(), [p.detach().clone() for p in m.parameters()])
+    np.testing.assert_allclose(flat_params(m), flat_params(ref), rtol=1e-10, atol=1e-12)
+    ours, theirs = opt.state_dict()["state"], topt.state_dict()["state"]
+    for i, entry in theirs.items():
+        assert float(ours[i]["step"]) == float(entry["step"])
+        for slot in ("exp_avg", "exp_avg_sq"):
+            np.testing.assert_allclose(ours[i][slot].numpy(), entry[slot].numpy(), rtol=1e-9, atol=1e-14)
+    again = model(comm.rank)
+    with torch.no_grad():
+        for p, v in zip(again.parameters(), saved[1]):
+            p.copy_(v)
+    opt2 = at_torch.AdamW(again.parameters(), **kw)
+    opt2.load_state_dict(saved[0])
+    for t in range(2, STEPS):
+        x, y = batch(t)
+        opt2.zero_grad()
+        torch.nn.functional.cross_entropy(again(half(x, comm)), half(y, comm)).backward()
+        opt2.step()
+    np.testing.assert_allclose(flat_params(again), flat_params(m), rtol=1e-12, atol=1e-14)
+    return 2
