@@ -234,3 +234,63 @@ def check_dropin_with_sharded_state_equals_ddp_and_resumes(comm) -> int:
         opt2.step()
     np.testing.assert_allclose(flat_params(again), flat_params(m), rtol=1e-12, atol=1e-14)
     return 2
+
+
+def _branched(seed: int) -> torch.nn.Module:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return torch.nn.ModuleDict({"trunk": torch.nn.Linear(IN, HIDDEN), "branch": torch.nn.Linear(HIDDEN, OUT),
+                                    "head": torch.nn.Linear(HIDDEN, OUT)}).double()
+
+
+def _branch_used(t: int, rank: int) -> bool:
+    """The branch: used by every rank, then by rank 1 only (present: a rank had a gradient), then by none
+    (absent: torch skips it), then by every rank again."""
+    return t < 2 or (t < 4 and rank == 1) or t >= 7
+
+
+def _branched_loss(m, x, y, used: bool):
+    h = torch.tanh(m["trunk"](x))
+    out = m["head"](h)
+    if used:
+        out = out + m["branch"](h)
+    return torch.nn.functional.cross_entropy(out, y)
+
+
+def check_unused_branch_across_ranks_as_torch(comm) -> int:
+    """A branch without gradients on some ranks or on all: the drop-in (replicated, sharded) and bind over
+    ``comm`` against one process's torch.optim.AdamW(foreach=False) on the mean of the ranks' losses,
+    which DDP computes (a parameter with a gradient on any rank is stepped, one with none anywhere is
+    not, and keeps its own step count); float64, to 1e-10."""
+    steps = 9
+    ref = _branched(0)
+    topt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.01, foreach=False)
+    for t in range(steps):
+        x, y = batch(t)
+        topt.zero_grad()
+        n = x.shape[0] // comm.size
+        sum(_branched_loss(ref, x[r * n:(r + 1) * n], y[r * n:(r + 1) * n], _branch_used(t, r))
+            for r in range(comm.size)).div(comm.size).backward()
+        topt.step()
+    want = flat_params(ref)
+    cases = 0
+    for how in ("dropin", "dropin-sharded", "bind"):
+        m = _branched(comm.rank)
+        if how == "bind":
+            eng = at_torch.bind(m, at.optim.AdamW(lr=1e-2, weight_decay=0.01), comm=comm)
+            step, zero = eng.step, m.zero_grad
+        else:
+            opt = at_torch.AdamW(m.parameters(), lr=1e-2, weight_decay=0.01, comm=comm,
+                                 shard_state=how == "dropin-sharded")
+            step, zero = opt.step, opt.zero_grad
+        for t in range(steps):
+            x, y = batch(t)
+            zero()
+            _branched_loss(m, half(x, comm), half(y, comm), _branch_used(t, comm.rank)).backward()
+            step()
+        np.testing.assert_allclose(flat_params(m), want, rtol=1e-10, atol=1e-12, err_msg=how)
+        if how == "dropin":
+            steps_of = [float(s["step"]) for s in opt.state_dict()["state"].values()]
+            assert steps_of == [float(s["step"]) for s in topt.state_dict()["state"].values()], steps_of
+        cases += 1
+    return cases
