@@ -49,14 +49,15 @@ LR, BETAS, EPS, WD, MAX_NORM = common.LR, common.BETAS, common.EPS, common.WD, c
 GROUPS = (1, 10, 100)
 
 
-def make_model(n: int, seed: int = 0):
-    """:data:`~arraytrain.bench.common.N_TENSORS` float32 parameters of ``n`` elements in all (matrices
-    with a bias after each), and gradients for them; returns ``(params, grads)`` (lists of tensors)."""
+def make_model(n: int, seed: int = 0, tensors: int = common.N_TENSORS):
+    """``tensors`` float32 parameters (default :data:`~arraytrain.bench.common.N_TENSORS`) of ``n``
+    elements in all (matrices with a bias after each), and gradients for them; returns ``(params,
+    grads)`` (lists of tensors)."""
     import torch
 
     g = torch.Generator().manual_seed(seed)
-    half = common.N_TENSORS // 2
-    bias = max(1, min(1024, n // (common.N_TENSORS * 64)))
+    half = tensors // 2
+    bias = max(1, min(1024, n // (tensors * 64)))
     sizes = common.split(n - half * bias, half)
     shapes = []
     for k in sizes:
@@ -79,7 +80,7 @@ def _best(fns: dict, calls: int, repeats: int) -> dict:
     return best
 
 
-def contestants(n: int, clipped: bool) -> dict:
+def contestants(n: int, clipped: bool, tensors: int = common.N_TENSORS) -> dict:
     """``{name: step function}`` for one size; each step function also returns its parameters."""
     import torch
 
@@ -88,14 +89,14 @@ def contestants(n: int, clipped: bool) -> dict:
     out = {}
     kw = {"lr": LR, "betas": BETAS, "eps": EPS, "weight_decay": WD}
 
-    params, grads = make_model(n)
+    params, grads = make_model(n, tensors=tensors)
     opt = at_torch.AdamW(params, max_grad_norm=MAX_NORM if clipped else None, **kw)
     for p, g in zip(params, grads):
         p.grad = g.clone()
     opt.step()  # the gradients now live in the engine's buffer, which every step leaves zeroed
     out["drop-in"] = (opt.step, params)
 
-    fparams, fgrads = make_model(n)
+    fparams, fgrads = make_model(n, tensors=tensors)
     fopt = at_torch.AdamW(fparams, max_grad_norm=MAX_NORM if clipped else None, **kw)
 
     def fresh():
@@ -105,7 +106,7 @@ def contestants(n: int, clipped: bool) -> dict:
 
     out["drop-in, fresh .grad"] = (fresh, fparams)
 
-    tparams, tgrads = make_model(n)
+    tparams, tgrads = make_model(n, tensors=tensors)
     for p, g in zip(tparams, tgrads):
         p.grad = g
     topt = torch.optim.AdamW(tparams, fused=True, **kw)
@@ -119,11 +120,11 @@ def contestants(n: int, clipped: bool) -> dict:
     return out
 
 
-def measure_step(n: int, calls: int, repeats: int) -> dict:
-    """Seconds per step of each contestant, plain and clipped, at ``n`` elements."""
-    row = {"elements": n, "tensors": common.N_TENSORS}
+def measure_step(n: int, calls: int, repeats: int, tensors: int = common.N_TENSORS) -> dict:
+    """Seconds per step of each contestant, plain and clipped, at ``n`` elements in ``tensors`` tensors."""
+    row = {"elements": n, "tensors": tensors}
     for clipped in (False, True):
-        fns = {k: fn for k, (fn, _) in contestants(n, clipped).items()}
+        fns = {k: fn for k, (fn, _) in contestants(n, clipped, tensors).items()}
         row["clipped" if clipped else "plain"] = _best(fns, calls, repeats)
     return row
 
@@ -208,17 +209,20 @@ def loop_model(kind: str):
     return model, torch.randn(32, 3, 16, 16, generator=g), torch.randint(0, 10, (32,), generator=g)
 
 
-def measure_loop(kind: str, steps: int = 20, repeats: int = 5) -> dict:
-    """Seconds of clip + step per step in the everyday loop, by contestant (median and best of rounds)."""
+LOOP_CONTESTANTS = ("torch fused", "drop-in", "drop-in, max_grad_norm")
+
+
+def loop_contestants(kind: str, steps: int, total: int) -> dict:
+    """``{name: (round, model)}``: each contestant's copy of the model, and a function that runs
+    ``steps`` steps of the everyday loop on it and returns the mean seconds of clip + step
+    (``total``: the steps OneCycleLR is set up for)."""
     import copy
-    import statistics
 
     import torch
 
     from arraytrain.interop import torch as at_torch
 
     base, x, y = loop_model(kind)
-    total = steps * (repeats + 1)
 
     def groups(m):
         decay = [p for n, p in m.named_parameters() if p.ndim >= 2]
@@ -251,10 +255,19 @@ def measure_loop(kind: str, steps: int = 20, repeats: int = 5) -> dict:
                 sched.step()
             return spent / steps
 
-        return round_
+        return round_, m
 
-    names = ("torch fused", "drop-in", "drop-in, max_grad_norm")
-    rounds = {k: make(k) for k in names}
+    return {k: make(k) for k in LOOP_CONTESTANTS}
+
+
+def measure_loop(kind: str, steps: int = 20, repeats: int = 5) -> dict:
+    """Seconds of clip + step per step in the everyday loop, by contestant (median and best of rounds)."""
+    import statistics
+
+    made = loop_contestants(kind, steps, steps * (repeats + 1))
+    rounds = {k: fn for k, (fn, _) in made.items()}
+    names = LOOP_CONTESTANTS
+    base = made["torch fused"][1]
     for fn in rounds.values():  # warm-up: kernels compiled, state allocated
         fn()
     times = {k: [] for k in names}
@@ -269,6 +282,9 @@ def measure_loop(kind: str, steps: int = 20, repeats: int = 5) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m arraytrain.bench dropin", description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", type=float, nargs="+", default=[1e6, 1e7, 1e8])
+    ap.add_argument("--tensors", type=int, nargs="+", default=[common.N_TENSORS],
+                    help="tensors the elements are split into (default 100; e.g. 10 100 at 1e3-1e5 elements: "
+                         "the per-step fixed cost)")
     ap.add_argument("--calls", type=int, default=5, help="steps per round (default 5)")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--group-calls", type=int, default=2000, help="group reads per round (default 2000)")
@@ -279,17 +295,17 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     import torch
 
-    rows = [measure_step(int(n), args.calls, args.repeats) for n in args.sizes]
+    rows = [measure_step(int(n), args.calls, args.repeats, k) for k in args.tensors for n in args.sizes]
     names = ("drop-in", "drop-in, fresh .grad", "torch fused")
-    print(f"AdamW step, {common.N_TENSORS} float32 tensors, torch {torch.__version__}, {torch.get_num_threads()} "
+    print(f"AdamW step, float32 tensors, torch {torch.__version__}, {torch.get_num_threads()} "
           "threads (ms per step, best of rounds; x: ratio to torch fused)")
-    print(f"{'elements':>10} {'':>8} | " + " | ".join(f"{k:>20}" for k in names))
+    print(f"{'elements':>10} {'tensors':>7} {'':>8} | " + " | ".join(f"{k:>20}" for k in names))
     for r in rows:
         for mode in ("plain", "clipped"):
             t = r[mode]
             ref = t["torch fused"]
             cells = " | ".join(f"{t[k] * 1e3:>11.3f} ({t[k] / ref:4.2f}x)" for k in names)
-            print(f"{r['elements']:>10.0e} {mode:>8} | {cells}")
+            print(f"{r['elements']:>10.0e} {r['tensors']:>7} {mode:>8} | {cells}")
     loops = [measure_loop(k, args.loop_steps, args.repeats) for k in args.loops]
     if loops:
         names = ("torch fused", "drop-in", "drop-in, max_grad_norm")

@@ -56,11 +56,29 @@ def test_group_reading_is_measured_per_group():
     assert all(np.isfinite(v) for v in out["us_per_group"].values())
 
 
+@pytest.mark.parametrize("kind", ["transformer-128", "cnn-bn"])
+def test_everyday_loop_contestants_train_alike(kind):
+    """The everyday loop's three contestants (torch fused + clip_grad_norm_, the drop-in + clip_grad_norm_,
+    the drop-in with max_grad_norm) take the same steps from the same model."""
+    made = dropin.loop_contestants(kind, steps=4, total=10)
+    models = {}
+    for name, (round_, m) in made.items():
+        assert round_() > 0
+        models[name] = m
+    ref = dict(models["torch fused"].named_parameters())
+    for name in ("drop-in", "drop-in, max_grad_norm"):
+        for n, p in models[name].named_parameters():
+            # Adam turns float rounding into steps of up to lr (1e-3) where a gradient is near 0
+            np.testing.assert_allclose(p.detach().numpy(), ref[n].detach().numpy(), rtol=1e-3, atol=1e-4,
+                                       err_msg=f"{name}: {n}")
+
+
 def test_main_runs_and_writes_json(tmp_path, capsys):
     path = tmp_path / "dropin.json"
-    assert dropin.main(["--sizes", "1e4", "--calls", "1", "--repeats", "1", "--group-calls", "5",
-                        "--json", str(path)]) == 0
+    assert dropin.main(["--sizes", "1e4", "--tensors", "10", "--calls", "1", "--repeats", "1", "--group-calls", "5",
+                        "--loops", "cnn-bn", "--loop-steps", "1", "--json", str(path)]) == 0
     text = capsys.readouterr().out
-    assert "torch fused" in text and "read_param_groups" in text
+    assert "torch fused" in text and "read_param_groups" in text and "everyday loop" in text
     data = json.loads(path.read_text())
-    assert data["steps"][0]["elements"] == 10_000 and len(data["groups"]) == len(dropin.GROUPS)
+    assert data["steps"][0]["elements"] == 10_000 and data["steps"][0]["tensors"] == 10
+    assert len(data["groups"]) == len(dropin.GROUPS) and data["loops"][0]["model"] == "cnn-bn"
