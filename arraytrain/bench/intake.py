@@ -17,9 +17,10 @@ to an Engine as a ``{name: np.ndarray}`` micro-batch, and timed in one run:
   kernel call), when JAX is installed.
 
 Then one full clipped AdamW step with the same tensors: arraytrain's dict path
-(after), its zero-copy path (gradients already in ``engine.grads``, as a torch
-binding leaves them) and torch's ``clip_grad_norm_(foreach=True)`` +
-``AdamW(fused=True)`` when torch is installed. Micro-batch timings accumulate
+(after: one micro-batch a window, so the step reads the gradients where they lie), its
+zero-copy path (gradients already in ``engine.grads``, as a torch binding leaves them;
+``step/t`` is the dict path's cost beyond it per tensor) and torch's
+``clip_grad_norm_(foreach=True)`` + ``AdamW(fused=True)`` when torch is installed. Micro-batch timings accumulate
 (``accumulation_steps`` large), so no optimizer step is in them. Each figure is
 the best of ``--repeats`` rounds of ``--calls`` calls, contestants alternating
 round by round; warm-up and compilation are excluded.
@@ -100,7 +101,10 @@ def measure(n_tensors: int, elements: int, calls: int = 20, repeats: int = 7) ->
     step_t = _best(steps, max(1, calls // 2), repeats)
     floor = micro_t["floor"]
     out = {"tensors": n_tensors, "elements_per_tensor": size, "micro_batch_s": micro_t, "step_s": step_t,
-           "per_tensor_s": {k: (v - floor) / n_tensors for k, v in micro_t.items() if k != "floor"}}
+           "per_tensor_s": {k: (v - floor) / n_tensors for k, v in micro_t.items() if k != "floor"},
+           # a whole step: what the dict path costs beyond the zero-copy path, per tensor (it reads the
+           # gradients where they lie: the large ones in the caller's arrays, the small ones gathered)
+           "step_per_tensor_s": (step_t["dict"] - step_t["zero-copy"]) / n_tensors}
     return out
 
 
@@ -118,7 +122,7 @@ def main(argv=None) -> int:
           "(best of rounds; per tensor = (path - floor) / tensors)")
     print(f"{'tensors':>8} {'elems/t':>8} | {'before us':>10} {'after us':>9} {'jax us':>8} {'floor us':>9} | "
           f"{'before/t':>9} {'after/t':>8} {'jax/t':>7} | full AdamW step: {'dict':>7} {'zero-copy':>9} "
-          f"{'torch-fused':>11} (us)")
+          f"{'torch-fused':>11} {'step/t':>7} (us)")
     for r in rows:
         m, p, s = r["micro_batch_s"], r["per_tensor_s"], r["step_s"]
 
@@ -128,7 +132,8 @@ def main(argv=None) -> int:
         print(f"{r['tensors']:>8} {r['elements_per_tensor']:>8} | {f(m, 'before', width=10)} {f(m, 'after', width=9)} "
               f"{f(m, 'jax')} {f(m, 'floor', width=9)} | {f(p, 'before', width=9, prec=2)} "
               f"{f(p, 'after', prec=2)} {f(p, 'jax', width=7, prec=2)} |                  {f(s, 'dict', width=7)} "
-              f"{f(s, 'zero-copy', width=9)} {f(s, 'torch-fused', width=11)}")
+              f"{f(s, 'zero-copy', width=9)} {f(s, 'torch-fused', width=11)} "
+              f"{r['step_per_tensor_s'] * us:>7.2f}")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(rows, fh, indent=1)
