@@ -13,6 +13,7 @@ buffers, so that the copy itself cannot fail or depend on its order.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 
 import numpy as np
@@ -101,13 +102,19 @@ def write_grads(kernels, buf: FlatBuffer, grads: dict, weight: float, overwrite:
 
 
 # -- the engine's dict path: a validated structure, reused -------------------------------------
+@functools.lru_cache(maxsize=8)
+def _normal_range(dtype) -> tuple[float, float]:
+    """The smallest normal and the largest finite number of ``dtype`` (``np.finfo`` costs microseconds a call)."""
+    info = np.finfo(dtype)
+    return float(info.tiny), float(info.max)
+
+
 def check_weight(weight, dtype, mean: bool, weight_sum: float, loss_scale: float) -> float:
     """A micro-batch's ``weight`` (None: 1.0) as :meth:`arraytrain.Engine.step` takes it, or its error: a
     normal number of the buffer's ``dtype``, and with the ``mean`` reduction a window's weight sum times
     the loss scale whose inverse (the mean's factor) is normal too."""
     w = 1.0 if weight is None else check_positive("weight", weight)
-    info = np.finfo(dtype)
-    tiny, big = float(info.tiny), float(info.max)
+    tiny, big = _normal_range(dtype)
     if not tiny <= w <= big:
         raise HyperparameterError(f"weight: expected a normal {dtype} number in [{tiny!r}, {big!r}] "
                                   f"(the kernels multiply by it in {dtype}), got {w!r}")

@@ -313,10 +313,11 @@ class GradsAt:
     ``reads_in_place`` hand their kernels :meth:`ptrs` (``grad_ptrs``, see
     :mod:`arraytrain.kernels.interface`) instead of copying the gradients into the buffer first."""
 
-    __slots__ = ("flat", "layout", "bases", "_offsets")
+    __slots__ = ("flat", "layout", "bases", "_offsets", "_last")
 
     def __init__(self, grads: FlatBuffer, bases: np.ndarray, offsets: np.ndarray):
         self.flat, self.layout, self.bases, self._offsets = grads.flat, grads.layout, bases, offsets
+        self._last = (None, None)  # (pieces, their addresses): the norm pass and the update share them
 
     @property
     def dtype(self):
@@ -324,5 +325,10 @@ class GradsAt:
 
     def ptrs(self, pieces: np.ndarray) -> np.ndarray:
         """The address of the gradient's element at each piece's start (int64, one per row)."""
+        last, out = self._last
+        if pieces is last:
+            return out
         seg = pieces[:, 2]
-        return self.bases[seg] + (pieces[:, 0] - self._offsets[seg]) * self.flat.itemsize
+        out = self.bases[seg] + (pieces[:, 0] - self._offsets[seg]) * self.flat.itemsize
+        self._last = (pieces, out)
+        return out

@@ -27,6 +27,8 @@ alternating round by round (the median and best of ``--repeats`` rounds):
 * ``torch fused``: ``torch.optim.AdamW(fused=True)`` after ``clip_grad_norm_(foreach=True)``;
 * ``drop-in``: ``arraytrain.interop.torch.AdamW`` after the same ``clip_grad_norm_``: the fresh
   ``.grad`` tensors are read where they lie;
+* ``drop-in, apply``: the same with ``nonfinite="apply"`` (torch's choice without a GradScaler:
+  a NaN/Inf gradient is applied, so the step makes no norm pass of its own);
 * ``drop-in, max_grad_norm``: the clip inside the step (no ``clip_grad_norm_``): the fast form.
 
 Then the cost of reading the param groups (``read_param_groups()``, which every step calls
@@ -209,7 +211,7 @@ def loop_model(kind: str):
     return model, torch.randn(32, 3, 16, 16, generator=g), torch.randint(0, 10, (32,), generator=g)
 
 
-LOOP_CONTESTANTS = ("torch fused", "drop-in", "drop-in, max_grad_norm")
+LOOP_CONTESTANTS = ("torch fused", "drop-in", "drop-in, apply", "drop-in, max_grad_norm")
 
 
 def loop_contestants(kind: str, steps: int, total: int) -> dict:
@@ -236,7 +238,8 @@ def loop_contestants(kind: str, steps: int, total: int) -> dict:
             opt = torch.optim.AdamW(groups(m), fused=True, **kw)
         else:
             inside = which == "drop-in, max_grad_norm"
-            opt = at_torch.AdamW(groups(m), max_grad_norm=MAX_NORM if inside else None, **kw)
+            opt = at_torch.AdamW(groups(m), max_grad_norm=MAX_NORM if inside else None,
+                                 nonfinite="apply" if which == "drop-in, apply" else "skip", **kw)
         sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=LR, total_steps=total + 10)
         clip = which != "drop-in, max_grad_norm"
         params = list(m.parameters())
@@ -308,13 +311,13 @@ def main(argv=None) -> int:
             print(f"{r['elements']:>10.0e} {r['tensors']:>7} {mode:>8} | {cells}")
     loops = [measure_loop(k, args.loop_steps, args.repeats) for k in args.loops]
     if loops:
-        names = ("torch fused", "drop-in", "drop-in, max_grad_norm")
+        names = LOOP_CONTESTANTS
         print("\nThe everyday loop: clip + step, ms per step (median / best of rounds; x: torch fused / it, "
               "above 1: faster than torch)")
-        print(f"{'model':>18} {'params':>9} {'tensors':>7} | " + " | ".join(f"{k:>28}" for k in names))
+        print(f"{'model':>18} {'params':>9} {'tensors':>7} | " + " | ".join(f"{k:>26}" for k in names))
         for r in loops:
             ref = r["median"]["torch fused"]
-            cells = " | ".join(f"{r['median'][k] * 1e3:7.3f} / {r['best'][k] * 1e3:7.3f} ({ref / r['median'][k]:4.2f}x)"
+            cells = " | ".join(f"{r['median'][k] * 1e3:6.2f} / {r['best'][k] * 1e3:6.2f} ({ref / r['median'][k]:4.2f}x)"
                                for k in names)
             print(f"{r['model']:>18} {r['elements']:>9} {r['tensors']:>7} | {cells}")
     groups = [measure_groups(g, args.group_calls, args.repeats) for g in GROUPS]

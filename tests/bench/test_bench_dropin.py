@@ -66,7 +66,7 @@ def test_everyday_loop_contestants_train_alike(kind):
         assert round_() > 0
         models[name] = m
     ref = dict(models["torch fused"].named_parameters())
-    for name in ("drop-in", "drop-in, max_grad_norm"):
+    for name in ("drop-in", "drop-in, apply", "drop-in, max_grad_norm"):
         for n, p in models[name].named_parameters():
             # Adam turns float rounding into steps of up to lr (1e-3) where a gradient is near 0
             np.testing.assert_allclose(p.detach().numpy(), ref[n].detach().numpy(), rtol=1e-3, atol=1e-4,
