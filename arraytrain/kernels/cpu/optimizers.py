@@ -104,7 +104,7 @@ def seg_array(a, dtype):
 
 
 def sgd_step(p, g, buf, pieces, *, gscale, lr, l2, momentum, dampening, nesterov, first, working=None, kind=LP_NONE,
-             zero_grad=False, mask=None, grad_ptrs=None):
+             zero_grad=False, grad_ptrs=None, mask=None):
     """Fused SGD update; see :func:`arraytrain.kernels.reference.sgd_step`."""
     t = p.dtype.type
     pick(_SGD, p.size, buf)(
@@ -162,7 +162,7 @@ _ADAM = twins(_adam)
 
 
 def adam_step(p, g, m, v, vmax, pieces, *, gscale, step_size, beta1, beta2, eps, inv_bc2_sqrt, l2, decay, amsgrad,
-              working=None, kind=LP_NONE, zero_grad=False, mask=None, grad_ptrs=None):
+              working=None, kind=LP_NONE, zero_grad=False, grad_ptrs=None, mask=None):
     """Fused Adam/AdamW update; see :func:`arraytrain.kernels.reference.adam_step`."""
     t = p.dtype.type
     pick(_ADAM, p.size, m, v, vmax)(
@@ -199,8 +199,8 @@ def _adagrad(p, g, s, pieces, gp, gscale, lr, wd, eps, w, wkind, zero_grad, mask
 _ADAGRAD = twins(_adagrad)
 
 
-def adagrad_step(p, g, sum_sq, pieces, *, gscale, lr, l2, eps, working=None, kind=LP_NONE, zero_grad=False, mask=None,
-                 grad_ptrs=None):
+def adagrad_step(p, g, sum_sq, pieces, *, gscale, lr, l2, eps, working=None, kind=LP_NONE, zero_grad=False, grad_ptrs=None,
+                 mask=None):
     """Fused Adagrad update; see :func:`arraytrain.kernels.reference.adagrad_step`."""
     t = p.dtype.type
     pick(_ADAGRAD, p.size, sum_sq)(
@@ -268,7 +268,7 @@ _RMSPROP = twins(_rmsprop)
 
 
 def rmsprop_step(p, g, square_avg, grad_avg, momentum_buffer, pieces, *, gscale, lr, l2, alpha, eps, momentum,
-                 centered, working=None, kind=LP_NONE, zero_grad=False, mask=None, grad_ptrs=None):
+                 centered, working=None, kind=LP_NONE, zero_grad=False, grad_ptrs=None, mask=None):
     """Fused RMSprop update; see :func:`arraytrain.kernels.reference.rmsprop_step`."""
     t = p.dtype.type
     pick(_RMSPROP, p.size, square_avg, grad_avg, momentum_buffer)(
@@ -305,7 +305,7 @@ _LION = twins(_lion)
 
 
 def lion_step(p, g, m, pieces, *, gscale, lr, decay, beta1, beta2, working=None, kind=LP_NONE, zero_grad=False,
-              mask=None, grad_ptrs=None):
+              grad_ptrs=None, mask=None):
     """Fused Lion update; see :func:`arraytrain.kernels.reference.lion_step`."""
     t = p.dtype.type
     pick(_LION, p.size, m)(
@@ -381,7 +381,7 @@ _LAMB_APPLY = twins(_lamb_apply)
 
 
 def lamb_step(p, g, m, v, pieces, *, gscale, lr, weight_decay, beta1, beta2, eps, eps_root, inv_bc1, inv_bc2,
-              working=None, kind=LP_NONE, zero_grad=False, reduce_sums=None, mask=None, grad_ptrs=None):
+              working=None, kind=LP_NONE, zero_grad=False, reduce_sums=None, grad_ptrs=None, mask=None):
     """Fused LAMB update, returns the per-parameter trust ratios (float64).
 
     Two parallel loops; between them the per-parameter sums of squares (completed by
@@ -733,14 +733,14 @@ def _run_nadam_radam(p, g, m, v, pieces, grad_ptrs, gscale, a, b, beta1, beta2, 
 
 
 def nadam_step(p, g, m, v, pieces, *, gscale, grad_step, moment_step, beta1, beta2, eps, inv_bc2_sqrt, l2, decay,
-               working=None, kind=LP_NONE, zero_grad=False, mask=None, grad_ptrs=None):
+               working=None, kind=LP_NONE, zero_grad=False, grad_ptrs=None, mask=None):
     """Fused NAdam update; see :func:`arraytrain.kernels.reference.nadam_step`."""
     _run_nadam_radam(p, g, m, v, pieces, grad_ptrs, gscale, grad_step, moment_step, beta1, beta2, eps, inv_bc2_sqrt, 1.0, l2,
                      decay, True, working, kind, zero_grad, mask)
 
 
 def radam_step(p, g, m, v, pieces, *, gscale, step_size, beta1, beta2, eps, rect, rectified, l2, decay, working=None,
-               kind=LP_NONE, zero_grad=False, mask=None, grad_ptrs=None):
+               kind=LP_NONE, zero_grad=False, grad_ptrs=None, mask=None):
     """Fused RAdam update; see :func:`arraytrain.kernels.reference.radam_step`."""
     _run_nadam_radam(p, g, m, v, pieces, grad_ptrs, gscale, np.zeros(np.shape(step_size)), step_size, beta1, beta2,
                      eps, 1.0, rect, l2, decay, rectified, working, kind, zero_grad, mask)
@@ -776,7 +776,7 @@ _ADAMAX = twins(_adamax)
 
 
 def adamax_step(p, g, m, u, pieces, *, gscale, step_size, beta1, beta2, eps, l2, working=None, kind=LP_NONE,
-                zero_grad=False, mask=None, grad_ptrs=None):
+                zero_grad=False, grad_ptrs=None, mask=None):
     """Fused Adamax update; see :func:`arraytrain.kernels.reference.adamax_step`."""
     t = p.dtype.type
     pick(_ADAMAX, p.size, m, u)(
@@ -815,7 +815,7 @@ _ADADELTA = twins(_adadelta, fastmath=EXACT_DIVISION)  # the ratio of two roots,
 
 
 def adadelta_step(p, g, square_avg, acc_delta, pieces, *, gscale, lr, l2, rho, eps, working=None, kind=LP_NONE,
-                  zero_grad=False, mask=None, grad_ptrs=None):
+                  zero_grad=False, grad_ptrs=None, mask=None):
     """Fused Adadelta update; see :func:`arraytrain.kernels.reference.adadelta_step`."""
     t = p.dtype.type
     pick(_ADADELTA, p.size, square_avg, acc_delta)(

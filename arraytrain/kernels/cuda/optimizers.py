@@ -593,7 +593,7 @@ def _gs(gscale, t):
 
 
 def sgd_step(p, g, buf, pieces, *, gscale, lr, l2, momentum, dampening, nesterov, first, working=None, kind=LP_NONE,
-             zero_grad=False, mask=None, grad_ptrs=None):
+             zero_grad=False, grad_ptrs=None, mask=None):
     """Fused SGD update; see :func:`arraytrain.kernels.reference.sgd_step`."""
     refuse_grad_ptrs(grad_ptrs)
     t = p.dtype.type
@@ -603,7 +603,7 @@ def sgd_step(p, g, buf, pieces, *, gscale, lr, l2, momentum, dampening, nesterov
 
 
 def adam_step(p, g, m, v, vmax, pieces, *, gscale, step_size, beta1, beta2, eps, inv_bc2_sqrt, l2, decay, amsgrad,
-              working=None, kind=LP_NONE, zero_grad=False, mask=None, grad_ptrs=None):
+              working=None, kind=LP_NONE, zero_grad=False, grad_ptrs=None, mask=None):
     """Fused Adam/AdamW update; see :func:`arraytrain.kernels.reference.adam_step`."""
     refuse_grad_ptrs(grad_ptrs)
     t = p.dtype.type
@@ -612,7 +612,7 @@ def adam_step(p, g, m, v, vmax, pieces, *, gscale, step_size, beta1, beta2, eps,
           *_seg(l2, p), *_seg(decay, p), np.int32(bool(amsgrad))), working, kind, zero_grad, mask)
 
 
-def adagrad_step(p, g, sum_sq, pieces, *, gscale, lr, l2, eps, working=None, kind=LP_NONE, zero_grad=False, mask=None, grad_ptrs=None):
+def adagrad_step(p, g, sum_sq, pieces, *, gscale, lr, l2, eps, working=None, kind=LP_NONE, zero_grad=False, grad_ptrs=None, mask=None):
     """Fused Adagrad update; see :func:`arraytrain.kernels.reference.adagrad_step`."""
     refuse_grad_ptrs(grad_ptrs)
     t = p.dtype.type
@@ -621,7 +621,7 @@ def adagrad_step(p, g, sum_sq, pieces, *, gscale, lr, l2, eps, working=None, kin
 
 
 def rmsprop_step(p, g, square_avg, grad_avg, momentum_buffer, pieces, *, gscale, lr, l2, alpha, eps, momentum,
-                 centered, working=None, kind=LP_NONE, zero_grad=False, mask=None, grad_ptrs=None):
+                 centered, working=None, kind=LP_NONE, zero_grad=False, grad_ptrs=None, mask=None):
     """Fused RMSprop update; see :func:`arraytrain.kernels.reference.rmsprop_step`."""
     refuse_grad_ptrs(grad_ptrs)
     t = p.dtype.type
@@ -631,7 +631,7 @@ def rmsprop_step(p, g, square_avg, grad_avg, momentum_buffer, pieces, *, gscale,
 
 
 def lion_step(p, g, m, pieces, *, gscale, lr, decay, beta1, beta2, working=None, kind=LP_NONE, zero_grad=False,
-              mask=None, grad_ptrs=None):
+              grad_ptrs=None, mask=None):
     """Fused Lion update; see :func:`arraytrain.kernels.reference.lion_step`."""
     refuse_grad_ptrs(grad_ptrs)
     t = p.dtype.type
@@ -661,7 +661,7 @@ def sam_perturb(p, g, backup, pieces, *, scale, adaptive, zero_grad=False, mask=
 
 
 def lamb_step(p, g, m, v, pieces, *, gscale, lr, weight_decay, beta1, beta2, eps, eps_root, inv_bc1, inv_bc2,
-              working=None, kind=LP_NONE, zero_grad=False, reduce_sums=None, mask=None, grad_ptrs=None):
+              working=None, kind=LP_NONE, zero_grad=False, reduce_sums=None, grad_ptrs=None, mask=None):
     """Fused LAMB update; returns the per-parameter trust ratios (float64, on the device).
 
     Three launches and no synchronisation: moments with per-chunk norms, the trust
@@ -787,7 +787,7 @@ def _nadam_radam(p, g, m, v, pieces, gscale, a, b, beta1, beta2, eps, inv_bc2_sq
 
 
 def nadam_step(p, g, m, v, pieces, *, gscale, grad_step, moment_step, beta1, beta2, eps, inv_bc2_sqrt, l2, decay,
-               working=None, kind=LP_NONE, zero_grad=False, mask=None, grad_ptrs=None):
+               working=None, kind=LP_NONE, zero_grad=False, grad_ptrs=None, mask=None):
     """Fused NAdam update; see :func:`arraytrain.kernels.reference.nadam_step`."""
     refuse_grad_ptrs(grad_ptrs)
     _nadam_radam(p, g, m, v, pieces, gscale, grad_step, moment_step, beta1, beta2, eps, inv_bc2_sqrt, 1.0, l2, decay,
@@ -795,7 +795,7 @@ def nadam_step(p, g, m, v, pieces, *, gscale, grad_step, moment_step, beta1, bet
 
 
 def radam_step(p, g, m, v, pieces, *, gscale, step_size, beta1, beta2, eps, rect, rectified, l2, decay, working=None,
-               kind=LP_NONE, zero_grad=False, mask=None, grad_ptrs=None):
+               kind=LP_NONE, zero_grad=False, grad_ptrs=None, mask=None):
     """Fused RAdam update; see :func:`arraytrain.kernels.reference.radam_step`."""
     refuse_grad_ptrs(grad_ptrs)
     _nadam_radam(p, g, m, v, pieces, gscale, np.zeros(np.shape(step_size)), step_size, beta1, beta2, eps, 1.0, rect,
@@ -803,7 +803,7 @@ def radam_step(p, g, m, v, pieces, *, gscale, step_size, beta1, beta2, eps, rect
 
 
 def adamax_step(p, g, m, u, pieces, *, gscale, step_size, beta1, beta2, eps, l2, working=None, kind=LP_NONE,
-                zero_grad=False, mask=None, grad_ptrs=None):
+                zero_grad=False, grad_ptrs=None, mask=None):
     """Fused Adamax update; see :func:`arraytrain.kernels.reference.adamax_step`."""
     refuse_grad_ptrs(grad_ptrs)
     t = p.dtype.type
@@ -813,7 +813,7 @@ def adamax_step(p, g, m, u, pieces, *, gscale, step_size, beta1, beta2, eps, l2,
 
 
 def adadelta_step(p, g, square_avg, acc_delta, pieces, *, gscale, lr, l2, rho, eps, working=None, kind=LP_NONE,
-                  zero_grad=False, mask=None, grad_ptrs=None):
+                  zero_grad=False, grad_ptrs=None, mask=None):
     """Fused Adadelta update; see :func:`arraytrain.kernels.reference.adadelta_step`."""
     refuse_grad_ptrs(grad_ptrs)
     t = p.dtype.type

@@ -14,7 +14,7 @@ from .reductions import cast_working
 
 @with_q8
 def sgd_step(p, g, buf, pieces, *, gscale, lr, l2, momentum, dampening, nesterov, first, working=None, kind=LP_NONE,
-             zero_grad=False, mask=None, grad_ptrs=None):
+             zero_grad=False, grad_ptrs=None, mask=None):
     """SGD with momentum, dampening, Nesterov and L2 weight decay (torch.optim.SGD).
 
     Per element of segment ``s``: ``d = gscale*g + l2[s]*p``; with momentum
@@ -64,7 +64,7 @@ def _adam_moments(p, g, m, v, pieces, gscale, l2, beta1, beta2):
 
 @with_q8
 def adam_step(p, g, m, v, vmax, pieces, *, gscale, step_size, beta1, beta2, eps, inv_bc2_sqrt, l2, decay, amsgrad,
-              working=None, kind=LP_NONE, zero_grad=False, mask=None, grad_ptrs=None):
+              working=None, kind=LP_NONE, zero_grad=False, grad_ptrs=None, mask=None):
     """Adam / AdamW (Kingma & Ba 2015; Loshchilov & Hutter 2019), torch's form.
 
     Per element of segment ``s``: ``d = gscale*g + l2[s]*p``; ``p *= decay[s]``
@@ -87,7 +87,7 @@ def adam_step(p, g, m, v, vmax, pieces, *, gscale, step_size, beta1, beta2, eps,
 
 
 @with_q8
-def adagrad_step(p, g, sum_sq, pieces, *, gscale, lr, l2, eps, working=None, kind=LP_NONE, zero_grad=False, mask=None, grad_ptrs=None):
+def adagrad_step(p, g, sum_sq, pieces, *, gscale, lr, l2, eps, working=None, kind=LP_NONE, zero_grad=False, grad_ptrs=None, mask=None):
     """Adagrad (Duchi, Hazan & Singer 2011), torch.optim.Adagrad's form.
 
     Per element of segment ``s``: ``d = gscale*g + l2[s]*p``;
@@ -105,7 +105,7 @@ def adagrad_step(p, g, sum_sq, pieces, *, gscale, lr, l2, eps, working=None, kin
 
 @with_q8
 def rmsprop_step(p, g, square_avg, grad_avg, momentum_buffer, pieces, *, gscale, lr, l2, alpha, eps, momentum,
-                 centered, working=None, kind=LP_NONE, zero_grad=False, mask=None, grad_ptrs=None):
+                 centered, working=None, kind=LP_NONE, zero_grad=False, grad_ptrs=None, mask=None):
     """RMSprop (Hinton, Coursera lecture 6e, 2012; centered: Graves 2013), torch.optim.RMSprop's form.
 
     Per element of segment ``s``: ``d = gscale*g + l2[s]*p``;
@@ -133,7 +133,7 @@ def rmsprop_step(p, g, square_avg, grad_avg, momentum_buffer, pieces, *, gscale,
 
 @with_q8
 def lion_step(p, g, m, pieces, *, gscale, lr, decay, beta1, beta2, working=None, kind=LP_NONE, zero_grad=False,
-              mask=None, grad_ptrs=None):
+              grad_ptrs=None, mask=None):
     """Lion (Chen et al. 2023, "Symbolic Discovery of Optimization Algorithms"), optax.lion's form.
 
     Per element of segment ``s``: ``d = gscale*g``; ``c = sign(beta1*m + (1 - beta1)*d)``;
@@ -150,7 +150,7 @@ def lion_step(p, g, m, pieces, *, gscale, lr, decay, beta1, beta2, working=None,
 
 
 def lamb_step(p, g, m, v, pieces, *, gscale, lr, weight_decay, beta1, beta2, eps, eps_root, inv_bc1, inv_bc2,
-              working=None, kind=LP_NONE, zero_grad=False, reduce_sums=None, mask=None, grad_ptrs=None):
+              working=None, kind=LP_NONE, zero_grad=False, reduce_sums=None, grad_ptrs=None, mask=None):
     """LAMB (You et al. 2020, "Large Batch Optimization for Deep Learning"), optax.lamb's form.
 
     Per element of segment ``s``: ``d = gscale*g``; ``m += (1 - beta1)*(d - m)``;
@@ -287,7 +287,7 @@ def sam_perturb(p, g, backup, pieces, *, scale, adaptive, zero_grad=False, mask=
 
 @with_q8
 def nadam_step(p, g, m, v, pieces, *, gscale, grad_step, moment_step, beta1, beta2, eps, inv_bc2_sqrt, l2, decay,
-               working=None, kind=LP_NONE, zero_grad=False, mask=None, grad_ptrs=None):
+               working=None, kind=LP_NONE, zero_grad=False, grad_ptrs=None, mask=None):
     """NAdam (Dozat 2016), torch.optim.NAdam's form (momentum schedule, NAdamW's decoupled decay).
 
     Per element of segment ``s``: ``d = gscale*g + l2[s]*p``; ``p *= decay[s]``;
@@ -305,7 +305,7 @@ def nadam_step(p, g, m, v, pieces, *, gscale, grad_step, moment_step, beta1, bet
 
 @with_q8
 def radam_step(p, g, m, v, pieces, *, gscale, step_size, beta1, beta2, eps, rect, rectified, l2, decay, working=None,
-               kind=LP_NONE, zero_grad=False, mask=None, grad_ptrs=None):
+               kind=LP_NONE, zero_grad=False, grad_ptrs=None, mask=None):
     """RAdam (Liu et al. 2020), torch.optim.RAdam's form.
 
     Per element of segment ``s``: ``d = gscale*g + l2[s]*p``; ``p *= decay[s]``;
@@ -322,7 +322,7 @@ def radam_step(p, g, m, v, pieces, *, gscale, step_size, beta1, beta2, eps, rect
 
 @with_q8
 def adamax_step(p, g, m, u, pieces, *, gscale, step_size, beta1, beta2, eps, l2, working=None, kind=LP_NONE,
-                zero_grad=False, mask=None, grad_ptrs=None):
+                zero_grad=False, grad_ptrs=None, mask=None):
     """Adamax (Kingma & Ba 2015, section 7.1), torch.optim.Adamax's form.
 
     Per element of segment ``s``: ``d = gscale*g + l2[s]*p``; ``m += (1 - beta1)*(d - m)``;
@@ -342,7 +342,7 @@ def adamax_step(p, g, m, u, pieces, *, gscale, step_size, beta1, beta2, eps, l2,
 
 @with_q8
 def adadelta_step(p, g, square_avg, acc_delta, pieces, *, gscale, lr, l2, rho, eps, working=None, kind=LP_NONE,
-                  zero_grad=False, mask=None, grad_ptrs=None):
+                  zero_grad=False, grad_ptrs=None, mask=None):
     """Adadelta (Zeiler 2012), torch.optim.Adadelta's form.
 
     Per element of segment ``s``: ``d = gscale*g + l2[s]*p``;
