@@ -370,8 +370,9 @@ class Engine:
         is validated before anything is written: a refused call changes nothing.
 
         ``absent``: with no ``grads``, the names (an iterable) that have no gradient in this
-        micro-batch, handled by the ``missing`` policy as a name left out of a mapping is; what
-        ``engine.grads`` holds for them is not read (the first micro-batch of a window zeroes it).
+        micro-batch, handled by the ``missing`` policy as a name left out of a mapping is: the
+        window's first micro-batch zeroes what ``engine.grads`` holds for them, a later one
+        leaves their sums as they are.
 
         ``weight`` must be a normal number of the buffer's dtype (the kernels
         multiply by it in that dtype: a subnormal would flush the gradient to
