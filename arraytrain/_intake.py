@@ -19,7 +19,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from .backend import KERNEL_DTYPES, NUMPY, array_module, as_array, backend_of
-from .buffer import FlatBuffer
+from .buffer import FlatBuffer, segment_addresses
 from ._checks import check_positive
 from .errors import (AliasingError, ArgumentTypeError, HyperparameterError, ShapeMismatchError,
                      UnknownParameterError)
@@ -180,7 +180,7 @@ class _Plan:
         large gradient, whose own address is read at each step."""
         if self._in_place is None:
             layout, itemsize = buf.layout, buf.flat.itemsize
-            bases = buf.flat.ctypes.data + np.asarray(layout.offsets, np.int64) * itemsize
+            bases = segment_addresses(buf).copy()
             small = [i for p, _, _ in self.groups for i in (range(len(self.names)) if p is None else p)]
             staged = np.empty(sum(layout.sizes[layout.index(self.names[i])] for i in small), buf.flat.dtype)
             pos = 0
@@ -225,6 +225,7 @@ class Intake:
     def __init__(self, buf: FlatBuffer, protect: tuple, kernels, impl: str = "numba"):
         self.buf, self.protect, self.kernels = buf, protect, kernels
         self.fast = backend_of(buf.flat) == NUMPY  # the plan is for NumPy buffers only
+        self.in_place = True  # False: every micro-batch is written into the buffer (benchmarks compare)
         self._plan: _Plan | None = None
         self._scatter = kernels.accumulate_packed
         self._numpy_ok = impl != "reference"  # the reference kernels compute in float64: keep them
@@ -290,7 +291,7 @@ class Intake:
         are gathered into one array of the plan (one ``np.concatenate``); the large ones are read
         in the caller's arrays, which must not change until the step returns."""
         plan = checked.plan
-        if plan is None or plan.dtype is not self.buf.flat.dtype:
+        if plan is None or plan.dtype is not self.buf.flat.dtype or not self.in_place:
             return None
         values = checked.values
         small, staged, bases, large = plan.in_place(self.buf)

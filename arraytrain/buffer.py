@@ -306,6 +306,14 @@ class Subset:
         return self._source.ptrs(pieces)
 
 
+def segment_addresses(buf) -> np.ndarray:
+    """The address of every parameter's first element in ``buf`` (a FlatBuffer of a NumPy array):
+    int64 by segment, read-only (what :class:`GradsAt` starts from for gradients in the buffer)."""
+    out = buf.flat.ctypes.data + np.asarray(buf.layout.offsets, np.int64) * buf.flat.itemsize
+    out.flags.writeable = False
+    return out
+
+
 class GradsAt:
     """One step's gradient read where it lies: the engine's gradient buffer (its dtype and layout), and
     for every parameter the address of its gradient's first element, which may be anywhere (a torch

@@ -14,7 +14,7 @@ from ._guard import CallGuard, guarded
 from .accumulate import REDUCTIONS
 from .amp import LossScaler, working_spec
 from .backend import NUMPY, array_module, backend_of, check_kernel_dtype
-from .buffer import FlatBuffer, GradsAt, as_flat_buffer
+from .buffer import FlatBuffer, GradsAt, as_flat_buffer, segment_addresses
 from .compress import check_compressor
 from .engine_state import CheckedState, Counters, StateParts, checked_everywhere
 from .kernels.interface import family
@@ -221,7 +221,7 @@ class Engine:
         # the ranks agree on everything (else the same error on every rank) and start from rank 0's weights
         join(comm, self.params, optimizer, compressor, shard_state=shard_state, overlap=overlap,
              two_windows=two_windows, accumulation_steps=accumulation_steps, reduction=reduction,
-             max_grad_norm=max_grad_norm, clip_eps=clip_eps,
+             max_grad_norm=max_grad_norm, clip_eps=clip_eps, missing=missing, nonfinite=nonfinite,
              loss_scaler=None if loss_scaler is None else loss_scaler.state_dict(),
              schedule=None if schedule is None else schedule.state_dict(), working_dtype=working_dtype,
              bucket_bytes=bucket_bytes)
@@ -247,6 +247,7 @@ class Engine:
                              and self.zero_grad_on_step)
         self._grads_at = None  # this window's gradient, where it lies (None: in engine.grads)
         self._grad_offsets = np.asarray(self.layout.offsets, dtype=np.int64)
+        self._grad_addresses = segment_addresses(self.grads) if self._in_place_ok else None
         self._intake = _intake.Intake(self.grads, (self.params.flat, self.grads.flat), self._kernels, kernels)
         self.schedule = schedule
         self.loss_scaler = loss_scaler
@@ -272,7 +273,9 @@ class Engine:
     @property
     def intake(self):
         """The dict path's validator: ``engine.intake.fast = False`` validates every micro-batch
-        from scratch instead of reusing the last one's structure (benchmarks compare the two)."""
+        from scratch instead of reusing the last one's structure, ``engine.intake.in_place = False``
+        copies every micro-batch into ``engine.grads`` instead of reading it where it lies
+        (benchmarks compare them)."""
         return self._intake
 
     @property
@@ -400,7 +403,10 @@ class Engine:
 
     def _step(self, grads, weight, absent) -> StepReport:
         w = self.check_weight(weight)
-        absent = self._check_absent(grads, absent)
+        if absent is not None and grads is not None:
+            raise ArgumentTypeError("absent: names the parameters without a gradient when the gradients are in "
+                                    "engine.grads (step() with no grads); a mapping names them by leaving them out")
+        absent = self.check_absent(absent)
         boundary = self.counters.micro + 1 >= self.accumulation_steps
         # the schedule, evaluated once and checked before any write
         lr, lrs = self._scheduled(boundary)
@@ -430,14 +436,12 @@ class Engine:
         rates = self.schedule(self.state.step, np.concatenate(([base], self.optimizer.per_param(self.state, "lr"))))
         return float(rates[0]), rates[1:]
 
-    # -- the stages ---------------------------------------------------------------------------
-    def _check_absent(self, grads, absent) -> tuple:
-        """``step(absent=...)``: names of this engine, given with no ``grads`` only."""
+    def check_absent(self, absent) -> tuple:
+        """``absent`` (None, a name, or an iterable of names) as :meth:`step` takes it, as a tuple, or the
+        error step() would raise: an unknown name, or any name under ``missing="error"``. For a
+        binding that finds parameters without a gradient and checks them before it writes."""
         if absent is None:
             return ()
-        if grads is not None:
-            raise ArgumentTypeError("absent: names the parameters without a gradient when the gradients are in "
-                                    "engine.grads (step() with no grads); a mapping names them by leaving them out")
         if isinstance(absent, str):
             absent = (absent,)
         try:
@@ -447,7 +451,10 @@ class Engine:
                                     f"{type(absent).__name__}") from None
         for name in absent:
             self.layout.index(name)  # UnknownParameterError naming the known ones
+        self._missing(absent)
         return absent
+
+    # -- the stages ---------------------------------------------------------------------------
 
     def _missing(self, absent) -> None:
         """The ``missing`` policy on a micro-batch's parameters without a gradient (before any write)."""
@@ -474,8 +481,7 @@ class Engine:
                 self._intake.write(checked, w, overwrite)
             else:
                 self.read_in_place(bases)
-        elif absent:
-            self._missing(absent)
+        elif absent:  # (checked by check_absent)
             if overwrite:  # (never in flight: an absent gradient is never marked ready)
                 for name in absent:
                     self.grads[name][...] = 0
@@ -512,11 +518,23 @@ class Engine:
         ``engine.grads`` gives that address), not in ``engine.grads``: the step reads them there.
 
         For a binding that holds the gradients elsewhere (the torch drop-ins' fresh ``.grad``
-        tensors); the dict path does it by itself. Only where :attr:`reads_in_place`; the
-        memory must stay valid and unchanged until the boundary's :meth:`step` returns."""
+        tensors): start from a copy of :attr:`grad_addresses`. The dict path does it by itself.
+        Only where :attr:`reads_in_place`; the addresses themselves cannot be checked, so the memory
+        must be what they say and stay valid and unchanged until the boundary's :meth:`step` returns."""
         if not self._in_place_ok:
             raise ArgumentTypeError("read_in_place: this engine reads its gradient buffer (reads_in_place is False)")
+        if not isinstance(bases, np.ndarray) or bases.dtype != np.int64 or bases.shape != (len(self.layout),):
+            raise ArgumentTypeError(f"bases: expected an int64 array of {len(self.layout)} addresses (one per "
+                                    f"parameter), got {getattr(bases, 'dtype', type(bases).__name__)}"
+                                    f"{getattr(bases, 'shape', '')}")
         self._grads_at = GradsAt(self.grads, bases, self._grad_offsets)
+
+    @property
+    def grad_addresses(self) -> np.ndarray | None:
+        """Where each parameter's gradient lies in ``engine.grads`` (int64 by segment, read-only): what
+        a binding copies and overwrites for :meth:`read_in_place`; None where the engine does not
+        read in place."""
+        return self._grad_addresses
 
     @property
     def reads_in_place(self) -> bool:

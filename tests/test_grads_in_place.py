@@ -12,8 +12,9 @@ from arraytrain.errors import ArgumentTypeError, BackendUnavailableError, Hyperp
 from arraytrain.kernels import cpu, reference
 from arraytrain.layout import REDUCE_CHUNK
 
-# small (staged), large (read in its own array) and multi-piece parameters, and a zero-size one
-SHAPES = {"emb": (3 * REDUCE_CHUNK // 64 + 5, 64), "w": (70, 90), "b": (90,), "empty": (0,), "head": (12, 7)}
+# small (staged), large (read in its own array) and multi-piece parameters; sizes 0, 1, 7 and odd ones
+SHAPES = {"emb": (3 * REDUCE_CHUNK // 64 + 5, 64), "w": (70, 90), "b": (90,), "empty": (0,), "one": (1,),
+          "head": (12, 7), "seven": (7,), "odd": (4099,)}
 
 
 def make(name, state_dtype=None):
@@ -47,7 +48,7 @@ def pair(optimizer, dtype=np.float32, **kw):
     """An engine that reads in place and one that copies (the path it had), same settings."""
     a = at.Engine(params(dtype), optimizer(), **kw)
     b = at.Engine(params(dtype), optimizer(), **kw)
-    b._in_place_ok = False
+    b.intake.in_place = False
     assert a.reads_in_place
     return a, b
 
@@ -116,8 +117,16 @@ def test_engines_that_need_the_buffer_do_not_read_in_place():
     assert not at.Engine(p, at.optim.Adafactor()).reads_in_place
     assert not at.Engine(p, make("AdamW")(), zero_grad_on_step=False).reads_in_place
     e = at.Engine(p, make("AdamW")(), accumulation_steps=2)
+    assert e.grad_addresses is None
     with pytest.raises(ArgumentTypeError, match="read_in_place"):
         e.read_in_place(np.zeros(len(SHAPES), np.int64))
+    e, same = at.Engine(p, make("AdamW")()), at.Engine(p, make("AdamW")())
+    for bad in (list(e.grad_addresses), e.grad_addresses[:-1], e.grad_addresses.astype(np.int32)):
+        with pytest.raises(ArgumentTypeError, match="bases"):
+            e.read_in_place(bad)
+    e.step(), same.step()  # nothing was taken: both steps read engine.grads (zero)
+    assert e.reads_in_place and not e.grad_addresses.flags.writeable
+    assert np.array_equal(e.params.flat, same.params.flat)
 
 
 @pytest.mark.parametrize("family", [cpu, reference], ids=["cpu", "reference"])

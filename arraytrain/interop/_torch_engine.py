@@ -16,7 +16,7 @@ import torch
 from ..amp import LossScaler
 from ..engine import Engine
 from ..errors import BackendError
-from ._torch_views import check_kind, tensor_view
+from ._torch_views import check_kind, fresh_addresses, tensor_view
 
 # who holds the tensors, and when a model must be converted or moved (check_kind's messages)
 _HELD = {"holder": "the optimizer", "before": "before building the optimizer"}
@@ -101,9 +101,6 @@ class GroupEngine(Engine):
                 self.bound.append((n, p, data, grad, data.data_ptr(), p.dtype, tuple(p.shape)))
         # parameters whose .grad was None at the last applied step, when the kernel zeroed the buffer
         self.clean: set[int] = set()
-        # where each parameter's gradient lies in the buffer (the addresses a step read in place starts from)
-        self.flat_bases = self.grads.flat.ctypes.data + np.asarray(self.layout.offsets, np.int64) * \
-            self.grads.flat.itemsize
         self.hooks = []
         if self.overlapped:  # the exchange starts while backward runs (see bind's hooks)
             me = weakref.ref(self)
@@ -151,15 +148,9 @@ class GroupEngine(Engine):
         parameter's ``.grad`` is a contiguous tensor torch allocated (after ``zero_grad()``'s
         ``set_to_none=True``) or None; else None (the step copies them into the buffer)."""
         _, grad_fixes, held = plan
-        if not grad_fixes or len(grad_fixes) + len(held) != len(self.bound) or self.lowp or not self.reads_in_place:
+        if not grad_fixes or len(grad_fixes) + len(held) != len(self.bound) or self.lowp:
             return None
-        bases = self.flat_bases.copy()
-        for i in grad_fixes:
-            g = self.bound[i][1].grad
-            if not g.is_contiguous():
-                return None
-            bases[i] = g.data_ptr()
-        return bases
+        return fresh_addresses(self, ((i, self.bound[i][1].grad) for i in grad_fixes))
 
     def connect(self, data_fixes, grad_fixes, held) -> None:
         """Apply what :meth:`check` found: every ``.grad`` that is not None then points into the buffer."""

@@ -94,6 +94,25 @@ def _rate(gi: int, key: str, v) -> float:
     return check_number(name, v, 0.0)
 
 
+def _named(where: str | None, key: str) -> str:
+    """``key`` as messages name it: alone (the constructor's defaults) or in its group."""
+    return key if where is None else f"{where}[{key!r}]"
+
+
+def _plain_values(group: Mapping, keys, where: str | None) -> tuple:
+    """The group's values of ``keys`` as plain Python (one-element tensors read), after the flags torch
+    has and arraytrain refuses; a typed error naming the group and key for either."""
+    for flag, why in REFUSED_FLAGS.items():
+        if group.get(flag):
+            raise HyperparameterError(f"{_named(where, flag)}: {why}; got {flag}={group[flag]!r}")
+    out = tuple(plain_value(group[k]) for k in keys)
+    for k, v in zip(keys, out):
+        if isinstance(v, torch.Tensor):
+            raise HyperparameterError(f"{_named(where, k)}: expected a number or a one-element tensor, got a "
+                                      f"tensor of shape {tuple(v.shape)}")
+    return out
+
+
 def _same(a: tuple, b: tuple) -> bool:
     try:
         return a == b
@@ -252,15 +271,16 @@ class TorchOptimizer(torch.optim.Optimizer):
         if options["nonfinite"] not in ("skip", "apply"):
             raise HyperparameterError(f"nonfinite: expected 'skip' or 'apply', got {options['nonfinite']!r}")
         self.nonfinite = options["nonfinite"]
-        comm, shard_state, overlap, bucket_bytes = check_parallel(
-            options["comm"], options["shard_state"], bool(options["overlap"]), options["bucket_bytes"])
+        overlap = options["overlap"]  # None: on where it can be (see _engine_parallel)
+        comm, shard_state, _, bucket_bytes = check_parallel(
+            options["comm"], options["shard_state"], False if overlap is None else overlap, options["bucket_bytes"])
         if shard_state and state_dtype == "8bit":
             raise HyperparameterError("shard_state: sharded 8-bit state is not built for the drop-in optimizers "
                                       "(their state dicts show 8-bit slots by parameter); use bind(model, optimizer, "
                                       "comm=..., shard_state=True), or state_dtype='bfloat16'")
-        if options["overlap"] and comm.is_local:
+        if overlap and comm.is_local:
             raise HyperparameterError("overlap: the overlapped exchange needs a group of processes (comm=...)")
-        self._overlap = options["overlap"]  # None: on where it can be (see _rebuild)
+        self._overlap = overlap
         self._parallel = {"comm": comm, "bucket_bytes": bucket_bytes, "shard_state": shard_state}
         self._keys = tuple(k for k in defaults if k not in PER_PARAM and k not in IGNORED_FLAGS
                            and k not in REFUSED_FLAGS)
@@ -294,25 +314,14 @@ class TorchOptimizer(torch.optim.Optimizer):
 
     def _check_group_values(self, group: Mapping, where: str | None):
         """Validate a group's values; returns ``(lr, weight_decay, signature)``."""
-        def named(k):
-            return k if where is None else f"{where}[{k!r}]"
-
-        for flag, why in REFUSED_FLAGS.items():
-            if group.get(flag):
-                raise HyperparameterError(f"{named(flag)}: {why}; got {flag}={group[flag]!r}")
         for flag in IGNORED_FLAGS:
             v = group.get(flag)
             if v is not None and not isinstance(v, bool):
-                raise HyperparameterError(f"{named(flag)}: expected None or a bool, got {v!r}")
-        values = {}
+                raise HyperparameterError(f"{_named(where, flag)}: expected None or a bool, got {v!r}")
         for k in self._read_keys:
             if k not in group:
                 raise HyperparameterError(f"{where}: lacks {k!r}")
-            v = plain_value(group[k])
-            if isinstance(v, torch.Tensor):
-                raise HyperparameterError(f"{named(k)}: expected a number or a one-element tensor, got a tensor "
-                                          f"of shape {tuple(v.shape)}")
-            values[k] = v
+        values = dict(zip(self._read_keys, _plain_values(group, self._read_keys, where)))
         try:
             opt = self.arraytrain_optimizer(values)
         except HyperparameterError as exc:
@@ -573,14 +582,7 @@ class TorchOptimizer(torch.optim.Optimizer):
     def _signature(self, group: Mapping, gi: int):
         """A group's kernel-wide values (plain Python), validated (a scheduler that changes them every step,
         such as OneCycleLR's momentum, builds one arraytrain optimizer per new signature, not per group)."""
-        for flag, why in REFUSED_FLAGS.items():
-            if group.get(flag):
-                raise HyperparameterError(f"{group_name(gi, flag)}: {why}; got {flag}={group[flag]!r}")
-        sig = tuple(plain_value(group[k]) for k in self._keys)
-        for k, v in zip(self._keys, sig):
-            if isinstance(v, torch.Tensor):
-                raise HyperparameterError(f"{group_name(gi, k)}: expected a number or a one-element tensor, got a "
-                                          f"tensor of shape {tuple(v.shape)}")
+        sig = _plain_values(group, self._keys, group_name(gi))
         try:
             self._optimizer_of(sig)
         except HyperparameterError as exc:

@@ -72,6 +72,22 @@ def check_cuda_device(device, what: str = "module") -> None:
                            f"build it under `with cupy.cuda.Device({device.index}):`")
 
 
+def fresh_addresses(engine, fresh):
+    """The addresses for :meth:`arraytrain.Engine.read_in_place` when a step's gradients are ``.grad``
+    tensors torch allocated: ``fresh`` pairs each such parameter's segment with its tensor; the others
+    read the engine's buffer. None when the engine cannot read in place or a tensor is not contiguous
+    (then the step copies them in)."""
+    base = engine.grad_addresses
+    if base is None:
+        return None
+    out = base.copy()
+    for seg, g in fresh:
+        if not g.is_contiguous():
+            return None
+        out[seg] = g.data_ptr()
+    return out
+
+
 def check_kind(name: str, what: str, got, bound, *, holder: str, before: str) -> None:
     """A tensor put where ``holder`` (the drop-in optimizer, bind) holds ``bound``: the same dtype, device
     and shape, or a typed error saying to convert or move the model ``before`` that."""

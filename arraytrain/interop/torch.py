@@ -108,6 +108,7 @@ from ._torch_views import (
     DROP_INS,
     check_cuda_device,
     check_kind,
+    fresh_addresses,
     host_array,
     numpy_dtype,
     tensor_view,
@@ -252,7 +253,7 @@ class TorchEngine(Engine):
         the parameters whose ``.grad`` is None are ``absent`` (with the names given, if any)."""
         if grads is None:
             self.check_weight(weight)  # refused before the gradients are touched
-            none, fresh = self._connect(self._check_absent(None, absent))
+            none, fresh = self._connect(self.check_absent(absent))
             absent = none if absent is None else sorted(set(none) | set(absent), key=self.layout.index)
             if fresh:  # read where they lie; then .grad points at the (zeroed) buffer, as after a copy
                 try:
@@ -290,8 +291,10 @@ class TorchEngine(Engine):
             if p.requires_grad:
                 raise LayoutError(f"{name!r}: frozen at bind and now requires_grad=True; the engine does "
                                   "not hold it, so it would never be trained: bind the module again")
-        self._missing([*none, *absent])  # the policy's error before any write
-        bases = self._fresh_in_place(grad_fixes, none)
+        self.check_absent(none)  # the missing policy's error before any write
+        bases = None
+        if len(grad_fixes) + len(none) == len(self._bound) and not self._lowp:
+            bases = fresh_addresses(self, ((self.layout.index(name), g) for name, _, g, _ in grad_fixes))
         fresh = []
         if bases is not None:  # every gradient a fresh .grad: the step reads them where they lie
             fresh, grad_fixes = grad_fixes, []
@@ -311,18 +314,6 @@ class TorchEngine(Engine):
         if bases is not None:
             self.read_in_place(bases)
         return none, fresh
-
-    def _fresh_in_place(self, grad_fixes, none):
-        """The gradients' addresses (by segment) when this micro-batch's gradients are all fresh ``.grad``
-        tensors torch allocated (or None) and the engine can read them there; else None."""
-        if not grad_fixes or len(grad_fixes) + len(none) != len(self._bound) or not self.reads_in_place \
-                or self._lowp or not all(g.is_contiguous() for _, _, g, _ in grad_fixes):
-            return None
-        flat = self.grads.flat
-        bases = flat.ctypes.data + np.asarray(self.layout.offsets, np.int64) * flat.itemsize
-        for name, _, g, _ in grad_fixes:
-            bases[self.layout.index(name)] = g.data_ptr()
-        return bases
 
     @guarded
     def zero_grad(self) -> None:

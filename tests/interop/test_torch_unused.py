@@ -170,3 +170,5 @@ def test_dropin_comm_refusals_name_the_argument():
     assert all(group.run(lambda r, c: build(r, c, params=groups, match="2 engines")))
     with pytest.raises(at.errors.HyperparameterError, match="overlap"):
         att.AdamW(model().parameters(), overlap=True)
+    with pytest.raises(at.errors.HyperparameterError, match="overlap"):
+        att.AdamW(model().parameters(), overlap="yes")

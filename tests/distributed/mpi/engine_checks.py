@@ -63,6 +63,40 @@ def check_dense_data_parallel_equals_one_process_with_the_global_batch(comm) -> 
     return 1
 
 
+def _without(t: int, rank: int) -> dict:
+    """Rank ``rank``'s gradients at step ``t``, some parameters without one: the second layer on some
+    ranks at some steps (present: another rank had it), ``b1`` on every rank at steps 2-3 (absent)."""
+    g = grads(t, rank)
+    if (t + rank) % 3 == 0:
+        del g["w2"], g["b2"]
+    if t in (2, 3):
+        del g["b1"]
+    return g
+
+
+def check_a_parameter_without_gradient_on_some_ranks_or_all(comm) -> int:
+    """``missing="skip"`` over the group, replicated and sharded: a parameter is stepped when any rank
+    had a gradient for it and left alone (its own step count too) when none had; the same as one
+    process taking the ranks' micro-batches as one window."""
+    steps, cases = 6, 0
+    for shard in (False, True):
+        eng = at.Engine(params(comm.rank), at.optim.AdamW(lr=1e-2, weight_decay=0.01), comm=comm, missing="skip",
+                        max_grad_norm=2.0, shard_state=shard)
+        one = at.Engine(params(0), at.optim.AdamW(lr=1e-2, weight_decay=0.01), missing="skip", max_grad_norm=2.0,
+                        accumulation_steps=comm.size)
+        for t in range(steps):
+            rep = eng.step(_without(t, comm.rank))
+            for r in range(comm.size):
+                want = one.step(_without(t, r))
+            np.testing.assert_allclose(rep.grad_norm, want.grad_norm, rtol=1e-12)
+        full = eng.gather_params().flat
+        assert same_everywhere(comm, full)
+        np.testing.assert_allclose(full, one.params.flat, rtol=1e-10, atol=1e-12, err_msg=f"shard={shard}")
+        assert eng.state.counts.tolist() == one.state.counts.tolist() == [steps, steps - 2, steps, steps]
+        cases += 1
+    return cases
+
+
 def check_every_compressor_keeps_the_ranks_identical(comm) -> int:
     cases = 0
     for name, make in METHODS.items():
@@ -117,10 +151,12 @@ def check_a_mismatched_set_up_raises_the_same_error_on_every_rank(comm) -> int:
         (lambda: {k: v.astype(np.float32) for k, v in params(0).items()} if last else params(0),
          lambda: at.optim.AdamW(lr=1e-2), LayoutError),
         (lambda: params(0), lambda: at.optim.AdamW(lr=2e-2 if last else 1e-2), HyperparameterError),
+        # the policy for a parameter without a gradient: "skip" adds a collective at every boundary
+        (lambda: params(0), lambda: at.optim.AdamW(lr=1e-2), HyperparameterError, {"missing": "zero" if last else "skip"}),
     ]
-    for make_params, make_opt, error in cases:
+    for make_params, make_opt, error, *kw in cases:
         try:
-            at.Engine(make_params(), make_opt(), comm=comm)
+            at.Engine(make_params(), make_opt(), comm=comm, **(kw[0] if kw else {}))
         except error as exc:
             got = type(exc).__name__
         else:
