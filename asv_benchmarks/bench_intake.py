@@ -10,6 +10,13 @@ from arraytrain.kernels import cpu
 ELEMENTS = 1_000_000
 
 
+def _model(tensors: int):
+    """``(params, grads)``: 1e6 float32 elements in ``tensors`` named arrays each."""
+    rng = np.random.default_rng(0)
+    p = {f"t{i}": rng.standard_normal(ELEMENTS // tensors).astype(np.float32) for i in range(tensors)}
+    return p, {k: v * np.float32(0.01) for k, v in p.items()}
+
+
 class DictIntake:
     """A micro-batch of ``tensors`` float32 gradients, 1e6 elements in all, accumulated into the engine.
 
@@ -24,10 +31,7 @@ class DictIntake:
     param_names = ["path", "tensors"]
 
     def setup(self, path, tensors):
-        size = ELEMENTS // tensors
-        rng = np.random.default_rng(0)
-        p = {f"t{i}": rng.standard_normal(size).astype(np.float32) for i in range(tensors)}
-        self.grads = {k: v * np.float32(0.01) for k, v in p.items()}
+        p, self.grads = _model(tensors)
         self.engine = at.Engine(p, at.optim.AdamW(lr=1e-3), accumulation_steps=2**40)
         self.engine.intake.fast = path == "cached"
         self.src = np.ones(self.engine.grads.flat.size, np.float32)
@@ -61,10 +65,7 @@ class DictStep:
     param_names = ["path", "tensors"]
 
     def setup(self, path, tensors):
-        size = ELEMENTS // tensors
-        rng = np.random.default_rng(0)
-        p = {f"t{i}": rng.standard_normal(size).astype(np.float32) for i in range(tensors)}
-        self.grads = {k: v * np.float32(0.01) for k, v in p.items()}
+        p, self.grads = _model(tensors)
         # zero-copy: the gradients stay in the buffer from step to step (the kernel does not clear them)
         self.engine = at.Engine(p, at.optim.AdamW(lr=1e-3), max_grad_norm=1.0,
                                 zero_grad_on_step=path != "zero-copy")
