@@ -29,20 +29,58 @@ The policy, applied when arraytrain's kernels first run in parallel:
 3. numba's thread count is left alone; kernels on buffers smaller than
    ``arraytrain.kernels.cpu.SERIAL_BELOW`` run serial, where a parallel
    launch costs more than it saves. BLAS keeps its own thread count.
+4. **Where torch's OpenMP runtime is already loaded** (torch imported before
+   the first parallel kernel, its parallel backend OpenMP), numba's ``omp``
+   layer instead: torch exposes its libgomp to the whole process, so numba's
+   OpenMP pool binds to it and arraytrain's kernels run on torch's own
+   threads. Measured in the torch loop (``python -m arraytrain.bench
+   dropin``): with TBB, numba's workers and torch's spinning OpenMP workers
+   fought for the two cores, and the drop-in's kernels ran slower inside the
+   loop than on one thread; on torch's pool they do not. GNU OpenMP is not
+   fork-safe (numba ends a forked child that starts a parallel region once
+   the parent has), so a child forked after that runs every kernel's serial
+   twin, which gives the same bits.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 import threading
 
 #: numba's threading layer that the policy chooses.
 LAYER = "tbb"
+#: ... and where torch's OpenMP runtime is already in the process (point 4 above).
+TORCH_LAYER = "omp"
 #: The environment variable that turns the policy off (``ARRAYTRAIN_THREAD_POLICY=off``).
 OPT_OUT = "ARRAYTRAIN_THREAD_POLICY"
 
 _lock = threading.Lock()
 _applied: str | None = None
+#: True in a process forked after numba's pool started on GNU OpenMP: parallel kernels run serial there.
+forked_omp = False
+
+
+def _torch_openmp() -> bool:
+    """Whether torch is imported, its parallel backend is OpenMP and its runtime's symbols are visible
+    process-wide (then numba's ``omp`` layer binds to that runtime, not to a second one)."""
+    import ctypes
+
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return False
+    try:
+        if "parallel backend: OpenMP" not in torch.__config__.parallel_info():
+            return False
+        ctypes.CDLL(None).GOMP_parallel  # noqa: B018 - the global scope has GNU OpenMP
+    except (AttributeError, OSError, RuntimeError):
+        return False
+    return True
+
+
+def _after_fork_in_child() -> None:
+    global forked_omp
+    forked_omp = True
 
 
 def _preload_tbb() -> bool:
@@ -85,15 +123,26 @@ def start_numba_threads() -> str:
             _applied = "layer from NUMBA_THREADING_LAYER"
         else:
             before = numba.config.THREADING_LAYER
-            _preload_tbb()
-            numba.config.THREADING_LAYER = LAYER
-            try:
-                parallel._launch_threads()
-                _applied = f"{LAYER} layer chosen by arraytrain"
-            except ValueError:  # TBB missing or incompatible: numba's default instead
-                numba.config.THREADING_LAYER = before
-                parallel._launch_threads()
-                _applied = f"{LAYER} unavailable: numba's default layer"
+            _applied = None
+            if _torch_openmp():
+                numba.config.THREADING_LAYER = TORCH_LAYER
+                try:
+                    parallel._launch_threads()
+                    _applied = f"{TORCH_LAYER} layer chosen by arraytrain: torch's OpenMP threads"
+                except ValueError:  # numba's omppool cannot load: the usual choice below
+                    numba.config.THREADING_LAYER = before
+            if _applied is None:
+                _preload_tbb()
+                numba.config.THREADING_LAYER = LAYER
+                try:
+                    parallel._launch_threads()
+                    _applied = f"{LAYER} layer chosen by arraytrain"
+                except ValueError:  # TBB missing or incompatible: numba's default instead
+                    numba.config.THREADING_LAYER = before
+                    parallel._launch_threads()
+                    _applied = f"{LAYER} unavailable: numba's default layer"
+        if numba.threading_layer() == "omp" and hasattr(os, "register_at_fork"):
+            os.register_at_fork(after_in_child=_after_fork_in_child)
         return _applied
 
 

@@ -48,6 +48,44 @@ def test_first_parallel_kernel_chooses_tbb_or_says_why_not():
     assert wait == "None"  # no process-wide OpenMP setting: torch's runtime is left alone
 
 
+TORCH_FIRST = "import torch\n" + PROBE + """
+from numba.np.ufunc import parallel
+print(len(os.listdir("/proc/self/task")))
+"""
+
+
+def test_with_torch_loaded_the_kernels_run_on_torchs_openmp_threads():
+    pytest.importorskip("torch")
+    layer, how, wait, tasks = _probe(TORCH_FIRST)
+    assert layer == "omp" and "torch's OpenMP threads" in how
+    assert wait == "None"
+    # one pool: torch's main thread and its OpenMP workers, no second team for numba
+    import torch
+
+    _, _, _, alone = _probe("import os, torch\ntorch.ones(1 << 20).sum()\nprint(0); print(0); print(0)\n"
+                            "print(len(os.listdir('/proc/self/task')))")
+    assert int(tasks) == int(alone), torch.__config__.parallel_info()
+
+
+FORK = """
+import os, torch, numpy as np, arraytrain
+from arraytrain.kernels import cpu
+x = np.ones(cpu.SERIAL_BELOW * 2, np.float32)
+cpu.scale(x, factor=2.0)
+pid = os.fork()
+if pid == 0:  # GNU OpenMP is not fork-safe: numba would end this child at its next parallel region
+    cpu.scale(x, factor=3.0)
+    os._exit(0 if (x == 6).all() and arraytrain.threads.forked_omp else 1)
+print(os.waitpid(pid, 0)[1])
+"""
+
+
+def test_a_child_forked_after_openmp_kernels_runs_them_serial():
+    pytest.importorskip("torch")
+    status, = _probe(FORK)
+    assert status == "0"
+
+
 def test_import_starts_no_threads():
     out, = _probe("import arraytrain; from numba.np.ufunc import parallel; print(parallel._is_initialized)")
     assert out == "False"

@@ -28,6 +28,7 @@ ADAM_BETAS = (0.9, 0.999)
 class Adam(TorchOptimizer):
     """torch.optim.Adam's constructor, :class:`arraytrain.optim.Adam`'s step (AdamW's with ``decoupled_weight_decay``)."""
 
+    TUNABLE = ("betas",)
     HYPERPARAMETERS = ((("lr", 1e-3), ("betas", ADAM_BETAS), ("eps", 1e-8), ("weight_decay", 0), ("amsgrad", False)),
                        (("foreach", None), ("maximize", False), ("capturable", False), ("differentiable", False),
                         ("fused", None), ("decoupled_weight_decay", False)))
@@ -51,6 +52,7 @@ class AdamW(Adam):
 class SGD(TorchOptimizer):
     """torch.optim.SGD's constructor, :class:`arraytrain.optim.SGD`'s step (momentum, dampening, Nesterov)."""
 
+    TUNABLE = ("momentum",)
     HYPERPARAMETERS = ((("lr", 1e-3), ("momentum", 0), ("dampening", 0), ("weight_decay", 0), ("nesterov", False)),
                        (("maximize", False), ("foreach", None), ("differentiable", False), ("fused", None)))
 
@@ -77,6 +79,7 @@ class Adagrad(TorchOptimizer):
 class RMSprop(TorchOptimizer):
     """torch.optim.RMSprop's constructor, :class:`arraytrain.optim.RMSprop`'s step (momentum, centered)."""
 
+    TUNABLE = ("momentum",)
     HYPERPARAMETERS = ((("lr", 1e-2), ("alpha", 0.99), ("eps", 1e-8), ("weight_decay", 0), ("momentum", 0),
                         ("centered", False), ("capturable", False), ("foreach", None), ("maximize", False),
                         ("differentiable", False)),
@@ -91,6 +94,7 @@ class RMSprop(TorchOptimizer):
 class NAdam(TorchOptimizer):
     """torch.optim.NAdam's constructor, :class:`arraytrain.optim.NAdam`'s step (``mu_product`` in the state)."""
 
+    TUNABLE = ("betas",)
     HYPERPARAMETERS = ((("lr", 2e-3), ("betas", ADAM_BETAS), ("eps", 1e-8), ("weight_decay", 0),
                         ("momentum_decay", 4e-3), ("decoupled_weight_decay", False)),
                        (("foreach", None), ("maximize", False), ("capturable", False), ("differentiable", False)))
@@ -105,6 +109,7 @@ class NAdam(TorchOptimizer):
 class RAdam(TorchOptimizer):
     """torch.optim.RAdam's constructor, :class:`arraytrain.optim.RAdam`'s step."""
 
+    TUNABLE = ("betas",)
     HYPERPARAMETERS = ((("lr", 1e-3), ("betas", ADAM_BETAS), ("eps", 1e-8), ("weight_decay", 0),
                         ("decoupled_weight_decay", False)),
                        (("foreach", None), ("maximize", False), ("capturable", False), ("differentiable", False)))
@@ -118,6 +123,7 @@ class RAdam(TorchOptimizer):
 class Adamax(TorchOptimizer):
     """torch.optim.Adamax's constructor, :class:`arraytrain.optim.Adamax`'s step."""
 
+    TUNABLE = ("betas",)
     HYPERPARAMETERS = ((("lr", 2e-3), ("betas", ADAM_BETAS), ("eps", 1e-8), ("weight_decay", 0), ("foreach", None)),
                        (("maximize", False), ("differentiable", False), ("capturable", False)))
 
@@ -192,6 +198,7 @@ class Muon(TorchOptimizer):
 class Lion(TorchOptimizer):
     """:class:`arraytrain.optim.Lion` (Chen et al., 2023) as a torch optimizer; arraytrain's names and defaults."""
 
+    TUNABLE = ("betas",)
     HYPERPARAMETERS = ((("lr", 1e-4), ("betas", (0.9, 0.99)), ("weight_decay", 1e-3)), (("maximize", False),))
 
     def arraytrain_optimizer(self, values: Mapping):
@@ -203,6 +210,7 @@ class Lion(TorchOptimizer):
 class LAMB(TorchOptimizer):
     """:class:`arraytrain.optim.LAMB` (You et al., 2020) as a torch optimizer; arraytrain's names and defaults."""
 
+    TUNABLE = ("betas",)
     HYPERPARAMETERS = ((("lr", 1e-3), ("betas", ADAM_BETAS), ("eps", 1e-6), ("weight_decay", 0.0)),
                        (("eps_root", 0.0), ("maximize", False)))
 
@@ -222,6 +230,7 @@ class Sophia(TorchOptimizer):
     """
 
     takes_state_dtype = False
+    TUNABLE = ("betas",)
     HYPERPARAMETERS = ((("lr", 1e-4), ("betas", (0.965, 0.99)), ("rho", 0.04), ("weight_decay", 0.1)),
                        (("eps", 1e-15), ("bs", 5120), ("maximize", False)))
 
@@ -256,6 +265,7 @@ class ScheduleFreeAdamW(TorchOptimizer):
     averaged weights x (while training they hold y, where gradients are taken).
     """
 
+    TUNABLE = ("betas",)
     HYPERPARAMETERS = ((("lr", 0.0025), ("betas", ADAM_BETAS), ("eps", 1e-8), ("weight_decay", 0.0),
                         ("warmup_steps", 0), ("weight_lr_power", 2.0)),
                        (("maximize", False),))

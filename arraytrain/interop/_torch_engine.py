@@ -16,7 +16,7 @@ import torch
 from ..amp import LossScaler
 from ..engine import Engine
 from ..errors import BackendError
-from ._torch_views import check_kind, fresh_addresses, tensor_view
+from ._torch_views import check_kind, tensor_view
 
 # who holds the tensors, and when a model must be converted or moved (check_kind's messages)
 _HELD = {"holder": "the optimizer", "before": "before building the optimizer"}
@@ -93,6 +93,8 @@ class GroupEngine(Engine):
             self.lp_grads = torch.zeros(self.layout.size, dtype=dtype, device=device)
             self.grads_tensor = tensor_view(self.grads.flat, torch)
         self.bound = []
+        # check()'s addresses of fresh gradients (a scratch copy of grad_addresses), where they can be read
+        self._fresh_scratch = None if lowp or self.grad_addresses is None else self.grad_addresses.copy()
         with torch.no_grad():
             for n, p in entries:
                 data = tensor_view(weights[n], torch)
@@ -113,44 +115,49 @@ class GroupEngine(Engine):
             h.remove()
         self.hooks = []
 
-    def check(self) -> tuple[list, list, list]:
-        """Find what a step must repair, changing nothing: ``(data_fixes, grad_fixes, held)``.
+    def check(self) -> tuple[list, list, list, np.ndarray | None]:
+        """Find what a step must repair, changing nothing: ``(data_fixes, grad_fixes, held, addresses)``.
 
         ``.data`` replaced by a tensor of the same dtype, device and shape: its values are taken
         into the engine; ``.grad`` allocated by torch (after ``zero_grad(set_to_none=True)``): its
-        values are copied into the buffer; ``.grad`` None: the parameter is held this step.
-        Anything else raises before a write.
+        values are copied into the buffer, or read where they lie; ``.grad`` None: the parameter is
+        held this step. ``addresses``: the gradients' addresses by segment for
+        :meth:`~arraytrain.Engine.read_in_place` when the step can read them where they lie (the
+        engine can, not a bfloat16/float16 model, and every ``.grad`` is a contiguous tensor torch
+        allocated, or None), else None (:meth:`connect` copies them into the buffer). Anything else
+        raises before a write.
         """
         data_fixes, grad_fixes, held = [], [], []
         on_cpu, strided = self.on_cpu, torch.strided
+        addrs = self._fresh_scratch
+        if addrs is not None:
+            addrs[...] = self.grad_addresses
         for i, (n, p, data, grad, ptr, dtype, shape) in enumerate(self.bound):
             if p.data_ptr() != ptr or p.dtype is not dtype or p.shape != shape:
                 check_kind(n, "parameter", p, data, **_HELD)
                 data_fixes.append(i)
             g = p.grad
             if g is grad:
+                addrs = None  # a gradient in the buffer: the step reads the buffer (and zeroes it)
                 continue
             if g is None:
                 held.append(i)
-            else:
-                # the common case in a few attribute reads: a dense CPU gradient of the parameter's kind
-                if not (on_cpu and g.dtype is dtype and g.layout is strided and g.is_cpu and g.shape == shape):
-                    if g.is_sparse or g.layout != strided:
-                        raise BackendError(f"{n!r}: a {g.layout} gradient; the drop-in optimizers take dense "
-                                           "gradients")
-                    check_kind(n, "gradient", g, grad, **_HELD)
-                grad_fixes.append(i)
-        return data_fixes, grad_fixes, held
-
-    def fresh_in_place(self, plan):
-        """The gradients' addresses (by segment) when the step can read them where they lie: the engine
-        can (:attr:`~arraytrain.Engine.reads_in_place`, not a bfloat16/float16 model), and every
-        parameter's ``.grad`` is a contiguous tensor torch allocated (after ``zero_grad()``'s
-        ``set_to_none=True``) or None; else None (the step copies them into the buffer)."""
-        _, grad_fixes, held = plan
-        if not grad_fixes or len(grad_fixes) + len(held) != len(self.bound) or self.lowp:
-            return None
-        return fresh_addresses(self, ((i, self.bound[i][1].grad) for i in grad_fixes))
+                continue
+            # the common case in a few attribute reads: a dense CPU gradient of the parameter's kind
+            if not (on_cpu and g.dtype is dtype and g.layout is strided and g.is_cpu and g.shape == shape):
+                if g.is_sparse or g.layout != strided:
+                    raise BackendError(f"{n!r}: a {g.layout} gradient; the drop-in optimizers take dense "
+                                       "gradients")
+                check_kind(n, "gradient", g, grad, **_HELD)
+            grad_fixes.append(i)
+            if addrs is not None:
+                if g.is_contiguous():
+                    addrs[i] = g.data_ptr()
+                else:
+                    addrs = None
+        if not grad_fixes:
+            addrs = None
+        return data_fixes, grad_fixes, held, addrs
 
     def connect(self, data_fixes, grad_fixes, held) -> None:
         """Apply what :meth:`check` found: every ``.grad`` that is not None then points into the buffer."""
@@ -203,13 +210,14 @@ def _ready(engine_ref, i: int, p) -> None:
 class Cohort:
     """One engine and where its parameters sit in the param groups."""
 
-    __slots__ = ("engine", "group_of", "held", "index", "lrs", "scalar_tensors", "signature", "steps", "step_tensors",
-                 "wds")
+    __slots__ = ("engine", "group_of", "groups", "held", "index", "lrs", "scalar_tensors", "signature", "steps",
+                 "step_tensors", "wds")
 
     def __init__(self, engine: GroupEngine, index: list, signature):
         self.engine = engine
         self.index = index  # (group, position in the group) per engine parameter, in layout order
         self.group_of = np.array([g for g, _ in index], np.intp)
+        self.groups = tuple(sorted({g for g, _ in index}))  # the groups it holds parameters of
         self.signature = signature
         # state[p]["step"]: a 0-d view each of one float32 array of the parameters' step counts
         self.steps = np.zeros(len(index), dtype=np.float32)

@@ -120,6 +120,42 @@ def _same(a: tuple, b: tuple) -> bool:
         return False
 
 
+def _plain_same(a, b) -> bool:
+    """``a == b`` for plain values (numbers, strings, None, tuples and lists of them); False for anything else."""
+    if a is b:
+        return True
+    t = type(a)
+    if t is not type(b):
+        return False
+    if t in (float, int, bool, str):
+        return a == b
+    if t in (tuple, list):
+        return len(a) == len(b) and all(_plain_same(x, y) for x, y in zip(a, b))
+    return False
+
+
+def _tune_betas(new, old):
+    """``betas`` as :func:`~arraytrain._checks.check_betas` takes them, for two floats in [0, 1); else None."""
+    if type(new) in (tuple, list) and len(new) == 2:
+        b1, b2 = new
+        if type(b1) is float and type(b2) is float and 0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0:
+            return (b1, b2)
+    return None
+
+
+def _tune_momentum(new, old):
+    """A momentum > 0 that replaces one > 0 (the momentum buffer stays): a finite float; else None."""
+    if type(new) is float and 0.0 < new < math.inf and type(old) in (float, int) and old > 0:
+        return new
+    return None
+
+
+#: What a scheduler changes every step besides the rate (OneCycleLR's and CyclicLR's
+#: ``cycle_momentum``: beta1, or ``momentum``), each with a check that accepts the common case
+#: exactly as the optimizer's constructor would, or None (then the group is validated in full).
+TUNE_CHECKS = {"betas": _tune_betas, "momentum": _tune_momentum}
+
+
 def _has_tensor(values) -> bool:
     return any(isinstance(v, torch.Tensor) or (isinstance(v, (tuple, list)) and _has_tensor(v)) for v in values)
 
@@ -204,6 +240,9 @@ class TorchOptimizer(torch.optim.Optimizer):
     #: torch's constructor of the class: ``(positional, keyword-only)`` hyperparameters, each a
     #: ``(name, default)`` pair in torch's order; the class's signature is built from it and :data:`OPTIONS`
     HYPERPARAMETERS: tuple = ((), ())
+    #: Keys of :data:`TUNE_CHECKS` whose new values are set on the arraytrain optimizer as they are
+    #: (the attribute of the same name), without building a new one.
+    TUNABLE: tuple = ()
     #: group values the class sets itself (AdamW: ``decoupled_weight_decay=True``)
     FIXED: dict = {}
 
@@ -285,6 +324,7 @@ class TorchOptimizer(torch.optim.Optimizer):
         self._keys = tuple(k for k in defaults if k not in PER_PARAM and k not in IGNORED_FLAGS
                            and k not in REFUSED_FLAGS)
         self._read_keys = ("lr", "weight_decay", *self._keys)
+        self._tunable = {i: TUNE_CHECKS[k] for i, k in enumerate(self._keys) if k in self.TUNABLE}
         self._cohorts: list[Cohort] = []
         self._by_sig: dict = {}  # kernel-wide values -> their arraytrain optimizer (see _optimizer_of)
         self._seen: list = []  # per group: (raw tuple, has tensors, (lr, wd, signature))
@@ -531,7 +571,7 @@ class TorchOptimizer(torch.optim.Optimizer):
         time). ``lr`` and ``weight_decay`` are checked alone; the other values build the group's
         arraytrain optimizer (the full validation) only when they changed.
         """
-        rates = False
+        rates = retuned = False
         resig, updates = [], []
         keys, seen_all = self._read_keys, self._seen
         for gi, group in enumerate(self.param_groups):
@@ -542,10 +582,15 @@ class TorchOptimizer(torch.optim.Optimizer):
             seen = seen_all[gi]
             if seen is not None and not seen.tensors and _same(raw, seen.raw):
                 continue
-            lr = _rate(gi, "lr", raw[0])
-            wd = _rate(gi, "weight_decay", raw[1])
+            lr, wd = raw[0], raw[1]
+            if type(lr) is not float or not 0.0 <= lr < math.inf:
+                lr = _rate(gi, "lr", lr)
+            if type(wd) is not float or not 0.0 <= wd < math.inf:
+                wd = _rate(gi, "weight_decay", wd)
             if seen is not None and not seen.sig_tensors and _same(raw[2:], seen.raw[2:]):
                 sig, sig_tensors = seen.sig, False
+            elif (sig := self._retuned(raw, seen)) is not None:  # a scheduler's beta1 or momentum: no rebuild
+                sig_tensors, retuned = False, True
             else:
                 sig_tensors = _has_tensor(raw[2:])
                 sig = self._signature(group, gi)
@@ -559,10 +604,10 @@ class TorchOptimizer(torch.optim.Optimizer):
             self._check_same_state(gi, sig)
         for gi, seen in updates:
             self._seen[gi] = seen
-        if resig:
+        if resig or retuned:
             split = False
             for c in self._cohorts:
-                sigs = {self._seen[gi].sig for gi in set(c.group_of.tolist())}
+                sigs = {self._seen[gi].sig for gi in c.groups}
                 if len(sigs) > 1:
                     split = True
                 elif sigs != {c.signature}:
@@ -622,9 +667,40 @@ class TorchOptimizer(torch.optim.Optimizer):
                         f"optimizer's state ({list(cur.slot_names)} -> {list(new.slot_names)}); set it when the "
                         "group is created")
 
+    def _retuned(self, raw: tuple, seen):
+        """The group's signature when it differs from the last read only in :attr:`TUNABLE` values, each
+        of plain numbers its check takes as the state's structure stands (the check is the constructor's,
+        on the common case: a scheduler's ``betas`` or ``momentum``); else None (the full validation)."""
+        tunable = self._tunable
+        if seen is None or not tunable or seen.sig_tensors:
+            return None
+        sig = list(seen.sig)
+        before = seen.raw
+        for i in range(len(sig)):
+            new = raw[i + 2]
+            if new is before[i + 2]:
+                continue
+            check = tunable.get(i)
+            if check is None:
+                if _plain_same(new, before[i + 2]):
+                    continue
+                return None
+            sig[i] = check(new, sig[i])
+            if sig[i] is None:
+                return None
+        return tuple(sig)
+
     def _reconfigure(self, c: Cohort, sig) -> None:
-        """A cohort's kernel-wide values changed alike in all its groups (checked by :meth:`_check_same_state`)."""
-        _assign(c.engine.optimizer, self._optimizer_of(sig))
+        """A cohort's kernel-wide values changed alike in all its groups (checked by :meth:`_check_same_state`,
+        or only :attr:`TUNABLE` values, checked by :meth:`_retuned`: then set on the optimizer as they are)."""
+        opt, tunable = c.engine.optimizer, self._tunable
+        changed = [i for i, (a, b) in enumerate(zip(sig, c.signature)) if a != b]
+        tuned = [tunable[i](sig[i], c.signature[i]) if i in tunable else None for i in changed]
+        if None not in tuned:
+            for i, v in zip(changed, tuned):
+                setattr(opt, self._keys[i], v)
+        else:
+            _assign(opt, self._optimizer_of(sig))
         c.signature = sig
 
     def _amp(self):
@@ -676,19 +752,18 @@ class TorchOptimizer(torch.optim.Optimizer):
 
     def _take(self, divisor: float, rates: bool) -> list:
         plans = [c.engine.check() for c in self._cohorts]
-        if all(len(held) == len(c.engine.bound) for c, (_, _, held) in zip(self._cohorts, plans)):
+        if all(len(plan[2]) == len(c.engine.bound) for c, plan in zip(self._cohorts, plans)):
             return []  # no gradient anywhere: torch's optimizers do nothing either
         one = len(self._cohorts) == 1
-        for c, plan in zip(self._cohorts, plans):
-            bases = c.engine.fresh_in_place(plan) if one else None
-            if bases is not None:  # every gradient is a fresh .grad: read where it lies, nothing copied
-                c.engine.connect(plan[0], [], plan[2])
+        for c, (data_fixes, grad_fixes, held, bases) in zip(self._cohorts, plans):
+            if one and bases is not None:  # every gradient is a fresh .grad: read where it lies, nothing copied
+                c.engine.connect(data_fixes, [], held)
                 c.engine.read_in_place(bases)
             else:
-                c.engine.connect(*plan)
+                c.engine.connect(data_fixes, grad_fixes, held)
             # a parameter without a gradient: the engine leaves it out of the step (torch's rule); where
             # its optimizer cannot step parameters alone, a zero lr and decay keep its weights
-            hold = plan[2] if c.engine.missing != "skip" else []
+            hold = held if c.engine.missing != "skip" else []
             if rates or hold or c.held:
                 hp = c.engine.state.hp
                 hp["lr"][...] = c.lrs

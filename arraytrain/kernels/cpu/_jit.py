@@ -30,7 +30,7 @@ from numba.core.caching import Cache
 from numba.core.compiler_lock import global_compiler_lock
 from numba.core.dispatcher import Dispatcher
 
-from ...threads import start_numba_threads
+from ... import threads
 
 FASTMATH = {"nsz", "arcp", "contract", "afn", "reassoc"}
 # Without ``arcp``/``afn`` LLVM keeps ``sqrt(a) / sqrt(b)`` as two roots and a division: with them
@@ -93,9 +93,9 @@ def pick(pair, n, *slots):
     elements (9 against 13 us) up."""
     eight_bit = any(isinstance(s, tuple) for s in slots)
     both = getattr(_both, "on", False) and not eight_bit  # (an 8-bit kernel never runs its serial twin)
-    if n < SERIAL_BELOW and not eight_bit:
+    if (n < SERIAL_BELOW and not eight_bit) or threads.forked_omp:  # (GNU OpenMP in a forked child: serial)
         return _with_twin(pair[1], pair[0]) if both else pair[1]
-    start_numba_threads()  # idempotent: numba's pool starts under arraytrain's policy (arraytrain.threads)
+    threads.start_numba_threads()  # idempotent: numba's pool starts under arraytrain's policy (arraytrain.threads)
     return _with_twin(pair[0], pair[1]) if both else pair[0]
 
 
