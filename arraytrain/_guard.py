@@ -19,31 +19,48 @@ class CallGuard:
 
     def __init__(self):
         self._lock = threading.RLock()
-        self._holder: tuple[str, str] | None = None
+        self._holder: tuple | None = None  # (thread, what) of the call holding it
+        self._outer: list = []  # the holders of the calls it nests in
+
+    def acquire(self, what: str) -> None:
+        """Hold the guard (``what`` names the caller in another thread's error), or raise at once."""
+        if not self._lock.acquire(blocking=False):
+            thread, busy = self._holder or (None, "another call")
+            raise ConcurrentUseError(
+                f"{what}: the engine is busy with {busy} on thread {getattr(thread, 'name', '?')!r}; an Engine is "
+                "not thread-safe: serialise the calls on one engine (e.g. with a lock of your own)"
+            )
+        self._outer.append(self._holder)
+        self._holder = (threading.current_thread(), what)
+
+    def release(self) -> None:
+        self._holder = self._outer.pop()
+        self._lock.release()
 
     @contextmanager
     def __call__(self, what: str):
-        if not self._lock.acquire(blocking=False):
-            thread, busy = self._holder or ("?", "another call")
-            raise ConcurrentUseError(
-                f"{what}: the engine is busy with {busy} on thread {thread!r}; an Engine is not "
-                "thread-safe: serialise the calls on one engine (e.g. with a lock of your own)"
-            )
-        outer = self._holder
-        self._holder = (threading.current_thread().name, what)
+        self.acquire(what)
         try:
             yield
         finally:
-            self._holder = outer
-            self._lock.release()
+            self.release()
 
 
 def guarded(method):
-    """Run a method of an engine (or a subclass) inside ``self.exclusive("<name>()")``."""
+    """Run a method of an engine (or a subclass) inside ``self.exclusive("<name>()")``; an engine's
+    own methods take its guard without a generator (the per-step path)."""
+    what = f"{method.__name__}()"
 
     @functools.wraps(method)
     def run(self, *args, **kwargs):
-        with self.exclusive(f"{method.__name__}()"):
+        enter = getattr(self, "_enter", None)
+        if enter is None:
+            with self.exclusive(what):
+                return method(self, *args, **kwargs)
+        enter(what)
+        try:
             return method(self, *args, **kwargs)
+        finally:
+            self._guard.release()
 
     return run

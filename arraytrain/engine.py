@@ -325,11 +325,19 @@ class Engine:
         write or read, so no step changes the buffers meanwhile. Refused inside
         :meth:`evaluation`, where the parameters hold the evaluation weights.
         """
-        with self._guard(what):
-            if self._evaluating:
-                raise ConcurrentUseError(f"{what}: inside engine.evaluation() the parameters hold the "
-                                         "evaluation weights; leave the block first")
+        self._enter(what)
+        try:
             yield
+        finally:
+            self._guard.release()
+
+    def _enter(self, what: str) -> None:
+        """Take the call guard for ``what``, refused inside :meth:`evaluation` (see :meth:`exclusive`)."""
+        self._guard.acquire(what)
+        if self._evaluating:
+            self._guard.release()
+            raise ConcurrentUseError(f"{what}: inside engine.evaluation() the parameters hold the "
+                                     "evaluation weights; leave the block first")
 
     @contextmanager
     def evaluation(self):

@@ -714,7 +714,6 @@ class TorchOptimizer(torch.optim.Optimizer):
         scale = 1.0 if grad_scale is None else float(grad_scale)
         return scale, found_inf is not None and float(found_inf) != 0.0
 
-    @torch.no_grad()
     def step(self, closure=None):
         """One optimizer step; returns what ``closure`` (called first, with gradients on) returned.
 
@@ -722,8 +721,17 @@ class TorchOptimizer(torch.optim.Optimizer):
         takes its zero-copy step: the norm pass (unscaling a GradScaler's scale, finding NaN/Inf,
         the global norm for ``max_grad_norm``), then one fused kernel that updates the parameters
         and every state slot and zeroes the gradient buffer. A step where no parameter has a
-        gradient changes nothing, as torch's.
+        gradient changes nothing, as torch's. Runs with autograd off (as torch's ``no_grad``, through its
+        two C calls: the decorator cost some 12 us a step).
         """
+        enabled = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(False)
+        try:
+            return self._step(closure)
+        finally:
+            torch._C._set_grad_enabled(enabled)
+
+    def _step(self, closure):
         if self._evaluating is not None:
             raise ConcurrentUseError("step: the optimizer is in eval() mode (the parameters hold the evaluation "
                                      "weights); call train() first")

@@ -198,6 +198,39 @@ def test_schedulers(sched, cls):
     assert [g["lr"] for g in mine.param_groups] == [g["lr"] for g in theirs.param_groups]
 
 
+@pytest.mark.parametrize("cls, key, good, bad, why", [
+    ("AdamW", "betas", (0.85, 0.99), (1.0, 0.999), r"betas\[0\]"),
+    ("AdamW", "betas", [0.8, 0.9], (0.9, float("nan")), r"betas\[1\]"),
+    ("SGD", "momentum", 0.8, 0.0, "changes the optimizer's state"),
+    ("SGD", "momentum", 0.7, -0.1, "momentum"),
+])
+def test_a_scheduled_beta_or_momentum_is_checked_as_the_constructor_checks_it(cls, key, good, bad, why):
+    """The retune path (a scheduler's betas or momentum set without building an optimizer) takes what the
+    constructor takes, and refuses the rest with the constructor's error, changing nothing."""
+    a, b = _models()
+    kw = {"lr": 1e-2, "momentum": 0.9} if cls == "SGD" else {"lr": 1e-2}
+    mine = getattr(at_torch, cls)(a.parameters(), **kw)
+    theirs = getattr(torch.optim, cls)(b.parameters(), foreach=False, **kw)
+    batches = _batches(4)
+    for i, batch in enumerate(batches):
+        if i == 2:
+            for opt in (mine, theirs):
+                opt.param_groups[0][key] = good
+        for model, opt in ((a, mine), (b, theirs)):
+            opt.zero_grad()
+            _loss(model, batch).backward()
+            opt.step()
+    _close(a, b)
+    engine = mine._cohorts[0].engine
+    assert getattr(engine.optimizer, key) == (tuple(good) if key == "betas" else good)
+    before = {n: v.copy() for n, v in engine.params.items()}
+    mine.param_groups[0][key] = bad
+    with pytest.raises(errors.HyperparameterError, match=why):
+        mine.step()
+    assert getattr(engine.optimizer, key) == (tuple(good) if key == "betas" else good)
+    assert all((engine.params[n] == v).all() for n, v in before.items())
+
+
 def test_reduce_lr_on_plateau_and_tensor_lr():
     a, b = _models()
     mine = at_torch.Adam(a.parameters(), lr=torch.tensor(2e-2))
