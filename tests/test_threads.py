@@ -56,14 +56,15 @@ print(len(os.listdir("/proc/self/task")))
 
 def test_with_torch_loaded_the_kernels_run_on_torchs_openmp_threads():
     pytest.importorskip("torch")
-    layer, how, wait, tasks = _probe(TORCH_FIRST)
+    two = {"OMP_NUM_THREADS": "2", "NUMBA_NUM_THREADS": "2"}  # (the suite's runs set 1 thread)
+    layer, how, wait, tasks = _probe(TORCH_FIRST, **two)
     assert layer == "omp" and "torch's OpenMP threads" in how
     assert wait == "None"
     # one pool: torch's main thread and its OpenMP workers, no second team for numba
     import torch
 
     _, _, _, alone = _probe("import os, torch\ntorch.ones(1 << 20).sum()\nprint(0); print(0); print(0)\n"
-                            "print(len(os.listdir('/proc/self/task')))")
+                            "print(len(os.listdir('/proc/self/task')))", **two)
     assert int(tasks) == int(alone), torch.__config__.parallel_info()
 
 
