@@ -72,7 +72,8 @@ def _torch_openmp() -> bool:
     try:
         if "parallel backend: OpenMP" not in torch.__config__.parallel_info():
             return False
-        ctypes.CDLL(None).GOMP_parallel  # noqa: B018 - the global scope has GNU OpenMP
+        scope = ctypes.CDLL(None)
+        scope.GOMP_parallel, scope.omp_get_max_threads, scope.omp_set_num_threads  # noqa: B018 - GNU OpenMP
     except (AttributeError, OSError, RuntimeError):
         return False
     return True
@@ -125,12 +126,18 @@ def start_numba_threads() -> str:
             before = numba.config.THREADING_LAYER
             _applied = None
             if _torch_openmp():
+                import ctypes
+
+                runtime = ctypes.CDLL(None)  # torch's libgomp, in the global scope (see _torch_openmp)
+                torch_threads = runtime.omp_get_max_threads()
                 numba.config.THREADING_LAYER = TORCH_LAYER
                 try:
                     parallel._launch_threads()
                     _applied = f"{TORCH_LAYER} layer chosen by arraytrain: torch's OpenMP threads"
                 except ValueError:  # numba's omppool cannot load: the usual choice below
                     numba.config.THREADING_LAYER = before
+                # numba's launch sets the runtime's thread count (omp_set_num_threads): torch's, put back
+                runtime.omp_set_num_threads(torch_threads)
             if _applied is None:
                 _preload_tbb()
                 numba.config.THREADING_LAYER = LAYER

@@ -81,6 +81,24 @@ print(os.waitpid(pid, 0)[1])
 """
 
 
+KEEPS_TORCH_THREADS = """
+import torch, numpy as np, arraytrain
+from arraytrain.kernels import cpu
+torch.set_num_threads(1)
+x = np.ones(cpu.SERIAL_BELOW * 2, np.float32)
+cpu.scale(x, factor=2.0)
+print(arraytrain.threads.start_numba_threads())
+print(torch.get_num_threads())
+"""
+
+
+def test_torchs_thread_count_is_left_as_it_was():
+    """numba's OpenMP launch sets the shared runtime's thread count: torch's is put back."""
+    pytest.importorskip("torch")
+    how, threads = _probe(KEEPS_TORCH_THREADS, OMP_NUM_THREADS="2", NUMBA_NUM_THREADS="2")
+    assert "torch's OpenMP threads" in how and threads == "1"
+
+
 def test_a_child_forked_after_openmp_kernels_runs_them_serial():
     pytest.importorskip("torch")
     status, = _probe(FORK)
