@@ -56,7 +56,9 @@ print(len(os.listdir("/proc/self/task")))
 
 def test_with_torch_loaded_the_kernels_run_on_torchs_openmp_threads():
     pytest.importorskip("torch")
-    two = {"OMP_NUM_THREADS": "2", "NUMBA_NUM_THREADS": "2"}  # (the suite's runs set 1 thread)
+    # two threads for torch and numba alike (the suite's workers set 1; torch's OpenMP count follows
+    # MKL_NUM_THREADS where both are set)
+    two = {"OMP_NUM_THREADS": "2", "MKL_NUM_THREADS": "2", "NUMBA_NUM_THREADS": "2"}
     layer, how, wait, tasks = _probe(TORCH_FIRST, **two)
     assert layer == "omp" and "torch's OpenMP threads" in how
     assert wait == "None"
@@ -95,7 +97,7 @@ print(torch.get_num_threads())
 def test_torchs_thread_count_is_left_as_it_was():
     """numba's OpenMP launch sets the shared runtime's thread count: torch's is put back."""
     pytest.importorskip("torch")
-    how, threads = _probe(KEEPS_TORCH_THREADS, OMP_NUM_THREADS="2", NUMBA_NUM_THREADS="2")
+    how, threads = _probe(KEEPS_TORCH_THREADS, OMP_NUM_THREADS="2", MKL_NUM_THREADS="2", NUMBA_NUM_THREADS="2")
     assert "torch's OpenMP threads" in how and threads == "1"
 
 

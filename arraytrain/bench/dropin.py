@@ -31,6 +31,11 @@ alternating round by round (the median and best of ``--repeats`` rounds):
   a NaN/Inf gradient is applied, so the step makes no norm pass of its own);
 * ``drop-in, max_grad_norm``: the clip inside the step (no ``clip_grad_norm_``): the fast form.
 
+and the whole iteration's median beside it (forward and backward run next to the step's threads:
+the thread policy shows there, :mod:`arraytrain.threads`). ``--parts`` adds a round of the drop-in
+with its step's parts wrapped in timers (:func:`step_parts`): the step, the param groups' read,
+the ``.data``/``.grad`` check, the engine's step, its norm-pass and AdamW kernels.
+
 Then the cost of reading the param groups (``read_param_groups()``, which every step calls
 first), per group, for 1, 10 and 100 groups over 100 one-element tensors: groups unchanged
 (the steady state), every group's ``lr`` set anew before each read (a scheduler that changes
@@ -41,6 +46,7 @@ themselves are timed alone and subtracted. The target is at most 2 us per group.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
@@ -244,8 +250,9 @@ def loop_contestants(kind: str, steps: int, total: int) -> dict:
         clip = which != "drop-in, max_grad_norm"
         params = list(m.parameters())
 
-        def round_():
+        def round_(whole=None):
             spent = 0.0
+            start = time.perf_counter()
             for _ in range(steps):
                 opt.zero_grad()
                 loss = torch.nn.functional.cross_entropy(m(x), y)
@@ -256,6 +263,8 @@ def loop_contestants(kind: str, steps: int, total: int) -> dict:
                 opt.step()
                 spent += time.perf_counter() - t
                 sched.step()
+            if whole is not None:  # the whole iteration too: forward and backward run beside the step's threads
+                whole.append((time.perf_counter() - start) / steps)
             return spent / steps
 
         return round_, m
@@ -263,23 +272,70 @@ def loop_contestants(kind: str, steps: int, total: int) -> dict:
     return {k: make(k) for k in LOOP_CONTESTANTS}
 
 
-def measure_loop(kind: str, steps: int = 20, repeats: int = 5) -> dict:
-    """Seconds of clip + step per step in the everyday loop, by contestant (median and best of rounds)."""
+def measure_loop(kind: str, steps: int = 20, repeats: int = 5, parts: bool = False) -> dict:
+    """Seconds of clip + step per step in the everyday loop, by contestant (median and best of rounds),
+    and of the whole iteration (median); with ``parts``, the drop-in's step in parts (:func:`step_parts`)."""
     import statistics
 
-    made = loop_contestants(kind, steps, steps * (repeats + 1))
+    made = loop_contestants(kind, steps, steps * (repeats + 2))
     rounds = {k: fn for k, (fn, _) in made.items()}
     names = LOOP_CONTESTANTS
     base = made["torch fused"][1]
     for fn in rounds.values():  # warm-up: kernels compiled, state allocated
         fn()
     times = {k: [] for k in names}
+    whole = {k: [] for k in names}
     for _ in range(repeats):
         for k, fn in rounds.items():
-            times[k].append(fn())
+            times[k].append(fn(whole[k]))
     n = sum(p.numel() for p in base.parameters())
-    return {"model": kind, "elements": n, "tensors": len(list(base.parameters())),
-            "median": {k: statistics.median(v) for k, v in times.items()}, "best": {k: min(v) for k, v in times.items()}}
+    out = {"model": kind, "elements": n, "tensors": len(list(base.parameters())),
+           "median": {k: statistics.median(v) for k, v in times.items()}, "best": {k: min(v) for k, v in times.items()},
+           "iteration_median": {k: statistics.median(v) for k, v in whole.items()}}
+    if parts:
+        with step_parts() as spent:
+            rounds["drop-in"]()
+        out["drop_in_parts_us"] = {k: v * 1e6 / steps for k, v in spent.items()}
+    return out
+
+
+#: The drop-in step's parts that ``--parts`` times: (what, owner, attribute).
+PARTS = (("step", "arraytrain.interop._torch_optim:TorchOptimizer", "_step"),  # (inside torch's step wrapper)
+         ("read_param_groups", "arraytrain.interop._torch_optim:TorchOptimizer", "read_param_groups"),
+         ("check (.data, .grad)", "arraytrain.interop._torch_engine:GroupEngine", "check"),
+         ("Engine.step", "arraytrain.engine:Engine", "step"),
+         ("norm pass kernel", "arraytrain.kernels.cpu", "sumsq"),
+         ("AdamW kernel", "arraytrain.kernels.cpu", "adam_step"))
+
+
+@contextlib.contextmanager
+def step_parts():
+    """Inside: the functions of :data:`PARTS` wrapped in timers; yields ``{what: seconds}`` summed over
+    the calls (each part includes those it calls; the wrappers add well under a microsecond each)."""
+    import importlib
+
+    spent, saved = {}, []
+    for what, where, attr in PARTS:
+        module, _, cls = where.partition(":")
+        owner = importlib.import_module(module)
+        if cls:
+            owner = getattr(owner, cls)
+        fn = getattr(owner, attr)
+
+        def timed(*args, _fn=fn, _what=what, **kwargs):
+            t = time.perf_counter()
+            try:
+                return _fn(*args, **kwargs)
+            finally:
+                spent[_what] = spent.get(_what, 0.0) + time.perf_counter() - t
+
+        saved.append((owner, attr, owner.__dict__[attr] if isinstance(owner, type) else fn))
+        setattr(owner, attr, timed)
+    try:
+        yield spent
+    finally:
+        for owner, attr, fn in saved:
+            setattr(owner, attr, fn)
 
 
 def main(argv=None) -> int:
@@ -294,6 +350,8 @@ def main(argv=None) -> int:
     ap.add_argument("--loops", nargs="*", default=list(LOOP_MODELS), choices=LOOP_MODELS,
                     help="the everyday loop's models (default: all; none: skip it)")
     ap.add_argument("--loop-steps", type=int, default=20, help="steps of the everyday loop per round (default 20)")
+    ap.add_argument("--parts", action="store_true",
+                    help="also time the drop-in's step in parts inside the loop (one more round each)")
     ap.add_argument("--json", help="write every figure to this file")
     args = ap.parse_args(argv)
     import torch
@@ -309,7 +367,7 @@ def main(argv=None) -> int:
             ref = t["torch fused"]
             cells = " | ".join(f"{t[k] * 1e3:>11.3f} ({t[k] / ref:4.2f}x)" for k in names)
             print(f"{r['elements']:>10.0e} {r['tensors']:>7} {mode:>8} | {cells}")
-    loops = [measure_loop(k, args.loop_steps, args.repeats) for k in args.loops]
+    loops = [measure_loop(k, args.loop_steps, args.repeats, args.parts) for k in args.loops]
     if loops:
         names = LOOP_CONTESTANTS
         print("\nThe everyday loop: clip + step, ms per step (median / best of rounds; x: torch fused / it, "
@@ -320,6 +378,14 @@ def main(argv=None) -> int:
             cells = " | ".join(f"{r['median'][k] * 1e3:6.2f} / {r['best'][k] * 1e3:6.2f} ({ref / r['median'][k]:4.2f}x)"
                                for k in names)
             print(f"{r['model']:>18} {r['elements']:>9} {r['tensors']:>7} | {cells}")
+        print("\nThe whole iteration (zero_grad, forward, backward, clip, step, scheduler), ms, median of rounds:")
+        for r in loops:
+            print(f"{r['model']:>18} | " + " | ".join(f"{k} {v * 1e3:.2f}" for k, v in r["iteration_median"].items()))
+        for r in loops:
+            if "drop_in_parts_us" in r:
+                print(f"\nThe drop-in's step in parts inside the loop, {r['model']}, us per step (each part includes "
+                      "those below it that it calls):")
+                print("  " + " | ".join(f"{k} {v:.0f}" for k, v in r["drop_in_parts_us"].items()))
     groups = [measure_groups(g, args.group_calls, args.repeats) for g in GROUPS]
     print("\nread_param_groups(), us per group (target <= 2):")
     print(f"{'groups':>7} | " + " | ".join(f"{k:>18}" for k in groups[0]["us_per_group"]))

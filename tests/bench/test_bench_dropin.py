@@ -76,9 +76,18 @@ def test_everyday_loop_contestants_train_alike(kind):
 def test_main_runs_and_writes_json(tmp_path, capsys):
     path = tmp_path / "dropin.json"
     assert dropin.main(["--sizes", "1e4", "--tensors", "10", "--calls", "1", "--repeats", "1", "--group-calls", "5",
-                        "--loops", "cnn-bn", "--loop-steps", "1", "--json", str(path)]) == 0
+                        "--loops", "cnn-bn", "--loop-steps", "1", "--parts", "--json", str(path)]) == 0
     text = capsys.readouterr().out
     assert "torch fused" in text and "read_param_groups" in text and "everyday loop" in text
+    assert "whole iteration" in text and "in parts" in text
     data = json.loads(path.read_text())
     assert data["steps"][0]["elements"] == 10_000 and data["steps"][0]["tensors"] == 10
     assert len(data["groups"]) == len(dropin.GROUPS) and data["loops"][0]["model"] == "cnn-bn"
+    loop = data["loops"][0]
+    assert set(loop["iteration_median"]) == set(dropin.LOOP_CONTESTANTS)
+    parts = loop["drop_in_parts_us"]
+    assert set(parts) == {what for what, _, _ in dropin.PARTS}
+    # every part ran inside the step, and the wrappers are gone again
+    assert all(0 < v <= parts["step"] for v in parts.values())
+    from arraytrain.engine import Engine
+    assert not getattr(Engine.step, "__name__", "") == "timed"
