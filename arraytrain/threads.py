@@ -50,7 +50,7 @@ import threading
 
 #: numba's threading layer that the policy chooses.
 LAYER = "tbb"
-#: ... and where torch's OpenMP runtime is already in the process (point 4 above).
+#: The layer it chooses instead where torch's OpenMP runtime is already in the process (point 4 above).
 TORCH_LAYER = "omp"
 #: The environment variable that turns the policy off (``ARRAYTRAIN_THREAD_POLICY=off``).
 OPT_OUT = "ARRAYTRAIN_THREAD_POLICY"
