@@ -40,3 +40,34 @@ class DropInAdamWStep:
     def time_step(self, optimizer, n):
         self.clip()
         self.opt.step()
+
+
+class ReadParamGroups:
+    """``read_param_groups()`` (every step's first call) over ``groups`` groups of 100 one-element tensors:
+    nothing changed, ``lr`` set anew (a scheduler), or ``lr`` and beta1 set anew (OneCycleLR's
+    ``cycle_momentum``, set on the optimizer without building one). The writes are in the timing."""
+
+    params = [[1, 10, 100], ["unchanged", "lr", "lr+betas"]]
+    param_names = ["groups", "change"]
+
+    def setup(self, groups, change):
+        try:
+            import torch
+        except ImportError:
+            raise NotImplementedError("needs torch") from None
+        from arraytrain.interop import torch as att
+
+        ps = [torch.nn.Parameter(torch.zeros(1)) for _ in range(100)]
+        per = 100 // groups
+        self.opt = att.AdamW([{"params": ps[i * per:(i + 1) * per]} for i in range(groups)], lr=1e-3)
+        self.i = 0
+        self.opt.read_param_groups()
+
+    def time_read(self, groups, change):
+        self.i += 1
+        if change != "unchanged":
+            for g in self.opt.param_groups:
+                g["lr"] = 1e-3 * (1.0 + 1e-6 * self.i)
+                if change == "lr+betas":
+                    g["betas"] = (0.9 - 1e-9 * self.i, 0.999)
+        self.opt.read_param_groups()

@@ -16,7 +16,7 @@ import torch
 from ..amp import LossScaler
 from ..engine import Engine
 from ..errors import BackendError
-from ._torch_views import check_kind, tensor_view
+from ._torch_views import check_kind, fresh_addresses, tensor_view
 
 # who holds the tensors, and when a model must be converted or moved (check_kind's messages)
 _HELD = {"holder": "the optimizer", "before": "before building the optimizer"}
@@ -93,8 +93,6 @@ class GroupEngine(Engine):
             self.lp_grads = torch.zeros(self.layout.size, dtype=dtype, device=device)
             self.grads_tensor = tensor_view(self.grads.flat, torch)
         self.bound = []
-        # check()'s addresses of fresh gradients (a scratch copy of grad_addresses), where they can be read
-        self._fresh_scratch = None if lowp or self.grad_addresses is None else self.grad_addresses.copy()
         with torch.no_grad():
             for n, p in entries:
                 data = tensor_view(weights[n], torch)
@@ -129,16 +127,14 @@ class GroupEngine(Engine):
         """
         data_fixes, grad_fixes, held = [], [], []
         on_cpu, strided = self.on_cpu, torch.strided
-        addrs = self._fresh_scratch
-        if addrs is not None:
-            addrs[...] = self.grad_addresses
+        fresh = not self.lowp  # every .grad a tensor torch allocated, or None: read where they lie
         for i, (n, p, data, grad, ptr, dtype, shape) in enumerate(self.bound):
             if p.data_ptr() != ptr or p.dtype is not dtype or p.shape != shape:
                 check_kind(n, "parameter", p, data, **_HELD)
                 data_fixes.append(i)
             g = p.grad
             if g is grad:
-                addrs = None  # a gradient in the buffer: the step reads the buffer (and zeroes it)
+                fresh = False  # a gradient in the buffer: the step reads the buffer (and zeroes it)
                 continue
             if g is None:
                 held.append(i)
@@ -150,13 +146,9 @@ class GroupEngine(Engine):
                                        "gradients")
                 check_kind(n, "gradient", g, grad, **_HELD)
             grad_fixes.append(i)
-            if addrs is not None:
-                if g.is_contiguous():
-                    addrs[i] = g.data_ptr()
-                else:
-                    addrs = None
-        if not grad_fixes:
-            addrs = None
+        addrs = None
+        if fresh and grad_fixes:
+            addrs = fresh_addresses(self, ((i, self.bound[i][1].grad) for i in grad_fixes))
         return data_fixes, grad_fixes, held, addrs
 
     def connect(self, data_fixes, grad_fixes, held) -> None:
