@@ -275,6 +275,12 @@ class SubsetLayout:
     def __init__(self, layout: Layout, pieces: np.ndarray):
         self._layout, self.pieces = layout, pieces
 
+    @property
+    def whole(self) -> Layout:
+        """The layout these pieces are some of (a buffer of the whole layout, such as a pruning mask, is
+        indexed by the same offsets)."""
+        return self._layout
+
     def __getattr__(self, name):
         return getattr(self._layout, name)
 
@@ -323,9 +329,19 @@ class GradsAt:
 
     __slots__ = ("flat", "layout", "bases", "_offsets", "_last")
 
-    def __init__(self, grads: FlatBuffer, bases: np.ndarray, offsets: np.ndarray):
+    def __init__(self, grads: FlatBuffer, bases: np.ndarray, offsets: tuple):
         self.flat, self.layout, self.bases, self._offsets = grads.flat, grads.layout, bases, offsets
         self._last = (None, None)  # (pieces, their addresses): the norm pass and the update share them
+
+    @staticmethod
+    def offsets_of(grads: FlatBuffer) -> tuple:
+        """What :class:`GradsAt` takes as ``offsets`` for ``grads``: the parameters' offsets (int64), with the
+        layout's pieces, their segments and byte offsets from their parameter's start (so that the
+        addresses of the layout's own pieces take two array operations)."""
+        pieces = grads.layout.pieces
+        offsets = np.asarray(grads.layout.offsets, np.int64)
+        seg = np.ascontiguousarray(pieces[:, 2])
+        return offsets, pieces, seg, (pieces[:, 0] - offsets[seg]) * grads.flat.itemsize
 
     @property
     def dtype(self):
@@ -336,7 +352,12 @@ class GradsAt:
         last, out = self._last
         if pieces is last:
             return out
-        seg = pieces[:, 2]
-        out = self.bases[seg] + (pieces[:, 0] - self._offsets[seg]) * self.flat.itemsize
+        offsets, full, seg, delta = self._offsets
+        if pieces is full:
+            out = self.bases[seg]
+            out += delta
+        else:
+            seg = pieces[:, 2]
+            out = self.bases[seg] + (pieces[:, 0] - offsets[seg]) * self.flat.itemsize
         self._last = (pieces, out)
         return out

@@ -35,10 +35,10 @@ def norm_pass(kernels, flat, layout: Layout, grad_ptrs=None) -> NormPass:
     ``grad_ptrs``: the gradient is read where it lies (see :mod:`arraytrain.kernels.interface`);
     the overflow case then finds a non-finite element through the scaled sum.
     """
-    nonfinite = NormPass(math.nan, np.full(len(layout), np.nan), True)
     total, per_seg = kernels.sumsq(flat, layout.pieces, nseg=len(layout), grad_ptrs=grad_ptrs)
     if math.isfinite(total):
         return NormPass(math.sqrt(total), np.sqrt(per_seg), False)
+    nonfinite = NormPass(math.nan, np.full(len(layout), np.nan), True)
     if flat.dtype.itemsize < 8 or (grad_ptrs is None and not kernels.all_finite(flat)):
         return nonfinite
     peak = kernels.max_abs(flat, layout.pieces, grad_ptrs=grad_ptrs)

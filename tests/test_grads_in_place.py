@@ -137,8 +137,10 @@ def test_norm_kernels_read_in_place(family):
     for n in SHAPES:
         flat[layout.slice(n)] = g[n].ravel()
     bases = np.array([g[n].ctypes.data for n in SHAPES], np.int64)
-    ptrs = GradsAt(at.FlatBuffer(layout, np.zeros_like(flat)), bases,
-                   np.asarray(layout.offsets, np.int64)).ptrs(layout.pieces)
+    buf = at.FlatBuffer(layout, np.zeros_like(flat))
+    ptrs = GradsAt(buf, bases, GradsAt.offsets_of(buf)).ptrs(layout.pieces)
+    # the layout's own pieces (two array operations) and any other table of them (the general form)
+    assert np.array_equal(ptrs, GradsAt(buf, bases, GradsAt.offsets_of(buf)).ptrs(layout.pieces.copy()))
     zeros = np.zeros_like(flat)  # the buffer itself is never read
     assert family.sumsq(zeros, layout.pieces, nseg=len(layout), grad_ptrs=ptrs)[0] == \
         family.sumsq(flat, layout.pieces, nseg=len(layout))[0]

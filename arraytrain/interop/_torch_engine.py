@@ -125,7 +125,7 @@ class GroupEngine(Engine):
         allocated, or None), else None (:meth:`connect` copies them into the buffer). Anything else
         raises before a write.
         """
-        data_fixes, grad_fixes, held = [], [], []
+        data_fixes, grad_fixes, held, found = [], [], [], []
         on_cpu, strided = self.on_cpu, torch.strided
         fresh = not self.lowp  # every .grad a tensor torch allocated, or None: read where they lie
         for i, (n, p, data, grad, ptr, dtype, shape) in enumerate(self.bound):
@@ -146,13 +146,16 @@ class GroupEngine(Engine):
                                        "gradients")
                 check_kind(n, "gradient", g, grad, **_HELD)
             grad_fixes.append(i)
+            found.append((i, g))  # (a parameter's segment is its place in bound)
         addrs = None
-        if fresh and grad_fixes:
-            addrs = fresh_addresses(self, ((i, self.bound[i][1].grad) for i in grad_fixes))
+        if fresh and found:
+            addrs = fresh_addresses(self, found)
         return data_fixes, grad_fixes, held, addrs
 
     def connect(self, data_fixes, grad_fixes, held) -> None:
         """Apply what :meth:`check` found: every ``.grad`` that is not None then points into the buffer."""
+        if not (data_fixes or grad_fixes or held or self.lowp):
+            return  # (the common step: gradients read where they lie, nothing to repair)
         with torch.no_grad():
             for i in data_fixes:
                 _, p, data, *_ = self.bound[i]

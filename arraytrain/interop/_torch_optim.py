@@ -619,9 +619,11 @@ class TorchOptimizer(torch.optim.Optimizer):
             lrs = np.array([s.lr for s in self._seen])
             wds = np.array([s.wd for s in self._seen])
             for c in self._cohorts:
-                c.lrs, c.wds = lrs[c.group_of], wds[c.group_of]
+                np.take(lrs, c.group_of, out=c.lrs)
+                np.take(wds, c.group_of, out=c.wds)
+                first = self._seen[c.index[0][0]]  # (the group of the engine's first parameter)
                 opt = getattr(c.engine.optimizer, "base", c.engine.optimizer)  # SAM reports its base's
-                opt.lr, opt.weight_decay = float(c.lrs[0]), float(c.wds[0])
+                opt.lr, opt.weight_decay = first.lr, first.wd
         return rates
 
     def _signature(self, group: Mapping, gi: int):

@@ -68,12 +68,12 @@ class Adam(Optimizer):
         t = state.step + 1
         b1, b2 = self.betas
         if self._decoupled:
-            l2, decay = np.zeros_like(wd), decoupled_decay(lr, wd)
+            l2, decay = np.zeros(wd.shape, params.flat.dtype), decoupled_decay(lr, wd)
         else:
             l2, decay = wd, np.ones_like(wd)
-        s = {k: self._slot(state, k) for k in state.slots}
-        vmax = s["max_exp_avg_sq"] if self.amsgrad else unused_slot(s["exp_avg"])
-        kernels.adam_step(params.flat, grads.flat, s["exp_avg"], s["exp_avg_sq"], vmax, self._pieces(params),
+        m = self._slot(state, "exp_avg")
+        vmax = self._slot(state, "max_exp_avg_sq") if self.amsgrad else unused_slot(m)
+        kernels.adam_step(params.flat, grads.flat, m, self._slot(state, "exp_avg_sq"), vmax, self._pieces(params),
                           gscale=self._signed(gscale), step_size=lr / (1.0 - b1**t), beta1=b1, beta2=b2,
                           eps=self.eps, inv_bc2_sqrt=1.0 / math.sqrt(1.0 - b2**t), l2=l2, decay=decay,
                           amsgrad=self.amsgrad, **working_args(working), zero_grad=zero_grad,

@@ -302,7 +302,7 @@ def mask_arg(mask, params: FlatBuffer):
     if mask is None:
         return None
     if isinstance(mask, FlatBuffer):
-        if mask.layout != params.layout:
+        if mask.layout != getattr(params.layout, "whole", params.layout):  # (a Subset: its whole layout's)
             raise LayoutError(f"mask: its layout {mask.layout!r} differs from the parameters' {params.layout!r}")
         mask = mask.flat
     if type(mask) is not type(params.flat):

@@ -91,7 +91,10 @@ def pick(pair, n, *slots):
     function does not), and AdamW's serial twin took 1.8 ns per element against 0.76 for the
     parallel one on one thread; with two threads the parallel twin was the faster from 5,000
     elements (9 against 13 us) up."""
-    eight_bit = any(isinstance(s, tuple) for s in slots)
+    eight_bit = False
+    for s in slots:  # (a loop: a generator costs microseconds on the per-step path)
+        if isinstance(s, tuple):
+            eight_bit = True
     both = getattr(_both, "on", False) and not eight_bit  # (an 8-bit kernel never runs its serial twin)
     if (n < SERIAL_BELOW and not eight_bit) or threads.forked_omp:  # (GNU OpenMP in a forked child: serial)
         return _with_twin(pair[1], pair[0]) if both else pair[1]
