@@ -271,6 +271,23 @@ def test_output_probe_leaves_nothing_behind_and_clobbers_nothing(tmp_path, capsy
         cli.arguments.check_output("--json", "/dev/stdout")
 
 
+def test_only_the_rank_that_writes_probes_the_outputs(tmp_path):
+    """Rank 0 writes --json, --plot and --save: another rank (on a node without that folder) neither
+    probes nor touches those paths, and still checks the inputs it reads and names used twice."""
+    args = cli.build_parser().parse_args(["train", "--json", str(tmp_path / "no" / "s.json"),
+                                                    "--save", str(tmp_path / "no" / "a.at")])
+    with pytest.raises(cli.arguments.UsageError, match="no such directory"):
+        cli.arguments.check_files(args, writes=True)
+    cli.arguments.check_files(args, writes=False)  # nothing probed: the folder need not exist here
+    assert not (tmp_path / "no").exists()
+    args.resume = str(tmp_path / "missing.at")
+    with pytest.raises(cli.arguments.UsageError, match="--resume"):
+        cli.arguments.check_files(args, writes=False)
+    args.resume, args.json = None, args.save
+    with pytest.raises(cli.arguments.UsageError, match="name the same file"):
+        cli.arguments.check_files(args, writes=False)
+
+
 def test_every_output_is_announced(tmp_path, capsys):
     """--checkpoint-every's saves, the last --save, --json and --plot each say what was written where."""
     pytest.importorskip("matplotlib")

@@ -1,4 +1,4 @@
-"""``python -m arraytrain.bench [compare|threads|mlp|predict|compression|compress|intake|dropin|distributed|state8] ...``
+"""``python -m arraytrain.bench [compare|threads|mlp|predict|compression|compress|intake|dropin|distributed|state8|cluster] ...``
 
 ``compare`` (the default): one clipped optimizer step, arraytrain beside
 torch.optim (foreach and fused), hand-written NumPy and optax, with the
@@ -25,6 +25,8 @@ compressor's bytes and projected step time at 1/10/100 Gb/s, and digits
 accuracy with 4 processes; see :mod:`arraytrain.bench.distributed`.
 ``state8``: 8-bit optimizer state against float32 state, a TransformerEncoder's losses (and
 bitsandbytes' AdamW8bit's) and the digits' accuracy; see :mod:`arraytrain.bench.state8`.
+``cluster``: a cluster of network namespaces on this machine, links shaped with ``tc``, and the
+torch binding against DDP measured on it (needs root); see :mod:`arraytrain.bench.cluster`.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ import sys
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     command = argv.pop(0) if argv and argv[0] in ("compare", "threads", "mlp", "predict", "compression", "compress", "intake",
-                                                 "dropin", "distributed", "state8") else "compare"
+                                                 "dropin", "distributed", "state8", "cluster") else "compare"
     if command == "threads":
         from .threads import main as run
     elif command == "mlp":
@@ -54,6 +56,8 @@ def main(argv=None) -> int:
         from .distributed import main as run
     elif command == "state8":
         from .state8 import main as run
+    elif command == "cluster":
+        from .cluster import main as run
     else:
         from .compare import main as run
     return run(argv)

@@ -69,8 +69,15 @@ def worker_ddp(comm, cfg) -> dict:
     from ..parallel.torch_dist import TorchComm
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{cfg['port']}", rank=comm.rank,
-                            world_size=comm.size)
+    dist.init_process_group("gloo", init_method=f"tcp://{cfg.get('addr', '127.0.0.1')}:{cfg['port']}",
+                            rank=comm.rank, world_size=comm.size)
+    wire = cfg.get("wire")  # a file holding this rank's node's bytes sent (the simulated cluster's eth0)
+
+    def sent() -> int:
+        if wire is None:
+            return 0
+        with open(wire) as f:
+            return int(f.read())
     tcomm = TorchComm()
     out = {}
     for name in cfg["models"]:
@@ -121,25 +128,30 @@ def worker_ddp(comm, cfg) -> dict:
         data = [_batch(torch, kind, mcfg, cfg["batch"], gen) for _ in range(cfg["steps"] + 1)]
         times = {k: [] for k in steps}
         losses = {k: [] for k in steps}
+        wire_bytes = {k: 0 for k in steps}
         for i, (x, y) in enumerate(data):
             for key, step in steps.items():
                 comm.comm.Barrier()
+                b0 = sent()
                 t0 = time.perf_counter()
                 loss, t1 = step(x, y)
                 t2 = time.perf_counter()
+                wire_bytes[key] += sent() - b0
                 losses[key].append(loss)
                 if i:
                     times[key].append((slowest(comm, t2 - t0), slowest(comm, t2 - t1)))
         best = {k: min(v) for k, v in times.items()}
         out[name] = {"params": sum(p.numel() for p in fresh().parameters()), "step_s": {k: b[0] for k, b in best.items()},
                      "after_backward_s": {k: b[1] for k, b in best.items()}, "losses": losses}
+        if wire is not None:  # rank 0's node, per step (the warm-up step included)
+            out[name]["wire_bytes"] = {k: v / len(data) for k, v in wire_bytes.items()}
     dist.destroy_process_group()
     return out
 
 
-def report(res: dict, args) -> None:
+def report(res: dict, args, where: str = "2 processes (gloo / MPI in shared memory)") -> None:
     """The table per model (step, exposed communication, speed against DDP, losses)."""
-    print(f"\nThe torch binding against torch DDP, 2 processes (gloo / MPI in shared memory), batch "
+    print(f"\nThe torch binding against torch DDP, {where}, batch "
           f"{args.ddp_batch} per process, one torch and one numba thread per process; best of {args.steps} steps, "
           "the slowest rank's. Exposed communication: the step less the same implementation's step without "
           "any exchange:")

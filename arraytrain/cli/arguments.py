@@ -304,7 +304,7 @@ def check_output(flag: str, path: str) -> str:
     parent = os.path.dirname(full)
     if not os.path.isdir(parent):
         raise usage(f"{flag} {path}: no such directory {parent}")
-    # the second exists(): another rank's probe file (see try_create) may vanish between the two calls
+    # the second exists(): another process's probe file (see try_create) may vanish between the two calls
     if not os.access(parent, os.W_OK | os.X_OK) or (os.path.exists(full) and not os.access(full, os.W_OK)
                                                      and os.path.exists(full)):
         raise usage(f"{flag} {path}: not writable")
@@ -321,14 +321,14 @@ def try_create(flag: str, path: str, full: str) -> None:
             return
         try:
             os.close(os.open(full, os.O_WRONLY))  # no O_TRUNC: the file keeps its bytes and its times
-        except FileNotFoundError:  # another rank's probe file, removed meanwhile
+        except FileNotFoundError:  # another process's probe file, removed meanwhile
             return
         except OSError as exc:
             raise usage(f"{flag} {path}: cannot open the file for writing ({exc.strerror or exc})") from None
         return
     try:
         fd = os.open(full, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    except FileExistsError:  # another process (a rank of the same run) probes the same name now
+    except FileExistsError:  # another process probes the same name now
         return
     except OSError as exc:
         raise usage(f"{flag} {path}: cannot create the file there ({exc.strerror or exc})") from None
@@ -366,7 +366,7 @@ def validate(args, comm) -> bool:
     from ..nn.data import require
 
     check_flags(args, comm)
-    check_files(args)
+    check_files(args, writes=comm is None or comm.rank == 0)
     show_bar = not args.no_progress and (comm is None or comm.rank == 0) and sys.stderr.isatty()
     if show_bar:
         require("tqdm", "train", "the progress bar")
@@ -463,19 +463,21 @@ def has_test_split(path: str) -> bool:
         return False
 
 
-def check_files(args) -> None:
-    """The outputs can be written, the inputs read, and no file is named twice."""
+def check_files(args, writes: bool = True) -> None:
+    """The outputs can be written (probed only where ``writes``: the rank that writes them, rank 0; another
+    node may not have their folder), the inputs read (every rank reads them), and no file is named twice."""
+    output = check_output if writes else (lambda flag, path: os.path.abspath(path))
     outputs = {}
     if args.save:
         try:
             first = args.save.format(epoch=1)
         except (KeyError, IndexError, ValueError):
             raise usage(f"--save {args.save}: the only field a file name may hold is {{epoch}}") from None
-        outputs["--save"] = check_output("--save", first)
+        outputs["--save"] = output("--save", first)
     if args.json:
-        outputs["--json"] = check_output("--json", args.json)
+        outputs["--json"] = output("--json", args.json)
     if args.plot:
-        outputs["--plot"] = check_output("--plot", args.plot)
+        outputs["--plot"] = output("--plot", args.plot)
     inputs = {}
     if args.data:
         inputs["--data"] = check_input("--data", args.data)

@@ -1,0 +1,135 @@
+"""The simulated cluster (``python -m arraytrain.bench cluster``): namespaces joined by shaped links, MPI
+across them on TCP, bytes read off the links, and nothing left behind, also after an error or a kill.
+Needs root and iproute2 (skipped otherwise: the command then says why in one line)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from arraytrain.bench import cluster as bc
+from arraytrain.distributed import find_mpiexec
+
+pytestmark = pytest.mark.slow  # the slow tier: real namespaces, links and subprocesses
+
+
+def _namespaces() -> set:
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    return {line.split()[0] for line in out.splitlines() if line.strip()}
+
+
+def _ours(pid: int) -> set:
+    return {n for n in _namespaces() if n.startswith(f"at{pid}-")}
+
+
+@pytest.fixture
+def need_root():
+    why = bc.available()
+    if why is not None:
+        pytest.skip(why)
+
+
+def test_without_root_the_command_says_so_in_one_line(monkeypatch, capsys):
+    monkeypatch.setattr(bc, "available", lambda: "the simulated cluster needs root (CAP_NET_ADMIN) to ...")
+    assert bc.main(["--models", "none"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "root" in err
+
+
+def test_bad_arguments_are_refused_before_anything_is_made():
+    with pytest.raises(ValueError, match="nodes"):
+        bc.Cluster(1)
+    with pytest.raises(ValueError, match="link_gbit"):
+        bc.Cluster(2, 0.0)
+    assert bc.main(["--models", "no such model"]) == 2
+
+
+def test_a_shaped_link_carries_its_rate_and_the_cluster_leaves_nothing(need_root):
+    with bc.Cluster(2, 1.0) as c:
+        assert _ours(os.getpid()) == {*c.names, c.switch}
+        rate = c.probe(megabytes=60)
+        assert 0.7 < rate < 1.05, rate  # the token bucket's rate, less TCP's overhead
+        c.shape(0.5)  # mid-run
+        assert 0.35 < c.probe(megabytes=30) < 0.53
+        before = c.tx_bytes()
+        assert c.run(1, ["true"]).returncode == 0
+        assert len(before) == 2
+    assert _ours(os.getpid()) == set()
+
+
+def test_an_error_inside_the_block_removes_the_cluster_and_its_processes(need_root):
+    with pytest.raises(RuntimeError, match="boom"):
+        with bc.Cluster(2, 1.0) as c:
+            p = c.popen(0, ["sleep", "60"])
+            raise RuntimeError("boom")
+    assert p.poll() is not None
+    assert _ours(os.getpid()) == set()
+
+
+def test_a_killed_run_is_cleaned_by_the_next_and_sigterm_cleans_its_own(need_root, tmp_path):
+    code = ("import sys, time\nsys.path.insert(0, %r)\nfrom arraytrain.bench import cluster as bc\n"
+            "with bc.Cluster(2, 1.0):\n    print('up', flush=True)\n    time.sleep(60)\n") % os.getcwd()
+    for sig in (signal.SIGKILL, signal.SIGTERM):
+        p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+        assert p.stdout.readline().strip() == "up"
+        p.send_signal(sig)
+        p.wait(timeout=30)
+        left = _ours(p.pid)
+        if sig == signal.SIGTERM:
+            assert left == set()  # removed on the way out
+        else:
+            assert left  # killed outright: left behind, until the next cluster starts
+            assert set(bc.remove_stale()) >= left
+            assert _ours(p.pid) == set()
+
+
+def test_mpi_crosses_the_links_on_tcp(need_root):
+    if importlib.util.find_spec("mpi4py") is None or find_mpiexec() is None:
+        pytest.skip('needs mpi4py and mpiexec: pip install "arraytrain[mpi]"')
+    code = ("from mpi4py import MPI\nimport numpy as np\nc = MPI.COMM_WORLD\na = np.ones(2**20, np.float32)\n"
+            "c.Allreduce(MPI.IN_PLACE, a)\nassert a[0] == c.size\nprint(f'rank{c.rank}ok', flush=True)\n")
+    with bc.Cluster(2, 2.0) as c:
+        before = c.tx_bytes()
+        t = time.perf_counter()
+        proc = c.run(0, c.mpiexec([sys.executable, "-c", code]), env=bc.MPI_ENV, timeout=120)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert proc.stdout.count('ok') == 2 and 'rank0ok' in proc.stdout and 'rank1ok' in proc.stdout
+        sent = [b - a for a, b in zip(before, c.tx_bytes())]
+        # a 4 MiB all-reduce over 2 ranks: each node sends its half and the other's reduced half back
+        assert all(sent_i > 4 * 2**20 for sent_i in sent), sent
+        assert time.perf_counter() - t < 60
+
+
+def test_torchrun_across_the_nodes_meets_at_node_0(need_root, tmp_path):
+    pytest.importorskip("torch")
+    script = tmp_path / "reduce.py"
+    script.write_text("import torch, torch.distributed as dist\ndist.init_process_group('gloo')\n"
+                      "t = torch.ones(4) * (dist.get_rank() + 1)\ndist.all_reduce(t)\n"
+                      "print(f'rank{dist.get_rank()}of{dist.get_world_size()}sum{int(t[0])}', flush=True)\n"
+                      "dist.destroy_process_group()\n")
+    with bc.Cluster(2, 1.0) as c:
+        env = {**bc.MPI_ENV, "OMP_NUM_THREADS": "1"}
+        procs = [c.popen(i, c.torchrun(i, [script]), env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                 for i in range(2)]
+        outs = [p.communicate(timeout=120)[0] for p in procs]
+        assert [p.returncode for p in procs] == [0, 0], outs
+        assert "rank0of2sum3" in outs[0] and "rank1of2sum3" in outs[1]
+
+
+def test_arraytrain_train_runs_across_the_nodes(need_root, tmp_path):
+    if importlib.util.find_spec("mpi4py") is None or find_mpiexec() is None:
+        pytest.skip('needs mpi4py and mpiexec: pip install "arraytrain[mpi]"')
+    summary = tmp_path / "s.json"
+    env = {**bc.MPI_ENV, "OMP_NUM_THREADS": "1", "NUMBA_NUM_THREADS": "1", "PYTHONPATH": os.getcwd()}
+    with bc.Cluster(2, 1.0) as c:
+        proc = c.run(0, c.mpiexec([sys.executable, "-m", "arraytrain", "train", "--epochs", "1", "--no-progress",
+                                   "--json", summary]), env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "2 processes" in proc.stdout and json.loads(summary.read_text())["processes"] == 2
