@@ -80,16 +80,35 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def _kill_inside(name: str) -> None:
+    """SIGKILL every process in namespace ``name`` (ranks that MPI's proxies started in a session of their
+    own are not in the group of the process that launched them)."""
+    for pid in _run("ip", "netns", "pids", name, check=False).stdout.split():
+        try:
+            os.kill(int(pid), signal.SIGKILL)
+        except (ProcessLookupError, ValueError):
+            pass
+
+
+def _remove(names) -> None:
+    """Kill what runs in the namespaces ``names``, then delete them (their veths go with them)."""
+    for name in names:
+        _kill_inside(name)
+    for name in names:
+        _run("ip", "netns", "del", name, check=False)
+
+
 def remove_stale() -> list[str]:
-    """Remove the namespaces of clusters whose process is gone (killed outright); returns their names."""
+    """Remove the namespaces of clusters whose process is gone (killed outright), and whatever still runs
+    in them; returns their names."""
     out = _run("ip", "netns", "list", check=False).stdout
     gone = []
     for line in out.splitlines():
         name = line.split()[0] if line.strip() else ""
         m = re.fullmatch(r"at(\d+)-(sw|n\d+)", name)
         if m and not _alive(int(m.group(1))):
-            _run("ip", "netns", "del", name, check=False)
             gone.append(name)
+    _remove(gone)
     return gone
 
 
@@ -191,7 +210,8 @@ class Cluster:
         _run("ip", "-n", self.switch, "link", "set", f"{self.prefix}p{node}", "up" if up else "down")
 
     def close(self) -> None:
-        """Kill every process started through the cluster, then remove its namespaces and files."""
+        """Kill every process started through the cluster and every process in its namespaces, then remove
+        the namespaces and files."""
         for p in self._procs:
             if p.poll() is None:
                 try:
@@ -204,8 +224,7 @@ class Cluster:
             except subprocess.TimeoutExpired:
                 pass
         self._procs = []
-        for name in reversed(self._made):  # (the veths go with their namespaces)
-            _run("ip", "netns", "del", name, check=False)
+        _remove(list(reversed(self._made)))
         self._made = []
         if self._dir is not None:
             shutil.rmtree(self._dir, ignore_errors=True)

@@ -220,10 +220,29 @@ def loop_model(kind: str):
 LOOP_CONTESTANTS = ("torch fused", "drop-in", "drop-in, apply", "drop-in, max_grad_norm")
 
 
-def loop_contestants(kind: str, steps: int, total: int) -> dict:
+def baseline_torch(src: str):
+    """``arraytrain.interop.torch`` of another checkout (``src``: the folder that holds its ``arraytrain/``),
+    imported beside this one as ``arraytrain_baseline`` (a copy in a temporary folder; its kernels compile
+    once there): the code before a change and after it, measured side by side in one process."""
+    import importlib
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    pkg = Path(src) / "arraytrain"
+    if not (pkg / "__init__.py").is_file():
+        raise SystemExit(f"--baseline {src}: no arraytrain/ package there")
+    where = tempfile.mkdtemp(prefix="arraytrain-baseline-")
+    shutil.copytree(pkg, Path(where) / "arraytrain_baseline", ignore=shutil.ignore_patterns("__pycache__"))
+    sys.path.insert(0, where)
+    return importlib.import_module("arraytrain_baseline.interop.torch")
+
+
+def loop_contestants(kind: str, steps: int, total: int, baseline=None) -> dict:
     """``{name: (round, model)}``: each contestant's copy of the model, and a function that runs
     ``steps`` steps of the everyday loop on it and returns the mean seconds of clip + step
-    (``total``: the steps OneCycleLR is set up for)."""
+    (``total``: the steps OneCycleLR is set up for). ``baseline``: another checkout's drop-in module
+    (:func:`baseline_torch`), which adds its default and ``max_grad_norm`` forms as contestants."""
     import copy
 
     import torch
@@ -243,11 +262,12 @@ def loop_contestants(kind: str, steps: int, total: int) -> dict:
         if which == "torch fused":
             opt = torch.optim.AdamW(groups(m), fused=True, **kw)
         else:
-            inside = which == "drop-in, max_grad_norm"
-            opt = at_torch.AdamW(groups(m), max_grad_norm=MAX_NORM if inside else None,
-                                 nonfinite="apply" if which == "drop-in, apply" else "skip", **kw)
+            inside = which.endswith("max_grad_norm")
+            module = baseline if which.startswith("baseline") else at_torch
+            opt = module.AdamW(groups(m), max_grad_norm=MAX_NORM if inside else None,
+                               nonfinite="apply" if which == "drop-in, apply" else "skip", **kw)
         sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=LR, total_steps=total + 10)
-        clip = which != "drop-in, max_grad_norm"
+        clip = not which.endswith("max_grad_norm")
         params = list(m.parameters())
 
         def round_(whole=None):
@@ -269,17 +289,21 @@ def loop_contestants(kind: str, steps: int, total: int) -> dict:
 
         return round_, m
 
-    return {k: make(k) for k in LOOP_CONTESTANTS}
+    return {k: make(k) for k in LOOP_CONTESTANTS + (BASELINE_CONTESTANTS if baseline is not None else ())}
 
 
-def measure_loop(kind: str, steps: int = 20, repeats: int = 5, parts: bool = False) -> dict:
+#: With ``--baseline``: the other checkout's drop-in, in the default and the fast form.
+BASELINE_CONTESTANTS = ("baseline drop-in", "baseline max_grad_norm")
+
+
+def measure_loop(kind: str, steps: int = 20, repeats: int = 5, parts: bool = False, baseline=None) -> dict:
     """Seconds of clip + step per step in the everyday loop, by contestant (median and best of rounds),
     and of the whole iteration (median); with ``parts``, the drop-in's step in parts (:func:`step_parts`)."""
     import statistics
 
-    made = loop_contestants(kind, steps, steps * (repeats + 2))
+    made = loop_contestants(kind, steps, steps * (repeats + 2), baseline)
     rounds = {k: fn for k, (fn, _) in made.items()}
-    names = LOOP_CONTESTANTS
+    names = tuple(made)
     base = made["torch fused"][1]
     for fn in rounds.values():  # warm-up: kernels compiled, state allocated
         fn()
@@ -352,9 +376,14 @@ def main(argv=None) -> int:
     ap.add_argument("--loop-steps", type=int, default=20, help="steps of the everyday loop per round (default 20)")
     ap.add_argument("--parts", action="store_true",
                     help="also time the drop-in's step in parts inside the loop (one more round each)")
+    ap.add_argument("--baseline", metavar="DIR",
+                    help="also run another checkout's drop-in in the loop (DIR holds its arraytrain/): before and "
+                         "after a change, side by side in one process")
     ap.add_argument("--json", help="write every figure to this file")
     args = ap.parse_args(argv)
     import torch
+
+    baseline = baseline_torch(args.baseline) if args.baseline else None
 
     rows = [measure_step(int(n), args.calls, args.repeats, k) for k in args.tensors for n in args.sizes]
     names = ("drop-in", "drop-in, fresh .grad", "torch fused")
@@ -367,9 +396,9 @@ def main(argv=None) -> int:
             ref = t["torch fused"]
             cells = " | ".join(f"{t[k] * 1e3:>11.3f} ({t[k] / ref:4.2f}x)" for k in names)
             print(f"{r['elements']:>10.0e} {r['tensors']:>7} {mode:>8} | {cells}")
-    loops = [measure_loop(k, args.loop_steps, args.repeats, args.parts) for k in args.loops]
+    loops = [measure_loop(k, args.loop_steps, args.repeats, args.parts, baseline) for k in args.loops]
     if loops:
-        names = LOOP_CONTESTANTS
+        names = tuple(loops[0]["median"])
         print("\nThe everyday loop: clip + step, ms per step (median / best of rounds; x: torch fused / it, "
               "above 1: faster than torch)")
         print(f"{'model':>18} {'params':>9} {'tensors':>7} | " + " | ".join(f"{k:>26}" for k in names))

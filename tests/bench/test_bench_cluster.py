@@ -133,3 +133,29 @@ def test_arraytrain_train_runs_across_the_nodes(need_root, tmp_path):
                                    "--json", summary]), env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "2 processes" in proc.stdout and json.loads(summary.read_text())["processes"] == 2
+
+
+def test_ranks_that_mpi_started_in_other_nodes_end_with_the_cluster(need_root):
+    """Hydra's proxies put the ranks in sessions of their own: closing the cluster kills what runs in its
+    namespaces too, also with a node's link down (a rank there would wait on the network forever)."""
+    if importlib.util.find_spec("mpi4py") is None or find_mpiexec() is None:
+        pytest.skip('needs mpi4py and mpiexec: pip install "arraytrain[mpi]"')
+    with bc.Cluster(2, 1.0) as c:
+        c.popen(0, c.mpiexec([sys.executable, "-c", "import time; time.sleep(120)"]), bc.MPI_ENV)
+        deadline = time.monotonic() + 30
+        while not (inside := subprocess.run(["ip", "netns", "pids", c.names[1]], capture_output=True,
+                                            text=True).stdout.split()):
+            assert time.monotonic() < deadline, "no rank started in node 1"
+            time.sleep(0.2)
+        c.set_link(1, False)
+    time.sleep(0.5)
+    assert not [pid for pid in inside if _running(pid)]
+
+
+def _running(pid: str) -> bool:
+    """A process that exists and is not a zombie (killed, waiting for its new parent to reap it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False

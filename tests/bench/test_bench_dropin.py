@@ -91,3 +91,20 @@ def test_main_runs_and_writes_json(tmp_path, capsys):
     assert all(0 < v <= parts["step"] for v in parts.values())
     from arraytrain.engine import Engine
     assert not getattr(Engine.step, "__name__", "") == "timed"
+
+
+def test_a_baseline_checkout_runs_beside_this_one(tmp_path, capsys):
+    """--baseline: another checkout's drop-in imported beside this one (here this very checkout), in the loop."""
+    import os
+
+    import arraytrain
+
+    src = os.path.dirname(os.path.dirname(arraytrain.__file__))
+    path = tmp_path / "dropin.json"
+    assert dropin.main(["--sizes", "1e3", "--tensors", "2", "--calls", "1", "--repeats", "1", "--group-calls", "2",
+                        "--loops", "cnn-bn", "--loop-steps", "1", "--baseline", src, "--json", str(path)]) == 0
+    loop = json.loads(path.read_text())["loops"][0]
+    assert set(loop["median"]) == set(dropin.LOOP_CONTESTANTS + dropin.BASELINE_CONTESTANTS)
+    assert "baseline drop-in" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="no arraytrain"):
+        dropin.baseline_torch(str(tmp_path))
