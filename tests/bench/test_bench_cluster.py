@@ -157,3 +157,12 @@ def _running(pid: str) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def test_a_delay_needs_netem_and_says_so_where_the_kernel_lacks_it(need_root):
+    try:
+        with bc.Cluster(2, 1.0, delay_us=100) as c:
+            assert c.probe(megabytes=10) > 0.5  # netem there: the link still carries its rate
+    except bc.ClusterUnavailable as exc:
+        assert "netem" in str(exc)
+    assert _ours(os.getpid()) == set()
