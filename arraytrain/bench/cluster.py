@@ -33,7 +33,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -348,7 +347,7 @@ def report(res: dict, cluster: Cluster, probed: float, args) -> None:
     k = cluster.nodes
     ddp.report(res, args, f"{k} nodes of one rank, links shaped to {cluster.link_gbit:g} Gbit/s a node each way "
                           f"(probed: {probed:.2f} Gbit/s), MPI and gloo on TCP")
-    print(f"\nBytes each node sent per step (its eth0 counter), against a ring all-reduce's 2(K-1)/K x the gradient:")
+    print("\nBytes each node sent per step (its eth0 counter), against a ring all-reduce's 2(K-1)/K x the gradient:")
     for name, r in res.items():
         expected = 2 * (k - 1) / k * 4 * r["params"]
         print(f"  {name}: expected {expected / 1e6:.1f} MB | " + " | ".join(

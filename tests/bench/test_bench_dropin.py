@@ -93,18 +93,23 @@ def test_main_runs_and_writes_json(tmp_path, capsys):
     assert not getattr(Engine.step, "__name__", "") == "timed"
 
 
-def test_a_baseline_checkout_runs_beside_this_one(tmp_path, capsys):
-    """--baseline: another checkout's drop-in imported beside this one (here this very checkout), in the loop."""
-    import os
-
-    import arraytrain
-
-    src = os.path.dirname(os.path.dirname(arraytrain.__file__))
-    path = tmp_path / "dropin.json"
-    assert dropin.main(["--sizes", "1e3", "--tensors", "2", "--calls", "1", "--repeats", "1", "--group-calls", "2",
-                        "--loops", "cnn-bn", "--loop-steps", "1", "--baseline", src, "--json", str(path)]) == 0
-    loop = json.loads(path.read_text())["loops"][0]
-    assert set(loop["median"]) == set(dropin.LOOP_CONTESTANTS + dropin.BASELINE_CONTESTANTS)
-    assert "baseline drop-in" in capsys.readouterr().out
+def test_a_baseline_checkout_runs_beside_this_one(tmp_path):
+    """--baseline: another checkout's drop-in, imported beside this one under another package name, runs
+    in the loop (a minimal checkout here, whose AdamW is torch's, records how it was built: no kernel of a
+    second copy of arraytrain to compile)."""
+    checkout = tmp_path / "checkout"
+    (checkout / "arraytrain" / "interop").mkdir(parents=True)
+    (checkout / "arraytrain" / "__init__.py").write_text("")
+    (checkout / "arraytrain" / "interop" / "__init__.py").write_text("")
+    (checkout / "arraytrain" / "interop" / "torch.py").write_text(
+        "import torch\nBUILT = []\n\n\ndef AdamW(groups, max_grad_norm=None, nonfinite='skip', **kw):\n"
+        "    BUILT.append((max_grad_norm, nonfinite))\n    return torch.optim.AdamW(groups, **kw)\n")
+    module = dropin.baseline_torch(str(checkout))
+    assert module.__name__ == "arraytrain_baseline.interop.torch"
+    made = dropin.loop_contestants("cnn-bn", 1, 3, module)
+    assert set(made) == set(dropin.LOOP_CONTESTANTS + dropin.BASELINE_CONTESTANTS)
+    assert module.BUILT == [(None, "skip"), (dropin.MAX_NORM, "skip")]  # its default and its max_grad_norm form
+    for name in dropin.BASELINE_CONTESTANTS:
+        assert made[name][0]() > 0  # a round of the loop
     with pytest.raises(SystemExit, match="no arraytrain"):
         dropin.baseline_torch(str(tmp_path))
