@@ -103,7 +103,7 @@ def write_grads(kernels, buf: FlatBuffer, grads: dict, weight: float, overwrite:
 
 # -- the engine's dict path: a validated structure, reused -------------------------------------
 @functools.lru_cache(maxsize=8)
-def normal_range(dtype) -> tuple[float, float]:
+def _normal_range(dtype) -> tuple[float, float]:
     """The smallest normal and the largest finite number of ``dtype`` (``np.finfo`` costs microseconds a call)."""
     info = np.finfo(dtype)
     return float(info.tiny), float(info.max)
@@ -114,7 +114,7 @@ def check_weight(weight, dtype, mean: bool, weight_sum: float, loss_scale: float
     normal number of the buffer's ``dtype``, and with the ``mean`` reduction a window's weight sum times
     the loss scale whose inverse (the mean's factor) is normal too."""
     w = 1.0 if weight is None else check_positive("weight", weight)
-    tiny, big = normal_range(dtype)
+    tiny, big = _normal_range(dtype)
     if not tiny <= w <= big:
         raise HyperparameterError(f"weight: expected a normal {dtype} number in [{tiny!r}, {big!r}] "
                                   f"(the kernels multiply by it in {dtype}), got {w!r}")

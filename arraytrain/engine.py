@@ -30,9 +30,9 @@ from .optim import Optimizer, check_optimizer
 from .prune import MaskBuffer
 from .schedules import Schedule
 from .parallel.communicator import check_parallel
-from .parallel.placement import Replicated, join, placement
+from .parallel.placement import join, placement
 from .parallel.shard import aligned_to
-from .parallel.sync import BUCKET_BYTES, BlockingSync, gradient_sync
+from .parallel.sync import BUCKET_BYTES, gradient_sync
 from .stages import Judge, StepReport, Verdict
 
 STATE_FORMAT = engine_state.STATE_FORMAT
@@ -246,13 +246,7 @@ class Engine:
                              and backend_of(self.params.flat) == NUMPY and optimizer.reads_in_place
                              and self.zero_grad_on_step)
         self._grads_at = None  # this window's gradient, where it lies (None: in engine.grads)
-        # the plain boundary (see _plain_boundary): one process on the host, replicated, blocking, no
-        # compressor, no SAM, no working copy; a mask or parameters absent from a window take the staged one
-        self._plain = (comm.is_local and type(self._placement) is Replicated and type(self._sync) is BlockingSync
-                       and compressor is None and not two_windows and wspec is None
-                       and backend_of(self.params.flat) == NUMPY)
         self._grad_offsets = GradsAt.offsets_of(self.grads)
-        self._weight_range = _intake.normal_range(self.params.dtype)
         self._grad_addresses = segment_addresses(self.grads) if self._in_place_ok else None
         self._intake = _intake.Intake(self.grads, (self.params.flat, self.grads.flat), self._kernels, kernels)
         self.schedule = schedule
@@ -436,10 +430,6 @@ class Engine:
         For a binding that writes a micro-batch into ``engine.grads`` itself and then
         calls ``step()`` with no gradients: it checks the weight before it writes.
         """
-        if weight is None:  # 1.0, always normal: only the mean's factor may not be (a loss scale far out)
-            tiny, big = self._weight_range
-            if self.reduction != "mean" or 1.0 / big <= (self.counters.weight_sum + 1.0) * self.loss_scale <= 1.0 / tiny:
-                return 1.0
         return _intake.check_weight(weight, self.params.dtype, self.reduction == "mean", self.counters.weight_sum,
                                     self.loss_scale)
 
@@ -509,8 +499,6 @@ class Engine:
         self.counters.weight_sum += w
 
     def _boundary(self, lr: float, lrs) -> StepReport:
-        if self._plain and self.mask is None and self.counters.absent is None and self.state.counts is None:
-            return self._plain_boundary(lr, lrs)
         step = self.state.step
         ascent = self._two_windows and not self.counters.perturbed  # SAM's first window
         wsum = self.counters.close_window()
@@ -531,26 +519,6 @@ class Engine:
         if not self._update_stage(verdict, lrs, absent, grads_at):
             return self._skip(step, lr)
         return self._bookkeeping(verdict, lr, payload)
-
-    def _plain_boundary(self, lr: float, lrs) -> StepReport:
-        """:meth:`_boundary` where its strategies are identities: one process on the host, replicated,
-        blocking, every parameter present at one step count, no mask, compressor, SAM or working copy.
-        The same norm pass, verdict, kernel and report, without the exchange, the placement and the
-        step-count groups in between (the Python of a step is much of its cost at small sizes)."""
-        state = self.state
-        step = state.step
-        wsum = self.counters.close_window()
-        grads_at, self._grads_at = self._grads_at, None
-        judge = Judge(self._kernels, self._unscale, self.max_grad_norm, self.clip_eps,
-                      check=self.nonfinite == "skip", grads_at=grads_at)
-        verdict = judge.norm_pass(self.grads.flat, self._layout, self._unscale(wsum), False)
-        if verdict.nonfinite:
-            return self._skip(step, lr)
-        # a gradient read where it lies is its owner's: the kernel does not clear it
-        self.optimizer.update(self._kernels, self.params, self.grads if grads_at is None else grads_at, state,
-                              gscale=verdict.gscale(), lr=lrs, zero_grad=self.zero_grad_on_step and grads_at is None)
-        state.step = step + 1
-        return self._bookkeeping(verdict, lr, None)
 
     def read_in_place(self, bases) -> None:
         """This micro-batch's gradients lie at ``bases`` (int64, by segment: the address of each

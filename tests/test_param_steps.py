@@ -255,3 +255,22 @@ def test_a_group_counts_a_gradient_when_any_rank_has_one(mode):
     for got, counts in results:
         assert_close(got, ref.params.as_dict())
         assert counts.tolist() == [14, 11, 14]
+
+
+def test_a_pruning_mask_applies_while_parameters_stand_at_different_step_counts():
+    """With a parameter a step behind, the update runs per step count on subsets of the pieces; the mask (of
+    the whole layout) applies to them (it was refused as another layout)."""
+    rng = np.random.default_rng(0)
+    shapes = {"w": (40, 30), "b": (30,), "big": (5000,)}
+    eng = at.Engine({n: rng.standard_normal(s).astype(np.float32) for n, s in shapes.items()}, at.optim.AdamW(1e-2),
+                    missing="skip")
+    grads = lambda: {n: rng.standard_normal(s).astype(np.float32) for n, s in shapes.items()}  # noqa: E731
+    eng.step(grads())
+    g = grads()
+    del g["b"]
+    eng.step(g)
+    assert eng.state.counts is not None
+    mask = at.prune.magnitude_mask(eng.params, ratio=0.5)
+    eng.set_mask(mask)
+    assert eng.step(grads()).applied
+    assert not eng.params.flat[mask.flat == 0].any()

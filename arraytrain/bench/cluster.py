@@ -317,24 +317,15 @@ def _raise_interrupt(signum, frame):
 # -- the measurement ---------------------------------------------------------------------------------
 
 
-def _env(threads: int) -> dict:
-    import arraytrain
-
-    source = str(Path(arraytrain.__file__).resolve().parents[1])
-    path = os.pathsep.join(p for p in (source, os.environ.get("PYTHONPATH")) if p)
-    return {"PYTHONPATH": path, "NUMBA_NUM_THREADS": str(threads), "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1",
-            "MKL_NUM_THREADS": "1", **MPI_ENV}
-
-
 def measure(cluster: Cluster, models: list, steps: int, batch: int, threads: int, timeout: float) -> dict:
     """The DDP comparison's contestants with one rank per node; each step's bytes on the wire too."""
-    from .distributed import RESULT
+    from .distributed import RESULT, worker_env
 
     cfg = {"models": models, "batch": batch, "steps": steps, "port": PORT + 2, "addr": cluster.addresses[0],
            "wire": TX_BYTES}
     argv = cluster.mpiexec([sys.executable, "-m", "arraytrain.bench", "distributed", "--worker", "ddp",
                             "--config", json.dumps(cfg)])
-    proc = cluster.run(0, argv, env=_env(threads), timeout=timeout)
+    proc = cluster.run(0, argv, env={**worker_env(threads), **MPI_ENV}, timeout=timeout)
     if proc.returncode != 0:
         raise RuntimeError(f"the job across the nodes failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
     line = next(ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT))

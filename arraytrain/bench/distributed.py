@@ -314,7 +314,9 @@ def run_worker(name: str, cfg: dict) -> int:
 # -- the launcher ------------------------------------------------------------------------------------
 
 
-def _env(threads: int) -> dict:
+def worker_env(threads: int) -> dict:
+    """The environment of a benchmark's ranks: this source on the path, ``threads`` numba threads and one
+    BLAS/OpenMP thread each."""
     import arraytrain
 
     source = str(Path(arraytrain.__file__).resolve().parents[1])
@@ -326,7 +328,7 @@ def _env(threads: int) -> dict:
 def _launch(ranks: int, argv, args) -> str:
     from ..distributed import launch
 
-    proc = launch(ranks, [sys.executable, *argv], timeout=args.timeout, env=_env(args.threads))
+    proc = launch(ranks, [sys.executable, *argv], timeout=args.timeout, env=worker_env(args.threads))
     if proc.returncode != 0:
         raise RuntimeError(f"mpiexec -n {ranks} {' '.join(map(str, argv[:6]))} ... failed "
                            f"({proc.returncode}):\n{proc.stderr[-3000:]}")
