@@ -37,7 +37,7 @@ from .errors import HyperparameterError
 #: Parameter dtypes a kernel compiles for.
 DTYPES = ("float32", "float64")
 #: Storage of the optimizer's element-wise state: "float32" is the parameters' own dtype.
-STATE_DTYPES = ("float32", "bfloat16", "8bit")
+STATE_DTYPES = ("float32", "bfloat16", "8bit", "float8")
 #: Low-precision working copies ("none": without). bfloat16 and float16 copies share one
 #: compiled signature (the kind is an argument of the kernel), so either compiles both.
 WORKING_DTYPES = ("none", "bfloat16", "float16")
@@ -118,7 +118,7 @@ def jobs(optimizers: str = "all", dtypes: str = "float32", state_dtypes: str = "
                                   "copies (--working-dtype) need --dtype float32, and adafactor and sophia keep no "
                                   "state in another dtype")
     # the slowest first, so that the last process to finish does not start one at the end
-    return sorted(out, key=lambda j: (j.state_dtype != "8bit", j.working_dtype == "none", j.optimizer))
+    return sorted(out, key=lambda j: (j.state_dtype not in ("8bit", "float8"), j.working_dtype == "none", j.optimizer))
 
 
 def _engine(job: Job, zero_grad: bool, accumulation: int):

@@ -25,6 +25,25 @@ bucket holds one decision boundary, the low mantissa bits from which the next co
 
 The optimizers' update uses the float32 values it computes in the step; their 8-bit
 codes are what the next step starts from (bitsandbytes' order: decode, update, encode).
+
+**float8** (``state_dtype="float8"``): the same layout (a uint8 code per element, a float32 per
+block of 256, small parameters in float32), with float8 e4m3 codes (``ml_dtypes.float8_e4m3fn``:
+4 exponent bits, 3 mantissa bits, largest 448, no infinity) and a power-of-two scale per block
+in place of the dynamic map and its absmax (torchao's ``AdamWFp8`` and Transformer Engine's
+``FusedAdam`` keep Adam's moments in float8 with a scale per block; FP8-LM/MS-AMP the first
+moment). A power of two keeps the codec exact: a block's values are divided by ``2**k`` without
+rounding (``k`` puts the block's largest magnitude in (232, 464], which rounds to [240, 448]),
+then rounded once to e4m3, to nearest even; the value of a code is ``e4m3[code] * 2**k``. The
+bounds 232 and 464 are midpoints of e4m3 neighbours (ties go down, to the even code), so a
+block's largest value never rounds across them: decoding and encoding again gives the same
+bytes. A slot that is never negative
+(second moments, sums of squares: ``UNSIGNED_SLOTS`` of the optimizers) keeps the e4m3 code of
+its **square root** (map ``"e4m3_sqrt"``; value ``e4m3[code]**2 * 4**k``): the square root halves
+the range of exponents the block must span (Adam's ``v`` spans twice the binades of ``|g|``) and
+its 3 mantissa bits serve ``sqrt(v)``, which is what the update divides by. See
+:func:`float8_encode`; every family's encoder equals it bit for bit, and decoding is the map's
+value times the scale, as for the dynamic map. A block holding a NaN or an infinity (or, in the
+root form, a negative value) has a NaN scale and every code 0x7F (e4m3's NaN): it decodes as NaN.
 """
 
 from __future__ import annotations
@@ -33,11 +52,12 @@ from collections.abc import Mapping
 from functools import lru_cache
 from typing import NamedTuple
 
+import ml_dtypes
 import numpy as np
 
 from .errors import DTypeError, LayoutError, ShapeMismatchError, StateDictError, UnknownParameterError
 # Q8, the slot as the kernels take it, is defined with the kernel interface (re-exported here)
-from .kernels.interface import Q8, Q8_BLOCK  # noqa: F401
+from .kernels.interface import F8, Q8, Q8_BLOCK, QUANTIZED  # noqa: F401
 from .layout import Layout
 from .owned import Owned, OwnedPart
 
@@ -197,6 +217,83 @@ def codebook(signed: bool) -> Codebook:
     return Codebook(qmap, table, shift, bias, nb)
 
 
+# -- float8 (see the module docstring) ---------------------------------------------------------
+
+#: The value of every e4m3 code (``ml_dtypes.float8_e4m3fn``; codes 0x7F and 0xFF are NaN).
+E4M3_MAP = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+#: Their squares (exact in float32): the map of the root form.
+E4M3_SQUARES = (E4M3_MAP * E4M3_MAP).astype(np.float32)
+E4M3_MAP.flags.writeable = False
+E4M3_SQUARES.flags.writeable = False
+#: The maps a quantized slot's codes may index, by the name its entries carry.
+MAPS = {"signed": SIGNED_MAP, "unsigned": UNSIGNED_MAP, "e4m3": E4M3_MAP, "e4m3_sqrt": E4M3_SQUARES}
+FLOAT8_MAPS = ("e4m3", "e4m3_sqrt")
+#: The code a NaN block's elements take (e4m3's NaN).
+F8_NAN_CODE = 0x7F
+#: The block exponent's range: the scale ``2**k`` and its inverse normal float32s (the root form:
+#: the stored scale ``4**k`` too).
+F8_EXPONENTS = {False: (-126, 126), True: (-63, 63)}
+
+
+def scale_key(map_name: str) -> str:
+    """The key of a quantized entry's per-block float32: ``"absmax"`` (dynamic maps) or ``"scale"`` (float8)."""
+    return "scale" if map_name in FLOAT8_MAPS else "absmax"
+
+
+def float8_exponent(largest_bits, root: bool):
+    """The block exponent ``k`` for the float32 bits of a block's largest magnitude (finite): the
+    smallest ``k`` with ``largest / 2**k <= 464`` (1.8125 * 2**8, the midpoint of e4m3's largest
+    value 448 and the next, NaN, code: it rounds to 448), clamped to :data:`F8_EXPONENTS`."""
+    m = np.asarray(largest_bits, np.int64)
+    k = (m >> 23) - 135 + ((m & 0x7FFFFF) > 0x680000)
+    return np.clip(k, *F8_EXPONENTS[bool(root)])
+
+
+def float8_encode(x, root: bool) -> tuple[np.ndarray, np.ndarray]:
+    """``(codes, scale)`` of a 1-D array by blocks of :data:`BLOCK` from its start (reference code).
+
+    Per block: ``y = x`` (``root``: ``sqrt(x)``), float32; ``m`` the largest ``|y|`` as float32 bits
+    (a NaN's bits win); ``m`` not finite: scale NaN, every code :data:`F8_NAN_CODE`; else ``k`` =
+    :func:`float8_exponent`, each code ``e4m3(y * 2**-k)`` (the product exact, the cast
+    ml_dtypes' round to nearest even) and the scale ``2**k`` (``root``: ``4**k``).
+    """
+    x = np.asarray(x, np.float32).ravel()
+    nblocks = -(-x.size // BLOCK)
+    padded = np.zeros(nblocks * BLOCK, np.float32)
+    padded[: x.size] = x
+    with np.errstate(invalid="ignore"):
+        y = np.sqrt(padded) if root else padded
+    y = y.reshape(nblocks, BLOCK)
+    m = (y.view(np.uint32) & np.uint32(0x7FFFFFFF)).max(axis=1) if nblocks else np.zeros(0, np.uint32)
+    bad = m >= 0x7F800000
+    k = float8_exponent(np.where(bad, 0, m), root)
+    inv = ((127 - k) << 23).astype(np.uint32).view(np.float32)
+    with np.errstate(invalid="ignore", over="ignore"):
+        q = (y * inv[:, None]).astype(np.float32)
+        codes = q.astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
+    codes[bad] = F8_NAN_CODE
+    scale = ((127 + (2 * k if root else k)) << 23).astype(np.uint32).view(np.float32)
+    scale[bad] = np.float32(np.nan)
+    return codes.ravel()[: x.size].copy(), scale.astype(np.float32)
+
+
+def encode(x, map_name: str) -> tuple[np.ndarray, np.ndarray]:
+    """``(codes, per-block float32)`` of a 1-D array in map ``map_name``'s form (reference code)."""
+    if map_name in FLOAT8_MAPS:
+        return float8_encode(x, map_name == "e4m3_sqrt")
+    return quantize(x, map_name == "signed")
+
+
+def decode(codes, scale, map_name: str):
+    """float32 values ``map[code] * scale[block]`` (NumPy, or CuPy on the device of CuPy ``codes``)."""
+    xp = _xp(codes)
+    codes = xp.asarray(codes, np.uint8).ravel()
+    scale = xp.repeat(xp.asarray(scale, np.float32), BLOCK)[: codes.size]
+    qmap = MAPS[map_name] if xp is np else xp.asarray(MAPS[map_name])
+    with np.errstate(invalid="ignore"):
+        return (qmap[codes] * scale).astype(np.float32)
+
+
 def quantize(x, signed: bool) -> tuple[np.ndarray, np.ndarray]:
     """``(codes, absmax)`` of a 1-D array by blocks of :data:`BLOCK` from its start (reference code)."""
     x = np.asarray(x, np.float32).ravel()
@@ -213,13 +310,9 @@ def quantize(x, signed: bool) -> tuple[np.ndarray, np.ndarray]:
 
 
 def dequantize(codes, absmax, signed: bool):
-    """float32 values ``map[code] * absmax`` of a block-quantized 1-D array (NumPy, or CuPy on the
-    device of CuPy ``codes`` and ``absmax``)."""
-    xp = _xp(codes)
-    codes = xp.asarray(codes, np.uint8).ravel()
-    scale = xp.repeat(xp.asarray(absmax, np.float32), BLOCK)[: codes.size]
-    qmap = codebook(signed).qmap if xp is np else xp.asarray(codebook(signed).qmap)
-    return (qmap[codes] * scale).astype(np.float32)
+    """float32 values ``map[code] * absmax`` of a block-quantized 1-D array in a dynamic map
+    (NumPy, or CuPy on the device of CuPy ``codes`` and ``absmax``)."""
+    return decode(codes, absmax, "signed" if signed else "unsigned")
 
 
 def codes_value(codes, signed: bool) -> np.ndarray:
@@ -293,6 +386,11 @@ class Quant8Buffer:
     dtype are encoded, an 8-bit entry for a parameter kept in float32 here is decoded), so a
     state saved with float32 or bfloat16 slots loads into 8-bit slots and back.
 
+    ``codec``: ``"dynamic"`` (bitsandbytes' maps, ``state_dtype="8bit"``) or ``"float8"`` (e4m3
+    codes and power-of-two block scales, the root form for an unsigned slot; see the module
+    docstring): the same layout and protocol, entries ``{"codes", "scale", "map"}`` with map
+    ``"e4m3"`` or ``"e4m3_sqrt"``. Entries of the other codec (or float arrays) are converted.
+
     ``window=(lo, length)``: the slot holds only the flat elements ``[lo, lo + length)`` of the
     layout (one rank's partition under sharded state, :mod:`arraytrain.parallel.shard`): ``codes`` has
     ``length`` entries, and the side array holds the blocks and small parameters' values of
@@ -304,11 +402,15 @@ class Quant8Buffer:
     window's elements.
     """
 
-    __slots__ = ("layout", "signed", "threshold", "flat", "codes", "aux", "base", "quant", "offset", "spans", "xp",
+    __slots__ = ("layout", "signed", "codec", "threshold", "flat", "codes", "aux", "base", "quant", "offset", "spans", "xp",
                  "window", "_arg")
 
-    def __init__(self, layout: Layout, signed: bool, threshold: int = DEFAULT_THRESHOLD, xp=np, window=None):
+    def __init__(self, layout: Layout, signed: bool, threshold: int = DEFAULT_THRESHOLD, xp=np, window=None,
+                 codec: str = "dynamic"):
+        if codec not in CODECS:
+            raise ValueError(f"codec: expected one of {CODECS}, got {codec!r}")
         self.layout, self.signed, self.threshold, self.xp = layout, bool(signed), int(threshold), xp
+        self.codec = codec
         self.window = None if window is None else (int(window[0]), int(window[1]))
         lo, length = (0, layout.size) if window is None else self.window
         t = _tables(layout, self.threshold, lo, length)
@@ -317,8 +419,14 @@ class Quant8Buffer:
         self.codes = self.flat[:length]
         self.aux = self.flat[ncodes:].view(np.float32)
         self.base, self.quant, self.offset, self.spans = t.base, t.quant, t.offset, t.spans
-        if self.signed:  # value 0 is code 127 in the signed map, 0 in the unsigned one
+        if self.signed and codec == "dynamic":  # value 0 is code 127 in the signed map, 0 elsewhere
             self.codes.fill(np.uint8(np.searchsorted(SIGNED_MAP, 0.0)))
+        if codec == "float8":
+            tables = (self.base, self.quant, self.offset, MAPS[self.map_name])
+            if xp is not np:  # the kernels read every table on the device
+                tables = tuple(xp.asarray(t) for t in tables)
+            self._arg = F8(self.codes, self.aux, *tables, int(not self.signed))
+            return
         book = codebook(self.signed)
         tables = (self.base, self.quant, self.offset, book.qmap, book.table)
         if xp is not np:  # the kernels read every table on the device
@@ -329,14 +437,16 @@ class Quant8Buffer:
 
     @property
     def map_name(self) -> str:
-        """``"signed"`` or ``"unsigned"``: the dynamic map the codes index."""
+        """The map the codes index: ``"signed"`` or ``"unsigned"`` (dynamic), ``"e4m3"`` or ``"e4m3_sqrt"`` (float8)."""
+        if self.codec == "float8":
+            return "e4m3" if self.signed else "e4m3_sqrt"
         return "signed" if self.signed else "unsigned"
 
     @property
     def names(self) -> tuple[str, ...]:
         return self.layout.names
 
-    def kernel_arg(self) -> Q8:
+    def kernel_arg(self) -> Q8 | F8:
         """The slot as the kernels take it."""
         return self._arg
 
@@ -361,7 +471,7 @@ class Quant8Buffer:
         self._whole("values")
         seg = self.layout.index(name)
         codes, aux = self._parts(seg)
-        out = aux.copy() if codes is None else dequantize(codes, aux, self.signed)
+        out = aux.copy() if codes is None else decode(codes, aux, self.map_name)
         return out.reshape(self.layout.shapes[seg])
 
     def to_float32(self):
@@ -374,7 +484,7 @@ class Quant8Buffer:
         return out
 
     def as_dict(self, copy: bool = False) -> dict:
-        """Per name: ``{"codes", "absmax"}`` (8-bit) or a float32 array (small), as views or copies."""
+        """Per name: ``{"codes", "absmax"|"scale", "map"}`` (quantized) or a float32 array (small), as views or copies."""
         self._whole("as_dict")
         out = {}
         for seg, name in enumerate(self.layout.names):
@@ -384,14 +494,14 @@ class Quant8Buffer:
                 out[name] = (aux.copy() if copy else aux).reshape(shape)
             else:
                 out[name] = {"codes": (codes.copy() if copy else codes).reshape(shape),
-                             "absmax": aux.copy() if copy else aux, "map": self.map_name}
+                             scale_key(self.map_name): aux.copy() if copy else aux, "map": self.map_name}
         return out
 
     def check(self, arrays: Mapping, *, strict: bool = True) -> dict:
         """Validate ``arrays`` (the :meth:`as_dict` form, or float arrays) without writing.
 
         Returns, per name, a new uint8 array of the bytes :meth:`assign` writes: the codes
-        followed by the absmax bytes (8-bit), or the float32 bytes (small).
+        followed by the block scales' bytes (quantized), or the float32 bytes (small).
         """
         if not isinstance(arrays, Mapping):
             raise StateDictError(f"expected a mapping name -> array, got {type(arrays).__name__}")
@@ -402,16 +512,16 @@ class Quant8Buffer:
             seg = self.layout.index(name)
             shape, n, span = self.layout.shapes[seg], self.layout.sizes[seg], self.spans[seg]
             if is_q8_entry(a):
-                codes, absmax, signed = check_entry(name, a, shape, n, span)
-                if self.quant[seg] and signed == self.signed:
-                    out[name] = np.concatenate([codes.ravel(), absmax.view(np.uint8)])
+                codes, scale, map_name = check_entry(name, a, shape, n, span)
+                if self.quant[seg] and map_name == self.map_name:
+                    out[name] = np.concatenate([codes.ravel(), scale.view(np.uint8)])
                     continue
-                values = dequantize(codes, absmax, signed)
+                values = decode(codes, scale, map_name)
             else:
                 values = _float_values(name, a, shape, span)
             if self.quant[seg]:  # the span starts on a block: its blocks are the whole parameter's
-                codes, absmax = quantize(values, self.signed)
-                out[name] = np.concatenate([codes, absmax.view(np.uint8)])
+                codes, scale = encode(values, self.map_name)
+                out[name] = np.concatenate([codes, scale.view(np.uint8)])
             else:
                 out[name] = np.ascontiguousarray(values, np.float32).ravel().view(np.uint8).copy()
         if strict:
@@ -438,7 +548,7 @@ class Quant8Buffer:
 
     def __repr__(self) -> str:
         nq = int(self.quant.sum())
-        return (f"Quant8Buffer({len(self.layout)} params, {nq} in 8 bits, {'signed' if self.signed else 'unsigned'} "
+        return (f"Quant8Buffer({len(self.layout)} params, {nq} in 8 bits, {self.map_name} "
                 f"map, {self.flat.nbytes} bytes)")
 
 
@@ -452,7 +562,7 @@ def window_template(slot: Quant8Buffer) -> dict:
         if slot.quant[seg]:
             nb = -(-slot.layout.sizes[seg] // BLOCK)
             out[name] = {"codes": Owned(shape, np.dtype(np.uint8), a, b, on_device),
-                         "absmax": Owned((nb,), np.dtype(np.float32), a // BLOCK, a // BLOCK + _nblocks(a, b),
+                         scale_key(slot.map_name): Owned((nb,), np.dtype(np.float32), a // BLOCK, a // BLOCK + _nblocks(a, b),
                                          on_device),
                          "map": slot.map_name}
         else:
@@ -474,7 +584,7 @@ def gather_window(comm, slot: Quant8Buffer, root: int | None = None) -> dict | N
     for seg, name in enumerate(lay.names):
         n = lay.sizes[seg]
         if slot.quant[seg]:
-            out[name] = {"codes": xp.empty(n, np.uint8), "absmax": xp.empty(-(-n // BLOCK), np.float32),
+            out[name] = {"codes": xp.empty(n, np.uint8), scale_key(slot.map_name): xp.empty(-(-n // BLOCK), np.float32),
                          "map": slot.map_name}
         else:
             out[name] = xp.empty(n, np.float32)
@@ -489,7 +599,7 @@ def gather_window(comm, slot: Quant8Buffer, root: int | None = None) -> dict | N
                 out[name][a:b] = aux[k : k + b - a]
             elif b > a:
                 out[name]["codes"][a:b] = raw[off : off + b - a]
-                out[name]["absmax"][a // BLOCK : a // BLOCK + _nblocks(a, b)] = aux[k : k + _nblocks(a, b)]
+                out[name][scale_key(slot.map_name)][a // BLOCK : a // BLOCK + _nblocks(a, b)] = aux[k : k + _nblocks(a, b)]
     for seg, name in enumerate(lay.names):
         shape, entry = lay.shapes[seg], out[name]
         if slot.quant[seg]:
@@ -497,6 +607,10 @@ def gather_window(comm, slot: Quant8Buffer, root: int | None = None) -> dict | N
         else:
             out[name] = entry.reshape(shape)
     return out
+
+
+#: A quantized slot's codecs: bitsandbytes' dynamic maps (``state_dtype="8bit"``), float8.
+CODECS = ("dynamic", "float8")
 
 
 def _xp(a):
@@ -524,27 +638,32 @@ def _aligned_bytes(n: int, xp=np):
 
 
 def is_q8_entry(a) -> bool:
-    """Whether a state-dict entry is an 8-bit ``{"codes", "absmax", "map"}`` entry."""
-    return isinstance(a, Mapping) and set(a) == {"codes", "absmax", "map"}
+    """Whether a state-dict entry is a quantized ``{"codes", "absmax", "map"}`` (8-bit) or
+    ``{"codes", "scale", "map"}`` (float8) entry."""
+    return isinstance(a, Mapping) and len(a) == 3 and "codes" in a and "map" in a and ("absmax" in a or "scale" in a)
 
 
 def check_entry(name: str, a: Mapping, shape, n: int, span=None):
-    """The codes, absmax and signedness of an 8-bit entry for a parameter of ``shape``, checked.
+    """The codes, block scales and map name of a quantized entry for a parameter of ``shape``, checked.
 
     ``span=(start, stop)``: only the parameter's flat elements ``[start, stop)`` (``start`` on a
     block) are wanted: the flat codes and the absmax of their blocks are returned, taken from
     full arrays or from the parts a reader took (:class:`~arraytrain.owned.OwnedPart`).
     """
-    if a["map"] not in ("signed", "unsigned"):
-        raise StateDictError(f"{name!r}: 8-bit state's map: expected 'signed' or 'unsigned', got {a['map']!r}")
+    map_name = a["map"]
+    if not isinstance(map_name, str) or map_name not in MAPS:
+        raise StateDictError(f"{name!r}: quantized state's map: expected one of {list(MAPS)}, got {map_name!r}")
+    key = scale_key(map_name)
+    if key not in a:
+        raise StateDictError(f"{name!r}: a {map_name!r} entry holds 'codes', {key!r} and 'map', got {sorted(a)}")
     start, stop = (0, n) if span is None else span
     nb = -(-n // BLOCK)
     codes = _own(name, a["codes"], tuple(shape), (start, stop), "codes")
-    absmax = _own(name, a["absmax"], (nb,), (start // BLOCK, start // BLOCK + _nblocks(start, stop)), "absmax")
-    if codes.dtype != np.uint8 or absmax.dtype != np.float32:
-        raise DTypeError(f"{name!r}: 8-bit state expects uint8 codes and float32 absmax, got "
-                         f"{codes.dtype} and {absmax.dtype}")
-    return codes, absmax, a["map"] == "signed"
+    scale = _own(name, a[key], (nb,), (start // BLOCK, start // BLOCK + _nblocks(start, stop)), key)
+    if codes.dtype != np.uint8 or scale.dtype != np.float32:
+        raise DTypeError(f"{name!r}: quantized state expects uint8 codes and float32 {key}, got "
+                         f"{codes.dtype} and {scale.dtype}")
+    return codes, scale, map_name
 
 
 def _own(name: str, a, shape: tuple, want: tuple, what: str):
@@ -574,8 +693,8 @@ def decode_entry(name: str, a: Mapping, shape):
     """An 8-bit entry's float32 values in ``shape`` (loading 8-bit state into float slots), on the
     device its codes are on."""
     n = int(np.prod(shape, dtype=np.int64))
-    codes, absmax, signed = check_entry(name, a, shape, n)
-    out = dequantize(codes, absmax, signed).reshape(shape)
+    codes, scale, map_name = check_entry(name, a, shape, n)
+    out = decode(codes, scale, map_name).reshape(shape)
     xp = _xp(a["codes"])
     return out if xp is np else xp.asarray(out)
 

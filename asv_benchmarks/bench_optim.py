@@ -18,6 +18,7 @@ OPTIMIZERS = {
     "AdamW-bf16-state": lambda: at.optim.AdamW(lr=1e-3, state_dtype="bfloat16"),
     "AdamW-8bit-state": lambda: at.optim.AdamW(lr=1e-3, state_dtype="8bit"),
     "SGD-momentum-8bit-state": lambda: at.optim.SGD(lr=1e-3, momentum=0.9, state_dtype="8bit"),
+    "AdamW-float8-state": lambda: at.optim.AdamW(lr=1e-3, state_dtype="float8"),
     "Adagrad": lambda: at.optim.Adagrad(lr=1e-2),
     "SGD-momentum-bf16-state": lambda: at.optim.SGD(lr=1e-3, momentum=0.9, state_dtype="bfloat16"),
     "RMSprop-momentum-centered-bf16-state": lambda: at.optim.RMSprop(lr=1e-2, momentum=0.9, centered=True,
@@ -58,6 +59,7 @@ TRAFFIC = {
     # as AdamW, m and v as 1-byte codes (the float32 absmax per 256 elements left out): 16 B/param
     "AdamW-8bit-state": (3, 4),
     "SGD-momentum-8bit-state": (3, 2),
+    "AdamW-float8-state": (3, 4),         # as 8-bit state: 1-byte codes, a float32 scale per 256 left out
     "Adagrad": (3, 2),                    # read p, g, sum; write p, sum
     "SGD-momentum-bf16-state": (3, 2),    # as SGD with momentum, the buffer at 2 bytes
     "RMSprop-momentum-centered-bf16-state": (3, 6),

@@ -75,6 +75,7 @@ NOT_AVAILABLE = {
        for o, title in (("lion", "Lion"), ("lamb", "LAMB"))},
     ("arraytrain-bf16", "adafactor"): "Adafactor keeps its factored statistics in the parameters' dtype",
     ("arraytrain-8bit", "adafactor"): "Adafactor keeps its factored statistics in the parameters' dtype",
+    ("arraytrain-float8", "adafactor"): "Adafactor keeps its factored statistics in the parameters' dtype",
     **{("bnb-8bit", o): f"bitsandbytes has no 8-bit {o}" for o in
        ("adafactor", "nadam", "radam", "adamax", "adadelta", "muon", "schedule_free_adamw")},
     ("bnb-8bit", "rmsprop"): "bitsandbytes' RMSprop8bit has no centered variant",
@@ -193,8 +194,9 @@ def timeit(fn, reps: int) -> list[float]:
     return out
 
 
-def split(n: int, parts: int = N_TENSORS) -> list[int]:
-    """``n`` elements in ``parts`` tensors as even as integers allow."""
+def split(n: int, parts: int | None = None) -> list[int]:
+    """``n`` elements in ``parts`` tensors (None: :data:`N_TENSORS`) as even as integers allow."""
+    parts = N_TENSORS if parts is None else parts
     base, extra = divmod(n, parts)
     return [base + (i < extra) for i in range(parts)]
 

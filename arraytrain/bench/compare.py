@@ -10,7 +10,8 @@ Newton-Schulz GEMMs) and Schedule-Free AdamW. Contestants:
   pass, then the optimizer's fused kernel (LAMB and Adafactor take more passes,
   see :data:`arraytrain.bench.common.OPTIMIZERS`); ``arraytrain-bf16`` (not in the
   default set): the same with ``state_dtype="bfloat16"``; ``arraytrain-8bit`` (not in the default
-  set): with ``state_dtype="8bit"``; ``arraytrain-working-bf16`` /
+  set): with ``state_dtype="8bit"``; ``arraytrain-float8`` (not in the default set): with
+  ``state_dtype="float8"``; ``arraytrain-working-bf16`` /
   ``arraytrain-working-f16``: float32 state and a bfloat16 / float16 working copy of the
   weights written by the step (``time / arraytrain`` is then the copy's cost);
 * ``torch-foreach`` / ``torch-fused``: ``clip_grad_norm_(foreach=True)`` then
@@ -32,7 +33,7 @@ Newton-Schulz GEMMs) and Schedule-Free AdamW. Contestants:
   in-place update ``a += s*b`` over 5e7 float32 elements (12 B/element each),
   timed in every round beside the others.
 
-Each contestant's parameters are split into 100 tensors (arraytrain: 100
+Each contestant's parameters are split into 100 tensors (``--tensors``; arraytrain: 100
 named views of one buffer), with identical hyperparameters. A contestant whose
 library is missing is skipped and said so. Contestants are timed in
 alternating blocks (A A A B B B ... A A A), each block after one untimed call,
@@ -61,6 +62,7 @@ import tempfile
 
 import numpy as np
 
+from . import common
 from .common import (
     ADADELTA,
     ADAGRAD,
@@ -534,6 +536,13 @@ def make_arraytrain_8bit(opt: str, n: int, zero_grad: bool = False):
     return make_arraytrain(opt, n, zero_grad, "8bit")
 
 
+def make_arraytrain_float8(opt: str, n: int, zero_grad: bool = False):
+    """arraytrain with ``state_dtype="float8"``: one byte per element and slot (e4m3 codes), a
+    power-of-two scale per 256 elements (tensors under 4096 elements keep float32 state)."""
+    _check_available("arraytrain-float8", opt)
+    return make_arraytrain(opt, n, zero_grad, "float8")
+
+
 def make_bnb_8bit(opt: str, n: int, zero_grad: bool = False):
     """bitsandbytes' 8-bit optimizers (blockwise, 256) on CPU torch tensors, after torch's
     ``clip_grad_norm_``: the reference implementation of 8-bit state (a benchmark-only dependency)."""
@@ -545,6 +554,7 @@ CONTESTANTS = {
     "arraytrain": make_arraytrain,
     "arraytrain-bf16": make_arraytrain_bf16,
     "arraytrain-8bit": make_arraytrain_8bit,
+    "arraytrain-float8": make_arraytrain_float8,
     "bnb-8bit": make_bnb_8bit,
     "arraytrain-working-bf16": make_arraytrain_working_bf16,
     "arraytrain-working-f16": make_arraytrain_working_f16,
@@ -663,6 +673,8 @@ def main(argv=None) -> int:
     ap.add_argument("--contestants", default=",".join(DEFAULT_CONTESTANTS),
                     help="comma-separated, from: " + ", ".join(CONTESTANTS))
     ap.add_argument("--reps", type=int, default=15, help="timed calls per contestant (in blocks of 3)")
+    ap.add_argument("--tensors", type=int, default=common.N_TENSORS,
+                    help=f"tensors each contestant's parameters are split into (default {common.N_TENSORS})")
     ap.add_argument("--zero-grad", action="store_true", help="also zero the gradients every step")
     ap.add_argument("--startup", action="store_true", help="also time the first step with a cold/warm cache")
     ap.add_argument("--json", metavar="FILE", help="write every figure as JSON")
@@ -679,6 +691,9 @@ def main(argv=None) -> int:
         if c not in CONTESTANTS:
             ap.error(f"--contestants: unknown {c!r}; choose from {list(CONTESTANTS)}")
     sizes = [int(float(s)) for s in args.sizes.split(",")]
+    if args.tensors < 1:
+        ap.error(f"--tensors: expected at least 1, got {args.tensors}")
+    common.N_TENSORS = args.tensors  # every contestant's split (common.split, common.shapes)
 
     from arraytrain import threads
 

@@ -8,7 +8,8 @@ alternate in blocks; every call is timed with CUDA events on each side's stream 
 a synchronisation, so the figure is device time plus the host gaps inside the step.
 The device's copy bandwidth (a device-to-device copy of 2 GB, bytes read plus bytes
 written) is measured in the same rotation. Named with ``--contestants`` only:
-``arraytrain-bf16`` and ``arraytrain-8bit`` (``state_dtype="bfloat16"`` / ``"8bit"``) and
+``arraytrain-bf16``, ``arraytrain-8bit`` and ``arraytrain-float8`` (``state_dtype="bfloat16"`` /
+``"8bit"`` / ``"float8"``) and
 ``bnb-8bit`` (bitsandbytes' CUDA ``AdamW8bit`` and siblings after the same
 ``clip_grad_norm_``; bitsandbytes is a benchmark-only dependency). GB/s counts the bytes a fused clipped step
 cannot avoid (:func:`arraytrain.bench.common.step_bytes`), for everyone alike.
@@ -40,8 +41,9 @@ DEFAULT_OPTIMIZERS = ("adamw", "adam", "sgd", "adagrad", "rmsprop", "lion", "lam
 CONTESTANTS = ("arraytrain", "torch-fused", "torch-foreach")
 #: Run only where named: arraytrain with bfloat16 or 8-bit state, bitsandbytes' CUDA 8-bit optimizers
 #: (``AdamW8bit`` and siblings, a benchmark-only dependency).
-OPTIONAL = ("arraytrain-bf16", "arraytrain-8bit", "bnb-8bit")
-STATE_DTYPES = {"arraytrain": None, "arraytrain-bf16": "bfloat16", "arraytrain-8bit": "8bit"}
+OPTIONAL = ("arraytrain-bf16", "arraytrain-8bit", "arraytrain-float8", "bnb-8bit")
+STATE_DTYPES = {"arraytrain": None, "arraytrain-bf16": "bfloat16", "arraytrain-8bit": "8bit",
+                "arraytrain-float8": "float8"}
 
 
 def _cuda_data(n: int, seed: int = 0, opt: str = ""):

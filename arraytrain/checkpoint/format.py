@@ -441,7 +441,7 @@ def match(where: str, path: tuple, got, want, specs: dict, checks: list) -> None
     if not _has_arrays(want):
         if _has_arrays(got):
             fail(f"the checkpoint holds arrays where the engine holds {_what(want)}")
-    elif _q8_conversion(got, want):  # 8-bit optimizer state into float slots, or float state into 8-bit slots
+    elif _q8_conversion(got, want):  # quantized optimizer state into float slots or another codec's, or floats into it
         match(where, path, got, _q8_template(got, want, specs), specs, checks)
     elif isinstance(want, (np.ndarray, Owned)) or is_cupy(want):
         if not isinstance(got, _Ref):
@@ -485,24 +485,31 @@ def match(where: str, path: tuple, got, want, specs: dict, checks: list) -> None
 
 
 def _q8_conversion(got, want) -> bool:
-    """A slot saved in 8 bits where the engine keeps floats (or the other way): the engine's
-    ``load_state_dict`` converts (arraytrain.state8); the file's own form is matched here."""
+    """A slot saved in 8 bits where the engine keeps floats (or the other way, or in the other
+    codec's map: 8-bit and float8): the engine's ``load_state_dict`` converts (arraytrain.state8);
+    the file's own form is matched here."""
     from ..state8 import is_q8_entry
 
     if (isinstance(want, (np.ndarray, Owned)) or is_cupy(want)) and isinstance(got, dict) and is_q8_entry(got):
         return True  # read whole: the engine decodes it
+    if isinstance(got, dict) and is_q8_entry(got) and isinstance(want, Mapping) and is_q8_entry(want):
+        return got["map"] != want["map"]  # re-encoded by the engine
     return isinstance(got, _Ref) and isinstance(want, Mapping) and is_q8_entry(want)
 
 
 def _q8_template(got, want, specs: dict):
     """The form the file holds, as a template: an 8-bit entry for a float parameter's shape, or
-    the float array (its own float dtype) for an 8-bit entry's."""
-    from ..state8 import BLOCK
+    the float array (its own float dtype) for an 8-bit entry's, or the other codec's entry."""
+    from ..state8 import BLOCK, scale_key
 
+    if isinstance(want, Mapping) and isinstance(got, dict):  # an entry of another map: the same arrays
+        key = scale_key(got["map"]) if isinstance(got["map"], str) else "absmax"
+        return {"codes": want["codes"], key: want[scale_key(want["map"])], "map": got["map"]}
     if not isinstance(want, Mapping):  # a float slot's array (of this rank's range, or on the device)
         n = int(np.prod(want.shape, dtype=np.int64))
+        key = scale_key(got["map"]) if isinstance(got.get("map"), str) else "absmax"
         return {"codes": np.broadcast_to(np.zeros((), np.uint8), want.shape),
-                "absmax": np.broadcast_to(np.zeros((), np.float32), (-(-n // BLOCK),)), "map": got.get("map")}
+                key: np.broadcast_to(np.zeros((), np.float32), (-(-n // BLOCK),)), "map": got.get("map")}
     code = specs[got.key][1]
     name = _DTYPE_NAMES.get(code, code)
     if name == "bfloat16":

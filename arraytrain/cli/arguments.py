@@ -195,9 +195,10 @@ def add_train_parser(sub) -> argparse.ArgumentParser:
     t.add_argument("--weight-decay", type=nonnegative(float), metavar="WD", help="weight decay (default: the optimizer's own)")
     t.add_argument("--momentum", type=nonnegative(float), metavar="M",
                    help="momentum, for optimizers that have it (default: the optimizer's own)")
-    t.add_argument("--state-dtype", choices=("float32", "bfloat16", "8bit"),
-                   help="storage of the optimizer's element-wise state: bfloat16, or 8bit (bitsandbytes' blockwise "
-                        "dynamic quantization, parameters under 4096 elements kept in float32); float32 parameters "
+    t.add_argument("--state-dtype", choices=("float32", "bfloat16", "8bit", "float8"),
+                   help="storage of the optimizer's element-wise state: bfloat16, 8bit (bitsandbytes' blockwise "
+                        "dynamic quantization) or float8 (e4m3 codes, a power-of-two scale per 256 elements); 8bit "
+                        "and float8 keep parameters under 4096 elements in float32; float32 parameters "
                         "only (default: the parameters' dtype)")
     t.add_argument("--batch-size", type=positive(int), default=32, metavar="N", help="default: 32")
     t.add_argument("--hidden", type=hidden_widths, default=[128, 64], metavar="W1,W2,...", help="hidden layer widths (default: 128,64)")
@@ -414,7 +415,7 @@ def check_flags(args, comm) -> None:
         why = optimizers()[args.optimizer].shard_refusal
         if why is not None:
             raise usage(f"--shard-state with --optimizer {args.optimizer}: {why}")
-    if args.state_dtype in ("bfloat16", "8bit") and args.dtype != "float32":
+    if args.state_dtype in ("bfloat16", "8bit", "float8") and args.dtype != "float32":
         raise usage(f"--state-dtype {args.state_dtype} needs float32 parameters, got --dtype {args.dtype}")
     if args.prune_epochs is not None:
         if args.prune is None:

@@ -173,7 +173,7 @@ class TorchOptimizer(torch.optim.Optimizer):
         step: the norm pass the step makes anyway, and the factor folded into the kernel.
     clip_eps : float
         The clip factor is ``max_grad_norm / (norm + clip_eps)`` (1e-6: torch's).
-    state_dtype : None, "float32", "bfloat16" or "8bit"
+    state_dtype : None, "float32", "bfloat16", "8bit" or "float8"
         Where the optimizer has element-wise state (every class but ``Adafactor`` and ``Sophia``,
         which refuse the argument): None or "float32" keep it in the parameters' dtype (float32
         for a bfloat16/float16 model's master weights); "bfloat16" stores it in bfloat16, math in
@@ -185,9 +185,12 @@ class TorchOptimizer(torch.optim.Optimizer):
         elements keeps float32 state. An 8-bit slot shows in ``state[p]`` and ``state_dict()`` as
         ``{"codes": uint8 tensor (the parameter's shape), "absmax": float32 tensor (blocks,),
         "map": "signed" or "unsigned"}``, the tensors live views of the engine's bytes (a write
-        into them is a write into the state): see :meth:`state_dict`.
+        into them is a write into the state): see :meth:`state_dict`. "float8" keeps the same
+        layout with float8 e4m3 codes and a power-of-two ``scale`` per block (the square root's
+        code for second moments; ``{"codes", "scale", "map": "e4m3" or "e4m3_sqrt"}``), a codec
+        cheaper than the dynamic map's.
     min_8bit_size : int or None
-        With ``state_dtype="8bit"``: parameters with fewer elements keep their state in float32
+        With ``state_dtype="8bit"`` or ``"float8"``: parameters with fewer elements keep their state in float32
         (bitsandbytes' argument of that name; None: its default, 4096). Refused with another
         ``state_dtype``, where it would mean nothing.
     kernels : "numba" or "reference"
@@ -296,9 +299,9 @@ class TorchOptimizer(torch.optim.Optimizer):
         self.state_dtype = state_dtype
         if min_8bit_size is None:
             min_8bit_size = state8.DEFAULT_THRESHOLD
-        elif state_dtype != "8bit":
+        elif state_dtype not in ("8bit", "float8"):
             raise HyperparameterError(f"min_8bit_size: the size under which a parameter keeps float32 state applies "
-                                      f"with state_dtype='8bit' only, got min_8bit_size={min_8bit_size!r} with "
+                                      f"with state_dtype='8bit' or 'float8' only, got min_8bit_size={min_8bit_size!r} with "
                                       f"state_dtype={state_dtype!r}")
         self.min_8bit_size = check_int("min_8bit_size", min_8bit_size, 0)
         if kernels not in ("numba", "reference"):
@@ -313,8 +316,8 @@ class TorchOptimizer(torch.optim.Optimizer):
         overlap = options["overlap"]  # None: on where it can be (see _engine_parallel)
         comm, shard_state, _, bucket_bytes = check_parallel(
             options["comm"], options["shard_state"], False if overlap is None else overlap, options["bucket_bytes"])
-        if shard_state and state_dtype == "8bit":
-            raise HyperparameterError("shard_state: sharded 8-bit state is not built for the drop-in optimizers "
+        if shard_state and state_dtype in ("8bit", "float8"):
+            raise HyperparameterError(f"shard_state: sharded {state_dtype} state is not built for the drop-in optimizers "
                                       "(their state dicts show 8-bit slots by parameter); use bind(model, optimizer, "
                                       "comm=..., shard_state=True), or state_dtype='bfloat16'")
         if overlap and comm.is_local:
@@ -418,7 +421,7 @@ class TorchOptimizer(torch.optim.Optimizer):
             else:
                 p, name = item, f"{where}.params[{j}]"
             _check_tensor(name, p)
-            if self.state_dtype == "8bit":
+            if self.state_dtype in ("8bit", "float8"):
                 _check_8bit_tensor(name, p)
             if id(p) in existing:
                 raise LayoutError(f"{name!r}: the tensor is already in another param group")
@@ -858,7 +861,9 @@ class TorchOptimizer(torch.optim.Optimizer):
         and the dynamic map its ``qmap1`` holds; value = ``map[code] * absmax``, decoded by
         :func:`arraytrain.state8.dequantize`), the same form as the engine's checkpoints; the
         codes and scales are live views, and ``torch.save`` / ``torch.load(weights_only=True)``
-        keep them bitwise. A smaller parameter's slot is a float32 tensor. No decoded float copy
+        keep them bitwise. A smaller parameter's slot is a float32 tensor. With ``state_dtype="float8"``
+        the same, as ``{"codes", "scale", "map": "e4m3" or "e4m3_sqrt"}`` (value ``map[code] * scale``,
+        :func:`arraytrain.state8.decode`). No decoded float copy
         is offered in ``state[p]``: writes into it would be lost.
         """
         for hook in self._optimizer_state_dict_pre_hooks.values():

@@ -100,7 +100,7 @@ def check_state(sd, param_groups, cohorts, check_group_values) -> dict:
                 continue
             buf = slots[k] if k != "master" else c.engine.params
             shape = tuple(buf.layout.shape(name))
-            if k != "master" and isinstance(v, Mapping):  # an 8-bit slot's {"codes", "absmax", "map"}
+            if k != "master" and isinstance(v, Mapping):  # a quantized slot's {"codes", "absmax"|"scale", "map"}
                 checked[k] = saved_8bit(f"{label}[{k!r}]", name, buf, v, shape)
                 continue
             if not isinstance(v, torch.Tensor) or not v.is_floating_point():
@@ -193,14 +193,14 @@ def _load_sharded(c, plan: dict) -> None:
 
 def slot_views(buf, names) -> dict:
     """Per name, what ``state[p]`` shows of a slot: a live tensor view, or for an 8-bit parameter
-    ``{"codes", "absmax", "map"}`` with live views of its codes and block scales."""
+    ``{"codes", "absmax", "map"}`` (float8: ``"scale"``) with live views of its codes and block scales."""
     if not isinstance(buf, state8.Quant8Buffer):
         return {name: tensor_view(buf[name], torch) for name in names}
     out = {}
     for name, v in buf.as_dict().items():
         if state8.is_q8_entry(v):
-            out[name] = {"codes": tensor_view(v["codes"], torch), "absmax": tensor_view(v["absmax"], torch),
-                         "map": v["map"]}
+            key = state8.scale_key(v["map"])
+            out[name] = {"codes": tensor_view(v["codes"], torch), key: tensor_view(v[key], torch), "map": v["map"]}
         else:  # a parameter under min_8bit_size: its float32 state
             out[name] = tensor_view(v, torch)
     return out
@@ -224,16 +224,18 @@ def zero_slot(buf, name: str) -> None:
 
 
 def saved_8bit(label: str, name: str, buf, v: Mapping, shape):
-    """A saved 8-bit entry ``{"codes", "absmax", "map"}`` for a slot: checked, and converted the
-    engine's way (:mod:`arraytrain.state8`): kept bitwise by an 8-bit slot (re-encoded if its map
-    differs), decoded to float32 for a float32/bfloat16 slot."""
-    if set(v) != {"codes", "absmax", "map"}:
-        raise StateDictError(f"{label}: an 8-bit slot is {{'codes', 'absmax', 'map'}}, got the keys "
-                             f"{sorted(map(str, v))}")
-    for part in ("codes", "absmax"):
+    """A saved quantized entry ``{"codes", "absmax", "map"}`` (8-bit; float8: ``"scale"``) for a slot:
+    checked, and converted the engine's way (:mod:`arraytrain.state8`): kept bitwise by a
+    quantized slot of its map (re-encoded if the map differs), decoded to float32 for a
+    float32/bfloat16 slot."""
+    key = state8.scale_key(v.get("map")) if isinstance(v.get("map"), str) else "absmax"
+    if set(v) != {"codes", key, "map"}:
+        raise StateDictError(f"{label}: a quantized slot is {{'codes', 'absmax', 'map'}} (8-bit) or "
+                             f"{{'codes', 'scale', 'map'}} (float8), got the keys {sorted(map(str, v))}")
+    for part in ("codes", key):
         if not isinstance(v[part], torch.Tensor):
             raise StateDictError(f"{label}[{part!r}]: expected a tensor, got {type(v[part]).__name__}")
-    entry = {"codes": host_array(v["codes"], torch, copy=False), "absmax": host_array(v["absmax"], torch, copy=False),
+    entry = {"codes": host_array(v["codes"], torch, copy=False), key: host_array(v[key], torch, copy=False),
              "map": v["map"]}
     try:
         if isinstance(buf, state8.Quant8Buffer):

@@ -73,6 +73,29 @@ class Q8(NamedTuple):
     bias: int
     nb: int
 
+
+class F8(NamedTuple):
+    """A float8 slot (:mod:`arraytrain.state8`, ``state_dtype="float8"``) as the kernels take it
+    (every family): :class:`Q8`'s layout (``codes``, ``aux``, ``base``, ``quant``, ``offset``,
+    value ``qmap[code] * aux[block]``), with float8 e4m3 codes and a power-of-two scale per block
+    in place of the dynamic map and its absmax. ``qmap``: the 256 e4m3 values, or (``root`` 1:
+    the codes hold the square root of a slot that is never negative) their squares, and
+    ``aux`` the square of the root's scale. Encoding a block is integer work (no table): see
+    :func:`arraytrain.state8.float8_encode`, which every family's encoder equals bit for bit.
+    """
+
+    codes: np.ndarray
+    aux: np.ndarray
+    base: np.ndarray
+    quant: np.ndarray
+    offset: np.ndarray
+    qmap: np.ndarray
+    root: int
+
+
+#: The slot types of block-quantized state (8-bit dynamic map, float8): ``isinstance(x, QUANTIZED)``.
+QUANTIZED = (Q8, F8)
+
 # Formats shared by every family's compression kernels.
 #: int8 codes are ``round(x / absmax * 127)``: the scale is ``absmax / 127``.
 INV127 = 1.0 / 127.0

@@ -4,7 +4,7 @@ import numpy as np
 
 from .._checks import check_bool, check_number
 from .._deprecation import legacy_arguments
-from ._base import Optimizer, mask_arg, working_args
+from ._base import QUANTIZED_STATE, Optimizer, mask_arg, working_args
 
 
 class Adagrad(Optimizer):
@@ -50,7 +50,7 @@ class Adagrad(Optimizer):
     def init(self, params):
         state = super().init(params)
         acc = state.slots["sum"]
-        if self.state_dtype == "8bit":
+        if self.state_dtype in QUANTIZED_STATE:
             if self.initial_accumulator_value:
                 acc.load({n: np.full(sh, self.initial_accumulator_value, np.float32)
                           for n, sh in zip(acc.layout.names, acc.layout.shapes)})

@@ -80,7 +80,11 @@ class Optimizer(ABC):
     every optimizer with element-wise state (all but Adafactor and Sophia) takes
     ``state_dtype="bfloat16"``: its slots stored as bfloat16 for float32 parameters, read
     and written through the kernels' one state accessor (math in float32, each store
-    rounded to nearest even and the update continuing from the stored value).
+    rounded to nearest even and the update continuing from the stored value), and
+    ``state_dtype="8bit"`` (bitsandbytes' blockwise dynamic maps) or ``"float8"`` (e4m3 codes
+    with a power-of-two scale per block of 256, the square root's code for slots that are never
+    negative): one byte per element of parameters of ``min_8bit_size`` elements or more
+    (:mod:`arraytrain.state8`).
     """
 
     PER_PARAM = ("lr", "weight_decay")
@@ -137,13 +141,14 @@ class Optimizer(ABC):
 
     def _new_slot(self, params: FlatBuffer, name: str):
         """A zero element-wise slot ``name`` for ``params`` in ``state_dtype``'s storage."""
-        if self.state_dtype == "8bit":
-            check_8bit(params)
+        if self.state_dtype in QUANTIZED_STATE:
+            check_8bit(params, self.state_dtype)
             part = getattr(params, "partition", None)  # sharded state: this rank's partition only
             return state8.Quant8Buffer(params.layout if part is None else part.layout,
                                        signed=name not in UNSIGNED_SLOTS, threshold=self.min_8bit_size,
                                        xp=array_module(params.flat),  # the parameters' device
-                                       window=None if part is None else (part.lo, part.length))
+                                       window=None if part is None else (part.lo, part.length),
+                                       codec=QUANTIZED_STATE[self.state_dtype])
         return params.zeros_like(self._slot_dtype(params))
 
     def _slot_dtype(self, params: FlatBuffer):
@@ -166,7 +171,7 @@ class Optimizer(ABC):
         are not on 256-element blocks the same parameters cut at multiples of 16384 elements from
         each parameter's start, so no block is split."""
         pieces = params.layout.pieces
-        if self.state_dtype != "8bit" or params.layout.align % state8.BLOCK == 0:
+        if self.state_dtype not in QUANTIZED_STATE or params.layout.align % state8.BLOCK == 0:
             return pieces  # offsets on blocks: the layout's chunks cut no block
         return _block_pieces(params.layout, np.ascontiguousarray(pieces[:, 2]).tobytes())
 
@@ -197,7 +202,7 @@ class Optimizer(ABC):
     # Storage of the state slots: None (the parameters' dtype) or, where an optimizer offers
     # it (``state_dtype`` argument), "bfloat16" for float32 parameters: math stays float32,
     # each slot is read and written through the kernels' one state accessor.
-    STATE_DTYPES: tuple = ("float32", "bfloat16", "8bit")
+    STATE_DTYPES: tuple = ("float32", "bfloat16", "8bit", "float8")
     state_dtype: str | None = None
     #: With ``state_dtype="8bit"``: parameters with fewer elements keep their slots in float32
     #: (bitsandbytes' ``min_8bit_size``); set it on the optimizer before the engine is built.
@@ -280,7 +285,7 @@ class Optimizer(ABC):
         """Elements every parameter's offset must be a multiple of for this state to shard: 8-bit
         state's block (a partition boundary then never cuts a block), else 1. The sharded engine
         lays the parameters out so (:func:`arraytrain.parallel.shard.aligned_to`)."""
-        return state8.BLOCK if self.state_dtype == "8bit" else 1
+        return state8.BLOCK if self.state_dtype in QUANTIZED_STATE else 1
 
     def eval_params(self, params: FlatBuffer, state: OptState, out: FlatBuffer | None = None) -> FlatBuffer:
         """The weights to evaluate the model at: ``params`` themselves here (a copy into ``out`` if given)."""
@@ -332,6 +337,10 @@ def decoupled_decay(lr, weight_decay):
     return 1.0 - lr * weight_decay
 
 
+#: The state dtypes kept block-quantized in one byte per element (:class:`arraytrain.state8.Quant8Buffer`),
+#: and their codecs: bitsandbytes' dynamic maps ("8bit"), float8 e4m3 with power-of-two block scales.
+QUANTIZED_STATE = {"8bit": "dynamic", "float8": "float8"}
+
 #: Slots never negative (second moments, sums of squares): the unsigned dynamic map. Every other
 #: slot (first moments, momentum buffers, RMSprop's mean gradient) takes the signed map.
 UNSIGNED_SLOTS = frozenset({"exp_avg_sq", "max_exp_avg_sq", "sum", "square_avg", "acc_delta", "exp_inf"})
@@ -340,7 +349,7 @@ def unused_slot(slot):
     """What the kernels take for a slot a configuration lacks (never read): an empty array of the
     same storage as ``slot``, or ``slot`` itself when it is 8-bit, so that every configuration of
     an optimizer shares one compiled signature per state dtype."""
-    return slot if isinstance(slot, state8.Q8) else slot[:0]
+    return slot if isinstance(slot, state8.QUANTIZED) else slot[:0]
 
 
 def slot_arg(buf):
@@ -350,10 +359,10 @@ def slot_arg(buf):
     return kernel_view(buf.flat)
 
 
-def check_8bit(params) -> None:
-    """8-bit state needs float32 parameters, NumPy or CuPy (a typed error, before any state exists)."""
+def check_8bit(params, state_dtype: str = "8bit") -> None:
+    """8-bit and float8 state need float32 parameters, NumPy or CuPy (a typed error, before any state exists)."""
     if params.dtype != np.float32:
-        raise HyperparameterError(f"state_dtype: 8bit state needs float32 parameters, got {params.dtype}")
+        raise HyperparameterError(f"state_dtype: {state_dtype} state needs float32 parameters, got {params.dtype}")
 
 
 @functools.lru_cache(maxsize=32)

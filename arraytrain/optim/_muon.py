@@ -17,7 +17,7 @@ from ..buffer import Subset, SubsetLayout
 from ..errors import HyperparameterError
 from ..kernels import newton_schulz
 from ..layout import Layout
-from ._base import Optimizer, OptState, decoupled_decay, mask_arg, working_args
+from ._base import QUANTIZED_STATE, Optimizer, OptState, decoupled_decay, mask_arg, working_args
 
 # torch.optim.Muon's defaults (Keller Jordan's quintic coefficients and eps)
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
@@ -170,7 +170,7 @@ class Muon(Optimizer):
                mask=None):
         mask = mask_arg(mask, params)
         layout = params.layout
-        if self.state_dtype == "8bit":  # pieces that split no 8-bit block (see Optimizer._pieces)
+        if self.state_dtype in QUANTIZED_STATE:  # pieces that split no 8-bit block (see Optimizer._pieces)
             layout = SubsetLayout(layout, self._pieces(params))
         route = routing(layout, self.fallback_for)
         lr = self._lr(state, lr)

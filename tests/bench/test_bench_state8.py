@@ -1,4 +1,4 @@
-"""The 8-bit state accuracy benchmark runs end to end on tiny settings."""
+"""The 8-bit and float8 state accuracy benchmark runs end to end on tiny settings."""
 
 from __future__ import annotations
 
@@ -16,9 +16,10 @@ def test_transformer_and_digits_on_tiny_settings(tmp_path, capsys):
     out = tmp_path / "s.json"
     assert state8.main(["--steps", "3", "--epochs", "1", "--seeds", "1", "--json", str(out)]) == 0
     text = capsys.readouterr().out
-    assert "| float32 state |" in text and "| 8-bit state |" in text and "mean gap:" in text
+    assert "| float32 state |" in text and "| 8-bit state |" in text and "| float8 state |" in text
+    assert "mean gap, 8bit:" in text and "mean gap, float8:" in text
     res = json.loads(out.read_text())
-    assert len(res["transformer"]["8-bit state"]) == 3
+    assert len(res["transformer"]["8-bit state"]) == 3 and len(res["transformer"]["float8 state"]) == 3
     assert res["transformer"]["8-bit state"][0] == res["transformer"]["float32 state"][0]  # the same start
     assert all(0 <= a <= 1 for accs in res["digits"].values() for a in accs)
 

@@ -3,7 +3,10 @@
 (8-bit state too: every optimizer's kernel with 8-bit slots must hold the packed float loop and
 the encoder's vector loop: the 8-lane ``vpgatherdd`` on AVX2, the arithmetic encoder's
 exponent permute (``vpermi2d``/``vpermt2d``) and the decoder's two-table permutes (``vpermi2ps``/``vpermt2ps``) on
-AVX-512; and the encoder's codes equal state8.nearest_codes on both.)
+AVX-512; and the encoder's codes equal state8.nearest_codes on both. Float8 state: the packed
+float loop, the decoder's packed byte widening (``vpmovzxbd``) and the encoder's packed byte
+narrowing (``vpmovdb`` on AVX-512, ``vpackuswb`` on AVX2), and the codec equal to
+state8.float8_encode and the map bit for bit on both targets.)
 
 Each kernel with bfloat16 state, each optimizer's working-copy writer (bfloat16 and float16)
 and the cast that rebuilds a working copy is compiled in a subprocess for an AVX2 target
@@ -52,6 +55,8 @@ PATTERNS = {
     "gather": r"vpgatherdd\s[^\n]*%ymm",
     "arith": r"vperm[it]2d\s[^\n]*%zmm",
     "decode": r"vperm[it]2ps\s[^\n]*%zmm",
+    "widen8": r"vpmovzxbd\s[^\n]*%[yz]mm",
+    "narrow8": r"vpmovdb\s|vpackuswb\s",
 }
 # kernels whose update loop takes a square root
 SQRT = {"adam", "adagrad", "rmsprop", "lamb_apply", "nadam", "adadelta", "schedule_free_adamw"}
@@ -91,6 +96,15 @@ def _kernels(state, working, kind, n=64):
         from arraytrain import Layout, state8
 
         s = lambda: state8.Quant8Buffer(Layout({"w": (n,)}), True, 0).kernel_arg()  # noqa: E731
+        e = np.zeros(0, f32)
+    elif state == "float8":  # float8 slots, both forms in turn (e4m3, the root's e4m3), every element
+        from itertools import count
+
+        from arraytrain import Layout, state8
+
+        turn = count()
+        s = lambda: state8.Quant8Buffer(Layout({"w": (n,)}), next(turn) % 2 == 0, 0,  # noqa: E731
+                                        codec="float8").kernel_arg()
         e = np.zeros(0, f32)
     else:
         s = lambda: a(state)  # noqa: E731
@@ -175,7 +189,8 @@ def probe() -> dict:
             ("bf16-state-parallel", np.uint16, None, cpu.LP_NONE, big, 0),
             # 8-bit state: the decode, the float32 loop on the block and the encoder's gather; a
             # kernel with an 8-bit slot runs its parallel twin at every size (kernels.cpu._jit.pick)
-            ("8bit-state-parallel", "8bit", None, cpu.LP_NONE, 64, 0)):
+            ("8bit-state-parallel", "8bit", None, cpu.LP_NONE, 64, 0),
+            ("float8-state-parallel", "float8", None, cpu.LP_NONE, 64, 0)):
         for names, pairs, call in _kernels(state, working, kind, n):
             if isinstance(names, str):
                 names, pairs = (names,), (pairs,)
@@ -189,7 +204,40 @@ def probe() -> dict:
     reductions.cast_working(np.zeros(64, np.uint16), np.zeros(64, np.float32), np.array([[0, 64, 0]]),
                             kind=cpu.LP_F16)
     found["cast_working"] = count(disp, before)
-    return {"asm": found, "bits": {**_bits_checks(), **_q8_checks()}}
+    return {"asm": found, "bits": {**_bits_checks(), **_q8_checks(), **_f8_checks()}}
+
+
+def _f8_checks():
+    """The float8 block encoder and decoder, compiled for this target, against state8 (both forms)."""
+    import numpy as np
+    from numba import njit
+
+    from arraytrain import state8
+    from arraytrain.kernels.cpu.codecs import f8_decode_block, f8_encode_block
+
+    @njit
+    def roundtrip(x, codes, scales, out, root):
+        for k in range(0, x.size, 256):
+            scales[k // 256] = f8_encode_block(x[k : k + 256].copy(), codes[k : k + 256], root)
+            f8_decode_block(codes[k : k + 256], scales[k // 256], out[k : k + 256], root)
+
+    rng = np.random.default_rng(0)
+    blocks = [rng.standard_normal(256) * np.exp(rng.uniform(-30, 30, 256)), rng.standard_normal(256),
+              np.zeros(256), np.full(256, 3e38), np.r_[np.ones(255), np.nan], np.r_[np.ones(255), -np.inf],
+              (np.arange(256) - 128) * 2.0 ** -12, rng.standard_normal(77)]
+    out = {}
+    for root in (False, True):
+        x = np.concatenate([np.abs(b) if root else b for b in blocks]).astype(np.float32)
+        codes, scales = np.zeros(x.size, np.uint8), np.zeros(-(-x.size // 256), np.float32)
+        vals = np.zeros(x.size, np.float32)
+        roundtrip(x, codes, scales, vals, root)
+        want_codes, want_scales = state8.float8_encode(x, root)
+        want = state8.decode(want_codes, want_scales, "e4m3_sqrt" if root else "e4m3")
+        tag = "root" if root else "plain"
+        out[f"f8-encode/{tag}"] = int(np.count_nonzero(codes != want_codes)
+                                      + np.count_nonzero(scales.view(np.uint32) != want_scales.view(np.uint32)))
+        out[f"f8-decode/{tag}"] = int(np.count_nonzero(vals.view(np.uint32) != want.view(np.uint32)))
+    return out
 
 
 def _q8_checks():
@@ -263,7 +311,13 @@ def test_update_loops_are_packed(compiled):
     bad = []
     for key, c in found["asm"].items():
         name, tag = (key.split("/") + [""])[:2]
-        if tag.startswith("8bit-state"):  # no narrowing store; the encoder (and on AVX-512 the decoder)
+        if tag.startswith("float8-state"):  # the codec's packed byte widening and narrowing, the float loop
+            need = ["widen8"] + (["narrow8"] if name != "lamb_apply" else [])  # LAMB's second loop only decodes
+            if name not in ORDERED_SUMS:
+                need.append("float")
+                if name in SQRT:
+                    need.append("sqrt")
+        elif tag.startswith("8bit-state"):  # no narrowing store; the encoder (and on AVX-512 the decoder)
             encoder = ["gather"] if target == "avx2" else ["arith"]
             need = encoder if name != "lamb_apply" else []  # LAMB's second loop only decodes
             if target == "avx512":

@@ -1,4 +1,7 @@
-"""8-bit optimizer state (``state_dtype="8bit"``, arraytrain.state8).
+"""8-bit and float8 optimizer state (``state_dtype="8bit"`` / ``"float8"``, arraytrain.state8).
+
+The float8 codec's own checks (against ml_dtypes) are in test_state_float8.py; the kernel,
+engine and CUDA matrices here run both codecs.
 
 * The codebooks: bitsandbytes' dynamic maps; the bucket tables give the nearest code for
   every float32 (edge values, neighbours of every map value, random values of every scale),
@@ -29,28 +32,32 @@ SIZES = {"z0": (0,), "one": (1,), "seven": (7,), "small": (999,), "mid": (1037,)
 THRESHOLD = 1000  # "small" (999), "one", "seven" and "tiny_mat" keep float32 slots
 
 CASES = {
-    "SGD": lambda: optim.SGD(lr=0.05, momentum=0.9, weight_decay=1e-3, state_dtype="8bit"),
-    "SGD-nesterov": lambda: optim.SGD(lr=0.05, momentum=0.9, nesterov=True, state_dtype="8bit"),
-    "Adam": lambda: optim.Adam(lr=1e-2, weight_decay=1e-3, state_dtype="8bit"),
-    "AdamW": lambda: optim.AdamW(lr=1e-2, state_dtype="8bit"),
-    "AMSGrad": lambda: optim.AdamW(lr=1e-2, amsgrad=True, state_dtype="8bit"),
-    "NAdam": lambda: optim.NAdam(lr=1e-2, state_dtype="8bit"),
-    "RAdam": lambda: optim.RAdam(lr=1e-2, state_dtype="8bit"),
-    "Adamax": lambda: optim.Adamax(lr=1e-2, state_dtype="8bit"),
-    "Adagrad": lambda: optim.Adagrad(lr=1e-2, initial_accumulator_value=0.1, state_dtype="8bit"),
-    "RMSprop": lambda: optim.RMSprop(lr=1e-3, state_dtype="8bit"),
-    "RMSprop-centered-momentum": lambda: optim.RMSprop(lr=1e-3, centered=True, momentum=0.9, state_dtype="8bit"),
-    "Lion": lambda: optim.Lion(lr=1e-3, weight_decay=0.1, state_dtype="8bit"),
-    "LAMB": lambda: optim.LAMB(lr=1e-2, weight_decay=1e-2, state_dtype="8bit"),
-    "Adadelta": lambda: optim.Adadelta(lr=1.0, state_dtype="8bit"),
-    "ScheduleFreeAdamW": lambda: optim.ScheduleFreeAdamW(lr=1e-2, state_dtype="8bit"),
-    "Muon": lambda: optim.Muon(lr=2e-2, fallback=optim.AdamW(lr=1e-2), state_dtype="8bit"),
+    "SGD": lambda sd: optim.SGD(lr=0.05, momentum=0.9, weight_decay=1e-3, state_dtype=sd),
+    "SGD-nesterov": lambda sd: optim.SGD(lr=0.05, momentum=0.9, nesterov=True, state_dtype=sd),
+    "Adam": lambda sd: optim.Adam(lr=1e-2, weight_decay=1e-3, state_dtype=sd),
+    "AdamW": lambda sd: optim.AdamW(lr=1e-2, state_dtype=sd),
+    "AMSGrad": lambda sd: optim.AdamW(lr=1e-2, amsgrad=True, state_dtype=sd),
+    "NAdam": lambda sd: optim.NAdam(lr=1e-2, state_dtype=sd),
+    "RAdam": lambda sd: optim.RAdam(lr=1e-2, state_dtype=sd),
+    "Adamax": lambda sd: optim.Adamax(lr=1e-2, state_dtype=sd),
+    "Adagrad": lambda sd: optim.Adagrad(lr=1e-2, initial_accumulator_value=0.1, state_dtype=sd),
+    "RMSprop": lambda sd: optim.RMSprop(lr=1e-3, state_dtype=sd),
+    "RMSprop-centered-momentum": lambda sd: optim.RMSprop(lr=1e-3, centered=True, momentum=0.9, state_dtype=sd),
+    "Lion": lambda sd: optim.Lion(lr=1e-3, weight_decay=0.1, state_dtype=sd),
+    "LAMB": lambda sd: optim.LAMB(lr=1e-2, weight_decay=1e-2, state_dtype=sd),
+    "Adadelta": lambda sd: optim.Adadelta(lr=1.0, state_dtype=sd),
+    "ScheduleFreeAdamW": lambda sd: optim.ScheduleFreeAdamW(lr=1e-2, state_dtype=sd),
+    "Muon": lambda sd: optim.Muon(lr=2e-2, fallback=optim.AdamW(lr=1e-2), state_dtype=sd),
 }
 STEPS = 7
 
 
-def _make(name):
-    opt = CASES[name]()
+#: The quantized state dtypes the matrices run (the default tier: AdamW in each).
+QDTYPES = ("8bit", "float8")
+
+
+def _make(name, sd="8bit"):
+    opt = CASES[name](sd)
     opt.min_8bit_size = THRESHOLD
     return opt
 
@@ -205,12 +212,13 @@ def _setup(name, seed=0):
     return rng, params
 
 
-# the default tier: AdamW (an 8-bit kernel signature compiles in ~10 s here);
+# the default tier: AdamW (an 8-bit kernel signature compiles in ~10 s here), in each codec;
 # the slow tier: every optimizer (tests/kernels/test_kernels_optim.py checks more kernels in 8 bits)
+@pytest.mark.parametrize("sd", QDTYPES)
 @pytest.mark.parametrize("name", tiered(CASES, default=("AdamW",)))
-def test_kernels_equal_reference_every_step(name):
+def test_kernels_equal_reference_every_step(name, sd):
     rng, pf = _setup(name)
-    opt_f, opt_r = _make(name), _make(name)
+    opt_f, opt_r = _make(name, sd), _make(name, sd)
     sf, pr = opt_f.init(pf), pf.copy()
     sr = opt_r.init(pr)
     q8 = _q8(sf)
@@ -253,7 +261,7 @@ def test_blocks_start_at_each_parameters_start():
     """A parameter's codes and absmax are bitsandbytes' blockwise quantization of its values alone,
     wherever it sits in the flat buffer."""
     _, params = _setup("x")
-    opt = _make("AdamW")
+    opt = _make("AdamW", "8bit")
     st = opt.init(params)
     grads = params.zeros_like()
     grads.flat[...] = np.random.default_rng(3).standard_normal(grads.flat.size).astype(np.float32)
@@ -300,10 +308,13 @@ TRAIN = {
     "Lion": lambda: optim.Lion(lr=0.03, state_dtype="8bit"),
     "RMSprop": lambda: optim.RMSprop(lr=0.03, centered=True, momentum=0.5, state_dtype="8bit"),
     "Muon": lambda: optim.Muon(lr=0.05, fallback=optim.AdamW(lr=0.03), state_dtype="8bit"),
+    "AdamW-float8": lambda: optim.AdamW(lr=0.03, state_dtype="float8"),
+    "SGD-float8": lambda: optim.SGD(lr=0.05, momentum=0.9, state_dtype="float8"),
+    "RMSprop-float8": lambda: optim.RMSprop(lr=0.03, centered=True, momentum=0.5, state_dtype="float8"),
 }
 
 
-@pytest.mark.parametrize("name", tiered(TRAIN, default=("AdamW",)))
+@pytest.mark.parametrize("name", tiered(TRAIN, default=("AdamW", "AdamW-float8")))
 def test_trains_and_resumes_bitwise(name, tmp_path):
     shapes, curv, p0 = _quadratic()
     e = Engine(p0, TRAIN[name]())
@@ -437,8 +448,9 @@ def _host_slot(b):
     return None, b.flat.get()
 
 
+@pytest.mark.parametrize("sd", QDTYPES)
 @pytest.mark.parametrize("name", list(CASES))
-def test_cuda_kernels_equal_numba_every_step(name):
+def test_cuda_kernels_equal_numba_every_step(name, sd):
     """Every optimizer with 8-bit state: the CUDA kernels against the numba ones over STEPS steps,
     each from the same state (the numba run's): params, the float32 side arrays and absmax at the
     float32 tolerance, codes equal but for a rare one-code-off (see above)."""
@@ -447,7 +459,7 @@ def test_cuda_kernels_equal_numba_every_step(name):
 
     cuda = family("cupy")
     rng, pc = _setup(name)
-    opt_c, opt_g = _make(name), _make(name)
+    opt_c, opt_g = _make(name, sd), _make(name, sd)
     sc = opt_c.init(pc)
     pg, sg = _to_device(cp, pc, opt_g, sc)
     for step in range(STEPS):
@@ -477,8 +489,9 @@ def test_cuda_kernels_equal_numba_every_step(name):
             assert np.count_nonzero(diff) <= max(3, diff.size // 10_000), (name, k, step, np.count_nonzero(diff))
 
 
+@pytest.mark.parametrize("sd", QDTYPES)
 @pytest.mark.parametrize("name", ["AdamW", "SGD-nesterov", "NAdam", "RMSprop-centered-momentum"])
-def test_cuda_working_copy_and_mask_under_8bit_state(name):
+def test_cuda_working_copy_and_mask_under_8bit_state(name, sd):
     """The CUDA 8-bit kernels write the bfloat16 working copy of every weight and keep pruned weights 0,
     as the numba ones."""
     import ml_dtypes
@@ -487,7 +500,7 @@ def test_cuda_working_copy_and_mask_under_8bit_state(name):
     from arraytrain.kernels.interface import family
 
     rng, pc = _setup(name)
-    opt_c, opt_g = _make(name), _make(name)
+    opt_c, opt_g = _make(name, sd), _make(name, sd)
     sc = opt_c.init(pc)
     pg, sg = _to_device(cp, pc, opt_g, sc)
     mask = (rng.random(pc.flat.size) > 0.3).astype(np.uint8)

@@ -76,10 +76,13 @@ template <> struct state<u16> {
 // absmax per block of Q8_BLOCK elements counted from the parameter's first element
 // (aux[base[seg] + (i - offset[seg]) / Q8_BLOCK]), value = qmap[code] * absmax; else the
 // segment's float32 values in the side array (aux[base[seg] + i - offset[seg]]).
+// `codec`: 0 the dynamic map (its bucket `table`), 1 float8 e4m3 codes with a power-of-two
+// scale per block (arraytrain.kernels.interface.F8; qmap the e4m3 values, no table), 2 the
+// same of the element's square root (qmap the squares): decoding is qmap[code] * scale alike.
 #define Q8_BLOCK 256
 struct q8 {
     unsigned char* codes; float* aux; const i64* base; const unsigned char* quant; const i64* offset;
-    const float* qmap; const int* table; int shift, bias, nb, unused;
+    const float* qmap; const int* table; int shift, bias, nb, codec;
 };
 static_assert(sizeof(q8) == 72, "q8: the launchers write 9 eight-byte words");
 template <typename S> struct is_q8 { static constexpr bool value = false; };
@@ -117,6 +120,17 @@ __device__ __forceinline__ unsigned char q8_code(float q, const int* table, int 
     return (unsigned char)((e & 255u) + (sign ? 0u - moved : moved));
 }
 
+// The e4m3 code of y * inv (inv a power of two, |y * inv| <= 464, finite), round to nearest
+// even: the CPU family's f8_code, step for step (normal: the bits rounded to 3 mantissa bits and
+// the exponent rebiased; subnormal: |q| + 2^14 rounds |q| to a multiple of 2^-9).
+__device__ __forceinline__ unsigned char f8_code(float y, float inv) {
+    const u32 u = __float_as_uint(__fmul_rn(y, inv));
+    const u32 a = u & 0x7FFFFFFFu;
+    const u32 normal = ((a + 0x7FFFFu + ((a >> 20) & 1u)) >> 20) - (120u << 3);
+    const u32 sub = __float_as_uint(__fadd_rn(__uint_as_float(a), 16384.0f)) - 0x46800000u;
+    return (unsigned char)((a >= 0x3C800000u ? normal : sub) | ((u >> 24) & 0x80u));
+}
+
 // -- a state slot inside a kernel: slot<S> M(m, seg); M.load(i), M.store(i, x), M.close(i, live) --
 // float/double/u16 storage: the state accessor above, close() does nothing.
 template <typename S> struct slot {
@@ -136,13 +150,13 @@ template <typename S> struct slot {
 // and absmax are read in the body, written after close's first barrier.
 template <> struct slot<q8> {
     unsigned char* codes; float* aux; const float* qmap; const int* table;
-    i64 off; int shift, bias, nb; bool quant; float x;
+    i64 off; int shift, bias, nb, codec; bool quant; float x;
     __device__ __forceinline__ slot(const q8* d, int seg)
-        : codes(nullptr), aux(nullptr), qmap(nullptr), table(nullptr), off(0), shift(0), bias(0), nb(0),
+        : codes(nullptr), aux(nullptr), qmap(nullptr), table(nullptr), off(0), shift(0), bias(0), nb(0), codec(0),
           quant(false), x(0.0f) {
         if (d == nullptr) return;  // a slot this configuration lacks (never read, stored or closed)
         codes = d->codes; qmap = d->qmap; table = d->table;
-        shift = d->shift; bias = d->bias; nb = d->nb;
+        shift = d->shift; bias = d->bias; nb = d->nb; codec = d->codec;
         aux = d->aux + d->base[seg];
         off = d->offset[seg];
         quant = d->quant[seg] != 0;
@@ -157,10 +171,32 @@ template <> struct slot<q8> {
     }
     __device__ __forceinline__ void close(i64 i, bool live) {
         if (!quant) return;  // one segment per chunk: the same branch for the whole block
+        if (codec != 0) { close_float8(i, live); return; }  // the slot's codec: the same branch everywhere
         const float am = __uint_as_float(block_umax(__float_as_uint(x) & 0x7FFFFFFFu));
         const float r = am > 0.0f ? __fdiv_rn(1.0f, am) : 0.0f;
         if (live) codes[i] = q8_code(__fmul_rn(x, r), table, shift, bias, nb);
         if (threadIdx.x == 0) aux[(i - off) >> 8] = am;  // thread 0's element starts the block
+        x = 0.0f;
+    }
+    // float8 (arraytrain.state8.float8_encode): y = x (codec 2: its correctly rounded root), the
+    // largest |y| as bits; not finite: a NaN block (scale NaN, codes 0x7F); else the block
+    // exponent k (largest / 2^k <= 464, clamped), the codes of y * 2^-k, the scale 2^k (4^k).
+    __device__ __forceinline__ void close_float8(i64 i, bool live) {
+        const bool root = codec == 2;
+        const float y = root ? __fsqrt_rn(x) : x;
+        const u32 m = block_umax(__float_as_uint(y) & 0x7FFFFFFFu);
+        float scale;
+        if (m >= 0x7F800000u) {
+            if (live) codes[i] = 0x7F;
+            scale = __uint_as_float(0x7FC00000u);
+        } else {
+            int k = (int)(m >> 23) - 135 + ((m & 0x7FFFFFu) > 0x680000u ? 1 : 0);
+            const int lim = root ? 63 : 126;
+            k = k < -lim ? -lim : (k > lim ? lim : k);
+            if (live) codes[i] = f8_code(y, __uint_as_float((u32)(127 - k) << 23));
+            scale = __uint_as_float((u32)(127 + (root ? 2 * k : k)) << 23);
+        }
+        if (threadIdx.x == 0) aux[(i - off) >> 8] = scale;
         x = 0.0f;
     }
 };

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..interface import LP_NONE, Q8, Q8_BLOCK
+from ..interface import F8, LP_NONE, Q8, Q8_BLOCK, QUANTIZED
 from . import reductions
 from .core import (CHUNK, NULL, THREADS, DeviceScale, Source, chunks_for, ctype, cupy, launch, ptr,
                    refuse_grad_ptrs, seg_arg, to_host)
@@ -524,8 +524,8 @@ def _run(name, p, state, pieces, arrays, scalars, w, wkind, zero_grad, mask):
 
 
 def _storage(state, t: str) -> str:
-    """The template's ``S`` for a state slot: ``q8`` (8-bit), ``u16`` (bfloat16 bits) or ``t``."""
-    if isinstance(state, Q8):
+    """The template's ``S`` for a state slot: ``q8`` (8-bit or float8), ``u16`` (bfloat16 bits) or ``t``."""
+    if isinstance(state, QUANTIZED):
         return "q8"
     return "u16" if state is not None and state.dtype == np.uint16 else t
 
@@ -533,21 +533,26 @@ def _storage(state, t: str) -> str:
 def _arg(a):
     """A kernel's slot argument: an 8-bit slot's device descriptor, else :func:`ptr`. A slot a
     configuration lacks arrives as an empty array (a null pointer), whatever the others' storage."""
-    return q8_descriptor(a) if isinstance(a, Q8) else ptr(a)
+    return q8_descriptor(a) if isinstance(a, QUANTIZED) else ptr(a)
 
 
 _descriptors: dict = {}
 
 
-def q8_descriptor(q: Q8):
+def q8_descriptor(q: Q8 | F8):
     """The ``q8`` struct of :data:`arraytrain.kernels.cuda.core.HEADER` for slot ``q`` (CuPy arrays),
     in device memory: 9 little-endian 64-bit words, the 7 pointers then ``shift | bias << 32`` and
-    ``nb``. Built once per content (its pointers and ints are its key, so a stale entry cannot
-    describe other memory), at most 256 kept."""
+    ``nb | codec << 32`` (a float8 slot: no table, codec 1, or 2 for the root form). Built once per
+    content (its pointers and ints are its key, so a stale entry cannot describe other memory), at
+    most 256 kept."""
     cp = cupy()
-    words = (q.codes.data.ptr, q.aux.data.ptr, q.base.data.ptr, q.quant.data.ptr, q.offset.data.ptr, q.qmap.data.ptr,
-             q.table.data.ptr, (int(q.shift) & 0xFFFFFFFF) | ((int(q.bias) & 0xFFFFFFFF) << 32),
-             int(q.nb) & 0xFFFFFFFF)
+    if isinstance(q, F8):
+        words = (q.codes.data.ptr, q.aux.data.ptr, q.base.data.ptr, q.quant.data.ptr, q.offset.data.ptr,
+                 q.qmap.data.ptr, 0, 0, (1 + int(q.root)) << 32)
+    else:
+        words = (q.codes.data.ptr, q.aux.data.ptr, q.base.data.ptr, q.quant.data.ptr, q.offset.data.ptr,
+                 q.qmap.data.ptr, q.table.data.ptr, (int(q.shift) & 0xFFFFFFFF) | ((int(q.bias) & 0xFFFFFFFF) << 32),
+                 int(q.nb) & 0xFFFFFFFF)
     key = (cp.cuda.Device().id, words)
     hit = _descriptors.get(key)
     if hit is None:
@@ -565,7 +570,7 @@ def _chunks(pieces, state):
     segment offsets) to start every chunk on a block boundary of its parameter: the 8-bit loop
     takes a block of state per pass of the thread block (the reference raises the same error)."""
     ch = chunks_for(pieces)
-    if isinstance(state, Q8) and ch.count:
+    if isinstance(state, QUANTIZED) and ch.count:
         key = (id(ch), state.offset.data.ptr, state.offset.size)
         if _aligned.get(key) is not ch:
             offsets = to_host(state.offset) if hasattr(state.offset, "get") else np.asarray(state.offset)

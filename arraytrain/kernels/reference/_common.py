@@ -90,8 +90,9 @@ def _seg_size(slot, seg) -> int:
 def q8_commit(slot, values, pieces) -> None:
     """Write float32 ``values`` (flat) into an 8-bit slot over ``pieces``: float32 segments as
     they are, 8-bit ones encoded block by block (every block a piece covers; a piece must not
-    split one)."""
-    from ...state8 import BLOCK, nearest_codes
+    split one). A float8 slot (:class:`~arraytrain.kernels.interface.F8`): each block by
+    :func:`arraytrain.state8.float8_encode`."""
+    from ...state8 import BLOCK, F8, float8_encode, nearest_codes
 
     for lo, hi, seg in np.asarray(pieces).tolist():
         off, b = int(slot.offset[seg]), int(slot.base[seg])
@@ -102,6 +103,11 @@ def q8_commit(slot, values, pieces) -> None:
             raise ValueError(f"pieces: row [{lo}, {hi}) splits an 8-bit block of segment {seg}")
         for a in range(lo, hi, BLOCK):
             x = np.asarray(values[a : min(a + BLOCK, hi)], np.float32)
+            if isinstance(slot, F8):
+                codes, scale = float8_encode(x, bool(slot.root))
+                slot.codes[a : a + x.size] = codes
+                slot.aux[b + (a - off) // BLOCK] = scale[0]
+                continue
             am = np.float32(np.abs(x).max()) if not np.isnan(x).any() else np.float32(np.nan)
             inv = np.float32(1) / am if am > 0 else np.float32(0)
             with np.errstate(invalid="ignore"):
@@ -119,9 +125,9 @@ def with_q8(fn):
 
     @functools.wraps(fn)
     def run(*args, **kwargs):
-        from ..interface import Q8
+        from ..interface import QUANTIZED
 
-        slots = {k: a for k, a in enumerate(args) if isinstance(a, Q8)}
+        slots = {k: a for k, a in enumerate(args) if isinstance(a, QUANTIZED)}
         if not slots:
             return fn(*args, **kwargs)
         args = list(args)
