@@ -27,23 +27,19 @@ The optimizers' update uses the float32 values it computes in the step; their 8-
 codes are what the next step starts from (bitsandbytes' order: decode, update, encode).
 
 **float8** (``state_dtype="float8"``): the same layout (a uint8 code per element, a float32 per
-block of 256, small parameters in float32), with float8 e4m3 codes (``ml_dtypes.float8_e4m3fn``:
-4 exponent bits, 3 mantissa bits, largest 448, no infinity) and a power-of-two scale per block
-in place of the dynamic map and its absmax (torchao's ``AdamWFp8`` and Transformer Engine's
-``FusedAdam`` keep Adam's moments in float8 with a scale per block; FP8-LM/MS-AMP the first
-moment). A power of two keeps the codec exact: a block's values are divided by ``2**k`` without
-rounding (``k`` puts the block's largest magnitude in (232, 464], which rounds to [240, 448]),
-then rounded once to e4m3, to nearest even; the value of a code is ``e4m3[code] * 2**k``. The
-bounds 232 and 464 are midpoints of e4m3 neighbours (ties go down, to the even code), so a
-block's largest value never rounds across them: decoding and encoding again gives the same
-bytes. A slot that is never negative
-(second moments, sums of squares: ``UNSIGNED_SLOTS`` of the optimizers) keeps the e4m3 code of
-its **square root** (map ``"e4m3_sqrt"``; value ``e4m3[code]**2 * 4**k``): the square root halves
-the range of exponents the block must span (Adam's ``v`` spans twice the binades of ``|g|``) and
-its 3 mantissa bits serve ``sqrt(v)``, which is what the update divides by. See
-:func:`float8_encode`; every family's encoder equals it bit for bit, and decoding is the map's
-value times the scale, as for the dynamic map. A block holding a NaN or an infinity (or, in the
-root form, a negative value) has a NaN scale and every code 0x7F (e4m3's NaN): it decodes as NaN.
+block of 256, small parameters in float32), with float8 codes in place of the dynamic map and
+the block's largest magnitude scaled to the format's largest value (torchao's ``AdamWFp8`` keeps
+Adam's moments so, in e4m3 with a scale per block of 256; Transformer Engine's ``FusedAdam``
+keeps ``exp_avg_sq`` in e5m2): each code is the round to nearest even of ``x * (top / absmax)``,
+the value of a code ``format[code] * (absmax / top)``. Signed slots (first moments, momentum
+buffers) take **e4m3** (``ml_dtypes.float8_e4m3fn``: 3 mantissa bits, ``top`` 448); slots that
+are never negative (second moments, sums of squares: ``UNSIGNED_SLOTS`` of the optimizers) take
+**e5m2** (``ml_dtypes.float8_e5m2``: 2 mantissa bits, ``top`` 57344), whose 5 exponent bits
+span the binades a square spans. Why these, against a power-of-two scale and e4m3 of the second
+moment's square root: docs/guide.md#float8-state. See :func:`float8_encode`; every family's
+encoder equals it bit for bit, and decoding is the map's value times the scale, as for the
+dynamic map. A block holding a NaN or an infinity has a NaN scale and every code 0x7F (NaN in
+both formats): it decodes as NaN.
 """
 
 from __future__ import annotations
@@ -221,18 +217,20 @@ def codebook(signed: bool) -> Codebook:
 
 #: The value of every e4m3 code (``ml_dtypes.float8_e4m3fn``; codes 0x7F and 0xFF are NaN).
 E4M3_MAP = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
-#: Their squares (exact in float32): the map of the root form.
-E4M3_SQUARES = (E4M3_MAP * E4M3_MAP).astype(np.float32)
+#: The value of every e5m2 code (``ml_dtypes.float8_e5m2``; 0x7C/0xFC are +-inf, 0x7D-0x7F/0xFD-0xFF NaN).
+E5M2_MAP = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e5m2).astype(np.float32)
 E4M3_MAP.flags.writeable = False
-E4M3_SQUARES.flags.writeable = False
+E5M2_MAP.flags.writeable = False
 #: The maps a quantized slot's codes may index, by the name its entries carry.
-MAPS = {"signed": SIGNED_MAP, "unsigned": UNSIGNED_MAP, "e4m3": E4M3_MAP, "e4m3_sqrt": E4M3_SQUARES}
-FLOAT8_MAPS = ("e4m3", "e4m3_sqrt")
-#: The code a NaN block's elements take (e4m3's NaN).
+MAPS = {"signed": SIGNED_MAP, "unsigned": UNSIGNED_MAP, "e4m3": E4M3_MAP, "e5m2": E5M2_MAP}
+FLOAT8_MAPS = ("e4m3", "e5m2")
+#: Each float8 format's largest finite value: a block's largest magnitude is scaled to it.
+F8_TOP = {"e4m3": 448.0, "e5m2": 57344.0}
+#: The code a NaN block's elements take (NaN in both formats).
 F8_NAN_CODE = 0x7F
-#: The block exponent's range: the scale ``2**k`` and its inverse normal float32s (the root form:
-#: the stored scale ``4**k`` too).
-F8_EXPONENTS = {False: (-126, 126), True: (-63, 63)}
+#: A block whose largest magnitude is below this is stored as zeros (``57344 / largest`` would
+#: overflow float32 below 1.7e-34; a moment that small is zero to every optimizer).
+F8_TINY = 2.0 ** -111
 
 
 def scale_key(map_name: str) -> str:
@@ -240,47 +238,42 @@ def scale_key(map_name: str) -> str:
     return "scale" if map_name in FLOAT8_MAPS else "absmax"
 
 
-def float8_exponent(largest_bits, root: bool):
-    """The block exponent ``k`` for the float32 bits of a block's largest magnitude (finite): the
-    smallest ``k`` with ``largest / 2**k <= 464`` (1.8125 * 2**8, the midpoint of e4m3's largest
-    value 448 and the next, NaN, code: it rounds to 448), clamped to :data:`F8_EXPONENTS`."""
-    m = np.asarray(largest_bits, np.int64)
-    k = (m >> 23) - 135 + ((m & 0x7FFFFF) > 0x680000)
-    return np.clip(k, *F8_EXPONENTS[bool(root)])
+def float8_encode(x, map_name: str) -> tuple[np.ndarray, np.ndarray]:
+    """``(codes, scale)`` of a 1-D array by blocks of :data:`BLOCK` from its start in float8 format
+    ``map_name`` (``"e4m3"`` or ``"e5m2"``; reference code).
 
-
-def float8_encode(x, root: bool) -> tuple[np.ndarray, np.ndarray]:
-    """``(codes, scale)`` of a 1-D array by blocks of :data:`BLOCK` from its start (reference code).
-
-    Per block: ``y = x`` (``root``: ``sqrt(x)``), float32; ``m`` the largest ``|y|`` as float32 bits
-    (a NaN's bits win); ``m`` not finite: scale NaN, every code :data:`F8_NAN_CODE`; else ``k`` =
-    :func:`float8_exponent`, each code ``e4m3(y * 2**-k)`` (the product exact, the cast
-    ml_dtypes' round to nearest even) and the scale ``2**k`` (``root``: ``4**k``).
+    Per block: ``m`` the largest ``|x|`` as float32 bits (a NaN's bits win). ``m`` not finite:
+    scale NaN, every code :data:`F8_NAN_CODE`. ``m`` below :data:`F8_TINY`: scale 0, every code
+    that of ``+-0``. Else each code is ml_dtypes' round-to-nearest-even cast of the float32 product
+    ``x * (top / m)`` (the quotient a float32 division; ``top`` the format's largest value, see
+    :data:`F8_TOP`), and the scale is ``m / top`` (float32): the block's largest value decodes to
+    ``m`` within float32 rounding, and a block whose values all grow by one factor keeps its codes,
+    the scale carrying the growth at float32 precision.
     """
+    fmt = ml_dtypes.float8_e5m2 if map_name == "e5m2" else ml_dtypes.float8_e4m3fn
+    top = np.float32(F8_TOP[map_name])
     x = np.asarray(x, np.float32).ravel()
     nblocks = -(-x.size // BLOCK)
     padded = np.zeros(nblocks * BLOCK, np.float32)
     padded[: x.size] = x
-    with np.errstate(invalid="ignore"):
-        y = np.sqrt(padded) if root else padded
-    y = y.reshape(nblocks, BLOCK)
+    y = padded.reshape(nblocks, BLOCK)
     m = (y.view(np.uint32) & np.uint32(0x7FFFFFFF)).max(axis=1) if nblocks else np.zeros(0, np.uint32)
     bad = m >= 0x7F800000
-    k = float8_exponent(np.where(bad, 0, m), root)
-    inv = ((127 - k) << 23).astype(np.uint32).view(np.float32)
+    am = np.where(bad, np.uint32(0), m).view(np.float32)
+    tiny = am < np.float32(F8_TINY)
+    inv = np.where(tiny, np.float32(0), top / np.where(tiny, np.float32(1), am)).astype(np.float32)
     with np.errstate(invalid="ignore", over="ignore"):
-        q = (y * inv[:, None]).astype(np.float32)
-        codes = q.astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
+        codes = (y * inv[:, None]).astype(np.float32).astype(fmt).view(np.uint8)
     codes[bad] = F8_NAN_CODE
-    scale = ((127 + (2 * k if root else k)) << 23).astype(np.uint32).view(np.float32)
+    scale = np.where(tiny, np.float32(0), am / top).astype(np.float32)
     scale[bad] = np.float32(np.nan)
-    return codes.ravel()[: x.size].copy(), scale.astype(np.float32)
+    return codes.ravel()[: x.size].copy(), scale
 
 
 def encode(x, map_name: str) -> tuple[np.ndarray, np.ndarray]:
     """``(codes, per-block float32)`` of a 1-D array in map ``map_name``'s form (reference code)."""
     if map_name in FLOAT8_MAPS:
-        return float8_encode(x, map_name == "e4m3_sqrt")
+        return float8_encode(x, map_name)
     return quantize(x, map_name == "signed")
 
 
@@ -387,9 +380,9 @@ class Quant8Buffer:
     state saved with float32 or bfloat16 slots loads into 8-bit slots and back.
 
     ``codec``: ``"dynamic"`` (bitsandbytes' maps, ``state_dtype="8bit"``) or ``"float8"`` (e4m3
-    codes and power-of-two block scales, the root form for an unsigned slot; see the module
+    codes for a signed slot, e5m2 for an unsigned one, a float32 scale per block; see the module
     docstring): the same layout and protocol, entries ``{"codes", "scale", "map"}`` with map
-    ``"e4m3"`` or ``"e4m3_sqrt"``. Entries of the other codec (or float arrays) are converted.
+    ``"e4m3"`` or ``"e5m2"``. Entries of the other codec (or float arrays) are converted.
 
     ``window=(lo, length)``: the slot holds only the flat elements ``[lo, lo + length)`` of the
     layout (one rank's partition under sharded state, :mod:`arraytrain.parallel.shard`): ``codes`` has
@@ -425,7 +418,7 @@ class Quant8Buffer:
             tables = (self.base, self.quant, self.offset, MAPS[self.map_name])
             if xp is not np:  # the kernels read every table on the device
                 tables = tuple(xp.asarray(t) for t in tables)
-            self._arg = F8(self.codes, self.aux, *tables, int(not self.signed))
+            self._arg = F8(self.codes, self.aux, *tables, int(not self.signed))  # wide: e5m2
             return
         book = codebook(self.signed)
         tables = (self.base, self.quant, self.offset, book.qmap, book.table)
@@ -437,9 +430,9 @@ class Quant8Buffer:
 
     @property
     def map_name(self) -> str:
-        """The map the codes index: ``"signed"`` or ``"unsigned"`` (dynamic), ``"e4m3"`` or ``"e4m3_sqrt"`` (float8)."""
+        """The map the codes index: ``"signed"`` or ``"unsigned"`` (dynamic), ``"e4m3"`` or ``"e5m2"`` (float8)."""
         if self.codec == "float8":
-            return "e4m3" if self.signed else "e4m3_sqrt"
+            return "e4m3" if self.signed else "e5m2"
         return "signed" if self.signed else "unsigned"
 
     @property

@@ -538,7 +538,7 @@ def make_arraytrain_8bit(opt: str, n: int, zero_grad: bool = False):
 
 def make_arraytrain_float8(opt: str, n: int, zero_grad: bool = False):
     """arraytrain with ``state_dtype="float8"``: one byte per element and slot (e4m3 codes), a
-    power-of-two scale per 256 elements (tensors under 4096 elements keep float32 state)."""
+    float32 scale per 256 elements (tensors under 4096 elements keep float32 state)."""
     _check_available("arraytrain-float8", opt)
     return make_arraytrain(opt, n, zero_grad, "float8")
 

@@ -197,7 +197,7 @@ def add_train_parser(sub) -> argparse.ArgumentParser:
                    help="momentum, for optimizers that have it (default: the optimizer's own)")
     t.add_argument("--state-dtype", choices=("float32", "bfloat16", "8bit", "float8"),
                    help="storage of the optimizer's element-wise state: bfloat16, 8bit (bitsandbytes' blockwise "
-                        "dynamic quantization) or float8 (e4m3 codes, a power-of-two scale per 256 elements); 8bit "
+                        "dynamic quantization) or float8 (e4m3 codes, a float32 scale per 256 elements); 8bit "
                         "and float8 keep parameters under 4096 elements in float32; float32 parameters "
                         "only (default: the parameters' dtype)")
     t.add_argument("--batch-size", type=positive(int), default=32, metavar="N", help="default: 32")

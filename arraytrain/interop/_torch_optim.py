@@ -186,8 +186,8 @@ class TorchOptimizer(torch.optim.Optimizer):
         ``{"codes": uint8 tensor (the parameter's shape), "absmax": float32 tensor (blocks,),
         "map": "signed" or "unsigned"}``, the tensors live views of the engine's bytes (a write
         into them is a write into the state): see :meth:`state_dict`. "float8" keeps the same
-        layout with float8 e4m3 codes and a power-of-two ``scale`` per block (the square root's
-        code for second moments; ``{"codes", "scale", "map": "e4m3" or "e4m3_sqrt"}``), a codec
+        layout with float8 codes (e4m3; e5m2 for second moments) and a float32 ``scale`` per block
+        (``{"codes", "scale", "map": "e4m3" or "e5m2"}``), a codec
         cheaper than the dynamic map's.
     min_8bit_size : int or None
         With ``state_dtype="8bit"`` or ``"float8"``: parameters with fewer elements keep their state in float32
@@ -862,7 +862,7 @@ class TorchOptimizer(torch.optim.Optimizer):
         :func:`arraytrain.state8.dequantize`), the same form as the engine's checkpoints; the
         codes and scales are live views, and ``torch.save`` / ``torch.load(weights_only=True)``
         keep them bitwise. A smaller parameter's slot is a float32 tensor. With ``state_dtype="float8"``
-        the same, as ``{"codes", "scale", "map": "e4m3" or "e4m3_sqrt"}`` (value ``map[code] * scale``,
+        the same, as ``{"codes", "scale", "map": "e4m3" or "e5m2"}`` (value ``map[code] * scale``,
         :func:`arraytrain.state8.decode`). No decoded float copy
         is offered in ``state[p]``: writes into it would be lost.
         """

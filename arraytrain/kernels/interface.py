@@ -77,10 +77,10 @@ class Q8(NamedTuple):
 class F8(NamedTuple):
     """A float8 slot (:mod:`arraytrain.state8`, ``state_dtype="float8"``) as the kernels take it
     (every family): :class:`Q8`'s layout (``codes``, ``aux``, ``base``, ``quant``, ``offset``,
-    value ``qmap[code] * aux[block]``), with float8 e4m3 codes and a power-of-two scale per block
-    in place of the dynamic map and its absmax. ``qmap``: the 256 e4m3 values, or (``root`` 1:
-    the codes hold the square root of a slot that is never negative) their squares, and
-    ``aux`` the square of the root's scale. Encoding a block is integer work (no table): see
+    value ``qmap[code] * aux[block]``), with float8 codes and the scale ``absmax / top`` per
+    block in place of the dynamic map and its absmax: ``wide`` 0, e4m3 codes (``top`` 448),
+    ``wide`` 1 (a slot that is never negative), e5m2 codes (``top`` 57344); ``qmap`` the
+    format's 256 values. Encoding a block is integer work (no table): see
     :func:`arraytrain.state8.float8_encode`, which every family's encoder equals bit for bit.
     """
 
@@ -90,7 +90,7 @@ class F8(NamedTuple):
     quant: np.ndarray
     offset: np.ndarray
     qmap: np.ndarray
-    root: int
+    wide: int
 
 
 #: The slot types of block-quantized state (8-bit dynamic map, float8): ``isinstance(x, QUANTIZED)``.

@@ -82,8 +82,8 @@ class Optimizer(ABC):
     and written through the kernels' one state accessor (math in float32, each store
     rounded to nearest even and the update continuing from the stored value), and
     ``state_dtype="8bit"`` (bitsandbytes' blockwise dynamic maps) or ``"float8"`` (e4m3 codes
-    with a power-of-two scale per block of 256, the square root's code for slots that are never
-    negative): one byte per element of parameters of ``min_8bit_size`` elements or more
+    for signed slots, e5m2 for slots that are never negative, with a float32 scale per block of 256):
+    one byte per element of parameters of ``min_8bit_size`` elements or more
     (:mod:`arraytrain.state8`).
     """
 
@@ -338,7 +338,7 @@ def decoupled_decay(lr, weight_decay):
 
 
 #: The state dtypes kept block-quantized in one byte per element (:class:`arraytrain.state8.Quant8Buffer`),
-#: and their codecs: bitsandbytes' dynamic maps ("8bit"), float8 e4m3 with power-of-two block scales.
+#: and their codecs: bitsandbytes' dynamic maps ("8bit"), float8 e4m3 with a float32 scale per block.
 QUANTIZED_STATE = {"8bit": "dynamic", "float8": "float8"}
 
 #: Slots never negative (second moments, sums of squares): the unsigned dynamic map. Every other

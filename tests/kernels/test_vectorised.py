@@ -5,8 +5,8 @@ the encoder's vector loop: the 8-lane ``vpgatherdd`` on AVX2, the arithmetic enc
 exponent permute (``vpermi2d``/``vpermt2d``) and the decoder's two-table permutes (``vpermi2ps``/``vpermt2ps``) on
 AVX-512; and the encoder's codes equal state8.nearest_codes on both. Float8 state: the packed
 float loop, the decoder's packed byte widening (``vpmovzxbd``) and the encoder's packed byte
-narrowing (``vpmovdb`` on AVX-512, ``vpackuswb`` on AVX2), and the codec equal to
-state8.float8_encode and the map bit for bit on both targets.)
+narrowing (``vpmovdb`` on AVX-512; on AVX2 a byte shuffle, ``vpshufb``, or ``vpackuswb``), and the
+codec equal to state8.float8_encode and the maps bit for bit on both targets.)
 
 Each kernel with bfloat16 state, each optimizer's working-copy writer (bfloat16 and float16)
 and the cast that rebuilds a working copy is compiled in a subprocess for an AVX2 target
@@ -56,7 +56,7 @@ PATTERNS = {
     "arith": r"vperm[it]2d\s[^\n]*%zmm",
     "decode": r"vperm[it]2ps\s[^\n]*%zmm",
     "widen8": r"vpmovzxbd\s[^\n]*%[yz]mm",
-    "narrow8": r"vpmovdb\s|vpackuswb\s",
+    "narrow8": r"vpmovdb\s|vpackuswb\s|vpshufb\s",
 }
 # kernels whose update loop takes a square root
 SQRT = {"adam", "adagrad", "rmsprop", "lamb_apply", "nadam", "adadelta", "schedule_free_adamw"}
@@ -97,7 +97,7 @@ def _kernels(state, working, kind, n=64):
 
         s = lambda: state8.Quant8Buffer(Layout({"w": (n,)}), True, 0).kernel_arg()  # noqa: E731
         e = np.zeros(0, f32)
-    elif state == "float8":  # float8 slots, both forms in turn (e4m3, the root's e4m3), every element
+    elif state == "float8":  # float8 slots, both formats in turn (e4m3, e5m2), every element
         from itertools import count
 
         from arraytrain import Layout, state8
@@ -208,7 +208,7 @@ def probe() -> dict:
 
 
 def _f8_checks():
-    """The float8 block encoder and decoder, compiled for this target, against state8 (both forms)."""
+    """The float8 block encoder and decoder, compiled for this target, against state8 (both formats)."""
     import numpy as np
     from numba import njit
 
@@ -216,27 +216,26 @@ def _f8_checks():
     from arraytrain.kernels.cpu.codecs import f8_decode_block, f8_encode_block
 
     @njit
-    def roundtrip(x, codes, scales, out, root):
+    def roundtrip(x, codes, scales, out, wide):
         for k in range(0, x.size, 256):
-            scales[k // 256] = f8_encode_block(x[k : k + 256].copy(), codes[k : k + 256], root)
-            f8_decode_block(codes[k : k + 256], scales[k // 256], out[k : k + 256], root)
+            scales[k // 256] = f8_encode_block(x[k : k + 256].copy(), codes[k : k + 256], wide)
+            f8_decode_block(codes[k : k + 256], scales[k // 256], out[k : k + 256], wide)
 
     rng = np.random.default_rng(0)
     blocks = [rng.standard_normal(256) * np.exp(rng.uniform(-30, 30, 256)), rng.standard_normal(256),
               np.zeros(256), np.full(256, 3e38), np.r_[np.ones(255), np.nan], np.r_[np.ones(255), -np.inf],
               (np.arange(256) - 128) * 2.0 ** -12, rng.standard_normal(77)]
     out = {}
-    for root in (False, True):
-        x = np.concatenate([np.abs(b) if root else b for b in blocks]).astype(np.float32)
+    for fmt in ("e4m3", "e5m2"):
+        x = np.concatenate(blocks).astype(np.float32)
         codes, scales = np.zeros(x.size, np.uint8), np.zeros(-(-x.size // 256), np.float32)
         vals = np.zeros(x.size, np.float32)
-        roundtrip(x, codes, scales, vals, root)
-        want_codes, want_scales = state8.float8_encode(x, root)
-        want = state8.decode(want_codes, want_scales, "e4m3_sqrt" if root else "e4m3")
-        tag = "root" if root else "plain"
-        out[f"f8-encode/{tag}"] = int(np.count_nonzero(codes != want_codes)
+        roundtrip(x, codes, scales, vals, fmt == "e5m2")
+        want_codes, want_scales = state8.float8_encode(x, fmt)
+        want = state8.decode(want_codes, want_scales, fmt)
+        out[f"f8-encode/{fmt}"] = int(np.count_nonzero(codes != want_codes)
                                       + np.count_nonzero(scales.view(np.uint32) != want_scales.view(np.uint32)))
-        out[f"f8-decode/{tag}"] = int(np.count_nonzero(vals.view(np.uint32) != want.view(np.uint32)))
+        out[f"f8-decode/{fmt}"] = int(np.count_nonzero(vals.view(np.uint32) != want.view(np.uint32)))
     return out
 
 

@@ -748,95 +748,111 @@ def q8_encode_block(vals, cb, table, shift, bias, nb, signed):
 # A float8 slot reaches a kernel as arraytrain.kernels.interface.F8 (Q8's layout, its own tuple
 # type, so a kernel compiles the float8 codec only where a slot is float8). Both directions are
 # integer work in 32-bit lanes, written in LLVM IR without fast-math flags (the kernels' own
-# flags allow contraction and approximate square roots; the codec must equal the reference bit
-# for bit): no table, no gather, so the loops vectorise on AVX2 as on AVX-512.
+# flags allow contraction and reciprocal approximations; the codec must equal the reference bit
+# for bit): no table, no gather, so the loops vectorise on AVX2 as on AVX-512. The format (e4m3,
+# or e5m2 with ``wide``) is a runtime flag of the slot: the same instructions with other constants.
+
+
+def _f8_consts(builder, wide, i32):
+    """Per format (e4m3 | e5m2): the mantissa shift from float32, the exponent rebias, the
+    smallest normal's float32 bits, the subnormal-rounding magic value and its bits."""
+    c = lambda v: ir.Constant(i32, v)  # noqa: E731
+    f = ir.FloatType()
+    pick = lambda a, b: builder.select(wide, b, a)  # noqa: E731
+    return (pick(c(20), c(21)), pick(c(120), c(112)), pick(c(0x3C800000), c(0x38800000)),
+            pick(ir.Constant(f, 16384.0), ir.Constant(f, 128.0)), pick(c(0x46800000), c(0x43000000)))
 
 
 @intrinsic
-def f8_code(typingctx, y, inv):
-    """The e4m3 code of float32 ``y * inv`` (``inv`` a power of two; ``|y * inv| <= 464``, finite):
-    round to nearest even, as ml_dtypes' cast. Normal results (``|q| >= 2**-6``): the float32
-    bits rounded to 3 mantissa bits and the exponent rebiased (127 -> 7), the carry of a
-    rounding up moving into the exponent; subnormal ones (multiples of ``2**-9``): ``|q| + 2**14``
-    in float32, whose last place is ``2**-9``, rounds ``|q|`` to nearest even and its low bits
-    count the multiples (8, the smallest normal's code, included)."""
+def f8_code(typingctx, y, inv, wide):
+    """The float8 code (e4m3, or e5m2 with ``wide``) of the float32 product ``y * inv`` (finite and
+    below the format's overflow): round to nearest even, as ml_dtypes' cast. Normal results: the
+    float32 bits rounded to the format's mantissa bits and the exponent rebiased, the carry of a
+    rounding up moving into the exponent; subnormal ones: ``|q| + magic`` in float32, whose last
+    place is the format's smallest subnormal (2**-9 | 2**-16), rounds ``|q|`` to nearest even and
+    its low bits count the multiples (the smallest normal's code included)."""
     def codegen(context, builder, signature, args):
         i32, f = ir.IntType(32), ir.FloatType()
         c = lambda v: ir.Constant(i32, v)  # noqa: E731
+        sh, rebias, smallest, magic, magic_bits = _f8_consts(builder, args[2], i32)
         u = builder.bitcast(builder.fmul(args[0], args[1]), i32)
         a = builder.and_(u, c(0x7FFFFFFF))
-        r = builder.add(builder.add(a, c(0x7FFFF)), builder.and_(builder.lshr(a, c(20)), c(1)))
-        normal = builder.sub(builder.lshr(r, c(20)), c(120 << 3))
-        t = builder.fadd(builder.bitcast(a, f), ir.Constant(f, 16384.0))
-        sub = builder.sub(builder.bitcast(t, i32), c(0x46800000))
-        code = builder.select(builder.icmp_unsigned(">=", a, c(0x3C800000)), normal, sub)
+        half = builder.sub(builder.lshr(builder.shl(c(1), sh), c(1)), c(1))
+        r = builder.add(builder.add(a, half), builder.and_(builder.lshr(a, sh), c(1)))
+        normal = builder.sub(builder.lshr(r, sh), builder.shl(rebias, builder.sub(c(23), sh)))
+        t = builder.fadd(builder.bitcast(a, f), magic)
+        sub = builder.sub(builder.bitcast(t, i32), magic_bits)
+        code = builder.select(builder.icmp_unsigned(">=", a, smallest), normal, sub)
         code = builder.or_(code, builder.and_(builder.lshr(u, c(24)), c(0x80)))
         return builder.trunc(code, ir.IntType(8))
 
-    return types.uint8(types.float32, types.float32), codegen
+    return types.uint8(types.float32, types.float32, types.boolean), codegen
 
 
 @intrinsic
-def f8_value(typingctx, code, scale, root):
-    """The value of e4m3 ``code`` times ``scale`` (``root``: the value squared, times ``scale``),
-    as the reference's ``map[code] * scale``: each product one float32 rounding (exact here
-    except where it underflows). Normal codes: the exponent and mantissa bits moved into place
-    and the exponent rebiased; subnormal ones: ``mantissa * 2**-9``; 0x7F/0xFF: NaN."""
+def f8_value(typingctx, code, scale, wide):
+    """The value of float8 ``code`` (e4m3, or e5m2 with ``wide``) times ``scale``, as the reference's
+    ``map[code] * scale``: one float32 rounding. Normal codes: the exponent and mantissa bits moved
+    into place and the exponent rebiased; subnormal ones: ``mantissa * 2**-9 | 2**-16``; e4m3's
+    0x7F, e5m2's 0x7D-0x7F: NaN (0x7FC00000, as ml_dtypes gives); e5m2's 0x7C: infinity."""
     def codegen(context, builder, signature, args):
         i32, f = ir.IntType(32), ir.FloatType()
         c = lambda v: ir.Constant(i32, v)  # noqa: E731
+        wide = args[2]
+        sh, rebias, _, _, _ = _f8_consts(builder, wide, i32)
         k = builder.zext(args[0], i32)
         mag = builder.and_(k, c(0x7F))
-        normal = builder.bitcast(builder.add(builder.shl(mag, c(20)), c(120 << 23)), f)
-        sub = builder.fmul(builder.sitofp(mag, f), ir.Constant(f, 2.0 ** -9))
-        v = builder.select(builder.icmp_unsigned("<", mag, c(8)), sub, normal)
-        v = builder.select(builder.icmp_unsigned("==", mag, c(0x7F)), builder.bitcast(c(0x7FC00000), f), v)
+        normal = builder.bitcast(builder.add(builder.shl(mag, sh), builder.shl(rebias, c(23))), f)
+        tiny = builder.select(wide, ir.Constant(f, 2.0 ** -16), ir.Constant(f, 2.0 ** -9))
+        sub = builder.fmul(builder.sitofp(mag, f), tiny)
+        v = builder.select(builder.icmp_unsigned("<", mag, builder.select(wide, c(4), c(8))), sub, normal)
+        nan = builder.select(wide, builder.icmp_unsigned(">", mag, c(0x7C)), builder.icmp_unsigned("==", mag, c(0x7F)))
+        inf = builder.and_(wide, builder.icmp_unsigned("==", mag, c(0x7C)))
+        v = builder.select(inf, builder.bitcast(c(0x7F800000), f), v)
+        v = builder.select(nan, builder.bitcast(c(0x7FC00000), f), v)
         v = builder.bitcast(builder.or_(builder.bitcast(v, i32), builder.shl(builder.and_(k, c(0x80)), c(24))), f)
-        v = builder.select(args[2], builder.fmul(v, v), v)
         return builder.fmul(v, args[1])
 
     return types.float32(types.uint8, types.float32, types.boolean), codegen
 
 
 @intrinsic
-def exact_sqrt(typingctx, x):
-    """float32 square root, correctly rounded (``llvm.sqrt`` without the kernels' fast-math flags)."""
+def exact_div(typingctx, a, b):
+    """float32 ``a / b``, correctly rounded (an ``fdiv`` without the kernels' reciprocal flags)."""
     def codegen(context, builder, signature, args):
-        f = ir.FloatType()
-        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(f, [f]), "llvm.sqrt.f32")
-        return builder.call(fn, [args[0]])
+        return builder.fdiv(args[0], args[1])
 
-    return types.float32(types.float32), codegen
+    return types.float32(types.float32, types.float32), codegen
 
 
 @njit(inline="always", **JIT)
-def f8_decode_block(cb, scale, tmp, root):
-    """``tmp[i]``: the value of e4m3 code ``cb[i]`` (``root``: squared) times the block's ``scale``."""
+def f8_decode_block(cb, scale, tmp, wide):
+    """``tmp[i]``: the value of float8 code ``cb[i]`` (e4m3, or e5m2 with ``wide``) times the block's ``scale``."""
     for i in range(cb.size):
-        tmp[i] = f8_value(cb[i], scale, root)
+        tmp[i] = f8_value(cb[i], scale, wide)
 
 
 @njit(inline="always", **JIT)
-def f8_encode_block(vals, cb, root):
-    """Encode a block's float32 ``vals`` into e4m3 codes ``cb`` as :func:`arraytrain.state8.float8_encode`
-    (``root``: of their square roots, taken in ``vals``); returns the block's scale."""
-    if root:
-        for i in range(vals.size):
-            vals[i] = exact_sqrt(vals[i])
+def f8_encode_block(vals, cb, wide):
+    """Encode a block's float32 ``vals`` into float8 codes ``cb`` (e4m3, or e5m2 with ``wide``) as
+    :func:`arraytrain.state8.float8_encode`; returns the block's scale."""
     m = np.uint32(0)
     for i in range(vals.size):
         m = umax32(m, abs_bits(vals[i]))
-    if m >= np.uint32(0x7F800000):  # a NaN or an infinity (a negative value's root): a NaN block
+    if m >= np.uint32(0x7F800000):  # a NaN or an infinity: a NaN block
         for i in range(vals.size):
             cb[i] = np.uint8(0x7F)
         return bits_as_f32(np.uint32(0x7FC00000))
-    k = np.int64(m >> np.uint32(23)) - 135 + (1 if (m & np.uint32(0x7FFFFF)) > np.uint32(0x680000) else 0)
-    lo, hi = (-63, 63) if root else (-126, 126)
-    k = min(max(k, lo), hi)
-    inv = bits_as_f32(np.uint32((127 - k) << 23))
+    am = bits_as_f32(m)
+    if am < np.float32(2.0 ** -111):  # (state8.F8_TINY) stored as zeros
+        for i in range(vals.size):
+            cb[i] = f8_code(vals[i], np.float32(0.0), wide)
+        return np.float32(0.0)
+    top = np.float32(57344.0) if wide else np.float32(448.0)  # (state8.F8_TOP)
+    inv = exact_div(top, am)
     for i in range(vals.size):
-        cb[i] = f8_code(vals[i], inv)
-    return bits_as_f32(np.uint32((127 + (2 * k if root else k)) << 23))
+        cb[i] = f8_code(vals[i], inv, wide)
+    return exact_div(am, top)
 
 
 def state_step(a, seg, n):
@@ -893,7 +909,7 @@ def _state_open(a, seg, lo, hi, tmp):
             off, b = a.offset[seg], a.base[seg]
             if a.quant[seg]:
                 vals = tmp[: hi - lo]
-                f8_decode_block(a.codes[lo:hi], a.aux[b + (lo - off) // QBLOCK], vals, a.root != 0)
+                f8_decode_block(a.codes[lo:hi], a.aux[b + (lo - off) // QBLOCK], vals, a.wide != 0)
                 return vals
             return a.aux[b + lo - off : b + hi - off]
         return impl
@@ -914,7 +930,7 @@ def _state_close(a, seg, lo, hi, vals):
     if _is_f8(a):
         def impl(a, seg, lo, hi, vals):
             if a.quant[seg]:
-                sc = f8_encode_block(vals, a.codes[lo:hi], a.root != 0)
+                sc = f8_encode_block(vals, a.codes[lo:hi], a.wide != 0)
                 k = a.base[seg] + (lo - a.offset[seg]) // QBLOCK
                 scale = a.aux[k : k + 1]  # (a one-element view: see the 8-bit close below)
                 scale[0] = sc

@@ -76,9 +76,9 @@ template <> struct state<u16> {
 // absmax per block of Q8_BLOCK elements counted from the parameter's first element
 // (aux[base[seg] + (i - offset[seg]) / Q8_BLOCK]), value = qmap[code] * absmax; else the
 // segment's float32 values in the side array (aux[base[seg] + i - offset[seg]]).
-// `codec`: 0 the dynamic map (its bucket `table`), 1 float8 e4m3 codes with a power-of-two
-// scale per block (arraytrain.kernels.interface.F8; qmap the e4m3 values, no table), 2 the
-// same of the element's square root (qmap the squares): decoding is qmap[code] * scale alike.
+// `codec`: 0 the dynamic map (its bucket `table`), 1 float8 e4m3 codes with a float32 scale
+// per block (arraytrain.kernels.interface.F8; qmap the e4m3 values, no table), 2 the same in
+// e5m2 (slots never negative): decoding is qmap[code] * scale alike.
 #define Q8_BLOCK 256
 struct q8 {
     unsigned char* codes; float* aux; const i64* base; const unsigned char* quant; const i64* offset;
@@ -120,15 +120,18 @@ __device__ __forceinline__ unsigned char q8_code(float q, const int* table, int 
     return (unsigned char)((e & 255u) + (sign ? 0u - moved : moved));
 }
 
-// The e4m3 code of y * inv (inv a power of two, |y * inv| <= 464, finite), round to nearest
-// even: the CPU family's f8_code, step for step (normal: the bits rounded to 3 mantissa bits and
-// the exponent rebiased; subnormal: |q| + 2^14 rounds |q| to a multiple of 2^-9).
-__device__ __forceinline__ unsigned char f8_code(float y, float inv) {
+// The float8 code (e4m3, or e5m2 with `wide`) of the float32 product y * inv (finite, below the
+// format's overflow), round to nearest even: the CPU family's f8_code, step for step (normal:
+// the bits rounded to the format's mantissa bits and the exponent rebiased; subnormal: |q| plus a
+// magic value whose last place is the smallest subnormal, 2^-9 | 2^-16).
+__device__ __forceinline__ unsigned char f8_code(float y, float inv, bool wide) {
+    const u32 sh = wide ? 21u : 20u;
     const u32 u = __float_as_uint(__fmul_rn(y, inv));
     const u32 a = u & 0x7FFFFFFFu;
-    const u32 normal = ((a + 0x7FFFFu + ((a >> 20) & 1u)) >> 20) - (120u << 3);
-    const u32 sub = __float_as_uint(__fadd_rn(__uint_as_float(a), 16384.0f)) - 0x46800000u;
-    return (unsigned char)((a >= 0x3C800000u ? normal : sub) | ((u >> 24) & 0x80u));
+    const u32 normal = ((a + ((1u << (sh - 1u)) - 1u) + ((a >> sh) & 1u)) >> sh) - (wide ? (112u << 2) : (120u << 3));
+    const u32 sub = __float_as_uint(__fadd_rn(__uint_as_float(a), wide ? 128.0f : 16384.0f))
+                    - (wide ? 0x43000000u : 0x46800000u);
+    return (unsigned char)((a >= (wide ? 0x38800000u : 0x3C800000u) ? normal : sub) | ((u >> 24) & 0x80u));
 }
 
 // -- a state slot inside a kernel: slot<S> M(m, seg); M.load(i), M.store(i, x), M.close(i, live) --
@@ -178,23 +181,21 @@ template <> struct slot<q8> {
         if (threadIdx.x == 0) aux[(i - off) >> 8] = am;  // thread 0's element starts the block
         x = 0.0f;
     }
-    // float8 (arraytrain.state8.float8_encode): y = x (codec 2: its correctly rounded root), the
-    // largest |y| as bits; not finite: a NaN block (scale NaN, codes 0x7F); else the block
-    // exponent k (largest / 2^k <= 464, clamped), the codes of y * 2^-k, the scale 2^k (4^k).
+    // float8 (arraytrain.state8.float8_encode; codec 1 e4m3, 2 e5m2): the largest |x| as bits; not
+    // finite: a NaN block (scale NaN, codes 0x7F); below 2^-111: zeros (scale 0); else the codes of
+    // x * (top / largest) and the scale largest / top (top 448 | 57344).
     __device__ __forceinline__ void close_float8(i64 i, bool live) {
-        const bool root = codec == 2;
-        const float y = root ? __fsqrt_rn(x) : x;
-        const u32 m = block_umax(__float_as_uint(y) & 0x7FFFFFFFu);
+        const bool wide = codec == 2;
+        const u32 m = block_umax(__float_as_uint(x) & 0x7FFFFFFFu);
         float scale;
         if (m >= 0x7F800000u) {
             if (live) codes[i] = 0x7F;
             scale = __uint_as_float(0x7FC00000u);
         } else {
-            int k = (int)(m >> 23) - 135 + ((m & 0x7FFFFFu) > 0x680000u ? 1 : 0);
-            const int lim = root ? 63 : 126;
-            k = k < -lim ? -lim : (k > lim ? lim : k);
-            if (live) codes[i] = f8_code(y, __uint_as_float((u32)(127 - k) << 23));
-            scale = __uint_as_float((u32)(127 + (root ? 2 * k : k)) << 23);
+            const float am = __uint_as_float(m), top = wide ? 57344.0f : 448.0f;
+            const bool tiny = am < 0x1p-111f;
+            if (live) codes[i] = f8_code(x, tiny ? 0.0f : __fdiv_rn(top, am), wide);
+            scale = tiny ? 0.0f : __fdiv_rn(am, top);
         }
         if (threadIdx.x == 0) aux[(i - off) >> 8] = scale;
         x = 0.0f;

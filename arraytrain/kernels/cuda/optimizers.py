@@ -542,13 +542,13 @@ _descriptors: dict = {}
 def q8_descriptor(q: Q8 | F8):
     """The ``q8`` struct of :data:`arraytrain.kernels.cuda.core.HEADER` for slot ``q`` (CuPy arrays),
     in device memory: 9 little-endian 64-bit words, the 7 pointers then ``shift | bias << 32`` and
-    ``nb | codec << 32`` (a float8 slot: no table, codec 1, or 2 for the root form). Built once per
+    ``nb | codec << 32`` (a float8 slot: no table, codec 1 for e4m3 codes, 2 for e5m2). Built once per
     content (its pointers and ints are its key, so a stale entry cannot describe other memory), at
     most 256 kept."""
     cp = cupy()
     if isinstance(q, F8):
         words = (q.codes.data.ptr, q.aux.data.ptr, q.base.data.ptr, q.quant.data.ptr, q.offset.data.ptr,
-                 q.qmap.data.ptr, 0, 0, (1 + int(q.root)) << 32)
+                 q.qmap.data.ptr, 0, 0, (1 + int(q.wide)) << 32)
     else:
         words = (q.codes.data.ptr, q.aux.data.ptr, q.base.data.ptr, q.quant.data.ptr, q.offset.data.ptr,
                  q.qmap.data.ptr, q.table.data.ptr, (int(q.shift) & 0xFFFFFFFF) | ((int(q.bias) & 0xFFFFFFFF) << 32),

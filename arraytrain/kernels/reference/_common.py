@@ -104,7 +104,7 @@ def q8_commit(slot, values, pieces) -> None:
         for a in range(lo, hi, BLOCK):
             x = np.asarray(values[a : min(a + BLOCK, hi)], np.float32)
             if isinstance(slot, F8):
-                codes, scale = float8_encode(x, bool(slot.root))
+                codes, scale = float8_encode(x, "e5m2" if slot.wide else "e4m3")
                 slot.codes[a : a + x.size] = codes
                 slot.aux[b + (a - off) // BLOCK] = scale[0]
                 continue
