@@ -547,3 +547,30 @@ def test_small_model_losses_follow_bitsandbytes_adamw8bit():
     # measured: at most 1.2e-4 apart relatively over 40 steps (float32 AdamW: 2.4e-4 from either)
     np.testing.assert_allclose(losses[id(mine)], losses[id(theirs)], rtol=1e-3)
     assert losses[id(mine)][-1] < 0.8 * losses[id(mine)][0]
+
+
+def test_float8_state_in_the_drop_in_shows_scales_and_resumes_bitwise():
+    """The drop-in with ``state_dtype="float8"``: a slot shows as ``{"codes", "scale", "map"}``
+    (e4m3 for the first moment, e5m2 for the second), and torch.save / load resumes bitwise."""
+    batches = _batches(10)
+    a = _model()
+    opt = at_torch.AdamW(a.named_parameters(), lr=1e-2, state_dtype="float8", min_8bit_size=THRESHOLD)
+    _train(a, opt, batches[:5])
+    live = opt.state[a.emb.weight]
+    assert set(live["exp_avg"]) == {"codes", "scale", "map"} and live["exp_avg"]["map"] == "e4m3"
+    assert live["exp_avg_sq"]["map"] == "e5m2" and live["exp_avg"]["codes"].dtype == torch.uint8
+    saved = _save_load({"model": a.state_dict(), "opt": opt.state_dict()})
+    _train(a, opt, batches[5:])
+    b = _model(seed=5)
+    b.load_state_dict(saved["model"])
+    opt2 = at_torch.AdamW(b.named_parameters(), lr=1e-2, state_dtype="float8", min_8bit_size=THRESHOLD)
+    opt2.load_state_dict(saved["opt"])
+    _train(b, opt2, batches[5:])
+    for p, q in zip(a.parameters(), b.parameters()):
+        assert torch.equal(p, q)
+    # and into 8-bit state: decoded, then encoded in the dynamic maps
+    c = _model(seed=5)
+    c.load_state_dict(saved["model"])
+    opt3 = at_torch.AdamW(c.named_parameters(), lr=1e-2, state_dtype="8bit", min_8bit_size=THRESHOLD)
+    opt3.load_state_dict(saved["opt"])
+    assert opt3.state[c.emb.weight]["exp_avg"]["map"] == "signed"
