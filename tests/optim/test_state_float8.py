@@ -251,3 +251,24 @@ def test_checkpoint_files_convert_too(tmp_path):
         if other == "float32":  # decoded values: the same codes again
             for slot in ("exp_avg", "exp_avg_sq"):
                 np.testing.assert_array_equal(back.state.slots[slot].codes, e8.state.slots[slot].codes)
+
+
+def test_refusals_change_nothing():
+    from arraytrain.errors import HyperparameterError, StateDictError
+
+    shapes, curv, p0 = _model()
+    with pytest.raises(HyperparameterError, match="float8 state needs float32"):
+        Engine({k: v.astype(np.float64) for k, v in p0.items()}, optim.AdamW(state_dtype="float8"))
+    p0, e = _trained("float8", 2)
+    before = {k: b.flat.copy() for k, b in e.state.slots.items()}
+    for bad_entry in ({"codes": None, "absmax": None, "map": "e4m3"},  # a float8 map with 8-bit's key
+                      {"codes": None, "scale": None, "map": "e3m4"}):  # no such map
+        bad = e.state_dict(copy=True)
+        good = bad["optimizer"]["slots"]["exp_avg"]["w"]
+        bad["optimizer"]["slots"]["exp_avg"]["w"] = {k: (good["codes"] if k == "codes" else
+                                                         good["scale"] if v is None else v)
+                                                     for k, v in bad_entry.items()}
+        with pytest.raises(StateDictError, match="map|scale"):
+            e.load_state_dict(bad)
+        for k, b in e.state.slots.items():
+            assert np.array_equal(b.flat, before[k]), k
