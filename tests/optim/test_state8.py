@@ -214,10 +214,10 @@ def _setup(name, seed=0):
 
 # the default tier: AdamW (an 8-bit kernel signature compiles in ~10 s here), in each codec;
 # the slow tier: every optimizer (tests/kernels/test_kernels_optim.py checks more kernels in 8 bits)
-# float8 in the slow tier: the optimizers whose slots differ in kind (one signed slot, three slots
-# of both formats, LAMB's read-back of the decoded moments, Muon's matrices); the codec is the
-# same code in every kernel
-FLOAT8_CASES = ("AdamW", "SGD", "RMSprop-centered-momentum", "LAMB", "Muon")
+# float8 in the slow tier: the optimizers whose slots differ in kind (three slots of both formats,
+# LAMB's read-back of the decoded moments, Muon's matrices); the codec is the same code in every
+# kernel
+FLOAT8_CASES = ("AdamW", "RMSprop-centered-momentum", "LAMB", "Muon")
 
 
 @pytest.mark.parametrize("name,sd", [(n, sd) if n == "AdamW" else pytest.param(n, sd, marks=pytest.mark.slow)
@@ -315,7 +315,6 @@ TRAIN = {
     "RMSprop": lambda: optim.RMSprop(lr=0.03, centered=True, momentum=0.5, state_dtype="8bit"),
     "Muon": lambda: optim.Muon(lr=0.05, fallback=optim.AdamW(lr=0.03), state_dtype="8bit"),
     "AdamW-float8": lambda: optim.AdamW(lr=0.03, state_dtype="float8"),
-    "SGD-float8": lambda: optim.SGD(lr=0.05, momentum=0.9, state_dtype="float8"),
 }
 
 
