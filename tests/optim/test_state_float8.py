@@ -101,14 +101,25 @@ def test_reference_encoder_is_the_scaled_cast(fmt):
 
 @njit(cache=False)
 def _codes(x, inv, wide, out):
-    for i in range(x.size):
-        out[i] = f8_code(x[i], inv, wide)
+    if wide:  # the format a constant, as the kernels compile it
+        for i in range(x.size):
+            out[i] = f8_code(x[i], inv, True)
+    else:
+        for i in range(x.size):
+            out[i] = f8_code(x[i], inv, False)
 
 
 @njit(cache=False)
-def _values(c, scale, wide, out):
+def _values(c, scale, wide, constant, out):
+    """``constant``: the format a compile-time constant, as the kernels have it (through float16
+    where the target has F16C); else a runtime flag (the integer decode)."""
     for i in range(c.size):
-        out[i] = f8_value(c[i], scale, wide)
+        if not constant:
+            out[i] = f8_value(c[i], scale, wide)
+        elif wide:
+            out[i] = f8_value(c[i], scale, True)
+        else:
+            out[i] = f8_value(c[i], scale, False)
 
 
 @njit(cache=False)
@@ -116,7 +127,10 @@ def _encode_blocks(x, codes, scales, wide):
     for j in range(scales.size):
         lo = j * 256
         hi = min(lo + 256, x.size)
-        scales[j] = f8_encode_block(x[lo:hi].copy(), codes[lo:hi], wide)
+        if wide:
+            scales[j] = f8_encode_block(x[lo:hi].copy(), codes[lo:hi], True)
+        else:
+            scales[j] = f8_encode_block(x[lo:hi].copy(), codes[lo:hi], False)
 
 
 def _pattern_classes(fmt):
@@ -154,12 +168,15 @@ def test_cpu_codes_equal_ml_dtypes_over_every_input_class(fmt):
         np.testing.assert_array_equal(part, q[keep].astype(FORMATS[fmt]).view(np.uint8), err_msg=f"inv={inv}")
 
 
+@pytest.mark.parametrize("constant", [True, False], ids=["compiled-format", "runtime-format"])
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_cpu_values_equal_the_map_times_the_scale(fmt):
+def test_cpu_values_equal_the_map_times_the_scale(fmt, constant):
     codes = np.arange(256, dtype=np.uint8)
     out = np.empty(256, np.float32)
-    for scale in (1.0, 0.5, 2.0 ** -126, 2.0 ** 100, 3.0, 0.0):
-        _values(codes, np.float32(scale), fmt == "e5m2", out)
+    # 2**119: about the largest scale a block has (3.4e38 / 448); the float16 decode carries e4m3's
+    # 2**8 in the scale
+    for scale in (1.0, 0.5, 2.0 ** -126, 2.0 ** -119, 2.0 ** 100, 2.0 ** 119, 3.0, 0.0):
+        _values(codes, np.float32(scale), fmt == "e5m2", constant, out)
         with np.errstate(over="ignore", invalid="ignore"):
             want = (state8.MAPS[fmt] * np.float32(scale)).astype(np.float32)
         np.testing.assert_array_equal(out.view(np.uint32), want.view(np.uint32), err_msg=f"scale {scale}")

@@ -747,73 +747,108 @@ def q8_encode_block(vals, cb, table, shift, bias, nb, signed):
 #
 # A float8 slot reaches a kernel as arraytrain.kernels.interface.F8 (Q8's layout, its own tuple
 # type, so a kernel compiles the float8 codec only where a slot is float8). Both directions are
-# integer work in 32-bit lanes, written in LLVM IR without fast-math flags (the kernels' own
-# flags allow contraction and reciprocal approximations; the codec must equal the reference bit
-# for bit): no table, no gather, so the loops vectorise on AVX2 as on AVX-512. The format (e4m3,
-# or e5m2 with ``wide``) is a runtime flag of the slot: the same instructions with other constants.
-
-
-def _f8_consts(builder, wide, i32):
-    """Per format (e4m3 | e5m2): the mantissa shift from float32, the exponent rebias, the
-    smallest normal's float32 bits, the subnormal-rounding magic value and its bits."""
-    c = lambda v: ir.Constant(i32, v)  # noqa: E731
-    f = ir.FloatType()
-    pick = lambda a, b: builder.select(wide, b, a)  # noqa: E731
-    return (pick(c(20), c(21)), pick(c(120), c(112)), pick(c(0x3C800000), c(0x38800000)),
-            pick(ir.Constant(f, 16384.0), ir.Constant(f, 128.0)), pick(c(0x46800000), c(0x43000000)))
+# written in LLVM IR without fast-math flags (the kernels' own flags allow contraction and
+# reciprocal approximations; the codec must equal the reference bit for bit): no table, no
+# gather, so the loops vectorise on AVX2 as on AVX-512. The format (e4m3, or e5m2 with ``wide``)
+# is a runtime flag of the slot, but ``state_open``/``state_close`` branch on it once per block,
+# so each format's loops compile with its constants: a runtime flag cost the AdamW kernel 0.5 ns
+# per element (selects in the loop, constants spilled). Decode through float16 (F16C's packed
+# convert), encode with the float32 adder doing the rounding.
 
 
 @intrinsic
 def f8_code(typingctx, y, inv, wide):
     """The float8 code (e4m3, or e5m2 with ``wide``) of the float32 product ``y * inv`` (finite and
-    below the format's overflow): round to nearest even, as ml_dtypes' cast. Normal results: the
-    float32 bits rounded to the format's mantissa bits and the exponent rebiased, the carry of a
-    rounding up moving into the exponent; subnormal ones: ``|q| + magic`` in float32, whose last
-    place is the format's smallest subnormal (2**-9 | 2**-16), rounds ``|q|`` to nearest even and
-    its low bits count the multiples (the smallest normal's code included)."""
+    at most a little above the format's largest value): round to nearest even, as ml_dtypes'
+    cast. The rounding is the float32 adder's: ``|q| + c``, with ``c`` the power of two whose
+    last place is the format's step in ``|q|``'s binade (``2**(e + 20 | 21)``, ``e`` the exponent
+    of ``|q|``, and at least that of the smallest normal, where the subnormals' fixed step
+    applies), is ``c`` plus ``|q|`` rounded to that step; the difference of the two bit patterns
+    counts the steps, and ``c``'s exponent gives the binade's first code. So the normal and the
+    subnormal codes come out of the same instructions (an integer max the only compare),
+    checked against ml_dtypes over every float32 below the overflow."""
     def codegen(context, builder, signature, args):
         i32, f = ir.IntType(32), ir.FloatType()
         c = lambda v: ir.Constant(i32, v)  # noqa: E731
-        sh, rebias, smallest, magic, magic_bits = _f8_consts(builder, args[2], i32)
+        wide = args[2]
+        pick = lambda a, b: builder.select(wide, c(b), c(a))  # noqa: E731
+        sh = pick(20, 21)  # 23 - the mantissa bits
+        lowest = pick(0x3C800000 + (20 << 23), 0x38800000 + (21 << 23))  # c for the smallest normal's binade
+        first = pick(141 << 3, 134 << 2)  # (c's exponent field - first) << mantissa bits: the binade's first code
         u = builder.bitcast(builder.fmul(args[0], args[1]), i32)
         a = builder.and_(u, c(0x7FFFFFFF))
-        half = builder.sub(builder.lshr(builder.shl(c(1), sh), c(1)), c(1))
-        r = builder.add(builder.add(a, half), builder.and_(builder.lshr(a, sh), c(1)))
-        normal = builder.sub(builder.lshr(r, sh), builder.shl(rebias, builder.sub(c(23), sh)))
-        t = builder.fadd(builder.bitcast(a, f), magic)
-        sub = builder.sub(builder.bitcast(t, i32), magic_bits)
-        code = builder.select(builder.icmp_unsigned(">=", a, smallest), normal, sub)
+        cb = builder.add(builder.and_(a, c(0x7F800000)), builder.shl(sh, c(23)))
+        cb = builder.select(builder.icmp_unsigned(">", cb, lowest), cb, lowest)
+        t = builder.bitcast(builder.fadd(builder.bitcast(a, f), builder.bitcast(cb, f)), i32)
+        code = builder.add(builder.sub(t, cb), builder.sub(builder.lshr(cb, sh), first))
         code = builder.or_(code, builder.and_(builder.lshr(u, c(24)), c(0x80)))
         return builder.trunc(code, ir.IntType(8))
 
     return types.uint8(types.float32, types.float32, types.boolean), codegen
 
 
-@intrinsic
+def _f8_value_bits(builder, k, wide):
+    """float8 ``code`` (i8) -> (float32 value, no F16C): the exponent and mantissa bits moved into
+    place and the exponent rebiased; subnormal codes ``mantissa * 2**-9 | 2**-16``; e4m3's 0x7F,
+    e5m2's 0x7D-0x7F NaN (0x7FC00000), e5m2's 0x7C infinity; the sign or-ed in."""
+    i32, f = ir.IntType(32), ir.FloatType()
+    c = lambda v: ir.Constant(i32, v)  # noqa: E731
+    sh, rebias = builder.select(wide, c(21), c(20)), builder.select(wide, c(112), c(120))
+    k = builder.zext(k, i32)
+    mag = builder.and_(k, c(0x7F))
+    normal = builder.bitcast(builder.add(builder.shl(mag, sh), builder.shl(rebias, c(23))), f)
+    tiny = builder.select(wide, ir.Constant(f, 2.0 ** -16), ir.Constant(f, 2.0 ** -9))
+    sub = builder.fmul(builder.sitofp(mag, f), tiny)
+    v = builder.select(builder.icmp_unsigned("<", mag, builder.select(wide, c(4), c(8))), sub, normal)
+    nan = builder.select(wide, builder.icmp_unsigned(">", mag, c(0x7C)), builder.icmp_unsigned("==", mag, c(0x7F)))
+    inf = builder.and_(wide, builder.icmp_unsigned("==", mag, c(0x7C)))
+    v = builder.select(inf, builder.bitcast(c(0x7F800000), f), v)
+    v = builder.select(nan, builder.bitcast(c(0x7FC00000), f), v)
+    return builder.bitcast(builder.or_(builder.bitcast(v, i32), builder.shl(builder.and_(k, c(0x80)), c(24))), f)
+
+
+def _f8_value_f16c(builder, k, wide):
+    """float8 ``code`` (i8) -> (its value * 2**-8 for e4m3, its value for e5m2, as float32) through
+    float16, which holds every float8 value of both formats exactly: e5m2's code is float16's top
+    byte (the same bias, subnormals, infinities); e4m3's magnitude shifted one place less, so the
+    float16 is the value * 2**-8 (the caller's scale carries the 2**8) and its subnormals are
+    float16 subnormals, which F16C's convert widens exactly whatever MXCSR's DAZ says. NaN codes
+    (e4m3's 0x7F, e5m2's 0x7D-0x7F) become float16 0x7E00, float32 0x7FC00000 as ml_dtypes gives,
+    with the code's sign."""
+    i16 = ir.IntType(16)
+    c = lambda v: ir.Constant(i16, v)  # noqa: E731
+    h = builder.shl(builder.zext(k, i16), c(8))
+    if wide:
+        nan = builder.icmp_unsigned(">", builder.and_(h, c(0x7FFF)), c(0x7C00))
+    else:
+        h = builder.and_(builder.ashr(h, c(1)), c(0xBF80))
+        nan = builder.icmp_unsigned("==", builder.and_(h, c(0x7FFF)), c(0x3F80))
+    h = builder.select(nan, builder.or_(builder.and_(h, c(0x8000)), c(0x7E00)), h)
+    return builder.fpext(builder.bitcast(h, ir.HalfType()), ir.FloatType())
+
+
+def _literal_bool(ty):
+    """The value of a boolean literal type, else None."""
+    return ty.literal_value if isinstance(ty, types.BooleanLiteral) else None
+
+
+@intrinsic(prefer_literal=True)
 def f8_value(typingctx, code, scale, wide):
     """The value of float8 ``code`` (e4m3, or e5m2 with ``wide``) times ``scale``, as the reference's
-    ``map[code] * scale``: one float32 rounding. Normal codes: the exponent and mantissa bits moved
-    into place and the exponent rebiased; subnormal ones: ``mantissa * 2**-9 | 2**-16``; e4m3's
-    0x7F, e5m2's 0x7D-0x7F: NaN (0x7FC00000, as ml_dtypes gives); e5m2's 0x7C: infinity."""
-    def codegen(context, builder, signature, args):
-        i32, f = ir.IntType(32), ir.FloatType()
-        c = lambda v: ir.Constant(i32, v)  # noqa: E731
-        wide = args[2]
-        sh, rebias, _, _, _ = _f8_consts(builder, wide, i32)
-        k = builder.zext(args[0], i32)
-        mag = builder.and_(k, c(0x7F))
-        normal = builder.bitcast(builder.add(builder.shl(mag, sh), builder.shl(rebias, c(23))), f)
-        tiny = builder.select(wide, ir.Constant(f, 2.0 ** -16), ir.Constant(f, 2.0 ** -9))
-        sub = builder.fmul(builder.sitofp(mag, f), tiny)
-        v = builder.select(builder.icmp_unsigned("<", mag, builder.select(wide, c(4), c(8))), sub, normal)
-        nan = builder.select(wide, builder.icmp_unsigned(">", mag, c(0x7C)), builder.icmp_unsigned("==", mag, c(0x7F)))
-        inf = builder.and_(wide, builder.icmp_unsigned("==", mag, c(0x7C)))
-        v = builder.select(inf, builder.bitcast(c(0x7F800000), f), v)
-        v = builder.select(nan, builder.bitcast(c(0x7FC00000), f), v)
-        v = builder.bitcast(builder.or_(builder.bitcast(v, i32), builder.shl(builder.and_(k, c(0x80)), c(24))), f)
-        return builder.fmul(v, args[1])
+    ``map[code] * scale``: one float32 rounding. With F16C and the format a literal (the kernels
+    compile each format's loop on its own): through float16 (``_f8_value_f16c``), the scale
+    times 2**8 for e4m3 (exact: a block's scale is at most 2**119.2); otherwise the integer
+    decode (``_f8_value_bits``)."""
+    literal = _literal_bool(wide)
 
-    return types.float32(types.uint8, types.float32, types.boolean), codegen
+    def codegen(context, builder, signature, args):
+        if literal is not None and has_f16c(context):
+            v = _f8_value_f16c(builder, args[0], literal)
+            scale = args[1] if literal else builder.fmul(args[1], ir.Constant(ir.FloatType(), 256.0))
+            return builder.fmul(v, scale)
+        return builder.fmul(_f8_value_bits(builder, args[0], args[2]), args[1])
+
+    return types.float32(types.uint8, types.float32, wide), codegen
 
 
 @intrinsic
@@ -909,7 +944,11 @@ def _state_open(a, seg, lo, hi, tmp):
             off, b = a.offset[seg], a.base[seg]
             if a.quant[seg]:
                 vals = tmp[: hi - lo]
-                f8_decode_block(a.codes[lo:hi], a.aux[b + (lo - off) // QBLOCK], vals, a.wide != 0)
+                codes, scale = a.codes[lo:hi], a.aux[b + (lo - off) // QBLOCK]
+                if a.wide:  # (each format's loop compiled with its constants)
+                    f8_decode_block(codes, scale, vals, True)
+                else:
+                    f8_decode_block(codes, scale, vals, False)
                 return vals
             return a.aux[b + lo - off : b + hi - off]
         return impl
@@ -930,7 +969,8 @@ def _state_close(a, seg, lo, hi, vals):
     if _is_f8(a):
         def impl(a, seg, lo, hi, vals):
             if a.quant[seg]:
-                sc = f8_encode_block(vals, a.codes[lo:hi], a.wide != 0)
+                codes = a.codes[lo:hi]
+                sc = f8_encode_block(vals, codes, True) if a.wide else f8_encode_block(vals, codes, False)
                 k = a.base[seg] + (lo - a.offset[seg]) // QBLOCK
                 scale = a.aux[k : k + 1]  # (a one-element view: see the 8-bit close below)
                 scale[0] = sc

@@ -120,18 +120,19 @@ __device__ __forceinline__ unsigned char q8_code(float q, const int* table, int 
     return (unsigned char)((e & 255u) + (sign ? 0u - moved : moved));
 }
 
-// The float8 code (e4m3, or e5m2 with `wide`) of the float32 product y * inv (finite, below the
-// format's overflow), round to nearest even: the CPU family's f8_code, step for step (normal:
-// the bits rounded to the format's mantissa bits and the exponent rebiased; subnormal: |q| plus a
-// magic value whose last place is the smallest subnormal, 2^-9 | 2^-16).
+// The float8 code (e4m3, or e5m2 with `wide`) of the float32 product y * inv (finite, at most a
+// little above the format's largest value), round to nearest even: the CPU family's f8_code, step
+// for step. The adder rounds: |q| + c, with c the power of two whose last place is the format's
+// step in |q|'s binade (2^(e + 20 | 21), at least the smallest normal's binade, where the
+// subnormals' fixed step applies); the bit patterns' difference counts the steps and c's exponent
+// gives the binade's first code.
 __device__ __forceinline__ unsigned char f8_code(float y, float inv, bool wide) {
     const u32 sh = wide ? 21u : 20u;
     const u32 u = __float_as_uint(__fmul_rn(y, inv));
     const u32 a = u & 0x7FFFFFFFu;
-    const u32 normal = ((a + ((1u << (sh - 1u)) - 1u) + ((a >> sh) & 1u)) >> sh) - (wide ? (112u << 2) : (120u << 3));
-    const u32 sub = __float_as_uint(__fadd_rn(__uint_as_float(a), wide ? 128.0f : 16384.0f))
-                    - (wide ? 0x43000000u : 0x46800000u);
-    return (unsigned char)((a >= (wide ? 0x38800000u : 0x3C800000u) ? normal : sub) | ((u >> 24) & 0x80u));
+    const u32 c = max((a & 0x7F800000u) + (sh << 23), wide ? 0x38800000u + (21u << 23) : 0x3C800000u + (20u << 23));
+    const u32 t = __float_as_uint(__fadd_rn(__uint_as_float(a), __uint_as_float(c)));
+    return (unsigned char)((t - c + (c >> sh) - (wide ? (134u << 2) : (141u << 3))) | ((u >> 24) & 0x80u));
 }
 
 // -- a state slot inside a kernel: slot<S> M(m, seg); M.load(i), M.store(i, x), M.close(i, live) --
