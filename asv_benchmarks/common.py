@@ -44,15 +44,24 @@ def best_seconds(fn, reps: int = 7) -> float:
 
 
 @functools.lru_cache(maxsize=None)
-def triad_gbs() -> float:
-    """This machine's streaming bandwidth now: numba triad ``a = b + s*c`` (12 B/element)."""
+def _triad():
+    """The triad kernel, compiled or loaded from numba's cache on first use (asv forks a fresh
+    process for every benchmark and parameter: compiling it in each cost 25 of the 65 s that
+    OptimizerStep's triad fractions took in the quick run)."""
     from numba import njit, prange
 
-    @njit(parallel=True)
+    @njit(parallel=True, cache=True)
     def triad(a, b, c, s):
         for i in prange(a.size):
             a[i] = b[i] + s * c[i]
 
+    return triad
+
+
+@functools.lru_cache(maxsize=None)
+def triad_gbs() -> float:
+    """This machine's streaming bandwidth now: numba triad ``a = b + s*c`` (12 B/element)."""
+    triad = _triad()
     n = 2_000_000 if QUICK else 20_000_000  # 240 MB: far beyond any cache
     a, b, c = np.zeros(n, np.float32), np.ones(n, np.float32), np.ones(n, np.float32)
     triad(a, b, c, np.float32(2.0))
