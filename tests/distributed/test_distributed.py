@@ -21,6 +21,7 @@ import pytest
 import arraytrain
 from arraytrain.distributed import abort_on_error, find_mpiexec, launch
 from arraytrain.errors import BackendUnavailableError
+from thread_group import ThreadGroup
 
 HERE = Path(__file__).resolve().parent
 CHECKS = HERE / "mpi" / "checks.py"
@@ -55,12 +56,31 @@ def test_collectives_compressed_exchange_and_engine(n):
     print(summary)
 
 
-@pytest.mark.slow  # the slow tier: 2 then 3 ranks (3 processes on 2 cores: 1-3 minutes of CI)
+def _shard_checks():
+    sys.path.insert(0, str(CHECKS.parent))
+    try:
+        import shard_checks
+    finally:
+        sys.path.remove(str(CHECKS.parent))
+    return shard_checks
+
+
+@pytest.mark.slow  # the slow tier: 2 then 3 ranks (3 minutes of compiling with numba's cache empty)
 def test_sharded_state_and_overlap_over_mpi_and_a_checkpoint_across_numbers_of_ranks(tmp_path):
     """2 ranks then 3 ranks: the sharded engine follows the replicated one, the overlapped exchange the
     blocking one (MPI's nonblocking collectives, on 2 ranks: on 3 the overlap's bucketing is the
     thread groups' of tests/distributed/test_overlap.py); 3 ranks resume the 2 ranks' checkpoint, and
     one process resumes both, each continuing the one-process trajectory."""
+    rank_env()  # (skips without MPI)
+    shard_checks = _shard_checks()
+    # The checks' kernels compiled once, here, on a group of two threads (numba compiles under one
+    # lock), and loaded from numba's cache by the ranks: 2 or 3 ranks compiling the same kernels
+    # at once on 2 cores took 2.5 minutes of CI; one process compiles them in about as much CPU
+    # time as one rank, and the ranks then take seconds. The threads run the checks themselves.
+    for check in (shard_checks.check_sharded_equals_replicated_for_every_elementwise_optimizer,
+                  shard_checks.check_low_precision_sharded_equals_replicated,
+                  shard_checks.check_8bit_sharded_equals_replicated):
+        ThreadGroup(2).run(lambda rank, comm: check(comm))  # noqa: B023 - run at once
     os.environ["ARRAYTRAIN_SHARD_DIR"] = str(tmp_path)  # launch() passes this process's environment on
     try:
         for n, groups in ((2, ("shard", "overlap")), (3, ("shard",))):
@@ -69,11 +89,6 @@ def test_sharded_state_and_overlap_over_mpi_and_a_checkpoint_across_numbers_of_r
             assert f"checks passed on {n} ranks" in proc.stdout.strip().splitlines()[-1], proc.stdout + proc.stderr
     finally:
         del os.environ["ARRAYTRAIN_SHARD_DIR"]
-    sys.path.insert(0, str(CHECKS.parent))
-    try:
-        import shard_checks
-    finally:
-        sys.path.remove(str(CHECKS.parent))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["saved-by-2.safetensors", "saved-by-3.safetensors"]
     os.environ["ARRAYTRAIN_SHARD_DIR"] = str(tmp_path)
     try:
