@@ -811,7 +811,7 @@ def _f8_value_f16c(builder, k, wide):
     """float8 ``code`` (i8) -> (its value * 2**-8 for e4m3, its value for e5m2, as float32) through
     float16, which holds every float8 value of both formats exactly: e5m2's code is float16's top
     byte (the same bias, subnormals, infinities); e4m3's magnitude shifted one place less, so the
-    float16 is the value * 2**-8 (the caller's scale carries the 2**8) and its subnormals are
+    float16 is the value * 2**-8 (the caller multiplies by 2**8, exactly) and its subnormals are
     float16 subnormals, which F16C's convert widens exactly whatever MXCSR's DAZ says. NaN codes
     (e4m3's 0x7F, e5m2's 0x7D-0x7F) become float16 0x7E00, float32 0x7FC00000 as ml_dtypes gives,
     with the code's sign."""
@@ -836,16 +836,17 @@ def _literal_bool(ty):
 def f8_value(typingctx, code, scale, wide):
     """The value of float8 ``code`` (e4m3, or e5m2 with ``wide``) times ``scale``, as the reference's
     ``map[code] * scale``: one float32 rounding. With F16C and the format a literal (the kernels
-    compile each format's loop on its own): through float16 (``_f8_value_f16c``), the scale
-    times 2**8 for e4m3 (exact: a block's scale is at most 2**119.2); otherwise the integer
-    decode (``_f8_value_bits``)."""
+    compile each format's loop on its own): through float16 (``_f8_value_f16c``; e4m3's value
+    times 2**8 first, exact, so that any scale, even one no encoder gives, rounds as the map's
+    value times it); otherwise the integer decode (``_f8_value_bits``)."""
     literal = _literal_bool(wide)
 
     def codegen(context, builder, signature, args):
         if literal is not None and has_f16c(context):
             v = _f8_value_f16c(builder, args[0], literal)
-            scale = args[1] if literal else builder.fmul(args[1], ir.Constant(ir.FloatType(), 256.0))
-            return builder.fmul(v, scale)
+            if not literal:
+                v = builder.fmul(v, ir.Constant(ir.FloatType(), 256.0))
+            return builder.fmul(v, args[1])
         return builder.fmul(_f8_value_bits(builder, args[0], args[2]), args[1])
 
     return types.float32(types.uint8, types.float32, wide), codegen
