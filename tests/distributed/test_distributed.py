@@ -65,7 +65,7 @@ def _shard_checks():
     return shard_checks
 
 
-@pytest.mark.slow  # the slow tier: 2 then 3 ranks (3 minutes of compiling with numba's cache empty)
+@pytest.mark.slow  # the slow tier: 2 then 3 ranks (about a minute of compiling with numba's cache empty)
 def test_sharded_state_and_overlap_over_mpi_and_a_checkpoint_across_numbers_of_ranks(tmp_path):
     """2 ranks then 3 ranks: the sharded engine follows the replicated one, the overlapped exchange the
     blocking one (MPI's nonblocking collectives, on 2 ranks: on 3 the overlap's bucketing is the
@@ -77,7 +77,7 @@ def test_sharded_state_and_overlap_over_mpi_and_a_checkpoint_across_numbers_of_r
     # lock), and loaded from numba's cache by the ranks: 2 or 3 ranks compiling the same kernels
     # at once on 2 cores took 2.5 minutes of CI; one process compiles them in about as much CPU
     # time as one rank, and the ranks then take seconds. The threads run the checks themselves.
-    for check in (shard_checks.check_sharded_equals_replicated_for_every_elementwise_optimizer,
+    for check in (shard_checks.check_sharded_equals_replicated_for_every_kind_of_elementwise_step,
                   shard_checks.check_low_precision_sharded_equals_replicated,
                   shard_checks.check_8bit_sharded_equals_replicated):
         ThreadGroup(2).run(lambda rank, comm: check(comm))  # noqa: B023 - run at once

@@ -23,19 +23,20 @@ from arraytrain.errors import HyperparameterError, LayoutError
 
 SHAPES = {"emb": (130, 101), "b": (7,), "mid": (41000,), "tiny": (3, 5), "head": (95, 400)}
 
+# What runs over MPI: one optimizer per kind of sharded step (momentum alone, Adam's moments with
+# amsgrad's maximum, LAMB's per-parameter sums across ranks, schedule-free's averaged weights).
+# Every element-wise optimizer, in every state dtype, is checked sharded against replicated on
+# groups of threads (tests/distributed/test_shard.py); here the transport is what differs, and
+# each optimizer's kernels cost a CI compile (11 optimizers in float64, 4 in low precision and 4
+# in 8 bits took 3 minutes of one core).
 ELEMENTWISE = {
     "sgd": lambda **kw: at.optim.SGD(lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-3, **kw),
     "adamw": lambda **kw: at.optim.AdamW(lr=1e-2, weight_decay=0.01, amsgrad=True, **kw),
-    "nadam": lambda **kw: at.optim.NAdam(lr=1e-2, **kw),
-    "radam": lambda **kw: at.optim.RAdam(lr=1e-2, **kw),
-    "adamax": lambda **kw: at.optim.Adamax(lr=1e-2, **kw),
-    "adagrad": lambda **kw: at.optim.Adagrad(lr=0.05, **kw),
-    "rmsprop": lambda **kw: at.optim.RMSprop(lr=1e-3, momentum=0.5, centered=True, **kw),
-    "lion": lambda **kw: at.optim.Lion(lr=1e-3, weight_decay=0.1, **kw),
     "lamb": lambda **kw: at.optim.LAMB(lr=1e-2, weight_decay=0.01, **kw),
-    "adadelta": lambda **kw: at.optim.Adadelta(lr=1.0, **kw),
     "schedule-free": lambda **kw: at.optim.ScheduleFreeAdamW(lr=1e-2, **kw),
 }
+LOW_PRECISION = ("adamw", "lamb")
+EIGHT_BIT = ("adamw", "lamb")
 
 
 def params(dtype=np.float64) -> dict:
@@ -94,7 +95,7 @@ def _run(comm, make, shard, dtype=np.float64, steps=4, micro=2, align=16, **kw):
     return np.array(weights.flat, np.float64), reports, eng
 
 
-def check_sharded_equals_replicated_for_every_elementwise_optimizer(comm) -> int:
+def check_sharded_equals_replicated_for_every_kind_of_elementwise_step(comm) -> int:
     for name, make in ELEMENTWISE.items():
         kw = dict(schedule=at.schedules.CosineAnnealingLR(10), loss_scaler=at.LossScaler(init_scale=2.0**8))
         want, want_reps, _ = _run(comm, make, False, **kw)
@@ -111,7 +112,7 @@ def check_sharded_equals_replicated_for_every_elementwise_optimizer(comm) -> int
 
 def check_low_precision_sharded_equals_replicated(comm) -> int:
     cases = 0
-    for name in ("adamw", "sgd", "lion", "lamb"):
+    for name in LOW_PRECISION:
         bf16 = (lambda f: lambda: f(state_dtype="bfloat16"))(ELEMENTWISE[name])
         for make, kw in ((bf16, {}), (ELEMENTWISE[name], {"working_dtype": "bfloat16"}),
                          (ELEMENTWISE[name], {"working_dtype": "float16"})):
@@ -128,7 +129,7 @@ def check_8bit_sharded_equals_replicated(comm) -> int:
     no block, and it follows the replicated engine of the same layout; the gathered state dict holds
     the replicated form (8-bit entries), the same on every rank."""
     cases = 0
-    for name in ("adamw", "lamb", "rmsprop", "schedule-free"):
+    for name in EIGHT_BIT:
         make = (lambda f: lambda: f(state_dtype="8bit"))(ELEMENTWISE[name])
         want, _, rep = _run(comm, make, False, np.float32, align=256)
         got, _, eng = _run(comm, make, True, np.float32)
