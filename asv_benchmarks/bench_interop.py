@@ -7,7 +7,10 @@ asv_benchmarks.direct bench_interop`` runs it in an environment with torch).
 
 from __future__ import annotations
 
-from .common import SIZES, split
+from .common import QUICK, SIZES, split
+
+# every parameter is a process of its own that imports torch (about 3 s): the quick run keeps one group count
+GROUPS = [10] if QUICK else [1, 10, 100]
 
 
 class DropInAdamWStep:
@@ -47,7 +50,7 @@ class ReadParamGroups:
     nothing changed, ``lr`` set anew (a scheduler), or ``lr`` and beta1 set anew (OneCycleLR's
     ``cycle_momentum``, set on the optimizer without building one). The writes are in the timing."""
 
-    params = [[1, 10, 100], ["unchanged", "lr", "lr+betas"]]
+    params = [GROUPS, ["unchanged", "lr", "lr+betas"]]
     param_names = ["groups", "change"]
 
     def setup(self, groups, change):
