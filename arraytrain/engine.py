@@ -583,7 +583,7 @@ class Engine:
         self.refresh_working()
         return StepReport(applied=False, skipped=False, step=step, micro_batches=0, lr=lr, grad_norm=verdict.norm,
                           clip_coef=verdict.coef, loss_scale=self.loss_scale, perturbed=True,
-                          _segment_norms=verdict.segment_norms, _names=self.layout.names)
+                          _segment_norms=verdict, _names=self.layout.names)
 
     def _bookkeeping(self, verdict: Verdict, lr: float, payload) -> StepReport:
         """An applied step: counters, the loss scaler, the report."""
@@ -593,7 +593,7 @@ class Engine:
             self.loss_scaler.update(found_inf=False)
         return StepReport(applied=True, skipped=False, step=self.state.step, micro_batches=0, lr=lr,
                           grad_norm=verdict.norm, clip_coef=verdict.coef, loss_scale=self.loss_scale,
-                          _segment_norms=verdict.segment_norms, _names=self.layout.names,
+                          _segment_norms=verdict, _names=self.layout.names,
                           payload_bytes=None if payload is None else payload.nbytes,
                           dense_bytes=None if payload is None else payload.dense_nbytes)
 

@@ -3,25 +3,51 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-
 import numpy as np
 
 from .layout import Layout
 
 
-@dataclass(frozen=True)
 class NormPass:
     """What one read-only pass over a gradient buffer found.
 
     ``norm`` and ``segment_norms`` are L2 norms of the buffer as stored (before
     any scale the caller folds in later); ``nonfinite`` is True when an element
-    is NaN or Inf (the norms are then meaningless).
+    is NaN or Inf (the norms are then meaningless). Made :meth:`of_sums` or
+    :meth:`lazy`, the per-segment norms are formed when first read: every step
+    reports them, few callers read them, and two NumPy calls a step cost
+    microseconds each inside a training loop.
     """
 
-    norm: float
-    segment_norms: np.ndarray
-    nonfinite: bool
+    __slots__ = ("norm", "nonfinite", "_norms", "_make")
+
+    def __init__(self, norm: float, segment_norms: np.ndarray | None, nonfinite: bool):
+        self.norm, self.nonfinite, self._norms, self._make = norm, nonfinite, segment_norms, None
+
+    @classmethod
+    def lazy(cls, norm: float, make, nonfinite: bool = False) -> NormPass:
+        """A finding whose per-segment norms are ``make()``, called when they are first read."""
+        found = cls(norm, None, nonfinite)
+        found._make = make
+        return found
+
+    @classmethod
+    def of_sums(cls, norm: float, sums: np.ndarray, peak: float = 1.0) -> NormPass:
+        """A finite finding whose per-segment norms are ``peak * sqrt(sums)``."""
+        return cls.lazy(norm, lambda: np.sqrt(sums) if peak == 1.0 else peak * np.sqrt(sums))
+
+    @property
+    def segment_norms(self) -> np.ndarray:
+        if self._norms is None:
+            self._norms = self._make()
+        return self._norms
+
+    def applied(self) -> NormPass:
+        """The same finding taken as finite (a non-finite gradient applied, not skipped)."""
+        return NormPass.lazy(self.norm, lambda: self.segment_norms)
+
+    def __repr__(self) -> str:
+        return f"NormPass(norm={self.norm!r}, nonfinite={self.nonfinite!r})"
 
 
 def norm_pass(kernels, flat, layout: Layout, grad_ptrs=None) -> NormPass:
@@ -37,7 +63,7 @@ def norm_pass(kernels, flat, layout: Layout, grad_ptrs=None) -> NormPass:
     """
     total, per_seg = kernels.sumsq(flat, layout.pieces, nseg=len(layout), grad_ptrs=grad_ptrs)
     if math.isfinite(total):
-        return NormPass(math.sqrt(total), np.sqrt(per_seg), False)
+        return NormPass.of_sums(math.sqrt(total), per_seg)
     nonfinite = NormPass(math.nan, np.full(len(layout), np.nan), True)
     if flat.dtype.itemsize < 8 or (grad_ptrs is None and not kernels.all_finite(flat)):
         return nonfinite
@@ -47,7 +73,7 @@ def norm_pass(kernels, flat, layout: Layout, grad_ptrs=None) -> NormPass:
     total, per_seg = kernels.sumsq_scaled(flat, layout.pieces, nseg=len(layout), inv=1.0 / peak, grad_ptrs=grad_ptrs)
     if not math.isfinite(total):  # a NaN that max_abs passed over
         return nonfinite
-    return NormPass(peak * math.sqrt(total), peak * np.sqrt(per_seg), False)
+    return NormPass.of_sums(peak * math.sqrt(total), per_seg, peak)
 
 
 # The global-norm clipping rules, named by their ``clip_eps`` (the Engine's and

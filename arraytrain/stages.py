@@ -47,7 +47,8 @@ class Judge:
         """The norm pass over ``flat``, on the host or (CUDA) as a gate left on the device; none at all
         when nothing needs it (no non-finite check and no clipping: the report's norms are NaN)."""
         if not self.check and self.max_norm is None:
-            return Verdict(NormPass(math.nan, np.full(len(layout), math.nan), False), unscale=unscale,
+            n = len(layout)
+            return Verdict(NormPass.lazy(math.nan, lambda: np.full(n, math.nan)), unscale=unscale,
                            max_norm=None, eps=self.eps)
         if on_device:
             return Verdict.on_device(self.kernels, flat, layout, unscale=unscale, max_norm=self.max_norm,
@@ -61,7 +62,7 @@ class Judge:
         update carries the NaN/Inf into the weights, as torch's step does."""
         if self.check or not found.nonfinite:
             return found
-        return NormPass(found.norm, found.segment_norms, False)
+        return found.applied()
 
 
 class Verdict:
@@ -102,7 +103,7 @@ class Verdict:
 
     @property
     def segment_norms(self) -> np.ndarray:
-        """Per-parameter L2 norms of the true gradient."""
+        """Per-parameter L2 norms of the true gradient (formed when read: a report holds the verdict)."""
         return self.found.segment_norms / self.unscale
 
     @property
@@ -150,7 +151,7 @@ class Verdict:
         kernels, sums, _, flat, layout = self._device
         total, per_seg = kernels.read_sums(sums)
         if math.isfinite(total):
-            self.found = NormPass(math.sqrt(total), np.sqrt(per_seg), False)
+            self.found = NormPass.of_sums(math.sqrt(total), per_seg)
             return True
         self.found = norm_pass(kernels, flat, layout)
         return False
@@ -181,7 +182,7 @@ class StepReport:
     clip_coef: float | None = None
     loss_scale: float = 1.0
     perturbed: bool = False
-    _segment_norms: np.ndarray | None = field(default=None, repr=False)
+    _segment_norms: np.ndarray | Verdict | None = field(default=None, repr=False)  # (a Verdict: norms when read)
     _names: tuple = field(default=(), repr=False)
     payload_bytes: int | None = None
     dense_bytes: int | None = None
@@ -194,6 +195,9 @@ class StepReport:
     @property
     def grad_norms(self) -> dict[str, float] | None:
         """Per-parameter L2 norms of the reduced gradient (from the same pass)."""
-        if self._segment_norms is None:
+        norms = self._segment_norms
+        if norms is None:
             return None
-        return {n: float(x) for n, x in zip(self._names, self._segment_norms)}
+        if isinstance(norms, Verdict):  # (formed now: most steps' reports are never asked)
+            norms = norms.segment_norms
+        return {n: float(x) for n, x in zip(self._names, norms)}

@@ -619,11 +619,9 @@ class TorchOptimizer(torch.optim.Optimizer):
                 self._rebuild(self._partition(signatures=[s.sig for s in self._seen]))
                 return self.read_param_groups()
         if rates:
-            lrs = np.array([s.lr for s in self._seen])
-            wds = np.array([s.wd for s in self._seen])
+            values = np.array([(s.lr, s.wd) for s in self._seen])  # (one call: each costs microseconds in a loop)
             for c in self._cohorts:
-                np.take(lrs, c.group_of, out=c.lrs)
-                np.take(wds, c.group_of, out=c.wds)
+                np.take(values, c.group_of, axis=0, out=c.rates)
                 first = self._seen[c.index[0][0]]  # (the group of the engine's first parameter)
                 opt = getattr(c.engine.optimizer, "base", c.engine.optimizer)  # SAM reports its base's
                 opt.lr, opt.weight_decay = first.lr, first.wd

@@ -63,22 +63,35 @@ class Adam(Optimizer):
 
     def update(self, kernels, params, grads, state, *, gscale=1.0, lr=None, zero_grad=False, working=None,
                mask=None):
-        lr = self._lr(state, lr)
-        wd = self.per_param(state, "weight_decay")
         t = state.step + 1
         b1, b2 = self.betas
-        if self._decoupled:
-            l2, decay = np.zeros(wd.shape, params.flat.dtype), decoupled_decay(lr, wd)
-        else:
-            l2, decay = wd, np.ones_like(wd)
+        step_size, l2, decay = self.rates(state, lr, 1.0 - b1**t, params.flat.dtype)
         m = self._slot(state, "exp_avg")
         vmax = self._slot(state, "max_exp_avg_sq") if self.amsgrad else unused_slot(m)
         kernels.adam_step(params.flat, grads.flat, m, self._slot(state, "exp_avg_sq"), vmax, self._pieces(params),
-                          gscale=self._signed(gscale), step_size=lr / (1.0 - b1**t), beta1=b1, beta2=b2,
+                          gscale=self._signed(gscale), step_size=step_size, beta1=b1, beta2=b2,
                           eps=self.eps, inv_bc2_sqrt=1.0 / math.sqrt(1.0 - b2**t), l2=l2, decay=decay,
                           amsgrad=self.amsgrad, **working_args(working), zero_grad=zero_grad,
                           mask=mask_arg(mask, params), grad_ptrs=self._grad_ptrs(params, grads))
         state.step = t
+
+    def rates(self, state, lr, bc1: float, dtype):
+        """``(step_size, l2, decay)``, the kernel's per-parameter values for bias correction ``bc1``
+        (``1 - beta1**t``): from the overrides in one compiled call (:mod:`arraytrain.optim._rates`), or
+        with a schedule's rates ``lr`` by the NumPy expressions that call reproduces bit for bit."""
+        if lr is None:
+            from ._rates import adam_rates, like  # (numba: imported at the first step, not with the package)
+
+            hp = state.hp
+            return adam_rates(hp["lr"], hp["weight_decay"], float(self.lr), float(self.weight_decay), bc1,
+                              self._decoupled, like(dtype))
+        lr = self._lr(state, lr)
+        wd = self.per_param(state, "weight_decay")
+        if self._decoupled:
+            l2, decay = np.zeros(wd.shape, dtype), decoupled_decay(lr, wd)
+        else:
+            l2, decay = wd, np.ones_like(wd)
+        return lr / bc1, l2, decay
 
 
 class AdamW(Adam):

@@ -216,7 +216,7 @@ class Sharded(Placement):
         comm.allreduce(sums, "sum")
         wsum, total = float(sums[-1]), float(sums[0])
         if math.isfinite(total):
-            return judge.found(NormPass(math.sqrt(total), np.sqrt(sums[1:-1]), False), wsum)
+            return judge.found(NormPass.of_sums(math.sqrt(total), sums[1:-1]), wsum)
         nonfinite = judge.found(NormPass(math.nan, np.full(nseg, np.nan), True), wsum)
         if g.flat.dtype.itemsize < 8:
             return nonfinite
@@ -228,7 +228,7 @@ class Sharded(Placement):
         total, per_seg = kernels.sumsq_scaled(g.flat, part.pieces, nseg=nseg, inv=1.0 / peak)
         sums = np.concatenate(([total], per_seg))
         comm.allreduce(sums, "sum")
-        return judge.found(NormPass(peak * math.sqrt(sums[0]), peak * np.sqrt(sums[1:]), False), wsum)
+        return judge.found(NormPass.of_sums(peak * math.sqrt(sums[0]), sums[1:], peak), wsum)
 
     def update(self, optimizer, kernels, state, gscale, lrs, zero_grad: bool, groups=None, grads_at=None) -> None:
         """The own partition's update, then every rank's into every rank's weights; the gradient

@@ -1,0 +1,55 @@
+"""The per-parameter rates a step hands its kernel, formed in one compiled call.
+
+A step's kernel takes its learning rate, L2 coefficient and decay factor as one value per
+parameter, in the parameters' dtype. Formed with NumPy (the overrides' NaN replaced by the
+optimizer's value, the bias correction divided in, the decay factor, each cast to the storage
+dtype) that is about ten calls on arrays of a few dozen elements a step: microseconds each,
+several times that inside a training loop, where the forward and backward pass have just
+evicted NumPy's code from the caches. :func:`adam_rates` forms Adam's three in one loop with the
+same float64 operations in the same order, so the bits are those of the NumPy expressions
+(:meth:`arraytrain.optim.Adam.update`'s reference form, compared in ``tests/optim/test_rates.py``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+# No fastmath: each product, quotient and difference rounds as NumPy's does (no contraction into an FMA).
+_JIT = dict(cache=True, error_model="numpy", nogil=True)
+
+_LIKE: dict = {}
+
+
+def like(dtype) -> np.ndarray:
+    """An empty array of ``dtype``: what the compiled helpers take to know the dtype of their output."""
+    try:
+        return _LIKE[dtype]
+    except KeyError:
+        return _LIKE.setdefault(dtype, np.empty(0, dtype))
+
+
+@njit(**_JIT)
+def adam_rates(hp_lr, hp_wd, lr, weight_decay, bc1, decoupled, like):
+    """``(step_size, l2, decay)`` in ``like``'s dtype: per parameter, the override (``hp_lr``/``hp_wd``,
+    NaN: none) or the optimizer's ``lr``/``weight_decay``; ``step_size = lr / bc1``; decoupled
+    (AdamW): ``l2 = 0``, ``decay = 1 - lr * weight_decay``; else ``l2 = weight_decay``, ``decay = 1``."""
+    n = hp_lr.size
+    step_size = np.empty(n, like.dtype)
+    l2 = np.empty(n, like.dtype)
+    decay = np.empty(n, like.dtype)
+    for i in range(n):
+        a = hp_lr[i]
+        if np.isnan(a):
+            a = lr
+        w = hp_wd[i]
+        if np.isnan(w):
+            w = weight_decay
+        step_size[i] = a / bc1
+        if decoupled:
+            l2[i] = 0.0
+            decay[i] = 1.0 - a * w
+        else:
+            l2[i] = w
+            decay[i] = 1.0
+    return step_size, l2, decay
