@@ -205,8 +205,8 @@ def _ready(engine_ref, i: int, p) -> None:
 class Cohort:
     """One engine and where its parameters sit in the param groups."""
 
-    __slots__ = ("engine", "group_of", "groups", "held", "index", "lrs", "rates", "scalar_tensors", "signature",
-                 "steps", "step_tensors", "wds")
+    __slots__ = ("engine", "flat_rates", "group_of", "groups", "held", "index", "lrs", "pairs", "rates",
+                 "scalar_tensors", "signature", "steps", "step_tensors", "wds")
 
     def __init__(self, engine: GroupEngine, index: list, signature):
         self.engine = engine
@@ -220,9 +220,11 @@ class Cohort:
         self.step_tensors = [whole[i] for i in range(len(index))]
         self.scalar_tensors = {k: torch.tensor(v, dtype=torch.float32) for k, v in engine.state.scalars.items()}
         n = len(index)
-        # each parameter's group's lr and weight_decay (columns), set by the first read of the groups
+        # each parameter's group's lr and weight_decay (columns), set by the first read of the groups, taken
+        # from the groups' (lr, weight_decay) pairs, flat, at ``pairs``
         self.rates, self.held = np.zeros((n, 2)), False
-        self.lrs, self.wds = self.rates[:, 0], self.rates[:, 1]
+        self.lrs, self.wds, self.flat_rates = self.rates[:, 0], self.rates[:, 1], self.rates.reshape(-1)
+        self.pairs = np.stack([2 * self.group_of, 2 * self.group_of + 1], axis=1).reshape(-1)
         self.sync_tensors()
 
     def sync_tensors(self) -> None:

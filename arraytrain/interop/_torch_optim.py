@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import operator
 from collections import defaultdict
 from collections.abc import Mapping
 
@@ -75,10 +76,11 @@ OPTIONS = {"max_grad_norm": None, "clip_eps": CLIP_EPS, "state_dtype": None, "mi
 class _Seen:
     """A group's values as the last read found them: the raw tuple, whether it holds tensors, what they mean."""
 
-    __slots__ = ("lr", "raw", "sig", "sig_tensors", "tensors", "wd")
+    __slots__ = ("lr", "raw", "rest", "sig", "sig_tensors", "tensors", "wd")
 
     def __init__(self, raw, tensors, sig_tensors, lr, wd, sig):
         self.raw, self.tensors, self.sig_tensors, self.lr, self.wd, self.sig = raw, tensors, sig_tensors, lr, wd, sig
+        self.rest = raw[2:]  # the values after lr and weight_decay
 
 
 def _rate(gi: int, key: str, v) -> float:
@@ -327,10 +329,12 @@ class TorchOptimizer(torch.optim.Optimizer):
         self._keys = tuple(k for k in defaults if k not in PER_PARAM and k not in IGNORED_FLAGS
                            and k not in REFUSED_FLAGS)
         self._read_keys = ("lr", "weight_decay", *self._keys)
+        self._read_values = operator.itemgetter(*self._read_keys)  # a group's values as a tuple, in one C call
         self._tunable = {i: TUNE_CHECKS[k] for i, k in enumerate(self._keys) if k in self.TUNABLE}
         self._cohorts: list[Cohort] = []
         self._by_sig: dict = {}  # kernel-wide values -> their arraytrain optimizer (see _optimizer_of)
-        self._seen: list = []  # per group: (raw tuple, has tensors, (lr, wd, signature))
+        self._seen: list = []  # per group: a _Seen (the values the last read found), None: read it anew
+        self._rates: list = []  # per group: lr, weight_decay (a flat list: one np.array call a step)
         self._built = False
         self._skips = 0
         self._evaluating = None
@@ -542,8 +546,13 @@ class TorchOptimizer(torch.optim.Optimizer):
         for c in self._cohorts:
             c.engine.close()
         self._cohorts = cohorts
-        self._seen = [None] * len(self.param_groups)
+        self._forget_groups()
         self._publish_state()
+
+    def _forget_groups(self) -> None:
+        """The next read of the groups reads every group anew (the engines were rebuilt or loaded)."""
+        self._seen = [None] * len(self.param_groups)
+        self._rates = [0.0] * (2 * len(self.param_groups))
 
     def _publish_state(self) -> None:
         """``self.state[p]``: torch's per-parameter state, as live views of the engines' slots."""
@@ -575,16 +584,24 @@ class TorchOptimizer(torch.optim.Optimizer):
         arraytrain optimizer (the full validation) only when they changed.
         """
         rates = retuned = False
-        resig, updates = [], []
-        keys, seen_all = self._read_keys, self._seen
+        resig, updates, rated = [], [], []
+        read, seen_all, inf = self._read_values, self._seen, math.inf
         for gi, group in enumerate(self.param_groups):
             try:
-                raw = tuple([group[k] for k in keys])
+                raw = read(group)
             except KeyError as exc:
                 raise HyperparameterError(f"{group_name(gi)}: lacks {exc.args[0]!r}") from None
             seen = seen_all[gi]
-            if seen is not None and not seen.tensors and _same(raw, seen.raw):
-                continue
+            if seen is not None and not seen.tensors:
+                if _same(raw, seen.raw):
+                    continue
+                lr, wd = raw[0], raw[1]
+                # a scheduler's usual change: lr (or weight_decay) alone, floats in [0, inf)
+                if (type(lr) is float and type(wd) is float and 0.0 <= lr < inf and 0.0 <= wd < inf
+                        and not seen.sig_tensors and _same(raw[2:], seen.rest)):
+                    rated.append((gi, seen, raw, lr, wd))
+                    rates = True
+                    continue
             lr, wd = raw[0], raw[1]
             if type(lr) is not float or not 0.0 <= lr < math.inf:
                 lr = _rate(gi, "lr", lr)
@@ -605,8 +622,13 @@ class TorchOptimizer(torch.optim.Optimizer):
             updates.append((gi, _Seen(raw, tensors, sig_tensors, lr, wd, sig)))
         for gi, sig in resig:
             self._check_same_state(gi, sig)
+        values = self._rates
         for gi, seen in updates:
             self._seen[gi] = seen
+            values[2 * gi], values[2 * gi + 1] = seen.lr, seen.wd
+        for gi, seen, raw, lr, wd in rated:
+            seen.raw, seen.lr, seen.wd = raw, lr, wd
+            values[2 * gi], values[2 * gi + 1] = lr, wd
         if resig or retuned:
             split = False
             for c in self._cohorts:
@@ -619,9 +641,9 @@ class TorchOptimizer(torch.optim.Optimizer):
                 self._rebuild(self._partition(signatures=[s.sig for s in self._seen]))
                 return self.read_param_groups()
         if rates:
-            values = np.array([(s.lr, s.wd) for s in self._seen])  # (one call: each costs microseconds in a loop)
+            values = np.array(values)  # (few NumPy calls: each costs microseconds inside a training loop)
             for c in self._cohorts:
-                np.take(values, c.group_of, axis=0, out=c.rates)
+                values.take(c.pairs, out=c.flat_rates)
                 first = self._seen[c.index[0][0]]  # (the group of the engine's first parameter)
                 opt = getattr(c.engine.optimizer, "base", c.engine.optimizer)  # SAM reports its base's
                 opt.lr, opt.weight_decay = first.lr, first.wd
@@ -933,7 +955,7 @@ class TorchOptimizer(torch.optim.Optimizer):
             self.param_groups[gi].update(values)
         self._rebuild(self._partition(steps=plan["steps"], signatures=[s for _, s in plan["groups"]]))
         load_entries(self._cohorts, plan, self.param_groups)
-        self._seen = [None] * len(self.param_groups)
+        self._forget_groups()
 
     def __reduce_ex__(self, protocol):
         raise ArgumentTypeError(f"{type(self).__name__} cannot be pickled or deep-copied (its state lives in "
