@@ -62,9 +62,10 @@ class Adagrad(Optimizer):
     def update(self, kernels, params, grads, state, *, gscale=1.0, lr=None, zero_grad=False, working=None,
                mask=None):
         t = state.step + 1
-        clr = self._lr(state, lr) / (1.0 + (t - 1) * self.lr_decay)  # torch's decayed rate
+        # torch's decayed rate: lr / (1 + (t - 1) * lr_decay)
+        clr, l2, _ = self.rates(state, lr, 1.0 + (t - 1) * self.lr_decay, params.flat.dtype, False)
         kernels.adagrad_step(params.flat, grads.flat, self._slot(state, "sum"), self._pieces(params),
-                             gscale=self._signed(gscale), lr=clr, l2=self.per_param(state, "weight_decay"),
+                             gscale=self._signed(gscale), lr=clr, l2=l2,
                              eps=self.eps, **working_args(working), zero_grad=zero_grad, mask=mask_arg(mask, params),
                              grad_ptrs=self._grad_ptrs(params, grads))
         state.step = t

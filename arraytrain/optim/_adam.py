@@ -2,11 +2,9 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
-
 from .._checks import check_betas, check_bool, check_number
 from .._deprecation import legacy_arguments
-from ._base import Optimizer, decoupled_decay, mask_arg, unused_slot, working_args
+from ._base import Optimizer, mask_arg, unused_slot, working_args
 
 
 # the positional order that shipped (state_dtype, maximize and overrides are keyword-only now)
@@ -65,7 +63,7 @@ class Adam(Optimizer):
                mask=None):
         t = state.step + 1
         b1, b2 = self.betas
-        step_size, l2, decay = self.rates(state, lr, 1.0 - b1**t, params.flat.dtype)
+        step_size, l2, decay = self.rates(state, lr, 1.0 - b1**t, params.flat.dtype, self._decoupled)
         m = self._slot(state, "exp_avg")
         vmax = self._slot(state, "max_exp_avg_sq") if self.amsgrad else unused_slot(m)
         kernels.adam_step(params.flat, grads.flat, m, self._slot(state, "exp_avg_sq"), vmax, self._pieces(params),
@@ -74,24 +72,6 @@ class Adam(Optimizer):
                           amsgrad=self.amsgrad, **working_args(working), zero_grad=zero_grad,
                           mask=mask_arg(mask, params), grad_ptrs=self._grad_ptrs(params, grads))
         state.step = t
-
-    def rates(self, state, lr, bc1: float, dtype):
-        """``(step_size, l2, decay)``, the kernel's per-parameter values for bias correction ``bc1``
-        (``1 - beta1**t``): from the overrides in one compiled call (:mod:`arraytrain.optim._rates`), or
-        with a schedule's rates ``lr`` by the NumPy expressions that call reproduces bit for bit."""
-        if lr is None:
-            from ._rates import adam_rates, like  # (numba: imported at the first step, not with the package)
-
-            hp = state.hp
-            return adam_rates(hp["lr"], hp["weight_decay"], float(self.lr), float(self.weight_decay), bc1,
-                              self._decoupled, like(dtype))
-        lr = self._lr(state, lr)
-        wd = self.per_param(state, "weight_decay")
-        if self._decoupled:
-            l2, decay = np.zeros(wd.shape, dtype), decoupled_decay(lr, wd)
-        else:
-            l2, decay = wd, np.ones_like(wd)
-        return lr / bc1, l2, decay
 
 
 class AdamW(Adam):

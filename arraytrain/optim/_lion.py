@@ -4,7 +4,7 @@ import numbers
 
 from .._checks import check_betas, check_bool, check_number
 from .._deprecation import legacy_arguments, renamed_attribute, value_at
-from ._base import Optimizer, decoupled_decay, mask_arg, working_args
+from ._base import Optimizer, mask_arg, working_args
 
 
 class Lion(Optimizer):
@@ -49,11 +49,10 @@ class Lion(Optimizer):
 
     def update(self, kernels, params, grads, state, *, gscale=1.0, lr=None, zero_grad=False, working=None,
                mask=None):
-        lr = self._lr(state, lr)
+        rate, _, decay = self.rates(state, lr, 1.0, params.flat.dtype, True)
         b1, b2 = self.betas
         kernels.lion_step(params.flat, grads.flat, self._slot(state, "exp_avg"), self._pieces(params),
-                          gscale=self._signed(gscale), lr=lr,
-                          decay=decoupled_decay(lr, self.per_param(state, "weight_decay")),
+                          gscale=self._signed(gscale), lr=rate, decay=decay,
                           beta1=b1, beta2=b2, **working_args(working), zero_grad=zero_grad,
                           mask=mask_arg(mask, params), grad_ptrs=self._grad_ptrs(params, grads))
         state.step += 1

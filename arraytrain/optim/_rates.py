@@ -5,9 +5,10 @@ parameter, in the parameters' dtype. Formed with NumPy (the overrides' NaN repla
 optimizer's value, the bias correction divided in, the decay factor, each cast to the storage
 dtype) that is about ten calls on arrays of a few dozen elements a step: microseconds each,
 several times that inside a training loop, where the forward and backward pass have just
-evicted NumPy's code from the caches. :func:`adam_rates` forms Adam's three in one loop with the
-same float64 operations in the same order, so the bits are those of the NumPy expressions
-(:meth:`arraytrain.optim.Adam.update`'s reference form, compared in ``tests/optim/test_rates.py``).
+evicted NumPy's code from the caches. :func:`step_rates` forms the three in one loop with the same
+float64 operations in the same order, so the bits are those of the NumPy expressions
+(:meth:`arraytrain.optim.Optimizer.rates`'s form with a schedule's rates, compared in
+``tests/optim/test_rates.py``).
 """
 
 from __future__ import annotations
@@ -30,10 +31,11 @@ def like(dtype) -> np.ndarray:
 
 
 @njit(**_JIT)
-def adam_rates(hp_lr, hp_wd, lr, weight_decay, bc1, decoupled, like):
-    """``(step_size, l2, decay)`` in ``like``'s dtype: per parameter, the override (``hp_lr``/``hp_wd``,
-    NaN: none) or the optimizer's ``lr``/``weight_decay``; ``step_size = lr / bc1``; decoupled
-    (AdamW): ``l2 = 0``, ``decay = 1 - lr * weight_decay``; else ``l2 = weight_decay``, ``decay = 1``."""
+def step_rates(hp_lr, hp_wd, lr, weight_decay, lr_div, decoupled, like):
+    """``(rate, l2, decay)`` in ``like``'s dtype: per parameter, the override (``hp_lr``/``hp_wd``, NaN:
+    none) or the optimizer's ``lr``/``weight_decay``; ``rate = lr / lr_div`` (Adam's bias correction,
+    Adagrad's decay of the rate, 1 for the others); decoupled (AdamW, Lion): ``l2 = 0``, ``decay = 1 -
+    lr * weight_decay``; else ``l2 = weight_decay``, ``decay = 1``."""
     n = hp_lr.size
     step_size = np.empty(n, like.dtype)
     l2 = np.empty(n, like.dtype)
@@ -45,7 +47,7 @@ def adam_rates(hp_lr, hp_wd, lr, weight_decay, bc1, decoupled, like):
         w = hp_wd[i]
         if np.isnan(w):
             w = weight_decay
-        step_size[i] = a / bc1
+        step_size[i] = a / lr_div
         if decoupled:
             l2[i] = 0.0
             decay[i] = 1.0 - a * w

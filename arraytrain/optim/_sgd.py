@@ -49,8 +49,9 @@ class SGD(Optimizer):
     def update(self, kernels, params, grads, state, *, gscale=1.0, lr=None, zero_grad=False, working=None,
                mask=None):
         buf = self._slot(state, "momentum_buffer") if self.momentum != 0 else params.flat[:0]
+        rate, l2, _ = self.rates(state, lr, 1.0, params.flat.dtype, False)
         kernels.sgd_step(params.flat, grads.flat, buf, self._pieces(params), gscale=self._signed(gscale),
-                         lr=self._lr(state, lr), l2=self.per_param(state, "weight_decay"), momentum=self.momentum,
+                         lr=rate, l2=l2, momentum=self.momentum,
                          dampening=self.dampening, nesterov=self.nesterov, first=state.step == 0,
                          **working_args(working), zero_grad=zero_grad, mask=mask_arg(mask, params),
                          grad_ptrs=self._grad_ptrs(params, grads))

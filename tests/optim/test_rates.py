@@ -20,19 +20,19 @@ def _state(rng, n, overrides):
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-@pytest.mark.parametrize("cls", [at.optim.Adam, at.optim.AdamW])
+@pytest.mark.parametrize("decoupled", [False, True])
 @pytest.mark.parametrize("overrides", [False, True])
-def test_adam_rates_equal_the_numpy_expressions(dtype, cls, overrides):
+def test_step_rates_equal_the_numpy_expressions(dtype, decoupled, overrides):
     rng = np.random.default_rng(0)
-    opt = cls(lr=3.7e-3, weight_decay=0.0123)
+    opt = at.optim.AdamW(lr=3.7e-3, weight_decay=0.0123)
     for n in (1, 7, 300):
         state = _state(rng, n, overrides)
-        for t in (1, 2, 10, 1000):
-            bc1 = 1.0 - opt.betas[0] ** t
-            got = opt.rates(state, None, bc1, np.dtype(dtype))
+        # Adam's bias correction at a few steps, Adagrad's decayed rate, the others' 1
+        for lr_div in [1.0 - opt.betas[0] ** t for t in (1, 2, 10, 1000)] + [1.0 + 9 * 0.01, 1.0]:
+            got = opt.rates(state, None, lr_div, np.dtype(dtype), decoupled)
             # the NumPy form, as the step computed it before (and computes it with a schedule's rates)
-            want = opt.rates(state, opt.per_param(state, "lr"), bc1, np.dtype(dtype))
+            want = opt.rates(state, opt.per_param(state, "lr"), lr_div, np.dtype(dtype), decoupled)
             for g, w, what in zip(got, want, ("step_size", "l2", "decay")):
                 assert g.dtype == dtype and g.flags.c_contiguous and g.flags.writeable, what
                 w = np.ascontiguousarray(w, dtype)  # (the kernels' cast: arraytrain.kernels.cpu.optimizers.seg_array)
-                assert np.array_equal(g.view(f"u{g.itemsize}"), w.view(f"u{w.itemsize}")), (what, n, t)
+                assert np.array_equal(g.view(f"u{g.itemsize}"), w.view(f"u{w.itemsize}")), (what, n, lr_div)
