@@ -416,7 +416,7 @@ def main(argv=None) -> int:
                       "those below it that it calls):")
                 print("  " + " | ".join(f"{k} {v:.0f}" for k, v in r["drop_in_parts_us"].items()))
     groups = [measure_groups(g, args.group_calls, args.repeats) for g in GROUPS]
-    print("\nread_param_groups(), us per group (target <= 2):")
+    print("\nread_param_groups(), us per group (target <= 1):")
     print(f"{'groups':>7} | " + " | ".join(f"{k:>18}" for k in groups[0]["us_per_group"]))
     for g in groups:
         print(f"{g['groups']:>7} | " + " | ".join(f"{v:>18.3f}" for v in g["us_per_group"].values()))
