@@ -598,7 +598,7 @@ class TorchOptimizer(torch.optim.Optimizer):
                 lr, wd = raw[0], raw[1]
                 # a scheduler's usual change: lr (or weight_decay) alone, floats in [0, inf)
                 if (type(lr) is float and type(wd) is float and 0.0 <= lr < inf and 0.0 <= wd < inf
-                        and not seen.sig_tensors and _same(raw[2:], seen.rest)):
+                        and _same(raw[2:], seen.rest)):
                     rated.append((gi, seen, raw, lr, wd))
                     rates = True
                     continue

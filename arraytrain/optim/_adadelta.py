@@ -38,7 +38,7 @@ class Adadelta(Optimizer):
 
     def update(self, kernels, params, grads, state, *, gscale=1.0, lr=None, zero_grad=False, working=None,
                mask=None):
-        rate, l2, _ = self.rates(state, lr, 1.0, params.flat.dtype, False)
+        rate, l2, _ = self._step_rates(state, lr, 1.0, params.flat.dtype, False)
         kernels.adadelta_step(params.flat, grads.flat, self._slot(state, "square_avg"), self._slot(state, "acc_delta"),
                               self._pieces(params), gscale=self._signed(gscale), lr=rate, l2=l2, rho=self.rho,
                               eps=self.eps,

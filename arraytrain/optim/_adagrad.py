@@ -63,7 +63,7 @@ class Adagrad(Optimizer):
                mask=None):
         t = state.step + 1
         # torch's decayed rate: lr / (1 + (t - 1) * lr_decay)
-        clr, l2, _ = self.rates(state, lr, 1.0 + (t - 1) * self.lr_decay, params.flat.dtype, False)
+        clr, l2, _ = self._step_rates(state, lr, 1.0 + (t - 1) * self.lr_decay, params.flat.dtype, False)
         kernels.adagrad_step(params.flat, grads.flat, self._slot(state, "sum"), self._pieces(params),
                              gscale=self._signed(gscale), lr=clr, l2=l2,
                              eps=self.eps, **working_args(working), zero_grad=zero_grad, mask=mask_arg(mask, params),

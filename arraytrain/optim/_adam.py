@@ -63,7 +63,7 @@ class Adam(Optimizer):
                mask=None):
         t = state.step + 1
         b1, b2 = self.betas
-        step_size, l2, decay = self.rates(state, lr, 1.0 - b1**t, params.flat.dtype, self._decoupled)
+        step_size, l2, decay = self._step_rates(state, lr, 1.0 - b1**t, params.flat.dtype, self._decoupled)
         m = self._slot(state, "exp_avg")
         vmax = self._slot(state, "max_exp_avg_sq") if self.amsgrad else unused_slot(m)
         kernels.adam_step(params.flat, grads.flat, m, self._slot(state, "exp_avg_sq"), vmax, self._pieces(params),

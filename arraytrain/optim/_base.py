@@ -245,18 +245,18 @@ class Optimizer(ABC):
         over = state.hp[key]
         return np.where(np.isnan(over), float(getattr(self, key)), over)
 
-    def rates(self, state: OptState, lr, lr_div: float, dtype, decoupled: bool):
+    def _step_rates(self, state: OptState, lr, lr_div: float, dtype, decoupled: bool):
         """``(lr / lr_div, l2, decay)``: the kernels' per-parameter step rate, L2 coefficient and decay
         factor in ``dtype``; decoupled weight decay: ``l2 = 0``, ``decay = 1 - lr * weight_decay``,
         else ``l2 = weight_decay``, ``decay = 1``. From the overrides in one compiled call
         (:mod:`arraytrain.optim._rates`), or with a schedule's rates ``lr`` by the NumPy expressions,
         which that call reproduces bit for bit."""
         if lr is None:
-            from ._rates import like, step_rates  # (numba: imported at the first step, not with the package)
+            from ._rates import empty_of, step_rates  # (numba: imported at the first step, not with the package)
 
             hp = state.hp
             return step_rates(hp["lr"], hp["weight_decay"], float(self.lr), float(self.weight_decay), lr_div,
-                              decoupled, like(dtype))
+                              decoupled, empty_of(dtype))
         lr = self._lr(state, lr)
         wd = self.per_param(state, "weight_decay")
         if decoupled:

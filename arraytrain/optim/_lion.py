@@ -49,7 +49,7 @@ class Lion(Optimizer):
 
     def update(self, kernels, params, grads, state, *, gscale=1.0, lr=None, zero_grad=False, working=None,
                mask=None):
-        rate, _, decay = self.rates(state, lr, 1.0, params.flat.dtype, True)
+        rate, _, decay = self._step_rates(state, lr, 1.0, params.flat.dtype, True)
         b1, b2 = self.betas
         kernels.lion_step(params.flat, grads.flat, self._slot(state, "exp_avg"), self._pieces(params),
                           gscale=self._signed(gscale), lr=rate, decay=decay,

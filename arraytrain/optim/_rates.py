@@ -7,7 +7,7 @@ dtype) that is about ten calls on arrays of a few dozen elements a step: microse
 several times that inside a training loop, where the forward and backward pass have just
 evicted NumPy's code from the caches. :func:`step_rates` forms the three in one loop with the same
 float64 operations in the same order, so the bits are those of the NumPy expressions
-(:meth:`arraytrain.optim.Optimizer.rates`'s form with a schedule's rates, compared in
+(``Optimizer._step_rates``'s form with a schedule's rates, compared in
 ``tests/optim/test_rates.py``).
 """
 
@@ -19,15 +19,15 @@ from numba import njit
 # No fastmath: each product, quotient and difference rounds as NumPy's does (no contraction into an FMA).
 _JIT = dict(cache=True, error_model="numpy", nogil=True)
 
-_LIKE: dict = {}
+_EMPTY: dict = {}
 
 
-def like(dtype) -> np.ndarray:
+def empty_of(dtype) -> np.ndarray:
     """An empty array of ``dtype``: what the compiled helpers take to know the dtype of their output."""
     try:
-        return _LIKE[dtype]
+        return _EMPTY[dtype]
     except KeyError:
-        return _LIKE.setdefault(dtype, np.empty(0, dtype))
+        return _EMPTY.setdefault(dtype, np.empty(0, dtype))
 
 
 @njit(**_JIT)

@@ -56,7 +56,7 @@ class RMSprop(Optimizer):
         empty = unused_slot(square_avg)  # the slots this configuration lacks: never read
         gavg = self._slot(state, "grad_avg") if self.centered else empty
         buf = self._slot(state, "momentum_buffer") if self.momentum > 0 else empty
-        rate, l2, _ = self.rates(state, lr, 1.0, params.flat.dtype, False)
+        rate, l2, _ = self._step_rates(state, lr, 1.0, params.flat.dtype, False)
         kernels.rmsprop_step(params.flat, grads.flat, square_avg, gavg, buf, self._pieces(params),
                              gscale=self._signed(gscale), lr=rate, l2=l2, alpha=self.alpha, eps=self.eps,
                              momentum=self.momentum, centered=self.centered, **working_args(working),

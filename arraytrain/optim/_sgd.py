@@ -49,7 +49,7 @@ class SGD(Optimizer):
     def update(self, kernels, params, grads, state, *, gscale=1.0, lr=None, zero_grad=False, working=None,
                mask=None):
         buf = self._slot(state, "momentum_buffer") if self.momentum != 0 else params.flat[:0]
-        rate, l2, _ = self.rates(state, lr, 1.0, params.flat.dtype, False)
+        rate, l2, _ = self._step_rates(state, lr, 1.0, params.flat.dtype, False)
         kernels.sgd_step(params.flat, grads.flat, buf, self._pieces(params), gscale=self._signed(gscale),
                          lr=rate, l2=l2, momentum=self.momentum,
                          dampening=self.dampening, nesterov=self.nesterov, first=state.step == 0,

@@ -15,7 +15,8 @@ def _state(rng, n, overrides):
         for k, scale in (("lr", 1e-2), ("weight_decay", 0.3)):
             hit = rng.random(n) < 0.5
             hp[k][hit] = rng.random(hit.sum()) * scale
-            hp[k][rng.integers(0, n)] = 0.0
+            if n:
+                hp[k][rng.integers(0, n)] = 0.0
     return OptState(slots={}, step=0, hp=hp)
 
 
@@ -25,13 +26,13 @@ def _state(rng, n, overrides):
 def test_step_rates_equal_the_numpy_expressions(dtype, decoupled, overrides):
     rng = np.random.default_rng(0)
     opt = at.optim.AdamW(lr=3.7e-3, weight_decay=0.0123)
-    for n in (1, 7, 300):
+    for n in (0, 1, 7, 301):
         state = _state(rng, n, overrides)
         # Adam's bias correction at a few steps, Adagrad's decayed rate, the others' 1
         for lr_div in [1.0 - opt.betas[0] ** t for t in (1, 2, 10, 1000)] + [1.0 + 9 * 0.01, 1.0]:
-            got = opt.rates(state, None, lr_div, np.dtype(dtype), decoupled)
+            got = opt._step_rates(state, None, lr_div, np.dtype(dtype), decoupled)
             # the NumPy form, as the step computed it before (and computes it with a schedule's rates)
-            want = opt.rates(state, opt.per_param(state, "lr"), lr_div, np.dtype(dtype), decoupled)
+            want = opt._step_rates(state, opt.per_param(state, "lr"), lr_div, np.dtype(dtype), decoupled)
             for g, w, what in zip(got, want, ("step_size", "l2", "decay")):
                 assert g.dtype == dtype and g.flags.c_contiguous and g.flags.writeable, what
                 w = np.ascontiguousarray(w, dtype)  # (the kernels' cast: arraytrain.kernels.cpu.optimizers.seg_array)
