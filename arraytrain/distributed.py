@@ -53,6 +53,13 @@ traceback with the rank and calls ``MPI_Abort`` on ``COMM_WORLD``, which ends
 every rank, and ``mpiexec`` exits non-zero — what ``python -m mpi4py
 script.py`` does for a whole script.
 
+A peer that dies without a word (its machine lost, its link down) leaves no
+error to catch: the others would wait in their collective until TCP gives up.
+Every wait of :class:`MPIComm` and :class:`TorchComm` is held to a deadline
+(:mod:`arraytrain.parallel.deadline`; ``timeout=``, ``ARRAYTRAIN_COMM_TIMEOUT``,
+60 s by default once the job is steady): past it the rank writes one line,
+``arraytrain: CommTimeoutError: rank R of N: ...``, and ends with status 124.
+
 :func:`launch` starts ``K`` ranks under ``mpiexec`` from Python with a time
 limit (the tests and ``python -m arraytrain.bench distributed`` use it): a
 distributed bug is a hang until proven otherwise.

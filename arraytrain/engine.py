@@ -232,6 +232,7 @@ class Engine:
         self.params, self.grads, self.working = self._placement.params, self._placement.grads, self._placement.working
         self.state = optimizer.init(self._placement.master)  # validates overrides against the names
         self.comm = comm
+        self._starting = 0 if comm.is_local else 2  # boundaries until the group is steady (its deadline's limit)
         self.clip_eps = clip_eps
         self.optimizer = optimizer
         self.accumulation_steps = accumulation_steps
@@ -508,6 +509,10 @@ class Engine:
         judge = Judge(self._kernels, self._unscale, self.max_grad_norm, self.clip_eps,
                       check=self.nonfinite == "skip", grads_at=grads_at)
         verdict, payload = self._sync.reduce(wsum, ascent, judge)
+        if self._starting:  # the second boundary's exchange completed: every peer is past its first step
+            self._starting -= 1
+            if not self._starting:
+                self.comm.steady()
         if self.missing == "skip":  # present where any rank had a gradient: with a group a collective,
             absent = param_steps.agree(self.comm, absent, len(self.layout))  # after every bucket's
         else:

@@ -263,7 +263,8 @@ def checked_everywhere(comm, check):
         result, failure = check(), None
     except (StateDictError, OSError) as exc:
         result, failure = None, exc
-    outcomes = comm.gather_objects(None if failure is None else f"{type(failure).__name__}: {failure}")
+    with comm.patient():  # a rank that read a large file late is waited for
+        outcomes = comm.gather_objects(None if failure is None else f"{type(failure).__name__}: {failure}")
     if failure is not None:
         raise failure
     bad = [(r, msg) for r, msg in enumerate(outcomes) if msg is not None]

@@ -105,6 +105,14 @@ class NonFiniteError(ArrayTrainError, FloatingPointError):
     """Too many consecutive steps were skipped for NaN/Inf gradients."""
 
 
+class CommTimeoutError(ArrayTrainError, TimeoutError):
+    """A collective waited for the other processes past its deadline: a peer died or the network is down.
+
+    The waiting call cannot be interrupted, so the error is not raised: a watching thread writes it
+    as one line to stderr and ends the process (see :mod:`arraytrain.parallel.deadline`).
+    """
+
+
 class DataError(ArrayTrainError, ValueError):
     """A data set or data file is unusable (missing arrays, wrong shapes, non-finite values...)."""
 

@@ -52,6 +52,7 @@ MODULES = (
     "arraytrain.optim",
     "arraytrain.parallel",
     "arraytrain.parallel.communicator",
+    "arraytrain.parallel.deadline",
     "arraytrain.parallel.mpi",
     "arraytrain.parallel.placement",
     "arraytrain.parallel.shard",

@@ -93,7 +93,8 @@ def save(path, engine, *, extra: Mapping | None = None) -> None:
                 _save_tree(where, tree, extra)
             except (StateDictError, ArgumentTypeError, OSError) as exc:
                 failure = exc
-        outcome = comm.gather_objects(None if failure is None else f"{type(failure).__name__}: {failure}")[0]
+        with comm.patient():  # the others waited here while rank 0 wrote
+            outcome = comm.gather_objects(None if failure is None else f"{type(failure).__name__}: {failure}")[0]
         if failure is not None:
             raise failure
         if outcome is not None:

@@ -238,6 +238,11 @@ def add_train_parser(sub) -> argparse.ArgumentParser:
                    help="under mpiexec: exchange each layer's gradient while the earlier layers still "
                         "back-propagate (buckets of 25 MiB); off by default: on one machine's shared memory "
                         "it competes with the backward pass for the cores (docs/processes.md)")
+    t.add_argument("--comm-timeout", type=nonnegative(float), metavar="SECONDS",
+                   help="under mpiexec: an exchange that waits longer than this for the other processes (one "
+                        "died, or a link is down) ends this process with one line, and so every process (10 "
+                        "times as long for the first two steps and for checkpoints; default: "
+                        "$ARRAYTRAIN_COMM_TIMEOUT, else 60; 0: wait forever)")
     t.add_argument("--error-feedback", action="store_true",
                    help="with --compress: keep what was not sent and add it to the next step's gradient "
                         "(randomk and vsa then keep their values unscaled: rescale=False, unbiased=False)")
@@ -406,6 +411,8 @@ def check_flags(args, comm) -> None:
             raise usage("--overlap needs several processes: mpiexec -n K arraytrain train --overlap")
         if args.compress is not None:
             raise usage("--overlap with --compress: a compressor's exchange needs the whole window's gradient")
+    if args.comm_timeout is not None and comm is None:
+        raise usage("--comm-timeout needs several processes: mpiexec -n K arraytrain train --comm-timeout S")
     if args.shard_state:
         if comm is None:
             raise usage("--shard-state needs several processes: mpiexec -n K arraytrain train --shard-state")

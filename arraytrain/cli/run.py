@@ -89,13 +89,14 @@ def _compressor(args):
                      f"{exc}") from None
 
 
-def _comm():
-    """An MPIComm when ``mpiexec`` started more than one process, else None (one process)."""
+def _comm(args):
+    """An MPIComm when ``mpiexec`` started more than one process (its waits held to ``--comm-timeout``),
+    else None (one process)."""
     if launched_ranks() <= 1:
         return None
     from ..distributed import MPIComm
 
-    return MPIComm()
+    return MPIComm(timeout="default" if args.comm_timeout is None else args.comm_timeout)
 
 
 def _gpu_comm(comm):
@@ -127,7 +128,7 @@ def _gpu_comm(comm):
     from ..distributed import NCCLComm
 
     try:
-        return NCCLComm(comm.comm)  # the same error on every rank when one cannot run NCCL
+        return NCCLComm(comm.comm, timeout=comm.deadline.timeout)  # the same error on every rank when one cannot run NCCL
     except ArrayTrainError as exc:
         raise usage(f"--device cuda under mpiexec: {exc}") from None
 
@@ -218,7 +219,7 @@ def _to_cuda(data):
 def train(args) -> int:
     from .. import nn
 
-    comm = _comm()
+    comm = _comm(args)
     lead = comm is None or comm.rank == 0  # only rank 0 prints and writes files
     out = sys.stdout if lead else open(os.devnull, "w")  # noqa: SIM115 - closed with the process
     show_bar = agreed(comm, lambda: validate(args, comm))

@@ -47,6 +47,11 @@ it and whose ``test()`` says, without blocking, whether it has (and moves it on)
 Until it completes, the array must not be touched. The defaults here run the blocking
 operation at once and return a completed handle.
 
+A transport over a network holds every wait to a deadline (its :attr:`Communicator.deadline`, see
+:mod:`arraytrain.parallel.deadline`): a process whose peer died or whose link is down ends with
+one line instead of waiting forever. An engine calls :meth:`Communicator.steady` once the job is
+past its start; :meth:`Communicator.patient` marks the waits where one rank works alone.
+
 :meth:`Communicator.agree` builds the set-up check on ``gather_objects``: every process
 raises the same typed error when one of them differs, so a mismatch never
 leaves a process waiting in a collective the others skipped.
@@ -54,6 +59,7 @@ leaves a process waiting in a collective the others skipped.
 
 from __future__ import annotations
 
+import contextlib
 from abc import ABC, abstractmethod
 
 import numpy as np
@@ -102,6 +108,19 @@ class Communicator(ABC):
 
     rank: int = 0
     size: int = 1
+    #: The deadline of this communicator's waits (:mod:`arraytrain.parallel.deadline`); None: not watched.
+    deadline = None
+
+    def patient(self):
+        """A context whose collectives keep the long limit of the deadline: one rank works alone (writes or
+        reads a file) while the others wait for it."""
+        return contextlib.nullcontext() if self.deadline is None else self.deadline.patience()
+
+    def steady(self) -> None:
+        """The job is past its start (an engine calls it once two boundaries have completed, so every
+        peer has compiled its step): a step's collective is held to the short limit from now on."""
+        if self.deadline is not None:
+            self.deadline.steady()
 
     @abstractmethod
     def allreduce(self, x, op: str = "sum") -> None:

@@ -15,6 +15,7 @@ from .._checks import check_int
 from ..backend import CUPY, NUMPY, backend_of
 from ..errors import ArgumentTypeError, BackendError, BackendUnavailableError, DTypeError
 from .communicator import DONE, OPS, Communicator, Pending, block_length, check_buffer
+from .deadline import Deadline, check_timeout
 
 __all__ = ["INSTALL_HINT", "MPIComm", "MPIRequest", "NCCLComm", "mpi"]
 
@@ -81,14 +82,22 @@ class MPIComm(Communicator):
     comm : mpi4py communicator, optional
         An ``mpi4py.MPI.Intracomm`` (``COMM_WORLD`` by default, or a
         communicator split from it). ``rank`` and ``size`` are its own.
+    timeout : float or None, optional
+        Seconds a step's collective may wait for the other ranks once the job is steady
+        (10 times that before, and for set-up and checkpoint agreement); past it the rank
+        writes one line and ends (:mod:`arraytrain.parallel.deadline`). By default
+        ``ARRAYTRAIN_COMM_TIMEOUT``, else 60; None or 0: wait forever.
 
     Attributes
     ----------
     comm : mpi4py communicator
         The communicator itself, for anything outside the four collectives.
+    deadline : arraytrain.parallel.deadline.Deadline
+        The deadline of this communicator's waits.
     """
 
-    def __init__(self, comm=None):
+    def __init__(self, comm=None, *, timeout="default"):
+        timeout = check_timeout(timeout)
         MPI = mpi()
         if comm is None:
             comm = MPI.COMM_WORLD
@@ -98,6 +107,7 @@ class MPIComm(Communicator):
         self.comm = comm
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
+        self.deadline = Deadline(timeout if self.size > 1 else None, self.rank, self.size)
         self._in_place = MPI.IN_PLACE
         self._ops = {"sum": MPI.SUM, "max": MPI.MAX}
         self._types = {dt: getattr(MPI, name) for dt, name in _MPI_TYPES.items()}
@@ -106,24 +116,28 @@ class MPIComm(Communicator):
         """``x`` becomes the element-wise ``op`` over ranks, in place (``MPI_Allreduce`` with ``MPI_IN_PLACE``)."""
         mpi_op = _check_op(op, self._ops)
         dt = _checked(x, "x", NUMPY, self._types, True)
-        self.comm.Allreduce(self._in_place, [x, dt], mpi_op)
+        with self.deadline.wait("allreduce", x.nbytes):
+            self.comm.Allreduce(self._in_place, [x, dt], mpi_op)
 
     def allgather(self, x) -> list:
         """Every rank's ``x``, in rank order: views of one received ``(size, *x.shape)`` array."""
         dt = _checked(x, "x", NUMPY, self._types, False)
         recv = np.empty((self.size, *x.shape), x.dtype)
-        self.comm.Allgather([x, dt], [recv, dt])
+        with self.deadline.wait("allgather", recv.nbytes):
+            self.comm.Allgather([x, dt], [recv, dt])
         return [recv[i, ...] for i in range(self.size)]
 
     def broadcast(self, x, root: int = 0) -> None:
         """``x`` becomes rank ``root``'s ``x``, in place (``MPI_Bcast``)."""
         root = check_int("root", root, 0, self.size - 1, error=ArgumentTypeError)
         dt = _checked(x, "x", NUMPY, self._types, True)
-        self.comm.Bcast([x, dt], root=root)
+        with self.deadline.wait("broadcast", x.nbytes):
+            self.comm.Bcast([x, dt], root=root)
 
     def gather_objects(self, obj) -> list:
         """Every rank's ``obj`` (pickled), in rank order: set-up checks, never the step's hot path."""
-        return self.comm.allgather(obj)
+        with self.deadline.wait("gather_objects"):
+            return self.comm.allgather(obj)
 
     def gather(self, x, root: int = 0):
         """Every rank's ``x`` to rank ``root`` (``MPI_Gather``): views of one received ``(size, *x.shape)``
@@ -131,10 +145,12 @@ class MPIComm(Communicator):
         root = check_int("root", root, 0, self.size - 1, error=ArgumentTypeError)
         dt = _checked(x, "x", NUMPY, self._types, False)
         if self.rank != root:
-            self.comm.Gather([x, dt], None, root=root)
+            with self.deadline.wait("gather", x.nbytes):
+                self.comm.Gather([x, dt], None, root=root)
             return None
         recv = np.empty((self.size, *x.shape), x.dtype)
-        self.comm.Gather([x, dt], [recv, dt], root=root)
+        with self.deadline.wait("gather", recv.nbytes):
+            self.comm.Gather([x, dt], [recv, dt], root=root)
         return [recv[i, ...] for i in range(self.size)]
 
     def reduce_scatter(self, x):
@@ -142,21 +158,23 @@ class MPIComm(Communicator):
         sum lands in the first block of ``x``, which is returned (the rest of ``x`` is left as it was)."""
         dt = _checked(x, "x", NUMPY, self._types, True)
         n = block_length(x, self.size)
-        self.comm.Reduce_scatter_block(self._in_place, [x, dt], self._ops["sum"])
+        with self.deadline.wait("reduce_scatter", x.nbytes):
+            self.comm.Reduce_scatter_block(self._in_place, [x, dt], self._ops["sum"])
         return x[:n]
 
     def allgather_blocks(self, x) -> None:
         """In place, block ``r`` of ``x`` becomes rank ``r``'s (``MPI_Allgather`` with ``MPI_IN_PLACE``)."""
         dt = _checked(x, "x", NUMPY, self._types, True)
         block_length(x, self.size)
-        self.comm.Allgather(self._in_place, [x, dt])
+        with self.deadline.wait("allgather_blocks", x.nbytes):
+            self.comm.Allgather(self._in_place, [x, dt])
 
     def iallreduce(self, x, op: str = "sum") -> Pending:
         """Start ``allreduce(x, op)``: ``MPI_Iallreduce`` in place. MPI moves it on inside MPI calls
         only: the handle's ``test()`` (``MPI_Test``) is such a call."""
         mpi_op = _check_op(op, self._ops)
         dt = _checked(x, "x", NUMPY, self._types, True)
-        return MPIRequest(self.comm.Iallreduce(self._in_place, [x, dt], mpi_op))
+        return MPIRequest(self.comm.Iallreduce(self._in_place, [x, dt], mpi_op), self.deadline, "iallreduce", x.nbytes)
 
     def ireduce(self, x, root: int = 0) -> Pending:
         """Start the sum of every rank's ``x`` into rank ``root``'s ``x``: ``MPI_Ireduce``, in place at the
@@ -164,24 +182,32 @@ class MPIComm(Communicator):
         root = check_int("root", root, 0, self.size - 1, error=ArgumentTypeError)
         dt = _checked(x, "x", NUMPY, self._types, True)
         if self.rank == root:
-            return MPIRequest(self.comm.Ireduce(self._in_place, [x, dt], self._ops["sum"], root))
-        return MPIRequest(self.comm.Ireduce([x, dt], None, self._ops["sum"], root))
+            request = self.comm.Ireduce(self._in_place, [x, dt], self._ops["sum"], root)
+        else:
+            request = self.comm.Ireduce([x, dt], None, self._ops["sum"], root)
+        return MPIRequest(request, self.deadline, "ireduce", x.nbytes)
 
     def __repr__(self) -> str:
         return f"MPIComm(rank={self.rank}, size={self.size})"
 
 
 class MPIRequest(Pending):
-    """A started nonblocking MPI collective (an ``mpi4py.MPI.Request``)."""
+    """A started nonblocking MPI collective (an ``mpi4py.MPI.Request``); its wait is held to ``deadline``
+    (None: not watched), named ``what`` and ``nbytes`` in the deadline's line."""
 
-    __slots__ = ("request",)
+    __slots__ = ("request", "deadline", "what", "nbytes")
 
-    def __init__(self, request):
-        self.request = request
+    def __init__(self, request, deadline: Deadline | None = None, what: str = "a nonblocking collective",
+                 nbytes: int = 0):
+        self.request, self.deadline, self.what, self.nbytes = request, deadline, what, nbytes
 
     def wait(self) -> None:
         """``MPI_Wait``."""
-        self.request.Wait()
+        if self.deadline is None:
+            self.request.Wait()
+            return
+        with self.deadline.wait(self.what, self.nbytes):
+            self.request.Wait()
 
     def test(self) -> bool:
         """``MPI_Test``: True once complete; each call also moves MPI's progress on."""
@@ -223,11 +249,15 @@ class NCCLComm(Communicator):
     ----------
     comm : mpi4py communicator, optional
         As for :class:`MPIComm`; its ranks are the NCCL ranks.
+    timeout : float or None, optional
+        As for :class:`MPIComm`: the deadline of the waits on the host (the NumPy arrays'
+        collectives over MPI and set-up); NCCL's collectives do not block the host.
     """
 
-    def __init__(self, comm=None):
-        self.mpi = MPIComm(comm)
+    def __init__(self, comm=None, *, timeout="default"):
+        self.mpi = MPIComm(comm, timeout=timeout)
         self.rank, self.size = self.mpi.rank, self.mpi.size
+        self.deadline = self.mpi.deadline  # the host's waits (NCCL's own run on the stream, not the host)
         problem = None
         try:
             from ..backend import require_cuda

@@ -100,6 +100,7 @@ from .._checks import check_int
 from ..backend import CUPY, NUMPY, backend_of
 from ..errors import ArgumentTypeError, BackendError, BackendUnavailableError, DTypeError
 from .communicator import DONE, OPS, Communicator, Pending, block_length, check_buffer
+from .deadline import Deadline, check_timeout
 
 __all__ = ["TorchComm", "TorchWork", "INIT_HINT"]
 
@@ -148,10 +149,12 @@ class TorchWork(Pending):
     harmless.
     """
 
-    __slots__ = ("_work", "_finish", "_keep", "_stream")
+    __slots__ = ("_work", "_finish", "_keep", "_stream", "_deadline", "_what", "_nbytes")
 
-    def __init__(self, work, finish=None, keep=(), stream=None):
+    def __init__(self, work, finish=None, keep=(), stream=None, deadline: Deadline | None = None,
+                 what: str = "a nonblocking collective", nbytes: int = 0):
         self._work, self._finish, self._keep, self._stream = work, finish, keep, stream
+        self._deadline, self._what, self._nbytes = deadline, what, nbytes
 
     def wait(self) -> None:
         """Complete the operation (the result is then in the array)."""
@@ -159,7 +162,11 @@ class TorchWork(Pending):
             return
         with self._stream() if self._stream is not None else contextlib.nullcontext():
             if self._work is not None:
-                self._work.wait()
+                if self._deadline is None:
+                    self._work.wait()
+                else:
+                    with self._deadline.wait(self._what, self._nbytes):
+                        self._work.wait()
             if self._finish is not None:
                 self._finish()
         self._work = self._finish = self._keep = self._stream = None
@@ -186,6 +193,13 @@ class TorchComm(Communicator):
         The group (None: the default group, ``torch.distributed.group.WORLD``).
         ``rank`` and ``size`` are this process's rank in it and its size;
         ``root`` arguments are ranks in it.
+    timeout : float or None, optional
+        Seconds a step's collective may wait for the other ranks once the job is steady
+        (10 times that before, and for set-up and checkpoint agreement); past it the rank
+        writes one line and ends (:mod:`arraytrain.parallel.deadline`), which ``torchrun``
+        sees as a failed worker. By default ``ARRAYTRAIN_COMM_TIMEOUT``, else 60; None or 0:
+        only the process group's own timeout (``init_process_group(timeout=)``, 30 minutes
+        for gloo by default).
 
     Attributes
     ----------
@@ -196,9 +210,12 @@ class TorchComm(Communicator):
         the interpreter exits does not keep the group (and gloo's threads) alive with it.
     backend : str
         Its backend as torch names it (``"gloo"``, ``"nccl"``, ``"cpu:gloo,cuda:nccl"``).
+    deadline : arraytrain.parallel.deadline.Deadline
+        The deadline of this communicator's waits.
     """
 
-    def __init__(self, group=None):
+    def __init__(self, group=None, *, timeout="default"):
+        timeout = check_timeout(timeout)
         torch, dist = _torch_dist()
         if not dist.is_initialized():
             raise BackendUnavailableError(f"TorchComm: torch.distributed is not initialised: {INIT_HINT}")
@@ -218,6 +235,7 @@ class TorchComm(Communicator):
         # (a TorchComm alive until the interpreter exits) lets gloo's threads abort the process at exit
         self._group = weakref.ref(group)
         self.rank, self.size = rank, dist.get_world_size(group)
+        self.deadline = Deadline(timeout if self.size > 1 else None, rank, self.size)
         self.backend = str(dist.get_backend(group))
         self._cpu, self._cuda = _devices(self.backend)
         self._ranks = dist.get_process_group_ranks(group)  # group rank -> global rank
@@ -318,7 +336,8 @@ class TorchComm(Communicator):
         if x.size:
             with self._on_stream(x, kind)():
                 t, finish = self._reduced(x, kind)
-                self._dist.all_reduce(t, op=red, group=self._group_of(kind))
+                with self.deadline.wait("allreduce", x.nbytes):
+                    self._dist.all_reduce(t, op=red, group=self._group_of(kind))
                 if finish is not None:
                     finish()
 
@@ -329,7 +348,7 @@ class TorchComm(Communicator):
         if not x.size:
             return DONE
         return self._start(x, kind, lambda t: self._dist.all_reduce(t, op=red, group=self._group_of(kind),
-                                                                     async_op=True))
+                                                                     async_op=True), "iallreduce")
 
     def ireduce(self, x, root: int = 0) -> Pending:
         """Start a sum of every rank's ``x`` into rank ``root``'s ``x``, in place; elsewhere ``x`` is left
@@ -339,15 +358,16 @@ class TorchComm(Communicator):
         if not x.size:
             return DONE
         return self._start(x, kind, lambda t: self._dist.reduce(t, dst=self._ranks[root], op=self._ops["sum"],
-                                                                 group=self._group_of(kind), async_op=True))
+                                                                 group=self._group_of(kind), async_op=True),
+                           "ireduce")
 
-    def _start(self, x, kind: str, collective) -> Pending:
+    def _start(self, x, kind: str, collective, what: str) -> Pending:
         """``collective(t)`` started on ``x``'s reduction tensor (on the array's stream for CuPy)."""
         on_stream = self._on_stream(x, kind)
         with on_stream():
             t, finish = self._reduced(x, kind)
             work = collective(t)
-        return TorchWork(work, finish, (x, t), on_stream if kind == CUPY else None)
+        return TorchWork(work, finish, (x, t), on_stream if kind == CUPY else None, self.deadline, what, x.nbytes)
 
     def allgather(self, x) -> list:
         """Every rank's ``x``, in rank order: views of one received ``(size, *x.shape)`` array."""
@@ -355,7 +375,7 @@ class TorchComm(Communicator):
         xp = np if kind == NUMPY else __import__("cupy")
         recv = xp.empty((self.size, *x.shape), x.dtype)
         if x.size:
-            with self._on_stream(x, kind)():
+            with self._on_stream(x, kind)(), self.deadline.wait("allgather", recv.nbytes):
                 self._all_gather(self._bytes(recv, kind), self._bytes(x, kind), group=self._group_of(kind))
         return [recv[i, ...] for i in range(self.size)]
 
@@ -364,13 +384,14 @@ class TorchComm(Communicator):
         root = check_int("root", root, 0, self.size - 1, error=ArgumentTypeError)
         kind = self._check(x, "x", True, False)
         if x.size:
-            with self._on_stream(x, kind)():
+            with self._on_stream(x, kind)(), self.deadline.wait("broadcast", x.nbytes):
                 self._dist.broadcast(self._bytes(x, kind), src=self._ranks[root], group=self._group_of(kind))
 
     def gather_objects(self, obj) -> list:
         """Every rank's picklable ``obj``, in rank order (``all_gather_object`` over the CPU group; set-up only)."""
         out = [None] * self.size
-        self._dist.all_gather_object(out, obj, group=self._alive(self._host))
+        with self.deadline.wait("gather_objects"):
+            self._dist.all_gather_object(out, obj, group=self._alive(self._host))
         return out
 
     def reduce_scatter(self, x):
@@ -382,8 +403,9 @@ class TorchComm(Communicator):
         if n:
             with self._on_stream(x, kind)():
                 t, finish = self._reduced(x, kind)
-                self._reduce_scatter(t[self.rank * n : (self.rank + 1) * n], t, op=self._ops["sum"],
-                                     group=self._group_of(kind))
+                with self.deadline.wait("reduce_scatter", x.nbytes):
+                    self._reduce_scatter(t[self.rank * n : (self.rank + 1) * n], t, op=self._ops["sum"],
+                                         group=self._group_of(kind))
                 if finish is not None:
                     finish()
         return own
@@ -393,7 +415,7 @@ class TorchComm(Communicator):
         kind = self._check(x, "x", True, False)
         n = block_length(x, self.size) * x.itemsize
         if n:
-            with self._on_stream(x, kind)():
+            with self._on_stream(x, kind)(), self.deadline.wait("allgather_blocks", x.nbytes):
                 b = self._bytes(x, kind)
                 self._all_gather(b, b[self.rank * n : (self.rank + 1) * n], group=self._group_of(kind))
 

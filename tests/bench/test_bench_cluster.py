@@ -166,3 +166,79 @@ def test_a_delay_needs_netem_and_says_so_where_the_kernel_lacks_it(need_root):
     except bc.ClusterUnavailable as exc:
         assert "netem" in str(exc)
     assert _ours(os.getpid()) == set()
+
+
+def _train_in_cluster(c, tmp_path, *flags):
+    """``arraytrain train`` on every node under mpiexec; each rank's stderr in ``tmp_path/rank-R.err`` (a rank
+    cut off from node 0 cannot send its output there). Returns the running mpiexec, its stdout a pipe."""
+    env = {**bc.MPI_ENV, "OMP_NUM_THREADS": "1", "NUMBA_NUM_THREADS": "1", "PYTHONPATH": os.getcwd(),
+           "PYTHONUNBUFFERED": "1"}
+    argv = ["sh", "-c", f'exec "$0" "$@" 2>{tmp_path}/rank-$PMI_RANK.err', sys.executable, "-m", "arraytrain",
+            "train", "--no-progress", *flags]
+    return c.popen(0, c.mpiexec(argv), env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _ranks_left(c) -> list:
+    """The ranks still running in the nodes (not Hydra's launcher and proxies)."""
+    def rank(pid):
+        try:
+            with open(f"/proc/{pid}/cmdline") as f:
+                return f.read().split("\0")[:4] == [sys.executable, "-m", "arraytrain", "train"] and _running(pid)
+        except FileNotFoundError:
+            return False
+
+    return [pid for n in c.names for pid in subprocess.run(["ip", "netns", "pids", n], capture_output=True,
+                                                           text=True).stdout.split() if rank(pid)]
+
+
+def test_a_link_taken_down_mid_run_ends_every_rank_at_its_deadline(need_root, tmp_path):
+    """Node 1's link goes down in the middle of an epoch: each rank writes one CommTimeoutError line and ends
+    within its 5 s limit (and a tick); the checkpoints written before are whole. mpiexec itself waits for node
+    1's launcher until the link is back (Hydra's, not a rank's), then ends non-zero."""
+    if importlib.util.find_spec("mpi4py") is None or find_mpiexec() is None:
+        pytest.skip('needs mpi4py and mpiexec: pip install "arraytrain[mpi]"')
+    import safetensors
+
+    with bc.Cluster(2, 1.0) as c:
+        p = _train_in_cluster(c, tmp_path, "--epochs", "100", "--hidden", "1024,1024", "--comm-timeout", "5",
+                              "--save", tmp_path / "ck-{epoch}.safetensors", "--checkpoint-every", "2")
+        for line in p.stdout:
+            if line.startswith("epoch 3/"):
+                break
+        else:
+            pytest.fail(f"the run ended before its third epoch: {p.stderr.read()[-2000:]}")
+        time.sleep(0.3)  # into the fourth epoch: no checkpoint is being written
+        c.set_link(1, False)
+        down = time.monotonic()
+        while _ranks_left(c):
+            assert time.monotonic() - down < 30, "a rank outlived its deadline by far"
+            time.sleep(0.2)
+        took = time.monotonic() - down
+        assert 4.5 < took < 20, took
+        for r in (0, 1):
+            lines = [ln for ln in (tmp_path / f"rank-{r}.err").read_text().splitlines() if "CommTimeoutError" in ln]
+            assert len(lines) == 1 and lines[0].startswith(f"arraytrain: CommTimeoutError: rank {r} of 2: "), lines
+            assert "over its limit of 5 s" in lines[0]
+        c.set_link(1, True)
+        assert p.wait(timeout=30) != 0
+    saved = sorted(f.name for f in tmp_path.iterdir() if f.suffix == ".safetensors")
+    assert saved == ["ck-2.safetensors"], sorted(f.name for f in tmp_path.iterdir())  # and no work files
+    with safetensors.safe_open(tmp_path / "ck-2.safetensors", framework="numpy") as f:
+        assert len(list(f.keys())) > 0
+
+
+def test_a_link_slowed_to_a_tenth_mid_run_slows_the_run_without_errors(need_root, tmp_path):
+    if importlib.util.find_spec("mpi4py") is None or find_mpiexec() is None:
+        pytest.skip('needs mpi4py and mpiexec: pip install "arraytrain[mpi]"')
+    with bc.Cluster(2, 1.0) as c:
+        p = _train_in_cluster(c, tmp_path, "--epochs", "4", "--hidden", "512,512", "--comm-timeout", "5")
+        seconds = []
+        for line in p.stdout:
+            if line.startswith("epoch "):
+                seconds.append(float(line.rsplit("(", 1)[1].split()[0]))
+                if len(seconds) == 2:
+                    c.shape(0.1)
+        assert p.wait(timeout=120) == 0, p.stderr.read()[-2000:]
+    errs = "".join((tmp_path / f"rank-{r}.err").read_text() for r in (0, 1))
+    assert "CommTimeoutError" not in errs and "Traceback" not in errs, errs
+    assert len(seconds) == 4 and seconds[3] > 2 * seconds[1], seconds

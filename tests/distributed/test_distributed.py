@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -116,6 +117,25 @@ def test_a_rank_failing_with_buckets_in_flight_ends_the_job():
     assert proc.returncode != 0 and time.monotonic() - t0 < 100
     assert "rank 1 of 2 failed; aborting all 2 ranks (MPI_Abort)" in proc.stderr, proc.stderr
     assert "this rank fails with buckets in flight" in proc.stderr and "unreachable" not in proc.stdout
+
+
+def test_a_rank_that_stops_answering_ends_the_others_at_their_deadline():
+    """Once steady, a collective waits at most the communicator's timeout (2 s here): the waiting rank writes
+    one typed line and ends with status 124, and mpiexec ends the silent one; the first step's slow peer
+    (4 s, as when compiling) was waited for under the start's limit (20 s)."""
+    from arraytrain.parallel.deadline import EXIT_STATUS
+
+    t0 = time.monotonic()
+    proc = ranks(2, CHECKS, "stall", timeout=120)
+    took = time.monotonic() - t0
+    assert proc.returncode != 0 and took < 100, (took, proc.stdout, proc.stderr)
+    assert "rank 0: steady after 3 steps" in proc.stdout and "rank 1: steady after 3 steps" in proc.stdout
+    lines = [ln for ln in proc.stderr.splitlines() if "CommTimeoutError" in ln]
+    assert len(lines) == 1, proc.stderr
+    assert re.match(r"arraytrain: CommTimeoutError: rank 0 of 2: allreduce of [0-9.]+ MB has waited [0-9.]+ s ", lines[0])
+    assert f"over its limit of 2 s: a peer has died or the network to it is down; ending this process " \
+           f"(exit status {EXIT_STATUS})" in lines[0]
+    assert "unreachable" not in proc.stdout and "Traceback" not in proc.stderr
 
 
 def test_launch_ends_a_hung_job_at_its_timeout():

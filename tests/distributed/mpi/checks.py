@@ -15,7 +15,9 @@ that differs on one rank),
 numbers of ranks, bad set-ups; see ``shard_checks.py``),
 ``overlap`` (the nonblocking collectives and the exchange overlapped with the backward pass),
 ``crash`` (the last rank fails inside :func:`abort_on_error` while the others
-wait in a collective: the job must end, non-zero, with the error printed).
+wait in a collective: the job must end, non-zero, with the error printed),
+``stall`` (the last rank stops answering once the job is steady: the others end at their
+deadline, :mod:`arraytrain.parallel.deadline`).
 """
 
 from __future__ import annotations
@@ -88,9 +90,32 @@ def crash_in_flight(comm: MPIComm) -> None:
     print(f"rank {comm.rank}: unreachable: the job should have been aborted", flush=True)
 
 
+def stall(comm: MPIComm) -> None:
+    """A peer slow in its first step (as one compiling kernels) is waited for; a peer that stops answering
+    once the job is steady (as one behind a downed link) ends the others at the deadline: one line each."""
+    import time
+
+    import arraytrain as at
+
+    eng = at.Engine({"w": np.ones(1000, np.float32)}, at.optim.SGD(lr=0.1), comm=comm)
+    last = comm.rank == comm.size - 1
+    for step in range(3):
+        if last and step == 0:
+            time.sleep(4)  # over the 2 s limit of a steady job, within the start's 20
+        eng.step({"w": np.ones(1000, np.float32)})
+    print(f"rank {comm.rank}: steady after {eng.state.step} steps", flush=True)
+    if last:
+        time.sleep(300)
+    eng.step({"w": np.ones(1000, np.float32)})
+    print(f"rank {comm.rank}: unreachable: the deadline should have ended this rank", flush=True)
+
+
 def main(argv) -> int:
     # as in tests/conftest.py: the project's own old spellings are errors in its tests
     warnings.filterwarnings("error", message=".*will be removed in the next release; use ", category=DeprecationWarning)
+    if argv == ["stall"]:
+        stall(MPIComm(timeout=2))
+        return 3
     comm = MPIComm()
     if argv == ["crash"]:
         crash(comm)
