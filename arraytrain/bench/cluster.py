@@ -208,6 +208,12 @@ class Cluster:
         """Take node ``node``'s link down (or up again): its interface in the bridge."""
         _run("ip", "-n", self.switch, "link", "set", f"{self.prefix}p{node}", "up" if up else "down")
 
+    def kill_node(self, node: int) -> None:
+        """Node ``node`` lost, as a machine that vanishes: its link down first (its peers get no word: no
+        reset, no closed socket), then every process in it killed."""
+        self.set_link(node, False)
+        _kill_inside(self.names[node])
+
     def close(self) -> None:
         """Kill every process started through the cluster and every process in its namespaces, then remove
         the namespaces and files."""
@@ -265,14 +271,18 @@ class Cluster:
         return [exe, "-launcher", "ssh", "-launcher-exec", self.launcher, "-hosts", ",".join(self.addresses),
                 "-iface", "eth0", "-n", str(per_node * self.nodes), "-ppn", str(per_node), *map(str, argv)]
 
-    def torchrun(self, node: int, argv, *, per_node: int = 1, run_id: str = "arraytrain", extra=()) -> list:
-        """torchrun's command for node ``node``: ``per_node`` processes, a c10d rendezvous on node 0."""
+    def torchrun(self, node: int, argv, *, per_node: int = 1, run_id: str = "arraytrain", nnodes: str | None = None,
+                 rdzv_conf: dict | None = None, extra=()) -> list:
+        """torchrun's command for node ``node``: ``per_node`` processes, a c10d rendezvous on node 0; ``nnodes``
+        (default: every node) and ``rdzv_conf`` (more of the rendezvous' settings, e.g. ``last_call_timeout``)
+        as torchrun takes them."""
         exe = Path(sys.executable).parent / "torchrun"
         # is_host: node 0 holds the rendezvous store (torch finds the host by the machine's hostname, which
         # every node shares here and which does not resolve to a node's address)
-        return [str(exe) if exe.exists() else "torchrun", f"--nnodes={self.nodes}", f"--nproc-per-node={per_node}",
-                "--rdzv-backend=c10d", f"--rdzv-endpoint={self.addresses[0]}:{PORT}", f"--rdzv-id={run_id}",
-                f"--rdzv-conf=is_host={int(node == 0)}", f"--local-addr={self.addresses[node]}", *extra,
+        conf = ",".join(f"{k}={v}" for k, v in {"is_host": int(node == 0), **(rdzv_conf or {})}.items())
+        return [str(exe) if exe.exists() else "torchrun", f"--nnodes={nnodes or self.nodes}",
+                f"--nproc-per-node={per_node}", "--rdzv-backend=c10d", f"--rdzv-endpoint={self.addresses[0]}:{PORT}",
+                f"--rdzv-id={run_id}", f"--rdzv-conf={conf}", f"--local-addr={self.addresses[node]}", *extra,
                 *map(str, argv)]
 
     def tx_bytes(self) -> list[int]:

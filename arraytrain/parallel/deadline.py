@@ -142,7 +142,7 @@ class Deadline:
 
     def message(self, what: str, nbytes: int, waited: float, limit: float) -> str:
         """The line a wait past its limit writes (without the ``arraytrain: CommTimeoutError:`` prefix)."""
-        size = f" of {nbytes / 1e6:.3g} MB" if nbytes else ""
+        size = "" if not nbytes else f" of {nbytes / 1e6:.3g} MB" if nbytes >= 100_000 else f" of {nbytes} bytes"
         phase = ("" if limit == self.timeout else
                  f" (the limit before the group is steady and while a rank reads or writes a checkpoint: "
                  f"{START_FACTOR} x {self.timeout:g} s)")

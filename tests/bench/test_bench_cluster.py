@@ -7,11 +7,14 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 
 from arraytrain.bench import cluster as bc
@@ -242,3 +245,52 @@ def test_a_link_slowed_to_a_tenth_mid_run_slows_the_run_without_errors(need_root
     errs = "".join((tmp_path / f"rank-{r}.err").read_text() for r in (0, 1))
     assert "CommTimeoutError" not in errs and "Traceback" not in errs, errs
     assert len(seconds) == 4 and seconds[3] > 2 * seconds[1], seconds
+
+
+EXAMPLE = os.path.join(os.getcwd(), "examples", "torchrun_train.py")
+
+
+def _losses_after(text: str, step: int) -> list:
+    return [(int(k), v) for k, v in re.findall(r"step (\d+): loss (\S+)", text) if int(k) > step]
+
+
+def test_a_node_lost_under_elastic_torchrun_leaves_the_survivor_resuming_on_fewer_ranks(need_root, tmp_path):
+    """``torchrun --nnodes 1:2 --max-restarts 3`` on both nodes, the example saving every 20 steps; node 1 is
+    lost (link down, its processes killed) after step 60 is saved. Node 0's rank ends at its deadline (one
+    line), torchrun restarts it alone, it resumes from the last checkpoint on one rank and finishes; its
+    losses and final weights equal a fresh one-process run from that checkpoint."""
+    pytest.importorskip("torch")
+    from safetensors.numpy import load_file
+
+    run, fresh = tmp_path / "run", tmp_path / "fresh"
+    run.mkdir(), fresh.mkdir()
+    env = {"OMP_NUM_THREADS": "1", "NUMBA_NUM_THREADS": "1", "PYTHONPATH": os.getcwd(), "PYTHONUNBUFFERED": "1",
+           "GLOO_SOCKET_IFNAME": "eth0", "ARRAYTRAIN_COMM_TIMEOUT": "5"}
+    script = [EXAMPLE, "--steps", "200", "--every", "20", "--print-every", "1"]
+    with bc.Cluster(2, 1.0) as c:
+        procs = [c.popen(node, c.torchrun(node, [*script, "--checkpoint-dir", run], nnodes="1:2",
+                                          rdzv_conf={"last_call_timeout": 3},
+                                          extra=["--max-restarts=3", "--monitor-interval=1"]),
+                         env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for node in (0, 1)]
+        deadline = time.monotonic() + 240
+        while not (run / "step-60.safetensors").exists():
+            assert time.monotonic() < deadline and procs[0].poll() is None, "no step 60 from the two nodes"
+            time.sleep(0.1)
+        c.kill_node(1)
+        lost = time.monotonic()
+        out, _ = procs[0].communicate(timeout=240)
+        took = time.monotonic() - lost
+    assert procs[0].returncode == 0, out[-3000:]
+    assert out.count("CommTimeoutError") == 1 and "arraytrain: CommTimeoutError: rank 0 of 2: " in out, out[-3000:]
+    resumed = re.findall(r"resumed from (\S+) at step (\d+) on 1 rank\(s\)", out)
+    assert len(resumed) == 1 and int(resumed[0][1]) >= 60, out[-3000:]
+    assert "200 AdamW steps on 1 rank(s) over gloo" in out and took < 200, took
+    step = int(resumed[0][1])
+    shutil.copy(run / f"step-{step}.safetensors", fresh)
+    alone = subprocess.run([sys.executable, EXAMPLE, *script[1:], "--checkpoint-dir", str(fresh)], capture_output=True,
+                           text=True, timeout=180, env={**os.environ, **env})
+    assert alone.returncode == 0, alone.stderr[-2000:]
+    got, want = _losses_after(out[out.rindex("resumed from"):], step), _losses_after(alone.stdout, step)
+    assert len(got) == 200 - step and got == want
+    a, b = load_file(run / "step-200.safetensors"), load_file(fresh / "step-200.safetensors")
+    assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)

@@ -78,6 +78,7 @@ def test_the_line_says_what_waited_how_long_and_what_to_do():
                            f"status {dl.EXIT_STATUS})")
     assert dl.ENV in line and "timeout=" in line
     assert "before the group is steady" in d.message("gather_objects", 0, 601.0, 600.0)
+    assert d.message("allreduce", 16, 61.0, 60.0).startswith("rank 1 of 4: allreduce of 16 bytes has waited 61.0 s")
     assert issubclass(CommTimeoutError, TimeoutError) and issubclass(CommTimeoutError, at.ArrayTrainError)
 
 
