@@ -6,9 +6,15 @@ work falls on all of them alike):
 
 - ``torch DDP``: ``DistributedDataParallel`` over gloo (buckets of 25 MB, all-reduces
   launched by autograd hooks), ``clip_grad_norm_(1.0)``, ``torch.optim.AdamW``;
+- ``torch DDP + PowerSGD``: the same with torch's PowerSGD communication hook (rank 4, error
+  feedback, compressing from the second step: :data:`POWERSGD`), on a gloo group of its own
+  (on the default group its collectives mismatched the next contestant's); its losses depart
+  from DDP's by design (a compressed gradient), so :func:`losses_agree` leaves it out;
 - ``arraytrain, MPIComm`` and ``arraytrain, TorchComm`` (over the same gloo group), each
-  blocking (``overlap=False``) and overlapped: ``bind(model, AdamW, max_grad_norm=1.0,
-  comm=...)``;
+  blocking (``overlap=False``), overlapped, and sharded and overlapped (``shard_state=True``:
+  each rank updates its share of AdamW's state; the buckets reduced to their owners while
+  backward runs, the weights all-gathered after the update): ``bind(model, AdamW,
+  max_grad_norm=1.0, comm=...)``;
 - ``torch, no exchange`` and ``arraytrain, no exchange``: each implementation's step alone,
   on the rank's own data: the reference of a step without any communication.
 
@@ -28,6 +34,13 @@ import time
 import numpy as np
 
 from .common import slowest
+
+#: torch's PowerSGD hook's settings for the ``torch DDP + PowerSGD`` contestant (torch's default starts
+#: compressing at step 1000; here at the second step, so that the timed steps are compressed).
+POWERSGD = {"matrix_approximation_rank": 4, "start_powerSGD_iter": 2, "use_error_feedback": True,
+            "warm_start": True}
+#: The contestants whose losses follow DDP's only approximately (compressed gradients).
+APPROXIMATE = ("torch DDP + PowerSGD",)
 
 #: The models: name -> (kind, settings).
 MODELS = {
@@ -79,6 +92,9 @@ def worker_ddp(comm, cfg) -> dict:
         with open(wire) as f:
             return int(f.read())
     tcomm = TorchComm()
+    # PowerSGD's hook on the default group mismatched the next contestant's collectives there (gloo: "Received
+    # data size doesn't match expected size"): it runs on a gloo group of its own (the same links)
+    psgd_group = dist.new_group(backend="gloo")
     out = {}
     for name in cfg["models"]:
         kind, mcfg = MODELS[name]
@@ -90,10 +106,15 @@ def worker_ddp(comm, cfg) -> dict:
             m.load_state_dict(init)
             return m
 
-        def torch_step(ddp: bool):
-            """torch's step: (DDP around) the model, clip_grad_norm_, AdamW."""
+        def torch_step(ddp: bool, powersgd: bool = False):
+            """torch's step: (DDP around) the model (with PowerSGD's hook), clip_grad_norm_, AdamW."""
             m = fresh()
-            run = DistributedDataParallel(m) if ddp else m
+            group = psgd_group if powersgd else None
+            run = DistributedDataParallel(m, process_group=group) if ddp else m
+            if powersgd:
+                from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+
+                run.register_comm_hook(psgd.PowerSGDState(process_group=group, **POWERSGD), psgd.powerSGD_hook)
             opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
 
             def step(x, y):
@@ -107,14 +128,17 @@ def worker_ddp(comm, cfg) -> dict:
 
             return step
 
-        steps = {"torch DDP": torch_step(True), "torch, no exchange": torch_step(False)}
-        for label, c, overlap in (("arraytrain, no exchange", None, False),
-                                  ("arraytrain, MPIComm, blocking", comm, False),
-                                  ("arraytrain, MPIComm, overlapped", comm, True),
-                                  ("arraytrain, TorchComm, blocking", tcomm, False),
-                                  ("arraytrain, TorchComm, overlapped", tcomm, True)):
+        steps = {"torch DDP": torch_step(True), "torch DDP + PowerSGD": torch_step(True, powersgd=True),
+                 "torch, no exchange": torch_step(False)}
+        for label, c, overlap, shard in (("arraytrain, no exchange", None, False, False),
+                                         ("arraytrain, MPIComm, blocking", comm, False, False),
+                                         ("arraytrain, MPIComm, overlapped", comm, True, False),
+                                         ("arraytrain, MPIComm, sharded + overlapped", comm, True, True),
+                                         ("arraytrain, TorchComm, blocking", tcomm, False, False),
+                                         ("arraytrain, TorchComm, overlapped", tcomm, True, False),
+                                         ("arraytrain, TorchComm, sharded + overlapped", tcomm, True, True)):
             m = fresh()
-            eng = att.bind(m, optim.AdamW(lr=1e-3), max_grad_norm=1.0, comm=c, overlap=overlap)
+            eng = att.bind(m, optim.AdamW(lr=1e-3), max_grad_norm=1.0, comm=c, overlap=overlap, shard_state=shard)
 
             def at_step(x, y, m=m, eng=eng):
                 loss = torch.nn.functional.mse_loss(m(x), y)
@@ -207,6 +231,7 @@ def free_port() -> int:
 
 
 def losses_agree(res: dict, rtol: float = 1e-4) -> bool:
-    """Every contestant's losses within ``rtol`` of DDP's, step by step."""
+    """Every exact contestant's losses within ``rtol`` of DDP's, step by step (not the compressed ones,
+    :data:`APPROXIMATE`)."""
     return all(np.allclose(r["losses"][k], r["losses"]["torch DDP"], rtol=rtol)
-               for r in res.values() for k in r["losses"] if not k.endswith("no exchange"))
+               for r in res.values() for k in r["losses"] if not k.endswith("no exchange") and k not in APPROXIMATE)
