@@ -7,9 +7,11 @@ work falls on all of them alike):
 - ``torch DDP``: ``DistributedDataParallel`` over gloo (buckets of 25 MB, all-reduces
   launched by autograd hooks), ``clip_grad_norm_(1.0)``, ``torch.optim.AdamW``;
 - ``torch DDP + PowerSGD``: the same with torch's PowerSGD communication hook (rank 4, error
-  feedback, compressing from the second step: :data:`POWERSGD`), on a gloo group of its own
-  (on the default group its collectives mismatched the next contestant's); its losses depart
-  from DDP's by design (a compressed gradient), so :func:`losses_agree` leaves it out;
+  feedback, compressing from the second step: :data:`POWERSGD`), on a gloo group of its own and
+  with one bucket for the whole model (over gloo with several buckets the hook's chained
+  all-reduces were issued in a different order on each rank, a collective mismatch after a few
+  steps); its losses depart from DDP's by design (a compressed gradient), so
+  :func:`losses_agree` leaves it out;
 - ``arraytrain, MPIComm`` and ``arraytrain, TorchComm`` (over the same gloo group), each
   blocking (``overlap=False``), overlapped, and sharded and overlapped (``shard_state=True``:
   each rank updates its share of AdamW's state; the buckets reduced to their owners while
@@ -92,8 +94,9 @@ def worker_ddp(comm, cfg) -> dict:
         with open(wire) as f:
             return int(f.read())
     tcomm = TorchComm()
-    # PowerSGD's hook on the default group mismatched the next contestant's collectives there (gloo: "Received
-    # data size doesn't match expected size"): it runs on a gloo group of its own (the same links)
+    # PowerSGD's hook over gloo with several DDP buckets issues its later all-reduces from gloo's threads, in
+    # an order that differs between ranks (gloo: "Received data size doesn't match expected size" after a
+    # few steps): one bucket for the whole model, on a gloo group of its own (the same links)
     psgd_group = dist.new_group(backend="gloo")
     out = {}
     for name in cfg["models"]:
@@ -110,7 +113,8 @@ def worker_ddp(comm, cfg) -> dict:
             """torch's step: (DDP around) the model (with PowerSGD's hook), clip_grad_norm_, AdamW."""
             m = fresh()
             group = psgd_group if powersgd else None
-            run = DistributedDataParallel(m, process_group=group) if ddp else m
+            run = DistributedDataParallel(m, process_group=group, bucket_cap_mb=1024 if powersgd else None) \
+                if ddp else m
             if powersgd:
                 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 
