@@ -68,9 +68,11 @@ def test_everyday_loop_contestants_train_alike(kind):
     ref = dict(models["torch fused"].named_parameters())
     for name in ("drop-in", "drop-in, apply", "drop-in, max_grad_norm"):
         for n, p in models[name].named_parameters():
-            # Adam turns float rounding into steps of up to lr (1e-3) where a gradient is near 0
-            np.testing.assert_allclose(p.detach().numpy(), ref[n].detach().numpy(), rtol=1e-3, atol=1e-4,
-                                       err_msg=f"{name}: {n}")
+            a, b = p.detach().numpy(), ref[n].detach().numpy()
+            # Adam turns float rounding into steps of up to lr (1e-3) where a gradient is near 0: every weight
+            # within one such step, and all but a few in a thousand within a tenth of it
+            np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-3, err_msg=f"{name}: {n}")
+            assert np.mean(~np.isclose(a, b, rtol=1e-3, atol=1e-4)) < 2e-3, f"{name}: {n}"
 
 
 def test_main_runs_and_writes_json(tmp_path, capsys):
