@@ -164,6 +164,21 @@ def test_import_arraytrain_does_not_import_mpi4py():
     assert out.split() == ["False", "False"]
 
 
+def test_mpich_defaults_apply_where_arraytrain_initialises_mpi_and_a_set_value_is_kept():
+    rank_env()  # (skips without MPI)
+    from arraytrain.parallel.mpi import MPICH_DEFAULTS
+
+    code = ("import os; from arraytrain.distributed import MPIComm; c = MPIComm(); "
+            f"print(*[os.environ.get(k) for k in {sorted(MPICH_DEFAULTS)!r}])")
+    env = {k: v for k, v in os.environ.items() if k not in MPICH_DEFAULTS}
+    for preset, want in ((None, [MPICH_DEFAULTS[k] for k in sorted(MPICH_DEFAULTS)]), ("auto", ["auto"])):
+        extra = {} if preset is None else dict.fromkeys(MPICH_DEFAULTS, preset)
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                             env={**env, **extra, "PYTHONPATH": SOURCE})
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.split() == want * (1 if preset is None else len(MPICH_DEFAULTS))
+
+
 def test_abort_on_error_outside_a_job_lets_the_exception_through():
     # MPI not initialised in this process (or one rank): nothing to abort, the error propagates
     with pytest.raises(KeyError, match="x"):
