@@ -48,7 +48,8 @@ _NCCL_TYPES = {
 #: exchange reduces each bucket's pieces to their owners with ``MPI_Ireduce``, and MPICH's default for
 #: large pieces (reduce-scatter, then gather to the root) sends 1.5 pieces per piece; the binomial tree
 #: sends each non-owner's piece once (measured on 2 nodes: 1.25x -> 1.01x a ring all-reduce's bytes,
-#: docs/cluster.md). Other MPI libraries ignore the variable.
+#: docs/cluster.md). Other MPI libraries ignore the variable; a program's own ``MPI_Ireduce`` calls in that
+#: process use it too.
 MPICH_DEFAULTS = {"MPIR_CVAR_IREDUCE_INTRA_ALGORITHM": "sched_binomial"}
 
 
