@@ -239,7 +239,7 @@ def add_train_parser(sub) -> argparse.ArgumentParser:
                         "back-propagate (buckets of 25 MiB); off by default: on one machine's shared memory "
                         "it competes with the backward pass for the cores (docs/processes.md)")
     t.add_argument("--comm-timeout", type=nonnegative(float), metavar="SECONDS",
-                   help="under mpiexec: an exchange that waits longer than this for the other processes (one "
+                   help="under mpiexec or torchrun: an exchange that waits longer than this for the other processes (one "
                         "died, or a link is down) ends this process with one line, and so every process (10 "
                         "times as long for the first two steps and for checkpoints; default: "
                         "$ARRAYTRAIN_COMM_TIMEOUT, else 60; 0: wait forever)")
@@ -290,13 +290,23 @@ def from_launcher(keys: tuple, default: int) -> int:
     return default
 
 
+def under_torchrun() -> bool:
+    """Whether ``torchrun`` started this process (its agent sets ``TORCHELASTIC_RUN_ID``, then ``RANK``,
+    ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` for torch.distributed)."""
+    return "TORCHELASTIC_RUN_ID" in os.environ
+
+
 def launched_ranks() -> int:
-    """The number of processes ``mpiexec`` started (1 when not under mpiexec)."""
+    """The number of processes ``mpiexec`` or ``torchrun`` started (1 under neither)."""
+    if under_torchrun():
+        return from_launcher(("WORLD_SIZE",), 1)
     return from_launcher(("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MPI_LOCALNRANKS"), 1)
 
 
 def launched_rank() -> int:
-    """This process's rank as ``mpiexec`` set it (0 when not under mpiexec)."""
+    """This process's rank as ``mpiexec`` or ``torchrun`` set it (0 under neither)."""
+    if under_torchrun():
+        return from_launcher(("RANK",), 0)
     return from_launcher(("PMI_RANK", "OMPI_COMM_WORLD_RANK", "MPI_LOCALRANKID"), 0)
 
 
@@ -412,7 +422,8 @@ def check_flags(args, comm) -> None:
         if args.compress is not None:
             raise usage("--overlap with --compress: a compressor's exchange needs the whole window's gradient")
     if args.comm_timeout is not None and comm is None:
-        raise usage("--comm-timeout needs several processes: mpiexec -n K arraytrain train --comm-timeout S")
+        raise usage("--comm-timeout needs several processes: mpiexec -n K arraytrain train --comm-timeout S "
+                    "(or torchrun)")
     if args.shard_state:
         if comm is None:
             raise usage("--shard-state needs several processes: mpiexec -n K arraytrain train --shard-state")

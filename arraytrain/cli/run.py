@@ -22,7 +22,7 @@ from ..engine import Engine
 from ..errors import ArrayTrainError, CheckpointError, DataError, NonFiniteError
 from ..nn.callbacks import MagnitudePruning
 from .arguments import (COMPRESSORS, PRECISIONS, agreed, check_same_model, fmt_compress, fmt_range, launched_ranks,
-                        optimizers, prune_epochs, usage, validate)
+                        optimizers, prune_epochs, under_torchrun, usage, validate)
 
 # -- building blocks ----------------------------------------------------------------------------
 def _optimizer(args):
@@ -90,13 +90,27 @@ def _compressor(args):
 
 
 def _comm(args):
-    """An MPIComm when ``mpiexec`` started more than one process (its waits held to ``--comm-timeout``),
-    else None (one process)."""
+    """The processes' communicator (its waits held to ``--comm-timeout``): a TorchComm over gloo when
+    ``torchrun`` started more than one process, an MPIComm when ``mpiexec`` did; None for one process."""
     if launched_ranks() <= 1:
         return None
-    from ..distributed import MPIComm
+    timeout = "default" if args.comm_timeout is None else args.comm_timeout
+    if not under_torchrun():
+        from ..distributed import MPIComm
 
-    return MPIComm(timeout="default" if args.comm_timeout is None else args.comm_timeout)
+        return MPIComm(timeout=timeout)
+    if args.device == "cuda":  # before the group: every rank refuses alike, none waits
+        raise usage("--device cuda under torchrun: not built (one GPU per process over NCCL is "
+                    "mpiexec -n K arraytrain train --device cuda)")
+    import atexit
+
+    import torch.distributed as dist  # torchrun came with torch
+
+    from ..distributed import TorchComm
+
+    dist.init_process_group("gloo")  # RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT from torchrun
+    atexit.register(dist.destroy_process_group)  # gloo's threads end before the interpreter's teardown
+    return TorchComm(timeout=timeout)
 
 
 def _gpu_comm(comm):

@@ -136,6 +136,19 @@ def test_arraytrain_train_runs_across_the_nodes(need_root, tmp_path):
     assert "2 processes" in proc.stdout and json.loads(summary.read_text())["processes"] == 2
 
 
+def test_arraytrain_train_runs_across_the_nodes_under_torchrun(need_root, tmp_path):
+    pytest.importorskip("torch")
+    summary = tmp_path / "s.json"
+    env = {"OMP_NUM_THREADS": "1", "NUMBA_NUM_THREADS": "1", "PYTHONPATH": os.getcwd(), "GLOO_SOCKET_IFNAME": "eth0"}
+    with bc.Cluster(2, 1.0) as c:
+        procs = [c.popen(node, c.torchrun(node, ["-m", "arraytrain", "train", "--epochs", "1", "--no-progress",
+                                                 "--json", summary]), env, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True) for node in (0, 1)]
+        outs = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [o[1][-2000:] for o in outs]
+    assert "2 processes" in outs[0][0] and json.loads(summary.read_text())["processes"] == 2
+
+
 def test_ranks_that_mpi_started_in_other_nodes_end_with_the_cluster(need_root):
     """Hydra's proxies put the ranks in sessions of their own: closing the cluster kills what runs in its
     namespaces too, also with a node's link down (a rank there would wait on the network forever)."""

@@ -1,4 +1,5 @@
-"""``mpiexec -n K arraytrain train``: one data-parallel run, the one-process trajectory, rank 0 alone speaks."""
+"""``mpiexec -n K arraytrain train`` (and ``torchrun``): one data-parallel run, the one-process trajectory, rank 0
+alone speaks."""
 
 from __future__ import annotations
 
@@ -43,6 +44,38 @@ def test_data_parallel_training_follows_the_one_process_run(tmp_path, ranks):
     assert many["optimizer_steps"] == one["optimizer_steps"]
     np.testing.assert_allclose([h["loss"] for h in many["history"]], [h["loss"] for h in one["history"]], rtol=1e-9)
     assert many["test_accuracy"] == one["test_accuracy"]
+
+
+@pytest.mark.slow  # the slow tier: torch and gloo started for one comparison
+def test_under_torchrun_it_trains_as_under_mpiexec(tmp_path):
+    """``torchrun --nproc-per-node 2 -m arraytrain train``: a TorchComm over gloo; the same run as MPI's, to
+    the bit (a sum of two is the same whichever transport adds it)."""
+    pytest.importorskip("torch")
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    data = small_npz(tmp_path / "d.npz", n=120)
+    common = ["--data", str(data), "--epochs", "3", "--batch-size", "16", "--clip", "1.0"]
+    _, mpi = _train(tmp_path, 2, *common, name="mpi")
+    js = tmp_path / "torch.json"
+    env = {**os.environ, "NUMBA_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([torchrun, "--standalone", "--nproc-per-node", "2", "-m", "arraytrain", "train",
+                           "--no-progress", "--json", str(js), "--comm-timeout", "30", *common],
+                          capture_output=True, text=True, timeout=240, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    tr = json.loads(js.read_text())
+    assert tr["processes"] == 2 and proc.stdout.count("test accuracy") == 1 and "2 processes" in proc.stdout
+    for key in ("optimizer_steps", "test_loss", "test_accuracy", "final_loss"):
+        assert tr[key] == mpi[key], key
+    assert [(h["loss"], h["val_loss"]) for h in tr["history"]] == [(h["loss"], h["val_loss"]) for h in mpi["history"]]
+
+
+def test_cuda_under_torchrun_is_refused_before_any_group_starts(capsys, monkeypatch):
+    from arraytrain.cli import main
+
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    assert main(["train", "--device", "cuda", "--epochs", "1", "--no-progress"]) == 2
+    assert "--device cuda under torchrun: not built" in capsys.readouterr().err
 
 
 @pytest.mark.slow  # the slow tier: the compressors under mpiexec are checked in test_distributed
