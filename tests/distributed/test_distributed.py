@@ -132,7 +132,7 @@ def test_a_rank_that_stops_answering_ends_the_others_at_their_deadline():
     assert "rank 0: steady after 3 steps" in proc.stdout and "rank 1: steady after 3 steps" in proc.stdout
     lines = [ln for ln in proc.stderr.splitlines() if "CommTimeoutError" in ln]
     assert len(lines) == 1, proc.stderr
-    assert re.match(r"arraytrain: CommTimeoutError: rank 0 of 2: allreduce of [0-9]+ bytes has waited [0-9.]+ s ", lines[0])
+    assert re.match(r"arraytrain: CommTimeoutError: rank 0 of 2: iallreduce of [0-9]+ bytes has waited [0-9.]+ s ", lines[0])
     assert f"over its limit of 2 s: a peer has died or the network to it is down; ending this process " \
            f"(exit status {EXIT_STATUS})" in lines[0]
     assert "unreachable" not in proc.stdout and "Traceback" not in proc.stderr
