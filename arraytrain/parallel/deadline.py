@@ -52,7 +52,7 @@ EXIT_STATUS = 124
 
 
 def check_timeout(timeout, name: str = "timeout") -> float | None:
-    """``timeout`` checked: seconds > 0, or None (and 0) for no deadline; the default taken from
+    """``timeout`` checked: seconds >= 0 (0, None and infinity: no deadline); the default taken from
     :data:`ENV` when ``timeout`` is ``"default"``."""
     if isinstance(timeout, str) and timeout == "default":
         raw = os.environ.get(ENV)
@@ -66,11 +66,11 @@ def check_timeout(timeout, name: str = "timeout") -> float | None:
     if timeout is None:
         return None
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
-        raise ArgumentTypeError(f"{name}: expected seconds (a number > 0, or None for no deadline), "
+        raise ArgumentTypeError(f"{name}: expected seconds (a number >= 0; 0 or None: no deadline), "
                                 f"got {type(timeout).__name__}")
     timeout = float(timeout)
     if timeout != timeout or timeout < 0:
-        raise ArgumentTypeError(f"{name}: expected seconds (a number > 0, or None for no deadline), got {timeout!r}")
+        raise ArgumentTypeError(f"{name}: expected seconds (a number >= 0; 0 or None: no deadline), got {timeout!r}")
     return None if timeout == 0 or timeout == float("inf") else timeout
 
 

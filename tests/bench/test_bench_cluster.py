@@ -39,6 +39,12 @@ def need_root():
         pytest.skip(why)
 
 
+@pytest.fixture
+def need_mpi(need_root):
+    if importlib.util.find_spec("mpi4py") is None or find_mpiexec() is None:
+        pytest.skip('needs mpi4py and mpiexec: pip install "arraytrain[mpi]"')
+
+
 def test_without_root_the_command_says_so_in_one_line(monkeypatch, capsys):
     monkeypatch.setattr(bc, "available", lambda: "the simulated cluster needs root (CAP_NET_ADMIN) to ...")
     assert bc.main(["--models", "none"]) == 2
@@ -91,9 +97,7 @@ def test_a_killed_run_is_cleaned_by_the_next_and_sigterm_cleans_its_own(need_roo
             assert _ours(p.pid) == set()
 
 
-def test_mpi_crosses_the_links_on_tcp(need_root):
-    if importlib.util.find_spec("mpi4py") is None or find_mpiexec() is None:
-        pytest.skip('needs mpi4py and mpiexec: pip install "arraytrain[mpi]"')
+def test_mpi_crosses_the_links_on_tcp(need_mpi):
     code = ("from mpi4py import MPI\nimport numpy as np\nc = MPI.COMM_WORLD\na = np.ones(2**20, np.float32)\n"
             "c.Allreduce(MPI.IN_PLACE, a)\nassert a[0] == c.size\nprint(f'rank{c.rank}ok', flush=True)\n")
     with bc.Cluster(2, 2.0) as c:
@@ -124,9 +128,7 @@ def test_torchrun_across_the_nodes_meets_at_node_0(need_root, tmp_path):
         assert "rank0of2sum3" in outs[0] and "rank1of2sum3" in outs[1]
 
 
-def test_arraytrain_train_runs_across_the_nodes(need_root, tmp_path):
-    if importlib.util.find_spec("mpi4py") is None or find_mpiexec() is None:
-        pytest.skip('needs mpi4py and mpiexec: pip install "arraytrain[mpi]"')
+def test_arraytrain_train_runs_across_the_nodes(need_mpi, tmp_path):
     summary = tmp_path / "s.json"
     env = {**bc.MPI_ENV, "OMP_NUM_THREADS": "1", "NUMBA_NUM_THREADS": "1", "PYTHONPATH": os.getcwd()}
     with bc.Cluster(2, 1.0) as c:
@@ -149,11 +151,9 @@ def test_arraytrain_train_runs_across_the_nodes_under_torchrun(need_root, tmp_pa
     assert "2 processes" in outs[0][0] and json.loads(summary.read_text())["processes"] == 2
 
 
-def test_ranks_that_mpi_started_in_other_nodes_end_with_the_cluster(need_root):
+def test_ranks_that_mpi_started_in_other_nodes_end_with_the_cluster(need_mpi):
     """Hydra's proxies put the ranks in sessions of their own: closing the cluster kills what runs in its
     namespaces too, also with a node's link down (a rank there would wait on the network forever)."""
-    if importlib.util.find_spec("mpi4py") is None or find_mpiexec() is None:
-        pytest.skip('needs mpi4py and mpiexec: pip install "arraytrain[mpi]"')
     with bc.Cluster(2, 1.0) as c:
         c.popen(0, c.mpiexec([sys.executable, "-c", "import time; time.sleep(120)"]), bc.MPI_ENV)
         deadline = time.monotonic() + 30
@@ -207,12 +207,10 @@ def _ranks_left(c) -> list:
                                                            text=True).stdout.split() if rank(pid)]
 
 
-def test_a_link_taken_down_mid_run_ends_every_rank_at_its_deadline(need_root, tmp_path):
+def test_a_link_taken_down_mid_run_ends_every_rank_at_its_deadline(need_mpi, tmp_path):
     """Node 1's link goes down in the middle of an epoch: each rank writes one CommTimeoutError line and ends
     within its 5 s limit (and a tick); the checkpoints written before are whole. mpiexec itself waits for node
     1's launcher until the link is back (Hydra's, not a rank's), then ends non-zero."""
-    if importlib.util.find_spec("mpi4py") is None or find_mpiexec() is None:
-        pytest.skip('needs mpi4py and mpiexec: pip install "arraytrain[mpi]"')
     import safetensors
 
     with bc.Cluster(2, 1.0) as c:
@@ -243,9 +241,7 @@ def test_a_link_taken_down_mid_run_ends_every_rank_at_its_deadline(need_root, tm
         assert len(list(f.keys())) > 0
 
 
-def test_a_link_slowed_to_a_tenth_mid_run_slows_the_run_without_errors(need_root, tmp_path):
-    if importlib.util.find_spec("mpi4py") is None or find_mpiexec() is None:
-        pytest.skip('needs mpi4py and mpiexec: pip install "arraytrain[mpi]"')
+def test_a_link_slowed_to_a_tenth_mid_run_slows_the_run_without_errors(need_mpi, tmp_path):
     with bc.Cluster(2, 1.0) as c:
         p = _train_in_cluster(c, tmp_path, "--epochs", "4", "--hidden", "512,512", "--comm-timeout", "5")
         seconds = []
