@@ -13,7 +13,10 @@ command is a script that enters the node's namespace instead of logging in (see
 :meth:`Cluster.mpiexec`), with MPI kept off shared memory (``MPIR_CVAR_NOLOCAL=1``: the nodes share
 the machine's hostname, and MPICH would otherwise move their bytes through shared memory, around
 the shaped links) and on TCP; ``torchrun`` per node with a c10d rendezvous on node 0's address
-(:meth:`Cluster.torchrun`). Bytes on the wire are each node's own ``eth0`` counters.
+(:meth:`Cluster.torchrun`). Each node gets cores of its own where the machine has enough: its
+processes run under ``taskset`` on an equal share, with the thread counts of OpenMP, OpenBLAS, MKL
+and numba set to that share (``pin=False``: every core shared). Bytes on the wire are each node's
+own ``eth0`` counters.
 
 Every namespace, link and process is removed when the cluster closes, also after an error,
 Ctrl-C or SIGTERM; namespaces left by a cluster whose process was killed outright are removed by
@@ -69,6 +72,16 @@ def available() -> str | None:
     return None
 
 
+def _split_cpus(nodes: int) -> list[list[int]] | None:
+    """This process's cores in ``nodes`` equal, disjoint sets (the rest unused); None when there are fewer
+    cores than nodes (or no ``taskset``): then the nodes share every core."""
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    per = len(cores) // nodes
+    if per == 0 or shutil.which("taskset") is None:
+        return None
+    return [cores[i * per:(i + 1) * per] for i in range(nodes)]
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -118,7 +131,7 @@ class Cluster:
     started through it is killed and every namespace and link removed.
     """
 
-    def __init__(self, nodes: int = 2, link_gbit: float = 10.0, delay_us: float | None = None):
+    def __init__(self, nodes: int = 2, link_gbit: float = 10.0, delay_us: float | None = None, pin: bool = True):
         if int(nodes) != nodes or nodes < 2 or nodes > 64:
             raise ValueError(f"nodes: expected an integer in [2, 64], got {nodes!r}")
         if not link_gbit > 0:
@@ -128,6 +141,7 @@ class Cluster:
         self.switch = f"{self.prefix}-sw"
         self.names = [f"{self.prefix}-n{i}" for i in range(self.nodes)]
         self.addresses = [f"{SUBNET}.{i + 1}" for i in range(self.nodes)]
+        self.cpus = _split_cpus(self.nodes) if pin else None
         self._procs: list[subprocess.Popen] = []
         self._made: list[str] = []
         self._dir = None
@@ -178,12 +192,13 @@ class Cluster:
         self.shape(self.link_gbit)
         self._dir = tempfile.mkdtemp(prefix="arraytrain-cluster-")
         self.launcher = str(Path(self._dir) / "nsexec")
-        cases = "\n".join(f"  {a}) ns={n};;" for a, n in zip(self.addresses, self.names))
+        cases = "\n".join(f"  {a}) set -- {' '.join(self.argv(i, []))} sh -c \"$*\";;"
+                           for i, a in enumerate(self.addresses))
         Path(self.launcher).write_text(
-            "#!/bin/sh\n# Hydra's ssh launcher, into a node's namespace: [options] host command...\n"
+            "#!/bin/sh\n# Hydra's ssh launcher, into a node's namespace (and onto its cores): [options] host command...\n"
             'while [ "${1#-}" != "$1" ]; do shift; done\nhost=$1; shift\n'
             f'case $host in\n{cases}\n  *) echo "no node $host" >&2; exit 255;;\nesac\n'
-            'exec ip netns exec "$ns" sh -c "$*"\n')
+            'exec "$@"\n')
         os.chmod(self.launcher, 0o755)
 
     def shape(self, link_gbit: float) -> None:
@@ -240,12 +255,22 @@ class Cluster:
 
     # -- running in the nodes ----------------------------------------------------------------------
     def argv(self, node: int, argv) -> list:
-        """``argv`` run inside node ``node``."""
-        return ["ip", "netns", "exec", self.names[node], *map(str, argv)]
+        """``argv`` run inside node ``node`` (and on its cores, when the nodes are pinned)."""
+        pin = [] if self.cpus is None else ["taskset", "-c", ",".join(map(str, self.cpus[node]))]
+        return ["ip", "netns", "exec", self.names[node], *pin, *map(str, argv)]
+
+    def thread_env(self) -> dict:
+        """Thread counts for a node's processes: its cores (nothing when the nodes are not pinned)."""
+        if self.cpus is None:
+            return {}
+        k = str(len(self.cpus[0]))
+        return {v: k for v in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS")}
 
     def popen(self, node: int, argv, env=None, **kw) -> subprocess.Popen:
-        """Start ``argv`` in node ``node`` (its own process group, killed when the cluster closes)."""
-        p = subprocess.Popen(self.argv(node, argv), env={**os.environ, **(env or {})}, start_new_session=True, **kw)
+        """Start ``argv`` in node ``node`` (its own process group, killed when the cluster closes); the node's
+        :meth:`thread_env` under ``env``."""
+        env = {**os.environ, **self.thread_env(), **(env or {})}
+        p = subprocess.Popen(self.argv(node, argv), env=env, start_new_session=True, **kw)
         self._procs.append(p)
         return p
 
