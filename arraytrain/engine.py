@@ -600,7 +600,8 @@ class Engine:
                           grad_norm=verdict.norm, clip_coef=verdict.coef, loss_scale=self.loss_scale,
                           _segment_norms=verdict, _names=self.layout.names,
                           payload_bytes=None if payload is None else payload.nbytes,
-                          dense_bytes=None if payload is None else payload.dense_nbytes)
+                          dense_bytes=None if payload is None else payload.dense_nbytes,
+                          compression=None if payload is None else payload.meta.get("phase"))
 
     def _skip(self, step: int, lr: float) -> StepReport:
         """A NaN/Inf boundary: drop the window; params, state, step and schedule stay."""

@@ -169,7 +169,9 @@ class StepReport:
     global L2 norm of the reduced (mean or sum), unscaled gradient before
     clipping, and ``clip_coef`` the factor applied to it; both are None between
     boundaries. With a compressor, ``payload_bytes`` is the measured size of the
-    step's payload and ``dense_bytes`` that of the uncompressed gradient. ``lr`` is the scheduled learning rate of parameters without
+    step's payload and ``dense_bytes`` that of the uncompressed gradient, and ``compression`` the
+    compressor's phase at that step: ``"dense"`` (its warm-up), ``"ramp"`` (a sparsifier keeping more
+    than its target on the way there) or ``"compressed"``. ``lr`` is the scheduled learning rate of parameters without
     an ``lr`` override; ``loss_scale`` the scale to multiply the next loss by.
     """
 
@@ -186,6 +188,7 @@ class StepReport:
     _names: tuple = field(default=(), repr=False)
     payload_bytes: int | None = None
     dense_bytes: int | None = None
+    compression: str | None = None
 
     @property
     def accumulated(self) -> bool:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import os
 import subprocess
 import sys
@@ -95,13 +96,40 @@ def test_compression(tmp_path, capsys, ef):
     data = small_npz(tmp_path / "d.npz")
     js = tmp_path / "s.json"
     rc, out, err = run(capsys, "--data", str(data), "--epochs", "3", *QUIET, "--json", str(js),
-                       "--compress", "topk:ratio=0.05", *(["--error-feedback"] if ef else []))
+                       "--compress", "topk:ratio=0.05,ramp=0", *(["--error-feedback"] if ef else []))
     assert rc == 0, err
     assert ("compressed: ErrorFeedback(TopK(" if ef else "compressed: TopK(") in out
     summary = json.loads(js.read_text())
     assert summary["processes"] == 1
     assert summary["dense_bytes_per_step"] / summary["payload_bytes_per_step"] > 8
     assert f"{summary['payload_bytes_per_step']:,.0f} bytes/step" in out
+
+
+def test_sparsifier_ramps_over_two_epochs_by_default(tmp_path, capsys):
+    """Without warmup= or ramp=, top-k keeps 1/4, then 1/16 of the gradient for an epoch each, then its
+    ratio: the bytes per step are exactly those three sizes' mean over a 3-epoch run."""
+    data = small_npz(tmp_path / "d.npz")
+    js = tmp_path / "s.json"
+    rc, out, err = run(capsys, "--data", str(data), "--epochs", "3", *QUIET, "--json", str(js),
+                       "--compress", "topk:ratio=0.05")
+    assert rc == 0, err
+    summary = json.loads(js.read_text())
+    per_epoch = summary["optimizer_steps"] // 3
+    schedule = f"1/4, 1/16 kept over the next {2 * per_epoch} calls; then ratio 0.05"
+    assert summary["compression_schedule"] == schedule and f"ramp={2 * per_epoch}" in out and schedule in out
+    n = int(summary["dense_bytes_per_step"]) // 4
+    ks = [math.ceil(n / 4), math.ceil(n / 16), math.ceil(0.05 * n)]
+    assert summary["payload_bytes_per_step"] == pytest.approx(8 * sum(ks) / 3, rel=1e-12)
+
+
+def test_error_feedback_is_the_methods_default(tmp_path, capsys):
+    """PowerSGD's algorithm includes error feedback: on unless --no-error-feedback; top-k: off unless asked."""
+    data = small_npz(tmp_path / "d.npz")
+    for flags, shown in ((["powersgd"], "ErrorFeedback(PowerSGD("), (["powersgd", "--no-error-feedback"], "PowerSGD("),
+                         (["topk:ratio=0.1"], "TopK("), (["topk:ratio=0.1", "--error-feedback"], "ErrorFeedback(TopK(")):
+        rc, out, err = run(capsys, "--data", str(data), "--epochs", "1", *QUIET, "--compress", *flags)
+        assert rc == 0, err
+        assert f"compressed: {shown}" in out, flags
 
 
 def test_every_optimizer_runs(tmp_path, capsys):
@@ -205,6 +233,7 @@ EARLY = [
     (["--checkpoint-every", "2"], "--checkpoint-every needs --save"),
     (["--optimizer", "adam", "--momentum", "0.9"], "--momentum: adam has no momentum"),
     (["--error-feedback"], "--error-feedback needs --compress"),
+    (["--no-error-feedback"], "--no-error-feedback needs --compress"),
     (["--compress", "topk:bogus=1"], "--compress topk: got an unexpected keyword"),
     (["--compress", "randomk:ratio=0.1,rescale=true", "--error-feedback"], "scales what it keeps up by n/k"),
     (["--predict", "--accumulation", "2"], "--predict needs one micro-batch per optimizer step"),
@@ -250,7 +279,7 @@ def test_refused_before_training(tmp_path, capsys, monkeypatch, args, text):
 
 
 def test_refused_before_training_count():
-    assert len(EARLY) == 36
+    assert len(EARLY) == 37
 
 
 def test_output_probe_leaves_nothing_behind_and_clobbers_nothing(tmp_path, capsys, monkeypatch):

@@ -97,6 +97,18 @@ COMPRESSORS = {"topk": "TopK", "randomk": "RandomK", "int8": "Int8Block", "sign"
                "powersgd": "PowerSGD", "vsa": "VSA"}
 
 
+#: The methods whose algorithm includes error feedback (PowerSGD's Algorithm 2, Vogels et al. 2019): the
+#: CLI wraps them in ErrorFeedback unless told ``--no-error-feedback``.
+FEEDBACK_BY_DEFAULT = frozenset({"powersgd"})
+
+
+def error_feedback(args) -> bool:
+    """Whether ``--compress`` runs with error feedback: the flag when given, else the method's default."""
+    if args.error_feedback is not None:
+        return args.error_feedback
+    return args.compress is not None and args.compress[0] in FEEDBACK_BY_DEFAULT
+
+
 def compress_spec(text):
     """``METHOD[:key=value,...]`` -> (method, {key: value}); values parsed as int, float, bool or text."""
     method, _, rest = text.partition(":")
@@ -243,9 +255,10 @@ def add_train_parser(sub) -> argparse.ArgumentParser:
                         "died, or a link is down) ends this process with one line, and so every process (10 "
                         "times as long for the first two steps and for checkpoints; default: "
                         "$ARRAYTRAIN_COMM_TIMEOUT, else 60; 0: wait forever)")
-    t.add_argument("--error-feedback", action="store_true",
+    t.add_argument("--error-feedback", action=argparse.BooleanOptionalAction, default=None,
                    help="with --compress: keep what was not sent and add it to the next step's gradient "
-                        "(randomk and vsa then keep their values unscaled: rescale=False, unbiased=False)")
+                        "(randomk and vsa then keep their values unscaled: rescale=False, unbiased=False); "
+                        f"default: on for {', '.join(sorted(FEEDBACK_BY_DEFAULT))} (part of the method), off for the rest")
     t.add_argument("--predict", type=predict_spec, nargs="?", const="", metavar="k=v,...",
                    help="gradient prediction (PhaseTrainer): cycles of 'full' steps with forward and backward, "
                         "then 'predict' steps on a gradient extrapolated from the last 'history' true ones, every "
@@ -414,8 +427,8 @@ def check_flags(args, comm) -> None:
         raise usage("--checkpoint-every needs --save FILE")
     if args.step_epochs and args.schedule != "step":
         raise usage("--step-epochs applies to --schedule step only")
-    if args.error_feedback and args.compress is None:
-        raise usage("--error-feedback needs --compress METHOD")
+    if args.error_feedback is not None and args.compress is None:
+        raise usage(f"--{'' if args.error_feedback else 'no-'}error-feedback needs --compress METHOD")
     if args.overlap:
         if comm is None:
             raise usage("--overlap needs several processes: mpiexec -n K arraytrain train --overlap")

@@ -210,8 +210,10 @@ class Compressor(ABC):
     ----------
     min_size : int
         Parameters with fewer elements travel uncompressed.
-    warmup : int
-        The first ``warmup`` calls send everything uncompressed.
+    warmup : int or None
+        The first ``warmup`` calls send everything uncompressed; None (the default): the method's
+        own :attr:`default_warmup` (0 for the base class; a method that needs a dense start sets
+        it, see :attr:`schedule`).
     seed : int
         Stochastic methods draw from ``(seed, call number)`` with a
         counter-based generator: the draws do not depend on threads, and a
@@ -223,6 +225,8 @@ class Compressor(ABC):
 
     method: str = "compressor"
     stochastic: bool = False
+    #: Dense calls at the start when ``warmup=None``: the method's own choice.
+    default_warmup: int = 0
     family: str | None = "compression"  # the kernel domain of :attr:`_kern` (None: no kernels)
 
     @property
@@ -235,9 +239,9 @@ class Compressor(ABC):
         """
         return True
 
-    def __init__(self, *, min_size: int = 0, warmup: int = 0, seed: int = 0, kernels: str = "numba"):
+    def __init__(self, *, min_size: int = 0, warmup: int | None = None, seed: int = 0, kernels: str = "numba"):
         self.min_size = check_int("min_size", min_size, 0)
-        self.warmup = check_int("warmup", warmup, 0)
+        self.warmup = self.default_warmup if warmup is None else check_int("warmup", warmup, 0)
         self.seed = check_int("seed", seed, 0, 2**63 - 1)
         if kernels not in IMPLS:
             raise HyperparameterError(f"kernels: expected one of {IMPLS}, got {kernels!r}")
@@ -341,9 +345,10 @@ class Compressor(ABC):
         self._place(backend_of(x))
         step = self.step
         if step < self.warmup:
-            payload = Payload(self.method, raw=self._all.pack(x).copy(), meta={"step": step, "warmup": True})
+            payload = Payload(self.method, raw=self._all.pack(x).copy(),
+                              meta={"step": step, "warmup": True, "phase": "dense"})
         else:
-            meta = {"step": step}
+            meta = {"step": step, "phase": self.phase(step)}
             if self.stochastic:
                 meta["key"] = step_key(self.seed, step)
             arrays = self._encode(self._big.pack(x), meta) if self.domain.size else {}
@@ -352,6 +357,16 @@ class Compressor(ABC):
         payload.dense_nbytes = self._dense_nbytes
         self.step = step + 1
         return payload
+
+    def phase(self, step: int) -> str:
+        """What call ``step`` sends: ``"dense"`` (the warm-up), ``"ramp"`` (a method that tightens in
+        stages, before its final setting) or ``"compressed"``."""
+        return "dense" if step < self.warmup else "compressed"
+
+    @property
+    def schedule(self) -> str:
+        """The warm-up in words (the CLI's header and the step report's reader show it)."""
+        return f"dense for the first {self.warmup} calls" if self.warmup else "compressed from the first call"
 
     def decompress(self, payload: Payload, out: np.ndarray | None = None) -> np.ndarray:
         """Write the decoded gradient into ``out`` (live elements only; padding is left as is)."""

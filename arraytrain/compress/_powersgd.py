@@ -138,7 +138,7 @@ class PowerSGD(Summed, Compressor):
     method = "powersgd"
     family = None  # GEMMs and QR from NumPy / CuPy, no kernels of its own
 
-    def __init__(self, rank: int = 2, *, warm_start: bool = True, min_size: int = 0, warmup: int = 0,
+    def __init__(self, rank: int = 2, *, warm_start: bool = True, min_size: int = 0, warmup: int | None = None,
                  seed: int = 0, kernels: str = "numba"):
         super().__init__(min_size=min_size, warmup=warmup, seed=seed, kernels=kernels)
         self.rank = check_int("rank", rank, 1)

@@ -64,7 +64,7 @@ class Int8Block(Summed, Compressor):
     method = "int8block"
 
     def __init__(self, block: int = 256, stochastic_rounding: bool = False, *, min_size: int = 0,
-                 warmup: int = 0, seed: int = 0, kernels: str = "numba"):
+                 warmup: int | None = None, seed: int = 0, kernels: str = "numba"):
         super().__init__(min_size=min_size, warmup=warmup, seed=seed, kernels=kernels)
         self.block = _check_block(block, False)
         self.stochastic_rounding = check_bool("stochastic_rounding", stochastic_rounding)
@@ -131,7 +131,7 @@ def _decode_wide(codes, scales, block: int, out) -> None:
 class _BlockScaled(Compressor):
     """``block=None``: one scale for the whole domain; an int: one per ``block`` elements."""
 
-    def __init__(self, block=None, *, min_size: int = 0, warmup: int = 0, seed: int = 0, kernels: str = "numba"):
+    def __init__(self, block=None, *, min_size: int = 0, warmup: int | None = None, seed: int = 0, kernels: str = "numba"):
         super().__init__(min_size=min_size, warmup=warmup, seed=seed, kernels=kernels)
         self.block = _check_block(block, True)
 

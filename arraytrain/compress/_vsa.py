@@ -106,7 +106,7 @@ class VSA(Summed, Compressor):
     family = "projection"
 
     def __init__(self, ratio=None, *, dim=None, block: int = 4096, unbiased: bool = True,
-                 min_size: int = 0, warmup: int = 0, seed: int = 0, kernels: str = "numba"):
+                 min_size: int = 0, warmup: int | None = None, seed: int = 0, kernels: str = "numba"):
         super().__init__(min_size=min_size, warmup=warmup, seed=seed, kernels=kernels)
         if (ratio is None) == (dim is None):
             raise HyperparameterError(f"ratio, dim: give exactly one, got ratio={ratio!r}, dim={dim!r}")

@@ -20,10 +20,10 @@ from arraytrain.kernels.reference import compression as ref
 
 # One row per configuration: every generic test runs on every row.
 CONFIGS = {
-    "topk": lambda **kw: TopK(ratio=0.05, **kw),
-    "topk_k": lambda **kw: TopK(k=3, **kw),
-    "randomk": lambda **kw: RandomK(ratio=0.05, **kw),
-    "randomk_contract": lambda **kw: RandomK(k=3, rescale=False, **kw),
+    "topk": lambda **kw: TopK(ratio=0.05, ramp=0, **kw),
+    "topk_k": lambda **kw: TopK(k=3, ramp=0, **kw),
+    "randomk": lambda **kw: RandomK(ratio=0.05, ramp=0, **kw),
+    "randomk_contract": lambda **kw: RandomK(k=3, rescale=False, ramp=0, **kw),
     "int8": lambda **kw: Int8Block(**kw),
     "int8_stochastic": lambda **kw: Int8Block(block=64, stochastic_rounding=True, **kw),
     "sign": lambda **kw: Sign(**kw),
@@ -137,7 +137,7 @@ def test_topk_keeps_exactly_the_k_largest(kernels, dtype, rng):
     x[100:300] = x[300:500]  # equal magnitudes at and around the threshold
     x[500:700] = -x[300:500]
     want = brute_topk(x, 150)
-    c = one_vector(TopK(k=150, kernels=kernels), x)
+    c = one_vector(TopK(k=150, ramp=0, kernels=kernels), x)
     dom, dec, p = decoded_domain(c, x)
     np.testing.assert_array_equal(p.arrays["indices"], want)
     assert p.arrays["indices"].dtype == np.uint32
@@ -297,7 +297,7 @@ def assert_unbiased(make, x: np.ndarray, var: np.ndarray, draws: int) -> None:
 def test_randomk_unbiased(rng):
     x = rng.standard_normal(200)
     n, k = x.size, 50
-    assert_unbiased(lambda: RandomK(k=k, seed=1), x, (n / k - 1) * x**2, 3000)
+    assert_unbiased(lambda: RandomK(k=k, ramp=0, seed=1), x, (n / k - 1) * x**2, 3000)
 
 
 @pytest.mark.parametrize("block", [None, 64])
@@ -323,7 +323,7 @@ def test_int8_stochastic_rounding_unbiased(rng):
 def test_randomk_rescale(rng):
     x = rng.standard_normal(100)
     for rescale, factor in ((True, 100 / 7), (False, 1.0)):
-        c = one_vector(RandomK(k=7, rescale=rescale), x)
+        c = one_vector(RandomK(k=7, rescale=rescale, ramp=0), x)
         dom, dec, p = decoded_domain(c, x)
         idx = np.flatnonzero(dec)
         assert idx.size == 7
@@ -455,7 +455,7 @@ def test_bad_arguments(i):
 
 def test_bad_payload(rng):
     x = rng.standard_normal(100)
-    c = one_vector(TopK(k=5), x)
+    c = one_vector(TopK(k=5, ramp=0), x)
     p = c.compress(x)
     p.arrays["indices"] = p.arrays["indices"].astype(np.int64)
     with pytest.raises(ArgumentTypeError, match="indices"):
@@ -468,3 +468,70 @@ def test_bad_payload(rng):
     q.arrays["scales"] = q.arrays["scales"].astype(np.float64)
     with pytest.raises(ArgumentTypeError, match="scales"):
         s.decompress(q)
+
+
+# -- the sparsifiers' ramp --------------------------------------------------------------------------
+
+
+@pytest.mark.usefixtures("numba_family")
+def test_the_ramp_quarters_the_kept_fraction_in_equal_stages_then_holds_the_target(rng):
+    """DGC's exponential warm-up in calls: after 2 dense calls, 1/4, 1/16, 1/64 kept for 4 calls each
+    (ratio 0.01 of 10,000: 2,500, 625, 157), then the target's 100; each call the exact top-k of its k."""
+    x = rng.standard_normal(10_000)
+    c = one_vector(TopK(ratio=0.01, warmup=2, ramp=12), x)
+    assert c.schedule == "dense for 2 calls; 1/4, 1/16, 1/64 kept over the next 12 calls; then ratio 0.01"
+    want = [None] * 2 + [2500] * 4 + [625] * 4 + [157] * 4 + [100] * 3
+    for step, k in enumerate(want):
+        assert c.step == step
+        dom, dec, p = decoded_domain(c, x)
+        if k is None:
+            assert p.meta["phase"] == "dense" and p.raw.size == x.size and not p.arrays
+            continue
+        assert c.k_at(step) == k and p.meta["phase"] == ("ramp" if step < 14 else "compressed")
+        keep = np.sort(np.argsort(-np.abs(x), kind="stable")[:k])
+        np.testing.assert_array_equal(p.arrays["indices"], keep)
+        np.testing.assert_array_equal(dec[keep], x[keep])
+        assert np.count_nonzero(dec) == k and p.nbytes == (4 + 8) * k  # uint32 index, float64 value
+
+
+@pytest.mark.usefixtures("numba_family")
+def test_random_k_ramps_too_and_rescales_by_the_stages_k(rng):
+    x = rng.standard_normal(1000)
+    c = one_vector(RandomK(ratio=0.05, ramp=2, seed=4), x)
+    for step, k in enumerate([250, 63, 50]):  # 1/4 and 1/16 of 1,000 (ceil), then 5%
+        _, dec, p = decoded_domain(c, x)
+        idx = np.flatnonzero(dec)
+        assert p.arrays["values"].size == k and idx.size == k
+        np.testing.assert_allclose(dec[idx], x[idx] * 1000 / k, rtol=1e-15)
+
+
+def test_no_ramp_when_the_target_keeps_a_quarter_or_ramp_is_zero(rng):
+    x = rng.standard_normal(400)
+    for c in (one_vector(TopK(ratio=0.25), x), one_vector(TopK(ratio=0.01, ramp=0), x), one_vector(TopK(k=100), x)):
+        assert c.k_at(0) == c.k_selected and c.phase(0) == "compressed"
+    assert one_vector(TopK(k=100), x).schedule == "then k=100"
+    assert TopK(ratio=0.01).ramp == 1000 and TopK(ratio=0.01).warmup == 0  # the library's defaults, in calls
+
+
+@pytest.mark.usefixtures("numba_family")
+def test_a_ramp_payload_decodes_by_its_own_call_number(rng):
+    """A receiver takes the call's k from the payload's call number; a payload whose arrays do not have
+    that call's k, or without a usable call number, is refused and ``out`` is left as it was."""
+    x = rng.standard_normal(1000)
+    c = one_vector(TopK(ratio=0.01, ramp=4), x)
+    early = c.compress(x)  # call 0: 250 kept
+    twin = one_vector(TopK(ratio=0.01, ramp=4), x)
+    np.testing.assert_array_equal(twin.decompress(early), c.decompress(early))  # twin's own count is still 0
+    late = dict(early.meta, step=9)
+    out = np.full(1000, 7.0)
+    for meta in (late, dict(early.meta, step=-1), dict(early.meta, step=True), {"phase": "ramp"}):
+        bad = type(early)(early.method, arrays=dict(early.arrays), meta=meta)
+        with pytest.raises(ArgumentTypeError, match="indices|step"):
+            c.decompress(bad, out)
+        assert (out == 7.0).all()
+
+
+def test_bad_ramp_is_refused():
+    for bad in (-1, 2.5, True, "10"):
+        with pytest.raises(HyperparameterError, match="ramp"):
+            TopK(ratio=0.1, ramp=bad)

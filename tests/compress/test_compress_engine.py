@@ -21,8 +21,8 @@ from conftest import engine_snapshot
 SHAPES = {"fc1.weight": (24, 16), "fc1.bias": (24,), "fc2.weight": (5, 24), "fc2.bias": (5,)}
 
 FACTORIES = {
-    "topk": lambda ef=False: C.TopK(ratio=0.1, min_size=32),
-    "randomk": lambda ef=False: C.RandomK(ratio=0.25, seed=3, rescale=not ef),  # EF: the contraction
+    "topk": lambda ef=False: C.TopK(ratio=0.1, min_size=32, ramp=0),
+    "randomk": lambda ef=False: C.RandomK(ratio=0.25, seed=3, rescale=not ef, ramp=0),  # EF: the contraction
     "int8": lambda ef=False: C.Int8Block(block=64, stochastic_rounding=True, seed=1),
     "sign": lambda ef=False: C.Sign(min_size=32),
     "ternary": lambda ef=False: C.Ternary(seed=2),
@@ -83,10 +83,10 @@ def test_the_optimizer_steps_with_the_decoded_gradient(name, ef):
 
 
 def test_payload_bytes_are_smaller_and_reported():
-    eng = _engine(C.ErrorFeedback(C.TopK(ratio=0.05)), dtype=np.float32)
+    eng = _engine(C.ErrorFeedback(C.TopK(ratio=0.05, ramp=0)), dtype=np.float32)
     rep = eng.step(_stream(1, np.float32)[0])
     k = int(np.ceil(0.05 * eng.layout.num_elements))
-    assert rep.payload_bytes == k * (4 + 4)  # uint32 index + float32 value
+    assert rep.payload_bytes == k * (4 + 4) and rep.compression == "compressed"  # uint32 index + float32 value
     assert rep.dense_bytes == eng.layout.num_elements * 4
 
 

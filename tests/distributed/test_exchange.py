@@ -135,7 +135,8 @@ def test_a_mismatched_setup_raises_the_same_error_on_every_rank(what):
     assert "rank 1" in str(errors[0])
 
 
-GATHERED = {"topk": lambda: C.TopK(ratio=0.1, min_size=16), "sign": lambda: C.Sign(min_size=16),
+GATHERED = {"topk": lambda: C.TopK(ratio=0.1, min_size=16, ramp=0), "sign": lambda: C.Sign(min_size=16),
+            "topk_ramp": lambda: C.TopK(ratio=0.1, min_size=16, ramp=2),  # 1/4 kept for 2 calls, then 0.1
             "ternary": lambda: C.Ternary(seed=2)}
 
 
@@ -189,7 +190,7 @@ def test_a_gathered_exchange_all_reduces_its_dense_part():
     group = ThreadGroup(ranks)
 
     def rank_run(rank, comm):
-        c = C.TopK(ratio=0.1, min_size=16, warmup=1).bind(layout, np.float64, comm=comm)
+        c = C.TopK(ratio=0.1, min_size=16, warmup=1, ramp=0).bind(layout, np.float64, comm=comm)
         out = []
         for _ in range(2):  # the warm-up call, then a compressed one
             x = xs[rank].copy()

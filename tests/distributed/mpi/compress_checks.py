@@ -20,9 +20,12 @@ from arraytrain.errors import ArgumentTypeError
 LAYOUT = Layout({"w1": (24, 16), "b1": (24,), "w2": (10, 24), "b2": (10,), "s": (3,)})
 MIN_SIZE = 20  # b2 and s travel raw (all-reduced or gathered with the payload)
 METHODS = {
-    "topk": lambda **kw: C.TopK(ratio=0.1, min_size=MIN_SIZE, **kw),
-    "randomk": lambda **kw: C.RandomK(ratio=0.1, min_size=MIN_SIZE, seed=3, **kw),
-    "randomk_contract": lambda **kw: C.RandomK(k=40, rescale=False, min_size=MIN_SIZE, seed=4, **kw),
+    "topk": lambda **kw: C.TopK(ratio=0.1, min_size=MIN_SIZE, ramp=0, **kw),
+    "randomk": lambda **kw: C.RandomK(ratio=0.1, min_size=MIN_SIZE, seed=3, ramp=0, **kw),
+    "randomk_contract": lambda **kw: C.RandomK(k=40, rescale=False, min_size=MIN_SIZE, seed=4, ramp=0, **kw),
+    # the ramp: k changes from call to call (1/4 kept for 2 calls, then 0.1): every rank derives the same k
+    "topk_ramp": lambda **kw: C.TopK(ratio=0.1, min_size=MIN_SIZE, ramp=2, **kw),
+    "randomk_ramp": lambda **kw: C.RandomK(ratio=0.1, min_size=MIN_SIZE, seed=3, ramp=2, **kw),
     "int8": lambda **kw: C.Int8Block(block=64, min_size=MIN_SIZE, **kw),
     "int8_sr": lambda **kw: C.Int8Block(block=64, stochastic_rounding=True, min_size=MIN_SIZE, seed=3, **kw),
     "sign": lambda **kw: C.Sign(block=64, min_size=MIN_SIZE, **kw),
@@ -33,9 +36,9 @@ METHODS = {
     "vsa_contract": lambda **kw: C.VSA(ratio=0.25, block=64, unbiased=False, min_size=MIN_SIZE, seed=3, **kw),
 }
 # exchange == one process's round trip of the summed gradient
-LINEAR = {"randomk", "randomk_contract", "powersgd", "powersgd_ref", "vsa", "vsa_contract"}
+LINEAR = {"randomk", "randomk_contract", "randomk_ramp", "powersgd", "powersgd_ref", "vsa", "vsa_contract"}
 # this rank's payload does not depend on the others': its residual equals a lone twin's
-OWN_PAYLOAD = {"topk", "randomk", "randomk_contract", "sign", "vsa", "vsa_contract"}  # ternary: own draws per rank
+OWN_PAYLOAD = {"topk", "topk_ramp", "randomk", "randomk_ramp", "randomk_contract", "sign", "vsa", "vsa_contract"}  # ternary: own draws per rank
 TOL = {np.dtype(np.float64): dict(rtol=1e-11, atol=1e-11), np.dtype(np.float32): dict(rtol=2e-5, atol=2e-5)}
 
 
