@@ -96,9 +96,11 @@ class Engine:
     max_consecutive_skips : int or None
         After this many boundaries in a row with NaN/Inf gradients raise
         :class:`NonFiniteError` instead of skipping forever (None: never).
-    compressor : Compressor, ErrorFeedback or None
+    compressor : Compressor, ErrorFeedback, Auto, "auto" or None
         A compressor from :mod:`arraytrain.compress` (optionally in
-        :class:`~arraytrain.compress.ErrorFeedback`). At every applied boundary the reduced,
+        :class:`~arraytrain.compress.ErrorFeedback`), or ``"auto"``: dense or a compressor, chosen
+        from the measured link and compute and re-chosen when the link changes
+        (:class:`~arraytrain.compress.Auto`). At every applied boundary the reduced,
         unscaled gradient is replaced by what the receivers decode (with ``comm``: the sum of
         every process's decoded share of the mean); the norm, clipping and the optimizer work
         on that, as DDP's communication hooks followed by ``clip_grad_norm_`` do
@@ -201,7 +203,7 @@ class Engine:
             max_consecutive_skips = check_int("max_consecutive_skips", max_consecutive_skips, 1)
         wspec = None if working_dtype is None else working_spec(working_dtype)
         if compressor is not None:
-            check_compressor(compressor)
+            compressor = check_compressor(compressor)
         clip_eps = check_number("clip_eps", clip_eps, 0.0)
         comm, shard_state, overlap, bucket_bytes = check_parallel(comm, shard_state, overlap, bucket_bytes)
         self.params = as_flat_buffer(params, dtype, device)

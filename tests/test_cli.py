@@ -132,6 +132,20 @@ def test_error_feedback_is_the_methods_default(tmp_path, capsys):
         assert f"compressed: {shown}" in out, flags
 
 
+def test_compress_auto_in_one_process_says_dense_once(tmp_path, capsys):
+    data = small_npz(tmp_path / "d.npz")
+    js = tmp_path / "s.json"
+    rc, out, err = run(capsys, "--data", str(data), "--epochs", "2", *QUIET, "--json", str(js), "--compress", "auto")
+    assert rc == 0, err
+    assert "compressed: Auto({powersgd=ErrorFeedback(PowerSGD(" in out
+    assert out.count("compression auto, step 0: dense (one process: nothing travels") == 1
+    summary = json.loads(js.read_text())
+    assert [d["choice"] for d in summary["compression_decisions"]] == ["dense"]
+    assert summary["payload_bytes_per_step"] == summary["dense_bytes_per_step"]
+    rc, _, err = run(capsys, "--data", str(data), "--epochs", "1", *QUIET, "--compress", "auto:gain=0.5")
+    assert rc == 2 and "--compress auto:gain=0.5: gain:" in err
+
+
 def test_every_optimizer_runs(tmp_path, capsys):
     data = small_npz(tmp_path / "d.npz")
     names = optimizers()

@@ -69,7 +69,8 @@ SURFACE = {
         "ShapeMismatchError": "(name, expected, got, what='grad')",
         "StateDictError": "error",
         "StepReport": "(*, applied, skipped, step, micro_batches, lr, grad_norm=None, clip_coef=None, loss_scale=1.0, "
-                      "perturbed=False, _segment_norms=None, _names=(), payload_bytes=None, dense_bytes=None)",
+                      "perturbed=False, _segment_norms=None, _names=(), payload_bytes=None, dense_bytes=None, "
+                      "compression=None)",
         "UnknownParameterError": "error",
         "compress": "module",
         "dequantize_params": "(q, *, into)",
@@ -150,18 +151,20 @@ SURFACE = {
         "from_state_dict": "(state)",
     },
     "arraytrain.compress": {
-        "Compressor": "(*, min_size=0, warmup=0, seed=0, kernels='numba')",
+        "Auto": "(candidates=None, *, probe=4, gain=1.25, reprobe=200, drift=2.0)",
+        "Compressor": "(*, min_size=0, warmup=None, seed=0, kernels='numba')",
         "Domain": "(size, dtype, segments)",
         "ErrorFeedback": "(compressor)",
-        "Int8Block": "(block=256, stochastic_rounding=False, *, min_size=0, warmup=0, seed=0, kernels='numba')",
-        "Payload": "(method, arrays=<factory>, raw=None, meta=<factory>, dense_nbytes=0)",
-        "PowerSGD": "(rank=2, *, warm_start=True, min_size=0, warmup=0, seed=0, kernels='numba')",
-        "RandomK": "(ratio=None, k=None, *, rescale=True, min_size=0, warmup=0, seed=0, kernels='numba')",
+        "Int8Block": "(block=256, stochastic_rounding=False, *, min_size=0, warmup=None, seed=0, kernels='numba')",
+        "Payload": "(method, arrays=<factory>, raw=None, meta=<factory>, dense_nbytes=0, sent_nbytes=None)",
+        "PowerSGD": "(rank=2, *, warm_start=True, min_size=0, warmup=None, seed=0, kernels='numba')",
+        "RandomK": "(ratio=None, k=None, *, rescale=True, ramp=None, min_size=0, warmup=None, seed=0, kernels='numba')",
         "Segment": "(name, shape, start)",
-        "Sign": "(block=None, *, min_size=0, warmup=0, seed=0, kernels='numba')",
-        "Ternary": "(block=None, *, min_size=0, warmup=0, seed=0, kernels='numba')",
-        "TopK": "(ratio=None, k=None, *, min_size=0, warmup=0, seed=0, kernels='numba')",
-        "VSA": "(ratio=None, *, dim=None, block=4096, unbiased=True, min_size=0, warmup=0, seed=0, kernels='numba')",
+        "Sign": "(block=None, *, min_size=0, warmup=None, seed=0, kernels='numba')",
+        "Ternary": "(block=None, *, min_size=0, warmup=None, seed=0, kernels='numba')",
+        "TopK": "(ratio=None, k=None, *, ramp=None, min_size=0, warmup=None, seed=0, kernels='numba')",
+        "VSA": "(ratio=None, *, dim=None, block=4096, unbiased=True, min_size=0, warmup=None, seed=0, kernels='numba')",
+        "default_candidates": "(ramp=None)",
     },    # the layers, losses, metrics, data and training loop; a callback's name says it is one where a
     # schedule has the same meaning (ReduceLROnPlateauCallback feeds arraytrain.schedules.ReduceLROnPlateau)
     "arraytrain.nn": {

@@ -9,6 +9,7 @@ the others get ``threading.BrokenBarrierError`` instead of waiting forever.
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 
@@ -16,8 +17,12 @@ from arraytrain.parallel.communicator import OPS, Communicator
 
 
 class ThreadGroup:
-    def __init__(self, size: int, timeout: float = 60.0):
+    """``rate``: a simulated link, in bytes per second per rank (None: none); each collective then
+    sleeps as long as its ring's bytes take at that rate (changeable mid-run: ``group.rate = ...``)."""
+
+    def __init__(self, size: int, timeout: float = 60.0, rate: float | None = None):
         self.size = size
+        self.rate = rate
         self.barrier = threading.Barrier(size, timeout=timeout)
         self.slots: list = [None] * size
         self.calls = [[] for _ in range(size)]  # (operation, shape, dtype) per rank, in order
@@ -62,8 +67,13 @@ class ThreadExchange(Communicator):
         g.barrier.wait()
         return values
 
+    def _wire(self, nbytes: float) -> None:
+        if self.group.rate:
+            time.sleep(nbytes / self.group.rate)
+
     def allreduce(self, x, op: str = "sum") -> None:
         assert op in OPS
+        self._wire(2 * (self.size - 1) / self.size * x.nbytes)
         values = self._everyone(("allreduce", x.shape, x.dtype.str, op), x.copy())
         acc = values[0].copy()
         for v in values[1:]:
@@ -74,6 +84,7 @@ class ThreadExchange(Communicator):
         x[...] = acc
 
     def allgather(self, x) -> list:
+        self._wire((self.size - 1) * x.nbytes)
         return [v for v in self._everyone(("allgather", x.shape, x.dtype.str), x.copy())]
 
     def broadcast(self, x, root: int = 0) -> None:

@@ -1,4 +1,4 @@
-"""``python -m arraytrain.bench [compare|threads|mlp|predict|compression|compress|intake|dropin|distributed|state8|cluster] ...``
+"""``python -m arraytrain.bench [compare|threads|mlp|predict|compression|compress|intake|dropin|distributed|state8|cluster|tta] ...``
 
 ``compare`` (the default): one clipped optimizer step, arraytrain beside
 torch.optim (foreach and fused), hand-written NumPy and optax, with the
@@ -27,6 +27,8 @@ accuracy with 4 processes; see :mod:`arraytrain.bench.distributed`.
 bitsandbytes' AdamW8bit's) and the digits' accuracy; see :mod:`arraytrain.bench.state8`.
 ``cluster``: a cluster of network namespaces on this machine, links shaped with ``tc``, and the
 torch binding against DDP measured on it (needs root); see :mod:`arraytrain.bench.cluster`.
+``tta``: ``arraytrain train`` across that cluster's nodes with each ``--compress`` setting: samples/s
+over the whole run, bytes and test accuracy against dense (needs root); see :mod:`arraytrain.bench.tta`.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ import sys
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     command = argv.pop(0) if argv and argv[0] in ("compare", "threads", "mlp", "predict", "compression", "compress", "intake",
-                                                 "dropin", "distributed", "state8", "cluster") else "compare"
+                                                 "dropin", "distributed", "state8", "cluster", "tta") else "compare"
     if command == "threads":
         from .threads import main as run
     elif command == "mlp":
@@ -58,6 +60,8 @@ def main(argv=None) -> int:
         from .state8 import main as run
     elif command == "cluster":
         from .cluster import main as run
+    elif command == "tta":
+        from .tta import main as run
     else:
         from .compare import main as run
     return run(argv)

@@ -94,7 +94,7 @@ def hidden_widths(text):
 
 
 COMPRESSORS = {"topk": "TopK", "randomk": "RandomK", "int8": "Int8Block", "sign": "Sign", "ternary": "Ternary",
-               "powersgd": "PowerSGD", "vsa": "VSA"}
+               "powersgd": "PowerSGD", "vsa": "VSA", "auto": "Auto"}
 
 
 #: The methods whose algorithm includes error feedback (PowerSGD's Algorithm 2, Vogels et al. 2019): the
@@ -429,6 +429,9 @@ def check_flags(args, comm) -> None:
         raise usage("--step-epochs applies to --schedule step only")
     if args.error_feedback is not None and args.compress is None:
         raise usage(f"--{'' if args.error_feedback else 'no-'}error-feedback needs --compress METHOD")
+    if args.error_feedback is not None and args.compress[0] == "auto":
+        raise usage(f"--compress auto with --{'' if args.error_feedback else 'no-'}error-feedback: auto chooses "
+                    "error feedback with its candidate (PowerSGD with it, top-k without)")
     if args.overlap:
         if comm is None:
             raise usage("--overlap needs several processes: mpiexec -n K arraytrain train --overlap")

@@ -88,12 +88,16 @@ def _run_schedule(method: str, kwargs: dict, feedback: bool, steps_per_epoch: in
     return {}
 
 
-def _inner(compressor):
-    """The compressor inside an ErrorFeedback (or the compressor itself)."""
-    return getattr(compressor, "compressor", compressor)
+def _schedule_of(compressor) -> str:
+    """What the compressor sends when, in words (an Auto: its candidates')."""
+    from ..compress import Auto
+
+    if isinstance(compressor, Auto):
+        return "; ".join(f"{n}: {_schedule_of(c)}" for n, c in compressor.candidates.items())
+    return getattr(compressor, "compressor", compressor).schedule
 
 
-def _compressor(args, steps_per_epoch: int | None = None):
+def compressor_from(args, steps_per_epoch: int | None = None):
     """The ``--compress`` compressor; with ``steps_per_epoch``, its warm-up in the run's epochs (see
     :data:`RAMP_EPOCHS`) unless the spec sets one (without: the arguments' check, before the data)."""
     if args.compress is None:
@@ -106,6 +110,12 @@ def _compressor(args, steps_per_epoch: int | None = None):
         inspect.signature(cls).bind(**kwargs)
     except TypeError as exc:
         raise usage(f"--compress {method}: {exc}") from None
+    if method == "auto":  # its top-k candidate ramps over the CLI's epochs, as --compress topk does
+        ramp = None if steps_per_epoch is None else RAMP_EPOCHS * steps_per_epoch
+        try:
+            return compress.Auto(compress.default_candidates(ramp), **kwargs)
+        except ArrayTrainError as exc:
+            raise usage(f"--compress {fmt_compress(args.compress)}: {exc}") from None
     feedback = error_feedback(args)
     kwargs = {**_run_schedule(method, kwargs, feedback, steps_per_epoch), **kwargs}
     if feedback:
@@ -270,7 +280,7 @@ def train(args) -> int:
     show_bar = agreed(comm, lambda: validate(args, comm))
     if args.device == "cuda" and comm is not None:
         comm = _gpu_comm(comm)  # one GPU per process, NCCL for the exchange
-    optimizer, compressor = _optimizer(args), _compressor(args)  # their argument checks, before the data
+    optimizer, compressor = _optimizer(args), compressor_from(args)  # their argument checks, before the data
 
     data = _load_data(args)
     if args.device == "cuda":
@@ -280,7 +290,7 @@ def train(args) -> int:
     params = model.init(seed=args.seed)  # NumPy: the engine moves them to the device once
     batches = math.ceil(len(data.y_train) / args.batch_size)
     sched = _schedule(args, max(1, batches // args.accumulation))
-    compressor = _compressor(args, max(1, batches // args.accumulation))  # its warm-up in this run's epochs
+    compressor = compressor_from(args, max(1, batches // args.accumulation))  # its warm-up in this run's epochs
     extra_engine = {}
     if args.precision != "fp32":
         extra_engine["working_dtype"] = PRECISIONS[args.precision]
@@ -443,6 +453,8 @@ def _summary(args, trainer, test, quant, split, payload, n_test, start) -> list[
     if payload.steps:
         lines.append(f"compression: {payload.sent / payload.steps:,.0f} bytes/step sent by each process vs "
                      f"{payload.dense / payload.steps:,.0f} dense ({payload.dense / payload.sent:.1f}x fewer)")
+    for d in getattr(trainer.engine.compressor, "decisions", ()):
+        lines.append(f"compression auto, step {d['step']}: {d['choice']}" + (f" ({d['said']})" if "said" in d else ""))
     return lines
 
 
@@ -474,7 +486,8 @@ def _report(args, trainer, test, quant, split, payload, batches, start) -> dict:
         "quantized": quant,
         "payload_bytes_per_step": payload.sent / payload.steps if payload.steps else None,
         "dense_bytes_per_step": payload.dense / payload.steps if payload.steps else None,
-        "compression_schedule": None if engine.compressor is None else _inner(engine.compressor).schedule,
+        "compression_schedule": None if engine.compressor is None else _schedule_of(engine.compressor),
+        "compression_decisions": getattr(engine.compressor, "decisions", None),
         "time_split_seconds": split,
         "history": _history(history, batches),
     }
@@ -488,7 +501,7 @@ def _header(args, data, model, engine, comm, start) -> str:
         how += (f", optimizer state sharded ({mem['state'] / 2**20:.2f} MiB of it per process"
                 + (f", float32 masters {mem['master'] / 2**20:.2f} MiB" if mem["master"] else "") + ")")
     if engine.compressor is not None:
-        how += f", compressed: {engine.compressor!r} ({_inner(engine.compressor).schedule})"
+        how += f", compressed: {engine.compressor!r} ({_schedule_of(engine.compressor)})"
     if args.precision != "fp32":
         how += f", precision {args.precision} (float32 master weights"
         how += ", dynamic loss scaling)" if engine.loss_scaler is not None else ")"

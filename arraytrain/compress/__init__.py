@@ -6,11 +6,12 @@ arrays (``payload.nbytes`` is measured, never nominal) and decodes it back;
 state. Pass one to ``Engine(..., compressor=...)``.
 """
 
-from ._base import Compressor, Domain, ErrorFeedback, Payload, Segment, check_compressor  # noqa: F401 (the engine checks with it)
+from ._base import Compressor, Domain, ErrorFeedback, Payload, Segment
+from ._auto import Auto, check_compressor, default_candidates  # noqa: F401 (the engine checks with check_compressor)
 from ._powersgd import PowerSGD
 from ._quant import Int8Block, Sign, Ternary
 from ._sparse import RandomK, TopK
 from ._vsa import VSA
 
-__all__ = ["Compressor", "Domain", "ErrorFeedback", "Int8Block", "Payload", "PowerSGD", "RandomK", "Segment",
-           "Sign", "Ternary", "TopK", "VSA"]
+__all__ = ["Auto", "Compressor", "Domain", "ErrorFeedback", "Int8Block", "Payload", "PowerSGD", "RandomK", "Segment",
+           "Sign", "Ternary", "TopK", "VSA", "default_candidates"]

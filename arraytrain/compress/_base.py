@@ -95,10 +95,15 @@ class Payload:
     raw: np.ndarray | None = None
     meta: dict = field(default_factory=dict)
     dense_nbytes: int = 0
+    #: The bytes sent where they are not the arrays' (a dense exchange of the flat buffer in place: its
+    #: live elements, not its padding); None: the arrays'.
+    sent_nbytes: int | None = None
 
     @property
     def nbytes(self) -> int:
-        """Bytes of every array in the payload, as stored."""
+        """Bytes of every array in the payload, as stored (or :attr:`sent_nbytes` where set)."""
+        if self.sent_nbytes is not None:
+            return self.sent_nbytes
         n = sum(int(a.nbytes) for a in self.arrays.values())
         return n + (0 if self.raw is None else int(self.raw.nbytes))
 
@@ -698,10 +703,3 @@ def _payload_backend(payload: Payload) -> str | None:
         if kind is not None:
             return kind
     return None
-
-
-def check_compressor(c, name: str = "compressor"):
-    """A Compressor or an ErrorFeedback; a clear error otherwise."""
-    if not isinstance(c, (Compressor, ErrorFeedback)):
-        raise ArgumentTypeError(f"{name}: expected an arraytrain Compressor or ErrorFeedback, got {type(c).__name__}")
-    return c

@@ -303,3 +303,20 @@ def test_a_node_lost_under_elastic_torchrun_leaves_the_survivor_resuming_on_fewe
     assert len(got) == 200 - step and got == want
     a, b = load_file(run / "step-200.safetensors"), load_file(fresh / "step-200.safetensors")
     assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+
+
+def test_compression_end_to_end_on_a_slow_link(need_mpi, tmp_path, capsys):
+    """``bench tta`` at 0.5 Gbit/s: the dense run and ``--compress auto`` across the nodes; auto measures
+    the link, chooses a compressor on both ranks, and sends far fewer bytes than dense."""
+    from arraytrain.bench import tta
+
+    out = tmp_path / "tta.json"
+    assert tta.main(["--link", "0.5", "--compress", "dense;auto", "--seeds", "0", "--json", str(out),
+                     "--train", "--hidden 512,512 --batch-size 64 --epochs 2"]) == 0
+    runs = {r["spec"]: r for r in json.loads(out.read_text())["results"][0]["runs"]}
+    assert runs["dense"]["decisions"] == [] and runs["dense"]["accuracy"] > 0.8
+    chose = runs["auto"]["decisions"]
+    assert len(chose) == 1 and chose[0]["choice"] in ("powersgd", "topk") and chose[0]["rate_gbit_s"] < 0.6
+    assert runs["auto"]["node_bytes"] < runs["dense"]["node_bytes"] / 3
+    shown = capsys.readouterr().out
+    assert "| auto |" in shown and "| dense |" in shown

@@ -1,0 +1,304 @@
+r"""``compressor="auto"``: dense or a compressor, whichever makes the step fastest on the link it runs on.
+
+Compression pays where the link is slow against the step's compute and loses where it is fast (a
+study of 200+ data-centre setups, Agarwal et al., MLSys 2022, found it faster than a tuned DDP in only
+6). :class:`Auto` measures instead of guessing:
+
+1. **Probe.** The first ``probe`` calls exchange the gradient dense (an all-reduce), timed; the first
+   is left out (connections and caches). Between calls, the step's compute: the time from the end
+   of one exchange to the start of the next.
+2. **Estimate.** Each candidate compresses and decodes a copy of the current gradient on a
+   throwaway twin at its target setting, timed (the second of two rounds: the first may compile),
+   and its payload's bytes give its wire bytes: an all-reduce of them for a method whose payloads
+   add up, every process's payload to every other for one whose payloads are gathered (top-k); a
+   sparsifier's bytes are the mean over its next ``reprobe`` calls, its ramp included. With the
+   link's rate from the dense probe, a candidate's exchange is its encode and decodes plus its
+   bytes at that rate.
+3. **Choose.** The candidate with the fastest estimated step, if it beats the dense step by at least
+   ``gain`` (default 1.25x); else dense. Rank 0 decides on its own timings and broadcasts the
+   choice, so every process compresses alike.
+4. **Re-decide.** Every ``reprobe`` calls one exchange is dense again, timed (all of a compressor's
+   error-feedback residual travels in it and is cleared, as in a warm restart); when the dense
+   exchange time moved by more than a factor ``drift`` since the choice (the link's rate changed),
+   the choice is made again at the new rate.
+
+The **accuracy guard** is the candidate list: only configurations measured to keep accuracy
+(``docs/cluster.md``): PowerSGD rank 4 with error feedback (its algorithm includes it), and top-k
+at 1% with its ramp, no error feedback (with AdamW, top-k with error feedback lost 0.8-1.9 points
+on the digits MLP where top-k without it lost none). Pass ``candidates=`` (a name -> factory
+mapping) to choose others; each factory returns a new compressor or ErrorFeedback.
+
+What it chose and why is :attr:`decisions` (one entry per choice, with the timings behind it), the
+step report's ``compression`` (``"auto:<name>:<phase>"``) and the checkpoint's state. The choice
+depends on timings, so two runs may choose differently: a run is reproducible bit for bit only
+from a checkpoint (it holds the choice) or with the candidate passed directly.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+
+import numpy as np
+
+from .._checks import check_count, check_int, check_number, shown
+from ..backend import array_module
+from ..errors import ArgumentTypeError, LayoutError, StateDictError
+from ..parallel.communicator import check_comm
+from ._base import Compressor, ErrorFeedback, Payload
+from ._powersgd import PowerSGD
+from ._sparse import TopK
+from ._summed import Summed
+
+DENSE = "dense"
+
+
+def default_candidates(ramp: int | None = None) -> dict:
+    """The measured-safe candidates: PowerSGD rank 4 with error feedback, top-k 1% with its ramp
+    (``ramp`` calls; None: the sparsifier's default)."""
+    return {"powersgd": lambda: ErrorFeedback(PowerSGD(rank=4)), "topk": lambda: TopK(ratio=0.01, ramp=ramp)}
+
+
+def _inner(c):
+    return c.compressor if isinstance(c, ErrorFeedback) else c
+
+
+class Auto:
+    """Dense or one of ``candidates``, chosen from measured timings and re-chosen when the link changes.
+
+    Parameters
+    ----------
+    candidates : mapping of name -> callable, optional
+        Factories of the compressors to choose from (default :func:`default_candidates`).
+    probe : int
+        Dense calls before the first choice (at least 2: the first is not timed).
+    gain : float
+        How much faster (estimated step time) a compressor must be than dense to be chosen.
+    reprobe : int
+        Calls between the dense exchanges that check the link (0: never re-check).
+    drift : float
+        The factor by which the dense exchange time must move for the choice to be made again.
+    """
+
+    method = "auto"
+
+    def __init__(self, candidates: Mapping | None = None, *, probe: int = 4, gain: float = 1.25,
+                 reprobe: int = 200, drift: float = 2.0):
+        candidates = default_candidates() if candidates is None else candidates
+        if not isinstance(candidates, Mapping) or not candidates or any(
+                not isinstance(k, str) or k == DENSE or not callable(f) for k, f in candidates.items()):
+            raise ArgumentTypeError(f"candidates: expected a non-empty mapping of names (not {DENSE!r}) to "
+                                    f"factories, got {candidates!r:.120}")
+        made = {}
+        for name, make in candidates.items():
+            c = make()
+            if not isinstance(c, (Compressor, ErrorFeedback)):
+                raise ArgumentTypeError(f"candidates[{name!r}]: the factory returned {type(c).__name__}, "
+                                        "not a Compressor or ErrorFeedback")
+            made[name] = c
+        self.factories = dict(candidates)
+        self.candidates = made
+        self.probe = check_int("probe", probe, 2)
+        self.gain = check_number("gain", gain, 1.0)
+        self.reprobe = check_int("reprobe", reprobe, 0)
+        self.drift = check_number("drift", drift, 1.0, lo_open=True)
+        self.choice = DENSE
+        self.step = 0
+        self.decisions: list[dict] = []
+        self.layout = None
+        self.comm = check_comm(None)
+        self._dense_times: list[float] = []
+        self._compute_times: list[float] = []
+        self._t_dense_chosen: float | None = None
+        self._last_end: float | None = None
+
+    # -- set-up -----------------------------------------------------------------------------------
+    def bind(self, layout, dtype=np.float32, comm=None) -> Auto:
+        """Bind every candidate (the engine calls it)."""
+        comm = check_comm(comm)
+        if self.layout is not None:
+            if self.layout == layout and (comm is self.comm or comm.is_local and self.comm.is_local):
+                return self
+            raise LayoutError(f"{self!r} is already bound to {self.layout!r}; use a new Auto")
+        for c in self.candidates.values():
+            c.bind(layout, dtype, comm)
+        self.layout, self.comm, self._dtype = layout, comm, np.dtype(dtype)
+        self._dense_nbytes = sum(int(np.prod(s, dtype=np.int64)) for s in layout.shapes) * self._dtype.itemsize
+        return self
+
+    def _need_bound(self) -> None:
+        if self.layout is None:
+            raise LayoutError(f"{self!r} is not bound to a layout: call bind(layout, dtype) first")
+
+    # -- the exchange ------------------------------------------------------------------------------
+    def exchange(self, x) -> Payload:
+        """Exchange ``x`` (it becomes the decoded sum over processes) dense or with the chosen compressor."""
+        self._need_bound()
+        start = time.perf_counter()
+        if self._last_end is not None:
+            self._compute_times.append(start - self._last_end)
+            del self._compute_times[:-16]
+        step = self.step
+        if self.comm.is_local:
+            if not self.decisions:
+                self.decisions.append({"step": step, "choice": DENSE, "why": "one process: nothing travels",
+                                       "said": "one process: nothing travels, no compression"})
+            payload = self._dense(x, step)
+        elif step < self.probe:
+            payload = self._dense(x, step, timed=step > 0)
+            if step == self.probe - 1:
+                self._decide(x, step, why="first choice")
+        elif self.reprobe and (step - self.probe + 1) % self.reprobe == 0:
+            self._flush(x)
+            payload = self._dense(x, step, timed=True)
+            moved = None if not self._t_dense_chosen else self._dense_times[-1] / self._t_dense_chosen
+            if moved is None or not 1 / self.drift <= moved <= self.drift:
+                why = ("no dense time was kept (a resumed run)" if moved is None else
+                       f"the dense exchange took {moved:.2f}x its time at the last choice")
+                del self._dense_times[:-1]  # the link of before is gone: only this time counts
+                self._decide(x, step, why=why)
+            else:
+                self._share_choice(x)
+        elif self.choice == DENSE:
+            payload = self._dense(x, step)
+        else:
+            payload = self.candidates[self.choice].exchange(x)
+            payload.meta = dict(payload.meta, phase=f"auto:{self.choice}:{payload.meta.get('phase')}")
+        self.step = step + 1
+        self._last_end = time.perf_counter()
+        return payload
+
+    def _dense(self, x, step: int, timed: bool = False) -> Payload:
+        t = time.perf_counter()
+        self.comm.allreduce(x)
+        if timed:
+            self._dense_times.append(time.perf_counter() - t)
+            del self._dense_times[:-8]
+        payload = Payload(self.method, meta={"step": step, "phase": f"auto:{DENSE}"}, dense_nbytes=self._dense_nbytes,
+                          sent_nbytes=self._dense_nbytes)
+        return payload
+
+    def _flush(self, x) -> None:
+        """Every candidate's error-feedback residual into ``x`` (sent dense now), then cleared."""
+        for c in self.candidates.values():
+            if isinstance(c, ErrorFeedback) and c.residual is not None:
+                x += c.residual.flat
+                c.reset()
+
+    def _share_choice(self, like) -> None:
+        """Rank 0's choice to every process (every process calls it at the same calls), in an array on
+        ``like``'s backend (NCCL moves device arrays only)."""
+        names = [DENSE, *self.candidates]
+        pick = array_module(like).asarray([names.index(self.choice)], dtype=np.int64)
+        self.comm.broadcast(pick)
+        self.choice = names[int(pick[0])]
+
+    # -- the choice ----------------------------------------------------------------------------------
+    def _decide(self, x, step: int, why: str) -> None:
+        """Rank 0 estimates and chooses; every process takes its choice. ``x``: the gradient just
+        exchanged dense (the candidates' encodes are timed on a copy)."""
+        t_dense = float(np.median(self._dense_times[-3:]))
+        entry = {"step": step, "why": why}
+        if self.comm.rank == 0:
+            compute = float(np.median(self._compute_times)) if self._compute_times else 0.0
+            k = self.comm.size
+            rate = 2 * (k - 1) / k * self._dense_nbytes / t_dense  # a ring all-reduce's bytes per process
+            estimates = {DENSE: t_dense}
+            for name, make in self.factories.items():
+                estimates[name] = self._estimate(make(), x, rate, k, self.candidates[name])
+            best = min(estimates, key=lambda n: estimates[n])
+            faster = (compute + t_dense) / (compute + estimates[best])
+            self.choice = best if best != DENSE and faster >= self.gain else DENSE
+            entry.update(rate_gbit_s=rate * 8 / 1e9, compute_s=compute, exchange_s=estimates, said=(
+                f"a dense exchange took {1e3 * t_dense:.1f} ms ({rate * 8 / 1e9:.2g} Gbit/s per process) "
+                f"against {1e3 * compute:.1f} ms of compute; estimated: "
+                + ", ".join(f"{n} {1e3 * t:.1f} ms" for n, t in estimates.items())
+                + f"; {best} makes the step {faster:.2f}x faster (a compressor needs {self.gain:g}x); {why}"))
+        self._share_choice(x)
+        self._t_dense_chosen = t_dense
+        entry["choice"] = self.choice
+        self.decisions.append(entry)
+
+    def _estimate(self, twin, x, rate: float, k: int, real) -> float:
+        """A candidate's exchange in seconds at ``rate`` bytes/s: its encode and decode on a throwaway
+        twin at its target setting, timed on a copy of ``x``, plus its payload's bytes on the wire — for
+        a sparsifier, the mean of its next ``reprobe`` calls' (``real``'s ramp from its own call count)."""
+        inner = _inner(twin)
+        inner.warmup = 0
+        if hasattr(inner, "ramp"):
+            inner.ramp = 0
+        twin.bind(self.layout, self._dtype)
+        y = x.copy()
+        for _ in range(2):  # the second timed: the first may compile or load the kernels
+            t0 = time.perf_counter()
+            payload = twin.compress(y)
+            t1 = time.perf_counter()
+            twin.decompress(payload, y)
+            t2 = time.perf_counter()
+        summed = isinstance(inner, Summed)
+        wire = (2 * (k - 1) / k if summed else k - 1) * payload.nbytes
+        ramp = _inner(real)
+        if hasattr(ramp, "k_at") and ramp.k_selected:
+            calls = range(ramp.step, ramp.step + (self.reprobe or 200))
+            wire *= sum(ramp.k_at(c) for c in calls) / len(calls) / ramp.k_selected
+        decodes = 1 if summed else k
+        return (t1 - t0) + decodes * (t2 - t1) + wire / rate
+
+    # -- state -------------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """The call count, the choice, the dense time it was made at, and every candidate's state."""
+        self._need_bound()
+        return {"type": self.describe(), "step": self.step, "choice": self.choice,
+                "dense_seconds": np.array([self._t_dense_chosen or 0.0]),
+                "candidates": {n: c.state_dict() for n, c in self.candidates.items()}}
+
+    def check_state(self, state: Mapping) -> dict:
+        """Validate a :meth:`state_dict`; raise StateDictError; change nothing."""
+        self._need_bound()
+        try:
+            kind, step, choice, dense, cands = (state["type"], state["step"], state["choice"],
+                                                state["dense_seconds"], state["candidates"])
+        except (KeyError, TypeError) as exc:
+            raise StateDictError(f"auto compression state lacks {exc}") from None
+        if kind != self.describe():
+            raise StateDictError(f"compression: the state is for {kind!r:.200}, the engine has {self.describe()!r:.200}")
+        check_count("compression step", step, 0, error=StateDictError)
+        if choice not in (DENSE, *self.candidates):
+            raise StateDictError(f"compression choice: expected one of {[DENSE, *self.candidates]}, got {choice!r:.80}")
+        dense = np.asarray(dense) if isinstance(dense, np.ndarray) else None
+        if dense is None or dense.shape != (1,) or not np.isfinite(dense).all() or dense[0] < 0:
+            raise StateDictError("compression dense_seconds: expected one finite time >= 0")
+        if not isinstance(cands, Mapping) or set(cands) != set(self.candidates):
+            raise StateDictError(f"compression candidates: expected states for {sorted(self.candidates)}")
+        checked = {n: c.check_state(cands[n]) for n, c in self.candidates.items()}
+        return {"step": int(step), "choice": choice, "dense": float(dense[0]), "candidates": checked}
+
+    def load_state_dict(self, state: Mapping) -> None:
+        """Restore a :meth:`state_dict`, validated first: a refused state changes nothing."""
+        self.apply_state(self.check_state(state))
+
+    def apply_state(self, checked: dict) -> None:
+        """Restore what :meth:`check_state` returned (assignments only)."""
+        for n, c in self.candidates.items():
+            c.apply_state(checked["candidates"][n])
+        self.step, self.choice = checked["step"], checked["choice"]
+        self._t_dense_chosen = checked["dense"] or None
+
+    def describe(self) -> str:
+        """The settings and the candidates (saved with the state)."""
+        return repr(self)
+
+    def __repr__(self) -> str:
+        cands = ", ".join(f"{n}={c!r}" for n, c in self.candidates.items())
+        return (f"Auto({{{cands}}}, probe={self.probe}, gain={self.gain!r}, reprobe={self.reprobe}, "
+                f"drift={self.drift!r})")
+
+
+def check_compressor(c, name: str = "compressor"):
+    """A Compressor, an ErrorFeedback or an Auto (``"auto"``: a new :class:`Auto`); a clear error otherwise."""
+    if isinstance(c, str) and c == "auto":
+        return Auto()
+    if not isinstance(c, (Compressor, ErrorFeedback, Auto)):
+        raise ArgumentTypeError(f"{name}: expected an arraytrain Compressor, ErrorFeedback, Auto or 'auto', "
+                                f"got {shown(c) if isinstance(c, str) else type(c).__name__}")
+    return c
