@@ -164,7 +164,7 @@ SURFACE = {
         "Ternary": "(block=None, *, min_size=0, warmup=None, seed=0, kernels='numba')",
         "TopK": "(ratio=None, k=None, *, ramp=None, min_size=0, warmup=None, seed=0, kernels='numba')",
         "VSA": "(ratio=None, *, dim=None, block=4096, unbiased=True, min_size=0, warmup=None, seed=0, kernels='numba')",
-        "default_candidates": "(ramp=None)",
+        "default_candidates": "()",
     },    # the layers, losses, metrics, data and training loop; a callback's name says it is one where a
     # schedule has the same meaning (ReduceLROnPlateauCallback feeds arraytrain.schedules.ReduceLROnPlateau)
     "arraytrain.nn": {

@@ -339,6 +339,21 @@ class Cluster:
         return float(out.strip().splitlines()[-1])
 
 
+def on_cluster(nodes: int, link_gbit: float, body, delay_us: float | None = None) -> int | None:
+    """``body(cluster)`` on a new :class:`Cluster`; None when it ran, else the command's exit status with
+    a line said: 2 when no cluster can be made here, 130 on Ctrl-C or SIGTERM (the cluster removed)."""
+    try:
+        with Cluster(nodes, link_gbit, delay_us) as cluster:
+            body(cluster)
+    except ClusterUnavailable as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted: the cluster was removed", file=sys.stderr)
+        return 130
+    return None
+
+
 def threading_main() -> bool:
     import threading
 
@@ -447,25 +462,23 @@ def main(argv=None) -> int:
         return 2
     args.ddp_batch = args.batch
     sweep = []
-    try:
-        with Cluster(args.nodes, links[0], args.delay_us) as cluster:
-            for rate in links:
-                cluster.shape(rate)
-                t = time.perf_counter()
-                probed = cluster.probe()
-                print(f"{args.nodes} nodes up; link probed at {probed:.2f} Gbit/s (shaped to {rate:g}) "
-                      f"in {time.perf_counter() - t:.1f} s", flush=True)
-                res = measure(cluster, names, args.steps, args.batch, args.threads, args.timeout) if names else {}
-                if res:
-                    report(res, cluster, probed, args)
-                    print(f"\nlosses agree with DDP's to 1e-4: {ddp.losses_agree(res)}", flush=True)
-                sweep.append({"nodes": args.nodes, "link_gbit": rate, "probed_gbit": probed, "results": res})
-    except ClusterUnavailable as exc:
-        print(exc, file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("interrupted: the cluster was removed", file=sys.stderr)
-        return 130
+
+    def body(cluster):
+        for rate in links:
+            cluster.shape(rate)
+            t = time.perf_counter()
+            probed = cluster.probe()
+            print(f"{args.nodes} nodes up; link probed at {probed:.2f} Gbit/s (shaped to {rate:g}) "
+                  f"in {time.perf_counter() - t:.1f} s", flush=True)
+            res = measure(cluster, names, args.steps, args.batch, args.threads, args.timeout) if names else {}
+            if res:
+                report(res, cluster, probed, args)
+                print(f"\nlosses agree with DDP's to 1e-4: {ddp.losses_agree(res)}", flush=True)
+            sweep.append({"nodes": args.nodes, "link_gbit": rate, "probed_gbit": probed, "results": res})
+
+    status = on_cluster(args.nodes, links[0], body, args.delay_us)
+    if status is not None:
+        return status
     if args.json:
         with open(args.json, "w") as f:
             json.dump(sweep, f, indent=2)

@@ -427,7 +427,8 @@ def part_accuracy(args) -> dict:
                     argv = ["-m", "arraytrain", "train", "--no-progress", "--json", js, "--epochs", str(args.epochs),
                             "--seed", str(seed), "--optimizer", "sgd", "--lr", "0.01", "--momentum", "0.9"]
                     if key is not None:
-                        argv += ["--compress", cli_spec(METHODS[key][1](seed, ef))] + (["--error-feedback"] * ef)
+                        argv += ["--compress", cli_spec(METHODS[key][1](seed, ef)),
+                                 "--error-feedback" if ef else "--no-error-feedback"]
                     t0 = time.perf_counter()
                     try:
                         _launch(args.accuracy_ranks, argv, args)

@@ -25,7 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from .cluster import MPI_ENV, Cluster, ClusterUnavailable, available
+from .cluster import MPI_ENV, Cluster, available, on_cluster
 
 TRAIN = ["--hidden", "2048,2048", "--batch-size", "64", "--epochs", "8"]
 #: ``--task lm``: the character language model of :mod:`arraytrain.bench.lm`, its contestants and settings.
@@ -111,6 +111,37 @@ def table(runs: list, link: float) -> str:
     return "\n".join(lines)
 
 
+def plot(path: str, results: list, task: str) -> None:
+    """lm: validation loss against training seconds, a line per contestant, a panel per link; digits:
+    samples/s over the whole run per setting (mean of the seeds), a panel per link."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(results), figsize=(6 * len(results), 4.2), squeeze=False)
+    for ax, res in zip(axes[0], results):
+        if task == "lm":
+            for label, r in res["results"].items():
+                ax.plot([0] + [c[1] for c in r["curve"]], [None] + [c[2] for c in r["curve"]], marker=".",
+                        linestyle="--" if label.startswith("torch") else "-", label=label)
+            ax.axhline(res["lm"]["target"], color="grey", linewidth=0.8)
+            ax.set_xlabel("training seconds")
+            ax.set_ylabel("validation loss (nats per byte)")
+            ax.legend(fontsize=7)
+        else:
+            by = {}
+            for r in res["runs"]:
+                by.setdefault(r["spec"], []).append(r["samples_per_s"])
+            ax.bar(range(len(by)), [statistics.mean(v) for v in by.values()])
+            ax.set_xticks(range(len(by)), list(by), rotation=30, ha="right", fontsize=8)
+            ax.set_ylabel("samples/s over the whole run (mean of seeds)")
+        ax.set_title(f"{res['link_gbit']:g} Gbit/s a node", fontsize=9)
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m arraytrain.bench tta", description=__doc__.split("\n\n")[0])
     p.add_argument("--nodes", type=int, default=2)
@@ -127,6 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
                                               "(d_model, layers, seq, batch, lr, target, eval_every, max_steps, ...)")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per run")
     p.add_argument("--json", metavar="FILE")
+    p.add_argument("--plot", metavar="FILE.png", help="lm: validation loss against seconds; digits: samples/s")
     return p
 
 
@@ -145,8 +177,9 @@ def main(argv=None) -> int:
         return 2
     results = []
     lm = {**LM, "contestants": LM_CONTESTANTS, **json.loads(args.lm)}
-    try:
-        with Cluster(args.nodes, links[0]) as cluster, tempfile.TemporaryDirectory() as tmp:
+
+    def body(cluster):
+        with tempfile.TemporaryDirectory() as tmp:
             for link in links:
                 cluster.shape(link)
                 print(f"{args.nodes} nodes, link probed at {cluster.probe():.2f} Gbit/s (shaped to {link:g})", flush=True)
@@ -165,14 +198,14 @@ def main(argv=None) -> int:
                               + "; ".join(f"step {d['step']}: {d['choice']}" for d in r["decisions"]), flush=True)
                 print(table(runs, link), flush=True)
                 results.append({"link_gbit": link, "runs": runs})
-    except ClusterUnavailable as exc:
-        print(exc, file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("interrupted: the cluster was removed", file=sys.stderr)
-        return 130
+
+    status = on_cluster(args.nodes, links[0], body)
+    if status is not None:
+        return status
     if args.json:
         Path(args.json).write_text(json.dumps({"nodes": args.nodes, "train": args.train, "results": results}, indent=2))
+    if args.plot:
+        plot(args.plot, results, args.task)
     return 0
 
 

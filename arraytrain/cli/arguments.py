@@ -431,7 +431,7 @@ def check_flags(args, comm) -> None:
         raise usage(f"--{'' if args.error_feedback else 'no-'}error-feedback needs --compress METHOD")
     if args.error_feedback is not None and args.compress[0] == "auto":
         raise usage(f"--compress auto with --{'' if args.error_feedback else 'no-'}error-feedback: auto chooses "
-                    "error feedback with its candidate (PowerSGD with it, top-k without)")
+                    "error feedback with its candidate (PowerSGD, with it)")
     if args.overlap:
         if comm is None:
             raise usage("--overlap needs several processes: mpiexec -n K arraytrain train --overlap")

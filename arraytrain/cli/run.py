@@ -110,10 +110,9 @@ def compressor_from(args, steps_per_epoch: int | None = None):
         inspect.signature(cls).bind(**kwargs)
     except TypeError as exc:
         raise usage(f"--compress {method}: {exc}") from None
-    if method == "auto":  # its top-k candidate ramps over the CLI's epochs, as --compress topk does
-        ramp = None if steps_per_epoch is None else RAMP_EPOCHS * steps_per_epoch
+    if method == "auto":
         try:
-            return compress.Auto(compress.default_candidates(ramp), **kwargs)
+            return compress.Auto(**kwargs)
         except ArrayTrainError as exc:
             raise usage(f"--compress {fmt_compress(args.compress)}: {exc}") from None
     feedback = error_feedback(args)

@@ -3,7 +3,8 @@
 Every compressor turns the flat gradient into a :class:`Payload` of real
 arrays (``payload.nbytes`` is measured, never nominal) and decodes it back;
 :class:`ErrorFeedback` wraps any of them and keeps what was not sent as named
-state. Pass one to ``Engine(..., compressor=...)``.
+state. Pass one to ``Engine(..., compressor=...)``, or ``compressor="auto"``
+(:class:`Auto`): dense or a compressor, chosen from the measured link and compute.
 """
 
 from ._base import Compressor, Domain, ErrorFeedback, Payload, Segment

@@ -320,3 +320,22 @@ def test_compression_end_to_end_on_a_slow_link(need_mpi, tmp_path, capsys):
     assert runs["auto"]["node_bytes"] < runs["dense"]["node_bytes"] / 3
     shown = capsys.readouterr().out
     assert "| auto |" in shown and "| dense |" in shown
+
+
+def test_the_language_model_reaches_its_target_under_ddp_and_bind(need_mpi, tmp_path, capsys):
+    """``bench tta --task lm`` in small: torch DDP + PowerSGD's hook and bind with auto train the character
+    model on the standard library's sources to a (loose) validation loss, the clock and bytes counted."""
+    pytest.importorskip("torch")
+    from arraytrain.bench import tta
+
+    out = tmp_path / "lm.json"
+    lm = {"d_model": 32, "layers": 1, "seq": 16, "batch": 8, "target": 3.5, "eval_every": 10, "max_steps": 200,
+          "megabytes": 0.2, "contestants": ["torch DDP + PowerSGD", "arraytrain auto"]}
+    assert tta.main(["--task", "lm", "--link", "0.5", "--json", str(out), "--lm", json.dumps(lm)]) == 0
+    res = json.loads(out.read_text())["results"][0]
+    for label in lm["contestants"]:
+        r = res["results"][label]
+        assert r["reached"] and r["val_loss"] <= 3.5 and r["seconds"] > 0 and r["node_bytes"] > 0
+        assert r["curve"][-1][0] == r["steps"] and r["steps"] % 10 == 0
+    assert [d["choice"] for d in res["results"]["arraytrain auto"]["decisions"]] != []
+    assert "| arraytrain auto | yes |" in capsys.readouterr().out
