@@ -47,12 +47,16 @@ SHAPES = {"embed": (300, 256), "w1": (64, 48), "b1": (48,), "w2": (48, 10), "b2"
 
 def _configs() -> dict:
     """``{name: (ranks, build)}``; ``build(comm)`` returns ``(engine kwargs, feed)``."""
+    import inspect
+
     import arraytrain.compress as compress
     import arraytrain.optim as optim
     import arraytrain.schedules as schedules
     from arraytrain import LossScaler
 
     out = {}
+    # top-k from its first call: the revisions with a ramp are told ramp=0, those before it have none
+    no_ramp = {"ramp": 0} if "ramp" in inspect.signature(compress.TopK).parameters else {}
 
     def add(name, ranks=1, feed="dict", **kw):
         out[name] = (ranks, feed, kw)
@@ -68,7 +72,7 @@ def _configs() -> dict:
         loss_scaler=lambda: LossScaler(init_scale=2.0**10, growth_interval=2), feed="scaled")
     add("adam-float64", optimizer=lambda: optim.Adam(lr=1e-2), dtype=np.float64)
     add("sgd-topk", optimizer=lambda: optim.SGD(lr=1e-2, momentum=0.9),
-        compressor=lambda: compress.ErrorFeedback(compress.TopK(ratio=0.05)))
+        compressor=lambda: compress.ErrorFeedback(compress.TopK(ratio=0.05, **no_ramp)))
     add("adam-powersgd", optimizer=lambda: optim.Adam(lr=1e-2),
         compressor=lambda: compress.ErrorFeedback(compress.PowerSGD(rank=2)))
     add("adamw-working-bf16", optimizer=lambda: optim.AdamW(lr=1e-2), working_dtype="bfloat16", max_grad_norm=1.0)
@@ -86,7 +90,7 @@ def _configs() -> dict:
         working_dtype="bfloat16")
     add("2r-adamw-sharded-8bit", 2, optimizer=lambda: optim.AdamW(lr=1e-2, state_dtype="8bit"), shard_state=True)
     add("2r-sgd-topk", 2, optimizer=lambda: optim.SGD(lr=1e-2, momentum=0.9),
-        compressor=lambda: compress.ErrorFeedback(compress.TopK(ratio=0.05)))
+        compressor=lambda: compress.ErrorFeedback(compress.TopK(ratio=0.05, **no_ramp)))
     return out
 
 

@@ -118,6 +118,14 @@ class _Sparsifier(Compressor):
         sel = {"ratio": self.ratio} if self.ratio is not None else {"k": self.k}
         return {**sel, "ramp": self.ramp, **super().hyperparameters()}
 
+    def describe(self) -> str:
+        """As the repr; without a ramp (``ramp=0``), as before the ramp existed, so that a checkpoint
+        written then resumes into a compressor that sends the same."""
+        if self.ramp:
+            return repr(self)
+        args = ", ".join(f"{k}={v!r}" for k, v in self.hyperparameters().items() if k != "ramp")
+        return f"{type(self).__name__}({args})"
+
 
 class TopK(_Sparsifier):
     r"""Top-k sparsification (Aji and Heafield 2017; Stich et al. 2018; Lin et al. 2018, DGC).

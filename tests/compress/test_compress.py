@@ -535,3 +535,11 @@ def test_bad_ramp_is_refused():
     for bad in (-1, 2.5, True, "10"):
         with pytest.raises(HyperparameterError, match="ramp"):
             TopK(ratio=0.1, ramp=bad)
+
+
+def test_without_a_ramp_a_sparsifier_describes_itself_as_before_the_ramp():
+    """A checkpoint's compressor type written before the ramp existed still matches ``ramp=0``."""
+    assert TopK(ratio=0.05, ramp=0).describe() == "TopK(ratio=0.05, min_size=0, warmup=0, seed=0)"
+    assert RandomK(k=3, ramp=0).describe() == "RandomK(k=3, rescale=True, min_size=0, warmup=0, seed=0)"
+    assert TopK(ratio=0.05).describe() == repr(TopK(ratio=0.05)) == \
+        "TopK(ratio=0.05, ramp=1000, min_size=0, warmup=0, seed=0)"
