@@ -108,3 +108,23 @@ class MixedPrecisionStep(_Bandwidth):
 
     def time_step(self, variant, n):
         self._call()
+
+
+class AutoCompressorStep(_Bandwidth):
+    """``compressor="auto"`` in one process (dense, nothing travels) beside no compressor: what the
+    choice costs a step where it stays dense (AdamW, clipping; the zero-copy path)."""
+
+    params = [["none", "auto"], SIZES]
+    param_names = ["compressor", "size"]
+
+    def setup(self, compressor, n):
+        p = make_params(n, np.float32)
+        self.engine = at.Engine(p, at.optim.AdamW(lr=1e-3), max_grad_norm=1.0, zero_grad_on_step=False,
+                                compressor=None if compressor == "none" else compressor)
+        rng = np.random.default_rng(1)
+        self.engine.grads.load({k: rng.standard_normal(v.shape).astype(np.float32) for k, v in p.items()})
+        self._bytes = 32 * n
+        self.engine.step()
+
+    def time_step(self, compressor, n):
+        self.engine.step()

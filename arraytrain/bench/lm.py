@@ -22,6 +22,7 @@ backward, exchange, optimizer), not the evaluations.
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 import sysconfig
@@ -121,16 +122,16 @@ def worker(comm, cfg: dict) -> dict:
                 torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
                 opt.step()
                 opt.zero_grad()
-            return m, run, update
+            return m, run, update, None
         spec = label.removeprefix("arraytrain ")
-        args = type("Args", (), {"compress": None if spec == "dense" else compress_spec(spec), "error_feedback": None})
+        args = argparse.Namespace(compress=None if spec == "dense" else compress_spec(spec), error_feedback=None)
         eng = att.bind(m, optim.AdamW(lr=cfg["lr"]), max_grad_norm=1.0, comm=comm,
                        compressor=compressor_from(args, cfg["steps_per_epoch"]))
-        return m, m, eng.step
+        return m, m, eng.step, eng.compressor
 
     out = {}
     for label in cfg["contestants"]:
-        m, run, update = contestant(label)
+        m, run, update, compressor = contestant(label)
         gen = torch.Generator().manual_seed(1000 * cfg["seed"] + comm.rank)  # the same batches for every one
         clock, steps, curve, b0 = 0.0, 0, [], sent()
         loss = evaluate(m)
@@ -147,10 +148,10 @@ def worker(comm, cfg: dict) -> dict:
                 steps += 1
             loss = evaluate(m)
             curve.append((steps, round(clock, 3), round(loss, 4)))
-        c = getattr(getattr(update, "__self__", None), "compressor", None)
         out[label] = {"reached": loss <= cfg["target"], "steps": steps, "seconds": clock, "val_loss": loss,
                       "node_bytes": sent() - b0, "curve": curve,
-                      "decisions": [{k: v for k, v in d.items() if k != "exchange_s"} for d in getattr(c, "decisions", [])]}
+                      "decisions": [{k: v for k, v in d.items() if k != "exchange_s"}
+                                    for d in getattr(compressor, "decisions", [])]}
         if comm.rank == 0:
             print(f"    {label}: {'reached' if loss <= cfg['target'] else 'not reached'} val {loss:.3f} in {steps} steps, "
                   f"{clock:.1f} s, {out[label]['node_bytes'] / 1e6:,.0f} MB", file=sys.stderr, flush=True)

@@ -167,16 +167,27 @@ def main(argv=None) -> int:
     try:
         links = [float(x) for x in args.link.split(",") if x]
         seeds = [int(x) for x in args.seeds.split(",") if x]
-    except ValueError as exc:
-        print(f"--link/--seeds: {exc}", file=sys.stderr)
+    except ValueError:
+        links, seeds = [], []
+    if not links or min(links) <= 0 or not seeds:
+        print(f"--link, --seeds: expected rates > 0 in Gbit/s and integer seeds, comma-separated, got "
+              f"{args.link!r} and {args.seeds!r}", file=sys.stderr)
         return 2
     specs = [s.strip() for s in args.compress.split(";") if s.strip()]
+    try:
+        extra = json.loads(args.lm)
+    except ValueError:
+        extra = None
+    if not isinstance(extra, dict) or set(extra) - {*LM, "contestants"}:
+        print(f"--lm: expected a JSON object with keys among {sorted({*LM, 'contestants'})}, got {args.lm!r}",
+              file=sys.stderr)
+        return 2
     why = available()
     if why is not None:
         print(why, file=sys.stderr)
         return 2
     results = []
-    lm = {**LM, "contestants": LM_CONTESTANTS, **json.loads(args.lm)}
+    lm = {**LM, "contestants": LM_CONTESTANTS, **extra}
 
     def body(cluster):
         with tempfile.TemporaryDirectory() as tmp:

@@ -282,7 +282,7 @@ class Auto:
         """The call count, the choice, the dense time it was made at, and every candidate's state."""
         self._need_bound()
         return {"type": self.describe(), "step": self.step, "choice": self.choice,
-                "dense_seconds": np.array([self._t_dense_chosen or 0.0]),
+                "dense_seconds": float(self._t_dense_chosen or 0.0),
                 "candidates": {n: c.state_dict() for n, c in self.candidates.items()}}
 
     def check_state(self, state: Mapping) -> dict:
@@ -298,13 +298,12 @@ class Auto:
         check_count("compression step", step, 0, error=StateDictError)
         if choice not in (DENSE, *self.candidates):
             raise StateDictError(f"compression choice: expected one of {[DENSE, *self.candidates]}, got {choice!r:.80}")
-        dense = np.asarray(dense) if isinstance(dense, np.ndarray) else None
-        if dense is None or dense.shape != (1,) or not np.isfinite(dense).all() or dense[0] < 0:
-            raise StateDictError("compression dense_seconds: expected one finite time >= 0")
+        if isinstance(dense, bool) or not isinstance(dense, (int, float)) or not 0 <= dense < float("inf"):
+            raise StateDictError(f"compression dense_seconds: expected a finite time >= 0, got {dense!r:.80}")
         if not isinstance(cands, Mapping) or set(cands) != set(self.candidates):
             raise StateDictError(f"compression candidates: expected states for {sorted(self.candidates)}")
         checked = {n: c.check_state(cands[n]) for n, c in self.candidates.items()}
-        return {"step": int(step), "choice": choice, "dense": float(dense[0]), "candidates": checked}
+        return {"step": int(step), "choice": choice, "dense": float(dense), "candidates": checked}
 
     def load_state_dict(self, state: Mapping) -> None:
         """Restore a :meth:`state_dict`, validated first: a refused state changes nothing."""

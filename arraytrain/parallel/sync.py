@@ -212,10 +212,6 @@ class CompressedSync(BlockingSync):
 
     def reduce(self, wsum: float, ascent: bool, judge):
         place = self.placement
-        if not ascent and getattr(self.compressor, "dense_next", False):  # an Auto that chose dense: the
-            with self.compressor.dense_call(place.grads.flat) as call:    # dense path, counted and timed
-                verdict = place.reduce(wsum, judge)
-            return verdict, call.payload
         kernels, flat = judge.kernels, place.grads.flat
         wsum, bad = window_sums(place.comm, wsum, not kernels.all_finite(flat))
         if bad:
@@ -229,11 +225,24 @@ class CompressedSync(BlockingSync):
         return place.norm_pass(1.0, judge), payload
 
 
+class AutoSync(CompressedSync):
+    """An :class:`~arraytrain.compress.Auto`'s exchange: while it is dense (``dense_next``), the
+    placement's own dense reduce — the exchange without a compressor — counted and timed by
+    ``Auto.dense_call``; otherwise the chosen compressor's, as :class:`CompressedSync`."""
+
+    def reduce(self, wsum: float, ascent: bool, judge):
+        if ascent or not self.compressor.dense_next:
+            return super().reduce(wsum, ascent, judge)
+        with self.compressor.dense_call(self.placement.grads.flat) as call:
+            verdict = self.placement.reduce(wsum, judge)
+        return verdict, call.payload
+
+
 def gradient_sync(placement, *, compressor=None, overlap: bool = False, bucket_bytes: int = BUCKET_BYTES):
     """The engine's gradient sync: compressed with a compressor, bucketed with ``overlap`` and a group of
     processes, else blocking (the engine refused the combinations that cannot be)."""
     if compressor is not None:
-        return CompressedSync(placement, compressor)
+        return (AutoSync if hasattr(compressor, "dense_call") else CompressedSync)(placement, compressor)
     if overlap and not placement.comm.is_local:
         return BucketedSync(placement, bucket_bytes)
     return BlockingSync(placement)

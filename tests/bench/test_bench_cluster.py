@@ -339,3 +339,16 @@ def test_the_language_model_reaches_its_target_under_ddp_and_bind(need_mpi, tmp_
         assert r["curve"][-1][0] == r["steps"] and r["steps"] % 10 == 0
     assert [d["choice"] for d in res["results"]["arraytrain auto"]["decisions"]] != []
     assert "| arraytrain auto | yes |" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["--link", "0"], "--link, --seeds"), (["--link", "fast"], "--link, --seeds"), (["--seeds", "a"], "--seeds"),
+    (["--task", "lm", "--lm", "{bad json"], "--lm: expected a JSON object"),
+    (["--task", "lm", "--lm", '{"d_modle": 64}'], "--lm: expected a JSON object"),
+])
+def test_tta_refuses_bad_settings_in_one_line_before_any_cluster(argv, said, capsys):
+    from arraytrain.bench import tta
+
+    assert tta.main(argv) == 2
+    err = capsys.readouterr().err
+    assert said in err and err.count("\n") == 1
