@@ -124,7 +124,8 @@ class AutoCompressorStep(_Bandwidth):
         rng = np.random.default_rng(1)
         self.engine.grads.load({k: rng.standard_normal(v.shape).astype(np.float32) for k, v in p.items()})
         self._bytes = 32 * n
-        self.engine.step()
+        self._call = self.engine.step
+        self._call()
 
     def time_step(self, compressor, n):
-        self.engine.step()
+        self._call()
