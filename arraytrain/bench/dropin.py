@@ -34,7 +34,9 @@ alternating round by round (the median and best of ``--repeats`` rounds):
 and the whole iteration's median beside it (forward and backward run next to the step's threads:
 the thread policy shows there, :mod:`arraytrain.threads`). ``--parts`` adds a round of the drop-in
 with its step's parts wrapped in timers (:func:`step_parts`): the step, the param groups' read,
-the ``.data``/``.grad`` check, the engine's step, its norm-pass and AdamW kernels.
+the ``.data``/``.grad`` check, the engine's step, its norm-pass and AdamW kernels. ``--cold`` times
+single operations where the step runs against their warm cost (:func:`measure_cold`): why the step's
+Python costs several times its warm time inside the loop.
 
 Then the cost of reading the param groups (``read_param_groups()``, which every step calls
 first), per group, for 1, 10 and 100 groups over 100 one-element tensors: groups unchanged
@@ -323,6 +325,74 @@ def measure_loop(kind: str, steps: int = 20, repeats: int = 5, parts: bool = Fal
     return out
 
 
+def cold_probes():
+    """``{what: fn}``: single operations of the kinds a step is made of, for :func:`measure_cold`, in the
+    order they run (a kind's first use pays for bringing its code and data back into the caches, a second
+    use of it does not: see that function)."""
+    import numpy as np
+
+    from arraytrain.kernels import cpu
+
+    x, pieces, values = np.ones(16, np.float32), np.array([[0, 16, 0]], np.int64), [1e-3, 0.0, 1e-3, 1e-2]
+    cpu.sumsq(x, pieces, nseg=1)  # compiled (or loaded) here, not in the loop
+    return {
+        "an empty Python call": lambda: None,
+        "a numba kernel on 16 elements (the first)": lambda: cpu.sumsq(x, pieces, nseg=1),
+        "the same kernel again": lambda: cpu.sumsq(x, pieces, nseg=1),
+        "np.array of 4 floats (its first use in the step)": lambda: np.array(values),
+        "np.array again": lambda: np.array(values),
+        "np.ascontiguousarray (another NumPy call)": lambda: np.ascontiguousarray(x, np.float32),
+    }
+
+
+def measure_cold(kind: str = "cnn-bn", steps: int = 200) -> dict:
+    """What one operation costs where the drop-in's step runs, in microseconds (25th percentile and median
+    of ``steps``): after ``backward()`` and ``clip_grad_norm_`` of the everyday loop on ``kind``
+    (torch's fused AdamW takes the loop's steps), against the same operation in a warm loop of itself. Every
+    probe of :func:`cold_probes` runs in each step, in order, plus one read of every parameter's
+    ``.grad`` ``dtype`` and ``shape`` (the drop-in's check reads such attributes, torch's step too).
+
+    The figures say why a step of a few hundred microseconds costs three to four times its warm time
+    there: forward and backward leave the caches full of torch's code and data, and each kind of
+    operation the step uses (a NumPy function, numba's dispatcher, a torch attribute) pays for its
+    first use in the step, whatever its size; the same kind used again right after costs its warm time."""
+    import statistics
+
+    import torch
+
+    m, x, y = loop_model(kind)
+    opt = torch.optim.AdamW(m.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, fused=True)
+    params = list(m.parameters())
+    probes = cold_probes()
+    probes["the parameters' .grad dtype and shape"] = lambda: [(p.grad.dtype, p.grad.shape) for p in params]
+    cold = {k: [] for k in probes}
+    for i in range(steps + 2):
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(m(x), y).backward()
+        torch.nn.utils.clip_grad_norm_(params, MAX_NORM, foreach=True)
+        for k, fn in probes.items():
+            t = time.perf_counter()
+            fn()
+            if i >= 2:  # (warm-up)
+                cold[k].append(time.perf_counter() - t)
+        opt.step()
+    warm = {}
+    for k, fn in probes.items():
+        spent = []
+        for _ in range(steps):
+            t = time.perf_counter()
+            fn()
+            spent.append(time.perf_counter() - t)
+        warm[k] = spent
+
+    def quantiles(v):
+        v = sorted(v)
+        return {"p25_us": v[len(v) // 4] * 1e6, "median_us": statistics.median(v) * 1e6}
+
+    return {"model": kind, "in_the_loop": {k: quantiles(v) for k, v in cold.items()},
+            "warm": {k: quantiles(v) for k, v in warm.items()}}
+
+
 #: The drop-in step's parts that ``--parts`` times: (what, owner, attribute).
 PARTS = (("step", "arraytrain.interop._torch_optim:TorchOptimizer", "_step"),  # (inside torch's step wrapper)
          ("read_param_groups", "arraytrain.interop._torch_optim:TorchOptimizer", "read_param_groups"),
@@ -376,6 +446,9 @@ def main(argv=None) -> int:
     ap.add_argument("--loop-steps", type=int, default=20, help="steps of the everyday loop per round (default 20)")
     ap.add_argument("--parts", action="store_true",
                     help="also time the drop-in's step in parts inside the loop (one more round each)")
+    ap.add_argument("--cold", action="store_true",
+                    help="also time single operations where the step runs in the loop (cnn-bn), against their warm "
+                         "cost: what a kind of operation costs the first time a step uses it")
     ap.add_argument("--baseline", metavar="DIR",
                     help="also run another checkout's drop-in in the loop (DIR holds its arraytrain/): before and "
                          "after a change, side by side in one process")
@@ -415,6 +488,14 @@ def main(argv=None) -> int:
                 print(f"\nThe drop-in's step in parts inside the loop, {r['model']}, us per step (each part includes "
                       "those below it that it calls):")
                 print("  " + " | ".join(f"{k} {v:.0f}" for k, v in r["drop_in_parts_us"].items()))
+    cold = measure_cold(steps=10 * args.loop_steps) if args.cold else None
+    if cold is not None:
+        print(f"\nOne operation where the step runs ({cold['model']}: after backward and clip_grad_norm_) and in "
+              "a warm loop, us (25th percentile / median):")
+        for k, v in cold["in_the_loop"].items():
+            w = cold["warm"][k]
+            print(f"  {k:<45} in the loop {v['p25_us']:6.1f} / {v['median_us']:6.1f} | warm {w['p25_us']:5.1f} / "
+                  f"{w['median_us']:5.1f}")
     groups = [measure_groups(g, args.group_calls, args.repeats) for g in GROUPS]
     print("\nread_param_groups(), us per group (target <= 1):")
     print(f"{'groups':>7} | " + " | ".join(f"{k:>18}" for k in groups[0]["us_per_group"]))
@@ -422,7 +503,7 @@ def main(argv=None) -> int:
         print(f"{g['groups']:>7} | " + " | ".join(f"{v:>18.3f}" for v in g["us_per_group"].values()))
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump({"steps": rows, "loops": loops, "groups": groups}, fh, indent=1)
+            json.dump({"steps": rows, "loops": loops, "groups": groups, "cold": cold}, fh, indent=1)
     return 0
 
 

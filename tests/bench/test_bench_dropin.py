@@ -78,10 +78,10 @@ def test_everyday_loop_contestants_train_alike(kind):
 def test_main_runs_and_writes_json(tmp_path, capsys):
     path = tmp_path / "dropin.json"
     assert dropin.main(["--sizes", "1e4", "--tensors", "10", "--calls", "1", "--repeats", "1", "--group-calls", "5",
-                        "--loops", "cnn-bn", "--loop-steps", "1", "--parts", "--json", str(path)]) == 0
+                        "--loops", "cnn-bn", "--loop-steps", "1", "--parts", "--cold", "--json", str(path)]) == 0
     text = capsys.readouterr().out
     assert "torch fused" in text and "read_param_groups" in text and "everyday loop" in text
-    assert "whole iteration" in text and "in parts" in text
+    assert "whole iteration" in text and "in parts" in text and "where the step runs" in text
     data = json.loads(path.read_text())
     assert data["steps"][0]["elements"] == 10_000 and data["steps"][0]["tensors"] == 10
     assert len(data["groups"]) == len(dropin.GROUPS) and data["loops"][0]["model"] == "cnn-bn"
@@ -93,6 +93,12 @@ def test_main_runs_and_writes_json(tmp_path, capsys):
     assert all(0 < v <= parts["step"] for v in parts.values())
     from arraytrain.engine import Engine
     assert not getattr(Engine.step, "__name__", "") == "timed"
+    # --cold: every probe timed in the loop and warm, each a positive time
+    cold = data["cold"]
+    probes = set(dropin.cold_probes()) | {"the parameters' .grad dtype and shape"}
+    assert cold["model"] == "cnn-bn" and set(cold["in_the_loop"]) == set(cold["warm"]) == probes
+    for where in ("in_the_loop", "warm"):
+        assert all(0 < q["p25_us"] <= q["median_us"] < 1e6 for q in cold[where].values())
 
 
 def test_a_baseline_checkout_runs_beside_this_one(tmp_path):
