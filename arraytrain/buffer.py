@@ -296,6 +296,8 @@ class Subset:
     __slots__ = ("flat", "layout", "_source")
 
     def __init__(self, buf, pieces: np.ndarray):
+        if isinstance(buf, Subset):  # some rows of a subset: of its source
+            buf = buf._source
         self.flat, self.layout, self._source = buf.flat, SubsetLayout(buf.layout, pieces), buf
 
     @property

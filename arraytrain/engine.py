@@ -69,8 +69,7 @@ class Engine:
         count, from which its bias corrections come; see :mod:`arraytrain.param_steps`).
         A micro-batch that has a gradient for some of the window's parameters only
         counts the others as zero. "skip" needs an optimizer that can step parameters
-        alone (``per_param_steps``: not NAdam, schedule-free AdamW, Adafactor, Muon
-        or SAM).
+        alone (``per_param_steps``: not schedule-free AdamW, Adafactor, Muon or SAM).
     dtype : dtype or None
         The floating dtype of the new buffer a mapping is copied into (None:
         the parameters' common floating dtype); a :class:`FlatBuffer` must

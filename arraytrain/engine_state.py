@@ -147,6 +147,9 @@ def _tree(parts: StateParts, params: dict, slots: dict, acc, comp, copy: bool) -
             # only where some parameter skipped a step for want of a gradient (missing="skip")
             **({"param_steps": dict(zip(parts.params.layout.names, opt.counts.tolist()))}
                if opt.counts is not None else {}),
+            # only where a scalar state came to differ between parameters (NAdam's mu_product after skips)
+            **({"param_scalars": {k: dict(zip(parts.params.layout.names, v.tolist()))
+                                  for k, v in opt.param_scalars.items()}} if opt.param_scalars else {}),
         },
         "accumulation": acc,
         "schedule": None if parts.schedule is None else parts.schedule.state_dict(),
@@ -181,6 +184,7 @@ def check_state(parts: StateParts, state: Mapping) -> list:
         scalars = opt.get("scalars", {})  # absent where the optimizer keeps none
         step = opt["step"]
         param_steps = opt.get("param_steps")  # absent while every parameter took every step
+        param_scalars = opt.get("param_scalars", {})  # absent while the parameters' scalar states agree
         skips, perturbed = state["consecutive_skips"], state["perturbed"]
         optional = {key: state[key] for key, _, _ in _PARTS}
         mask = state["mask"]
@@ -202,6 +206,11 @@ def check_state(parts: StateParts, state: Mapping) -> list:
         got = sorted(slots) if isinstance(slots, Mapping) else type(slots).__name__
         raise StateDictError(f"optimizer slots: expected {sorted(opt_state.slots)}, got {got}")
     scalars = _check_scalars(opt_state.scalars, scalars)
+    each = _check_param_scalars(parts, param_scalars)
+    for k, values in list(each.items()):  # values that all agree are the scalar
+        if (values == values[0]).all():
+            scalars[k] = float(values[0])
+            del each[k]
     step = check_count("optimizer step", step, 0, error=StateDictError)
     counts = _check_param_steps(parts, param_steps, step)
     micro = check_int("micro_batches", micro, 0, parts.accumulation_steps - 1, error=StateDictError)
@@ -247,6 +256,7 @@ def check_state(parts: StateParts, state: Mapping) -> list:
         raise StateDictError(f"state dict does not match the engine: {exc}") from exc
     writes.append(functools.partial(_set_counters, parts, step, micro, wsum, skips, perturbed, counts, absent))
     writes.append(functools.partial(opt_state.scalars.update, scalars))
+    writes.append(functools.partial(setattr, opt_state, "param_scalars", each))
     return writes
 
 
@@ -321,6 +331,24 @@ def _check_scalars(mine: Mapping, scalars) -> dict:
         got = sorted(scalars) if isinstance(scalars, Mapping) else type(scalars).__name__
         raise StateDictError(f"optimizer scalars: expected {sorted(mine)}, got {got}")
     return {k: check_number(f"optimizer scalars[{k!r}]", v, error=StateDictError) for k, v in scalars.items()}
+
+
+def _check_param_scalars(parts: StateParts, saved) -> dict:
+    """Per-parameter values of the optimizer's scalar states (by key, then by name: finite numbers) as
+    ``OptState.param_scalars``."""
+    mine, names = parts.opt_state.scalars, parts.params.layout.names
+    if not isinstance(saved, Mapping) or not set(saved) <= set(mine):
+        got = sorted(saved) if isinstance(saved, Mapping) else type(saved).__name__
+        raise StateDictError(f"optimizer param_scalars: expected some of {sorted(mine)}, got {got}")
+    out = {}
+    for k, values in saved.items():
+        if not isinstance(values, Mapping) or set(values) != set(names):
+            got = sorted(values) if isinstance(values, Mapping) else type(values).__name__
+            raise StateDictError(f"optimizer param_scalars[{k!r}]: expected a value for each of {list(names)}, "
+                                 f"got {got}")
+        out[k] = np.array([check_number(f"optimizer param_scalars[{k!r}][{n!r}]", values[n], error=StateDictError)
+                           for n in names], dtype=np.float64)
+    return out
 
 
 def _own_share(comm, acc, comp):

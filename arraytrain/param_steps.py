@@ -16,10 +16,13 @@ steps it took. An engine built with ``missing="skip"`` does the same (the drop-i
   (None while every parameter took every applied step: then a step is one launch, as before).
   ``OptState.step`` still counts the engine's applied steps (the schedule's clock).
 
-Only optimizers whose update depends on nothing but their element-wise slots and the step count
-(``Optimizer.per_param_steps``) can run on a subset this way; the others (NAdam's shared
-``mu_product``, schedule-free's averaging weights, Adafactor's and Muon's per-matrix work, SAM's
-two windows) are refused ``missing="skip"``.
+* a scalar state (NAdam's ``mu_product``) that comes to differ between parameters is kept per
+  parameter in ``OptState.param_scalars`` (float64 by segment; the one scalar again once they agree).
+
+Only optimizers whose update depends on nothing but their element-wise slots, scalar states and the
+step count (``Optimizer.per_param_steps``) can run on a subset this way; the others (schedule-free's
+averaging weights, Adafactor's and Muon's per-matrix work, SAM's two windows) are refused
+``missing="skip"``.
 """
 
 from __future__ import annotations
@@ -90,3 +93,19 @@ def pieces_of(pieces, keep):
     out = np.ascontiguousarray(pieces[keep[pieces[:, 2]]])
     out.flags.writeable = False
     return out
+
+
+def value_of(state, key: str, seg: int) -> float:
+    """Parameter ``seg``'s value of the scalar state ``key``."""
+    each = state.param_scalars.get(key)
+    return state.scalars[key] if each is None else float(each[seg])
+
+
+def set_values(state, key: str, values: np.ndarray) -> None:
+    """Every parameter's value of the scalar state ``key`` (float64 by segment) into ``state``: the one
+    scalar where they all agree, else ``state.param_scalars[key]`` (``values`` itself, kept)."""
+    if (values == values[0]).all():
+        state.scalars[key] = float(values[0])
+        state.param_scalars.pop(key, None)
+    else:
+        state.param_scalars[key] = values

@@ -130,12 +130,13 @@ class Verdict:
         if not self.pending:
             update(self.gscale())
             return True
-        step, scalars = state.step, dict(state.scalars)
+        step, scalars, each = state.step, dict(state.scalars), dict(state.param_scalars)
         update(self.gscale())
         if self.settle():
             return True
         state.step = step
         state.scalars.update(scalars)
+        state.param_scalars = each
         if self.nonfinite:
             return False
         update(self.gscale())

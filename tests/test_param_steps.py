@@ -39,6 +39,10 @@ CASES = {
     "RAdam": (lambda: at.optim.RAdam(1e-2), torch.optim.RAdam, {"lr": 1e-2}),
     "Adamax": (lambda: at.optim.Adamax(1e-2), torch.optim.Adamax, {"lr": 1e-2}),
     "Adadelta": (lambda: at.optim.Adadelta(1.0), torch.optim.Adadelta, {"lr": 1.0}),
+    "NAdam": (lambda: at.optim.NAdam(1e-2, weight_decay=0.01), torch.optim.NAdam, {"lr": 1e-2, "weight_decay": 0.01}),
+    "NAdamW": (lambda: at.optim.NAdam(1e-2, weight_decay=0.1, momentum_decay=0.05, decoupled_weight_decay=True),
+               torch.optim.NAdam, {"lr": 1e-2, "weight_decay": 0.1, "momentum_decay": 0.05,
+                                   "decoupled_weight_decay": True}),
 }
 
 
@@ -139,8 +143,8 @@ def test_zero_copy_path_takes_absent_names():
 
 
 def test_policies_and_bad_input_change_nothing():
-    with pytest.raises(HyperparameterError, match="NAdam"):
-        at.Engine(params(), at.optim.NAdam(), missing="skip")
+    with pytest.raises(HyperparameterError, match="ScheduleFreeAdamW"):
+        at.Engine(params(), at.optim.ScheduleFreeAdamW(), missing="skip")
     with pytest.raises(HyperparameterError, match="missing"):
         at.Engine(params(), at.optim.AdamW(), missing="drop")
     engine = at.Engine(params(), at.optim.AdamW(), missing="error")
@@ -168,12 +172,65 @@ def test_zero_policy_moves_the_missing_parameter():
     assert engine.state.counts is None  # every parameter took every step (a zero gradient at 3-5)
 
 
-def test_state_dict_and_checkpoint_resume_bitwise(tmp_path):
-    make = CASES["Adam-amsgrad"][0]
+#: steps at which each parameter has no gradient: "b" and "c" end at one count by different steps
+APART = {"b": range(2, 5), "c": range(6, 9)}
+
+
+def nadam_beta1(t: int) -> float:
+    """A beta1 that changes every step (OneCycleLR cycles it), so that NAdam's mu_t depends on when a
+    parameter took its steps, not only on how many."""
+    return 0.85 + 0.01 * (t % 5)
+
+
+def test_nadam_keeps_a_momentum_product_per_parameter_as_torch():
+    """torch keeps mu_product per parameter: parameters at one step count whose steps fell at different
+    times (beta1 changing) have different products; each step launches once per product."""
+    ts = {n: torch.tensor(v, requires_grad=True) for n, v in params().items()}
+    topt = torch.optim.NAdam(ts.values(), lr=1e-2, weight_decay=0.01, foreach=False)
+    engine = at.Engine(params(), at.optim.NAdam(1e-2, weight_decay=0.01), missing="skip")
+    for t in range(12):
+        topt.param_groups[0]["betas"] = (nadam_beta1(t), 0.999)
+        engine.optimizer.betas = (nadam_beta1(t), 0.999)
+        g = grads_at(t)
+        topt.zero_grad()
+        for n in list(g):
+            if t in APART.get(n, ()):
+                del g[n]
+            else:
+                ts[n].grad = torch.tensor(g[n])
+        topt.step()
+        engine.step(g)
+    assert_close(engine.params.as_dict(), {n: v.detach().numpy() for n, v in ts.items()})
+    assert engine.state.counts.tolist() == [12, 9, 9]
+    products = [float(topt.state[ts[n]]["mu_product"]) for n in SHAPES]
+    each = engine.state.param_scalars["mu_product"]
+    np.testing.assert_allclose(each, products, rtol=1e-6)
+    assert each[1] != each[2]  # one count, two histories
+    saved = engine.state_dict()["optimizer"]
+    assert saved["param_scalars"] == {"mu_product": dict(zip(SHAPES, each.tolist()))}
+
+
+def test_nadam_products_agree_again_into_one_scalar():
+    engine = engine_run(CASES["NAdam"][0], 4, unused=(1,))
+    assert "mu_product" in engine.state.param_scalars  # "b" took 3 steps, the others 4
+    fresh = engine_run(CASES["NAdam"][0], 4, unused=())
+    assert not fresh.state.param_scalars and fresh.state.scalars["mu_product"] == \
+        engine.state.param_scalars["mu_product"][0]
+    state = engine.state_dict()
+    for n in SHAPES:  # a file whose per-parameter products all agree loads as the one scalar
+        state["optimizer"]["param_scalars"]["mu_product"][n] = 0.5
+    engine.load_state_dict(state)
+    assert not engine.state.param_scalars and engine.state.scalars["mu_product"] == 0.5
+
+
+@pytest.mark.parametrize("case", ["Adam-amsgrad", "NAdam"])
+def test_state_dict_and_checkpoint_resume_bitwise(tmp_path, case):
+    make = CASES[case][0]
     whole = engine_run(make, 20)
     part = engine_run(make, 8)
     state = part.state_dict()
     assert state["optimizer"]["param_steps"] == {"a": 8, "b": 4, "c": 8}
+    assert ("param_scalars" in state["optimizer"]) == (case == "NAdam")
     at.save(tmp_path / "ck.safetensors", part)
     r1 = at.Engine(params(), make(), missing="skip")
     r1.load_state_dict(state)
@@ -188,6 +245,8 @@ def test_state_dict_and_checkpoint_resume_bitwise(tmp_path):
         for n in SHAPES:
             assert np.array_equal(r.params[n], whole.params[n]), n
         assert r.state.counts.tolist() == whole.state.counts.tolist()
+        for k, v in whole.state.param_scalars.items():
+            assert np.array_equal(r.state.param_scalars[k], v)
 
 
 def test_open_window_absent_names_resume():
@@ -211,6 +270,17 @@ def test_open_window_absent_names_resume():
     assert resumed.state.counts.tolist() == [1, 0, 1]
 
 
+def test_bad_param_scalars_are_refused():
+    state = engine_run(CASES["NAdam"][0], 8).state_dict()
+    engine = at.Engine(params(), CASES["NAdam"][0](), missing="skip")
+    for bad in ({"mu_product": {"a": 0.5, "b": 0.4}}, {"mu_product": {"a": 0.5, "b": float("nan"), "c": 0.5}},
+                {"mu": {"a": 0.5, "b": 0.4, "c": 0.5}}, {"mu_product": [0.5, 0.4, 0.5]}, [1.0]):
+        state["optimizer"]["param_scalars"] = bad
+        with pytest.raises(StateDictError, match="param_scalars"):
+            engine.load_state_dict(state)
+        assert engine.state.step == 0 and not engine.state.param_scalars
+
+
 def test_bad_param_steps_are_refused():
     make = CASES["AdamW"][0]
     state = engine_run(make, 8).state_dict()
@@ -222,9 +292,12 @@ def test_bad_param_steps_are_refused():
         assert engine.state.step == 0 and engine.state.counts is None
 
 
+@pytest.mark.parametrize("case", ["AdamW", "NAdam"])
 @pytest.mark.parametrize("mode", ["replicated", "overlap", "sharded"])
-def test_a_group_counts_a_gradient_when_any_rank_has_one(mode):
-    """Two ranks: at steps 4-7 rank 0 lacks "b" (rank 1 has it: present), at 8-10 both lack it (absent)."""
+def test_a_group_counts_a_gradient_when_any_rank_has_one(mode, case):
+    """Two ranks: at steps 4-7 rank 0 lacks "b" (rank 1 has it: present), at 8-10 both lack it (absent).
+    NAdam: every rank keeps every parameter's product, also where its partition holds none of it."""
+    make = CASES[case][0]
     kw = {"overlap": mode == "overlap", "shard_state": mode == "sharded", "bucket_bytes": 64}
 
     def rank_grads(t, rank):
@@ -234,7 +307,7 @@ def test_a_group_counts_a_gradient_when_any_rank_has_one(mode):
         return g
 
     def run(rank, comm):
-        engine = at.Engine(params(), at.optim.AdamW(1e-2, weight_decay=0.1), missing="skip", comm=comm, **kw)
+        engine = at.Engine(params(), make(), missing="skip", comm=comm, **kw)
         for t in range(14):
             g = rank_grads(t, rank)
             if kw["overlap"]:  # the zero-copy path, marking what is there
@@ -244,17 +317,20 @@ def test_a_group_counts_a_gradient_when_any_rank_has_one(mode):
                 engine.step(absent=[n for n in SHAPES if n not in g])
             else:
                 engine.step(g)
-        return engine.gather_params().as_dict(), engine.state.counts
+        return engine.gather_params().as_dict(), engine.state.counts, engine.state.param_scalars
 
     results = ThreadGroup(2).run(run)
     # the reference: one process, the ranks' mean gradient, "b" absent where both lacked it
-    ref = at.Engine(params(), at.optim.AdamW(1e-2, weight_decay=0.1), missing="skip")
+    ref = at.Engine(params(), make(), missing="skip")
     for t in range(14):
         parts = [rank_grads(t, r) for r in range(2)]
         ref.step({n: sum(p.get(n, 0) for p in parts) / 2 for n in SHAPES if any(n in p for p in parts)})
-    for got, counts in results:
+    for got, counts, each in results:
         assert_close(got, ref.params.as_dict())
         assert counts.tolist() == [14, 11, 14]
+        assert each.keys() == ref.state.param_scalars.keys() == ({"mu_product"} if case == "NAdam" else set())
+        for k, v in each.items():
+            assert np.array_equal(v, ref.state.param_scalars[k])
 
 
 def test_a_pruning_mask_applies_while_parameters_stand_at_different_step_counts():

@@ -105,7 +105,8 @@ SURFACE = {
                 "state_dtype=None, overrides=None)",
         "Lion": "(lr=0.0001, betas=(0.9, 0.99), weight_decay=0.001, *, maximize=False, state_dtype=None, "
                 "overrides=None)",
-        "OptState": "(step=0, slots=<factory>, hp=<factory>, scalars=<factory>, counts=None)",
+        "OptState": "(step=0, slots=<factory>, hp=<factory>, scalars=<factory>, counts=None, "
+                    "param_scalars=<factory>, present=None)",
         "Optimizer": "()",
         "RMSprop": "(lr=0.01, alpha=0.99, eps=1e-08, weight_decay=0.0, momentum=0.0, centered=False, *, "
                    "maximize=False, state_dtype=None, overrides=None)",

@@ -421,9 +421,10 @@ def _has_arrays(node) -> bool:
 
 
 #: Keys of a mapping that holds arrays which a state has or lacks by its history, not by the engine's
-#: configuration (per-parameter step counts, an open window's parameters without a gradient: see
-#: :mod:`arraytrain.param_steps`): values, matched by the engine's ``load_state_dict``.
-VALUE_KEYS = frozenset({"param_steps", "absent"})
+#: configuration (per-parameter step counts, an open window's parameters without a gradient, a scalar
+#: state's per-parameter values: see :mod:`arraytrain.param_steps`): values, matched by the engine's
+#: ``load_state_dict``.
+VALUE_KEYS = frozenset({"param_steps", "absent", "param_scalars"})
 
 
 def match(where: str, path: tuple, got, want, specs: dict, checks: list) -> None:

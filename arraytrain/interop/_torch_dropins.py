@@ -92,7 +92,8 @@ class RMSprop(TorchOptimizer):
 
 
 class NAdam(TorchOptimizer):
-    """torch.optim.NAdam's constructor, :class:`arraytrain.optim.NAdam`'s step (``mu_product`` in the state)."""
+    """torch.optim.NAdam's constructor, :class:`arraytrain.optim.NAdam`'s step (``mu_product`` in each
+    parameter's state, its own where parameters skipped steps for want of a gradient, as torch's)."""
 
     TUNABLE = ("betas",)
     HYPERPARAMETERS = ((("lr", 2e-3), ("betas", ADAM_BETAS), ("eps", 1e-8), ("weight_decay", 0),

@@ -206,7 +206,7 @@ class Cohort:
     """One engine and where its parameters sit in the param groups."""
 
     __slots__ = ("engine", "flat_rates", "group_of", "groups", "held", "index", "lrs", "pairs", "rates",
-                 "scalar_tensors", "signature", "steps", "step_tensors", "wds")
+                 "scalar_tensors", "scalars", "signature", "steps", "step_tensors", "wds")
 
     def __init__(self, engine: GroupEngine, index: list, signature):
         self.engine = engine
@@ -218,7 +218,9 @@ class Cohort:
         self.steps = np.zeros(len(index), dtype=np.float32)
         whole = torch.from_numpy(self.steps)
         self.step_tensors = [whole[i] for i in range(len(index))]
-        self.scalar_tensors = {k: torch.tensor(v, dtype=torch.float32) for k, v in engine.state.scalars.items()}
+        # state[p][k] of a scalar state (NAdam's mu_product): a 0-d view each of one float32 array by parameter
+        self.scalars = {k: np.zeros(len(index), dtype=np.float32) for k in engine.state.scalars}
+        self.scalar_tensors = {k: [torch.from_numpy(a)[i] for i in range(len(index))] for k, a in self.scalars.items()}
         n = len(index)
         # each parameter's group's lr and weight_decay (columns), set by the first read of the groups, taken
         # from the groups' (lr, weight_decay) pairs, flat, at ``pairs``
@@ -228,8 +230,9 @@ class Cohort:
         self.sync_tensors()
 
     def sync_tensors(self) -> None:
-        """``state[p]["step"]`` and the scalar states' tensors follow the engine's counters."""
+        """``state[p]["step"]`` and the scalar states' tensors follow the engine's counters (each parameter's
+        own value where they differ: ``OptState.param_scalars``)."""
         state = self.engine.state
         self.steps[...] = state.step if state.counts is None else state.counts
-        for k, t in self.scalar_tensors.items():
-            t.fill_(self.engine.state.scalars[k])
+        for k, a in self.scalars.items():
+            a[...] = state.param_scalars.get(k, state.scalars[k])

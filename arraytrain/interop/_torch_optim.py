@@ -33,7 +33,7 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
-from .. import optim, state8
+from .. import optim, param_steps, state8
 from .._checks import check_bool, check_int, check_number
 from ..errors import (
     ArgumentTypeError,
@@ -537,6 +537,12 @@ class TorchOptimizer(torch.optim.Optimizer):
                 src = sources[0][1].engine
                 engine.state.step = src.state.step
                 engine.state.scalars.update(src.state.scalars)
+                for key in engine.state.scalars:  # each parameter's own value comes along (NAdam's mu_product)
+                    values = np.full(len(engine.layout), engine.initial_scalars[key])
+                    for name, c, oname in sources:
+                        values[engine.layout.index(name)] = param_steps.value_of(c.engine.state, key,
+                                                                                 c.engine.layout.index(oname))
+                    param_steps.set_values(engine.state, key, values)
                 if src.state.counts is not None:  # the parameters' own step counts come along
                     counts = np.full(len(engine.layout), src.state.step, dtype=np.int64)
                     for name, c, oname in sources:
@@ -567,7 +573,8 @@ class TorchOptimizer(torch.optim.Optimizer):
                 entry = {"step": c.step_tensors[k]}
                 for slot, by_name in views.items():
                     entry[slot] = by_name[name]
-                entry.update(c.scalar_tensors)
+                for key, tensors in c.scalar_tensors.items():
+                    entry[key] = tensors[k]
                 if e.lowp:
                     entry["master"] = tensor_view(e.params[name], torch)
                 state[p] = entry
@@ -917,7 +924,7 @@ class TorchOptimizer(torch.optim.Optimizer):
                 entry = {"step": c.step_tensors[k].clone()}
                 for slot, arrays in slots.items():
                     entry[slot] = tensor_view(np.ascontiguousarray(arrays[name]), torch)
-                entry.update({n: t.clone() for n, t in c.scalar_tensors.items()})
+                entry.update({key: tensors[k].clone() for key, tensors in c.scalar_tensors.items()})
                 out[self.param_groups[gi]["params"][j]] = entry
         return out
 

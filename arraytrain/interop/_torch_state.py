@@ -11,7 +11,7 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
-from .. import state8
+from .. import param_steps, state8
 from ..parallel.shard import ShardBuffer
 from .._checks import check_number
 from ..errors import HyperparameterError, StateDictError
@@ -135,6 +135,7 @@ def load_entries(cohorts, plan: dict, param_groups) -> None:
     for c in cohorts:
         e = c.engine
         e.state.scalars.update(e.initial_scalars)
+        e.state.param_scalars.clear()
         e.state.step = step = plan["steps"][int(c.group_of[0])]
         if e.optimizer.per_param_steps:  # each parameter at its own count (0: no state saved for it)
             counts = np.array([plan["param_steps"].get(gj, 0) for gj in c.index], dtype=np.int64)
@@ -142,8 +143,10 @@ def load_entries(cohorts, plan: dict, param_groups) -> None:
         if any(isinstance(b, ShardBuffer) for b in e.state.slots.values()):
             _load_sharded(c, plan)
             continue
+        # a scalar state per parameter (NAdam's mu_product; a fresh state's where none was saved)
+        values = {k: np.full(len(e.layout), v, dtype=np.float64) for k, v in e.initial_scalars.items()}
         with torch.no_grad():
-            for (gi, j), name in zip(c.index, e.layout.names):
+            for seg, ((gi, j), name) in enumerate(zip(c.index, e.layout.names)):
                 entry = plan["entries"][(gi, j)]
                 if e.lowp and (entry is None or "master" not in entry):
                     tensor_view(e.params[name], torch).copy_(param_groups[gi]["params"][j].detach())
@@ -155,13 +158,15 @@ def load_entries(cohorts, plan: dict, param_groups) -> None:
                 # buffers (opt.load_state_dict(opt.state_dict()), accelerate's device round trip)
                 for k, v in entry.items():
                     if k in e.state.scalars:
-                        e.state.scalars[k] = v
+                        values[k][seg] = v
                     elif k == "master":
                         tensor_view(e.params[name], torch).copy_(v)
                     elif isinstance(v, Encoded):
                         e.state.slots[k].assign({name: v.raw})
                     else:
                         tensor_view(e.state.slots[k][name], torch).copy_(v)
+        for k, v in values.items():
+            param_steps.set_values(e.state, k, v)
         e.refresh()
         e.clean.clear()
         c.sync_tensors()
@@ -177,16 +182,19 @@ def _load_sharded(c, plan: dict) -> None:
     opt.pop("param_steps", None)
     if e.state.counts is not None:
         opt["param_steps"] = dict(zip(e.layout.names, e.state.counts.tolist()))
-    scalars = dict(e.initial_scalars)
+    each = {k: {} for k in e.initial_scalars}  # per parameter (the engine's check makes agreeing ones the scalar)
     for (gi, j), name in zip(c.index, e.layout.names):
         entry = plan["entries"][(gi, j)] or {}
         for k, arrays in opt["slots"].items():
             v = entry.get(k)
             arrays[name] = np.zeros_like(arrays[name]) if v is None else \
                 host_array(v, torch, copy=True).astype(arrays[name].dtype)
-        scalars.update({k: v for k, v in entry.items() if k in e.state.scalars})
-    if scalars:
-        opt["scalars"] = scalars
+        for k in each:
+            each[k][name] = entry.get(k, e.initial_scalars[k])
+    opt.pop("param_scalars", None)
+    if each:
+        opt["scalars"] = dict(e.initial_scalars)
+        opt["param_scalars"] = each
     e.load_state_dict(tree)
     c.sync_tensors()
 

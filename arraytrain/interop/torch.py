@@ -43,8 +43,8 @@ copied. How it works, and what it guards against:
   that micro-batch, handled by the engine's ``missing`` policy (``step(absent=...)``):
   by default torch.optim's rule, ``missing="skip"`` (the step leaves it alone: weights,
   state and its own step count, see :mod:`arraytrain.param_steps`), or ``"zero"`` where
-  the optimizer cannot step parameters alone (NAdam, schedule-free AdamW, Adafactor, Muon,
-  SAM) or when given; its ``.grad`` stays None. A step where every ``.grad`` is None raises
+  the optimizer cannot step parameters alone (schedule-free AdamW, Adafactor, Muon, SAM)
+  or when given; its ``.grad`` stays None. A step where every ``.grad`` is None raises
   :class:`NoGradientsError`. A
   parameter whose ``.data`` was replaced by a tensor of the same dtype, device
   and shape has its values taken into the engine and is re-pointed. What

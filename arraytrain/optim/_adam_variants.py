@@ -7,6 +7,8 @@ import math
 import numpy as np
 
 from .._checks import check_betas, check_bool, check_number
+from .. import param_steps
+from ..buffer import Subset
 from ._base import Optimizer, decoupled_decay, mask_arg, working_args
 
 
@@ -60,16 +62,19 @@ class NAdam(_AdamVariant):
               + \frac{\mu_{t+1}}{1-\Pi_t\,\mu_{t+1}}\, m_t\Big)
               \Big/ \Big(\sqrt{v_t}/\sqrt{1-\beta_2^t} + \epsilon\Big)
 
-    torch keeps :math:`\Pi_t` as a tensor per parameter, all equal; here it is one float64
-    scalar of the state, ``state.scalars["mu_product"]``, formed on the host, saved in
-    checkpoints and restored with them. Slots ``exp_avg`` and ``exp_avg_sq`` (torch's
+    torch keeps :math:`\Pi_t` as a tensor per parameter, from each parameter's own steps; here it
+    is one float64 scalar of the state, ``state.scalars["mu_product"]``, formed on the host, saved
+    in checkpoints and restored with them, while every parameter took every step. Once some
+    skipped steps for want of a gradient (``missing="skip"``, torch's rule: see
+    :mod:`arraytrain.param_steps`) the products differ, and ``state.param_scalars["mu_product"]``
+    holds one per parameter (float64), each advanced by the steps its parameter took with the
+    :math:`\mu_t` of its own count; a step then launches the kernel once per distinct product among
+    the parameters it updates (back to the one scalar when they agree again). Slots ``exp_avg`` and
+    ``exp_avg_sq`` (torch's
     names); ``state_dtype="bfloat16"`` keeps them in bfloat16 (math in float32). ``eps``
     must be > 0. ``lr`` and ``weight_decay`` may differ per parameter through
     ``overrides`` (see :class:`Optimizer`).
     """
-
-    per_param_steps = False
-    per_param_steps_refusal = "its momentum-schedule product mu_product is one number for every parameter"
 
     _slots = ("exp_avg", "exp_avg_sq")
 
@@ -98,16 +103,47 @@ class NAdam(_AdamVariant):
                mask=None):
         lr = self._lr(state, lr)
         t = state.step + 1
+        mu = self._mu(t)
+        each = state.param_scalars.get("mu_product")
+        if each is None and state.present is None:  # every parameter at one product: one launch
+            mu_product = state.scalars["mu_product"] * mu
+            self._launch(kernels, params, grads, state, lr, t, mu_product, gscale, working, zero_grad, mask)
+            state.scalars["mu_product"] = mu_product
+        else:
+            self._launch_apart(kernels, params, grads, state, lr, t, each, gscale, working, zero_grad, mask)
+        state.step = t
+
+    def _launch(self, kernels, params, grads, state, lr, t: int, mu_product: float, gscale, working, zero_grad,
+                mask) -> None:
+        """The kernel over ``params``' pieces, each parameter's product (this step's included) ``mu_product``."""
         mu, mu_next = self._mu(t), self._mu(t + 1)
-        mu_product = state.scalars["mu_product"] * mu
         kernels.nadam_step(*self._arrays(state, params, grads),
                            grad_step=lr * (1.0 - mu) / (1.0 - mu_product),
                            moment_step=lr * mu_next / (1.0 - mu_product * mu_next),
                            inv_bc2_sqrt=1.0 / math.sqrt(1.0 - self.betas[1] ** t), **self._decays(state, lr),
                            **self._common_args(params, gscale, working, zero_grad, mask),
                            grad_ptrs=self._grad_ptrs(params, grads))
-        state.scalars["mu_product"] = mu_product
-        state.step = t
+
+    def _launch_apart(self, kernels, params, grads, state, lr, t: int, each, gscale, working, zero_grad,
+                      mask) -> None:
+        """Some parameters only (``state.present``), or parameters whose products differ (``each``): one
+        launch per distinct product among ``params``' pieces (in increasing product), then every present
+        parameter's product advanced, also where none of its pieces lie here (sharded state: every rank
+        keeps every product)."""
+        mu = self._mu(t)
+        nseg = len(params.layout)
+        before = np.full(nseg, state.scalars["mu_product"]) if each is None else each
+        after = before.copy()
+        present = slice(None) if state.present is None else state.present
+        after[present] = before[present] * mu
+        pieces = params.layout.pieces
+        values = before[pieces[:, 2]]
+        for value in np.unique(values):
+            rows = np.ascontiguousarray(pieces[values == value])
+            rows.flags.writeable = False
+            self._launch(kernels, Subset(params, rows), Subset(grads, rows), state, lr, t, float(value) * mu, gscale,
+                         working, zero_grad, mask)
+        param_steps.set_values(state, "mu_product", after)  # (a new array: the device gate's restore keeps the old)
 
 
 class RAdam(_AdamVariant):

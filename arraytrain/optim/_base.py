@@ -31,7 +31,12 @@ class OptState:
     since) value applies; it is derived, not saved. ``scalars``: state that is one
     float for the whole buffer (NAdam's ``mu_product``), kept on the host, saved
     and restored with the slots. ``counts``: per-parameter step counts where they
-    differ from ``step`` (see :mod:`arraytrain.param_steps`).
+    differ from ``step`` (see :mod:`arraytrain.param_steps`); ``param_scalars``: for a scalar
+    state whose parameters came to differ (NAdam's ``mu_product`` once parameters skipped steps for
+    want of a gradient), its float64 value per parameter, which then stands for every parameter
+    instead of ``scalars[key]``; saved and restored with the rest. ``present``: set by the engine
+    for the length of one ``update`` call that steps some parameters only (a bool per parameter,
+    every rank's same: see :func:`arraytrain.parallel.placement.run_groups`), else None.
     """
 
     step: int = 0
@@ -41,6 +46,8 @@ class OptState:
     #: the steps each parameter took (int64 by segment) where some parameter skipped a step for want
     #: of a gradient (``missing="skip"``, :mod:`arraytrain.param_steps`); None while all equal ``step``
     counts: np.ndarray | None = None
+    param_scalars: dict[str, np.ndarray] = field(default_factory=dict)
+    present: np.ndarray | None = None
 
 
 

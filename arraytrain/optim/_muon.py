@@ -132,15 +132,16 @@ class Muon(Optimizer):
                     "(or another optimizer with element-wise state) for them"
                 )
         hp = self.resolve(params.layout)
-        slots = {"momentum_buffer": self._new_slot(params, "momentum_buffer")}
+        slots, scalars = {"momentum_buffer": self._new_slot(params, "momentum_buffer")}, {}
         if self.fallback is not None:
             inner = self._fallback_to_init().init(params)
             slots.update({FALLBACK + k: v for k, v in inner.slots.items()})
+            scalars.update({FALLBACK + k: v for k, v in inner.scalars.items()})  # (NAdam's mu_product)
             for key, theirs in inner.hp.items():  # Muon's overrides win where both set a value
                 ours = hp.get(key)
                 hp[FALLBACK + key] = theirs if ours is None else np.where(np.isnan(ours), theirs, ours)
         hp["_muon"] = route.muon.astype(np.float64)  # 1: Muon updates the parameter, 0: the fallback
-        return OptState(0, slots, hp)
+        return OptState(0, slots, hp, scalars)
 
     def _fallback_to_init(self) -> Optimizer:
         """The fallback, with Muon's ``state_dtype`` when its own is None."""
@@ -153,10 +154,11 @@ class Muon(Optimizer):
         return out
 
     def _inner(self, state: OptState) -> OptState:
-        """The fallback's view of the state: its slots and per-parameter values, the same step."""
+        """The fallback's view of the state: its slots, per-parameter values and scalar states, the same step."""
         cut = len(FALLBACK)
         return OptState(state.step, {k[cut:]: v for k, v in state.slots.items() if k.startswith(FALLBACK)},
-                        {k[cut:]: v for k, v in state.hp.items() if k.startswith(FALLBACK)})
+                        {k[cut:]: v for k, v in state.hp.items() if k.startswith(FALLBACK)},
+                        {k[cut:]: v for k, v in state.scalars.items() if k.startswith(FALLBACK)})
 
     def per_param(self, state: OptState, key: str) -> np.ndarray:
         """Per-parameter values of ``key``: Muon's for its matrices, the fallback's for the others."""
@@ -185,9 +187,11 @@ class Muon(Optimizer):
                               ns_steps=self.ns_steps, **working_args(working), zero_grad=zero_grad, mask=mask)
         if self.fallback is not None and route.fallback_pieces.shape[0]:
             # the fallback's own fused kernel over its parameters' pieces; gscale carries Muon's sign
+            inner = self._inner(state)
             self.fallback.update(kernels, Subset(params, route.fallback_pieces),
-                                 Subset(grads, route.fallback_pieces), self._inner(state), gscale=gs, lr=lr,
+                                 Subset(grads, route.fallback_pieces), inner, gscale=gs, lr=lr,
                                  zero_grad=zero_grad, working=working, mask=mask)
+            state.scalars.update({FALLBACK + k: v for k, v in inner.scalars.items()})
         state.step += 1
 
     def _work(self, flat, size: int):

@@ -331,8 +331,10 @@ def placement(comm, params: FlatBuffer, working_spec=None, *, shard: bool = Fals
 
 def run_groups(groups, state, params, grads, update) -> None:
     """``update(params, grads)`` over every weight, or once per group of present parameters that
-    stand at one step count (``state.step`` set to it, the buffers cut to its pieces: see
-    :mod:`arraytrain.param_steps`); the caller sets the engine's step count afterwards."""
+    stand at one step count (``state.step`` set to it, ``state.present`` to the group's parameters, the
+    buffers cut to its pieces: see :mod:`arraytrain.param_steps`); the caller sets the engine's step
+    count afterwards. Every rank calls ``update`` for every group, with the same ``state.present``, also
+    where none of the group's pieces lie in its partition (sharded state)."""
     if groups is None:
         update(params, grads)
         return
@@ -342,4 +344,8 @@ def run_groups(groups, state, params, grads, update) -> None:
             update(params, grads)
             continue
         pieces = pieces_of(params.layout.pieces, keep)
-        update(Subset(params, pieces), Subset(grads, pieces))
+        state.present = keep
+        try:
+            update(Subset(params, pieces), Subset(grads, pieces))
+        finally:
+            state.present = None

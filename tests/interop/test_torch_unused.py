@@ -2,6 +2,8 @@
 the drop-ins and ``bind`` follow torch.optim (foreach=False) to 1e-5 relative: the parameter is not
 touched by a step where its ``.grad`` is None, and keeps its own step count, in state dicts too."""
 
+import copy
+
 import numpy as np
 import pytest
 
@@ -52,6 +54,7 @@ HP = {
     "RAdam": {"lr": 1e-2, "decoupled_weight_decay": True, "weight_decay": 0.1},
     "Adamax": {"lr": 1e-2},
     "Adadelta": {"lr": 1.0},
+    "NAdam": {"lr": 1e-2, "weight_decay": 0.01},
 }
 
 
@@ -92,21 +95,39 @@ def test_dropin_state_dict_round_trip_with_torch_per_parameter_steps():
         [float(s["step"]) for s in topt.state_dict()["state"].values()]
 
 
-def test_dropin_nadam_holds_the_weights_without_stepping_alone():
-    """NAdam's mu_product is one number for all parameters: a parameter without a gradient keeps its
-    weights (a zero lr and decay), its state moves with a zero gradient (documented departure)."""
-    m = model()
-    opt = att.NAdam(m.parameters(), lr=1e-2)
-    train(m, opt, range(5))
-    before = m["branch"].weight.detach().clone()
-    train(m, opt, range(5, 8))
-    assert torch.equal(m["branch"].weight.detach(), before)
-
-
-def test_bind_skips_a_parameter_without_gradient_as_torch():
+def test_dropin_nadam_keeps_each_parameters_momentum_product_as_torch():
+    """NAdam's mu_product per parameter (torch's state): the branch's product stops while it has no
+    gradient, in state[p], in state_dict(), through torch's own NAdam and back."""
     want, got = model(), model()
-    topt = torch.optim.AdamW(want.parameters(), lr=1e-2, weight_decay=0.01, foreach=False)
-    engine = att.bind(got, at.optim.AdamW(1e-2, weight_decay=0.01))
+    topt = torch.optim.NAdam(want.parameters(), lr=1e-2, foreach=False)
+    opt = att.NAdam(got.parameters(), lr=1e-2)
+    train(want, topt, range(12))
+    train(got, opt, range(12))
+    assert_close(want, got)
+    ours = [float(s["mu_product"]) for s in opt.state_dict()["state"].values()]
+    theirs = [float(s["mu_product"]) for s in topt.state_dict()["state"].values()]
+    np.testing.assert_allclose(ours, theirs, rtol=1e-6)
+    assert len(set(ours)) == 2  # the branch's differs
+    assert [float(opt.state[p]["mu_product"]) for p in got.parameters()] == ours
+    back, again = model(), model()
+    back.load_state_dict(got.state_dict())
+    again.load_state_dict(want.state_dict())
+    bopt = torch.optim.NAdam(back.parameters(), lr=1e-2, foreach=False)
+    bopt.load_state_dict(copy.deepcopy(opt.state_dict()))  # ours into torch's (a copy: ours are live views)
+    aopt = att.NAdam(again.parameters(), lr=1e-2)
+    aopt.load_state_dict(topt.state_dict())  # torch's into ours
+    assert [float(s["mu_product"]) for s in aopt.state_dict()["state"].values()] == theirs
+    for m, o in ((want, topt), (got, opt), (back, bopt), (again, aopt)):
+        train(m, o, range(12, STEPS))
+    for m in (got, back, again):
+        assert_close(want, m)
+
+
+@pytest.mark.parametrize("name", ["AdamW", "NAdam"])
+def test_bind_skips_a_parameter_without_gradient_as_torch(name):
+    want, got = model(), model()
+    topt = getattr(torch.optim, name)(want.parameters(), lr=1e-2, weight_decay=0.01, foreach=False)
+    engine = att.bind(got, getattr(at.optim, name)(1e-2, weight_decay=0.01))
     train(want, topt)
     for t in range(STEPS):
         got.zero_grad()
@@ -139,9 +160,9 @@ def test_bind_missing_error_changes_nothing():
     assert engine.micro_batches == 0
 
 
-def test_dropin_nadam_refuses_a_group_at_different_steps():
+def test_dropin_that_steps_all_together_refuses_a_group_at_different_steps():
     m = model()
-    opt = att.NAdam(m.parameters(), lr=1e-2)
+    opt = att.Adafactor(m.parameters(), lr=1e-2)
     train(m, opt, range(3))
     sd = opt.state_dict()
     bad = {**sd, "state": {**sd["state"], 0: {**sd["state"][0], "step": torch.tensor(7.0)}}}

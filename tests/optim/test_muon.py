@@ -245,8 +245,9 @@ def test_fallback_state_dtype_follows_muon():
 @pytest.mark.parametrize("fallback", [optim.SGD(lr=1e-2, momentum=0.9),
                                       pytest.param(optim.Adagrad(lr=1e-2), marks=pytest.mark.slow),
                                       pytest.param(optim.LAMB(lr=1e-2), marks=pytest.mark.slow),
-                                      pytest.param(optim.RMSprop(lr=1e-3, centered=True), marks=pytest.mark.slow)],
-                         ids=["sgd", "adagrad", "lamb", "rmsprop"])
+                                      pytest.param(optim.RMSprop(lr=1e-3, centered=True), marks=pytest.mark.slow),
+                                      optim.NAdam(lr=1e-2)],
+                         ids=["sgd", "adagrad", "lamb", "rmsprop", "nadam"])
 def test_any_elementwise_fallback_equals_running_it_alone(fallback):
     """The fallback on its parameters inside Muon == the same optimizer on those parameters alone."""
     rng = np.random.default_rng(4)
@@ -262,6 +263,8 @@ def test_any_elementwise_fallback_equals_running_it_alone(fallback):
         np.testing.assert_array_equal(both.params[k], alone.params[k])
         for slot in alone.state.slots:
             np.testing.assert_array_equal(both.state.slots["fallback." + slot][k], alone.state.slots[slot][k])
+    # a scalar state (NAdam's mu_product) is the fallback's, advanced with it, in checkpoints
+    assert both.state.scalars == {"fallback." + k: v for k, v in alone.state.scalars.items()}
 
 
 @pytest.mark.parametrize("tall", [False, True], ids=["wide", "tall"])
