@@ -74,13 +74,53 @@ OPTIONS = {"max_grad_norm": None, "clip_eps": CLIP_EPS, "state_dtype": None, "mi
 
 
 class _Seen:
-    """A group's values as the last read found them: the raw tuple, whether it holds tensors, what they mean."""
+    """A group's values as the last read found them: the raw tuple, whether it holds tensors, what they mean.
 
-    __slots__ = ("lr", "raw", "rest", "sig", "sig_tensors", "tensors", "wd")
+    ``views``: where ``lr`` or ``weight_decay`` is a one-element floating CPU tensor and the other values
+    are plain, how to read the two rates again without ``.item()`` (see :func:`_rate_views`), else None."""
+
+    __slots__ = ("lr", "raw", "rest", "sig", "sig_tensors", "tensors", "views", "wd")
 
     def __init__(self, raw, tensors, sig_tensors, lr, wd, sig):
         self.raw, self.tensors, self.sig_tensors, self.lr, self.wd, self.sig = raw, tensors, sig_tensors, lr, wd, sig
         self.rest = raw[2:]  # the values after lr and weight_decay
+        self.views = _rate_views(raw[0], raw[1]) if tensors and not sig_tensors else None
+
+    def rates(self):
+        """``(lr, weight_decay)`` read from :attr:`views`, or None where a tensor's memory moved (``.data`` or
+        ``set_``) or a value is not a float in [0, inf) (then the group is read in full, with its checks)."""
+        lt, lp, lv, wt, wp, wv = self.views
+        if lt is not None:
+            if lt.data_ptr() != lp:
+                return None
+            lv = float(lv)
+        if wt is not None:
+            if wt.data_ptr() != wp:
+                return None
+            wv = float(wv)
+        if 0.0 <= lv < math.inf and 0.0 <= wv < math.inf:
+            return lv, wv
+        return None
+
+
+_VIEWABLE = (torch.float32, torch.float64)
+
+
+def _rate_views(lr, wd):
+    """For :attr:`_Seen.views`: per rate ``tensor, its address, a NumPy view of its one element``, or
+    ``None, None, value`` for a float (six values in all); None where a rate is anything else. The view
+    keeps the tensor's memory alive, so the address cannot be reused while it is held: the same address
+    means the same memory, whose value (written by ``fill_``, ``copy_``, a scheduler) the view reads."""
+    out = ()
+    for v in (lr, wd):
+        if type(v) is float:
+            out += (None, None, v)
+        elif isinstance(v, torch.Tensor) and v.device.type == "cpu" and v.dtype in _VIEWABLE and v.numel() == 1 \
+                and v.layout == torch.strided:
+            out += (v, v.data_ptr(), v.detach().numpy().reshape(()))
+        else:
+            return None
+    return out
 
 
 def _rate(gi: int, key: str, v) -> float:
@@ -608,6 +648,16 @@ class TorchOptimizer(torch.optim.Optimizer):
                         and _same(raw[2:], seen.rest)):
                     rated.append((gi, seen, raw, lr, wd))
                     rates = True
+                    continue
+            elif (seen is not None and seen.views is not None and raw[0] is seen.raw[0] and raw[1] is seen.raw[1]
+                  and _same(raw, seen.raw)):  # (the tensors compared by identity: a tuple's == tries that first)
+                # the same one-element tensors (a scheduler writing its rate into them): read through views
+                found = seen.rates()
+                if found is not None:
+                    lr, wd = found
+                    if lr != seen.lr or wd != seen.wd:
+                        rated.append((gi, seen, raw, lr, wd))
+                        rates = True
                     continue
             lr, wd = raw[0], raw[1]
             if type(lr) is not float or not 0.0 <= lr < math.inf:

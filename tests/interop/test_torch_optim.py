@@ -249,6 +249,40 @@ def test_reduce_lr_on_plateau_and_tensor_lr():
         theirs.param_groups[0]["lr"])
 
 
+def test_a_tensor_rate_is_read_where_it_lies_and_a_moved_or_bad_one_in_full():
+    """A one-element tensor ``lr`` (or ``weight_decay``) is read through a view of its memory: what
+    ``fill_``/``copy_`` write is what the step uses; a tensor replaced in the group, its ``.data``
+    replaced, a bfloat16 or a tensor holding a bad value take the full read (its checks, its errors)."""
+    p = torch.nn.Parameter(torch.zeros(3))
+    lr, wd = torch.tensor(1e-3), torch.tensor(0.5, dtype=torch.float64)
+    opt = at_torch.AdamW([{"params": [p], "lr": lr, "weight_decay": wd}])
+    cohort = opt._cohorts[0]
+
+    def rates():  # (the rates the next step gives the engine)
+        opt.read_param_groups()
+        return float(cohort.lrs[0]), float(cohort.wds[0])
+
+    assert rates() == (float(lr), 0.5)
+    lr.fill_(2e-3)
+    wd.copy_(torch.tensor(0.25))
+    assert rates() == (float(torch.tensor(2e-3)), 0.25)
+    opt.param_groups[0]["lr"] = torch.tensor(3e-3)  # another tensor object
+    assert rates()[0] == float(torch.tensor(3e-3))
+    opt.param_groups[0]["lr"].data = torch.tensor(4e-3)  # the same object, other memory
+    assert rates()[0] == float(torch.tensor(4e-3))
+    opt.param_groups[0]["lr"] = torch.tensor(5e-3, dtype=torch.bfloat16)  # no view: .item() each read
+    assert rates()[0] == float(torch.tensor(5e-3, dtype=torch.bfloat16))
+    opt.param_groups[0]["lr"] = lr
+    rates()
+    for bad in (-1.0, float("nan"), float("inf")):
+        lr.fill_(bad)
+        with pytest.raises(errors.HyperparameterError, match=r"param_groups\[0\]\['lr'\]"):
+            opt.read_param_groups()
+        assert float(cohort.lrs[0]) == float(torch.tensor(2e-3))
+    lr.fill_(1e-3)
+    assert rates()[0] == float(torch.tensor(1e-3))
+
+
 def test_closure_returns_the_loss():
     a, b = _models()
     mine = at_torch.SGD(a.parameters(), lr=1e-2, momentum=0.9, nesterov=True)
