@@ -186,6 +186,16 @@ def check_nonblocking_allreduce_and_reduce(comm: TorchComm) -> int:
                 want = np.sum([rank_values(dtype, 7, r).astype(np.float64) for r in range(comm.size)], axis=0)
                 np.testing.assert_array_equal(x, want.astype(dtype))
             cases += 1
+    # several in flight at once, to every root (point-to-point over gloo), completed in reverse order
+    xs = [(root, k, rank_values(np.float32, 5 + k, comm.rank)) for root in range(comm.size) for k in range(3)]
+    handles = [comm.ireduce(x, root) for root, _, x in xs]
+    for h in reversed(handles):
+        h.wait()
+    for root, k, x in xs:
+        if comm.rank == root:
+            want = np.sum([rank_values(np.float32, 5 + k, r) for r in range(comm.size)], axis=0, dtype=np.float32)
+            np.testing.assert_array_equal(x, want)
+    cases += 1
     empty = comm.iallreduce(np.zeros(0, np.float32))  # nothing to move: the exchange's completed handle
     assert empty.test() and empty.wait() is None
     return cases + 1
