@@ -9,7 +9,7 @@ to an Engine as a ``{name: np.ndarray}`` micro-batch, and timed in one run:
   as it was before the structure cache, still the path of any structure the
   cache does not serve;
 * ``after``: the dict path as it is (structure validated once and reused, small
-  gradients staged and written by one scatter call per 64K elements);
+  gradients staged and written by one scatter call per 32K elements);
 * ``floor``: one accumulate over the whole flat buffer, the memory traffic any
   copy-in pays; ``per tensor`` is ``(path - floor) / tensors``;
 * ``jax``: the same gradients as a pytree of JAX arrays through
