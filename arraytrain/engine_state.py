@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import _intake, state8
+from . import _intake, param_steps, state8
 from .parallel import shard
 from ._checks import check_count, check_int, check_number, shown
 from .buffer import FlatBuffer
@@ -207,10 +207,6 @@ def check_state(parts: StateParts, state: Mapping) -> list:
         raise StateDictError(f"optimizer slots: expected {sorted(opt_state.slots)}, got {got}")
     scalars = _check_scalars(opt_state.scalars, scalars)
     each = _check_param_scalars(parts, param_scalars)
-    for k, values in list(each.items()):  # values that all agree are the scalar
-        if (values == values[0]).all():
-            scalars[k] = float(values[0])
-            del each[k]
     step = check_count("optimizer step", step, 0, error=StateDictError)
     counts = _check_param_steps(parts, param_steps, step)
     micro = check_int("micro_batches", micro, 0, parts.accumulation_steps - 1, error=StateDictError)
@@ -256,8 +252,14 @@ def check_state(parts: StateParts, state: Mapping) -> list:
         raise StateDictError(f"state dict does not match the engine: {exc}") from exc
     writes.append(functools.partial(_set_counters, parts, step, micro, wsum, skips, perturbed, counts, absent))
     writes.append(functools.partial(opt_state.scalars.update, scalars))
-    writes.append(functools.partial(setattr, opt_state, "param_scalars", each))
+    writes.append(functools.partial(_set_param_scalars, opt_state, each))  # (after the scalars: agreeing values win)
     return writes
+
+
+def _set_param_scalars(opt_state, each: dict) -> None:
+    opt_state.param_scalars = {}
+    for k, values in each.items():
+        param_steps.set_values(opt_state, k, values)
 
 
 def checked_everywhere(comm, check):

@@ -47,10 +47,11 @@ class DropInAdamWStep:
 
 class ReadParamGroups:
     """``read_param_groups()`` (every step's first call) over ``groups`` groups of 100 one-element tensors:
-    nothing changed, ``lr`` set anew (a scheduler), or ``lr`` and beta1 set anew (OneCycleLR's
-    ``cycle_momentum``, set on the optimizer without building one). The writes are in the timing."""
+    nothing changed, ``lr`` set anew (a scheduler), ``lr`` and beta1 set anew (OneCycleLR's
+    ``cycle_momentum``, set on the optimizer without building one), or ``lr`` a 0-d tensor written in
+    place (``fill_``: read through a view of its memory). The writes are in the timing."""
 
-    params = [GROUPS, ["unchanged", "lr", "lr+betas"]]
+    params = [GROUPS, ["unchanged", "lr", "lr+betas", "tensor lr"]]
     param_names = ["groups", "change"]
 
     def setup(self, groups, change):
@@ -62,13 +63,18 @@ class ReadParamGroups:
 
         ps = [torch.nn.Parameter(torch.zeros(1)) for _ in range(100)]
         per = 100 // groups
-        self.opt = att.AdamW([{"params": ps[i * per:(i + 1) * per]} for i in range(groups)], lr=1e-3)
+        tensor = change == "tensor lr"
+        self.opt = att.AdamW([{"params": ps[i * per:(i + 1) * per], **({"lr": torch.tensor(1e-3)} if tensor else {})}
+                              for i in range(groups)], lr=1e-3)
         self.i = 0
         self.opt.read_param_groups()
 
     def time_read(self, groups, change):
         self.i += 1
-        if change != "unchanged":
+        if change == "tensor lr":
+            for g in self.opt.param_groups:
+                g["lr"].fill_(1e-3 * (1.0 + 1e-6 * self.i))
+        elif change != "unchanged":
             for g in self.opt.param_groups:
                 g["lr"] = 1e-3 * (1.0 + 1e-6 * self.i)
                 if change == "lr+betas":
