@@ -178,32 +178,24 @@ class _Plan:
         self._in_place = None  # what reading in place needs, made on first use (see in_place)
 
     def in_place(self, buf: FlatBuffer):
-        """``(small, staged, bases, large)`` for reading a micro-batch where it lies: the positions of the
-        small gradients and one array that holds them all, end to end; the address of every parameter's
-        gradient (the buffer's own, the staged ones' in that array); the position and segment of each
-        large gradient, whose own address is read at each step."""
+        """``(where, bases)`` for reading a micro-batch where it lies: the segment of each position (int64),
+        and every parameter's gradient address in the buffer (read-only), which a step copies and
+        overwrites with its gradients' own addresses (the buffer's stay for the absent ones)."""
         if self._in_place is None:
-            layout, itemsize = buf.layout, buf.flat.itemsize
-            bases = segment_addresses(buf).copy()
-            small = [i for p, _, _ in self.groups for i in (range(len(self.names)) if p is None else p)]
-            staged = np.empty(sum(layout.sizes[layout.index(self.names[i])] for i in small), buf.flat.dtype)
-            pos = 0
-            for i in small:
-                j = layout.index(self.names[i])
-                bases[j] = staged.ctypes.data + pos * itemsize
-                pos += layout.sizes[j]
-            large = [(i, layout.index(self.names[i])) for i, _, _ in self.direct]
-            self._in_place = (small, staged, bases, large)
+            layout = buf.layout
+            where = np.array([layout.index(n) for n in self.names], np.int64)
+            self._in_place = (where, segment_addresses(buf))
         return self._in_place
 
 
 class Checked:
     """A validated micro-batch: what :meth:`Intake.write` writes. Holds nothing of the engine's."""
 
-    __slots__ = ("absent", "items", "plan", "values")
+    __slots__ = ("absent", "contiguous", "items", "plan", "values")
 
-    def __init__(self, absent, items=None, plan=None, values=None):
+    def __init__(self, absent, items=None, plan=None, values=None, contiguous=False):
         self.absent, self.items, self.plan, self.values = absent, items, plan, values
+        self.contiguous = contiguous  # (a plan's values: every array C-contiguous)
 
 
 class Intake:
@@ -216,7 +208,8 @@ class Intake:
     the plan with a few attribute reads per gradient, and written with one
     ``np.concatenate`` into a staging array plus one scatter kernel call per
     :data:`STAGE_GROUP` elements of gradients under :data:`STAGE_BELOW`
-    elements (one accumulate call each for larger ones). Anything else (another structure, another array type, a
+    elements (one accumulate call each for larger ones), or, for a step that reads them where they
+    lie, not written at all (:meth:`place`). Anything else (another structure, another array type, a
     mapping that is not a dict, CuPy buffers) takes the general path, which
     then builds a plan for the new structure. Either way everything is
     checked before anything is written.
@@ -245,9 +238,9 @@ class Intake:
     def check(self, grads) -> Checked:
         """Validate a micro-batch (typed errors; nothing written)."""
         if self.fast and type(grads) is dict:
-            values = self._match(grads)
-            if values is not None:
-                return Checked(self._plan.absent, plan=self._plan, values=values)
+            found = self._match(grads)
+            if found is not None:
+                return Checked(self._plan.absent, plan=self._plan, values=found[0], contiguous=found[1])
         items = check_grads(grads, self.buf, protect=self.protect)
         if self.fast and type(grads) is dict:
             self._learn(grads)
@@ -255,18 +248,23 @@ class Intake:
         return Checked([n for n in self.buf.layout.names if n not in present], items=items)
 
     def _match(self, grads: dict):
-        """The dict's values if it has the plan's structure, else None (checks aliasing too)."""
+        """``(values, contiguous)``: the dict's values if it has the plan's structure, and whether all
+        are C-contiguous; else None (checks aliasing too)."""
         plan = self._plan
         if plan is None or len(grads) != len(plan.names) or tuple(grads) != plan.names:
             return None
         values = list(grads.values())
         dtype, ndarray = plan.dtype, np.ndarray
+        contiguous = True
         for a, shape in zip(values, plan.shapes):
             if type(a) is not ndarray or a.dtype is not dtype or a.shape != shape:
                 return None
-            if not a.flags.owndata:
+            flags = a.flags
+            if not flags.owndata:
                 self._check_alias(a, grads)
-        return values
+            if not flags.c_contiguous:
+                contiguous = False
+        return values, contiguous
 
     def _check_alias(self, a, grads) -> None:
         if a.size and any(np.may_share_memory(a, flat) for flat in self.protect):
@@ -290,22 +288,19 @@ class Intake:
     def place(self, checked: Checked):
         """Where a validated micro-batch's gradients lie, for a step that reads them there
         (:class:`~arraytrain.buffer.GradsAt`): the address of every parameter's gradient (int64, by
-        segment), or None where the micro-batch must be written into the buffer instead (the
-        general path, another dtype, a large gradient that is not contiguous). The small gradients
-        are gathered into one array of the plan (one ``np.concatenate``); the large ones are read
-        in the caller's arrays, which must not change until the step returns."""
+        segment; the buffer's for a parameter the micro-batch leaves out), or None where the
+        micro-batch must be written into the buffer instead (the general path, another dtype, a
+        gradient that is not C-contiguous). Every gradient is read in the caller's array, which must
+        not change until the step returns; the addresses come from one compiled call
+        (:func:`arraytrain._addresses.data_addresses`), nothing is copied."""
         plan = checked.plan
-        if plan is None or plan.dtype is not self.buf.flat.dtype or not self.in_place:
+        if plan is None or plan.dtype is not self.buf.flat.dtype or not self.in_place or not checked.contiguous:
             return None
-        values = checked.values
-        small, staged, bases, large = plan.in_place(self.buf)
-        if any(not values[i].flags.c_contiguous for i, _ in large):
-            return None
+        from ._addresses import data_addresses  # (numba, which a NumPy engine has loaded already)
+
+        where, bases = plan.in_place(self.buf)
         bases = bases.copy()
-        for i, j in large:
-            bases[j] = values[i].__array_interface__["data"][0]
-        if small:
-            np.concatenate([values[i] for i in small], axis=None, out=staged)
+        data_addresses(checked.values, where, bases)
         return bases
 
     def write(self, checked: Checked, weight: float, overwrite: bool) -> None:

@@ -170,3 +170,53 @@ def test_cuda_kernels_refuse_grad_ptrs():
     refuse_grad_ptrs(None)
     with pytest.raises(BackendUnavailableError, match="grad_ptrs"):
         refuse_grad_ptrs(np.zeros(1, np.int64))
+
+
+def test_views_small_and_large_absent_names_and_a_strided_small_gradient():
+    """Every gradient of the dict path is read in the caller's array, small ones too (views into one
+    larger array, which own no memory); a parameter left out reads the buffer (``missing="zero"``);
+    one C-contiguous failure anywhere, a small gradient's too, takes the copy, with the same bits."""
+    a, b = pair(make("AdamW"), missing="zero", max_grad_norm=1.0)
+    seen = []
+    real = a.read_in_place
+    a.read_in_place = lambda bases: (seen.append(bases.copy()), real(bases))[1]
+    for t in range(5):
+        g = grads(t)
+        whole = np.concatenate([v.ravel() for v in g.values()])
+        views, pos = {}, 0
+        for n, v in g.items():  # each gradient a view into ``whole``
+            views[n] = whole[pos:pos + v.size].reshape(v.shape)
+            pos += v.size
+        if t >= 2:  # another structure: its first micro-batch builds a plan, then it reads in place
+            del views["seven"], views["one"]
+        if t == 4:
+            views["head"] = np.asfortranarray(views["head"])
+        ra, rb = a.step(views), b.step(dict(views))
+        assert ra.grad_norm == rb.grad_norm
+    assert len(seen) == 2  # steps 1 and 3 (0 and 2 build plans, 4 has a strided gradient)
+    at_step3 = dict(zip(a.layout.names, seen[1]))
+    buffer = dict(zip(a.layout.names, a.grad_addresses))
+    assert at_step3["seven"] == buffer["seven"] and at_step3["one"] == buffer["one"]  # absent: the zeroed buffer
+    assert all(at_step3[n] != buffer[n] for n in SHAPES if n not in ("seven", "one", "empty"))
+    for n in SHAPES:
+        assert np.array_equal(a.params[n], b.params[n]), n
+    assert not a.grads.flat.any()
+
+
+def test_addresses_in_one_call_as_the_arrays_say(monkeypatch):
+    """The compiled address reader (each array object's data pointer) against ``__array_interface__``,
+    on plain arrays, offset and strided views and an empty one; and the per-array reads it falls back on."""
+    from arraytrain import _addresses
+
+    x = np.arange(40, dtype=np.float32).reshape(5, 8)
+    arrays = [x, x[1:], x[2, 3:], x.T, np.empty(0), np.ones(3, np.float64)]
+    want = [v.__array_interface__["data"][0] for v in arrays]
+    where = np.array([6, 0, 3, 2, 5, 7], np.int64)
+    for reader in ("compiled", "per array"):
+        if reader == "per array":
+            monkeypatch.setattr(_addresses, "_reader", False)
+        else:
+            assert _addresses._read()  # the layout was confirmed on this interpreter and NumPy
+        out = np.zeros(8, np.int64)
+        _addresses.data_addresses(arrays, where, out)
+        assert list(out[where]) == want and out[1] == out[4] == 0, reader

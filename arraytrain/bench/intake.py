@@ -103,7 +103,7 @@ def measure(n_tensors: int, elements: int, calls: int = 20, repeats: int = 7) ->
     out = {"tensors": n_tensors, "elements_per_tensor": size, "micro_batch_s": micro_t, "step_s": step_t,
            "per_tensor_s": {k: (v - floor) / n_tensors for k, v in micro_t.items() if k != "floor"},
            # a whole step: what the dict path costs beyond the zero-copy path, per tensor (it reads the
-           # gradients where they lie: the large ones in the caller's arrays, the small ones gathered)
+           # gradients where they lie, each in the caller's array)
            "step_per_tensor_s": (step_t["dict"] - step_t["zero-copy"]) / n_tensors}
     return out
 
