@@ -63,11 +63,7 @@ PATTERNS = {
 # every kernel; each kernel compiled for a target costs seconds of CI)
 FLOAT8_KERNELS = ("sgd", "adam", "rmsprop", ("lamb", "lamb_apply"))
 # kernels whose update loop takes a square root
-SQRT = {"adam", "adagrad", "rmsprop", "lamb_apply", "nadam", "adadelta", "schedule_free_adamw"}
-# LAMB's first loop (the moments, and the float64 sums of squares of p and u for the trust ratios)
-# adds in element order so that the ratios' bits do not depend on the vector width; LLVM does not
-# reorder such sums into lanes, so that loop stays scalar (its bfloat16 stores are still packed)
-ORDERED_SUMS = {"lamb"}
+SQRT = {"adam", "adagrad", "lamb", "rmsprop", "lamb_apply", "nadam", "adadelta", "schedule_free_adamw"}
 
 
 def _host_has_avx512() -> bool:
@@ -210,7 +206,38 @@ def probe() -> dict:
     reductions.cast_working(np.zeros(64, np.uint16), np.zeros(64, np.float32), np.array([[0, 64, 0]]),
                             kind=cpu.LP_F16)
     found["cast_working"] = count(disp, before)
-    return {"asm": found, "bits": {**_bits_checks(), **_q8_checks(), **_f8_checks()}}
+    return {"asm": found, "bits": {**_bits_checks(), **_q8_checks(), **_f8_checks()}, "lamb": _lamb_bits()}
+
+
+def _lamb_bits() -> str:
+    """A digest of two LAMB steps' parameters, moments and trust ratios (float32 and bfloat16 state,
+    parameters whose lengths are no multiple of the sums' lanes, the serial and the parallel twin): its
+    sums of squares run in the source's lanes (kernels.cpu.optimizers.SUM_LANES), not the vector
+    width's, so the digest is the same for every target."""
+    import hashlib
+
+    import numpy as np
+
+    from arraytrain import Layout
+    from arraytrain.kernels import cpu
+    from arraytrain.kernels.cpu._jit import SERIAL_BELOW
+
+    digest = hashlib.sha1()
+    rng = np.random.default_rng(3)
+    for total in (1000, SERIAL_BELOW + 1001):
+        layout = Layout({"a": (total - 333,), "b": (13,), "c": (40, 8)})
+        for state in (np.float32, np.uint16):
+            p = rng.standard_normal(layout.size).astype(np.float32)
+            m, v = np.zeros(layout.size, state), np.zeros(layout.size, state)
+            lr, wd = np.full(3, 1e-2, np.float32), np.array([0.0, 0.1, 0.01], np.float32)
+            for t in (1, 2):
+                g = (rng.standard_normal(layout.size) * np.exp(rng.uniform(-8, 4, layout.size))).astype(np.float32)
+                ratio = cpu.lamb_step(p, g, m, v, layout.pieces, gscale=0.5, lr=lr, weight_decay=wd, beta1=0.9,
+                                      beta2=0.999, eps=1e-6, eps_root=0.0, inv_bc1=1 / (1 - 0.9**t),
+                                      inv_bc2=1 / (1 - 0.999**t))
+                for a in (p, m, v, ratio):
+                    digest.update(a.tobytes())
+    return digest.hexdigest()
 
 
 def _f8_checks():
@@ -321,34 +348,36 @@ def test_update_loops_are_packed(compiled):
     for key, c in found["asm"].items():
         name, tag = (key.split("/") + [""])[:2]
         if tag.startswith("float8-state"):  # the codec's packed byte widening and narrowing, the float loop
-            need = ["widen8"] + (["narrow8"] if name != "lamb_apply" else [])  # LAMB's second loop only decodes
-            if name not in ORDERED_SUMS:
-                need.append("float")
-                if name in SQRT:
-                    need.append("sqrt")
+            need = ["widen8", "float"] + (["narrow8"] if name != "lamb_apply" else [])  # LAMB's 2nd loop decodes only
+            if name in SQRT:
+                need.append("sqrt")
         elif tag.startswith("8bit-state"):  # no narrowing store; the encoder (and on AVX-512 the decoder)
             encoder = ["gather"] if target == "avx2" else ["arith"]
             need = encoder if name != "lamb_apply" else []  # LAMB's second loop only decodes
             if target == "avx512":
                 need.append("decode")
-            if name not in ORDERED_SUMS:
-                need.append("float")
-                if name in SQRT:
-                    need.append("sqrt")
-        elif name in ORDERED_SUMS:  # its loop carries float64 sums in element order: scalar by design
-            need = ["narrow"] if tag.startswith("bf16-state") else []
+            need.append("float")
+            if name in SQRT:
+                need.append("sqrt")
         else:
             need = ["float"] if key != "cast_working" else []
             if name in SQRT:
                 need.append("sqrt")
-            if (tag.startswith("bf16-state") and name != "lamb_apply") or tag == "working" or key == "cast_working":
+            working = (tag == "working" and name != "lamb") or key == "cast_working"  # (LAMB's first loop writes
+            if (tag.startswith("bf16-state") and name != "lamb_apply") or working:   # no working copy)
                 need.append("narrow")  # bfloat16 state slots; the bfloat16 working copy
-            if tag == "working" or key == "cast_working":
+            if working:
                 need.append("cvtph")  # the float16 working copy
         missing = [k for k in need if not c[k]]
         if missing:
             bad.append(f"{key}: no packed {', '.join(missing)} ({c})")
     assert not bad, f"{target}: " + "; ".join(bad)
+
+
+def test_lamb_sums_same_bits_on_every_target(compiled):
+    """LAMB's trust ratios and step compiled for the target equal this process's own compile's (the host's)."""
+    target, found = compiled
+    assert found["lamb"] == _lamb_bits(), target
 
 
 def test_codecs_bit_exact(compiled):

@@ -8,12 +8,15 @@ Scalars arrive cast to the storage dtype, so float32 buffers get float32 math.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic
 
 from .. import newton_schulz
 from ..interface import LP_NONE
 from ._jit import EXACT_DIVISION, JIT, pick, twins
-from .codecs import (clear_grad, grad_fill, grad_slice, load_state, piece_mask, state_close, state_open,
+from .codecs import (QBLOCK, clear_grad, grad_fill, grad_slice, load_state, piece_mask, state_close, state_open,
                      state_scratch, state_step, store_masked, store_state, store_working)
 from .reductions import piece_totals
 
@@ -314,39 +317,100 @@ def lion_step(p, g, m, pieces, *, gscale, lr, decay, beta1, beta2, working=None,
     )
 
 
+#: LAMB's sums of squares (its trust ratios) run in this many float64 lanes: element ``i`` of a piece
+#: is added to lane ``i % SUM_LANES`` in element order, then the lanes in lane order. The lanes are
+#: the source's, not the target's vector width, so the bits are the same on AVX2 and AVX-512 (and
+#: for any thread count: pieces are the layout's); one running sum carried the whole piece before,
+#: a chain of dependent float64 additions that kept the loop scalar on every target.
+SUM_LANES = 8
+_EXACT = dict(JIT, fastmath=False)  # (each lane's sum in element order, each product and sum rounded once)
+
+
+@intrinsic
+def _add_squares(typingctx, x, full, lanes):
+    """``lanes[k] += float64(x[r + k]) ** 2`` for ``r`` in ``range(0, full, SUM_LANES)`` and every lane ``k``, in
+    that order (jitted code only; ``x`` contiguous float32 or float64, ``lanes`` float64): one packed product
+    and one packed addition of ``SUM_LANES`` doubles a step, in a register, without fast-math flags, so each
+    lane rounds the same on every target (no contraction into an FMA, no reordering)."""
+    if not (isinstance(x, types.Array) and x.dtype in (types.float32, types.float64) and x.layout == "C"):
+        return None
+    wide = x.dtype == types.float64
+    f64v = ir.VectorType(ir.DoubleType(), SUM_LANES)
+    xv = f64v if wide else ir.VectorType(ir.FloatType(), SUM_LANES)
+
+    def codegen(context, builder, signature, args):
+        xa = context.make_array(signature.args[0])(context, builder, args[0])
+        la = context.make_array(signature.args[2])(context, builder, args[2])
+        dst = builder.bitcast(la.data, f64v.as_pointer())
+        acc = cgutils.alloca_once(builder, f64v)
+        builder.store(builder.load(dst, align=8), acc)
+        i64 = ir.IntType(64)
+        with cgutils.for_range_slice(builder, ir.Constant(i64, 0), args[1], ir.Constant(i64, SUM_LANES)) as (r, _):
+            v = builder.load(builder.bitcast(builder.gep(xa.data, [r]), xv.as_pointer()), align=8 if wide else 4)
+            if not wide:
+                v = builder.fpext(v, f64v)
+            builder.store(builder.fadd(builder.load(acc), builder.fmul(v, v)), acc)
+        builder.store(builder.load(acc), dst, align=8)
+        return context.get_dummy_value()
+
+    return types.void(x, types.int64, lanes), codegen
+
+
+@njit(**_EXACT)
+def _lanes_sumsq(x, lanes):
+    """``lanes[k] += float64(x[i]) ** 2`` for every ``i`` with ``i % SUM_LANES == k``, in element order."""
+    n = x.size
+    full = n - n % SUM_LANES
+    _add_squares(x, full, lanes)
+    for k in range(n - full):
+        xi = np.float64(x[full + k])
+        lanes[k] += xi * xi
+
+
+@njit(**_EXACT)
+def _lanes_total(lanes):
+    total = 0.0
+    for k in range(SUM_LANES):
+        total += lanes[k]
+    return total
+
+
 def _lamb_moments(p, g, m, v, pieces, gp, gscale, wd, b1c, b2, b2c, inv_bc1, inv_bc2, eps, eps_root, zero_grad,
                   nseg):
     npieces = pieces.shape[0]
     psq = np.empty(npieces, dtype=np.float64)
     usq = np.empty(npieces, dtype=np.float64)
-    # pass 1: moments, and float64 sums of squares of p and of the update u per piece
+    # pass 1: moments, and float64 sums of squares of p and of the update u per piece (in SUM_LANES lanes)
     for j in prange(npieces):
         lo, hi, seg = pieces[j, 0], pieces[j, 1], pieces[j, 2]
         wd_j = wd[seg]
-        sp = 0.0
-        su = 0.0
+        lp = np.zeros(SUM_LANES)
+        lu = np.zeros(SUM_LANES)
+        tu = np.empty(QBLOCK, p.dtype)  # the u of a run of QBLOCK elements, whose squares are then summed
         step = state_step(m, seg, hi - lo)
         tm, tv = state_scratch(m), state_scratch(v)
         for a in range(lo, hi, step):
             b = min(a + step, hi)
             pb, gb = p[a:b], grad_slice(g, gp, j, lo, a, b)
             mb, vb = state_open(m, seg, a, b, tm), state_open(v, seg, a, b, tv)
-            for i in range(pb.size):
-                pi = pb[i]
-                d = gscale * gb[i]
-                mi = load_state(mb, i)
-                mi = store_state(mb, i, mi + b1c * (d - mi))
-                vi = store_state(vb, i, b2 * load_state(vb, i) + b2c * d * d)
-                u = (mi * inv_bc1) / (np.sqrt(vi * inv_bc2 + eps_root) + eps) + wd_j * pi
-                p64 = np.float64(pi)
-                u64 = np.float64(u)
-                sp += p64 * p64
-                su += u64 * u64
-                clear_grad(gb, i, zero_grad)
+            # runs of QBLOCK elements (a multiple of SUM_LANES, as a block's start is): each starts at lane 0
+            for s in range(0, b - a, QBLOCK):
+                e = min(s + QBLOCK, b - a)
+                ps, gs, ms, vs, us = pb[s:e], gb[s:e], mb[s:e], vb[s:e], tu[: e - s]
+                for i in range(ps.size):  # no reduction here: a packed loop
+                    pi = ps[i]
+                    d = gscale * gs[i]
+                    mi = load_state(ms, i)
+                    mi = store_state(ms, i, mi + b1c * (d - mi))
+                    vi = store_state(vs, i, b2 * load_state(vs, i) + b2c * d * d)
+                    us[i] = (mi * inv_bc1) / (np.sqrt(vi * inv_bc2 + eps_root) + eps) + wd_j * pi
+                    clear_grad(gs, i, zero_grad)
+                _lanes_sumsq(ps, lp)
+                _lanes_sumsq(us, lu)
             state_close(m, seg, a, b, mb)
             state_close(v, seg, a, b, vb)
-        psq[j] = sp
-        usq[j] = su
+        psq[j] = _lanes_total(lp)
+        usq[j] = _lanes_total(lu)
     # per parameter, added in piece order: [||p_s||^2..., ||u_s||^2...]
     sums = np.empty(2 * nseg, dtype=np.float64)
     sums[:nseg] = piece_totals(psq, pieces, nseg)[1]
