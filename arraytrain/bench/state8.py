@@ -10,6 +10,8 @@ Two parts (``--parts``):
     ``state_dtype="8bit"`` and with ``state_dtype="float8"``; and, where bitsandbytes installs, the same model with its CPU
     ``AdamW8bit`` after ``clip_grad_norm_`` as a second reference. The same initialisation
     and batches for all; the final loss is the mean of the last 20 steps' losses.
+    ``--transformer-seeds K`` repeats it for seeds 0 to K-1 (initialisation and data) and tables
+    every seed's final losses.
 ``digits``
     ``arraytrain train`` (the built-in MLP on scikit-learn's digits, AdamW) for
     ``--epochs`` epochs with ``--state-dtype float32``, ``8bit`` and ``float8``, over ``--seeds``
@@ -113,6 +115,8 @@ def build_parser() -> argparse.ArgumentParser:
                                 description="8-bit and float8 optimizer state against float32 state: losses and accuracy")
     p.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {','.join(PARTS)}")
     p.add_argument("--steps", type=int, default=300, help="transformer: training steps")
+    p.add_argument("--transformer-seeds", type=int, default=1,
+                   help="transformer: seeds (model, data); above 1, a table of every seed's final losses")
     p.add_argument("--epochs", type=int, default=20, help="digits: epochs")
     p.add_argument("--seeds", type=int, default=3, help="digits: seeds")
     p.add_argument("--json", metavar="FILE")
@@ -139,6 +143,19 @@ def main(argv=None) -> int:
             print(f"| {label} | {losses[0]:.5f} | {final:.5f} | {100 * (final / ref - 1):+.2f}% |")
         if "bitsandbytes AdamW8bit" not in res:
             print("(bitsandbytes is not installed: no second reference)")
+        if args.transformer_seeds > 1:
+            finals = {0: {k: float(np.mean(v[-20:])) for k, v in res.items()}}
+            for seed in range(1, args.transformer_seeds):
+                finals[seed] = {k: float(np.mean(v[-20:])) for k, v in transformer(args.steps, seed).items()}
+            results["transformer_seeds"] = finals
+            labels = list(finals[0])
+            print("\nFinal loss against float32 state's, per seed:")
+            print("| seed | " + " | ".join(labels) + " |")
+            print("|---|" + "---|" * len(labels))
+            for seed, row in finals.items():
+                ref = row["float32 state"]
+                print(f"| {seed} | " + " | ".join(f"{row[k]:.5f} ({100 * (row[k] / ref - 1):+.2f}%)" for k in labels)
+                      + " |")
     if "digits" in parts:
         res = results["digits"] = digits(args.epochs, args.seeds)
         print(f"\narraytrain train on the digits, AdamW, {args.epochs} epochs, test accuracy per seed:")

@@ -14,7 +14,8 @@ def test_transformer_and_digits_on_tiny_settings(tmp_path, capsys):
     pytest.importorskip("torch")
     pytest.importorskip("sklearn")
     out = tmp_path / "s.json"
-    assert state8.main(["--steps", "3", "--epochs", "1", "--seeds", "1", "--json", str(out)]) == 0
+    assert state8.main(["--steps", "3", "--epochs", "1", "--seeds", "1", "--transformer-seeds", "2",
+                        "--json", str(out)]) == 0
     text = capsys.readouterr().out
     assert "| float32 state |" in text and "| 8-bit state |" in text and "| float8 state |" in text
     assert "mean gap, 8bit:" in text and "mean gap, float8:" in text
@@ -22,6 +23,8 @@ def test_transformer_and_digits_on_tiny_settings(tmp_path, capsys):
     assert len(res["transformer"]["8-bit state"]) == 3 and len(res["transformer"]["float8 state"]) == 3
     assert res["transformer"]["8-bit state"][0] == res["transformer"]["float32 state"][0]  # the same start
     assert all(0 <= a <= 1 for accs in res["digits"].values() for a in accs)
+    assert "per seed" in text and sorted(res["transformer_seeds"]) == ["0", "1"]
+    assert res["transformer_seeds"]["1"]["float32 state"] != res["transformer_seeds"]["0"]["float32 state"]
 
 
 def test_unknown_parts_are_refused(capsys):
