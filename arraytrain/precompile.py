@@ -142,8 +142,9 @@ def run(job: Job) -> tuple[float, int]:
     rng = np.random.default_rng(1)
     with both_twins(), _compile_notice.silenced():  # compiling is what these steps are for
         # the gradient zeroed in the kernel (the bindings, the drop-ins) over windows of two
-        # micro-batches, and not zeroed (arraytrain train) with one
-        for zero_grad, accumulation in ((True, 2), (False, 1)):
+        # micro-batches, not zeroed (arraytrain train) with one, and an Engine's defaults, whose
+        # second step reads the gradients where they lie (the dict path, the drop-ins' fresh .grad)
+        for zero_grad, accumulation in ((True, 2), (False, 1), (True, 1)):
             engine = _engine(job, zero_grad, accumulation)
             xp = np if job.device == "cpu" else _cupy()
             for _ in range(2 * accumulation):
