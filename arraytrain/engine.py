@@ -401,12 +401,16 @@ class Engine:
         than a second says so once per process on stderr, naming the ``arraytrain compile``
         command that compiles them ahead (:mod:`arraytrain.precompile`).
         """
+        return self._noticed(self._step, grads, weight, absent)
+
+    def _noticed(self, step, *args):
+        """``step(*args)``, and the first-step notice when it compiled kernels for more than a second."""
         clock = self._compile_clock
         if clock is None or not _compile_notice.pending():
-            return self._step(grads, weight, absent)
+            return step(*args)
         before = clock.seconds
         try:
-            return self._step(grads, weight, absent)
+            return step(*args)
         finally:
             _compile_notice.notice(clock.seconds - before, lambda: _compile_notice.command_for(
                 self.optimizer, self.params.dtype, self._working_dtype))

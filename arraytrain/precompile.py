@@ -149,7 +149,24 @@ def run(job: Job) -> tuple[float, int]:
             xp = np if job.device == "cpu" else _cupy()
             for _ in range(2 * accumulation):
                 engine.step({k: xp.asarray(rng.standard_normal(s).astype(job.dtype)) for k, s in _SHAPES.items()})
+        if job.optimizer in ("adam", "adamw") and job == Job(job.optimizer):  # (CPU, float32 throughout)
+            _one_call(engine)
     return COMPILE_CLOCK.seconds - before, COMPILE_CLOCK.count - count
+
+
+def _one_call(engine) -> None:
+    """The torch drop-ins' Adam/AdamW step in one compiled call (``kernels.cpu.optimizers.ADAM_CHECKED``), both
+    twins, with the argument types the drop-ins pass, on ``engine``'s buffers (its gradient buffer, read
+    where it lies)."""
+    from .kernels.cpu.optimizers import ADAM_CHECKED
+
+    state, flat, slots = engine.state, engine.params.flat, engine.state.slots
+    m = slots["exp_avg"].flat
+    for twin in ADAM_CHECKED:
+        twin(flat, engine.grads.flat, m, slots["exp_avg_sq"].flat, np.zeros(0, flat.dtype), engine.layout.pieces,
+             engine.grad_addresses.copy(), np.asarray(engine.layout.offsets, np.int64), flat.itemsize,
+             state.hp["lr"].copy(), state.hp["weight_decay"].copy(), np.zeros((len(engine.layout), 2)), 1.0, True, 1.0,
+             1.0, 1e-6, True, 1.0, 0.9, 0.999, 1e-8, 1.0, False)
 
 
 def _cupy():

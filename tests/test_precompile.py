@@ -167,6 +167,32 @@ def test_compiled_ahead_the_first_step_compiles_nothing(tmp_path):
     assert again.stderr == ""
 
 
+# A new process: two steps of the torch drop-in AdamW in the tutorials' loop (fresh .grad tensors, read where
+# they lie, each step one compiled call), and what they compiled.
+DROP_IN_STEPS = textwrap.dedent("""
+    import json
+    import torch
+    from arraytrain.interop import torch as att
+    from arraytrain.kernels.cpu._jit import COMPILE_CLOCK
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh(), torch.nn.Linear(64, 4))
+    opt = att.AdamW(model.parameters(), lr=1e-3)
+    for _ in range(2):
+        opt.zero_grad()
+        model(torch.randn(8, 64)).pow(2).mean().backward()
+        opt.step()
+    print(json.dumps({"compiled": COMPILE_CLOCK.compiled}))
+""")
+
+
+@pytest.mark.slow  # the slow tier: fresh processes on cold caches
+def test_compiled_ahead_the_drop_in_steps_compile_nothing(tmp_path):
+    pytest.importorskip("torch")
+    _run(["compile", "--optimizers", "adamw", "--processes", "2", "--quiet"], tmp_path)
+    report = json.loads(_run(DROP_IN_STEPS, tmp_path, code=True).stdout.strip().splitlines()[-1])
+    assert report["compiled"] == []
+
+
 def test_progress_lines_without_a_terminal():
     out = io.StringIO()
     summary = precompile.compile_ahead([Job("sgd")], processes=1, file=out)

@@ -7,15 +7,20 @@ A :class:`GroupEngine` re-points its tensors' ``.data`` (and ``.grad``) into its
 
 from __future__ import annotations
 
+import math
 import weakref
 from collections.abc import Mapping
 
 import numpy as np
 import torch
 
+from .. import threads
 from ..amp import LossScaler
 from ..engine import Engine
 from ..errors import BackendError
+from ..ops import NormPass
+from ..optim import Adam, AdamW
+from ..stages import StepReport, Verdict
 from ._torch_views import check_kind, fresh_addresses, tensor_view
 
 # who holds the tensors, and when a model must be converted or moved (check_kind's messages)
@@ -101,6 +106,11 @@ class GroupEngine(Engine):
                 self.bound.append((n, p, data, grad, data.data_ptr(), p.dtype, tuple(p.shape)))
         # parameters whose .grad was None at the last applied step, when the kernel zeroed the buffer
         self.clean: set[int] = set()
+        # the whole step as one compiled call where it can be (lean_step): numba's kernels, float32 weights
+        # read in place, nothing the staged step has to do (a schedule, a non-finite gradient applied)
+        self.lean = (kernels == "numba" and self.reads_in_place and not lowp and self.params.dtype == np.float32
+                     and self.schedule is None)
+        self._lean = None  # (the kernel, SERIAL_BELOW, an empty float32 slot), at the first lean step
         self.hooks = []
         if self.overlapped:  # the exchange starts while backward runs (see bind's hooks)
             me = weakref.ref(self)
@@ -172,6 +182,60 @@ class GroupEngine(Engine):
             if self.lowp:
                 self.grads_tensor.copy_(self.lp_grads)
                 self.lp_grads.zero_()
+
+    def lean_step(self, bases: np.ndarray, max_grad_norm, rates: np.ndarray) -> StepReport | None:
+        """The step in one compiled call (:data:`arraytrain.kernels.cpu.optimizers.ADAM_CHECKED`),
+        bitwise the staged :meth:`~arraytrain.Engine.step`'s, where it applies: Adam or AdamW with
+        float32 state and neither masks nor per-parameter step counts, every gradient a ``.grad`` read
+        where it lies (``bases``, by segment, as :meth:`~arraytrain.Engine.read_in_place` takes them),
+        no divisor (GradScaler); ``nonfinite`` either way. ``rates``: the groups' lr and weight decay per
+        parameter (a row each).
+        Returns the step's report; None where it does not apply or the gradient is not finite, and
+        then nothing changed (the staged step takes it, and skips it)."""
+        opt, state = self.optimizer, self.state
+        if (not self.lean or type(opt) not in (Adam, AdamW) or opt.state_dtype is not None or state.counts is not None
+                or self.counters.micro or self._placement.kernel_mask is not None):
+            return None
+        return self._noticed(self._lean_step, bases, max_grad_norm, rates)
+
+    def _lean_step(self, bases, max_grad_norm, rates):
+        if self._lean is None:  # (numba, imported at the first step that needs it)
+            from ..kernels.cpu import SERIAL_BELOW
+            from ..kernels.cpu.optimizers import ADAM_CHECKED
+            self._lean = (ADAM_CHECKED, SERIAL_BELOW, np.zeros(0, np.float32))
+        twins, serial_below, empty = self._lean
+        opt, state = self.optimizer, self.state
+        self._enter("step()")
+        try:
+            t = state.step + 1
+            b1, b2 = opt.betas
+            flat = self.params.flat
+            parallel = flat.size >= serial_below and not threads.forked_omp  # (kernels.cpu._jit.pick's choice)
+            if parallel:
+                threads.start_numba_threads()
+            slots = state.slots
+            self.max_grad_norm = max_grad_norm
+            self.loss_scaler.scale = 1.0
+            total, per_seg, applied = twins[0 if parallel else 1](
+                flat, self.grads.flat, slots["exp_avg"].flat, slots["exp_avg_sq"].flat,
+                slots["max_exp_avg_sq"].flat if opt.amsgrad else empty, self.layout.pieces, bases,
+                self._grad_offsets[0], flat.itemsize, state.hp["lr"], state.hp["weight_decay"], rates,
+                1.0 - b1**t, isinstance(opt, AdamW), 1.0, -1.0 if max_grad_norm is None else float(max_grad_norm),
+                float(self.clip_eps), self.nonfinite == "skip", -1.0 if opt.maximize else 1.0, float(b1), float(b2),
+                float(opt.eps), 1.0 / math.sqrt(1.0 - b2**t), bool(opt.amsgrad))  # (floats: one compiled signature)
+            if not applied:
+                return None
+            state.step = t
+            self.counters.consecutive_skips = 0
+            # the staged step's finding: the sums' norms, or NaN where there was no pass or a NaN/Inf applied
+            found = NormPass.of_sums(math.sqrt(total), per_seg) if math.isfinite(total) else \
+                NormPass.lazy(math.nan, lambda: np.full(len(per_seg), math.nan))
+            verdict = Verdict(found, unscale=1.0, max_norm=max_grad_norm, eps=self.clip_eps)
+            return StepReport(applied=True, skipped=False, step=t, micro_batches=0, lr=opt.lr, grad_norm=verdict.norm,
+                              clip_coef=verdict.coef, loss_scale=self.loss_scale, _segment_norms=verdict,
+                              _names=self.layout.names)
+        finally:
+            self._guard.release()
 
     def zero_grad(self) -> None:
         """:meth:`Engine.zero_grad`, and the low-precision gradient buffer of a bf16/fp16 model."""

@@ -18,7 +18,7 @@ from ..interface import LP_NONE
 from ._jit import EXACT_DIVISION, JIT, pick, twins
 from .codecs import (QBLOCK, clear_grad, grad_fill, grad_slice, load_state, piece_mask, state_close, state_open,
                      state_scratch, state_step, store_masked, store_state, store_working)
-from .reductions import piece_totals
+from .reductions import SUMSQ_TWINS, piece_totals
 
 # -- optimizers -------------------------------------------------------------------------
 #
@@ -173,6 +173,77 @@ def adam_step(p, g, m, v, vmax, pieces, *, gscale, step_size, beta1, beta2, eps,
         t(1.0 - beta2), t(eps), t(inv_bc2_sqrt), seg_array(l2, p.dtype), seg_array(decay, p.dtype),
         bool(amsgrad), working, int(kind), grad_fill(zero_grad), mask,
     )
+
+
+def _adam_checked(p, g, m, v, vmax, pieces, bases, offsets, itemsize, hp_lr, hp_wd, rates, lr_div, decoupled,
+                  unscale, max_norm, clip_eps, check, sign, beta1, beta2, eps, inv_bc2_sqrt, amsgrad):
+    npieces, nseg = pieces.shape[0], offsets.size
+    gp = np.empty(npieces, np.int64)
+    for j in range(npieces):
+        s = pieces[j, 2]
+        gp[j] = bases[s] + (pieces[j, 0] - offsets[s]) * itemsize
+    if check or max_norm >= 0.0:
+        total, per_seg = _sumsq_twin(g, pieces, gp, nseg)
+    else:  # nothing needs the norm pass
+        total, per_seg = np.nan, np.full(nseg, np.nan)
+    finite = np.isfinite(total)
+    if check and not finite:
+        return total, per_seg, False
+    norm = np.sqrt(total) / unscale if finite else np.nan
+    coef = 1.0
+    if max_norm >= 0.0:  # (Python's min(1.0, x): x where x < 1.0, else 1.0, NaN included)
+        if clip_eps == 0.0:
+            coef = 1.0 if norm <= max_norm else max_norm / norm
+        else:
+            coef = max_norm / (norm + clip_eps)
+            coef = coef if coef < 1.0 else 1.0
+    gscale = np.float32(sign * (coef / unscale))
+    step_size = np.empty(nseg, np.float32)
+    l2 = np.empty(nseg, np.float32)
+    decay = np.empty(nseg, np.float32)
+    for i in range(nseg):
+        a, w = rates[i, 0], rates[i, 1]
+        hp_lr[i], hp_wd[i] = a, w
+        step_size[i] = a / lr_div
+        if decoupled:
+            l2[i] = 0.0
+            decay[i] = 1.0 - a * w
+        else:
+            l2[i] = w
+            decay[i] = 1.0
+    _adam_twin(p, g, m, v, vmax, pieces, gp, gscale, step_size, np.float32(1.0 - beta1), np.float32(beta2),
+               np.float32(1.0 - beta2), np.float32(eps), np.float32(inv_bc2_sqrt), l2, decay, amsgrad, None, LP_NONE,
+               None, None)
+    return total, per_seg, True
+
+
+def _calling(fn, suffix: str, **kernels):
+    """``fn`` compiled (no fast-math: every scalar rounds as the staged step's Python does) with the
+    dispatchers ``kernels`` as its globals of those names, under a qualname of its own (its cache)."""
+    body = type(fn)(fn.__code__, {**fn.__globals__, **kernels}, fn.__name__ + suffix, fn.__defaults__, fn.__closure__)
+    body.__qualname__ = fn.__qualname__ + suffix
+    return njit(error_model="numpy", cache=True)(body)
+
+
+#: A whole Adam/AdamW step in one compiled call, ``(parallel, serial)`` as the twins it calls:
+#: ``(total, per_segment, applied)``.
+#:
+#: The staged step (:meth:`arraytrain.Engine.step`) makes a dozen calls around its two kernels (the
+#: norm pass, the clip factor, the per-parameter rates, the update); inside a training loop each kind
+#: of call pays for its first use, a numba dispatch some 40 µs (docs/performance.md, the torch loop).
+#: This is their composition for the torch drop-ins' common step, calling the same compiled twins
+#: (:data:`~arraytrain.kernels.cpu.reductions.SUMSQ_TWINS`' and Adam's) with the arguments the staged
+#: step forms, each by the same float64 operations: the gradient of parameter ``s`` lies at
+#: ``bases[s]`` (``offsets``: the parameters' first elements, ``itemsize`` bytes each); the sum of
+#: squares gives the norm ``sqrt(total) / unscale`` and the clip factor of ``max_norm`` (< 0: none)
+#: and ``clip_eps`` (:func:`arraytrain.ops.clip_coef`; without ``check`` and ``max_norm`` no norm pass, and a
+#: non-finite gradient is applied, its norm NaN, as ``nonfinite="apply"`` takes it); ``rates`` (a row per parameter: lr, weight
+#: decay) is written into ``hp_lr``/``hp_wd`` (``OptState.hp``) and gives the rates
+#: :func:`arraytrain.optim._rates.step_rates` would (``lr_div``: Adam's bias correction); then the
+#: update with ``gscale = sign * coef / unscale``. Not finite with ``check``: ``applied`` False, nothing written.
+#: The gradient is read, not zeroed (it is the caller's). float32 parameters and state only.
+ADAM_CHECKED = (_calling(_adam_checked, "_parallel", _sumsq_twin=SUMSQ_TWINS[0], _adam_twin=_ADAM[0]),
+                _calling(_adam_checked, "_serial", _sumsq_twin=SUMSQ_TWINS[1], _adam_twin=_ADAM[1]))
 
 
 # -- adagrad, rmsprop, lion, lamb ---------------------------------------------------------

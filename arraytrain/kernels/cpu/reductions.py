@@ -131,6 +131,9 @@ def _sumsq(x, pieces, gp, nseg):
 
 
 _SUMSQ = twins(_sumsq)
+#: The sum of squares' (parallel, serial) twins, which :data:`~arraytrain.kernels.cpu.optimizers.ADAM_CHECKED`
+#: calls inside its one compiled call.
+SUMSQ_TWINS = _SUMSQ
 
 
 def sumsq(x, pieces, *, nseg, grad_ptrs=None):
