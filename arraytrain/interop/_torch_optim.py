@@ -11,7 +11,10 @@ count and every hyperparameter that is one number for a whole kernel (betas, eps
 ...). ``lr`` and ``weight_decay`` may differ freely between the groups of one cohort: they are
 the engine's per-parameter values (``engine.state.hp``), rewritten from the groups when a group
 changed, without a pass over any buffer. Usually there is one cohort, so one step is one norm
-pass and one fused kernel over every parameter.
+pass and one fused kernel over every parameter; for Adam and AdamW with float32 state, every
+parameter given a gradient, both in one compiled call (:meth:`GroupEngine.lean_step`), bitwise the
+engine's staged step. The class's ``step`` carries its own version of torch's step wrapper
+(:func:`_hooked`): torch's hooks, and the profiler's range only while a profiler runs.
 
 A group's hyperparameters are read at every :meth:`TorchOptimizer.step`: a tuple of the group's
 values is compared with the last one (0-d tensors are read each time); only what changed is

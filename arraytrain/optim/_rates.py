@@ -16,6 +16,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from ..kernels.cpu.optimizers import rates_into
+
 # No fastmath: each product, quotient and difference rounds as NumPy's does (no contraction into an FMA).
 _JIT = dict(cache=True, error_model="numpy", nogil=True)
 
@@ -40,18 +42,5 @@ def step_rates(hp_lr, hp_wd, lr, weight_decay, lr_div, decoupled, like):
     step_size = np.empty(n, like.dtype)
     l2 = np.empty(n, like.dtype)
     decay = np.empty(n, like.dtype)
-    for i in range(n):
-        a = hp_lr[i]
-        if np.isnan(a):
-            a = lr
-        w = hp_wd[i]
-        if np.isnan(w):
-            w = weight_decay
-        step_size[i] = a / lr_div
-        if decoupled:
-            l2[i] = 0.0
-            decay[i] = 1.0 - a * w
-        else:
-            l2[i] = w
-            decay[i] = 1.0
+    rates_into(hp_lr, hp_wd, lr, weight_decay, lr_div, decoupled, step_size, l2, decay)
     return step_size, l2, decay

@@ -175,6 +175,28 @@ def adam_step(p, g, m, v, vmax, pieces, *, gscale, step_size, beta1, beta2, eps,
     )
 
 
+@njit(inline="always", error_model="numpy")  # (no fast-math: the NumPy expressions' bits, see optim._rates)
+def rates_into(hp_lr, hp_wd, lr, weight_decay, lr_div, decoupled, step_size, l2, decay):
+    """The kernels' per-parameter rates (:func:`arraytrain.optim._rates.step_rates`) into ``step_size``, ``l2``
+    and ``decay``: per parameter the override (``hp_lr``/``hp_wd``, NaN: none) or ``lr``/``weight_decay``;
+    ``step_size = lr / lr_div``; decoupled ``l2 = 0``, ``decay = 1 - lr * weight_decay``; else ``l2 =
+    weight_decay``, ``decay = 1`` (jitted code)."""
+    for i in range(hp_lr.size):
+        a = hp_lr[i]
+        if np.isnan(a):
+            a = lr
+        w = hp_wd[i]
+        if np.isnan(w):
+            w = weight_decay
+        step_size[i] = a / lr_div
+        if decoupled:
+            l2[i] = 0.0
+            decay[i] = 1.0 - a * w
+        else:
+            l2[i] = w
+            decay[i] = 1.0
+
+
 def _adam_checked(p, g, m, v, vmax, pieces, bases, offsets, itemsize, hp_lr, hp_wd, rates, lr_div, decoupled,
                   unscale, max_norm, clip_eps, check, sign, beta1, beta2, eps, inv_bc2_sqrt, amsgrad):
     npieces, nseg = pieces.shape[0], offsets.size
@@ -198,19 +220,12 @@ def _adam_checked(p, g, m, v, vmax, pieces, bases, offsets, itemsize, hp_lr, hp_
             coef = max_norm / (norm + clip_eps)
             coef = coef if coef < 1.0 else 1.0
     gscale = np.float32(sign * (coef / unscale))
+    for i in range(nseg):
+        hp_lr[i], hp_wd[i] = rates[i, 0], rates[i, 1]
     step_size = np.empty(nseg, np.float32)
     l2 = np.empty(nseg, np.float32)
     decay = np.empty(nseg, np.float32)
-    for i in range(nseg):
-        a, w = rates[i, 0], rates[i, 1]
-        hp_lr[i], hp_wd[i] = a, w
-        step_size[i] = a / lr_div
-        if decoupled:
-            l2[i] = 0.0
-            decay[i] = 1.0 - a * w
-        else:
-            l2[i] = w
-            decay[i] = 1.0
+    rates_into(hp_lr, hp_wd, 0.0, 0.0, lr_div, decoupled, step_size, l2, decay)
     _adam_twin(p, g, m, v, vmax, pieces, gp, gscale, step_size, np.float32(1.0 - beta1), np.float32(beta2),
                np.float32(1.0 - beta2), np.float32(eps), np.float32(inv_bc2_sqrt), l2, decay, amsgrad, None, LP_NONE,
                None, None)
