@@ -34,7 +34,7 @@ alternating round by round (the median and best of ``--repeats`` rounds):
 and the whole iteration's median beside it (forward and backward run next to the step's threads:
 the thread policy shows there, :mod:`arraytrain.threads`). ``--parts`` adds a round of the drop-in
 with its step's parts wrapped in timers (:func:`step_parts`): the step, the param groups' read,
-the ``.data``/``.grad`` check, the engine's step, its norm-pass and AdamW kernels. ``--cold`` times
+the ``.data``/``.grad`` check, the one compiled call of norm pass and update. ``--cold`` times
 single operations where the step runs against their warm cost (:func:`measure_cold`): why the step's
 Python costs several times its warm time inside the loop.
 
@@ -394,12 +394,12 @@ def measure_cold(kind: str = "cnn-bn", steps: int = 200) -> dict:
 
 
 #: The drop-in step's parts that ``--parts`` times: (what, owner, attribute).
-PARTS = (("step", "arraytrain.interop._torch_optim:TorchOptimizer", "_step"),  # (inside torch's step wrapper)
+#: (The loop's AdamW takes its step in one compiled call, ``GroupEngine.lean_step``: the engine's staged
+#: step and its kernels' Python wrappers do not run there.)
+PARTS = (("step", "arraytrain.interop._torch_optim:TorchOptimizer", "_step"),  # (inside the step wrapper)
          ("read_param_groups", "arraytrain.interop._torch_optim:TorchOptimizer", "read_param_groups"),
          ("check (.data, .grad)", "arraytrain.interop._torch_engine:GroupEngine", "check"),
-         ("Engine.step", "arraytrain.engine:Engine", "step"),
-         ("norm pass kernel", "arraytrain.kernels.cpu", "sumsq"),
-         ("AdamW kernel", "arraytrain.kernels.cpu", "adam_step"))
+         ("the one compiled call (lean_step)", "arraytrain.interop._torch_engine:GroupEngine", "lean_step"))
 
 
 @contextlib.contextmanager

@@ -91,8 +91,8 @@ def test_main_runs_and_writes_json(tmp_path, capsys):
     assert set(parts) == {what for what, _, _ in dropin.PARTS}
     # every part ran inside the step, and the wrappers are gone again
     assert all(0 < v <= parts["step"] for v in parts.values())
-    from arraytrain.engine import Engine
-    assert not getattr(Engine.step, "__name__", "") == "timed"
+    from arraytrain.interop._torch_engine import GroupEngine
+    assert GroupEngine.lean_step.__name__ == "lean_step" and GroupEngine.check.__name__ == "check"
     # --cold: every probe timed in the loop and warm, each a positive time
     cold = data["cold"]
     probes = set(dropin.cold_probes()) | {"the parameters' .grad dtype and shape"}
