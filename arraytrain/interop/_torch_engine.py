@@ -226,14 +226,11 @@ class GroupEngine(Engine):
             if not applied:
                 return None
             state.step = t
-            self.counters.consecutive_skips = 0
             # the staged step's finding: the sums' norms, or NaN where there was no pass or a NaN/Inf applied
             found = NormPass.of_sums(math.sqrt(total), per_seg) if math.isfinite(total) else \
                 NormPass.lazy(math.nan, lambda: np.full(len(per_seg), math.nan))
-            verdict = Verdict(found, unscale=1.0, max_norm=max_grad_norm, eps=self.clip_eps)
-            return StepReport(applied=True, skipped=False, step=t, micro_batches=0, lr=opt.lr, grad_norm=verdict.norm,
-                              clip_coef=verdict.coef, loss_scale=self.loss_scale, _segment_norms=verdict,
-                              _names=self.layout.names)
+            return self._bookkeeping(Verdict(found, unscale=1.0, max_norm=max_grad_norm, eps=self.clip_eps), opt.lr,
+                                     None)
         finally:
             self._guard.release()
 

@@ -14,9 +14,24 @@ att = pytest.importorskip("arraytrain.interop.torch")
 from arraytrain.kernels.cpu import SERIAL_BELOW  # noqa: E402
 
 
+class Net(torch.nn.Module):
+    """Two layers and parameters of 0, 1 and 7 elements (every one given a gradient)."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.layers = torch.nn.Sequential(torch.nn.Linear(16, width), torch.nn.Tanh(), torch.nn.Linear(width, 3))
+        self.odd = torch.nn.ParameterList([torch.nn.Parameter(torch.randn(k)) for k in (0, 1, 7)])
+
+    def __getitem__(self, i):
+        return self.layers[i]
+
+    def forward(self, x):
+        return self.layers(x) + sum((q * q).sum() for q in self.odd)
+
+
 def model(width):
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(16, width), torch.nn.Tanh(), torch.nn.Linear(width, 3))
+    return Net(width)
 
 
 def groups(m):
