@@ -16,7 +16,9 @@ work falls on all of them alike):
   blocking (``overlap=False``), overlapped, and sharded and overlapped (``shard_state=True``:
   each rank updates its share of AdamW's state; the buckets reduced to their owners while
   backward runs, the weights all-gathered after the update): ``bind(model, AdamW,
-  max_grad_norm=1.0, comm=...)``;
+  max_grad_norm=1.0, comm=...)``; and MPIComm's overlapped exchange once more without its
+  progress thread (``MPIComm(progress_thread=False)``: the buckets move only inside the hooks'
+  own MPI calls), to show what the thread does;
 - ``torch, no exchange`` and ``arraytrain, no exchange``: each implementation's step alone,
   on the rank's own data: the reference of a step without any communication.
 
@@ -81,6 +83,7 @@ def worker_ddp(comm, cfg) -> dict:
 
     from .. import optim
     from ..interop import torch as att
+    from ..parallel.mpi import MPIComm
     from ..parallel.torch_dist import TorchComm
 
     torch.set_num_threads(1)
@@ -94,6 +97,7 @@ def worker_ddp(comm, cfg) -> dict:
         with open(wire) as f:
             return int(f.read())
     tcomm = TorchComm()
+    lazy = MPIComm(comm.comm, progress_thread=False)  # overlapped requests moved by the hooks' own MPI calls only
     # PowerSGD's hook over gloo with several DDP buckets issues its later all-reduces from gloo's threads, in
     # an order that differs between ranks (gloo: "Received data size doesn't match expected size" after a
     # few steps): one bucket for the whole model, on a gloo group of its own (the same links)
@@ -137,12 +141,15 @@ def worker_ddp(comm, cfg) -> dict:
         for label, c, overlap, shard in (("arraytrain, no exchange", None, False, False),
                                          ("arraytrain, MPIComm, blocking", comm, False, False),
                                          ("arraytrain, MPIComm, overlapped", comm, True, False),
+                                         ("arraytrain, MPIComm, overlapped, no progress thread", lazy, True, False),
                                          ("arraytrain, MPIComm, sharded + overlapped", comm, True, True),
                                          ("arraytrain, TorchComm, blocking", tcomm, False, False),
                                          ("arraytrain, TorchComm, overlapped", tcomm, True, False),
                                          ("arraytrain, TorchComm, sharded + overlapped", tcomm, True, True)):
             m = fresh()
-            eng = att.bind(m, optim.AdamW(lr=1e-3), max_grad_norm=1.0, comm=c, overlap=overlap, shard_state=shard)
+            sizes = {} if cfg.get("bucket_mib") is None else {"bucket_bytes": int(cfg["bucket_mib"] * 2**20)}
+            eng = att.bind(m, optim.AdamW(lr=1e-3), max_grad_norm=1.0, comm=c, overlap=overlap, shard_state=shard,
+                           **sizes)
 
             def at_step(x, y, m=m, eng=eng):
                 loss = torch.nn.functional.mse_loss(m(x), y)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 
 import numpy as np
 
@@ -19,6 +20,8 @@ from ..backend import CUPY, NUMPY, backend_of
 from ..errors import ArgumentTypeError, BackendError, BackendUnavailableError, DTypeError
 from .communicator import DONE, OPS, Communicator, Pending, block_length, check_buffer
 from .deadline import Deadline, check_timeout
+from .progress import Progress
+from .progress import available as progress_available
 
 __all__ = ["INSTALL_HINT", "MPIComm", "MPIRequest", "NCCLComm", "mpi"]
 
@@ -104,6 +107,12 @@ class MPIComm(Communicator):
         (10 times that before, and for set-up and checkpoint agreement); past it the rank
         writes one line and ends (:mod:`arraytrain.parallel.deadline`). By default
         ``ARRAYTRAIN_COMM_TIMEOUT``, else 60; None or 0: wait forever.
+    progress_thread : bool, optional
+        A thread of this process tests the nonblocking collectives in flight (the overlapped
+        exchange's buckets) every 0.5 ms, so they move while the process computes
+        (:mod:`arraytrain.parallel.progress`; True by default; with one process, or MPI started
+        without ``MPI_THREAD_MULTIPLE``, there is none). False: they move only inside this
+        process's own MPI calls.
 
     Attributes
     ----------
@@ -111,10 +120,14 @@ class MPIComm(Communicator):
         The communicator itself, for anything outside the four collectives.
     deadline : arraytrain.parallel.deadline.Deadline
         The deadline of this communicator's waits.
+    progress : arraytrain.parallel.progress.Progress or None
+        The progress thread (None: there is none).
     """
 
-    def __init__(self, comm=None, *, timeout="default"):
+    def __init__(self, comm=None, *, timeout="default", progress_thread: bool = True):
         timeout = check_timeout(timeout)
+        if not isinstance(progress_thread, bool):
+            raise ArgumentTypeError(f"progress_thread: expected a bool, got {type(progress_thread).__name__}")
         MPI = mpi()
         if comm is None:
             comm = MPI.COMM_WORLD
@@ -125,6 +138,7 @@ class MPIComm(Communicator):
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
         self.deadline = Deadline(timeout if self.size > 1 else None, self.rank, self.size)
+        self.progress = Progress() if progress_thread and self.size > 1 and progress_available(MPI) else None
         self._in_place = MPI.IN_PLACE
         self._ops = {"sum": MPI.SUM, "max": MPI.MAX}
         self._types = {dt: getattr(MPI, name) for dt, name in _MPI_TYPES.items()}
@@ -188,10 +202,11 @@ class MPIComm(Communicator):
 
     def iallreduce(self, x, op: str = "sum") -> Pending:
         """Start ``allreduce(x, op)``: ``MPI_Iallreduce`` in place. MPI moves it on inside MPI calls
-        only: the handle's ``test()`` (``MPI_Test``) is such a call."""
+        only: the progress thread's and the handle's ``test()`` (``MPI_Test``)."""
         mpi_op = _check_op(op, self._ops)
         dt = _checked(x, "x", NUMPY, self._types, True)
-        return MPIRequest(self.comm.Iallreduce(self._in_place, [x, dt], mpi_op), self.deadline, "iallreduce", x.nbytes)
+        return MPIRequest(self.comm.Iallreduce(self._in_place, [x, dt], mpi_op), self.deadline, "iallreduce", x.nbytes,
+                          self.progress)
 
     def ireduce(self, x, root: int = 0) -> Pending:
         """Start the sum of every rank's ``x`` into rank ``root``'s ``x``: ``MPI_Ireduce``, in place at the
@@ -202,7 +217,7 @@ class MPIComm(Communicator):
             request = self.comm.Ireduce(self._in_place, [x, dt], self._ops["sum"], root)
         else:
             request = self.comm.Ireduce([x, dt], None, self._ops["sum"], root)
-        return MPIRequest(request, self.deadline, "ireduce", x.nbytes)
+        return MPIRequest(request, self.deadline, "ireduce", x.nbytes, self.progress)
 
     def __repr__(self) -> str:
         return f"MPIComm(rank={self.rank}, size={self.size})"
@@ -210,25 +225,47 @@ class MPIComm(Communicator):
 
 class MPIRequest(Pending):
     """A started nonblocking MPI collective (an ``mpi4py.MPI.Request``); its wait is held to ``deadline``
-    (None: not watched), named ``what`` and ``nbytes`` in the deadline's line."""
+    (None: not watched), named ``what`` and ``nbytes`` in the deadline's line. Given a ``progress``
+    thread (:class:`~arraytrain.parallel.progress.Progress`), that thread tests it while it is in flight;
+    ``lock`` keeps the two threads from completing it at once, ``done`` says it has completed."""
 
-    __slots__ = ("request", "deadline", "what", "nbytes")
+    __slots__ = ("request", "deadline", "what", "nbytes", "done", "lock")
 
     def __init__(self, request, deadline: Deadline | None = None, what: str = "a nonblocking collective",
-                 nbytes: int = 0):
+                 nbytes: int = 0, progress: Progress | None = None):
         self.request, self.deadline, self.what, self.nbytes = request, deadline, what, nbytes
+        self.done = False
+        self.lock = threading.Lock()
+        if progress is not None:
+            progress.add(self)
 
     def wait(self) -> None:
-        """``MPI_Wait``."""
-        if self.deadline is None:
-            self.request.Wait()
-            return
-        with self.deadline.wait(self.what, self.nbytes):
-            self.request.Wait()
+        """``MPI_Wait`` (nothing when the progress thread has completed it)."""
+        with self.lock:
+            if self.done:
+                return
+            if self.deadline is None:
+                self.request.Wait()
+            else:
+                with self.deadline.wait(self.what, self.nbytes):
+                    self.request.Wait()
+            self.done = True
 
     def test(self) -> bool:
-        """``MPI_Test``: True once complete; each call also moves MPI's progress on."""
-        return bool(self.request.Test())
+        """``MPI_Test``: True once complete; each call also moves MPI's progress on. False while the
+        progress thread is testing it."""
+        return self.poll()
+
+    def poll(self) -> bool:
+        """One ``MPI_Test`` unless another thread holds the request: True once it has completed."""
+        if self.done or not self.lock.acquire(blocking=False):
+            return self.done
+        try:
+            if self.request.Test():
+                self.done = True
+            return self.done
+        finally:
+            self.lock.release()
 
 
 def _nccl():

@@ -67,12 +67,47 @@ def _train(comm, overlap, shard=False, mode=None, bucket_bytes=2048):
     return eng.params.flat.copy()
 
 
+def check_progress_thread_completes_what_nobody_tests(comm) -> int:
+    """MPIComm's progress thread completes a started collective while the caller only sleeps (both sides
+    of the all-reduce, so each rank's thread moves its own part), then forgets it; without the thread
+    the request stays where it was started."""
+    import time
+
+    from arraytrain.distributed import MPIComm
+
+    assert comm.progress is not None  # mpi4py starts MPI with MPI_THREAD_MULTIPLE
+    x = np.full(300_001, comm.rank + 1.0)
+    h = comm.iallreduce(x)
+    end = time.monotonic() + 30
+    while not h.done and time.monotonic() < end:
+        time.sleep(0.01)
+    assert h.done, "the progress thread did not complete the all-reduce"
+    np.testing.assert_array_equal(x, sum(range(1, comm.size + 1)))
+    while comm.progress.in_flight and time.monotonic() < end:
+        time.sleep(0.01)
+    assert comm.progress.in_flight == 0
+    h.wait()  # completed already: nothing left to do, and no second completion
+    assert h.test()
+    lazy = MPIComm(comm.comm, progress_thread=False)
+    assert lazy.progress is None
+    h = lazy.iallreduce(x)
+    assert not h.done
+    h.wait()
+    np.testing.assert_array_equal(x, sum(range(1, comm.size + 1)) * comm.size)
+    return 2
+
+
 def check_overlapped_equals_blocking(comm) -> int:
+    from arraytrain.distributed import MPIComm
+
+    lazy = MPIComm(comm.comm, progress_thread=False)
     cases = 0
     for shard in (False, True):
         for mode in (None, "reversed", "unused"):
             want = _train(comm, False, shard, "unused" if mode == "unused" else None)
             got = _train(comm, True, shard, mode)
+            assert same_everywhere(comm, got), (shard, mode)
+            np.testing.assert_array_equal(_train(lazy, True, shard, mode), got)  # the thread changes no bit
             assert same_everywhere(comm, got), (shard, mode)
             if comm.size == 2:
                 np.testing.assert_array_equal(got, want, err_msg=f"shard={shard} mode={mode}")
