@@ -32,7 +32,7 @@ from .schedules import Schedule
 from .parallel.communicator import check_parallel
 from .parallel.placement import join, placement
 from .parallel.shard import aligned_to
-from .parallel.sync import BUCKET_BYTES, gradient_sync
+from .parallel.sync import gradient_sync
 from .stages import Judge, StepReport, Verdict
 
 STATE_FORMAT = engine_state.STATE_FORMAT
@@ -140,8 +140,10 @@ class Engine:
         it) says which gradients are final. The result equals the blocking exchange's
         (bitwise with 2 ranks). Off by default here; ``bind(..., comm=...)`` turns it on. Not
         with a compressor or SAM, whose exchanges need the whole window.
-    bucket_bytes : int
-        The overlapped exchange's bucket size (default 25 MiB, DDP's).
+    bucket_bytes : int or None
+        The overlapped exchange's bucket size; None (the default): an eighth of the gradient,
+        at least 1 MiB and at most 25 MiB, DDP's bucket size
+        (:func:`~arraytrain.parallel.sync.default_bucket_bytes`).
     nonfinite : "skip" or "apply"
         A boundary whose gradient holds NaN/Inf: skip it (nothing changes; see
         ``max_consecutive_skips``), or apply it as torch.optim does without a GradScaler (the
@@ -178,7 +180,7 @@ class Engine:
                  loss_scaler: LossScaler | None = None, working_dtype: str | None = None,
                  max_consecutive_skips: int | None = 50, compressor=None, device: str | None = None,
                  clip_eps: float = CLIP_EPS, comm=None, shard_state: bool = False, overlap: bool = False,
-                 bucket_bytes: int = BUCKET_BYTES, nonfinite: str = "skip"):
+                 bucket_bytes: int | None = None, nonfinite: str = "skip"):
         optimizer = check_optimizer(optimizer)
         accumulation_steps = check_int("accumulation_steps", accumulation_steps, 1)
         if max_grad_norm is not None:

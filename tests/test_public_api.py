@@ -49,7 +49,7 @@ SURFACE = {
                   "missing='error', zero_grad_on_step=True, dtype=None, kernels='numba', schedule=None, "
                   "loss_scaler=None, working_dtype=None, max_consecutive_skips=50, compressor=None, device=None, "
                   "clip_eps=1e-06, comm=None, shard_state=False, overlap=False, "
-                  "bucket_bytes=26214400, nonfinite='skip')",
+                  "bucket_bytes=None, nonfinite='skip')",
         "FlatBuffer": "(layout, flat)",
         "GradientAccumulator": "(config=None, dtype=<class 'numpy.float64'>)",
         "GradientPredictor": "(layout_or_params, history=4, correction_beta=0.9, *, dtype=None, kernels='numba', "

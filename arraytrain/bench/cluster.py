@@ -367,12 +367,13 @@ def _raise_interrupt(signum, frame):
 # -- the measurement ---------------------------------------------------------------------------------
 
 
-def measure(cluster: Cluster, models: list, steps: int, batch: int, threads: int, timeout: float) -> dict:
+def measure(cluster: Cluster, models: list, steps: int, batch: int, threads: int, timeout: float,
+            bucket_mib: float | None = None) -> dict:
     """The DDP comparison's contestants with one rank per node; each step's bytes on the wire too."""
     from .distributed import RESULT, worker_env
 
     cfg = {"models": models, "batch": batch, "steps": steps, "port": PORT + 2, "addr": cluster.addresses[0],
-           "wire": TX_BYTES}
+           "wire": TX_BYTES, "bucket_mib": bucket_mib}
     argv = cluster.mpiexec([sys.executable, "-m", "arraytrain.bench", "distributed", "--worker", "ddp",
                             "--config", json.dumps(cfg)])
     proc = cluster.run(0, argv, env={**worker_env(threads), **MPI_ENV}, timeout=timeout)
@@ -387,7 +388,8 @@ def report(res: dict, cluster: Cluster, probed: float, args) -> None:
 
     k = cluster.nodes
     ddp.report(res, args, f"{k} nodes of one rank, links shaped to {cluster.link_gbit:g} Gbit/s a node each way "
-                          f"(probed: {probed:.2f} Gbit/s), MPI and gloo on TCP")
+                          f"(probed: {probed:.2f} Gbit/s), MPI and gloo on TCP"
+                          + ("" if args.bucket_mib is None else f", arraytrain's buckets {args.bucket_mib:g} MiB"))
     print("\nBytes each node sent per step (its eth0 counter), against a ring all-reduce's 2(K-1)/K x the gradient:")
     for name, r in res.items():
         expected = 2 * (k - 1) / k * 4 * r["params"]
@@ -433,6 +435,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--batch", type=int, default=64, help="samples per rank")
     p.add_argument("--threads", type=int, default=1, help="numba threads per rank")
+    p.add_argument("--bucket-mib", type=float, default=None,
+                   help="arraytrain's bucket size in MiB (default: bind's own); DDP keeps its 25 MB")
     p.add_argument("--timeout", type=float, default=900, help="seconds for the job")
     p.add_argument("--json", metavar="FILE")
     p.add_argument("--plot", metavar="FILE.png", help="step time against link rate (with several --link)")
@@ -470,7 +474,8 @@ def main(argv=None) -> int:
             probed = cluster.probe()
             print(f"{args.nodes} nodes up; link probed at {probed:.2f} Gbit/s (shaped to {rate:g}) "
                   f"in {time.perf_counter() - t:.1f} s", flush=True)
-            res = measure(cluster, names, args.steps, args.batch, args.threads, args.timeout) if names else {}
+            res = measure(cluster, names, args.steps, args.batch, args.threads, args.timeout,
+                                                 args.bucket_mib) if names else {}
             if res:
                 report(res, cluster, probed, args)
                 print(f"\nlosses agree with DDP's to 1e-4: {ddp.losses_agree(res)}", flush=True)

@@ -54,7 +54,6 @@ from ..errors import (
 )
 from ..ops import CLIP_EPS, clip_coef, norm_pass
 from ..parallel.communicator import check_parallel
-from ..parallel.sync import BUCKET_BYTES
 from ._torch_engine import LOWP, Cohort, GroupEngine, group_name, plain_value
 from ._torch_state import check_state, load_entries, slot_views
 from ._torch_views import check_cuda_device, tensor_view
@@ -76,7 +75,7 @@ _FLOATS = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 #: (:class:`TorchOptimizer` documents them).
 OPTIONS = {"max_grad_norm": None, "clip_eps": CLIP_EPS, "state_dtype": None, "min_8bit_size": None,
            "kernels": "numba", "max_consecutive_skips": 50, "nonfinite": "skip", "comm": None, "shard_state": False,
-           "overlap": None, "bucket_bytes": BUCKET_BYTES}
+           "overlap": None, "bucket_bytes": None}
 
 
 # torch.optim.Optimizer.profile_hook_step's registries of global step hooks (torch wraps every optimizer's step
@@ -326,8 +325,9 @@ class TorchOptimizer(torch.optim.Optimizer):
         SAM), as :func:`~arraytrain.interop.torch.bind` and DDP do. Accumulating several
         backward passes before one step is then refused by the hook (as bind refuses it):
         pass ``overlap=False`` for that.
-    bucket_bytes : int
-        The overlapped exchange's bucket size (25 MiB, DDP's).
+    bucket_bytes : int or None
+        The overlapped exchange's bucket size (None: an eighth of the gradient, between 1 and
+        25 MiB, as :class:`~arraytrain.Engine`).
     """
 
     _step_supports_amp_scaling = True

@@ -68,7 +68,8 @@ copied. How it works, and what it guards against:
   on other torch streams must be synchronised before ``engine.step()``.
 
 * **Processes** (``comm=``): as torch's DDP, the exchange overlaps the backward pass by
-  default (``overlap=False`` turns it off, ``bucket_bytes=`` sets the bucket size, 25 MiB):
+  default (``overlap=False`` turns it off, ``bucket_bytes=`` sets the bucket size: by
+  default an eighth of the gradient, between 1 and 25 MiB):
   a ``register_post_accumulate_grad_hook`` on every bound parameter marks its gradient ready
   (:meth:`~arraytrain.Engine.mark_ready`) during the last micro-batch of a window, and the
   engine starts each bucket's all-reduce as soon as its gradients are final (see

@@ -258,7 +258,8 @@ def check_parallel(comm, shard_state, overlap, bucket_bytes) -> tuple:
     comm = check_comm(comm)
     shard_state = check_bool("shard_state", shard_state)
     overlap = check_bool("overlap", overlap)
-    bucket_bytes = check_int("bucket_bytes", bucket_bytes, 1)
+    if bucket_bytes is not None:
+        bucket_bytes = check_int("bucket_bytes", bucket_bytes, 1)
     if shard_state and comm.is_local:
         raise HyperparameterError("shard_state: sharded state needs a group of processes (comm=MPIComm(), "
                                   "NCCLComm(), ...); with one process there is nothing to shard")

@@ -16,7 +16,7 @@ from arraytrain import nn
 from arraytrain.errors import ConcurrentUseError, HyperparameterError, UnknownParameterError
 from arraytrain.parallel.communicator import DONE
 from arraytrain.parallel.placement import Replicated, Sharded
-from arraytrain.parallel.sync import BucketedSync, buckets
+from arraytrain.parallel.sync import BucketedSync, buckets, default_bucket_bytes
 from thread_group import ThreadGroup
 
 SIZES = [20, 64, 48, 32, 10]
@@ -125,6 +125,18 @@ class _Recording:
 def _bucketed(comm, lay, bucket_bytes, shard=False):
     params = at.FlatBuffer(lay, np.zeros(lay.size))
     return BucketedSync(Sharded(comm, params) if shard else Replicated(comm, params), bucket_bytes)
+
+
+def test_default_buckets_are_an_eighth_of_the_gradient_within_1_and_25_mib():
+    mib = 2**20
+    assert [default_bucket_bytes(n) for n in (0, 8 * mib - 1, 8 * mib, 80 * mib, 200 * mib, 10**12)] == \
+        [mib, mib, mib, 10 * mib, 25 * mib, 25 * mib]
+    # the 16.8M-parameter MLP of docs/cluster.md (4 x [2048 x 2048] + bias, float32): one bucket a layer
+    # (25 MiB made two buckets of two layers each: the second waited for the first layer's gradient)
+    lay = at.Layout({f"{n}{i}": (2048, 2048) if n == "w" else (2048,) for i in range(4) for n in "wb"})
+    assert len(buckets(lay, default_bucket_bytes(lay.size * 4), 4)) == 4 and len(buckets(lay, 25 * mib, 4)) == 2
+    sync = BucketedSync(Replicated(_Recording(), at.FlatBuffer.zeros(lay, np.float32)), None)
+    assert sync.bucket_bytes == default_bucket_bytes(lay.size * 4) and len(sync.buckets) == 4
 
 
 def test_buckets_start_in_order_and_only_when_complete():
