@@ -55,6 +55,7 @@ MODULES = (
     "arraytrain.parallel.deadline",
     "arraytrain.parallel.mpi",
     "arraytrain.parallel.placement",
+    "arraytrain.parallel.progress",
     "arraytrain.parallel.shard",
     "arraytrain.parallel.sync",
     "arraytrain.parallel.torch_dist",

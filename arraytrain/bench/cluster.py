@@ -142,6 +142,7 @@ class Cluster:
         self.names = [f"{self.prefix}-n{i}" for i in range(self.nodes)]
         self.addresses = [f"{SUBNET}.{i + 1}" for i in range(self.nodes)]
         self.cpus = _split_cpus(self.nodes) if pin else None
+        self.probe_busy: list = [None] * self.nodes  # set by probe()
         self._procs: list[subprocess.Popen] = []
         self._made: list[str] = []
         self._dir = None
@@ -315,8 +316,18 @@ class Cluster:
         return [int(_run("ip", "netns", "exec", n, "cat", TX_BYTES).stdout) for n in self.names]
 
     def probe(self, megabytes: int = 200, timeout: float = 60) -> float:
-        """One TCP stream of ``megabytes`` MB from node 1 to node 0; the rate it reached, Gbit/s."""
-        code = ("import socket,sys,time\n"
+        """One TCP stream of ``megabytes`` MB from node 1 to node 0; the rate it reached, Gbit/s.
+
+        Also sets :attr:`probe_busy`: how busy each node's cores were while the bytes moved (0-1,
+        from ``/proc/stat`` between the first and the last byte received; None for a node when the
+        nodes share every core). The links are software — the veth pairs, the bridge, the token
+        buckets and both ends' TCP run on the nodes' own cores — so moving bytes takes CPU time that
+        a network adapter would take off them."""
+        code = ("import json,socket,sys,time\n"
+                "def busy():\n"
+                "  with open('/proc/stat') as f:\n"
+                "    rows=[l.split() for l in f if l.startswith('cpu') and l[3].isdigit()]\n"
+                "  return {int(r[0][3:]):(sum(map(int,r[1:8]))-int(r[4])-int(r[5]),sum(map(int,r[1:8]))) for r in rows}\n"
                 "mode,host,port,n=sys.argv[1],sys.argv[2],int(sys.argv[3]),int(sys.argv[4])*2**20\n"
                 "if mode=='recv':\n"
                 "  s=socket.socket();s.setsockopt(socket.SOL_SOCKET,socket.SO_REUSEADDR,1);s.bind((host,port));s.listen(1)\n"
@@ -324,8 +335,11 @@ class Cluster:
                 "  while got<n:\n"
                 "    k=c.recv_into(buf)\n"
                 "    if not k: break\n"
-                "    t0=t0 or time.perf_counter();got+=k\n"
-                "  print(got*8/(time.perf_counter()-t0)/1e9,flush=True)\n"
+                "    if t0 is None: t0,b0=time.perf_counter(),busy()\n"
+                "    got+=k\n"
+                "  t1,b1=time.perf_counter(),busy()\n"
+                "  print(json.dumps({'gbit':got*8/(t1-t0)/1e9,'busy':{c:[b1[c][0]-b0[c][0],b1[c][1]-b0[c][1]] for c in b1}}),"
+                "flush=True)\n"
                 "else:\n"
                 "  c=socket.create_connection((host,port));d=b'x'*(1<<20)\n"
                 "  for _ in range(n>>20): c.sendall(d)\n"
@@ -336,7 +350,12 @@ class Cluster:
             raise ClusterUnavailable("the probe's receiver did not start")
         self.run(1, [*args, "send", self.addresses[0], PORT + 1, megabytes], timeout=timeout)
         out, _ = recv.communicate(timeout=timeout)
-        return float(out.strip().splitlines()[-1])
+        res = json.loads(out.strip().splitlines()[-1])
+        ticks = {int(c): v for c, v in res["busy"].items()}
+        self.probe_busy = [None if self.cpus is None else
+                           sum(ticks[c][0] for c in cpus) / max(1, sum(ticks[c][1] for c in cpus))
+                           for cpus in (self.cpus or [()] * self.nodes)]
+        return float(res["gbit"])
 
 
 def on_cluster(nodes: int, link_gbit: float, body, delay_us: float | None = None) -> int | None:
@@ -408,9 +427,9 @@ def plot(path: str, sweep: list) -> None:
     fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.5), squeeze=False)
     for ax, name in zip(axes[0], models):
         rates = [run["link_gbit"] for run in sweep]
-        for key in sweep[0]["results"][name]["step_s"]:
+        for i, key in enumerate(sweep[0]["results"][name]["step_s"]):  # more contestants than the default colours
             ax.plot(rates, [1e3 * run["results"][name]["step_s"][key] for run in sweep], marker="o",
-                    linestyle="--" if key.endswith("no exchange") else "-", label=key)
+                    color=plt.cm.tab20(i % 20), linestyle="--" if key.endswith("no exchange") else "-", label=key)
         ax.set_xscale("log")
         ax.set_xticks(rates, [f"{r:g}" for r in rates])
         ax.set_xlabel("link, Gbit/s a node each way")
@@ -471,15 +490,20 @@ def main(argv=None) -> int:
         for rate in links:
             cluster.shape(rate)
             t = time.perf_counter()
-            probed = cluster.probe()
+            probed = cluster.probe(megabytes=max(200, int(rate * 62.5)))  # half a second of the link or more
             print(f"{args.nodes} nodes up; link probed at {probed:.2f} Gbit/s (shaped to {rate:g}) "
                   f"in {time.perf_counter() - t:.1f} s", flush=True)
+            if None not in cluster.probe_busy:
+                print(f"while the probe's bytes moved, node 1's cores (sending) were busy {cluster.probe_busy[1]:.0%}, "
+                      f"node 0's (receiving) {cluster.probe_busy[0]:.0%}: the links' work runs on the nodes' cores",
+                      flush=True)
             res = measure(cluster, names, args.steps, args.batch, args.threads, args.timeout,
                                                  args.bucket_mib) if names else {}
             if res:
                 report(res, cluster, probed, args)
                 print(f"\nlosses agree with DDP's to 1e-4: {ddp.losses_agree(res)}", flush=True)
-            sweep.append({"nodes": args.nodes, "link_gbit": rate, "probed_gbit": probed, "results": res})
+            sweep.append({"nodes": args.nodes, "link_gbit": rate, "probed_gbit": probed,
+                          "probe_busy": cluster.probe_busy, "results": res})
 
     status = on_cluster(args.nodes, links[0], body, args.delay_us)
     if status is not None:

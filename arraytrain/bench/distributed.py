@@ -256,8 +256,11 @@ def worker_sharding(comm, cfg) -> dict:
 def worker_overlap(comm, cfg) -> dict:
     """One MLP training step, blocking and overlapped exchange taking turns; seconds, the slowest rank's."""
     from .. import Engine, nn, optim
+    from ..parallel.mpi import MPIComm
     from ..parallel.sync import buckets
 
+    if not cfg.get("progress_thread", True):
+        comm = MPIComm(comm.comm, progress_thread=False)
     models, engines = {}, {}
     for key in ("blocking", "overlapped"):
         model = nn.MLP(cfg["widths"], dtype=np.float32)
@@ -537,11 +540,13 @@ def part_overlap(args) -> dict:
     cfg = {"widths": args.overlap_widths, "batch": args.overlap_batch, "steps": args.steps,
            "bucket_bytes": int(args.overlap_bucket_mib * 2**20)}
     runs = {}
-    for label, env in (("polling from the marks", {}), ("MPICH progress thread", {"MPIR_CVAR_ASYNC_PROGRESS": "1"})):
+    for label, env, thread in (("MPIComm's progress thread and the marks' tests", {}, True),
+                               ("the marks' tests only (progress_thread=False)", {}, False),
+                               ("MPICH's progress thread (progress_thread=False)", {"MPIR_CVAR_ASYNC_PROGRESS": "1"}, False)):
         old = {k: os.environ.get(k) for k in env}
         os.environ.update(env)
         try:
-            runs[label] = _worker("overlap", 2, cfg, args)
+            runs[label] = _worker("overlap", 2, {**cfg, "progress_thread": thread}, args)
         finally:
             for k, v in old.items():
                 if v is None:

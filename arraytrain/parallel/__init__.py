@@ -3,7 +3,10 @@
 - :mod:`~arraytrain.parallel.communicator`: the interface to a group of processes
   (:class:`Communicator`, :class:`LocalComm` for one process); its transports are
   :mod:`~arraytrain.parallel.mpi` (MPI, NCCL) and :mod:`~arraytrain.parallel.torch_dist`
-  (torch.distributed). :mod:`arraytrain.distributed` is their public face.
+  (torch.distributed). :mod:`arraytrain.distributed` is their public face. MPI's waits
+  are held to a deadline (:mod:`~arraytrain.parallel.deadline`), and its nonblocking
+  collectives moved on by a thread while the process computes
+  (:mod:`~arraytrain.parallel.progress`).
 - :mod:`~arraytrain.parallel.placement`: which weights, gradients and state a rank holds
   (replicated or sharded), the reduce of a window's gradient, the norm's partial sums, the
   update of what the rank owns and the publish after it.

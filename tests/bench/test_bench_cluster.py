@@ -65,6 +65,9 @@ def test_a_shaped_link_carries_its_rate_and_the_cluster_leaves_nothing(need_root
         assert _ours(os.getpid()) == {*c.names, c.switch}
         rate = c.probe(megabytes=60)
         assert 0.7 < rate < 1.05, rate  # the token bucket's rate, less TCP's overhead
+        # how busy each node's cores were while the bytes moved: a share, or None where the nodes share cores
+        assert len(c.probe_busy) == 2
+        assert all(b is None for b in c.probe_busy) if c.cpus is None else all(0 < b <= 1 for b in c.probe_busy)
         c.shape(0.5)  # mid-run
         assert 0.35 < c.probe(megabytes=30) < 0.53
         before = c.tx_bytes()
