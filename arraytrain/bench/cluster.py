@@ -6,7 +6,9 @@ memory. Here each node is a Linux network namespace with one interface, ``eth0``
 its own (the machine's own network is not touched). Each link is shaped in both directions by a
 token bucket (``tc qdisc ... tbf``) to ``--link`` Gbit/s, so a node sends and receives at most that;
 ``--delay-us`` adds a one-way delay with ``netem`` where the kernel has it. The link is probed
-(one TCP stream from node 1 to node 0) before anything is timed, and the probed rate is printed.
+(one TCP stream from node 1 to node 0) before anything is timed, and the probed rate is printed,
+with how busy each node's cores were while the bytes moved (the links are software: their work
+runs on the nodes' own cores).
 
 Ranks run inside the nodes: ``mpiexec`` across the nodes through Hydra's ``ssh`` launcher, whose
 command is a script that enters the node's namespace instead of logging in (see
