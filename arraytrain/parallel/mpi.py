@@ -20,7 +20,7 @@ from ..backend import CUPY, NUMPY, backend_of
 from ..errors import ArgumentTypeError, BackendError, BackendUnavailableError, DTypeError
 from .communicator import DONE, OPS, Communicator, Pending, block_length, check_buffer
 from .deadline import Deadline, check_timeout
-from .progress import Progress
+from .progress import Progress, shared
 from .progress import available as progress_available
 
 __all__ = ["INSTALL_HINT", "MPIComm", "MPIRequest", "NCCLComm", "mpi"]
@@ -121,7 +121,7 @@ class MPIComm(Communicator):
     deadline : arraytrain.parallel.deadline.Deadline
         The deadline of this communicator's waits.
     progress : arraytrain.parallel.progress.Progress or None
-        The progress thread (None: there is none).
+        The progress thread, the process's one (None: there is none).
     """
 
     def __init__(self, comm=None, *, timeout="default", progress_thread: bool = True):
@@ -138,7 +138,7 @@ class MPIComm(Communicator):
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
         self.deadline = Deadline(timeout if self.size > 1 else None, self.rank, self.size)
-        self.progress = Progress() if progress_thread and self.size > 1 and progress_available(MPI) else None
+        self.progress = shared() if progress_thread and self.size > 1 and progress_available(MPI) else None
         self._in_place = MPI.IN_PLACE
         self._ops = {"sum": MPI.SUM, "max": MPI.MAX}
         self._types = {dt: getattr(MPI, name) for dt, name in _MPI_TYPES.items()}
@@ -252,12 +252,8 @@ class MPIRequest(Pending):
             self.done = True
 
     def test(self) -> bool:
-        """``MPI_Test``: True once complete; each call also moves MPI's progress on. False while the
-        progress thread is testing it."""
-        return self.poll()
-
-    def poll(self) -> bool:
-        """One ``MPI_Test`` unless another thread holds the request: True once it has completed."""
+        """``MPI_Test``: True once complete; each call also moves MPI's progress on. Without a call to MPI
+        while another thread holds the request (False, unless that one completed it)."""
         if self.done or not self.lock.acquire(blocking=False):
             return self.done
         try:

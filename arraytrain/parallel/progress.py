@@ -6,7 +6,8 @@ spins a core). The overlapped exchange starts its buckets from the backward pass
 hooks; between two hooks a layer's backward computes for tens of milliseconds, and
 over a network nothing moves once the sockets' buffers are full.
 
-:class:`Progress` is one thread per communicator that, while any of its requests is in
+:class:`Progress` is one thread (one per process: :func:`shared`, as MPI's progress is the
+process's) that, while any request is in
 flight, tests each (``MPI_Test``) every :data:`INTERVAL` seconds and sleeps in between;
 with nothing in flight it waits on a condition and costs nothing. mpi4py releases the GIL
 inside MPI calls, and numpy's and torch's kernels release it while they compute, so the
@@ -26,10 +27,11 @@ with less, :func:`available` says no and requests are moved on by the caller's c
 from __future__ import annotations
 
 import atexit
+import os
 import threading
 import time
 
-__all__ = ["INTERVAL", "Progress", "available"]
+__all__ = ["INTERVAL", "Progress", "available", "shared"]
 
 #: Seconds between two passes of the progress thread over the requests in flight.
 INTERVAL = 5e-4
@@ -41,8 +43,8 @@ def available(MPI) -> bool:
 
 
 class Progress:
-    """The progress thread of one communicator: :meth:`add` a request in flight; the thread tests it
-    until it completes (or its owner completes it), then forgets it. Started at the first request."""
+    """A progress thread: :meth:`add` a request in flight; the thread tests it until it completes (or its
+    owner completes it), then forgets it. Started at the first request."""
 
     def __init__(self, interval: float = INTERVAL):
         self.interval = interval
@@ -85,8 +87,31 @@ class Progress:
                 if self._closing:
                     return
                 flight = list(self._flight)
-            finished = [r for r in flight if r.poll()]
+            finished = [r for r in flight if r.test()]
             if finished:
                 with self._cond:
                     self._flight = [r for r in self._flight if r not in finished]
             time.sleep(self.interval)
+
+
+_SHARED: Progress | None = None
+_SHARED_LOCK = threading.Lock()
+
+
+def shared() -> Progress:
+    """The process's progress thread, made at the first call (every :class:`~arraytrain.parallel.mpi.MPIComm`
+    of the process uses it; a forked child starts a new one)."""
+    global _SHARED
+    with _SHARED_LOCK:
+        if _SHARED is None:
+            _SHARED = Progress()
+        return _SHARED
+
+
+def _forget_in_child() -> None:
+    global _SHARED, _SHARED_LOCK
+    _SHARED, _SHARED_LOCK = None, threading.Lock()  # the parent's thread (and any lock it held) is not here
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_in_child)

@@ -69,9 +69,9 @@ def _shard_checks():
 @pytest.mark.slow  # the slow tier: 2 then 3 ranks (about a minute of compiling with numba's cache empty)
 def test_sharded_state_and_overlap_over_mpi_and_a_checkpoint_across_numbers_of_ranks(tmp_path):
     """2 ranks then 3 ranks: the sharded engine follows the replicated one, the overlapped exchange the
-    blocking one (MPI's nonblocking collectives, on 2 ranks: on 3 the overlap's bucketing is the
-    thread groups' of tests/distributed/test_overlap.py); 3 ranks resume the 2 ranks' checkpoint, and
-    one process resumes both, each continuing the one-process trajectory."""
+    blocking one (MPI's nonblocking collectives, with and without MPIComm's progress thread; on 2, 3
+    and 4 ranks); 3 ranks resume the 2 ranks' checkpoint, and one process resumes both, each
+    continuing the one-process trajectory."""
     rank_env()  # (skips without MPI)
     shard_checks = _shard_checks()
     # The checks' kernels compiled once, here, on a group of two threads (numba compiles under one
@@ -84,7 +84,7 @@ def test_sharded_state_and_overlap_over_mpi_and_a_checkpoint_across_numbers_of_r
         ThreadGroup(2).run(lambda rank, comm: check(comm))  # noqa: B023 - run at once
     os.environ["ARRAYTRAIN_SHARD_DIR"] = str(tmp_path)  # launch() passes this process's environment on
     try:
-        for n, groups in ((2, ("shard", "overlap")), (3, ("shard",))):
+        for n, groups in ((2, ("shard", "overlap")), (3, ("shard", "overlap")), (4, ("overlap",))):
             proc = ranks(n, CHECKS, *groups)
             assert proc.returncode == 0, proc.stdout + proc.stderr
             assert f"checks passed on {n} ranks" in proc.stdout.strip().splitlines()[-1], proc.stdout + proc.stderr

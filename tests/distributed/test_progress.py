@@ -7,8 +7,11 @@ from __future__ import annotations
 import threading
 import time
 
-from arraytrain.parallel.mpi import MPIRequest
-from arraytrain.parallel.progress import Progress
+import pytest
+
+from arraytrain.errors import ArgumentTypeError
+from arraytrain.parallel.mpi import MPIComm, MPIRequest
+from arraytrain.parallel.progress import Progress, shared
 
 
 class FakeRequest:
@@ -98,3 +101,9 @@ def test_close_stops_the_thread_and_refuses_new_requests():
     assert r.tests == 0 and prog.in_flight == 0
     h.wait()
     assert r.waits == 1
+
+
+def test_one_thread_per_process_and_a_bad_flag_is_refused():
+    assert shared() is shared()  # every MPIComm of the process shares it (MPI's progress is the process's)
+    with pytest.raises(ArgumentTypeError, match="progress_thread"):
+        MPIComm(progress_thread="yes")
