@@ -113,6 +113,9 @@ def abort_on_error(stream=None):
         raise
 
 
+_ABORT_GRACE = 0.2  # seconds between a failed rank's last line and its MPI_Abort
+
+
 def _abort_if_distributed(exc: BaseException, stream) -> None:
     MPI = sys.modules.get("mpi4py.MPI")  # never initialise MPI only to abort it
     if MPI is None or not MPI.Is_initialized() or MPI.Is_finalized():
@@ -127,6 +130,9 @@ def _abort_if_distributed(exc: BaseException, stream) -> None:
         sys.stdout.flush()
         stream.write(f"arraytrain: rank {rank} of {size} failed; aborting all {size} ranks (MPI_Abort)\n{text}")
         stream.flush()
+        # the launcher forwards a rank's output and handles its abort on separate channels: once in a
+        # CI run of 2 ranks it ended the job before forwarding the line just written, so give it a moment
+        time.sleep(_ABORT_GRACE)
     finally:
         world.Abort(1)
         os._exit(1)  # MPICH's Abort may return once the launcher has been told: never run on
