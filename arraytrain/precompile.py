@@ -163,10 +163,12 @@ def _one_call(engine) -> None:
     state, flat, slots = engine.state, engine.params.flat, engine.state.slots
     m = slots["exp_avg"].flat
     for twin in ADAM_CHECKED:
-        twin(flat, engine.grads.flat, m, slots["exp_avg_sq"].flat, np.zeros(0, flat.dtype), engine.layout.pieces,
-             engine.grad_addresses.copy(), np.asarray(engine.layout.offsets, np.int64), flat.itemsize,
-             state.hp["lr"].copy(), state.hp["weight_decay"].copy(), np.zeros((len(engine.layout), 2)), 1.0, True, 1.0,
-             1.0, 1e-6, True, 1.0, 0.9, 0.999, 1e-8, 1.0, False)
+        pieces = engine.layout.pieces
+        twin(flat, engine.grads.flat, m, slots["exp_avg_sq"].flat, np.zeros(0, flat.dtype), pieces, pieces,
+             np.array([0, len(pieces)], np.int64), engine.grad_addresses.copy(),
+             np.asarray(engine.layout.offsets, np.int64), flat.itemsize, state.hp["lr"].copy(),
+             state.hp["weight_decay"].copy(), np.zeros((len(engine.layout), 2)), np.ones(1), np.ones(1), True, 1.0,
+             1.0, 1e-6, True, 1.0, 0.9, 0.999, 1e-8, False)
 
 
 def _cupy():

@@ -183,14 +183,21 @@ def measure_groups(groups: int, calls: int = 2000, repeats: int = 7) -> dict:
             "writes_us_per_group": {"set": best["set"] * 1e6 / groups, "fill_": best["fill"] * 1e6 / groups}}
 
 
-#: The everyday loop's models: (what, builder, input shape, classes)
-LOOP_MODELS = ("transformer-128", "cnn-bn", "transformer-512x4")
+#: The everyday loop's models. ``transformer-128-frozen``: the small TransformerEncoder fine-tuned as
+#: people do, its input projection and first layer frozen (``requires_grad=False``) but handed to the
+#: optimizer with the rest, so their ``.grad`` stays None at every step (torch's rule leaves them out).
+LOOP_MODELS = ("transformer-128", "cnn-bn", "transformer-512x4", "transformer-128-frozen")
 
 
 def loop_model(kind: str):
     """A model of ``kind`` (:data:`LOOP_MODELS`), its input batch and integer targets (seeded)."""
     import torch
 
+    if kind.endswith("-frozen"):
+        model, x, y = loop_model(kind[:-len("-frozen")])
+        for part in (model.embed, model.encoder.layers[0]):
+            part.requires_grad_(False)
+        return model, x, y
     g = torch.Generator().manual_seed(0)
     torch.manual_seed(0)
     nn = torch.nn

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
-from .. import threads
+from .. import param_steps, threads
 from ..amp import LossScaler
 from ..engine import Engine
 from ..errors import BackendError
@@ -111,6 +111,7 @@ class GroupEngine(Engine):
         self.lean = (kernels == "numba" and self.reads_in_place and not lowp and self.params.dtype == np.float32
                      and self.schedule is None)
         self._lean = None  # (the kernel, SERIAL_BELOW, an empty float32 slot), at the first lean step
+        self._lean_tables = {}  # (_tables: the lean step's pieces by which parameters are present, and their counts)
         self.hooks = []
         if self.overlapped:  # the exchange starts while backward runs (see bind's hooks)
             me = weakref.ref(self)
@@ -183,22 +184,50 @@ class GroupEngine(Engine):
                 self.grads_tensor.copy_(self.lp_grads)
                 self.lp_grads.zero_()
 
-    def lean_step(self, bases: np.ndarray, max_grad_norm, rates: np.ndarray) -> StepReport | None:
+    def lean_step(self, bases: np.ndarray, max_grad_norm, rates: np.ndarray, held=()) -> StepReport | None:
         """The step in one compiled call (:data:`arraytrain.kernels.cpu.optimizers.ADAM_CHECKED`),
         bitwise the staged :meth:`~arraytrain.Engine.step`'s, where it applies: Adam or AdamW with
-        float32 state and neither masks nor per-parameter step counts, every gradient a ``.grad`` read
-        where it lies (``bases``, by segment, as :meth:`~arraytrain.Engine.read_in_place` takes them),
-        no divisor (GradScaler); ``nonfinite`` either way. ``rates``: the groups' lr and weight decay per
+        float32 state and no mask, every gradient a ``.grad`` read where it lies (``bases``, by segment,
+        as :meth:`~arraytrain.Engine.read_in_place` takes them) but the parameters ``held`` (segments
+        whose ``.grad`` is None: left out, torch's rule, with ``missing="skip"``), no divisor
+        (GradScaler); ``nonfinite`` either way; parameters at different step counts each with its own
+        bias corrections (:mod:`arraytrain.param_steps`). ``rates``: the groups' lr and weight decay per
         parameter (a row each).
         Returns the step's report; None where it does not apply or the gradient is not finite, and
         then nothing changed (the staged step takes it, and skips it)."""
-        opt, state = self.optimizer, self.state
-        if (not self.lean or type(opt) not in (Adam, AdamW) or opt.state_dtype is not None or state.counts is not None
-                or self.counters.micro or self._placement.kernel_mask is not None):
+        opt = self.optimizer
+        if (not self.lean or type(opt) not in (Adam, AdamW) or opt.state_dtype is not None or self.counters.micro
+                or self._placement.kernel_mask is not None or (held and self.missing != "skip")):
             return None
-        return self._noticed(self._lean_step, bases, max_grad_norm, rates)
+        return self._noticed(self._lean_step, bases, max_grad_norm, rates, held)
 
-    def _lean_step(self, bases, max_grad_norm, rates):
+    def _tables(self, held):
+        """``(pieces, upieces, bounds, counts)``: the norm pass's rows (the present parameters'), the
+        update's rows by step count and their bounds, and each group's count before this step (int64)."""
+        state, nseg = self.state, len(self.layout)
+        absent = None
+        if held:
+            absent = np.zeros(nseg, dtype=bool)
+            absent[list(held)] = True
+        # (the present parameters' counts against the engine's: an absent one's own count does not matter)
+        key = (None if absent is None else absent.tobytes(), None if state.counts is None else
+               (state.counts - state.step if absent is None else state.counts[~absent] - state.step).tobytes())
+        cached = self._lean_tables.get(key)
+        if cached is None:
+            whole = self.layout.pieces
+            groups = param_steps.groups(absent, state.counts, state.step)
+            tables = [param_steps.pieces_of(whole, keep) for _, keep in groups]
+            bounds = np.cumsum([0] + [len(t) for t in tables]).astype(np.int64)
+            upieces = np.concatenate(tables) if len(tables) > 1 else tables[0]
+            upieces.flags.writeable = False
+            cached = (param_steps.pieces_of(whole, None if absent is None else ~absent), upieces, bounds,
+                      np.array([c - state.step for c, _ in groups], np.int64))
+            if len(self._lean_tables) >= 8:  # (a few patterns recur: frozen layers, branches at a lag)
+                self._lean_tables.clear()
+            self._lean_tables[key] = cached
+        return cached
+
+    def _lean_step(self, bases, max_grad_norm, rates, held):
         if self._lean is None:  # (numba, imported at the first step that needs it)
             from ..kernels.cpu import SERIAL_BELOW
             from ..kernels.cpu.optimizers import ADAM_CHECKED
@@ -207,8 +236,10 @@ class GroupEngine(Engine):
         opt, state = self.optimizer, self.state
         self._enter("step()")
         try:
-            t = state.step + 1
+            step = state.step
+            pieces, upieces, bounds, lags = self._tables(held)
             b1, b2 = opt.betas
+            ts = [step + 1 + int(lag) for lag in lags]  # (each group's t: its count before the step, plus one)
             flat = self.params.flat
             parallel = flat.size >= serial_below and not threads.forked_omp  # (kernels.cpu._jit.pick's choice)
             if parallel:
@@ -218,14 +249,21 @@ class GroupEngine(Engine):
             self.loss_scaler.scale = 1.0
             total, per_seg, applied = twins[0 if parallel else 1](
                 flat, self.grads.flat, slots["exp_avg"].flat, slots["exp_avg_sq"].flat,
-                slots["max_exp_avg_sq"].flat if opt.amsgrad else empty, self.layout.pieces, bases,
+                slots["max_exp_avg_sq"].flat if opt.amsgrad else empty, pieces, upieces, bounds, bases,
                 self._grad_offsets[0], flat.itemsize, state.hp["lr"], state.hp["weight_decay"], rates,
-                1.0 - b1**t, isinstance(opt, AdamW), 1.0, -1.0 if max_grad_norm is None else float(max_grad_norm),
+                np.array([1.0 - b1**t for t in ts]), np.array([1.0 / math.sqrt(1.0 - b2**t) for t in ts]),
+                isinstance(opt, AdamW), 1.0, -1.0 if max_grad_norm is None else float(max_grad_norm),
                 float(self.clip_eps), self.nonfinite == "skip", -1.0 if opt.maximize else 1.0, float(b1), float(b2),
-                float(opt.eps), 1.0 / math.sqrt(1.0 - b2**t), bool(opt.amsgrad))  # (floats: one compiled signature)
+                float(opt.eps), bool(opt.amsgrad))  # (floats: one compiled signature)
             if not applied:
                 return None
-            state.step = t
+            state.step = step + 1
+            if held or state.counts is not None:
+                absent = None
+                if held:
+                    absent = np.zeros(len(self.layout), dtype=bool)
+                    absent[list(held)] = True
+                state.counts = param_steps.advanced(absent, state.counts, step, len(self.layout))
             # the staged step's finding: the sums' norms, or NaN where there was no pass or a NaN/Inf applied
             found = NormPass.of_sums(math.sqrt(total), per_seg) if math.isfinite(total) else \
                 NormPass.lazy(math.nan, lambda: np.full(len(per_seg), math.nan))

@@ -11,9 +11,9 @@ count and every hyperparameter that is one number for a whole kernel (betas, eps
 ...). ``lr`` and ``weight_decay`` may differ freely between the groups of one cohort: they are
 the engine's per-parameter values (``engine.state.hp``), rewritten from the groups when a group
 changed, without a pass over any buffer. Usually there is one cohort, so one step is one norm
-pass and one fused kernel over every parameter; for Adam and AdamW with float32 state, every
-parameter given a gradient, both in one compiled call (:meth:`GroupEngine.lean_step`), bitwise the
-engine's staged step. The class's ``step`` carries its own version of torch's step wrapper
+pass and one fused kernel over every parameter; for Adam and AdamW with float32 state, both in one
+compiled call (:meth:`GroupEngine.lean_step`; parameters without a gradient left out, each parameter
+at its own step count), bitwise the engine's staged step. The class's ``step`` carries its own version of torch's step wrapper
 (:func:`_hooked`): torch's hooks, and the profiler's range only while a profiler runs.
 
 A group's hyperparameters are read at every :meth:`TorchOptimizer.step`: a tuple of the group's
@@ -904,8 +904,8 @@ class TorchOptimizer(torch.optim.Optimizer):
         if one and divisor == 1.0:
             data_fixes, _, held, bases = plans[0]
             c = self._cohorts[0]
-            if bases is not None and not data_fixes and not held:  # the common step: in one compiled call
-                report = c.engine.lean_step(bases, self.max_grad_norm, c.rates)
+            if bases is not None and not data_fixes:  # the common step: in one compiled call
+                report = c.engine.lean_step(bases, self.max_grad_norm, c.rates, held)
                 if report is not None:
                     c.held = False
                     c.engine.clean = set()

@@ -56,11 +56,14 @@ def test_group_reading_is_measured_per_group():
     assert all(np.isfinite(v) for v in out["us_per_group"].values())
 
 
-@pytest.mark.parametrize("kind", ["transformer-128", "cnn-bn"])
+@pytest.mark.parametrize("kind", ["transformer-128", "cnn-bn", "transformer-128-frozen"])
 def test_everyday_loop_contestants_train_alike(kind):
     """The everyday loop's three contestants (torch fused + clip_grad_norm_, the drop-in + clip_grad_norm_,
-    the drop-in with max_grad_norm) take the same steps from the same model."""
+    the drop-in with max_grad_norm) take the same steps from the same model; frozen parameters (given to the
+    optimizer, never a gradient) stay as they were in all of them."""
     made = dropin.loop_contestants(kind, steps=4, total=10)
+    start = {n: p.detach().numpy().copy() for n, p in dropin.loop_model(kind)[0].named_parameters()}
+    assert any(not p.requires_grad for p in made["drop-in"][1].parameters()) == kind.endswith("frozen")
     models = {}
     for name, (round_, m) in made.items():
         assert round_() > 0
@@ -71,6 +74,8 @@ def test_everyday_loop_contestants_train_alike(kind):
             a, b = p.detach().numpy(), ref[n].detach().numpy()
             # Adam turns float rounding into steps of up to lr (1e-3) where a gradient is near 0: every weight
             # within one such step, and all but a few in a thousand within a tenth of it
+            if not p.requires_grad:
+                assert np.array_equal(a, b) and np.array_equal(a, start[n]), f"{name}: {n}"
             np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-3, err_msg=f"{name}: {n}")
             assert np.mean(~np.isclose(a, b, rtol=1e-3, atol=1e-4)) < 2e-3, f"{name}: {n}"
 

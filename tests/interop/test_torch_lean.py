@@ -2,8 +2,9 @@
 ``arraytrain.kernels.cpu.optimizers.ADAM_CHECKED``) is bitwise the staged step's: parameters, state,
 step counts, reports and state dicts, for Adam and AdamW (amsgrad, maximize, L2 and decoupled decay),
 clipped or not under both clip rules, two param groups with a scheduler changing lr and betas every
-step, both twins (a model under and over the serial twin's size); a NaN gradient, a parameter
-without a gradient and a GradScaler's divisor go the staged step, as before. And the drop-ins' own
+step, both twins (a model under and over the serial twin's size), parameters without a gradient
+(torch's rule: left alone, each at its own step count) frozen from the start, skipping some steps and
+then back; a NaN gradient and a GradScaler's divisor go the staged step, as before. And the drop-ins' own
 step wrapper keeps torch's step hooks and the profiler's range."""
 
 import numpy as np
@@ -46,7 +47,8 @@ def staged(opt):
     return opt
 
 
-def run(cls, kw, width, steps=6, nan_at=None, hole_at=None, lean=True):
+def run(cls, kw, width, steps=6, nan_at=None, hole_at=None, lean=True, holes=None):
+    """``holes``: the step's parameters (by their place in ``model.parameters()``) whose ``.grad`` is None."""
     m = model(width)
     opt = cls(groups(m), **kw)
     if not lean:
@@ -63,6 +65,8 @@ def run(cls, kw, width, steps=6, nan_at=None, hole_at=None, lean=True):
             m[0].weight.grad[0, 0] = float("nan")
         if t == hole_at:
             m[2].bias.grad = None
+        for i in (holes or {}).get(t, ()):
+            list(m.parameters())[i].grad = None
         opt.step()
         reports.append(opt.reports)
         sched.step()
@@ -121,9 +125,9 @@ def test_nan_a_missing_gradient_and_a_divisor_take_the_staged_step():
     lean = run(cls, kw, 8, steps=8, nan_at=2, hole_at=4)
     ref = run(cls, kw, 8, steps=8, nan_at=2, hole_at=4, lean=False)
     # the NaN step (2): the one call found it and wrote nothing, the staged step skipped it; the step
-    # without the bias's gradient (4) never tries the one call, and from then on the parameters' step
-    # counts differ (torch's rule), which the staged step keeps
-    assert lean[2] == [True, True, False, True, False, False, False]
+    # without the bias's gradient (4) leaves it out, and from then on the parameters' step counts differ
+    # (torch's rule): the one call takes them all
+    assert lean[2] == [True, True, False, True, True, True, True, True]
     assert lean[3][2][0].skipped and not lean[3][2][0].applied
     assert_bitwise(lean, ref)
     for kw in ({"lr": 1e-2, "nonfinite": "apply"}, {"lr": 1e-2, "nonfinite": "apply", "max_grad_norm": 0.05}):
@@ -142,6 +146,32 @@ def test_nan_a_missing_gradient_and_a_divisor_take_the_staged_step():
     scaler.step(opt)
     scaler.update()
     assert not called and opt.reports[0].applied  # the divisor: the staged step
+
+
+HOLES = {
+    # the first layer frozen from the start (never a gradient), nothing else
+    "frozen": {t: (0, 1) for t in range(8)},
+    # a branch unused for three steps, then used: two step counts from then on; another parameter
+    # missing once later (three counts), the 0-element parameter missing too
+    "unused, then used": {0: (2, 3), 1: (2, 3), 2: (2, 3, 4), 5: (1, 4)},
+    # every parameter but one without a gradient
+    "all but one": {3: (0, 1, 2, 4, 5, 6)},
+}
+
+
+@pytest.mark.parametrize("width", [8, SERIAL_BELOW // 16 + 3], ids=["serial", "parallel"])
+@pytest.mark.parametrize("holes", list(HOLES))
+@pytest.mark.parametrize("case", ["AdamW clipped", "Adam amsgrad maximize", "AdamW nonfinite apply"])
+def test_parameters_without_a_gradient_in_one_call_bitwise(case, holes, width):
+    cls, kw = CASES[case]
+    lean = run(cls, kw, width, steps=8, holes=HOLES[holes])
+    ref = run(cls, kw, width, steps=8, holes=HOLES[holes], lean=False)
+    assert all(lean[2]) and len(lean[2]) == 8
+    assert_bitwise(lean, ref)
+    m, opt = lean[0], lean[1]
+    counts = [float(opt.state[p]["step"]) for p in m.parameters()]
+    expected = [8 - sum(i in HOLES[holes].get(t, ()) for t in range(8)) for i in range(len(counts))]
+    assert counts == expected  # (each parameter's own count: torch's rule)
 
 
 def test_torch_step_hooks_and_the_profiler_range():

@@ -197,13 +197,10 @@ def rates_into(hp_lr, hp_wd, lr, weight_decay, lr_div, decoupled, step_size, l2,
             decay[i] = 1.0
 
 
-def _adam_checked(p, g, m, v, vmax, pieces, bases, offsets, itemsize, hp_lr, hp_wd, rates, lr_div, decoupled,
-                  unscale, max_norm, clip_eps, check, sign, beta1, beta2, eps, inv_bc2_sqrt, amsgrad):
-    npieces, nseg = pieces.shape[0], offsets.size
-    gp = np.empty(npieces, np.int64)
-    for j in range(npieces):
-        s = pieces[j, 2]
-        gp[j] = bases[s] + (pieces[j, 0] - offsets[s]) * itemsize
+def _adam_checked(p, g, m, v, vmax, pieces, upieces, bounds, bases, offsets, itemsize, hp_lr, hp_wd, rates, lr_divs,
+                  inv_bc2_sqrts, decoupled, unscale, max_norm, clip_eps, check, sign, beta1, beta2, eps, amsgrad):
+    nseg = offsets.size
+    gp = _piece_addresses(pieces, bases, offsets, itemsize)
     if check or max_norm >= 0.0:
         total, per_seg = _sumsq_twin(g, pieces, gp, nseg)
     else:  # nothing needs the norm pass
@@ -225,11 +222,24 @@ def _adam_checked(p, g, m, v, vmax, pieces, bases, offsets, itemsize, hp_lr, hp_
     step_size = np.empty(nseg, np.float32)
     l2 = np.empty(nseg, np.float32)
     decay = np.empty(nseg, np.float32)
-    rates_into(hp_lr, hp_wd, 0.0, 0.0, lr_div, decoupled, step_size, l2, decay)
-    _adam_twin(p, g, m, v, vmax, pieces, gp, gscale, step_size, np.float32(1.0 - beta1), np.float32(beta2),
-               np.float32(1.0 - beta2), np.float32(eps), np.float32(inv_bc2_sqrt), l2, decay, amsgrad, None, LP_NONE,
-               None, None)
+    ugp = _piece_addresses(upieces, bases, offsets, itemsize)
+    for k in range(lr_divs.size):  # (one launch per step count among the parameters, as run_groups makes them)
+        rates_into(hp_lr, hp_wd, 0.0, 0.0, lr_divs[k], decoupled, step_size, l2, decay)
+        a, b = bounds[k], bounds[k + 1]
+        _adam_twin(p, g, m, v, vmax, upieces[a:b], ugp[a:b], gscale, step_size, np.float32(1.0 - beta1),
+                   np.float32(beta2), np.float32(1.0 - beta2), np.float32(eps), np.float32(inv_bc2_sqrts[k]), l2, decay,
+                   amsgrad, None, LP_NONE, None, None)
     return total, per_seg, True
+
+
+@njit(**JIT)
+def _piece_addresses(pieces, bases, offsets, itemsize):
+    """Where each piece's gradient starts: parameter ``s``'s gradient lies at ``bases[s]``."""
+    gp = np.empty(pieces.shape[0], np.int64)
+    for j in range(pieces.shape[0]):
+        s = pieces[j, 2]
+        gp[j] = bases[s] + (pieces[j, 0] - offsets[s]) * itemsize
+    return gp
 
 
 def _calling(fn, suffix: str, **kernels):
@@ -250,12 +260,15 @@ def _calling(fn, suffix: str, **kernels):
 #: (:data:`~arraytrain.kernels.cpu.reductions.SUMSQ_TWINS`' and Adam's) with the arguments the staged
 #: step forms, each by the same float64 operations: the gradient of parameter ``s`` lies at
 #: ``bases[s]`` (``offsets``: the parameters' first elements, ``itemsize`` bytes each); the sum of
-#: squares gives the norm ``sqrt(total) / unscale`` and the clip factor of ``max_norm`` (< 0: none)
-#: and ``clip_eps`` (:func:`arraytrain.ops.clip_coef`; without ``check`` and ``max_norm`` no norm pass, and a
-#: non-finite gradient is applied, its norm NaN, as ``nonfinite="apply"`` takes it); ``rates`` (a row per parameter: lr, weight
-#: decay) is written into ``hp_lr``/``hp_wd`` (``OptState.hp``) and gives the rates
-#: :func:`arraytrain.optim._rates.step_rates` would (``lr_div``: Adam's bias correction); then the
-#: update with ``gscale = sign * coef / unscale``. Not finite with ``check``: ``applied`` False, nothing written.
+#: squares over ``pieces`` (the present parameters' rows of the layout's table) gives the norm
+#: ``sqrt(total) / unscale`` and the clip factor of ``max_norm`` (< 0: none) and ``clip_eps``
+#: (:func:`arraytrain.ops.clip_coef`; without ``check`` and ``max_norm`` no norm pass, and a non-finite
+#: gradient is applied, its norm NaN, as ``nonfinite="apply"`` takes it); ``rates`` (a row per
+#: parameter: lr, weight decay) is written into ``hp_lr``/``hp_wd`` (``OptState.hp``); then one update
+#: per step count among the present parameters (:func:`arraytrain.param_steps.groups`): rows
+#: ``bounds[k]:bounds[k + 1]`` of ``upieces`` with Adam's bias corrections ``lr_divs[k]`` and
+#: ``inv_bc2_sqrts[k]``, the rates :func:`arraytrain.optim._rates.step_rates` would give, and ``gscale =
+#: sign * coef / unscale``. Not finite with ``check``: ``applied`` False, nothing written.
 #: The gradient is read, not zeroed (it is the caller's). float32 parameters and state only.
 ADAM_CHECKED = (_calling(_adam_checked, "_parallel", _sumsq_twin=SUMSQ_TWINS[0], _adam_twin=_ADAM[0]),
                 _calling(_adam_checked, "_serial", _sumsq_twin=SUMSQ_TWINS[1], _adam_twin=_ADAM[1]))
