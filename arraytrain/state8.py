@@ -40,6 +40,16 @@ moment's square root: docs/guide.md#float8-state. See :func:`float8_encode`; eve
 encoder equals it bit for bit, and decoding is the map's value times the scale, as for the
 dynamic map. A block holding a NaN or an infinity has a NaN scale and every code 0x7F (NaN in
 both formats): it decodes as NaN.
+
+Inside an optimizer's step the e5m2 slots are re-encoded with **stochastic rounding**
+(:func:`sr_codes`): a second moment or a sum of squares moves by a fraction of a percent a step
+(``1 - beta2``), far below half an e5m2 step (6-12%), so rounded to nearest its codes stop
+moving and the moment falls behind its float32 twin (measured: the update 1.26x float32's at step
+300, docs/guide.md#float8-state); rounded up with the probability of the distance, it follows
+it on average. The noise is a hash of the element's place (its parameter and position in it) and
+a key of the step (:func:`sr_salt`: the step count and the slot's name), so the bits do not
+depend on threads, partitions or the family, and a resumed run repeats them. Conversions
+(checkpoints, ``load_state_dict``, a first encode) round to nearest even.
 """
 
 from __future__ import annotations
@@ -270,6 +280,68 @@ def float8_encode(x, map_name: str) -> tuple[np.ndarray, np.ndarray]:
     return codes.ravel()[: x.size].copy(), scale
 
 
+#: The smallest normal e5m2 value as float32 bits: below it (the subnormals' fixed step) the
+#: stochastic rounding of :func:`sr_codes` rounds to nearest even.
+E5M2_NORMAL_BITS = 0x38800000
+#: The largest finite e5m2 code: a product a little above 57344 stays there.
+E5M2_TOP_CODE = 0x7B
+_M32 = 0xFFFFFFFF
+
+
+def _mix32(x: int) -> int:
+    """A 32-bit integer hash (lowbias32: xor-shifts and two odd multipliers)."""
+    x &= _M32
+    x ^= x >> 16
+    x = (x * 0x7FEB352D) & _M32
+    x ^= x >> 15
+    x = (x * 0x846CA68B) & _M32
+    return x ^ (x >> 16)
+
+
+def sr_salt(step: int, name: str) -> int:
+    """The stochastic rounding's key for slot ``name`` at step ``step`` (the count the step takes
+    the parameters to): a uint32 from the two, so every step and every slot draws other noise."""
+    h = 0
+    for b in name.encode():
+        h = _mix32(h ^ b)
+    return _mix32(h ^ _mix32(int(step)))
+
+
+def sr_key(salt: int, seg: int) -> int:
+    """The noise key of parameter ``seg`` (by its place in the layout) under ``salt``."""
+    return (int(salt) ^ ((int(seg) * 0x27D4EB2F) & _M32)) & _M32
+
+
+def sr_noise(pos, key: int) -> np.ndarray:
+    """21 bits of noise per element (uint32): ``((pos * 0x9E3779B1) ^ key) * 0x85EBCA77``, its top
+    21 bits (``pos``: the elements' positions in their parameter, mod 2**32; arithmetic mod 2**32)."""
+    pos = np.asarray(pos).astype(np.uint64) & np.uint64(_M32)
+    x = ((pos * np.uint64(0x9E3779B1)) & np.uint64(_M32)) ^ np.uint64(key)
+    return (((x * np.uint64(0x85EBCA77)) & np.uint64(_M32)) >> np.uint64(11)).astype(np.uint32)
+
+
+def sr_codes(x, pos, key: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(codes, scale)`` of one block of float32 ``x`` in e5m2 as :func:`float8_encode` forms them
+    (the scale, the NaN and all-tiny blocks alike), but each product ``q = x * (top / absmax)`` of
+    e5m2's normal range stochastically rounded: the float32 bits of ``|q|`` plus :func:`sr_noise`
+    of the elements' positions ``pos`` under ``key`` (:func:`sr_key`), shifted right by the 21
+    mantissa bits e5m2 lacks and rebiased (at most the largest finite code): ``|q|`` rounds up
+    with the probability of its distance from the code below. Below the normal range (2**-14 of
+    the format: 2**-30 of the block's largest) and for NaN blocks, :func:`float8_encode`'s code."""
+    x = np.asarray(x, np.float32).ravel()
+    codes, scale = float8_encode(x, "e5m2")
+    if x.size == 0 or not (np.isfinite(scale[0]) and scale[0] > 0):
+        return codes, scale
+    m = (x.view(np.uint32) & np.uint32(0x7FFFFFFF)).max().view(np.float32)
+    inv = np.float32(np.float32(F8_TOP["e5m2"]) / m)
+    u = (x * inv).astype(np.float32).view(np.uint32)
+    a = (u & np.uint32(0x7FFFFFFF)).astype(np.uint64)
+    up = ((a + sr_noise(pos, key)) >> np.uint64(21)) - np.uint64(112 << 2)
+    up = np.minimum(up, np.uint64(E5M2_TOP_CODE)).astype(np.uint32) | ((u >> np.uint32(24)) & np.uint32(0x80))
+    normal = a >= np.uint64(E5M2_NORMAL_BITS)
+    return np.where(normal, up.astype(np.uint8), codes), scale
+
+
 def encode(x, map_name: str) -> tuple[np.ndarray, np.ndarray]:
     """``(codes, per-block float32)`` of a 1-D array in map ``map_name``'s form (reference code)."""
     if map_name in FLOAT8_MAPS:
@@ -339,6 +411,7 @@ class _Tables(NamedTuple):
     offset: np.ndarray  # per segment: where its first element held here sits in the slot's codes
     spans: tuple  # per segment: ``(start, stop)`` of its elements held here ((0, 0): none)
     naux: int  # side-array entries
+    start: np.ndarray  # per segment: the position in the parameter of its first element held here (spans' starts)
 
 
 def _tables(layout: Layout, threshold: int, lo: int, length: int) -> _Tables:
@@ -357,7 +430,7 @@ def _tables(layout: Layout, threshold: int, lo: int, length: int) -> _Tables:
         spans.append(span)
         naux += _nblocks(*span) if q else span[1] - span[0]
     return _Tables(np.asarray(base, np.int64), np.asarray(quant, np.uint8), np.asarray(offset, np.int64),
-                   tuple(spans), naux)
+                   tuple(spans), naux, np.asarray([a for a, _ in spans], np.int64))
 
 
 class Quant8Buffer:
@@ -415,10 +488,10 @@ class Quant8Buffer:
         if self.signed and codec == "dynamic":  # value 0 is code 127 in the signed map, 0 elsewhere
             self.codes.fill(np.uint8(np.searchsorted(SIGNED_MAP, 0.0)))
         if codec == "float8":
-            tables = (self.base, self.quant, self.offset, MAPS[self.map_name])
+            tables = (self.base, self.quant, self.offset, MAPS[self.map_name], t.start)
             if xp is not np:  # the kernels read every table on the device
                 tables = tuple(xp.asarray(t) for t in tables)
-            self._arg = F8(self.codes, self.aux, *tables, int(not self.signed))  # wide: e5m2
+            self._arg = F8(self.codes, self.aux, *tables[:4], int(not self.signed), tables[4], 0)  # wide: e5m2
             return
         book = codebook(self.signed)
         tables = (self.base, self.quant, self.offset, book.qmap, book.table)

@@ -82,6 +82,11 @@ class F8(NamedTuple):
     ``wide`` 1 (a slot that is never negative), e5m2 codes (``top`` 57344); ``qmap`` the
     format's 256 values. Encoding a block is integer work (no table): see
     :func:`arraytrain.state8.float8_encode`, which every family's encoder equals bit for bit.
+    A ``wide`` slot is re-encoded with stochastic rounding (:func:`arraytrain.state8.sr_codes`):
+    ``start`` (int64 per segment) is the position in its parameter of the segment's first element
+    held here (0 but in a partition's window), so element ``i`` of segment ``seg`` sits at position
+    ``i - offset[seg] + start[seg]``; ``salt`` (uint32) is the step's key
+    (:func:`arraytrain.state8.sr_salt`, set by the optimizer for each step).
     """
 
     codes: np.ndarray
@@ -91,6 +96,8 @@ class F8(NamedTuple):
     offset: np.ndarray
     qmap: np.ndarray
     wide: int
+    start: np.ndarray
+    salt: int
 
 
 #: The slot types of block-quantized state (8-bit dynamic map, float8): ``isinstance(x, QUANTIZED)``.

@@ -170,8 +170,12 @@ class Optimizer(ABC):
     @staticmethod
     def _slot(state: OptState, name: str):
         """A slot as the kernels take it: the flat array, its uint16 bits for bfloat16 storage, or
-        the :class:`arraytrain.state8.Q8` of an 8-bit slot."""
-        return slot_arg(state.slots[name])
+        the :class:`arraytrain.state8.Q8` of an 8-bit slot (a float8 e5m2 slot with the stochastic
+        rounding's key of the step that takes ``state.step`` to ``state.step + 1``)."""
+        arg = slot_arg(state.slots[name])
+        if isinstance(arg, state8.F8) and arg.wide:
+            return state8.F8(*arg[:-1], state8.sr_salt(state.step + 1, name))  # (salt: the last field)
+        return arg
 
     def _pieces(self, params) -> np.ndarray:
         """The pieces the kernels walk: the layout's, or with 8-bit state in a layout whose offsets

@@ -7,7 +7,8 @@ AVX-512; and the encoder's codes equal state8.nearest_codes on both. Float8 stat
 float loop, the decoder's packed float16 convert (``vcvtph2ps``: each code widened to a float16)
 and the encoder's packed byte narrowing (``vpmovdb`` on AVX-512; on AVX2 a byte shuffle,
 ``vpshufb``, or ``vpackuswb``), and the codec equal to state8.float8_encode and the maps bit for
-bit on both targets.)
+bit on both targets; the step's stochastic rounding of e5m2 slots packed too (its hash's
+``vpmulld``, the narrowing) and equal to state8.sr_codes.)
 
 Each kernel with bfloat16 state, each optimizer's working-copy writer (bfloat16 and float16)
 and the cast that rebuilds a working copy is compiled in a subprocess for an AVX2 target
@@ -58,6 +59,7 @@ PATTERNS = {
     "decode": r"vperm[it]2ps\s[^\n]*%zmm",
     "widen8": r"vcvtph2ps\s[^\n]*%[yz]mm",
     "narrow8": r"vpmovdb\s|vpackuswb\s|vpshufb\s",
+    "mul32": r"vpmulld\s[^\n]*%[yz]mm",
 }
 # float8 state's machine code on the kernels whose slots differ in kind (the codec is the same code in
 # every kernel; each kernel compiled for a target costs seconds of CI)
@@ -166,6 +168,9 @@ def probe() -> dict:
     """Compile every low-precision kernel for this process's target; counts of packed instructions per kernel."""
     import warnings
 
+    global _sr_encode
+    _sr_encode = _sr_encode_dispatcher()
+
     import numpy as np
 
     from arraytrain.kernels import cpu
@@ -206,7 +211,9 @@ def probe() -> dict:
     reductions.cast_working(np.zeros(64, np.uint16), np.zeros(64, np.float32), np.array([[0, 64, 0]]),
                             kind=cpu.LP_F16)
     found["cast_working"] = count(disp, before)
-    return {"asm": found, "bits": {**_bits_checks(), **_q8_checks(), **_f8_checks()}, "lamb": _lamb_bits()}
+    bits = {**_bits_checks(), **_q8_checks(), **_f8_checks()}
+    found["f8-sr-encode"] = count(_sr_encode, set())  # the step's stochastic rounding (e5m2 slots), run above
+    return {"asm": found, "bits": bits, "lamb": _lamb_bits()}
 
 
 def _lamb_bits() -> str:
@@ -238,6 +245,23 @@ def _lamb_bits() -> str:
                 for a in (p, m, v, ratio):
                     digest.update(a.tobytes())
     return digest.hexdigest()
+
+
+def _sr_encode_dispatcher():
+    """The e5m2 slots' stochastically rounding block encoder over blocks of 256, compiled here."""
+    from numba import njit
+
+    from arraytrain.kernels.cpu.codecs import f8_encode_block_sr
+
+    @njit
+    def sr_blocks(x, codes, scales, pos, key):
+        for k in range(0, x.size, 256):
+            scales[k // 256] = f8_encode_block_sr(x[k : k + 256].copy(), codes[k : k + 256], pos + k, key)
+
+    return sr_blocks
+
+
+_sr_encode = None
 
 
 def _f8_checks():
@@ -273,6 +297,17 @@ def _f8_checks():
         out[f"f8-encode/{fmt}"] = int(np.count_nonzero(codes != want_codes)
                                       + np.count_nonzero(scales.view(np.uint32) != want_scales.view(np.uint32)))
         out[f"f8-decode/{fmt}"] = int(np.count_nonzero(vals.view(np.uint32) != want.view(np.uint32)))
+    # the step's stochastic rounding of e5m2 slots against state8.sr_codes
+    x = np.abs(np.concatenate(blocks)).astype(np.float32)
+    codes, scales = np.zeros(x.size, np.uint8), np.zeros(-(-x.size // 256), np.float32)
+    _sr_encode(x, codes, scales, 2**32 + 5, 0x9E3779B9)
+    bad = 0
+    for k in range(0, x.size, 256):
+        want_codes, want_scale = state8.sr_codes(x[k : k + 256], 2**32 + 5 + k + np.arange(x[k : k + 256].size),
+                                                 0x9E3779B9)
+        bad += int(np.count_nonzero(codes[k : k + 256] != want_codes) + (scales.view(np.uint32)[k // 256]
+                                                                        != want_scale.view(np.uint32)[0]))
+    out["f8-encode-sr/e5m2"] = bad
     return out
 
 
@@ -347,7 +382,9 @@ def test_update_loops_are_packed(compiled):
     bad = []
     for key, c in found["asm"].items():
         name, tag = (key.split("/") + [""])[:2]
-        if tag.startswith("float8-state"):  # the codec's packed byte widening and narrowing, the float loop
+        if key == "f8-sr-encode":  # the stochastic rounding's hash (32-bit multiplies) and narrowing, packed
+            need = ["mul32", "narrow8"]
+        elif tag.startswith("float8-state"):  # the codec's packed byte widening and narrowing, the float loop
             need = ["widen8", "float"] + (["narrow8"] if name != "lamb_apply" else [])  # LAMB's 2nd loop decodes only
             if name in SQRT:
                 need.append("sqrt")

@@ -769,23 +769,56 @@ def f8_code(typingctx, y, inv, wide):
     subnormal codes come out of the same instructions (an integer max the only compare),
     checked against ml_dtypes over every float32 below the overflow."""
     def codegen(context, builder, signature, args):
-        i32, f = ir.IntType(32), ir.FloatType()
-        c = lambda v: ir.Constant(i32, v)  # noqa: E731
-        wide = args[2]
-        pick = lambda a, b: builder.select(wide, c(b), c(a))  # noqa: E731
-        sh = pick(20, 21)  # 23 - the mantissa bits
-        lowest = pick(0x3C800000 + (20 << 23), 0x38800000 + (21 << 23))  # c for the smallest normal's binade
-        first = pick(141 << 3, 134 << 2)  # (c's exponent field - first) << mantissa bits: the binade's first code
-        u = builder.bitcast(builder.fmul(args[0], args[1]), i32)
-        a = builder.and_(u, c(0x7FFFFFFF))
-        cb = builder.add(builder.and_(a, c(0x7F800000)), builder.shl(sh, c(23)))
-        cb = builder.select(builder.icmp_unsigned(">", cb, lowest), cb, lowest)
-        t = builder.bitcast(builder.fadd(builder.bitcast(a, f), builder.bitcast(cb, f)), i32)
-        code = builder.add(builder.sub(t, cb), builder.sub(builder.lshr(cb, sh), first))
-        code = builder.or_(code, builder.and_(builder.lshr(u, c(24)), c(0x80)))
-        return builder.trunc(code, ir.IntType(8))
+        u = builder.bitcast(builder.fmul(args[0], args[1]), ir.IntType(32))
+        return builder.trunc(_f8_signed(builder, u, _f8_rne(builder, u, args[2])), ir.IntType(8))
 
     return types.uint8(types.float32, types.float32, types.boolean), codegen
+
+
+def _i32(v: int):
+    """An i32 constant of the uint32 ``v``."""
+    return ir.Constant(ir.IntType(32), v - (1 << 32) if v >= 1 << 31 else v)
+
+
+def _f8_rne(builder, u, wide):
+    """f8_code's magnitude code (i32) of the float32 bits ``u`` (``wide``: an i1)."""
+    i32, f = ir.IntType(32), ir.FloatType()
+    pick = lambda a, b: builder.select(wide, _i32(b), _i32(a))  # noqa: E731
+    sh = pick(20, 21)  # 23 - the mantissa bits
+    lowest = pick(0x3C800000 + (20 << 23), 0x38800000 + (21 << 23))  # c for the smallest normal's binade
+    first = pick(141 << 3, 134 << 2)  # (c's exponent field - first) << mantissa bits: the binade's first code
+    a = builder.and_(u, _i32(0x7FFFFFFF))
+    cb = builder.add(builder.and_(a, _i32(0x7F800000)), builder.shl(sh, _i32(23)))
+    cb = builder.select(builder.icmp_unsigned(">", cb, lowest), cb, lowest)
+    t = builder.bitcast(builder.fadd(builder.bitcast(a, f), builder.bitcast(cb, f)), i32)
+    return builder.add(builder.sub(t, cb), builder.sub(builder.lshr(cb, sh), first))
+
+
+def _f8_signed(builder, u, code):
+    """``code`` with the sign of the float32 bits ``u``."""
+    return builder.or_(code, builder.and_(builder.lshr(u, _i32(24)), _i32(0x80)))
+
+
+@intrinsic
+def f8_code_sr(typingctx, y, inv, pos, key):
+    """The e5m2 code of the float32 product ``y * inv`` stochastically rounded, as
+    :func:`arraytrain.state8.sr_codes`: in e5m2's normal range the bits of ``|q|`` plus 21 bits of
+    noise (``((pos * 0x9E3779B1) ^ key) * 0x85EBCA77 >> 11``, 32-bit arithmetic; ``pos`` the
+    element's position in its parameter, ``key`` :func:`arraytrain.state8.sr_key`'s), shifted by
+    21 and rebiased, at most the largest finite code; below it :func:`f8_code`'s round to nearest."""
+    def codegen(context, builder, signature, args):
+        i32 = ir.IntType(32)
+        u = builder.bitcast(builder.fmul(args[0], args[1]), i32)
+        a = builder.and_(u, _i32(0x7FFFFFFF))
+        h = builder.xor(builder.mul(builder.trunc(args[2], i32), _i32(0x9E3779B1)), builder.trunc(args[3], i32))
+        noise = builder.lshr(builder.mul(h, _i32(0x85EBCA77)), _i32(11))
+        up = builder.sub(builder.lshr(builder.add(a, noise), _i32(21)), _i32(112 << 2))
+        up = builder.select(builder.icmp_unsigned(">", up, _i32(0x7B)), _i32(0x7B), up)
+        rne = _f8_rne(builder, u, ir.Constant(ir.IntType(1), 1))
+        code = builder.select(builder.icmp_unsigned(">=", a, _i32(0x38800000)), up, rne)
+        return builder.trunc(_f8_signed(builder, u, code), ir.IntType(8))
+
+    return types.uint8(types.float32, types.float32, types.int64, types.int64), codegen
 
 
 def _f8_value_bits(builder, k, wide):
@@ -892,6 +925,29 @@ def f8_encode_block(vals, cb, wide):
     return exact_div(am, top)
 
 
+@njit(inline="always", **JIT)
+def f8_encode_block_sr(vals, cb, pos, key):
+    """:func:`f8_encode_block` in e5m2 with stochastic rounding (:func:`f8_code_sr`; ``pos`` the
+    position of ``vals[0]`` in its parameter), as :func:`arraytrain.state8.sr_codes`."""
+    m = np.uint32(0)
+    for i in range(vals.size):
+        m = umax32(m, abs_bits(vals[i]))
+    if m >= np.uint32(0x7F800000):  # a NaN or an infinity: a NaN block
+        for i in range(vals.size):
+            cb[i] = np.uint8(0x7F)
+        return bits_as_f32(np.uint32(0x7FC00000))
+    am = bits_as_f32(m)
+    if am < np.float32(2.0 ** -111):  # (state8.F8_TINY) stored as zeros
+        for i in range(vals.size):
+            cb[i] = f8_code(vals[i], np.float32(0.0), True)
+        return np.float32(0.0)
+    top = np.float32(57344.0)
+    inv = exact_div(top, am)
+    for i in range(vals.size):
+        cb[i] = f8_code_sr(vals[i], inv, pos + i, key)
+    return exact_div(am, top)
+
+
 def state_step(a, seg, n):
     """Elements per step of a piece of ``n`` elements of segment ``seg`` (jitted code only)."""
     raise NotImplementedError("only callable from jitted code")
@@ -972,7 +1028,11 @@ def _state_close(a, seg, lo, hi, vals):
         def impl(a, seg, lo, hi, vals):
             if a.quant[seg]:
                 codes = a.codes[lo:hi]
-                sc = f8_encode_block(vals, codes, True) if a.wide else f8_encode_block(vals, codes, False)
+                if a.wide:  # (stochastic rounding: the element's place and the step's salt)
+                    sc = f8_encode_block_sr(vals, codes, lo - a.offset[seg] + a.start[seg],
+                                            (a.salt ^ ((seg * 0x27D4EB2F) & 0xFFFFFFFF)) & 0xFFFFFFFF)
+                else:
+                    sc = f8_encode_block(vals, codes, False)
                 k = a.base[seg] + (lo - a.offset[seg]) // QBLOCK
                 scale = a.aux[k : k + 1]  # (a one-element view: see the 8-bit close below)
                 scale[0] = sc

@@ -71,20 +71,22 @@ template <> struct state<u16> {
 
 // -- 8-bit state (arraytrain.state8): bitsandbytes' blockwise dynamic quantization ---------
 // An 8-bit slot reaches a kernel as a pointer to its descriptor `q8` in device memory (built
-// from arraytrain.state8.Q8 by the launchers: 7 pointers and 4 ints, 72 bytes). Per segment:
+// from arraytrain.state8.Q8 by the launchers: 8 pointers, 4 ints and a salt, 88 bytes). Per segment:
 // quant[seg] != 0: one uint8 code per element (codes[i], at the flat offsets) and one float32
 // absmax per block of Q8_BLOCK elements counted from the parameter's first element
 // (aux[base[seg] + (i - offset[seg]) / Q8_BLOCK]), value = qmap[code] * absmax; else the
 // segment's float32 values in the side array (aux[base[seg] + i - offset[seg]]).
 // `codec`: 0 the dynamic map (its bucket `table`), 1 float8 e4m3 codes with a float32 scale
 // per block (arraytrain.kernels.interface.F8; qmap the e4m3 values, no table), 2 the same in
-// e5m2 (slots never negative): decoding is qmap[code] * scale alike.
+// e5m2 (slots never negative): decoding is qmap[code] * scale alike. An e5m2 slot is encoded with
+// stochastic rounding (f8_code_sr): `start[seg]` the position in its parameter of the segment's
+// first element held here, `salt` the step's key (arraytrain.state8.sr_salt); null and 0 otherwise.
 #define Q8_BLOCK 256
 struct q8 {
     unsigned char* codes; float* aux; const i64* base; const unsigned char* quant; const i64* offset;
-    const float* qmap; const int* table; int shift, bias, nb, codec;
+    const float* qmap; const int* table; int shift, bias, nb, codec; const i64* start; unsigned long long salt;
 };
-static_assert(sizeof(q8) == 72, "q8: the launchers write 9 eight-byte words");
+static_assert(sizeof(q8) == 88, "q8: the launchers write 11 eight-byte words");
 template <typename S> struct is_q8 { static constexpr bool value = false; };
 template <> struct is_q8<q8> { static constexpr bool value = true; };
 
@@ -135,6 +137,20 @@ __device__ __forceinline__ unsigned char f8_code(float y, float inv, bool wide) 
     return (unsigned char)((t - c + (c >> sh) - (wide ? (134u << 2) : (141u << 3))) | ((u >> 24) & 0x80u));
 }
 
+// The e5m2 code of y * inv stochastically rounded (arraytrain.state8.sr_codes; the CPU family's
+// f8_code_sr): in e5m2's normal range the bits of |q| plus 21 bits of noise, the top bits of
+// ((pos * 0x9E3779B1) ^ key) * 0x85EBCA77 (pos the element's position in its parameter, key the
+// slot's salt mixed with the segment), shifted by 21 and rebiased, at most the top finite code 0x7B;
+// below it f8_code's round to nearest.
+__device__ __forceinline__ unsigned char f8_code_sr(float y, float inv, i64 pos, u32 key) {
+    const u32 u = __float_as_uint(__fmul_rn(y, inv));
+    const u32 a = u & 0x7FFFFFFFu;
+    if (a < 0x38800000u) return f8_code(y, inv, true);
+    const u32 noise = ((((u32)pos * 0x9E3779B1u) ^ key) * 0x85EBCA77u) >> 11;
+    const u32 up = min(((a + noise) >> 21) - (112u << 2), 0x7Bu);
+    return (unsigned char)(up | ((u >> 24) & 0x80u));
+}
+
 // -- a state slot inside a kernel: slot<S> M(m, seg); M.load(i), M.store(i, x), M.close(i, live) --
 // float/double/u16 storage: the state accessor above, close() does nothing.
 template <typename S> struct slot {
@@ -154,16 +170,20 @@ template <typename S> struct slot {
 // and absmax are read in the body, written after close's first barrier.
 template <> struct slot<q8> {
     unsigned char* codes; float* aux; const float* qmap; const int* table;
-    i64 off; int shift, bias, nb, codec; bool quant; float x;
+    i64 off, first; int shift, bias, nb, codec; u32 key; bool quant; float x;
     __device__ __forceinline__ slot(const q8* d, int seg)
-        : codes(nullptr), aux(nullptr), qmap(nullptr), table(nullptr), off(0), shift(0), bias(0), nb(0), codec(0),
-          quant(false), x(0.0f) {
+        : codes(nullptr), aux(nullptr), qmap(nullptr), table(nullptr), off(0), first(0), shift(0), bias(0), nb(0),
+          codec(0), key(0), quant(false), x(0.0f) {
         if (d == nullptr) return;  // a slot this configuration lacks (never read, stored or closed)
         codes = d->codes; qmap = d->qmap; table = d->table;
         shift = d->shift; bias = d->bias; nb = d->nb; codec = d->codec;
         aux = d->aux + d->base[seg];
         off = d->offset[seg];
         quant = d->quant[seg] != 0;
+        if (codec == 2) {  // e5m2: the stochastic rounding's place and key (arraytrain.state8.sr_key)
+            first = d->start[seg] - off;
+            key = (u32)d->salt ^ ((u32)seg * 0x27D4EB2Fu);
+        }
     }
     // i - off >= 0: a chunk lies inside its segment, so >> 8 is the block index
     __device__ __forceinline__ float load(i64 i) const {
@@ -195,7 +215,8 @@ template <> struct slot<q8> {
         } else {
             const float am = __uint_as_float(m), top = wide ? 57344.0f : 448.0f;
             const bool tiny = am < 0x1p-111f;
-            if (live) codes[i] = f8_code(x, tiny ? 0.0f : __fdiv_rn(top, am), wide);
+            const float inv = tiny ? 0.0f : __fdiv_rn(top, am);
+            if (live) codes[i] = wide && !tiny ? f8_code_sr(x, inv, i + first, key) : f8_code(x, inv, wide);
             scale = tiny ? 0.0f : __fdiv_rn(am, top);
         }
         if (threadIdx.x == 0) aux[(i - off) >> 8] = scale;

@@ -541,25 +541,32 @@ _descriptors: dict = {}
 
 def q8_descriptor(q: Q8 | F8):
     """The ``q8`` struct of :data:`arraytrain.kernels.cuda.core.HEADER` for slot ``q`` (CuPy arrays),
-    in device memory: 9 little-endian 64-bit words, the 7 pointers then ``shift | bias << 32`` and
-    ``nb | codec << 32`` (a float8 slot: no table, codec 1 for e4m3 codes, 2 for e5m2). Built once per
-    content (its pointers and ints are its key, so a stale entry cannot describe other memory), at
-    most 256 kept."""
+    in device memory: 11 little-endian 64-bit words, the 7 pointers then ``shift | bias << 32``,
+    ``nb | codec << 32``, ``start`` and the salt (a float8 slot: no table, codec 1 for e4m3 codes, 2
+    for e5m2, whose ``start`` and step's salt its stochastic rounding reads; 0 for the others). Built
+    once per content (its pointers and ints are its key, so a stale entry cannot describe other
+    memory), at most 256 kept; the salt is no part of the key: it changes every step, and its word is
+    rewritten on the stream when it does (a kernel queued before read the old one)."""
     cp = cupy()
+    salt = 0
     if isinstance(q, F8):
+        salt = int(q.salt) & 0xFFFFFFFF if q.wide else 0
         words = (q.codes.data.ptr, q.aux.data.ptr, q.base.data.ptr, q.quant.data.ptr, q.offset.data.ptr,
-                 q.qmap.data.ptr, 0, 0, (1 + int(q.wide)) << 32)
+                 q.qmap.data.ptr, 0, 0, (1 + int(q.wide)) << 32, q.start.data.ptr)
     else:
         words = (q.codes.data.ptr, q.aux.data.ptr, q.base.data.ptr, q.quant.data.ptr, q.offset.data.ptr,
                  q.qmap.data.ptr, q.table.data.ptr, (int(q.shift) & 0xFFFFFFFF) | ((int(q.bias) & 0xFFFFFFFF) << 32),
-                 int(q.nb) & 0xFFFFFFFF)
+                 int(q.nb) & 0xFFFFFFFF, 0)
     key = (cp.cuda.Device().id, words)
     hit = _descriptors.get(key)
     if hit is None:
         if len(_descriptors) >= 256:
             _descriptors.clear()  # launches on the stream keep their order: a queued kernel read its copy first
-        hit = _descriptors[key] = cp.asarray(np.array(words, dtype=np.uint64))
-    return hit
+        hit = _descriptors[key] = [cp.asarray(np.array(words + (salt,), dtype=np.uint64)), salt]
+    elif hit[1] != salt:
+        hit[0][10:].set(np.array([salt], dtype=np.uint64))
+        hit[1] = salt
+    return hit[0]
 
 
 _aligned: dict = {}

@@ -91,8 +91,9 @@ def q8_commit(slot, values, pieces) -> None:
     """Write float32 ``values`` (flat) into an 8-bit slot over ``pieces``: float32 segments as
     they are, 8-bit ones encoded block by block (every block a piece covers; a piece must not
     split one). A float8 slot (:class:`~arraytrain.kernels.interface.F8`): each block by
-    :func:`arraytrain.state8.float8_encode`."""
-    from ...state8 import BLOCK, F8, float8_encode, nearest_codes
+    :func:`arraytrain.state8.float8_encode`, an e5m2 one by :func:`arraytrain.state8.sr_codes`
+    (stochastic rounding: the elements' positions in their parameter and the slot's salt)."""
+    from ...state8 import BLOCK, F8, float8_encode, nearest_codes, sr_codes, sr_key
 
     for lo, hi, seg in np.asarray(pieces).tolist():
         off, b = int(slot.offset[seg]), int(slot.base[seg])
@@ -104,7 +105,11 @@ def q8_commit(slot, values, pieces) -> None:
         for a in range(lo, hi, BLOCK):
             x = np.asarray(values[a : min(a + BLOCK, hi)], np.float32)
             if isinstance(slot, F8):
-                codes, scale = float8_encode(x, "e5m2" if slot.wide else "e4m3")
+                if slot.wide:
+                    first = a - off + int(slot.start[seg])
+                    codes, scale = sr_codes(x, np.arange(first, first + x.size), sr_key(slot.salt, seg))
+                else:
+                    codes, scale = float8_encode(x, "e4m3")
                 slot.codes[a : a + x.size] = codes
                 slot.aux[b + (a - off) // BLOCK] = scale[0]
                 continue
