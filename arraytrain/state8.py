@@ -280,8 +280,8 @@ def float8_encode(x, map_name: str) -> tuple[np.ndarray, np.ndarray]:
     return codes.ravel()[: x.size].copy(), scale
 
 
-#: The smallest normal e5m2 value as float32 bits: below it (the subnormals' fixed step) the
-#: stochastic rounding of :func:`sr_codes` rounds to nearest even.
+#: The smallest normal e5m2 value as float32 bits: below it :func:`sr_codes` rounds the bits of
+#: ``|q| + 2**-14`` (the subnormals' fixed step is the first binade's).
 E5M2_NORMAL_BITS = 0x38800000
 #: The largest finite e5m2 code: a product a little above 57344 stays there.
 E5M2_TOP_CODE = 0x7B
@@ -313,21 +313,25 @@ def sr_key(salt: int, seg: int) -> int:
 
 
 def sr_noise(pos, key: int) -> np.ndarray:
-    """21 bits of noise per element (uint32): ``((pos * 0x9E3779B1) ^ key) * 0x85EBCA77``, its top
-    21 bits (``pos``: the elements' positions in their parameter, mod 2**32; arithmetic mod 2**32)."""
+    """21 bits of noise per element (uint32): the top 21 bits of ``(pos ^ key) * 0x85EBCA77`` mod 2**32
+    (``pos``: the elements' positions in their parameter, mod 2**32; an odd multiplier, so a bijection
+    of the 32 bits). For one element the key is uniform over the steps (a hash of the step count and
+    the slot, :func:`sr_salt`), so its noise is; within a step, neighbours' noise steps through the
+    multiplier's multiples, spread evenly."""
     pos = np.asarray(pos).astype(np.uint64) & np.uint64(_M32)
-    x = ((pos * np.uint64(0x9E3779B1)) & np.uint64(_M32)) ^ np.uint64(key)
+    x = pos ^ np.uint64(key)
     return (((x * np.uint64(0x85EBCA77)) & np.uint64(_M32)) >> np.uint64(11)).astype(np.uint32)
 
 
 def sr_codes(x, pos, key: int) -> tuple[np.ndarray, np.ndarray]:
     """``(codes, scale)`` of one block of float32 ``x`` in e5m2 as :func:`float8_encode` forms them
-    (the scale, the NaN and all-tiny blocks alike), but each product ``q = x * (top / absmax)`` of
-    e5m2's normal range stochastically rounded: the float32 bits of ``|q|`` plus :func:`sr_noise`
-    of the elements' positions ``pos`` under ``key`` (:func:`sr_key`), shifted right by the 21
-    mantissa bits e5m2 lacks and rebiased (at most the largest finite code): ``|q|`` rounds up
-    with the probability of its distance from the code below. Below the normal range (2**-14 of
-    the format: 2**-30 of the block's largest) and for NaN blocks, :func:`float8_encode`'s code."""
+    (the scale, the NaN and all-tiny blocks alike), but each product ``q = x * (top / absmax)``
+    stochastically rounded: the float32 bits of ``|q|`` plus :func:`sr_noise` of the elements'
+    positions ``pos`` under ``key`` (:func:`sr_key`), shifted right by the 21 mantissa bits e5m2
+    lacks and rebiased, at most the largest finite code: ``|q|`` rounds up with the probability of
+    its distance from the code below. Below e5m2's normal range (2**-14: 2**-30 of the block's
+    largest) the bits are those of the float32 sum ``|q| + 2**-14`` and the code 4 less (the step
+    is 2**-16 on both sides of 2**-14, so the subnormal codes follow from the first binade's)."""
     x = np.asarray(x, np.float32).ravel()
     codes, scale = float8_encode(x, "e5m2")
     if x.size == 0 or not (np.isfinite(scale[0]) and scale[0] > 0):
@@ -335,11 +339,13 @@ def sr_codes(x, pos, key: int) -> tuple[np.ndarray, np.ndarray]:
     m = (x.view(np.uint32) & np.uint32(0x7FFFFFFF)).max().view(np.float32)
     inv = np.float32(np.float32(F8_TOP["e5m2"]) / m)
     u = (x * inv).astype(np.float32).view(np.uint32)
-    a = (u & np.uint32(0x7FFFFFFF)).astype(np.uint64)
-    up = ((a + sr_noise(pos, key)) >> np.uint64(21)) - np.uint64(112 << 2)
+    a = u & np.uint32(0x7FFFFFFF)
+    sub = a < np.uint32(E5M2_NORMAL_BITS)
+    shifted = (a.view(np.float32) + np.float32(2.0 ** -14)).astype(np.float32).view(np.uint32)
+    a = np.where(sub, shifted, a).astype(np.uint64)
+    up = ((a + sr_noise(pos, key)) >> np.uint64(21)) - np.where(sub, (112 << 2) + 4, 112 << 2).astype(np.uint64)
     up = np.minimum(up, np.uint64(E5M2_TOP_CODE)).astype(np.uint32) | ((u >> np.uint32(24)) & np.uint32(0x80))
-    normal = a >= np.uint64(E5M2_NORMAL_BITS)
-    return np.where(normal, up.astype(np.uint8), codes), scale
+    return up.astype(np.uint8), scale
 
 
 def encode(x, map_name: str) -> tuple[np.ndarray, np.ndarray]:

@@ -78,6 +78,7 @@ def _configs() -> dict:
     add("adamw-working-bf16", optimizer=lambda: optim.AdamW(lr=1e-2), working_dtype="bfloat16", max_grad_norm=1.0)
     add("adamw-state-bf16", optimizer=lambda: optim.AdamW(lr=1e-2, state_dtype="bfloat16"))
     add("adamw-state-8bit", optimizer=lambda: optim.AdamW(lr=1e-2, state_dtype="8bit"))
+    add("adamw-state-float8", optimizer=lambda: optim.AdamW(lr=1e-2, state_dtype="float8"), max_grad_norm=1.0)
     add("lamb-state-bf16", optimizer=lambda: optim.LAMB(lr=1e-2, state_dtype="bfloat16"))
     # two ranks: replicated, sharded, overlapped, both; compressed
     add("2r-adamw", 2, optimizer=lambda: optim.AdamW(lr=1e-2), max_grad_norm=1.0)
@@ -89,6 +90,8 @@ def _configs() -> dict:
     add("2r-lamb-sharded-working-bf16", 2, optimizer=lambda: optim.LAMB(lr=1e-2), shard_state=True,
         working_dtype="bfloat16")
     add("2r-adamw-sharded-8bit", 2, optimizer=lambda: optim.AdamW(lr=1e-2, state_dtype="8bit"), shard_state=True)
+    add("2r-adagrad-sharded-float8", 2, optimizer=lambda: optim.Adagrad(lr=1e-2, state_dtype="float8"),
+        shard_state=True)
     add("2r-sgd-topk", 2, optimizer=lambda: optim.SGD(lr=1e-2, momentum=0.9),
         compressor=lambda: compress.ErrorFeedback(compress.TopK(ratio=0.05, **no_ramp)))
     return out

@@ -800,25 +800,29 @@ def _f8_signed(builder, u, code):
 
 
 @intrinsic
-def f8_code_sr(typingctx, y, inv, pos, key):
+def f8_code_sr(typingctx, y, inv, pos, i, key):
     """The e5m2 code of the float32 product ``y * inv`` stochastically rounded, as
-    :func:`arraytrain.state8.sr_codes`: in e5m2's normal range the bits of ``|q|`` plus 21 bits of
-    noise (``((pos * 0x9E3779B1) ^ key) * 0x85EBCA77 >> 11``, 32-bit arithmetic; ``pos`` the
-    element's position in its parameter, ``key`` :func:`arraytrain.state8.sr_key`'s), shifted by
-    21 and rebiased, at most the largest finite code; below it :func:`f8_code`'s round to nearest."""
+    :func:`arraytrain.state8.sr_codes`: the bits of ``|q|`` (below e5m2's normal range those of
+    ``|q| + 2**-14``, a float32 addition, where the step is 2**-16 on both sides) plus 21 bits of noise
+    (``((pos + i) ^ key) * 0x85EBCA77 >> 11``, 32-bit arithmetic; ``pos + i`` the element's position
+    in its parameter, ``i`` the loop's index, so that the vector loop counts in 32 bits; ``key``
+    :func:`arraytrain.state8.sr_key`'s), shifted by 21 and rebiased (4 codes less for the shifted
+    ones), at most the largest finite code."""
     def codegen(context, builder, signature, args):
-        i32 = ir.IntType(32)
+        i32, f = ir.IntType(32), ir.FloatType()
         u = builder.bitcast(builder.fmul(args[0], args[1]), i32)
         a = builder.and_(u, _i32(0x7FFFFFFF))
-        h = builder.xor(builder.mul(builder.trunc(args[2], i32), _i32(0x9E3779B1)), builder.trunc(args[3], i32))
-        noise = builder.lshr(builder.mul(h, _i32(0x85EBCA77)), _i32(11))
-        up = builder.sub(builder.lshr(builder.add(a, noise), _i32(21)), _i32(112 << 2))
+        sub = builder.icmp_unsigned("<", a, _i32(0x38800000))
+        shifted = builder.bitcast(builder.fadd(builder.bitcast(a, f), ir.Constant(f, 2.0 ** -14)), i32)
+        a = builder.select(sub, shifted, a)
+        at = builder.add(builder.trunc(args[2], i32), builder.trunc(args[3], i32))
+        noise = builder.lshr(builder.mul(builder.xor(at, builder.trunc(args[4], i32)), _i32(0x85EBCA77)), _i32(11))
+        up = builder.sub(builder.lshr(builder.add(a, noise), _i32(21)),
+                         builder.select(sub, _i32((112 << 2) + 4), _i32(112 << 2)))
         up = builder.select(builder.icmp_unsigned(">", up, _i32(0x7B)), _i32(0x7B), up)
-        rne = _f8_rne(builder, u, ir.Constant(ir.IntType(1), 1))
-        code = builder.select(builder.icmp_unsigned(">=", a, _i32(0x38800000)), up, rne)
-        return builder.trunc(_f8_signed(builder, u, code), ir.IntType(8))
+        return builder.trunc(_f8_signed(builder, u, up), ir.IntType(8))
 
-    return types.uint8(types.float32, types.float32, types.int64, types.int64), codegen
+    return types.uint8(types.float32, types.float32, types.int64, types.int64, types.int64), codegen
 
 
 def _f8_value_bits(builder, k, wide):
@@ -944,7 +948,7 @@ def f8_encode_block_sr(vals, cb, pos, key):
     top = np.float32(57344.0)
     inv = exact_div(top, am)
     for i in range(vals.size):
-        cb[i] = f8_code_sr(vals[i], inv, pos + i, key)
+        cb[i] = f8_code_sr(vals[i], inv, pos, i, key)
     return exact_div(am, top)
 
 

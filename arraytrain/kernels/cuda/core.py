@@ -138,16 +138,17 @@ __device__ __forceinline__ unsigned char f8_code(float y, float inv, bool wide) 
 }
 
 // The e5m2 code of y * inv stochastically rounded (arraytrain.state8.sr_codes; the CPU family's
-// f8_code_sr): in e5m2's normal range the bits of |q| plus 21 bits of noise, the top bits of
-// ((pos * 0x9E3779B1) ^ key) * 0x85EBCA77 (pos the element's position in its parameter, key the
-// slot's salt mixed with the segment), shifted by 21 and rebiased, at most the top finite code 0x7B;
-// below it f8_code's round to nearest.
+// f8_code_sr): the bits of |q| (below e5m2's normal range those of |q| + 2^-14, where the step is
+// 2^-16 on both sides) plus 21 bits of noise, the top bits of (pos ^ key) * 0x85EBCA77
+// (pos the element's position in its parameter, key the slot's salt mixed with the segment),
+// shifted by 21 and rebiased (4 codes less for the shifted ones), at most the top finite code 0x7B.
 __device__ __forceinline__ unsigned char f8_code_sr(float y, float inv, i64 pos, u32 key) {
     const u32 u = __float_as_uint(__fmul_rn(y, inv));
-    const u32 a = u & 0x7FFFFFFFu;
-    if (a < 0x38800000u) return f8_code(y, inv, true);
-    const u32 noise = ((((u32)pos * 0x9E3779B1u) ^ key) * 0x85EBCA77u) >> 11;
-    const u32 up = min(((a + noise) >> 21) - (112u << 2), 0x7Bu);
+    u32 a = u & 0x7FFFFFFFu;
+    const bool sub = a < 0x38800000u;
+    if (sub) a = __float_as_uint(__fadd_rn(__uint_as_float(a), 0x1p-14f));
+    const u32 noise = (((u32)pos ^ key) * 0x85EBCA77u) >> 11;
+    const u32 up = min(((a + noise) >> 21) - (sub ? (112u << 2) + 4u : (112u << 2)), 0x7Bu);
     return (unsigned char)(up | ((u >> 24) & 0x80u));
 }
 
