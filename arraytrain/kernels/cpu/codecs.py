@@ -907,49 +907,47 @@ def f8_decode_block(cb, scale, tmp, wide):
 
 
 @njit(inline="always", **JIT)
-def f8_encode_block(vals, cb, wide):
-    """Encode a block's float32 ``vals`` into float8 codes ``cb`` (e4m3, or e5m2 with ``wide``) as
-    :func:`arraytrain.state8.float8_encode`; returns the block's scale."""
+def _f8_block_scale(vals, cb, wide):
+    """A block's ``(inv, scale)`` as :func:`arraytrain.state8.float8_encode` forms them: ``inv`` the
+    factor to the format's largest value and ``scale`` its inverse; a block holding a NaN or an
+    infinity (scale NaN, codes 0x7F) or only magnitudes below ``F8_TINY`` (scale 0, zeros) gets its
+    codes here, and ``inv`` 0."""
     m = np.uint32(0)
     for i in range(vals.size):
         m = umax32(m, abs_bits(vals[i]))
     if m >= np.uint32(0x7F800000):  # a NaN or an infinity: a NaN block
         for i in range(vals.size):
             cb[i] = np.uint8(0x7F)
-        return bits_as_f32(np.uint32(0x7FC00000))
+        return np.float32(0.0), bits_as_f32(np.uint32(0x7FC00000))
     am = bits_as_f32(m)
     if am < np.float32(2.0 ** -111):  # (state8.F8_TINY) stored as zeros
         for i in range(vals.size):
             cb[i] = f8_code(vals[i], np.float32(0.0), wide)
-        return np.float32(0.0)
+        return np.float32(0.0), np.float32(0.0)
     top = np.float32(57344.0) if wide else np.float32(448.0)  # (state8.F8_TOP)
-    inv = exact_div(top, am)
-    for i in range(vals.size):
-        cb[i] = f8_code(vals[i], inv, wide)
-    return exact_div(am, top)
+    return exact_div(top, am), exact_div(am, top)
+
+
+@njit(inline="always", **JIT)
+def f8_encode_block(vals, cb, wide):
+    """Encode a block's float32 ``vals`` into float8 codes ``cb`` (e4m3, or e5m2 with ``wide``) as
+    :func:`arraytrain.state8.float8_encode`; returns the block's scale."""
+    inv, scale = _f8_block_scale(vals, cb, wide)
+    if inv != 0.0:
+        for i in range(vals.size):
+            cb[i] = f8_code(vals[i], inv, wide)
+    return scale
 
 
 @njit(inline="always", **JIT)
 def f8_encode_block_sr(vals, cb, pos, key):
     """:func:`f8_encode_block` in e5m2 with stochastic rounding (:func:`f8_code_sr`; ``pos`` the
     position of ``vals[0]`` in its parameter), as :func:`arraytrain.state8.sr_codes`."""
-    m = np.uint32(0)
-    for i in range(vals.size):
-        m = umax32(m, abs_bits(vals[i]))
-    if m >= np.uint32(0x7F800000):  # a NaN or an infinity: a NaN block
+    inv, scale = _f8_block_scale(vals, cb, True)
+    if inv != 0.0:
         for i in range(vals.size):
-            cb[i] = np.uint8(0x7F)
-        return bits_as_f32(np.uint32(0x7FC00000))
-    am = bits_as_f32(m)
-    if am < np.float32(2.0 ** -111):  # (state8.F8_TINY) stored as zeros
-        for i in range(vals.size):
-            cb[i] = f8_code(vals[i], np.float32(0.0), True)
-        return np.float32(0.0)
-    top = np.float32(57344.0)
-    inv = exact_div(top, am)
-    for i in range(vals.size):
-        cb[i] = f8_code_sr(vals[i], inv, pos, i, key)
-    return exact_div(am, top)
+            cb[i] = f8_code_sr(vals[i], inv, pos, i, key)
+    return scale
 
 
 def state_step(a, seg, n):
