@@ -202,8 +202,10 @@ class GroupEngine(Engine):
         return self._noticed(self._lean_step, bases, max_grad_norm, rates, held)
 
     def _tables(self, held):
-        """``(pieces, upieces, bounds, counts)``: the norm pass's rows (the present parameters'), the
-        update's rows by step count and their bounds, and each group's count before this step (int64)."""
+        """``(pieces, upieces, bounds, lags)``: the norm pass's rows (the present parameters'), the
+        update's rows by step count and their bounds, and each group's count before this step less the
+        engine's (int64; :func:`arraytrain.param_steps.groups`' order). Cached by which parameters are
+        present and by their counts against the engine's."""
         state, nseg = self.state, len(self.layout)
         absent = None
         if held:
