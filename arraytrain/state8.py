@@ -333,6 +333,8 @@ def sr_codes(x, pos, key: int) -> tuple[np.ndarray, np.ndarray]:
     largest) the bits are those of the float32 sum ``|q| + 2**-14`` and the code 4 less (the step
     is 2**-16 on both sides of 2**-14, so the subnormal codes follow from the first binade's)."""
     x = np.asarray(x, np.float32).ravel()
+    if np.shape(pos) != x.shape:
+        raise LayoutError(f"pos: expected one position per element of x, shape {x.shape}, got shape {np.shape(pos)}")
     codes, scale = float8_encode(x, "e5m2")
     if x.size == 0 or not (np.isfinite(scale[0]) and scale[0] > 0):
         return codes, scale
@@ -417,7 +419,6 @@ class _Tables(NamedTuple):
     offset: np.ndarray  # per segment: where its first element held here sits in the slot's codes
     spans: tuple  # per segment: ``(start, stop)`` of its elements held here ((0, 0): none)
     naux: int  # side-array entries
-    start: np.ndarray  # per segment: the position in the parameter of its first element held here (spans' starts)
 
 
 def _tables(layout: Layout, threshold: int, lo: int, length: int) -> _Tables:
@@ -436,7 +437,7 @@ def _tables(layout: Layout, threshold: int, lo: int, length: int) -> _Tables:
         spans.append(span)
         naux += _nblocks(*span) if q else span[1] - span[0]
     return _Tables(np.asarray(base, np.int64), np.asarray(quant, np.uint8), np.asarray(offset, np.int64),
-                   tuple(spans), naux, np.asarray([a for a, _ in spans], np.int64))
+                   tuple(spans), naux)
 
 
 class Quant8Buffer:
@@ -494,7 +495,8 @@ class Quant8Buffer:
         if self.signed and codec == "dynamic":  # value 0 is code 127 in the signed map, 0 elsewhere
             self.codes.fill(np.uint8(np.searchsorted(SIGNED_MAP, 0.0)))
         if codec == "float8":
-            tables = (self.base, self.quant, self.offset, MAPS[self.map_name], t.start)
+            start = np.asarray([a for a, _ in self.spans], np.int64)  # (each segment's first held position)
+            tables = (self.base, self.quant, self.offset, MAPS[self.map_name], start)
             if xp is not np:  # the kernels read every table on the device
                 tables = tuple(xp.asarray(t) for t in tables)
             self._arg = F8(self.codes, self.aux, *tables[:4], int(not self.signed), tables[4], 0)  # wide: e5m2

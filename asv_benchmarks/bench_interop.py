@@ -14,9 +14,11 @@ GROUPS = [10] if QUICK else [1, 10, 100]
 
 
 class DropInAdamWStep:
-    """A clipped AdamW step over 100 tensors of ``n`` elements in all, gradients already in ``.grad``."""
+    """A clipped AdamW step over 100 tensors of ``n`` elements in all, gradients already in ``.grad``;
+    ``-frozen``: every other tensor's ``.grad`` None (left out of the step, as torch leaves it)."""
 
-    params = [["arraytrain-float32", "arraytrain-bfloat16", "arraytrain-8bit", "torch-fused"], SIZES]
+    params = [["arraytrain-float32", "arraytrain-bfloat16", "arraytrain-8bit", "torch-fused",
+               "arraytrain-float32-frozen", "torch-fused-frozen"], SIZES]
     param_names = ["optimizer", "n"]
 
     def setup(self, optimizer, n):
@@ -28,9 +30,10 @@ class DropInAdamWStep:
 
         gen = torch.Generator().manual_seed(0)
         ps = [torch.nn.Parameter(torch.randn(k, generator=gen)) for k in split(n)]
-        for p in ps:
-            p.grad = torch.randn(p.shape, generator=gen) * 0.01
-        if optimizer == "torch-fused":
+        frozen = optimizer.endswith("-frozen")
+        for i, p in enumerate(ps):
+            p.grad = None if frozen and i % 2 else torch.randn(p.shape, generator=gen) * 0.01
+        if optimizer.startswith("torch-fused"):
             self.opt = torch.optim.AdamW(ps, lr=1e-3, fused=True)
             self.clip = lambda: torch.nn.utils.clip_grad_norm_(ps, 1.0, foreach=True)
         else:

@@ -201,16 +201,12 @@ class GroupEngine(Engine):
             return None
         return self._noticed(self._lean_step, bases, max_grad_norm, rates, held)
 
-    def _tables(self, held):
+    def _tables(self, absent):
         """``(pieces, upieces, bounds, lags)``: the norm pass's rows (the present parameters'), the
         update's rows by step count and their bounds, and each group's count before this step less the
-        engine's (int64; :func:`arraytrain.param_steps.groups`' order). Cached by which parameters are
-        present and by their counts against the engine's."""
-        state, nseg = self.state, len(self.layout)
-        absent = None
-        if held:
-            absent = np.zeros(nseg, dtype=bool)
-            absent[list(held)] = True
+        engine's (int64; :func:`arraytrain.param_steps.groups`' order). ``absent``: a bool per segment,
+        or None. Cached by which parameters are present and by their counts against the engine's."""
+        state = self.state
         # (the present parameters' counts against the engine's: an absent one's own count does not matter)
         key = (None if absent is None else absent.tobytes(), None if state.counts is None else
                (state.counts - state.step if absent is None else state.counts[~absent] - state.step).tobytes())
@@ -239,7 +235,11 @@ class GroupEngine(Engine):
         self._enter("step()")
         try:
             step = state.step
-            pieces, upieces, bounds, lags = self._tables(held)
+            absent = None
+            if held:
+                absent = np.zeros(len(self.layout), dtype=bool)
+                absent[list(held)] = True
+            pieces, upieces, bounds, lags = self._tables(absent)
             b1, b2 = opt.betas
             ts = [step + 1 + int(lag) for lag in lags]  # (each group's t: its count before the step, plus one)
             flat = self.params.flat
@@ -260,11 +260,7 @@ class GroupEngine(Engine):
             if not applied:
                 return None
             state.step = step + 1
-            if held or state.counts is not None:
-                absent = None
-                if held:
-                    absent = np.zeros(len(self.layout), dtype=bool)
-                    absent[list(held)] = True
+            if absent is not None or state.counts is not None:
                 state.counts = param_steps.advanced(absent, state.counts, step, len(self.layout))
             # the staged step's finding: the sums' norms, or NaN where there was no pass or a NaN/Inf applied
             found = NormPass.of_sums(math.sqrt(total), per_seg) if math.isfinite(total) else \

@@ -258,6 +258,12 @@ def test_cpu_stochastic_rounding_equals_the_reference():
             assert np.float32(scale).view(np.uint32) == want_scale.view(np.uint32)[0]
 
 
+def test_stochastic_rounding_refuses_positions_of_another_shape():
+    x = np.ones(5, np.float32)
+    with pytest.raises(at.errors.LayoutError, match="pos"):
+        state8.sr_codes(x, np.arange(4), 7)
+
+
 def test_salts_differ_by_step_and_slot():
     salts = {state8.sr_salt(t, n) for t in range(1, 200) for n in ("exp_avg_sq", "max_exp_avg_sq", "sum")}
     assert len(salts) == 3 * 199 and all(0 <= s < 2**32 for s in salts)
