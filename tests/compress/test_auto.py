@@ -77,14 +77,22 @@ def test_a_fast_link_stays_dense():
 
 def test_the_link_speeding_up_is_seen_at_the_next_dense_check():
     """Slow at the choice, 1000x faster from step 4: the dense check at step 6 (probe 3, reprobe 4) finds
-    the exchange far faster, re-decides, and dense wins; the residual of error feedback went out dense."""
-    (a, ra), (b, _) = _run(ThreadGroup(2, rate=5e6), 9, lambda: C.Auto(probe=3, reprobe=4, gain=2.5),
+    the exchange far faster and re-decides on every rank; the residual of error feedback went out dense.
+
+    Which method wins on the fast link depends on this machine's own times (the dense exchange of
+    threads against PowerSGD's encode, both wall-clock and both slowed by a loaded machine), so the
+    test checks that the choice follows the estimates, not which one it is."""
+    (a, ra), (b, _) = _run(ThreadGroup(2, rate=5e6), 7, lambda: C.Auto(probe=3, reprobe=4, gain=2.5),
                            change=(4, 20e9))
-    choices = [d["choice"] for d in a.compressor.decisions]
-    assert len(choices) == 2 and choices[0] != "dense" and choices[1] == "dense"
-    assert a.compressor.decisions[1]["step"] == 6 and "took" in a.compressor.decisions[1]["why"]
-    assert b.compressor.choice == "dense"
-    for c in a.compressor.candidates.values():
+    first, again = a.compressor.decisions
+    assert first["choice"] != "dense" and again["step"] == 6 and "took" in again["why"]
+    assert again["exchange_s"]["dense"] < first["exchange_s"]["dense"] / 5  # 1000x less wire time
+    best = min((n for n in again["exchange_s"] if n != "dense"), key=lambda n: again["exchange_s"][n])
+    gain = ((again["compute_s"] + again["exchange_s"]["dense"])
+            / (again["compute_s"] + again["exchange_s"][best]))
+    assert again["choice"] == (best if gain >= 2.5 else "dense")
+    assert b.compressor.choice == a.compressor.choice == again["choice"]
+    for c in a.compressor.candidates.values():  # flushed by the check at step 6, the last call
         if isinstance(c, C.ErrorFeedback):
             assert not c.residual.flat.any()
     np.testing.assert_array_equal(a.params.flat, b.params.flat)
