@@ -38,6 +38,8 @@ from .stages import Judge, StepReport, Verdict
 STATE_FORMAT = engine_state.STATE_FORMAT
 MISSING = ("error", "zero", "skip")
 NONFINITE = ("skip", "apply")
+# calls that touch the gradient buffer only: they do not wait for a deferred publish of the weights
+_GRADIENTS_ONLY = ("mark_ready()", "zero_grad()")
 
 
 class Engine:
@@ -336,12 +338,19 @@ class Engine:
             self._guard.release()
 
     def _enter(self, what: str) -> None:
-        """Take the call guard for ``what``, refused inside :meth:`evaluation` (see :meth:`exclusive`)."""
+        """Take the call guard for ``what``, refused inside :meth:`evaluation` (see :meth:`exclusive`); then,
+        unless ``what`` touches the gradients only, the weights of a deferred publish are completed."""
         self._guard.acquire(what)
         if self._evaluating:
             self._guard.release()
             raise ConcurrentUseError(f"{what}: inside engine.evaluation() the parameters hold the "
                                      "evaluation weights; leave the block first")
+        if what not in _GRADIENTS_ONLY:
+            try:
+                self._placement.settle()
+            except BaseException:
+                self._guard.release()
+                raise
 
     @contextmanager
     def evaluation(self):
@@ -362,6 +371,7 @@ class Engine:
         with self._guard("evaluation()"):
             if self._evaluating:
                 raise ConcurrentUseError("evaluation(): already inside engine.evaluation()")
+            self._placement.settle()
             master = self._placement.master
             y = master.flat.copy()
             self.optimizer.eval_params(master, self.state, out=master)
@@ -710,6 +720,14 @@ class Engine:
                           counters=self.counters, accumulation_steps=self.accumulation_steps,
                           two_windows=self._two_windows, schedule=self.schedule, loss_scaler=self.loss_scaler,
                           compressor=self.compressor, mask=self.mask, comm=self.comm)
+
+    @guarded
+    def wait_weights(self) -> None:
+        """Complete the weights' all-gather left in flight by the last update (``bind(...,
+        gather_in_forward=True)``): ``engine.params`` (and the bound model's tensors) then hold every
+        rank's updated weights. The bound model's forward pass and every engine call that reads the
+        weights wait on their own; call this before reading the tensors any other way. Otherwise, nothing."""
+        self._placement.settle()  # (entering the call has settled it already: kept explicit)
 
     @guarded
     def gather_params(self) -> FlatBuffer:

@@ -1,8 +1,10 @@
 """``python -m arraytrain.bench distributed --vs-ddp``: the torch binding against torch's DDP.
 
 One ``mpiexec`` job of 2 processes runs every contestant on the same torch models, the same
-initialisation and the same data per rank, taking turns step by step (so the machine's other
-work falls on all of them alike):
+initialisation and the same data per rank, taking turns two steps at a time (so the machine's
+other work falls on all of them alike), the second one timed: what the first leaves in flight (the
+weights' all-gather of ``gather_in_forward``) completes inside it, and what the second leaves is
+completed before the next contestant's turn:
 
 - ``torch DDP``: ``DistributedDataParallel`` over gloo (buckets of 25 MB, all-reduces
   launched by autograd hooks), ``clip_grad_norm_(1.0)``, ``torch.optim.AdamW``;
@@ -15,8 +17,9 @@ work falls on all of them alike):
 - ``arraytrain, MPIComm`` and ``arraytrain, TorchComm`` (over the same gloo group), each
   blocking (``overlap=False``), overlapped, and sharded and overlapped (``shard_state=True``:
   each rank updates its share of AdamW's state; the buckets reduced to their owners while
-  backward runs, the weights all-gathered after the update): ``bind(model, AdamW,
-  max_grad_norm=1.0, comm=...)``; and MPIComm's overlapped exchange once more without its
+  backward runs, the weights all-gathered after the update), and sharded and overlapped with the
+  weights' all-gather left to the next forward pass (``gather_in_forward=True``): ``bind(model,
+  AdamW, max_grad_norm=1.0, comm=...)``; and MPIComm's overlapped exchange once more without its
   progress thread (``MPIComm(progress_thread=False)``: the buckets move only inside the hooks'
   own MPI calls), to show what the thread does;
 - ``torch, no exchange`` and ``arraytrain, no exchange``: each implementation's step alone,
@@ -136,6 +139,7 @@ def worker_ddp(comm, cfg) -> dict:
 
             return step
 
+        settles = {}  # a contestant's call that completes what its step left in flight
         steps = {"torch DDP": torch_step(True), "torch DDP + PowerSGD": torch_step(True, powersgd=True),
                  "torch, no exchange": torch_step(False)}
         for label, c, overlap, shard in (("arraytrain, no exchange", None, False, False),
@@ -143,13 +147,20 @@ def worker_ddp(comm, cfg) -> dict:
                                          ("arraytrain, MPIComm, overlapped", comm, True, False),
                                          ("arraytrain, MPIComm, overlapped, no progress thread", lazy, True, False),
                                          ("arraytrain, MPIComm, sharded + overlapped", comm, True, True),
+                                         ("arraytrain, MPIComm, sharded + overlapped, gathered in forward", comm,
+                                          True, "forward"),
                                          ("arraytrain, TorchComm, blocking", tcomm, False, False),
                                          ("arraytrain, TorchComm, overlapped", tcomm, True, False),
-                                         ("arraytrain, TorchComm, sharded + overlapped", tcomm, True, True)):
+                                         ("arraytrain, TorchComm, sharded + overlapped", tcomm, True, True),
+                                         ("arraytrain, TorchComm, sharded + overlapped, gathered in forward", tcomm,
+                                          True, "forward")):
             m = fresh()
             sizes = {} if cfg.get("bucket_mib") is None else {"bucket_bytes": int(cfg["bucket_mib"] * 2**20)}
-            eng = att.bind(m, optim.AdamW(lr=1e-3), max_grad_norm=1.0, comm=c, overlap=overlap, shard_state=shard,
-                           **sizes)
+            if shard == "forward":
+                sizes["gather_in_forward"] = True
+            eng = att.bind(m, optim.AdamW(lr=1e-3), max_grad_norm=1.0, comm=c, overlap=overlap,
+                           shard_state=bool(shard), **sizes)
+            settles[label] = eng.wait_weights
 
             def at_step(x, y, m=m, eng=eng):
                 loss = torch.nn.functional.mse_loss(m(x), y)
@@ -168,10 +179,13 @@ def worker_ddp(comm, cfg) -> dict:
             for key, step in steps.items():
                 comm.comm.Barrier()
                 b0 = sent()
+                step(x, y)  # the lead step, untimed: what it leaves in flight completes in the timed step
                 t0 = time.perf_counter()
                 loss, t1 = step(x, y)
                 t2 = time.perf_counter()
-                wire_bytes[key] += sent() - b0
+                if key in settles:
+                    settles[key]()  # untimed: nothing of this contestant moves during the next one's turn
+                wire_bytes[key] += (sent() - b0) / 2
                 losses[key].append(loss)
                 if i:
                     times[key].append((slowest(comm, t2 - t0), slowest(comm, t2 - t1)))

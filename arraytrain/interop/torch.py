@@ -92,6 +92,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from .._checks import check_bool
 from .._guard import guarded
 from ..amp import LossScaler
 from ..engine import Engine
@@ -156,6 +157,13 @@ def _mark_ready(engine_ref, name: str, param, grad) -> None:
         engine.mark_ready(name)
 
 
+def _settle(engine_ref, need) -> None:
+    """A module's forward pre-hook under ``gather_in_forward``: the pieces of the weights it reads have arrived."""
+    engine = engine_ref()
+    if engine is not None:
+        engine._placement.settle(need)
+
+
 class TorchEngine(Engine):
     """An :class:`Engine` bound to a torch module (made by :func:`bind`).
 
@@ -204,6 +212,10 @@ class TorchEngine(Engine):
             engine_kwargs["overlap"] = (engine_kwargs.get("comm") is not None and not lowp
                                         and engine_kwargs.get("compressor") is None
                                         and not callable(getattr(optimizer, "perturb", None)))
+        gather_in_forward = check_bool("gather_in_forward", engine_kwargs.pop("gather_in_forward", False))
+        if gather_in_forward and not engine_kwargs.get("shard_state"):
+            raise HyperparameterError("gather_in_forward: only sharded state's weights are gathered after the "
+                                      "update (pass shard_state=True with a group of processes)")
         if "missing" not in engine_kwargs and hasattr(optimizer, "per_param_steps"):  # torch.optim's rule
             engine_kwargs["missing"] = "skip" if optimizer.per_param_steps else "zero"
         if lowp:
@@ -243,9 +255,31 @@ class TorchEngine(Engine):
             for name, p, _, grad in bound:
                 self._hooks.append(p.register_post_accumulate_grad_hook(
                     lambda t, name=name, grad=grad: _mark_ready(me, name, t, grad)))
+        if gather_in_forward:
+            self._gather_in_forward(module, bound)
         self.frozen = {n: p for n, p in named if not p.requires_grad}
         param_names = {n for n, _ in module.named_parameters(remove_duplicate=False)}
         self.buffers = {n: t for n, t in module.state_dict(keep_vars=True).items() if n not in param_names}
+
+    def _gather_in_forward(self, module, bound) -> None:
+        """Leave the sharded weights' all-gather in flight after each update, and hook every module that holds
+        bound parameters so that its forward pass (and its ``state_dict()``) first waits for the pieces
+        they lie in; the root module's ``state_dict()`` waits for all."""
+        place = self._placement
+        place.defer_publish = True
+        me = weakref.ref(self)
+        names = {id(p): name for name, p, _, _ in bound}
+        lay = self.layout
+        for mod in module.modules():
+            own = [names[id(p)] for p in mod._parameters.values() if p is not None and id(p) in names]
+            if not own:
+                continue
+            spans = [(lay.offsets[lay.index(n)], lay.offsets[lay.index(n)] + lay.sizes[lay.index(n)]) for n in own]
+            need = place.piece_needed(spans)
+            self._hooks.append(mod.register_forward_pre_hook(lambda m, args, need=need: _settle(me, need)))
+            if mod is not module:
+                self._hooks.append(mod.register_state_dict_pre_hook(lambda *a, need=need: _settle(me, need)))
+        self._hooks.append(module.register_state_dict_pre_hook(lambda *a: _settle(me, None)))
 
     # -- the step -------------------------------------------------------------------------
     @guarded

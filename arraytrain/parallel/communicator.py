@@ -1,8 +1,8 @@
 """The communicator: everything arraytrain needs from a group of processes.
 
 A :class:`Communicator` is a group of ``size`` processes, this one being ``rank``,
-and nine collective operations on it: four basic ones, one for checkpoint writers,
-two block collectives for sharded state and two nonblocking ones for the bucketed
+and ten collective operations on it: four basic ones, one for checkpoint writers,
+three block collectives for sharded state and two nonblocking ones for the bucketed
 exchange. :class:`LocalComm` is the group of one process (every operation is the
 identity); :mod:`arraytrain.parallel.mpi` implements the interface over MPI (and NCCL
 for CuPy buffers), :mod:`arraytrain.parallel.torch_dist` over torch.distributed. A
@@ -21,7 +21,7 @@ of the same shape and dtype.
   in rank order; None on the others (a checkpoint writer's collective; the default here
   all-gathers).
 
-Two block collectives serve sharded optimizer state (``Engine(shard_state=True)``);
+Three block collectives serve sharded optimizer state (``Engine(shard_state=True)``);
 ``x`` is 1-D, contiguous, of ``size * n`` elements, block ``r`` being
 ``x[r*n:(r+1)*n]``:
 
@@ -32,6 +32,10 @@ Two block collectives serve sharded optimizer state (``Engine(shard_state=True)`
   of ``x`` is left undefined.
 - ``allgather_blocks(x)``: in place, block ``r`` of ``x`` becomes process ``r``'s
   block ``r``, for every ``r`` (one all-gather).
+- ``iallgather_blocks(x, lo, hi)``: starts the same for elements ``[lo, hi)`` of every
+  block only (``x[r*n+lo:r*n+hi]`` becomes process ``r``'s) and returns a :class:`Pending`
+  (below): the sharded engine's weights gathered piece by piece while the next forward
+  pass runs.
 
 Their defaults here are built on ``allreduce`` and ``allgather`` (correct, but
 moving more bytes); the transports implement them directly.
@@ -157,6 +161,17 @@ class Communicator(ABC):
             if r != self.rank:
                 x[r * n : (r + 1) * n] = block
 
+    def iallgather_blocks(self, x, lo: int, hi: int) -> Pending:
+        """Start: in place, elements ``[lo, hi)`` of block ``r`` of ``x`` become process ``r``'s, for every
+        ``r`` (see the module docstring). This default gathers them at once and returns a completed handle."""
+        n = block_length(x, self.size)
+        lo, hi = block_span(lo, hi, n)
+        if hi > lo:
+            for r, piece in enumerate(self.allgather(x[self.rank * n + lo : self.rank * n + hi])):
+                if r != self.rank:
+                    x[r * n + lo : r * n + hi] = piece
+        return DONE
+
     def gather(self, x, root: int = 0):
         """Every process's ``x`` to process ``root``, in rank order (None elsewhere). This default
         all-gathers; transports override it so that only ``root`` receives."""
@@ -196,6 +211,12 @@ def block_length(x, size: int) -> int:
     return x.shape[0] // size
 
 
+def block_span(lo, hi, n: int) -> tuple[int, int]:
+    """``(lo, hi)`` checked as a range of a block of ``n`` elements: ``0 <= lo <= hi <= n``."""
+    lo = check_int("lo", lo, 0, n, error=ArgumentTypeError)
+    return lo, check_int("hi", hi, lo, n, error=ArgumentTypeError)
+
+
 def check_buffer(x, name: str, writeable: bool) -> None:
     """A collective's array: C-contiguous (one buffer moves) and, where the collective writes
     into it, writeable; an :class:`ArgumentTypeError` or :class:`ReadOnlyError` naming it otherwise."""
@@ -230,6 +251,10 @@ class LocalComm(Communicator):
 
     def allgather_blocks(self, x) -> None:
         block_length(x, 1)
+
+    def iallgather_blocks(self, x, lo: int, hi: int) -> Pending:
+        block_span(lo, hi, block_length(x, 1))
+        return DONE
 
     def __repr__(self) -> str:
         return "LocalComm()"

@@ -18,7 +18,7 @@ import numpy as np
 from .._checks import check_int
 from ..backend import CUPY, NUMPY, backend_of
 from ..errors import ArgumentTypeError, BackendError, BackendUnavailableError, DTypeError
-from .communicator import DONE, OPS, Communicator, Pending, block_length, check_buffer
+from .communicator import DONE, OPS, Communicator, Pending, block_length, block_span, check_buffer
 from .deadline import Deadline, check_timeout
 from .progress import Progress, shared
 from .progress import available as progress_available
@@ -142,6 +142,7 @@ class MPIComm(Communicator):
         self._in_place = MPI.IN_PLACE
         self._ops = {"sum": MPI.SUM, "max": MPI.MAX}
         self._types = {dt: getattr(MPI, name) for dt, name in _MPI_TYPES.items()}
+        self._strided: dict = {}  # (dtype, count, stride) -> a committed datatype (iallgather_blocks)
 
     def allreduce(self, x, op: str = "sum") -> None:
         """``x`` becomes the element-wise ``op`` over ranks, in place (``MPI_Allreduce`` with ``MPI_IN_PLACE``)."""
@@ -199,6 +200,23 @@ class MPIComm(Communicator):
         block_length(x, self.size)
         with self.deadline.wait("allgather_blocks", x.nbytes):
             self.comm.Allgather(self._in_place, [x, dt])
+
+    def iallgather_blocks(self, x, lo: int, hi: int) -> Pending:
+        """Start: in place, elements ``[lo, hi)`` of block ``r`` of ``x`` become rank ``r``'s: one
+        ``MPI_Iallgather`` with ``MPI_IN_PLACE`` whose receive type is ``hi - lo`` elements spaced a
+        block apart (``MPI_Type_create_resized``), so the pieces land in every block without a copy."""
+        dt = _checked(x, "x", NUMPY, self._types, True)
+        n = block_length(x, self.size)
+        lo, hi = block_span(lo, hi, n)
+        if hi == lo:
+            return DONE
+        key = (x.dtype.str, hi - lo, n)
+        kind = self._strided.get(key)
+        if kind is None:
+            kind = self._strided[key] = dt.Create_contiguous(hi - lo).Create_resized(0, n * x.itemsize).Commit()
+        request = self.comm.Iallgather(self._in_place, [x[lo:], 1, kind])
+        return MPIRequest(request, self.deadline, "iallgather_blocks", (hi - lo) * x.itemsize * self.size,
+                          self.progress)
 
     def iallreduce(self, x, op: str = "sum") -> Pending:
         """Start ``allreduce(x, op)``: ``MPI_Iallreduce`` in place. MPI moves it on inside MPI calls

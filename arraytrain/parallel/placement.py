@@ -13,7 +13,10 @@ An engine holds one, picked in ``__init__`` (:func:`placement`):
   reduce-scattered (or reduced to each partition's owner, bucket by bucket); the norm
   comes from the partitions' sums of squares, completed with the weight sum in one small
   all-reduce; the rank updates its partition, then one all-gather publishes the updated
-  weights (or working copy) into every rank's full copy.
+  weights (or working copy) into every rank's full copy. With ``defer_publish`` (set by
+  ``bind(..., gather_in_forward=True)``) that all-gather starts in pieces after the update
+  and completes while the next forward pass runs: each module waits (:meth:`Sharded.settle`)
+  for the pieces its own parameters lie in, and every other reader of the weights for all.
 
 Both give the engine the same surface: ``params`` (what the model reads), ``master``
 (what the optimizer updates), ``grads`` (what the model writes into), ``working``; for the
@@ -32,10 +35,15 @@ import numpy as np
 from ..backend import array_module
 from ..buffer import FlatBuffer, Subset, aligned_zeros
 from ..errors import HyperparameterError
+from ..layout import REDUCE_CHUNK
 from ..ops import NormPass
 from ..param_steps import pieces_of
 from .communicator import agree_on_setup, window_sums
 from .shard import ShardBuffer, gather, padded_buffer, partition
+
+#: A deferred publish all-gathers each partition in about this many pieces (each at least
+#: :data:`~arraytrain.layout.REDUCE_CHUNK` elements): the first modules wait for the first piece only.
+PUBLISH_PIECES = 8
 
 
 class Placement:
@@ -45,6 +53,10 @@ class Placement:
     working = None
     working_kind = 0
     kernel_mask = None  # the mask the update kernels apply (sharded: this rank's part)
+    defer_publish = False  # only sharded weights are ever published
+
+    def settle(self, need: int | None = None) -> None:
+        """Nothing is ever in flight: the weights are whole."""
 
     @property
     def layout(self):
@@ -178,6 +190,10 @@ class Sharded(Placement):
             self.working_kind = working_spec[1]
         self._own_weights = self._weights[own]
         self._grad_part = None  # this rank's partition of the reduced gradient, from reduce() to update()
+        # a deferred publish: pieces of piece_length elements of every partition, gathered in order
+        self.piece_length = max(1, -(-part.length // (PUBLISH_PIECES * REDUCE_CHUNK))) * REDUCE_CHUNK
+        self._gathers: list = []
+        self._settled = 0
 
     @property
     def sharded_masters(self) -> bool:
@@ -238,7 +254,7 @@ class Sharded(Placement):
         run_groups(groups, state, self.master, grads,
                    lambda p, g: optimizer.update(kernels, p, g, state, gscale=gscale, lr=lrs,
                                                  working=self.working_args(), mask=self.kernel_mask, **sums))
-        self.publish()
+        self.publish(deferred=self.defer_publish)
         self._grads.fill(0)
 
     def _reduce_sums(self, sums) -> None:
@@ -250,9 +266,44 @@ class Sharded(Placement):
         self._grad_part = None
         self._grads.fill(0)
 
-    def publish(self) -> None:
-        """Every rank's updated part of the weights (or working copy) into every rank's full copy."""
-        self.comm.allgather_blocks(self._weights.view(np.uint8))
+    def publish(self, deferred: bool = False) -> None:
+        """Every rank's updated part of the weights (or working copy) into every rank's full copy: one
+        all-gather, or with ``deferred`` its pieces started in order and left in flight (:meth:`settle`)."""
+        self.settle()
+        flat = self._weights.view(np.uint8)
+        if not deferred:
+            self.comm.allgather_blocks(flat)
+            return
+        step, n = self.piece_length * self._weights.itemsize, self.part.length * self._weights.itemsize
+        self._gathers = [self.comm.iallgather_blocks(flat, lo, min(lo + step, n)) for lo in range(0, n, step)]
+
+    def settle(self, need: int | None = None) -> None:
+        """Complete the deferred publish's pieces ``0..need`` (None: all of them), in order."""
+        gathers = self._gathers
+        if not gathers:
+            return
+        stop = len(gathers) if need is None else min(need + 1, len(gathers))
+        while self._settled < stop:
+            gathers[self._settled].wait()
+            self._settled += 1
+        if self._settled == len(gathers):
+            self._gathers, self._settled = [], 0
+
+    @property
+    def in_flight(self) -> int:
+        """How many pieces of a deferred publish are not yet complete."""
+        return len(self._gathers) - self._settled
+
+    def piece_needed(self, spans) -> int:
+        """The last piece of a deferred publish to wait for before reading the flat elements ``spans``
+        (``[(start, stop), ...]``): the piece of each one's last element in every other rank's
+        partition; -1 when they all lie in this rank's."""
+        length, own, need = self.part.length, self.part.rank, -1
+        for a, b in spans:
+            for r in range(a // length, (b - 1) // length + 1) if b > a else ():
+                if r != own:
+                    need = max(need, (min(b, (r + 1) * length) - 1 - r * length) // self.piece_length)
+        return need
 
     def keep_mask(self, mask) -> None:
         """This rank's part of a pruning mask, padded to the partition's length, for the kernels."""

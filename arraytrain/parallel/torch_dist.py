@@ -99,7 +99,7 @@ import numpy as np
 from .._checks import check_int
 from ..backend import CUPY, NUMPY, backend_of
 from ..errors import ArgumentTypeError, BackendError, BackendUnavailableError, DTypeError
-from .communicator import DONE, OPS, Communicator, Pending, block_length, check_buffer
+from .communicator import DONE, OPS, Communicator, Pending, block_length, block_span, check_buffer
 from .deadline import Deadline, check_timeout
 
 __all__ = ["TorchComm", "TorchWork", "INIT_HINT"]
@@ -465,6 +465,22 @@ class TorchComm(Communicator):
             with self._on_stream(x, kind)(), self.deadline.wait("allgather_blocks", x.nbytes):
                 b = self._bytes(x, kind)
                 self._all_gather(b, b[self.rank * n : (self.rank + 1) * n], group=self._group_of(kind))
+
+    def iallgather_blocks(self, x, lo: int, hi: int) -> Pending:
+        """Start: in place, elements ``[lo, hi)`` of block ``r`` of ``x`` become rank ``r``'s (``all_gather``
+        into views of ``x``, as bytes); complete it with the handle's ``wait()``."""
+        kind = self._check(x, "x", True, False)
+        n = block_length(x, self.size)
+        lo, hi = block_span(lo, hi, n)
+        if hi == lo:
+            return DONE
+        s, on_stream = x.itemsize, self._on_stream(x, kind)
+        with on_stream():
+            b = self._bytes(x, kind)
+            outs = [b[(r * n + lo) * s : (r * n + hi) * s] for r in range(self.size)]
+            work = self._dist.all_gather(outs, outs[self.rank], group=self._group_of(kind), async_op=True)
+        return TorchWork(work, None, (x, b, outs), on_stream if kind == CUPY else None, self.deadline,
+                         "iallgather_blocks", (hi - lo) * s * self.size)
 
     def _op(self, op):
         found = self._ops.get(op) if isinstance(op, str) else None

@@ -281,3 +281,70 @@ def test_a_second_backward_pass_into_gradients_in_flight_is_refused():
         return True
 
     assert ThreadGroup(2).run(rank_run) == [True, True]
+
+
+def _gather_net(torch):
+    """Five modules over four pieces of each partition (2 or 3 ranks): the first layer in the first piece."""
+    return torch.nn.Sequential(torch.nn.Linear(20, 50), torch.nn.Tanh(), torch.nn.Linear(50, 400), torch.nn.Tanh(),
+                               torch.nn.Linear(400, 100), torch.nn.Tanh(), torch.nn.Linear(100, 10)).double()
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_weights_gathered_in_the_next_forward_pass_equal_the_publish_at_the_step(ranks):
+    """``gather_in_forward``: the all-gather after the update is left in flight; each module waits for the pieces
+    its parameters lie in (none where this rank owns them), ``state_dict()`` and the engine's calls for all;
+    outputs, weights and losses equal the publish at the step bit for bit."""
+    torch = pytest.importorskip("torch")
+    from arraytrain.interop import torch as att
+
+    torch.manual_seed(0)
+    init = _gather_net(torch).state_dict()
+
+    def rank_run(rank, comm, gif):
+        model = _gather_net(torch)
+        model.load_state_dict(init)
+        eng = att.bind(model, at.optim.AdamW(lr=1e-2), comm=comm, shard_state=True, max_grad_norm=1.0,
+                       gather_in_forward=gif)
+        place = eng._placement
+        assert place.defer_publish == gif and place.part.length // place.piece_length == 2
+        gen = torch.Generator().manual_seed(rank)
+        outs, firsts = [], []
+        for t in range(4):
+            x = torch.randn(8, 20, dtype=torch.float64, generator=gen)
+            if gif and t:
+                assert place.in_flight == 2  # both pieces of every partition, started by the last update
+                model[0](x)  # the first layer lies in rank 0's first piece
+                firsts.append(place.in_flight)
+            out = model(x)
+            assert place.in_flight == 0  # the last layers lie in the last pieces of another rank's partition
+            outs.append(out.detach().numpy().copy())
+            out.square().mean().backward()
+            eng.step()
+        state = {k: v.numpy().copy() for k, v in model.state_dict().items()}  # waits for every piece
+        assert place.in_flight == 0
+        return outs, state, firsts
+
+    want = ThreadGroup(ranks).run(rank_run, False)
+    got = ThreadGroup(ranks).run(rank_run, True)
+    for r in range(ranks):
+        for a, b in zip(got[r][0], want[r][0]):
+            np.testing.assert_array_equal(a, b)
+        for k in want[r][1]:
+            np.testing.assert_array_equal(got[r][1][k], want[r][1][k])
+    assert got[0][2] == [2, 2, 2] and all(got[r][2] == [1, 1, 1] for r in range(1, ranks))
+
+
+def test_gather_in_forward_needs_sharded_state_and_a_bool():
+    torch = pytest.importorskip("torch")
+    from arraytrain.interop import torch as att
+
+    def rank_run(rank, comm):
+        with pytest.raises(HyperparameterError, match="gather_in_forward.*shard_state"):
+            att.bind(torch.nn.Linear(4, 3), at.optim.SGD(lr=0.1), comm=comm, gather_in_forward=True)
+        with pytest.raises(HyperparameterError, match="gather_in_forward"):
+            att.bind(torch.nn.Linear(4, 3), at.optim.SGD(lr=0.1), comm=comm, shard_state=True, gather_in_forward="yes")
+        eng = att.bind(torch.nn.Linear(4, 3), at.optim.SGD(lr=0.1), comm=comm)
+        eng.wait_weights()  # nothing in flight: nothing to do
+        return True
+
+    assert ThreadGroup(2).run(rank_run) == [True, True]

@@ -3,7 +3,9 @@
 ``MPI_Iallreduce`` / ``MPI_Ireduce`` handles against their blocking twins, then the MLP
 trained through the zero-copy path, each layer marked ready by its backward: overlapped
 equals blocking (bitwise with 2 ranks), replicated and sharded, with ranks that mark in
-different orders and a parameter one rank never marks.
+different orders and a parameter one rank never marks; ``MPI_Iallgather`` of pieces of every
+block against the blocking all-gather, and a torch model whose sharded weights are gathered
+during its next forward pass (``gather_in_forward``) against the publish at the step.
 """
 
 from __future__ import annotations
@@ -35,6 +37,17 @@ def check_nonblocking_collectives_equal_the_blocking_ones(comm) -> int:
                 if comm.rank == root:
                     np.testing.assert_array_equal(y, sum((np.arange(n) % 89 * (r + 2)).astype(dtype)
                                                          for r in range(comm.size)).astype(dtype))
+            cases += 1
+    for n in (1, 5, 1000, 70_001):
+        for step in (n, 333, 1) if n < 1000 else (n, 333):
+            x = np.zeros(comm.size * n, np.float32)
+            x[comm.rank * n : (comm.rank + 1) * n] = np.arange(n) % 101 + 1000 * comm.rank
+            want = x.copy()
+            comm.allgather_blocks(want)
+            handles = [comm.iallgather_blocks(x, lo, min(lo + step, n)) for lo in range(0, n, step)]
+            for h in handles[::-1]:  # any order of completion
+                h.wait()
+            np.testing.assert_array_equal(x, want)
             cases += 1
     return cases
 
@@ -115,3 +128,34 @@ def check_overlapped_equals_blocking(comm) -> int:
                 np.testing.assert_allclose(got, want, rtol=1e-13, atol=1e-15, err_msg=f"shard={shard} mode={mode}")
             cases += 1
     return cases
+
+
+def check_weights_gathered_in_the_next_forward_pass_equal_the_publish_at_the_step(comm) -> int:
+    import torch
+
+    from arraytrain.interop import torch as att
+
+    def run(gif):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(30, 600), torch.nn.Tanh(), torch.nn.Linear(600, 300),
+                                    torch.nn.Tanh(), torch.nn.Linear(300, 10)).double()
+        eng = att.bind(model, at.optim.AdamW(lr=1e-2), comm=comm, shard_state=True, max_grad_norm=1.0,
+                       gather_in_forward=gif)
+        outs = []
+        for t in range(4):
+            rng = np.random.default_rng([comm.rank, t])
+            out = model(torch.from_numpy(rng.standard_normal((8, 30))))
+            outs.append(out.detach().numpy().copy())
+            out.square().mean().backward()
+            eng.step()
+            assert (eng._placement.in_flight > 0) == gif
+        final = np.concatenate([v.numpy().ravel() for v in model.state_dict().values()])
+        assert eng._placement.in_flight == 0
+        return outs, final
+
+    (o1, f1), (o2, f2) = run(False), run(True)
+    for a, b in zip(o1, o2):
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(f1, f2)
+    assert same_everywhere(comm, f2)
+    return len(o1)

@@ -83,6 +83,17 @@ def check_torch_binding_equals_one_process_with_the_global_batch(comm) -> int:
     return cases
 
 
+def check_weights_gathered_in_the_next_forward_pass_equal_the_publish_at_the_step(comm) -> int:
+    m, _, norms = torch_run(comm, True)
+    g, eng, gnorms = torch_run(comm, True, engine_kwargs={"gather_in_forward": True})
+    assert eng._placement.in_flight > 0  # the last update's all-gather, left in flight
+    eng.wait_weights()  # the tensors are read directly below, not through the model's forward pass
+    assert eng._placement.in_flight == 0
+    np.testing.assert_array_equal(flat_params(g), flat_params(m))
+    np.testing.assert_array_equal(gnorms, norms)
+    return 1
+
+
 def check_a_bound_models_checkpoint_resumes_bitwise_under_torchrun(comm) -> int:
     folder = comm.gather_objects(tempfile.mkdtemp(prefix="arraytrain-torchrun-") if comm.rank == 0 else None)[0]
     cases = 0
