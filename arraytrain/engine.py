@@ -285,6 +285,14 @@ class Engine:
         return self._intake
 
     @property
+    def placement(self):
+        """Which weights, gradients and state this rank holds, and how a boundary moves them: a
+        :class:`~arraytrain.parallel.placement.Replicated` or
+        :class:`~arraytrain.parallel.placement.Sharded` placement (a binding's hooks ask it which
+        pieces of a deferred publish a module's weights need)."""
+        return self._placement
+
+    @property
     def overlapped(self) -> bool:
         """The exchange overlaps the backward pass (``overlap=True`` with a group of processes):
         :meth:`mark_ready` starts buckets, so a binding should call it from its backward hooks."""

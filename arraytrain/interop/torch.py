@@ -80,6 +80,17 @@ copied. How it works, and what it guards against:
   gradients already being exchanged raises :class:`~arraytrain.errors.ConcurrentUseError`
   from the hook. Not for a bfloat16/float16 module, whose gradients reach the float32 buffer at
   ``step()``, nor with a compressor or SAM.
+* **Sharded weights gathered in the next forward pass** (``shard_state=True,
+  gather_in_forward=True``; off by default): the all-gather that publishes each rank's updated
+  partition is started in pieces after the update and left in flight, and a forward pre-hook on
+  every module that holds bound parameters waits for the pieces they lie in (none where this
+  rank owns them), so the gather moves while the forward pass computes (FSDP's forward
+  prefetch). ``module.state_dict()`` and every engine call that reads the weights (``step``,
+  ``state_dict``, ``at.save``, ``gather_params``, ...) wait for all of it; **a tensor read any
+  other way between ``step()`` and the next forward pass may hold the previous step's values
+  there: call** ``engine.wait_weights()`` first. The bits are those of the publish at the step.
+  It pays where the link binds and the forward pass is long enough to cover it; on links that
+  take the CPU the compute needs it costs (see docs/cluster.md).
 
 ``engine.step(grads)`` with a mapping still works (the engine's dict path);
 ``engine.zero_grad()`` also clears the low-precision gradient buffer.
@@ -145,7 +156,8 @@ def bind(module, optimizer, **engine_kwargs) -> TorchEngine:
     to torch's rule, "skip", where the optimizer can step parameters alone (else "zero"). With ``comm``,
     ``overlap`` defaults to True (the backward pass's hooks start the exchange; see the
     module docstring) where the exchange can overlap: a float32/float64 module, no
-    compressor, no SAM.
+    compressor, no SAM. ``gather_in_forward=True`` (with ``shard_state=True``) leaves the updated weights'
+    all-gather to the next forward pass (see the module docstring).
     """
     return TorchEngine(module, optimizer, **engine_kwargs)
 
@@ -161,7 +173,7 @@ def _settle(engine_ref, need) -> None:
     """A module's forward pre-hook under ``gather_in_forward``: the pieces of the weights it reads have arrived."""
     engine = engine_ref()
     if engine is not None:
-        engine._placement.settle(need)
+        engine.placement.settle(need)
 
 
 class TorchEngine(Engine):
@@ -265,13 +277,13 @@ class TorchEngine(Engine):
         """Leave the sharded weights' all-gather in flight after each update, and hook every module that holds
         bound parameters so that its forward pass (and its ``state_dict()``) first waits for the pieces
         they lie in; the root module's ``state_dict()`` waits for all."""
-        place = self._placement
+        place = self.placement
         place.defer_publish = True
         me = weakref.ref(self)
         names = {id(p): name for name, p, _, _ in bound}
         lay = self.layout
         for mod in module.modules():
-            own = [names[id(p)] for p in mod._parameters.values() if p is not None and id(p) in names]
+            own = [names[id(p)] for p in mod.parameters(recurse=False) if id(p) in names]
             if not own:
                 continue
             spans = [(lay.offsets[lay.index(n)], lay.offsets[lay.index(n)] + lay.sizes[lay.index(n)]) for n in own]
@@ -280,6 +292,8 @@ class TorchEngine(Engine):
             if mod is not module:
                 self._hooks.append(mod.register_state_dict_pre_hook(lambda *a, need=need: _settle(me, need)))
         self._hooks.append(module.register_state_dict_pre_hook(lambda *a: _settle(me, None)))
+        # what the last update left in flight completes before the engine's buffers go, and before MPI ends
+        weakref.finalize(self, place.settle)
 
     # -- the step -------------------------------------------------------------------------
     @guarded

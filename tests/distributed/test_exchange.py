@@ -347,3 +347,27 @@ def test_a_batch_smaller_than_the_group_is_refused_before_training():
         return engine.state.step
 
     assert ThreadGroup(3).run(fit) == [0, 0, 0]
+
+
+def test_pieces_of_every_block_are_gathered_and_a_bad_range_is_refused():
+    """``iallgather_blocks``: the default (an all-gather of the own piece, copied into place) in a thread
+    group, and a group of one; ``lo``/``hi`` outside a block refused by name before anything moves."""
+    def rank_run(rank, comm):
+        x = np.full(3 * 10, -1.0)
+        x[rank * 10 : (rank + 1) * 10] = rank * 100 + np.arange(10)
+        assert comm.iallgather_blocks(x, 2, 5).test()
+        for r in range(3):
+            want = np.full(10, -1.0) if r != rank else r * 100 + np.arange(10.0)
+            want[2:5] = r * 100 + np.arange(2, 5)
+            np.testing.assert_array_equal(x[r * 10 : (r + 1) * 10], want)
+        for lo, hi, name in ((-1, 3, "lo"), (4, 3, "hi"), (0, 11, "hi"), (11, 11, "lo")):
+            with pytest.raises(ArgumentTypeError, match=name):
+                comm.iallgather_blocks(x, lo, hi)
+        return True
+
+    assert ThreadGroup(3).run(rank_run) == [True] * 3
+    one = np.arange(4.0)
+    LocalComm().iallgather_blocks(one, 0, 4).wait()
+    np.testing.assert_array_equal(one, np.arange(4.0))
+    with pytest.raises(ArgumentTypeError, match="hi"):
+        LocalComm().iallgather_blocks(one, 0, 5)

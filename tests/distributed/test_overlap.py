@@ -320,7 +320,12 @@ def test_weights_gathered_in_the_next_forward_pass_equal_the_publish_at_the_step
             outs.append(out.detach().numpy().copy())
             out.square().mean().backward()
             eng.step()
-        state = {k: v.numpy().copy() for k, v in model.state_dict().items()}  # waits for every piece
+        assert place.in_flight == (2 if gif else 0)
+        eng.state_dict()  # an engine call that reads the weights waits for every piece
+        assert place.in_flight == 0
+        model(x).square().mean().backward()
+        eng.step()
+        state = {k: v.numpy().copy() for k, v in model.state_dict().items()}  # so does the module's
         assert place.in_flight == 0
         return outs, state, firsts
 
