@@ -129,4 +129,5 @@ def test_vs_ddp_on_tiny_settings(tmp_path, capsys):
     assert "| torch DDP + PowerSGD |" in text and "| arraytrain, MPIComm, sharded + overlapped |" in text
     assert "losses agree with DDP's to 1e-4: True" in text
     res = json.loads(out_json.read_text())["vs_ddp"]["MLP 4x1024 (4.2M)"]
-    assert len(res["step_s"]) == 11 and res["params"] == 4 * (1024 * 1024 + 1024)
+    assert len(res["step_s"]) == 13 and res["params"] == 4 * (1024 * 1024 + 1024)
+    assert "| arraytrain, MPIComm, sharded + overlapped, gathered in forward |" in text
