@@ -31,7 +31,7 @@ from .prune import MaskBuffer
 from .schedules import Schedule
 from .parallel.communicator import check_parallel
 from .parallel.placement import join, placement
-from .parallel.shard import aligned_to
+from .parallel.shard import aligned_to, interleaved
 from .parallel.sync import gradient_sync
 from .stages import Judge, StepReport, Verdict
 
@@ -133,8 +133,11 @@ class Engine:
         from the partitions' sums, the own partition's update and one all-gather
         (:class:`~arraytrain.parallel.placement.Sharded`). Muon, Adafactor, Sophia, SAM and
         a compressor are refused on every rank; 8-bit state lays every offset on a 256-element
-        block. State dicts and checkpoints keep the name-keyed form, so they load on any
-        number of ranks; :meth:`memory` reports the bytes per rank.
+        block. The engine lays the parameters out with the exchange's buckets dealt to the ranks in
+        turn (:func:`~arraytrain.parallel.shard.interleaved`), so its ``layout`` may order them
+        otherwise than ``params``: read and write them by name. State dicts and checkpoints keep
+        the name-keyed form, so they load on any number of ranks; :meth:`memory` reports the bytes
+        per rank.
     overlap : bool
         With ``comm``: exchange the gradient in buckets that start while the backward pass
         still runs (:class:`~arraytrain.parallel.sync.BucketedSync`): during a window's last
@@ -212,6 +215,9 @@ class Engine:
         self.params = as_flat_buffer(params, dtype, device)
         if shard_state:  # 8-bit state: every offset on a block, so that no partition boundary cuts one
             self.params = aligned_to(self.params, optimizer.shard_align)
+        members = None  # sharded: the buckets alternate owners (shard.interleaved), blocking or overlapped alike
+        if shard_state:  # (the same layout either way: the overlapped exchange equals the blocking one bitwise)
+            self.params, members = interleaved(self.params, comm.size, bucket_bytes)
         if wspec is not None and self.params.dtype != np.float32:
             raise HyperparameterError(f"working_dtype: working copies need float32 parameters, got {self.params.dtype}")
         check_kernel_dtype(self.params.dtype)
@@ -233,7 +239,8 @@ class Engine:
         # the strategies, picked once: which buffers this rank holds, and when the gradient crosses ranks
         gate = backend_of(self.params.flat) != NUMPY and compressor is None and not two_windows and nonfinite == "skip"
         self._placement = placement(comm, self.params, wspec, shard=shard_state, device_gate=gate)
-        self._sync = gradient_sync(self._placement, compressor=compressor, overlap=overlap, bucket_bytes=bucket_bytes)
+        self._sync = gradient_sync(self._placement, compressor=compressor, overlap=overlap, bucket_bytes=bucket_bytes,
+                                   members=members)
         self.params, self.grads, self.working = self._placement.params, self._placement.grads, self._placement.working
         self.state = optimizer.init(self._placement.master)  # validates overrides against the names
         self.comm = comm

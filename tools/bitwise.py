@@ -159,11 +159,16 @@ def _hashes(tree, prefix: str, out: dict) -> None:
 def _fingerprint(engine) -> dict:
     out: dict = {}
     _hashes(engine.state_dict(), "state", out)
-    out["params"] = _digest(engine.gather_params().flat)
-    out["grads"] = _digest(engine.grads.flat)
+    out["params"] = _by_name(engine.gather_params())
+    out["grads"] = _by_name(engine.grads)
     if engine.working is not None:
-        out["working"] = _digest(engine.working.flat)
+        out["working"] = _by_name(engine.working)
     return out
+
+
+def _by_name(buf) -> str:
+    """A buffer's digest in the configuration's order of names (an engine may lay them out otherwise)."""
+    return _digest(np.concatenate([np.asarray(buf[n]).reshape(-1) for n in SHAPES]))
 
 
 def run(out: Path, only=None, resume: Path | None = None) -> None:

@@ -14,6 +14,10 @@ rank's part of a flat buffer as the optimizers' kernels take it (``flat`` and
 ``layout.pieces``, the partition's pieces shifted to start at 0, each still naming
 its parameter, so per-parameter hyperparameters apply unchanged). The functions at
 the end move name-keyed arrays (a state dict, a checkpoint) in and out of shards.
+
+The partitions are contiguous in the engine's layout, which :func:`interleaved` orders so that the
+overlapped exchange's buckets alternate owners (the layout as given would put the last layers in
+the last rank's partition and the first in the first's).
 """
 
 from __future__ import annotations
@@ -149,6 +153,32 @@ def aligned_to(params: FlatBuffer, align: int) -> FlatBuffer:
         start = wider.offsets[wider.index(name)]
         out.flat[start : start + size] = params.flat[off : off + size]
     return out
+
+
+def interleaved(params: FlatBuffer, ranks: int, bucket_bytes: int | None) -> tuple[FlatBuffer, list]:
+    """``params`` laid out so that a sharded engine's buckets alternate owners: the overlapped exchange's
+    buckets (:func:`arraytrain.parallel.sync.buckets`, bucket 0 the last parameters) dealt to ``ranks``
+    groups in turn, the groups laid one after the other, each bucket's parameters in their own order.
+    Consecutive buckets of the backward pass then fall in different ranks' partitions, so their reduces
+    to the owners cross the links both ways at once (with contiguous partitions of the layout as given,
+    the backward pass finishes one rank's partition before it starts the next one's, one direction at
+    a time). Returns ``(params in the new layout, the buckets' names in the order they start)``, with
+    ``params`` itself where the order does not change (a single bucket, or one rank)."""
+    from .sync import buckets, default_bucket_bytes
+
+    lay = params.layout
+    itemsize = params.dtype.itemsize
+    if bucket_bytes is None:
+        bucket_bytes = default_bucket_bytes(lay.size * itemsize)
+    members = [[lay.names[i] for i in sorted(b.params)] for b in buckets(lay, bucket_bytes, itemsize)]
+    order = [n for g in range(ranks) for k in range(len(members) - 1, -1, -1) if k % ranks == g for n in members[k]]
+    if order == list(lay.names):
+        return params, members
+    wider = Layout({n: lay.shape(n) for n in order}, align=lay.align)
+    out = FlatBuffer(wider, aligned_zeros(wider.size, params.dtype, array_module(params.flat)))
+    for name in order:
+        out[name][...] = params[name]
+    return out, members
 
 
 def padded_buffer(layout: Layout, dtype, xp, part: Partition) -> tuple[FlatBuffer, object]:

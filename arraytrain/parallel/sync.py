@@ -31,6 +31,11 @@ reduce-scatter) — and the boundary waits only for what is still in flight, aft
 starting the buckets nobody marked (a parameter that got no gradient is exchanged as the
 blocking path exchanges it: as the zeros or values the buffer holds).
 
+With sharded state the engine lays the buckets out interleaved (:func:`arraytrain.parallel.shard.interleaved`:
+dealt to the ranks in turn, so that consecutive buckets have different owners and their reduces
+cross the links both ways at once); the buckets keep their members and start order, each still a
+contiguous slice (:func:`buckets_in`).
+
 Buckets start strictly in order: bucket ``k`` waits until buckets ``0..k-1`` have
 started. The ranks then enter their collectives in the same order whatever order their
 gradients become final in, and a bucket one rank cannot complete (a parameter unused
@@ -101,6 +106,16 @@ def buckets(layout: Layout, bucket_bytes: int, itemsize: int) -> tuple[Bucket, .
     return tuple(out)
 
 
+def buckets_in(layout: Layout, members) -> tuple[Bucket, ...]:
+    """Buckets of given parameters (``members``: a list of name lists, in the order the buckets start),
+    each contiguous in ``layout``; together they cover ``[0, layout.size)``, a bucket reaching to the
+    next one's first offset (see :func:`arraytrain.parallel.shard.interleaved`)."""
+    firsts = sorted((layout.offsets[layout.index(names[0])], k) for k, names in enumerate(members))
+    bounds = {k: (0 if j == 0 else lo, firsts[j + 1][0] if j + 1 < len(firsts) else layout.size)
+              for j, (lo, k) in enumerate(firsts)}
+    return tuple(Bucket(*bounds[k], tuple(layout.index(n) for n in names)) for k, names in enumerate(members))
+
+
 class BlockingSync:
     """The whole window's gradient reduced at the boundary, in one collective of the placement."""
 
@@ -130,14 +145,16 @@ class BucketedSync:
 
     overlaps = True  # mark_ready starts buckets while the backward pass runs
 
-    def __init__(self, placement, bucket_bytes: int | None = None):
+    def __init__(self, placement, bucket_bytes: int | None = None, members=None):
         self.placement = placement
         self.layout = layout = placement.layout
         flat = placement.bucket_flat
         if bucket_bytes is None:
             bucket_bytes = default_bucket_bytes(layout.size * flat.dtype.itemsize)
         self.bucket_bytes = bucket_bytes
-        self.buckets = buckets(layout, bucket_bytes, flat.dtype.itemsize)
+        # members: the buckets' parameter names where the layout was interleaved (shard.interleaved)
+        self.buckets = (buckets(layout, bucket_bytes, flat.dtype.itemsize) if members is None
+                        else buckets_in(layout, members))
         self._bucket_of = np.empty(len(layout), np.int64)
         for k, b in enumerate(self.buckets):
             self._bucket_of[list(b.params)] = k
@@ -260,11 +277,13 @@ class AutoSync(CompressedSync):
         return verdict, call.payload
 
 
-def gradient_sync(placement, *, compressor=None, overlap: bool = False, bucket_bytes: int | None = None):
+def gradient_sync(placement, *, compressor=None, overlap: bool = False, bucket_bytes: int | None = None,
+                  members=None):
     """The engine's gradient sync: compressed with a compressor, bucketed with ``overlap`` and a group of
-    processes, else blocking (the engine refused the combinations that cannot be)."""
+    processes (``members``: the buckets' names where the layout was interleaved), else blocking (the
+    engine refused the combinations that cannot be)."""
     if compressor is not None:
         return (AutoSync if hasattr(compressor, "dense_call") else CompressedSync)(placement, compressor)
     if overlap and not placement.comm.is_local:
-        return BucketedSync(placement, bucket_bytes)
+        return BucketedSync(placement, bucket_bytes, members)
     return BlockingSync(placement)
