@@ -147,11 +147,14 @@ def aligned_to(params: FlatBuffer, align: int) -> FlatBuffer:
     lay = params.layout
     if lay.align % align == 0:
         return params
-    wider = Layout(dict(zip(lay.names, lay.shapes)), align=math.lcm(lay.align, align))
-    out = FlatBuffer(wider, aligned_zeros(wider.size, params.dtype, array_module(params.flat)))
-    for name, off, size in zip(lay.names, lay.offsets, lay.sizes):
-        start = wider.offsets[wider.index(name)]
-        out.flat[start : start + size] = params.flat[off : off + size]
+    return relaid(params, Layout(dict(zip(lay.names, lay.shapes)), align=math.lcm(lay.align, align)))
+
+
+def relaid(params: FlatBuffer, layout: Layout) -> FlatBuffer:
+    """A copy of ``params`` in ``layout`` (the same names and shapes, laid out otherwise), by name."""
+    out = FlatBuffer(layout, aligned_zeros(layout.size, params.dtype, array_module(params.flat)))
+    for name in layout.names:
+        out[name][...] = params[name]
     return out
 
 
@@ -174,11 +177,7 @@ def interleaved(params: FlatBuffer, ranks: int, bucket_bytes: int | None) -> tup
     order = [n for g in range(ranks) for k in range(len(members) - 1, -1, -1) if k % ranks == g for n in members[k]]
     if order == list(lay.names):
         return params, members
-    wider = Layout({n: lay.shape(n) for n in order}, align=lay.align)
-    out = FlatBuffer(wider, aligned_zeros(wider.size, params.dtype, array_module(params.flat)))
-    for name in order:
-        out[name][...] = params[name]
-    return out, members
+    return relaid(params, Layout({n: lay.shape(n) for n in order}, align=lay.align)), members
 
 
 def padded_buffer(layout: Layout, dtype, xp, part: Partition) -> tuple[FlatBuffer, object]:
