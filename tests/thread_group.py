@@ -16,13 +16,29 @@ import numpy as np
 from arraytrain.parallel.communicator import OPS, Communicator
 
 
+class VirtualClock:
+    """Seconds that pass only when told to (``advance``): read by calling it, as ``time.perf_counter``."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
 class ThreadGroup:
     """``rate``: a simulated link, in bytes per second per rank (None: none); each collective then
-    sleeps as long as its ring's bytes take at that rate (changeable mid-run: ``group.rate = ...``)."""
+    takes as long as its ring's bytes take at that rate (changeable mid-run: ``group.rate = ...``):
+    it sleeps, or with ``virtual=True`` advances its rank's clock in ``group.clocks`` (no sleep, and
+    times that do not depend on how busy the machine is)."""
 
-    def __init__(self, size: int, timeout: float = 60.0, rate: float | None = None):
+    def __init__(self, size: int, timeout: float = 60.0, rate: float | None = None, virtual: bool = False):
         self.size = size
         self.rate = rate
+        self.clocks = [VirtualClock() for _ in range(size)] if virtual else None
         self.barrier = threading.Barrier(size, timeout=timeout)
         self.slots: list = [None] * size
         self.calls = [[] for _ in range(size)]  # (operation, shape, dtype) per rank, in order
@@ -69,7 +85,10 @@ class ThreadExchange(Communicator):
 
     def _wire(self, nbytes: float) -> None:
         if self.group.rate:
-            time.sleep(nbytes / self.group.rate)
+            if self.group.clocks is not None:
+                self.group.clocks[self.rank].advance(nbytes / self.group.rate)
+            else:
+                time.sleep(nbytes / self.group.rate)
 
     def allreduce(self, x, op: str = "sum") -> None:
         assert op in OPS

@@ -36,6 +36,10 @@ What it chose and why is :attr:`decisions` (one entry per choice, with the timin
 step report's ``compression`` (``"auto:<name>:<phase>"``) and the checkpoint's state. The choice
 depends on timings, so two runs may choose differently: a run is reproducible bit for bit only
 from a checkpoint (it holds the choice) or with the candidate passed directly.
+
+Every time is read from ``clock`` (default :func:`time.perf_counter`): a program, a simulation or a
+test that knows its times (a modelled link, a replayed trace) passes its own clock, and the decision
+is then a function of those times alone, not of how busy the machine happens to be.
 """
 
 from __future__ import annotations
@@ -88,12 +92,15 @@ class Auto:
         Calls between the dense exchanges that check the link (0: never re-check).
     drift : float
         The factor by which the dense exchange time must move for the choice to be made again.
+    clock : callable, optional
+        A function of no arguments returning seconds, read around every timed call (default
+        :func:`time.perf_counter`).
     """
 
     method = "auto"
 
     def __init__(self, candidates: Mapping | None = None, *, probe: int = 4, gain: float = 1.25,
-                 reprobe: int = 200, drift: float = 2.0):
+                 reprobe: int = 200, drift: float = 2.0, clock=None):
         candidates = default_candidates() if candidates is None else candidates
         if not isinstance(candidates, Mapping) or not candidates or any(
                 not isinstance(k, str) or k == DENSE or not callable(f) for k, f in candidates.items()):
@@ -112,6 +119,10 @@ class Auto:
         self.gain = check_number("gain", gain, 1.0)
         self.reprobe = check_int("reprobe", reprobe, 0)
         self.drift = check_number("drift", drift, 1.0, lo_open=True)
+        if clock is not None and not callable(clock):
+            raise ArgumentTypeError(f"clock: expected a function of no arguments returning seconds, "
+                                    f"got {type(clock).__name__}")
+        self.clock = time.perf_counter if clock is None else clock
         self.choice = DENSE
         self.step = 0
         self.decisions: list[dict] = []
@@ -154,9 +165,9 @@ class Auto:
         call's payload once the block ends."""
         self._need_bound()
         step, call = self._begin(), _Call()
-        t = time.perf_counter()
+        t = self.clock()
         yield call
-        call.payload = self._after_dense(x, step, time.perf_counter() - t)
+        call.payload = self._after_dense(x, step, self.clock() - t)
         self._end(step)
 
     def exchange(self, x) -> Payload:
@@ -165,9 +176,9 @@ class Auto:
         step = self._begin()
         if self.dense_next or self._reprobe_due(step):
             self._flush(x)  # a compressor's residual travels with the dense check
-            t = time.perf_counter()
+            t = self.clock()
             self.comm.allreduce(x)
-            payload = self._after_dense(x, step, time.perf_counter() - t)
+            payload = self._after_dense(x, step, self.clock() - t)
         else:
             payload = self.candidates[self.choice].exchange(x)
             payload.meta = dict(payload.meta, phase=f"auto:{self.choice}:{payload.meta.get('phase')}")
@@ -177,13 +188,13 @@ class Auto:
     def _begin(self) -> int:
         """A call starts: the compute since the last one ended is recorded; the call's number."""
         if self._last_end is not None:
-            self._compute_times.append(time.perf_counter() - self._last_end)
+            self._compute_times.append(self.clock() - self._last_end)
             del self._compute_times[:-16]
         return self.step
 
     def _end(self, step: int) -> None:
         self.step = step + 1
-        self._last_end = time.perf_counter()
+        self._last_end = self.clock()
 
     def _reprobe_due(self, step: int) -> bool:
         return bool(self.reprobe) and step >= self.probe and (step - self.probe + 1) % self.reprobe == 0
@@ -235,7 +246,8 @@ class Auto:
         if self.comm.rank == 0:
             compute = float(np.median(self._compute_times)) if self._compute_times else 0.0
             k = self.comm.size
-            rate = 2 * (k - 1) / k * self._dense_nbytes / t_dense  # a ring all-reduce's bytes per process
+            # a ring all-reduce's bytes per process (a clock that saw no time pass: an unbounded link)
+            rate = 2 * (k - 1) / k * self._dense_nbytes / t_dense if t_dense > 0 else float("inf")
             estimates = {DENSE: t_dense}
             for name, make in self.factories.items():
                 estimates[name] = self._estimate(make(), x, rate, k, self.candidates[name])
@@ -263,11 +275,11 @@ class Auto:
         twin.bind(self.layout, self._dtype)
         y = x.copy()
         for _ in range(2):  # the second timed: the first may compile or load the kernels
-            t0 = time.perf_counter()
+            t0 = self.clock()
             payload = twin.compress(y)
-            t1 = time.perf_counter()
+            t1 = self.clock()
             twin.decompress(payload, y)
-            t2 = time.perf_counter()
+            t2 = self.clock()
         summed = isinstance(inner, Summed)
         wire = (2 * (k - 1) / k if summed else k - 1) * payload.nbytes
         ramp = _inner(real)
