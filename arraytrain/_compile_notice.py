@@ -1,10 +1,11 @@
-"""The notice of a step that compiled: once per process, on stderr, like JAX's "compiling" log.
+"""The notice of a step that compiled: on stderr, like JAX's "compiling" log.
 
 numba compiles a kernel signature the first time a process calls it unless its on-disk cache holds
 it (2-7 s a signature here, ~10 s with 8-bit state). :meth:`arraytrain.Engine.step` reads the
 compile clock of the CPU kernels (:data:`arraytrain.kernels.cpu._jit.COMPILE_CLOCK`) around each
-step until one step has compiled for over :data:`SECONDS`; that step prints one line naming the
-``arraytrain compile`` command (:mod:`arraytrain.precompile`) that compiles it ahead.
+step; every step that compiled for over :data:`SECONDS` prints one line (a signature compiles once
+per process, so the lines are as many as the new signatures at most), the first naming the
+``arraytrain compile`` command (:mod:`arraytrain.precompile`) that compiles them ahead.
 """
 
 from __future__ import annotations
@@ -30,11 +31,6 @@ def clock(numba_kernels: bool):
     from .kernels.cpu._jit import COMPILE_CLOCK
 
     return COMPILE_CLOCK
-
-
-def pending() -> bool:
-    """Whether a step that compiles may still print the notice in this process."""
-    return not _shown
 
 
 @contextmanager
@@ -64,13 +60,16 @@ def command_for(optimizer, dtype, working_dtype) -> str:
 
 
 def notice(seconds: float, command, file=None) -> bool:
-    """Print that a step spent ``seconds`` compiling when that is over :data:`SECONDS`, naming the
-    command ``command()`` returns; once per process. Returns whether it printed."""
+    """Print that a step spent ``seconds`` compiling when that is over :data:`SECONDS`, the first time
+    in a process naming the command ``command()`` returns. Returns whether it printed."""
     global _shown
-    if _shown or _silenced or seconds <= SECONDS:
+    if _silenced or seconds <= SECONDS:
         return False
+    if _shown:
+        line = f"arraytrain: this step compiled kernels for {seconds:.1f} s (a signature the steps before it did not use)"
+    else:
+        line = (f"arraytrain: this step compiled kernels for {seconds:.1f} s (numba compiles each kernel signature "
+                f"once; later processes load it from its cache). To compile them ahead: {command()}")
     _shown = True
-    print(f"arraytrain: this step compiled kernels for {seconds:.1f} s (numba compiles each kernel signature "
-          f"once; later processes load it from its cache). To compile them ahead: {command()}",
-          file=sys.stderr if file is None else file, flush=True)
+    print(line, file=sys.stderr if file is None else file, flush=True)
     return True

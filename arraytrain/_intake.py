@@ -244,6 +244,12 @@ class Intake:
         items = check_grads(grads, self.buf, protect=self.protect)
         if self.fast and type(grads) is dict:
             self._learn(grads)
+            # the plan serves this micro-batch already: the first step of a structure then runs the
+            # kernels every later one runs (it reads the gradients where they lie), one signature
+            # to compile, not two
+            found = self._match(grads) if self._plan is not None else None
+            if found is not None:
+                return Checked(self._plan.absent, plan=self._plan, values=found[0], contiguous=found[1])
         present = items.keys()
         return Checked([n for n in self.buf.layout.names if n not in present], items=items)
 

@@ -14,12 +14,13 @@ import math
 import numpy as np
 
 from ._checks import check_int, check_number, check_positive
-from .backend import BFLOAT16
+from .backend import bfloat16
 from .kernels.interface import LP_BF16, LP_F16
 from .errors import HyperparameterError, StateDictError
 
-#: ``working_dtype`` name -> (the working copy's dtype, its kind as the optimizer kernels take it).
-WORKING_DTYPES = {"bfloat16": (BFLOAT16, LP_BF16), "float16": (np.dtype(np.float16), LP_F16)}
+#: ``working_dtype`` name -> (a function of no arguments giving the working copy's dtype, its kind as the
+#: optimizer kernels take it); bfloat16's dtype is ml_dtypes', imported when a copy needs it.
+WORKING_DTYPES = {"bfloat16": (bfloat16, LP_BF16), "float16": (lambda: np.dtype(np.float16), LP_F16)}
 
 
 class LossScaler:
@@ -96,4 +97,5 @@ def working_spec(dtype) -> tuple[np.dtype, int]:
     name = str(dtype) if not isinstance(dtype, str) else dtype
     if name not in WORKING_DTYPES:
         raise HyperparameterError(f"working_dtype: expected None or one of {list(WORKING_DTYPES)}, got {dtype!r}")
-    return WORKING_DTYPES[name]
+    dtype_of, kind = WORKING_DTYPES[name]
+    return dtype_of(), kind

@@ -15,9 +15,9 @@ the kernels themselves come from :func:`arraytrain.kernels.interface.family`, by
 from __future__ import annotations
 
 import importlib
+import sys
 from types import ModuleType
 
-import ml_dtypes
 import numpy as np
 
 from .errors import BackendError, BackendUnavailableError, DTypeError, HyperparameterError
@@ -157,7 +157,19 @@ def as_array(x: object, name: str = "array", backend: str | None = None):
     return arr
 
 
-BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
+def bfloat16():
+    """ml_dtypes' bfloat16 dtype, imported on first use (ml_dtypes 0.7.0's import alone takes 1.2 s on a
+    Zen 3, longer than the rest of a first step)."""
+    import ml_dtypes
+
+    return np.dtype(ml_dtypes.bfloat16)
+
+
+def is_bfloat16(dtype) -> bool:
+    """Whether ``dtype`` is ml_dtypes' bfloat16, without importing ml_dtypes: no array of that dtype can
+    exist before something imported it."""
+    m = sys.modules.get("ml_dtypes")
+    return m is not None and dtype == m.bfloat16
 
 
 def _bfloat16_without_dlpack(x, name: str, host: bool):
@@ -177,7 +189,7 @@ def _bfloat16_without_dlpack(x, name: str, host: bool):
             arr = np.asarray(x)
         except Exception:
             arr = None
-        if arr is not None and arr.dtype == BFLOAT16:
+        if arr is not None and is_bfloat16(arr.dtype):
             return arr
     raise DTypeError(f"{name!r}: a bfloat16 {type(x).__name__} cannot be read through DLPack "
                      f"({'NumPy' if host else 'this CuPy'} has no bfloat16 DLPack type); cast it to float32 first, "
@@ -187,7 +199,7 @@ def _bfloat16_without_dlpack(x, name: str, host: bool):
 def is_float_dtype(dtype) -> bool:
     """float16/32/64, or ml_dtypes' bfloat16 (NumPy has none of its own)."""
     dtype = np.dtype(dtype)
-    return dtype.kind == "f" or dtype == BFLOAT16
+    return dtype.kind == "f" or is_bfloat16(dtype)
 
 
 def check_float_dtype(dtype, name: str) -> None:

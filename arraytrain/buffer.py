@@ -6,7 +6,8 @@ from collections.abc import Iterator, Mapping
 
 import numpy as np
 
-from .backend import BFLOAT16, NUMPY, array_module, as_array, backend_of, check_float_dtype, same_backend, to_device
+from .backend import (NUMPY, array_module, as_array, backend_of, check_float_dtype, is_bfloat16, same_backend,
+                      to_device)
 from .errors import ArgumentTypeError, BackendUnavailableError, LayoutError, ReadOnlyError, ShapeMismatchError, UnknownParameterError
 from .layout import DEFAULT_ALIGN, Layout
 
@@ -66,7 +67,7 @@ def aligned(flat):
 
 def kernel_view(flat):
     """What a kernel reads: the array itself, or its uint16 bits for bfloat16 storage."""
-    return flat.view(np.uint16) if flat.dtype == BFLOAT16 else flat
+    return flat.view(np.uint16) if is_bfloat16(flat.dtype) else flat
 
 
 class FlatBuffer(Mapping):

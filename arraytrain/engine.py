@@ -224,7 +224,7 @@ class Engine:
         self._layout = self.params.layout
         self._kernels = family(backend_of(self.params.flat), kernels)
         self._working_dtype = working_dtype
-        # numba's kernels: a first step that compiles says so (_compile_notice)
+        # numba's kernels: a step that compiles says so (_compile_notice)
         self._compile_clock = _compile_notice.clock(kernels == "numba" and backend_of(self.params.flat) == NUMPY)
         self._guard = CallGuard()
         self._evaluating = False
@@ -425,15 +425,15 @@ class Engine:
         update -> bookkeeping (see :mod:`arraytrain.stages`).
 
         A step whose kernels numba has to compile first (not in its on-disk cache) for more
-        than a second says so once per process on stderr, naming the ``arraytrain compile``
-        command that compiles them ahead (:mod:`arraytrain.precompile`).
+        than a second says so on stderr, the first time in a process naming the ``arraytrain
+        compile`` command that compiles them ahead (:mod:`arraytrain.precompile`).
         """
         return self._noticed(self._step, grads, weight, absent)
 
     def _noticed(self, step, *args):
-        """``step(*args)``, and the first-step notice when it compiled kernels for more than a second."""
+        """``step(*args)``, and the notice when it compiled kernels for more than a second."""
         clock = self._compile_clock
-        if clock is None or not _compile_notice.pending():
+        if clock is None:
             return step(*args)
         before = clock.seconds
         try:

@@ -15,8 +15,8 @@ buffers run and the parallel one of large buffers). It is the same code path as 
 so what it compiles is what the step will load. Processes that meet the same kernel at once
 compile it once (a file lock per signature, see :mod:`arraytrain.kernels.cpu._jit`).
 
-The first step that has to compile for more than a second says so once per process on stderr,
-with the command that would have compiled it ahead (:mod:`arraytrain._compile_notice`).
+A step that has to compile for more than a second says so on stderr, the first such step with the
+command that would have compiled it ahead (:mod:`arraytrain._compile_notice`).
 """
 
 from __future__ import annotations

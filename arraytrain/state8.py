@@ -58,7 +58,6 @@ from collections.abc import Mapping
 from functools import lru_cache
 from typing import NamedTuple
 
-import ml_dtypes
 import numpy as np
 
 from .errors import DTypeError, LayoutError, ShapeMismatchError, StateDictError, UnknownParameterError
@@ -225,10 +224,32 @@ def codebook(signed: bool) -> Codebook:
 
 # -- float8 (see the module docstring) ---------------------------------------------------------
 
+def _e4m3_values() -> np.ndarray:
+    """Every e4m3 code's value: a sign, 4 exponent bits of bias 7 (0: subnormal), 3 mantissa bits; no
+    infinities, 0x7F and 0xFF NaN (the tests check the table against ``ml_dtypes.float8_e4m3fn``, which
+    is not imported here: its import takes over a second on some machines)."""
+    codes = np.arange(256)
+    exp, man = (codes >> 3) & 0xF, (codes & 7) / 8.0
+    mag = np.where(exp == 0, man * 2.0 ** -6, (1.0 + man) * 2.0 ** (exp - 7.0))
+    out = np.where(codes & 0x80, -mag, mag).astype(np.float32)
+    out[0x7F], out[0xFF] = np.nan, -np.nan
+    return out
+
+
+def _quiet_nans(values: np.ndarray) -> np.ndarray:
+    """``values`` with every NaN the quiet NaN of its code's sign (0x7FC00000 or 0xFFC00000), as
+    ml_dtypes' casts give them."""
+    bits = values.view(np.uint32)
+    nan = np.isnan(values)
+    bits[nan] = np.uint32(0x7FC00000) | (bits[nan] & np.uint32(0x80000000))
+    return values
+
+
 #: The value of every e4m3 code (``ml_dtypes.float8_e4m3fn``; codes 0x7F and 0xFF are NaN).
-E4M3_MAP = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
-#: The value of every e5m2 code (``ml_dtypes.float8_e5m2``; 0x7C/0xFC are +-inf, 0x7D-0x7F/0xFD-0xFF NaN).
-E5M2_MAP = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e5m2).astype(np.float32)
+E4M3_MAP = _quiet_nans(_e4m3_values())
+#: The value of every e5m2 code (``ml_dtypes.float8_e5m2``; 0x7C/0xFC are +-inf, 0x7D-0x7F/0xFD-0xFF NaN):
+#: e5m2 is float16's upper byte.
+E5M2_MAP = _quiet_nans((np.arange(256, dtype=np.uint16) << 8).view(np.float16).astype(np.float32))
 E4M3_MAP.flags.writeable = False
 E5M2_MAP.flags.writeable = False
 #: The maps a quantized slot's codes may index, by the name its entries carry.
@@ -260,6 +281,8 @@ def float8_encode(x, map_name: str) -> tuple[np.ndarray, np.ndarray]:
     ``m`` within float32 rounding, and a block whose values all grow by one factor keeps its codes,
     the scale carrying the growth at float32 precision.
     """
+    import ml_dtypes  # (reference code: the format's cast)
+
     fmt = ml_dtypes.float8_e5m2 if map_name == "e5m2" else ml_dtypes.float8_e4m3fn
     top = np.float32(F8_TOP[map_name])
     x = np.asarray(x, np.float32).ravel()

@@ -194,7 +194,7 @@ def test_non_contiguous_and_fortran_gradients_are_read_in_c_order():
 
 def test_every_flatbuffer_allocation_is_64_byte_aligned():
     lay = Layout({"a": (3,), "b": (5, 7), "c": (0,)})
-    for dtype in (np.float32, np.float64, at.backend.BFLOAT16, np.float16):
+    for dtype in (np.float32, np.float64, at.backend.bfloat16(), np.float16):
         bufs = [FlatBuffer.zeros(lay, dtype)]
         bufs += [bufs[0].zeros_like(), bufs[0].copy()]
         bufs.append(FlatBuffer.from_arrays({"x": np.ones(3, dtype)}))

@@ -152,7 +152,7 @@ SURFACE = {
         "from_state_dict": "(state)",
     },
     "arraytrain.compress": {
-        "Auto": "(candidates=None, *, probe=4, gain=1.25, reprobe=200, drift=2.0)",
+        "Auto": "(candidates=None, *, probe=4, gain=1.25, reprobe=200, drift=2.0, clock=None)",
         "Compressor": "(*, min_size=0, warmup=None, seed=0, kernels='numba')",
         "Domain": "(size, dtype, segments)",
         "ErrorFeedback": "(compressor)",

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..backend import BFLOAT16, NUMPY, backend_of
+from ..backend import NUMPY, backend_of, bfloat16, is_bfloat16
 from ..errors import BackendError, DTypeError, MissingDependencyError, ShapeMismatchError
 
 #: The drop-in ``torch.optim.Optimizer`` classes of :mod:`arraytrain.interop.torch`, defined with torch in
@@ -31,7 +31,7 @@ def torch_module():
 
 def tensor_view(arr, torch):
     """A torch tensor sharing ``arr``'s memory (NumPy or CuPy; bfloat16 through its int16 bits)."""
-    bf16 = arr.dtype == BFLOAT16
+    bf16 = is_bfloat16(arr.dtype)
     if backend_of(arr) == NUMPY:
         t = torch.from_numpy(arr.view(np.int16) if bf16 else arr)
     else:
@@ -46,14 +46,14 @@ def host_array(t, torch, copy: bool) -> np.ndarray:
         t, copy = t.cpu(), False
     if not t.is_contiguous():
         t, copy = t.contiguous(), False
-    a = t.view(torch.int16).numpy().view(BFLOAT16) if t.dtype == torch.bfloat16 else t.numpy()
+    a = t.view(torch.int16).numpy().view(bfloat16()) if t.dtype == torch.bfloat16 else t.numpy()
     return a.copy() if copy else a
 
 
 def numpy_dtype(t, torch) -> np.dtype:
     """The NumPy dtype (ml_dtypes' bfloat16 for torch.bfloat16) of a tensor's elements."""
     if t.dtype == torch.bfloat16:
-        return BFLOAT16
+        return bfloat16()
     return torch.empty(0, dtype=t.dtype).numpy().dtype
 
 
