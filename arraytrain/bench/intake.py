@@ -23,7 +23,11 @@ zero-copy path (gradients already in ``engine.grads``, as a torch binding leaves
 ``clip_grad_norm_(foreach=True)`` + ``AdamW(fused=True)`` when torch is installed. Micro-batch timings accumulate
 (``accumulation_steps`` large), so no optimizer step is in them. Each figure is
 the best of ``--repeats`` rounds of ``--calls`` calls, contestants alternating
-round by round; warm-up and compilation are excluded.
+round by round; warm-up and compilation are excluded. torch's step is timed in
+rounds of its own after arraytrain's: torch's OpenMP threads spin for a while
+after each torch call, on the cores numba's threads then need, so whichever
+contestant followed torch's in the alternation paid for them (on a 2-core Zen 3,
+600 us a step, which showed as 60 us "per tensor" at 10 tensors).
 """
 
 from __future__ import annotations
@@ -95,10 +99,11 @@ def measure(n_tensors: int, elements: int, calls: int = 20, repeats: int = 7) ->
             torch.nn.utils.clip_grad_norm_(tp, MAX_NORM, foreach=True)
             opt.step()
 
-        steps["torch-fused"] = torch_step
     except ImportError:
-        pass
+        torch_step = None
     step_t = _best(steps, max(1, calls // 2), repeats)
+    if torch_step is not None:
+        step_t.update(_best({"torch-fused": torch_step}, max(1, calls // 2), repeats))
     floor = micro_t["floor"]
     out = {"tensors": n_tensors, "elements_per_tensor": size, "micro_batch_s": micro_t, "step_s": step_t,
            "per_tensor_s": {k: (v - floor) / n_tensors for k, v in micro_t.items() if k != "floor"},
