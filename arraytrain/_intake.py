@@ -145,7 +145,7 @@ class _Plan:
     slice, view)`` of the large ones.
     """
 
-    __slots__ = ("names", "shapes", "dtype", "absent", "groups", "staging", "direct", "_in_place")
+    __slots__ = ("names", "shapes", "dtype", "absent", "groups", "staging", "direct", "check_all", "_in_place")
 
     def __init__(self, names, shapes, dtype, buf: FlatBuffer):
         layout = buf.layout
@@ -175,6 +175,7 @@ class _Plan:
         self.groups = [(p if len(p) < len(names) else None, np.asarray(r, np.int64).reshape(-1, 3),
                         self.staging[:n]) for p, r, n in groups]
         self.direct = direct
+        self.check_all = False  # every array's aliasing checked, owning ones too (see Intake._learn)
         self._in_place = None  # what reading in place needs, made on first use (see in_place)
 
     def in_place(self, buf: FlatBuffer):
@@ -216,7 +217,9 @@ class Intake:
 
     Aliasing on the fast path: an array that owns its memory
     (``flags.owndata``) cannot lie inside the engine's buffers, which other
-    arrays own; any other array gets the full ``np.may_share_memory`` test.
+    arrays own, unless it is one of those owners (a structure with an owner's
+    shape checks every array); any other array gets the full
+    ``np.may_share_memory`` test.
     """
 
     def __init__(self, buf: FlatBuffer, protect: tuple, kernels, impl: str = "numba"):
@@ -260,13 +263,13 @@ class Intake:
         if plan is None or len(grads) != len(plan.names) or tuple(grads) != plan.names:
             return None
         values = list(grads.values())
-        dtype, ndarray = plan.dtype, np.ndarray
+        dtype, ndarray, check_all = plan.dtype, np.ndarray, plan.check_all
         contiguous = True
         for a, shape in zip(values, plan.shapes):
             if type(a) is not ndarray or a.dtype is not dtype or a.shape != shape:
                 return None
             flags = a.flags
-            if not flags.owndata:
+            if check_all or not flags.owndata:
                 self._check_alias(a, grads)
             if not flags.c_contiguous:
                 contiguous = False
@@ -286,10 +289,10 @@ class Intake:
         if dtype not in _FLOAT_DTYPES or any(a.dtype is not dtype for a in values):
             return
         shapes = tuple(a.shape for a in values)
-        # an owning array could alias a buffer only by being its owner: never with these shapes
-        if any(s == o.shape for s in shapes for o in self._owners):
-            return
         self._plan = _Plan(tuple(grads), shapes, dtype, self.buf)
+        # an owning array could alias a buffer only by being its owner, which needs the owner's shape
+        # (an engine of one parameter whose flat buffer has its shape): then every array is checked
+        self._plan.check_all = any(s == o.shape for s in shapes for o in self._owners)
 
     def place(self, checked: Checked):
         """Where a validated micro-batch's gradients lie, for a step that reads them there

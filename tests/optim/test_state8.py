@@ -22,6 +22,7 @@ import pytest
 
 import arraytrain as at
 from arraytrain import Engine, FlatBuffer, optim, state8
+from arraytrain.buffer import GradsAt, segment_addresses
 from arraytrain.errors import HyperparameterError, StateDictError
 from arraytrain.kernels import cpu
 from arraytrain.kernels import reference as ref
@@ -205,6 +206,11 @@ def _bnb_default_quantize(torch, x, code):
 # -- kernels against the reference, one step at a time --------------------------------------------
 
 
+def _in_place(g):
+    """``g`` as a gradient read where it lies (:class:`~arraytrain.buffer.GradsAt`, ``grad_ptrs``)."""
+    return GradsAt(g, segment_addresses(g), GradsAt.offsets_of(g))
+
+
 def _setup(name, seed=0):
     rng = np.random.default_rng(seed)
     arrays = {k: rng.standard_normal(s).astype(np.float32) for k, s in SIZES.items()}
@@ -238,7 +244,10 @@ def test_kernels_equal_reference_every_step(name, sd):
         for k, b in sf.slots.items():
             sr.slots[k].flat[...] = b.flat
         sr.step, sr.scalars = sf.step, dict(sf.scalars)
-        opt_f.update(cpu, pf, g, sf, gscale=0.5)
+        # float8 in the default tier reads the gradient where it lies (the kernel signature the
+        # engine's dict path and the drop-ins compile, 35 s on a Zen 3: one float8 signature for the
+        # default tier); the slow tier's cases read the flat buffer
+        opt_f.update(cpu, pf, _in_place(g) if sd == "float8" and name == "AdamW" else g, sf, gscale=0.5)
         opt_r.update(ref, pr, gr, sr, gscale=0.5)
         # LAMB's second pass reads the moments back decoded: where a code came out one off
         # (below), its parameter moves by that code's step too; compared elsewhere
