@@ -8,7 +8,6 @@ import math
 import os
 import subprocess
 import sys
-import time
 import warnings
 
 import numpy as np
@@ -282,14 +281,11 @@ def test_refused_before_training(tmp_path, capsys, monkeypatch, args, text):
     small_npz(tmp_path / "good.npz")
     loaded = []
     monkeypatch.setattr(cli.run, "_load_data", lambda a: loaded.append(a))  # the first step of a run
-    t0 = time.perf_counter()
     rc, out, err = run(capsys, *QUIET, *[a.format(tmp=tmp_path, step="{step}") for a in args])
-    seconds = time.perf_counter() - t0
     assert rc == 2 and out == "" and not loaded
     lines = err.strip().splitlines()
     assert len(lines) == 1, err
     assert lines[0].startswith("arraytrain train: error:") and text.format(tmp=tmp_path) in lines[0], lines[0]
-    assert seconds < 5.0  # the ordering above is the real test; this only bounds a loaded machine
 
 
 def test_refused_before_training_count():

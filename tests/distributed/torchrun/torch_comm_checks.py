@@ -163,15 +163,18 @@ def check_nonblocking_allreduce_and_reduce(comm: TorchComm) -> int:
         h.wait()  # twice: harmless
         np.testing.assert_array_equal(x, want, err_msg=str(x.dtype))
         cases += 1
-    # test() polls without blocking: rank 0 starts first, and cannot complete before the others join
+    # test() polls without blocking: rank 0 starts first, and cannot complete before the others join,
+    # which they do only once rank 0 has tested (told through the job's key-value store, not a
+    # collective; a test() that blocked would never return, and the job's timeout would end it)
+    store = dist.distributed_c10d._get_default_store()
     x = np.full(100, comm.rank + 1.0)
     if comm.rank != 0:
-        time.sleep(0.5)
+        store.wait(["rank 0 tested"])
     h = comm.iallreduce(x, "max")
     if comm.rank == 0:
-        t0 = time.monotonic()
-        assert h.test() is False and time.monotonic() - t0 < 0.2, "test() blocked or completed alone"
+        assert h.test() is False, "test() completed alone"
         assert repr(h) == "TorchWork(pending)"
+        store.set("rank 0 tested", "yes")
     while not h.test():
         time.sleep(0.001)
     assert np.all(x == comm.size)  # test() True: the result is in place without wait()
