@@ -165,6 +165,12 @@ def bfloat16():
     return np.dtype(ml_dtypes.bfloat16)
 
 
+def dtype_named(dtype) -> np.dtype:
+    """``np.dtype(dtype)``, with the name ``"bfloat16"`` resolved through ml_dtypes (NumPy knows that
+    name only once something has imported ml_dtypes)."""
+    return bfloat16() if isinstance(dtype, str) and dtype == "bfloat16" else np.dtype(dtype)
+
+
 def is_bfloat16(dtype) -> bool:
     """Whether ``dtype`` is ml_dtypes' bfloat16, without importing ml_dtypes: no array of that dtype can
     exist before something imported it."""

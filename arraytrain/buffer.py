@@ -6,7 +6,7 @@ from collections.abc import Iterator, Mapping
 
 import numpy as np
 
-from .backend import (NUMPY, array_module, as_array, backend_of, check_float_dtype, is_bfloat16, same_backend,
+from .backend import (NUMPY, array_module, as_array, backend_of, check_float_dtype, dtype_named, is_bfloat16, same_backend,
                       to_device)
 from .errors import ArgumentTypeError, BackendUnavailableError, LayoutError, ReadOnlyError, ShapeMismatchError, UnknownParameterError
 from .layout import DEFAULT_ALIGN, Layout
@@ -29,7 +29,7 @@ def address(arr) -> int:
 
 def aligned_empty(n: int, dtype, xp=np):
     """An uninitialised 1-D array of ``n`` elements whose first element is ``ALIGN_BYTES``-aligned."""
-    dtype = np.dtype(dtype)
+    dtype = dtype_named(dtype)
     if xp is np:
         # over-allocate raw bytes and start the array at the first aligned byte; np.empty of
         # the exact size would be 16-byte aligned only (the allocator's guarantee)

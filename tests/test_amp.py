@@ -4,6 +4,8 @@ working copies and bfloat16 optimizer state; the schedule inside the Engine."""
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 
 import ml_dtypes
 import numpy as np
@@ -268,6 +270,28 @@ def test_adamw_bfloat16_state_trains_like_float32():
     for k in target:
         np.testing.assert_allclose(runs["bfloat16"].params[k], target[k], atol=5e-2)
         np.testing.assert_allclose(runs["bfloat16"].params[k], runs[None].params[k], atol=5e-2)
+
+
+_FRESH_BF16 = """
+import sys
+import numpy as np
+import arraytrain as at
+from arraytrain.buffer import FlatBuffer
+from arraytrain.layout import Layout
+
+assert "ml_dtypes" not in sys.modules
+params = FlatBuffer.zeros(Layout.from_arrays({"w": np.zeros((3, 4), np.float32)}), np.float32)
+state = at.optim.AdamW(lr=1e-3, state_dtype="bfloat16").init(params)
+print(state.slots["exp_avg"].dtype, FlatBuffer.zeros(params.layout, "bfloat16").dtype)
+"""
+
+
+def test_bfloat16_by_name_in_a_process_without_ml_dtypes():
+    """The name "bfloat16" resolves before anything imported ml_dtypes (NumPy learns it from that
+    import): an optimizer's state and a buffer by that name, first thing in a fresh process."""
+    out = subprocess.run([sys.executable, "-c", _FRESH_BF16], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["bfloat16", "bfloat16"]
 
 
 @pytest.mark.parametrize("make, name", [

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .._checks import check_bool, check_number
-from ..backend import array_module
+from ..backend import array_module, dtype_named
 from ..buffer import FlatBuffer, kernel_view
 from ..errors import ArgumentTypeError, DTypeError, HyperparameterError, LayoutError
 from ..layout import REDUCE_CHUNK, Layout
@@ -160,12 +160,12 @@ class Optimizer(ABC):
 
     def _slot_dtype(self, params: FlatBuffer):
         """The storage of element-wise slots: None (the parameters' dtype) or ``state_dtype``'s."""
-        if self.state_dtype is None or np.dtype(self.state_dtype) == params.dtype:
+        if self.state_dtype is None or dtype_named(self.state_dtype) == params.dtype:
             return None
         if params.dtype != np.float32:
             raise HyperparameterError(f"state_dtype: {self.state_dtype} state needs float32 parameters, "
                                       f"got {params.dtype}")
-        return np.dtype(self.state_dtype)
+        return dtype_named(self.state_dtype)
 
     @staticmethod
     def _slot(state: OptState, name: str):
