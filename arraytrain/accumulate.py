@@ -13,9 +13,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import _deprecation, _intake
-from ._checks import check_bool, check_int, check_number, check_positive
-from ._deprecation import legacy_arguments, value_at
+from . import _intake
+from ._checks import check_int, check_number, check_positive
 from .backend import backend_of, check_kernel_dtype
 from .buffer import FlatBuffer
 from .errors import (
@@ -34,11 +33,6 @@ from .ops import CLIP_EPS, clip_coef, norm_pass
 REDUCTIONS = ("mean", "sum")
 
 
-def _reduction_of(normalize) -> str:
-    """The ``reduction`` that the deprecated ``normalize`` flag meant."""
-    return "mean" if check_bool("normalize", normalize) else "sum"
-
-
 @dataclass(frozen=True, init=False)
 class AccumulationConfig:
     """How many micro-batches make one update, how they combine, and clipping.
@@ -49,8 +43,7 @@ class AccumulationConfig:
     None: no clipping). ``clip_eps=1e-6`` (:data:`arraytrain.ops.CLIP_EPS`) is torch's
     ``clip_grad_norm_`` rule, which the Engine applies; ``clip_eps=0.0`` scales to exactly
     ``max_grad_norm`` (optax's ``clip_by_global_norm``, and this accumulator's rule before
-    ``clip_eps`` existed). ``normalize=True``/``False`` (deprecated) means
-    ``reduction="mean"``/``"sum"``.
+    ``clip_eps`` existed).
     """
 
     accumulation_steps: int = 4
@@ -58,8 +51,6 @@ class AccumulationConfig:
     max_grad_norm: float | None = None
     clip_eps: float = CLIP_EPS
 
-    @legacy_arguments(renamed={"normalize": ("reduction", _reduction_of)}, old_call=value_at(1, bool),
-                      old_positional=("accumulation_steps", "normalize", "max_grad_norm"))
     def __init__(self, accumulation_steps: int = 4, reduction: str = "mean", max_grad_norm: float | None = None,
                  clip_eps: float = CLIP_EPS):
         check_int("accumulation_steps", accumulation_steps, 1)
@@ -71,12 +62,6 @@ class AccumulationConfig:
         for name, value in (("accumulation_steps", accumulation_steps), ("reduction", reduction),
                             ("max_grad_norm", max_grad_norm), ("clip_eps", clip_eps)):
             object.__setattr__(self, name, value)
-
-    @property
-    def normalize(self) -> bool:
-        """Deprecated: ``reduction == "mean"``."""
-        _deprecation.warn("AccumulationConfig.normalize", '.reduction == "mean"')
-        return self.reduction == "mean"
 
     def effective_batch_size(self, micro_batch_size: int) -> int:
         """Samples per update: ``micro_batch_size * accumulation_steps``."""

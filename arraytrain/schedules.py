@@ -17,12 +17,12 @@ Names: a schedule that computes what a ``torch.optim.lr_scheduler`` class comput
 that class's name and its argument names (without the optimizer: the base lr comes with each
 call), so torch code ports by dropping the optimizer argument; the schedules torch has no
 class for keep plain names (``Constant``, ``Warmup``, ``Sequential``, whose argument is a
-list of ``(schedule, n_steps)`` pairs rather than torch's schedulers and milestones). The
-names that shipped before (``MultiStep``, ``Exponential``, ``Linear``, ``Cosine``,
-``CosineWarmRestarts``, ``Polynomial``, ``OneCycle``, ``ReduceOnPlateau``; ``total_steps``
-of LinearLR, CosineAnnealingLR and PolynomialLR, ``min_lr`` of CosineAnnealingLR, ``anneal``
-of OneCycleLR) still work for one release, with a :class:`DeprecationWarning`, and a state
-dict saved with them still loads.
+list of ``(schedule, n_steps)`` pairs rather than torch's schedulers and milestones). A state
+dict of format 1 (saved before torch's names were adopted: ``MultiStep``, ``Exponential``,
+``Linear``, ``Cosine``, ``CosineWarmRestarts``, ``Polynomial``, ``OneCycle``,
+``ReduceOnPlateau``; ``total_steps`` of LinearLR, CosineAnnealingLR and PolynomialLR,
+``min_lr`` of CosineAnnealingLR, ``anneal`` of OneCycleLR) still loads: the loader reads
+those names by the dict's format, and the API has one spelling of each.
 
 - ``Constant()``: :math:`b`.
 - ``StepLR(step_size, gamma)``: :math:`b\,\gamma^{\lfloor t / \text{step\_size} \rfloor}` (torch StepLR).
@@ -103,7 +103,6 @@ from itertools import accumulate
 import numpy as np
 
 from ._checks import check_bool, check_count, check_number, check_positive, shown
-from ._deprecation import legacy_arguments, renamed_attribute, renamed_names
 from .errors import ArgumentTypeError, DTypeError, HyperparameterError, StateDictError
 
 __all__ = [
@@ -125,7 +124,7 @@ __all__ = [
 ]
 
 #: The ``format`` of a schedule's :meth:`~Schedule.state_dict` (checked by :func:`from_state_dict`).
-SCHEDULE_FORMAT = 1
+SCHEDULE_FORMAT = 2  # 2: torch's names only (format 1 read by the loader, see _FORMAT_1_TYPES)
 # Schedules nest (Warmup(then=...), Sequential segments, ReduceLROnPlateau(inner=...)) at most this
 # deep, counting the outermost: far beyond any real composition, and far below Python's
 # recursion limit for the recursive lr, state_dict and from_state_dict (a checkpoint holds the
@@ -210,8 +209,6 @@ class Schedule(ABC):
     _fields: tuple[str, ...] = ()
     _schedule_fields: tuple[str, ...] = ()
     _state_fields: tuple[str, ...] = ()
-    # {old: new} field names of state dicts saved before a rename, read as the new ones
-    _old_fields: dict[str, str] = {}
 
     def __call__(self, step: int, base_lr):
         """The lr for the update after ``step`` applied optimizer steps (see the module docstring)."""
@@ -286,12 +283,6 @@ class Schedule(ABC):
     @classmethod
     def _keys(cls) -> set:
         return {"type", "format", *cls._fields, *cls._state_fields}
-
-    @classmethod
-    def _upgraded(cls, d: Mapping) -> Mapping:
-        """A state dict saved before a field was renamed, with today's field names."""
-        renames = {old: new for old, new in cls._old_fields.items() if old in d and new not in d}
-        return {renames.get(k, k): v for k, v in d.items()} if renames else d
 
     @classmethod
     def _from_dict(cls, d: Mapping, path: str, depth: int) -> "Schedule":
@@ -418,10 +409,7 @@ class LinearLR(Schedule):
     ``start_factor`` 0 is allowed here)."""
 
     _fields = ("total_iters", "start_factor", "end_factor")
-    _old_fields = {"total_steps": "total_iters"}
-    total_steps = renamed_attribute("total_steps", "total_iters")
 
-    @legacy_arguments(renamed=_old_fields)
     def __init__(self, total_iters: int, start_factor: float = 1.0 / 3, end_factor: float = 1.0):
         self.total_iters = check_count("total_iters", total_iters, 1)
         self.start_factor = check_number("start_factor", start_factor, 0.0, 1.0)
@@ -441,11 +429,7 @@ class CosineAnnealingLR(Schedule):
     """
 
     _fields = ("T_max", "eta_min")
-    _old_fields = {"total_steps": "T_max", "min_lr": "eta_min"}
-    total_steps = renamed_attribute("total_steps", "T_max")
-    min_lr = renamed_attribute("min_lr", "eta_min")
 
-    @legacy_arguments(renamed=_old_fields)
     def __init__(self, T_max: int, eta_min: float = 0.0):  # noqa: N803 (torch's names)
         self.T_max = check_count("T_max", T_max, 1)
         self.eta_min = check_number("eta_min", eta_min, 0.0)
@@ -489,10 +473,7 @@ class PolynomialLR(Schedule):
     r""":math:`b\,(1 - \min(t, T)/T)^{p}`, :math:`T` = ``total_iters`` (torch PolynomialLR)."""
 
     _fields = ("total_iters", "power")
-    _old_fields = {"total_steps": "total_iters"}
-    total_steps = renamed_attribute("total_steps", "total_iters")
 
-    @legacy_arguments(renamed=_old_fields)
     def __init__(self, total_iters: int, power: float = 1.0):
         self.total_iters = check_count("total_iters", total_iters, 1)
         self.power = check_positive("power", power)
@@ -513,10 +494,7 @@ class OneCycleLR(Schedule):
     """
 
     _fields = ("total_steps", "pct_start", "anneal_strategy", "div_factor", "final_div_factor", "three_phase")
-    _old_fields = {"anneal": "anneal_strategy"}
-    anneal = renamed_attribute("anneal", "anneal_strategy")
 
-    @legacy_arguments(renamed=_old_fields)
     def __init__(self, total_steps: int, pct_start: float = 0.3, anneal_strategy: str = "cos",
                  div_factor: float = 25.0, final_div_factor: float = 1e4, three_phase: bool = False):
         self.total_steps = check_count("total_steps", total_steps, 2)
@@ -759,9 +737,9 @@ class ReduceLROnPlateau(Schedule):
 _REGISTRY = {cls.__name__: cls for cls in (Constant, StepLR, MultiStepLR, ExponentialLR, LinearLR, CosineAnnealingLR,
                                            CosineAnnealingWarmRestarts, PolynomialLR, OneCycleLR, Warmup, Sequential,
                                            ReduceLROnPlateau)}
-# the class names that shipped before torch's were adopted: deprecated aliases of the new
-# classes (module __getattr__ below), and still read in state dicts saved with them
-RENAMED = {
+# format 1 (state dicts saved before torch's names were adopted): its class names and field names,
+# read as today's by the loader
+_FORMAT_1_TYPES = {
     "MultiStep": "MultiStepLR",
     "Exponential": "ExponentialLR",
     "Linear": "LinearLR",
@@ -771,9 +749,19 @@ RENAMED = {
     "OneCycle": "OneCycleLR",
     "ReduceOnPlateau": "ReduceLROnPlateau",
 }
+_FORMAT_1_FIELDS = {
+    "LinearLR": {"total_steps": "total_iters"},
+    "CosineAnnealingLR": {"total_steps": "T_max", "min_lr": "eta_min"},
+    "PolynomialLR": {"total_steps": "total_iters"},
+    "OneCycleLR": {"anneal": "anneal_strategy"},
+}
 
 
-__getattr__ = renamed_names(__name__, RENAMED, _REGISTRY)
+def _from_format_1(d: Mapping) -> dict:
+    """A format-1 state dict with today's type and field names (its nested schedules stay format 1)."""
+    typ = _FORMAT_1_TYPES.get(d["type"], d["type"])
+    renames = {old: new for old, new in _FORMAT_1_FIELDS.get(typ, {}).items() if old in d and new not in d}
+    return {renames.get(k, k): v for k, v in d.items()} | {"type": typ}
 
 
 def _from_state_dict(d, path: str, depth: int = 1) -> Schedule:
@@ -781,14 +769,16 @@ def _from_state_dict(d, path: str, depth: int = 1) -> Schedule:
         raise StateDictError(f"{path}: schedules nest at most {MAX_NESTING} deep")
     if not isinstance(d, Mapping):
         raise StateDictError(f"{path}: expected a dict, got {type(d).__name__}")
+    fmt = d.get("format")
+    if isinstance(fmt, bool) or fmt not in (1, SCHEDULE_FORMAT):
+        raise StateDictError(f"{path}.format: expected 1 or {SCHEDULE_FORMAT}, got {shown(fmt)}")
     typ = d.get("type")
-    cls = _REGISTRY.get(RENAMED.get(typ, typ)) if isinstance(typ, str) else None
+    if fmt == 1 and isinstance(typ, str):
+        d = _from_format_1(d)
+        typ = d["type"]
+    cls = _REGISTRY.get(typ) if isinstance(typ, str) else None
     if cls is None:
         raise StateDictError(f"{path}.type: expected one of {sorted(_REGISTRY)}, got {shown(typ)}")
-    fmt = d.get("format")
-    if isinstance(fmt, bool) or fmt != SCHEDULE_FORMAT:
-        raise StateDictError(f"{path}.format: expected {SCHEDULE_FORMAT}, got {shown(fmt)}")
-    d = cls._upgraded(d)
     keys, expected = set(d), cls._keys()
     if keys != expected:
         missing, unknown = sorted(expected - keys), sorted(map(str, keys - expected))

@@ -38,12 +38,6 @@ dtypes = pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name
 #: Tolerance of float32 weights or state stepped through a bfloat16/float16 copy, fast vs. reference.
 LP_TOL = {"rtol": 5e-3, "atol": 5e-3}
 
-# arraytrain's own deprecation warnings (arraytrain._deprecation.message) are errors in every
-# test: neither the project's code nor its tests may use an old spelling. A test of a
-# deprecated spelling catches its warning with pytest.warns, which records it instead.
-OWN_DEPRECATION = r"error:.*will be removed in the next release; use :DeprecationWarning"
-
-
 # Tiers (numpy's and scipy's "fast" and "full"): the README's command runs the default tier;
 # ``--tier slow`` runs the tests marked ``slow`` (exhaustive matrices, builds, subprocess
 # races, examples, benchmark smoke runs: CI runs them after the default tier), ``--tier full``
@@ -112,7 +106,6 @@ def pytest_addoption(parser):
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        item.add_marker(pytest.mark.filterwarnings(OWN_DEPRECATION))
         if _float64_parallel_twin(item):
             item.add_marker(pytest.mark.slow)
     tier = config.getoption("--tier")

@@ -3,8 +3,7 @@
 :data:`SURFACE` pins, for ``arraytrain``, ``arraytrain.optim``, ``arraytrain.schedules``,
 ``arraytrain.compress`` and ``arraytrain.nn``, every public name and the signature of each
 public class's constructor and each function (parameter names, kinds and defaults), so that
-any change to the surface is a conscious edit of this table. Old spellings kept for one release live in
-``tests/test_deprecation.py``.
+any change to the surface is a conscious edit of this table.
 """
 
 from __future__ import annotations
@@ -144,7 +143,7 @@ SURFACE = {
         "PolynomialLR": "(total_iters, power=1.0)",
         "ReduceLROnPlateau": "(inner=None, mode='min', factor=0.1, patience=10, threshold=0.0001, threshold_mode='rel', "
                              "cooldown=0, min_lr=0.0, eps=1e-08)",
-        "SCHEDULE_FORMAT": "= 1",
+        "SCHEDULE_FORMAT": "= 2",
         "Schedule": "()",
         "Sequential": "(segments)",
         "StepLR": "(step_size, gamma=0.1)",

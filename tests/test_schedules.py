@@ -28,6 +28,7 @@ from arraytrain.schedules import (
     ReduceLROnPlateau,
     Sequential,
     StepLR,
+    SCHEDULE_FORMAT,
     Warmup,
     from_state_dict,
 )
@@ -313,7 +314,7 @@ def test_state_round_trip_continues_identically(index, rng):
     assert s.state_dict() == rebuilt.state_dict() == loaded.state_dict()
 
 
-# state dicts saved before the renames (class names and fields of the previous release)
+# state dicts of format 1, saved before the renames (class names and fields of the previous release)
 OLD_STATES = [
     ({"type": "Cosine", "format": 1, "total_steps": 10, "min_lr": 0.01}, CosineAnnealingLR(10, eta_min=0.01)),
     ({"type": "Linear", "format": 1, "total_steps": 6, "start_factor": 0.0, "end_factor": 0.5}, LinearLR(6, 0.0, 0.5)),
@@ -350,6 +351,16 @@ def test_a_state_dict_with_old_and_new_field_names_is_refused():
     bad = {"type": "CosineAnnealingLR", "format": 1, "T_max": 10, "eta_min": 0.0, "min_lr": 0.1}
     with pytest.raises(StateDictError, match="unknown keys \\['min_lr'\\]"):
         from_state_dict(bad)
+
+
+@pytest.mark.parametrize("old", [d for d, _ in OLD_STATES[:4]], ids=[d["type"] for d, _ in OLD_STATES[:4]])
+def test_the_old_names_are_read_in_format_1_only(old):
+    """Today's format has one spelling of every name: the previous release's are refused there."""
+    assert CosineAnnealingLR(10).state_dict()["format"] == SCHEDULE_FORMAT == 2
+    with pytest.raises(StateDictError, match="schedule.type: expected one of"):
+        from_state_dict({**old, "format": SCHEDULE_FORMAT})
+    with pytest.raises(StateDictError, match="unknown keys"):  # today's type name, the old field names
+        from_state_dict({**old, "format": SCHEDULE_FORMAT, "type": type(from_state_dict(old)).__name__})
 
 
 def test_plateau_best_infinities_round_trip():
@@ -394,7 +405,7 @@ BAD_STATES = [
     # (id, schedule factory, corruption, message fragment)
     ("not_a_dict", NESTED, lambda d: [d], "schedule: expected a dict"),
     ("unknown_type", NESTED, _corrupt(("type",), "Linearly"), "schedule.type"),
-    ("wrong_format", NESTED, _corrupt(("format",), 2), "schedule.format"),
+    ("wrong_format", NESTED, _corrupt(("format",), 3), "schedule.format"),
     ("missing_key", NESTED, _corrupt(("start_factor",)), "lacks ['start_factor']"),
     ("unknown_key", NESTED, _corrupt(("extra",), 1), "unknown keys ['extra']"),
     ("bad_hyperparameter", NESTED, _corrupt(("steps",), -1), "schedule: steps"),

@@ -11,7 +11,6 @@ and backward writes straight into its flat gradient buffer::
     engine.step()
 """
 
-from .._deprecation import renamed_names as _renamed_names
 from ._array import array_namespace, to_numpy
 from .callbacks import (
     Callback,
@@ -24,7 +23,6 @@ from .callbacks import (
     ProgressBar,
     ReduceLROnPlateauCallback,
 )
-from .callbacks import RENAMED as _RENAMED
 from .data import Batches, DataError, Dataset, MissingDependencyError, Standardizer, load_digits, load_npz
 from .init import he_normal, xavier_uniform
 from .layers import GELU, MLP, Activation, Dense, ReLU, Sigmoid, Tanh, activation
@@ -90,6 +88,3 @@ __all__ = [
     "to_numpy",
     "xavier_uniform",
 ]
-
-# old names of the callbacks: deprecated aliases for one release
-__getattr__ = _renamed_names(__name__, _RENAMED, globals())

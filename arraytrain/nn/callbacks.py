@@ -15,14 +15,9 @@ import sys
 
 from .. import schedules
 from .._checks import check_int, check_number
-from .._deprecation import renamed_names
 from ..checkpoint import save
 from ..errors import ArgumentTypeError, HyperparameterError
 from .data import require
-
-# the callback names that shipped before: deprecated aliases (module __getattr__ at the end)
-RENAMED = {"ReduceLROnPlateau": "ReduceLROnPlateauCallback"}
-
 
 class Callback:
     """Base class: every hook does nothing."""
@@ -166,9 +161,6 @@ class ReduceLROnPlateauCallback(Callback):
     one, e.g. inside a ``Warmup``), holds the mode, factor, patience and threshold and cuts the
     lr (its patience counts epochs, as it is fed once per epoch). The metric goes in with the
     number of optimizer steps applied so far, which routes it to the active segment.
-
-    Named ``ReduceLROnPlateau`` before (a deprecated alias for one release): that name is the
-    schedule's, as in torch.
     """
 
     def __init__(self, monitor: str = "val_loss"):
@@ -375,5 +367,3 @@ class ProgressBar(Callback):
         else:
             self._tqdm.write(line, file=file or sys.stdout)
 
-
-__getattr__ = renamed_names(__name__, RENAMED, globals())

@@ -8,7 +8,6 @@ import math
 import numpy as np
 
 from .._checks import check_bool, check_number
-from .._deprecation import legacy_arguments
 from ..backend import array_module
 from ..buffer import FlatBuffer
 from ..errors import HyperparameterError
@@ -61,7 +60,6 @@ class Adafactor(Optimizer):
     shard_refusal = ("its factored second moment is formed from whole rows and columns of each matrix; train "
                      "Adafactor replicated (shard_state=False), or shard an element-wise optimizer (AdamW, LAMB, ...)")
 
-    @legacy_arguments(old_positional=("lr", "beta2_decay", "eps", "d", "weight_decay", "maximize", "overrides"))
     def __init__(self, lr: float = 1e-2, beta2_decay: float = -0.8, eps=(None, 1e-3), d: float = 1.0,
                  weight_decay: float = 0.0, *, maximize: bool = False, overrides=None):
         self.lr = self._checked_lr(lr)

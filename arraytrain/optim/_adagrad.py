@@ -3,7 +3,6 @@ from __future__ import annotations
 import numpy as np
 
 from .._checks import check_bool, check_number
-from .._deprecation import legacy_arguments
 from ._base import QUANTIZED_STATE, Optimizer, mask_arg, working_args
 
 
@@ -24,8 +23,6 @@ class Adagrad(Optimizer):
     ``overrides`` (see :class:`Optimizer`); ``lr_decay`` applies to each.
     """
 
-    @legacy_arguments(old_positional=("lr", "lr_decay", "weight_decay", "initial_accumulator_value", "eps",
-                                      "maximize", "state_dtype", "overrides"))
     def __init__(self, lr: float = 1e-2, lr_decay: float = 0.0, weight_decay: float = 0.0,
                  initial_accumulator_value: float = 0.0, eps: float = 1e-10, *, maximize: bool = False,
                  state_dtype: str | None = None, overrides=None):

@@ -3,12 +3,7 @@ from __future__ import annotations
 import math
 
 from .._checks import check_betas, check_bool, check_number
-from .._deprecation import legacy_arguments
 from ._base import Optimizer, mask_arg, unused_slot, working_args
-
-
-# the positional order that shipped (state_dtype, maximize and overrides are keyword-only now)
-_OLD_POSITIONAL = ("lr", "betas", "eps", "weight_decay", "amsgrad", "state_dtype", "maximize", "overrides")
 
 
 class Adam(Optimizer):
@@ -37,7 +32,6 @@ class Adam(Optimizer):
 
     _decoupled = False
 
-    @legacy_arguments(old_positional=_OLD_POSITIONAL)
     def __init__(self, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, amsgrad: bool = False, *, maximize: bool = False,
                  state_dtype: str | None = None, overrides=None):
@@ -83,7 +77,6 @@ class AdamW(Adam):
 
     _decoupled = True
 
-    @legacy_arguments(old_positional=_OLD_POSITIONAL)
     def __init__(self, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 1e-2, amsgrad: bool = False, *, maximize: bool = False,
                  state_dtype: str | None = None, overrides=None):

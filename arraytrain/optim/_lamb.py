@@ -1,9 +1,6 @@
 from __future__ import annotations
 
-import numbers
-
 from .._checks import check_betas, check_bool, check_number
-from .._deprecation import legacy_arguments, renamed_attribute, value_at
 from ._base import Optimizer, mask_arg, working_args
 
 
@@ -36,9 +33,6 @@ class LAMB(Optimizer):
     per parameter through ``overrides`` (see :class:`Optimizer`).
     """
 
-    @legacy_arguments(pairs={"betas": ("b1", "b2")}, old_call=value_at(1, numbers.Real),
-                      old_positional=("lr", "b1", "b2", "eps", "eps_root", "weight_decay", "maximize", "state_dtype",
-                                      "overrides"))
     def __init__(self, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-6,
                  weight_decay: float = 0.0, *, eps_root: float = 0.0, maximize: bool = False,
                  state_dtype: str | None = None, overrides=None):
@@ -51,9 +45,6 @@ class LAMB(Optimizer):
         self._set_state_dtype(state_dtype)
         self._set_overrides(overrides)
         self.trust_ratio = None
-
-    b1 = renamed_attribute("b1", "betas", 0)
-    b2 = renamed_attribute("b2", "betas", 1)
 
     @property
     def slot_names(self) -> tuple[str, ...]:

@@ -1,9 +1,6 @@
 from __future__ import annotations
 
-import numbers
-
 from .._checks import check_betas, check_bool, check_number
-from .._deprecation import legacy_arguments, renamed_attribute, value_at
 from ._base import Optimizer, mask_arg, working_args
 
 
@@ -25,8 +22,6 @@ class Lion(Optimizer):
     may differ per parameter through ``overrides`` (see :class:`Optimizer`).
     """
 
-    @legacy_arguments(pairs={"betas": ("b1", "b2")}, old_call=value_at(1, numbers.Real),
-                      old_positional=("lr", "b1", "b2", "weight_decay", "maximize", "state_dtype", "overrides"))
     def __init__(self, lr: float = 1e-4, betas: tuple[float, float] = (0.9, 0.99), weight_decay: float = 1e-3, *,
                  maximize: bool = False, state_dtype: str | None = None, overrides=None):
         self.lr = self._checked_lr(lr)
@@ -35,9 +30,6 @@ class Lion(Optimizer):
         self.maximize = check_bool("maximize", maximize)
         self._set_state_dtype(state_dtype)
         self._set_overrides(overrides)
-
-    b1 = renamed_attribute("b1", "betas", 0)
-    b2 = renamed_attribute("b2", "betas", 1)
 
     @property
     def slot_names(self) -> tuple[str, ...]:

@@ -1,7 +1,6 @@
 from __future__ import annotations
 
 from .._checks import check_bool, check_number
-from .._deprecation import legacy_arguments
 from ._base import Optimizer, mask_arg, unused_slot, working_args
 
 
@@ -25,8 +24,6 @@ class RMSprop(Optimizer):
     ``weight_decay`` may differ per parameter through ``overrides``.
     """
 
-    @legacy_arguments(old_positional=("lr", "alpha", "eps", "weight_decay", "momentum", "centered", "maximize",
-                                      "state_dtype", "overrides"))
     def __init__(self, lr: float = 1e-2, alpha: float = 0.99, eps: float = 1e-8, weight_decay: float = 0.0,
                  momentum: float = 0.0, centered: bool = False, *, maximize: bool = False,
                  state_dtype: str | None = None, overrides=None):

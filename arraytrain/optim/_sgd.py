@@ -2,7 +2,6 @@ from __future__ import annotations
 
 from ..errors import HyperparameterError
 from .._checks import check_bool, check_number
-from .._deprecation import legacy_arguments
 from ._base import Optimizer, mask_arg, working_args
 
 
@@ -20,8 +19,6 @@ class SGD(Optimizer):
     differ per parameter through ``overrides`` (see :class:`Optimizer`).
     """
 
-    @legacy_arguments(old_positional=("lr", "momentum", "dampening", "weight_decay", "nesterov", "maximize",
-                                      "state_dtype", "overrides"))
     def __init__(self, lr: float = 1e-3, momentum: float = 0.0, dampening: float = 0.0,
                  weight_decay: float = 0.0, nesterov: bool = False, *, maximize: bool = False,
                  state_dtype: str | None = None, overrides=None):

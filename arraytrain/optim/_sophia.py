@@ -4,7 +4,6 @@ from __future__ import annotations
 
 
 from .._checks import check_betas, check_bool, check_number
-from .._deprecation import legacy_arguments
 from ._base import Optimizer, decoupled_decay, mask_arg, working_args
 
 
@@ -49,7 +48,6 @@ class Sophia(Optimizer):
     shard_refusal = ("its Hessian estimates are fed by name through engine.update_hessian, which does not "
                      "take partitions yet; train Sophia replicated (shard_state=False)")
 
-    @legacy_arguments(old_positional=("lr", "betas", "rho", "weight_decay", "eps", "bs", "maximize", "overrides"))
     def __init__(self, lr: float = 1e-4, betas: tuple[float, float] = (0.965, 0.99), rho: float = 0.04,
                  weight_decay: float = 1e-1, *, eps: float = 1e-15, bs: float = 5120, maximize: bool = False,
                  overrides=None):

@@ -28,7 +28,6 @@ import faulthandler
 import os
 import sys
 import traceback
-import warnings
 from pathlib import Path
 
 import numpy as np
@@ -89,8 +88,6 @@ def main(argv) -> int:
     limit = float(os.environ.get("ARRAYTRAIN_RANK_TIMEOUT", "0"))
     if limit > 0:
         faulthandler.dump_traceback_later(limit, exit=True)
-    # as in tests/conftest.py: the project's own old spellings are errors in its tests
-    warnings.filterwarnings("error", message=".*will be removed in the next release; use ", category=DeprecationWarning)
     if argv == ["nccl"]:  # one GPU per rank, selected in torch and in CuPy before the group starts
         import cupy
         import torch
