@@ -9,7 +9,7 @@ from contextlib import contextmanager
 import numpy as np
 
 from . import _compile_notice, _intake, engine_state, param_steps
-from ._checks import check_int, check_number, check_positive
+from ._checks import check_int
 from ._guard import CallGuard, guarded
 from .accumulate import REDUCTIONS
 from .amp import LossScaler, working_spec
@@ -30,14 +30,12 @@ from .optim import Optimizer, check_optimizer
 from .prune import MaskBuffer
 from .schedules import Schedule
 from .parallel.communicator import check_parallel
-from .parallel.placement import join, placement
-from .parallel.shard import aligned_to, interleaved
+from .parallel.placement import join, placement, placement_class
 from .parallel.sync import gradient_sync
-from .stages import Judge, StepReport, Verdict
+from .stages import Judge, StepReport, Verdict, check_judging
 
 STATE_FORMAT = engine_state.STATE_FORMAT
 MISSING = ("error", "zero", "skip")
-NONFINITE = ("skip", "apply")
 # calls that touch the gradient buffer only: they do not wait for a deferred publish of the weights
 _GRADIENTS_ONLY = ("mark_ready()", "zero_grad()")
 
@@ -97,27 +95,10 @@ class Engine:
     max_consecutive_skips : int or None
         After this many boundaries in a row with NaN/Inf gradients raise
         :class:`NonFiniteError` instead of skipping forever (None: never).
-    compressor : Compressor, ErrorFeedback, Auto, "auto" or None
-        A compressor from :mod:`arraytrain.compress` (optionally in
-        :class:`~arraytrain.compress.ErrorFeedback`), or ``"auto"``: dense or a compressor, chosen
-        from the measured link and compute and re-chosen when the link changes
-        (:class:`~arraytrain.compress.Auto`). At every applied boundary the reduced,
-        unscaled gradient is replaced by what the receivers decode (with ``comm``: the sum of
-        every process's decoded share of the mean); the norm, clipping and the optimizer work
-        on that, as DDP's communication hooks followed by ``clip_grad_norm_`` do
-        (:class:`~arraytrain.parallel.sync.CompressedSync`). A non-finite boundary compresses
-        nothing; SAM's ascent window uses the exact local gradient.
     clip_eps : float
         The clip factor is ``min(1, max_grad_norm / (norm + clip_eps))``: the
         default 1e-6 is torch's ``clip_grad_norm_``; ``clip_eps=0`` is optax's
         ``clip_by_global_norm`` (scale to exactly ``max_grad_norm``).
-    comm : a :class:`~arraytrain.parallel.Communicator` or None
-        Data-parallel training over a group of processes (e.g.
-        :class:`arraytrain.distributed.MPIComm`); None: this process alone. Every rank feeds
-        its shard of the batch; at each boundary the gradient is summed over ranks with the
-        window's weight sum before the norm pass, so every rank skips, clips and steps
-        identically. The ranks must agree on the layout, dtype, optimizer and settings (else
-        the same error on every rank), and start from rank 0's parameters (broadcast).
     device : None, "cpu" or "cuda"
         Where the buffers live. None: where ``params`` are (NumPy arrays: the
         CPU; CuPy arrays, or a FlatBuffer of them: the current CUDA device).
@@ -125,30 +106,13 @@ class Engine:
         once, here (the one explicit move; gradients must then arrive on that
         device: a NumPy gradient is refused, never copied behind your back);
         "cpu" with CuPy parameters copies them to the host.
-    shard_state : bool
-        With ``comm``: each rank keeps and updates one contiguous partition of the optimizer
-        state (ZeRO stage 1-2), and under a working copy of the float32 master weights too
-        (then ``engine.params`` is this rank's :class:`~arraytrain.parallel.shard.ShardBuffer`;
-        :meth:`gather_params` assembles them). A boundary is one reduce-scatter, the norm
-        from the partitions' sums, the own partition's update and one all-gather
-        (:class:`~arraytrain.parallel.placement.Sharded`). Muon, Adafactor, Sophia, SAM and
-        a compressor are refused on every rank; 8-bit state lays every offset on a 256-element
-        block. The engine lays the parameters out with the exchange's buckets dealt to the ranks in
-        turn (:func:`~arraytrain.parallel.shard.interleaved`), so its ``layout`` may order them
-        otherwise than ``params``: read and write them by name. State dicts and checkpoints keep
-        the name-keyed form, so they load on any number of ranks; :meth:`memory` reports the bytes
-        per rank.
-    overlap : bool
-        With ``comm``: exchange the gradient in buckets that start while the backward pass
-        still runs (:class:`~arraytrain.parallel.sync.BucketedSync`): during a window's last
-        micro-batch :meth:`mark_ready` (the torch binding's hooks and the MLP's backward call
-        it) says which gradients are final. The result equals the blocking exchange's
-        (bitwise with 2 ranks). Off by default here; ``bind(..., comm=...)`` turns it on. Not
-        with a compressor or SAM, whose exchanges need the whole window.
-    bucket_bytes : int or None
-        The overlapped exchange's bucket size; None (the default): an eighth of the gradient,
-        at least 1 MiB and at most 25 MiB, DDP's bucket size
-        (:func:`~arraytrain.parallel.sync.default_bucket_bytes`).
+    comm, shard_state, overlap, bucket_bytes, compressor
+        Data-parallel training over a group of processes and how its gradient crosses them
+        (a :class:`~arraytrain.parallel.Communicator`; each rank's optimizer state a partition
+        of the whole; the exchange overlapping the backward pass, in buckets of that size; a
+        compressor from :mod:`arraytrain.compress`, or ``"auto"``): documented with the
+        strategies they pick, in :mod:`arraytrain.parallel`. Defaults: this process alone,
+        replicated state, the blocking exchange, no compressor.
     nonfinite : "skip" or "apply"
         A boundary whose gradient holds NaN/Inf: skip it (nothing changes; see
         ``max_consecutive_skips``), or apply it as torch.optim does without a GradScaler (the
@@ -188,16 +152,14 @@ class Engine:
                  bucket_bytes: int | None = None, nonfinite: str = "skip"):
         optimizer = check_optimizer(optimizer)
         accumulation_steps = check_int("accumulation_steps", accumulation_steps, 1)
-        if max_grad_norm is not None:
-            max_grad_norm = check_positive("max_grad_norm", max_grad_norm)
+        max_grad_norm, clip_eps, nonfinite, max_consecutive_skips = check_judging(max_grad_norm, clip_eps, nonfinite,
+                                                                                  max_consecutive_skips)
         if reduction not in REDUCTIONS:
             raise HyperparameterError(f"reduction: expected one of {REDUCTIONS}, got {reduction!r}")
         if missing not in MISSING:
             raise HyperparameterError(f"missing: expected one of {MISSING}, got {missing!r}")
         if missing == "skip":
             param_steps.check_skip_capable(optimizer)
-        if nonfinite not in NONFINITE:
-            raise HyperparameterError(f"nonfinite: expected one of {NONFINITE}, got {nonfinite!r}")
         if nonfinite == "apply" and (compressor is not None or getattr(loss_scaler, "adjusts", False)):
             raise HyperparameterError("nonfinite: 'apply' takes every gradient as it is, which a loss scaler (it "
                                       "must see overflows) and a compressor (its error feedback) cannot; use 'skip'")
@@ -205,19 +167,13 @@ class Engine:
             raise ArgumentTypeError(f"schedule: expected a schedule from arraytrain.schedules, got {type(schedule).__name__}")
         if loss_scaler is not None and not isinstance(loss_scaler, LossScaler):
             raise ArgumentTypeError(f"loss_scaler: expected an arraytrain.LossScaler, got {type(loss_scaler).__name__}")
-        if max_consecutive_skips is not None:
-            max_consecutive_skips = check_int("max_consecutive_skips", max_consecutive_skips, 1)
         wspec = None if working_dtype is None else working_spec(working_dtype)
         if compressor is not None:
             compressor = check_compressor(compressor)
-        clip_eps = check_number("clip_eps", clip_eps, 0.0)
         comm, shard_state, overlap, bucket_bytes = check_parallel(comm, shard_state, overlap, bucket_bytes)
-        self.params = as_flat_buffer(params, dtype, device)
-        if shard_state:  # 8-bit state: every offset on a block, so that no partition boundary cuts one
-            self.params = aligned_to(self.params, optimizer.shard_align)
-        members = None  # sharded: the buckets alternate owners (shard.interleaved), blocking or overlapped alike
-        if shard_state:  # (the same layout either way: the overlapped exchange equals the blocking one bitwise)
-            self.params, members = interleaved(self.params, comm.size, bucket_bytes)
+        # the placement lays the parameters out (sharded: on the state's blocks, the buckets' owners alternating)
+        self.params, members = placement_class(shard_state).lay_out(as_flat_buffer(params, dtype, device), comm,
+                                                                     optimizer, bucket_bytes)
         if wspec is not None and self.params.dtype != np.float32:
             raise HyperparameterError(f"working_dtype: working copies need float32 parameters, got {self.params.dtype}")
         check_kernel_dtype(self.params.dtype)

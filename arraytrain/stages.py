@@ -23,7 +23,25 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ._checks import check_int, check_number, check_positive
+from .errors import HyperparameterError
 from .ops import NormPass, clip_coef, norm_pass
+
+#: The values of ``nonfinite``: skip a boundary whose gradient holds NaN/Inf, or apply it as torch.optim does.
+NONFINITE = ("skip", "apply")
+
+
+def check_judging(max_grad_norm, clip_eps, nonfinite, max_consecutive_skips) -> tuple:
+    """The settings a :class:`Judge` decides by, checked as the engine and the drop-in optimizers take them:
+    ``(max_grad_norm, clip_eps, nonfinite, max_consecutive_skips)``, or a HyperparameterError naming one."""
+    if max_grad_norm is not None:
+        max_grad_norm = check_positive("max_grad_norm", max_grad_norm)
+    clip_eps = check_number("clip_eps", clip_eps, 0.0)
+    if nonfinite not in NONFINITE:
+        raise HyperparameterError(f"nonfinite: expected one of {NONFINITE}, got {nonfinite!r}")
+    if max_consecutive_skips is not None:
+        max_consecutive_skips = check_int("max_consecutive_skips", max_consecutive_skips, 1)
+    return max_grad_norm, clip_eps, nonfinite, max_consecutive_skips
 
 
 class Judge:
@@ -41,7 +59,11 @@ class Judge:
 
     def found(self, found: NormPass, wsum: float) -> Verdict:
         """A finding made elsewhere (sharded: from the partitions' sums), for the weight sum ``wsum``."""
-        return Verdict(self._checked(found), unscale=self.unscale(wsum), max_norm=self.max_norm, eps=self.eps)
+        return self.verdict(found, self.unscale(wsum))
+
+    def verdict(self, found: NormPass, unscale: float) -> Verdict:
+        """A finding made elsewhere, of a buffer that holds the gradient times ``unscale``."""
+        return Verdict(self._checked(found), unscale=unscale, max_norm=self.max_norm, eps=self.eps)
 
     def norm_pass(self, flat, layout, unscale: float, on_device: bool) -> Verdict:
         """The norm pass over ``flat``, on the host or (CUDA) as a gate left on the device; none at all

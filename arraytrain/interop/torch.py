@@ -82,8 +82,8 @@ copied. How it works, and what it guards against:
   ``step()``, nor with a compressor or SAM.
 * **Sharded weights gathered in the next forward pass** (``shard_state=True,
   gather_in_forward=True``; off by default): the all-gather that publishes each rank's updated
-  partition is started in pieces after the update and left in flight, and a forward pre-hook on
-  every module that holds bound parameters waits for the pieces they lie in (none where this
+  partition is started in chunks after the update and left in flight, and a forward pre-hook on
+  every module that holds bound parameters waits for the chunks they lie in (none where this
   rank owns them), so the gather moves while the forward pass computes (FSDP's forward
   prefetch). ``module.state_dict()`` and every engine call that reads the weights (``step``,
   ``state_dict``, ``at.save``, ``gather_params``, ...) wait for all of it; **a tensor read any
@@ -170,7 +170,7 @@ def _mark_ready(engine_ref, name: str, param, grad) -> None:
 
 
 def _settle(engine_ref, need) -> None:
-    """A module's forward pre-hook under ``gather_in_forward``: the pieces of the weights it reads have arrived."""
+    """A module's forward pre-hook under ``gather_in_forward``: the chunks of the weights it reads have arrived."""
     engine = engine_ref()
     if engine is not None:
         engine.placement.settle(need)
@@ -275,7 +275,7 @@ class TorchEngine(Engine):
 
     def _gather_in_forward(self, module, bound) -> None:
         """Leave the sharded weights' all-gather in flight after each update, and hook every module that holds
-        bound parameters so that its forward pass (and its ``state_dict()``) first waits for the pieces
+        bound parameters so that its forward pass (and its ``state_dict()``) first waits for the chunks
         they lie in; the root module's ``state_dict()`` waits for all."""
         place = self.placement
         place.defer_publish = True
@@ -287,7 +287,7 @@ class TorchEngine(Engine):
             if not own:
                 continue
             spans = [(lay.offsets[lay.index(n)], lay.offsets[lay.index(n)] + lay.sizes[lay.index(n)]) for n in own]
-            need = place.piece_needed(spans)
+            need = place.chunk_needed(spans)
             self._hooks.append(mod.register_forward_pre_hook(lambda m, args, need=need: _settle(me, need)))
             if mod is not module:
                 self._hooks.append(mod.register_state_dict_pre_hook(lambda *a, need=need: _settle(me, need)))

@@ -14,21 +14,27 @@ An engine holds one, picked in ``__init__`` (:func:`placement`):
   comes from the partitions' sums of squares, completed with the weight sum in one small
   all-reduce; the rank updates its partition, then one all-gather publishes the updated
   weights (or working copy) into every rank's full copy. With ``defer_publish`` (set by
-  ``bind(..., gather_in_forward=True)``) that all-gather starts in pieces after the update
+  ``bind(..., gather_in_forward=True)``) that all-gather starts in chunks after the update
   and completes while the next forward pass runs: each module waits (:meth:`Sharded.settle`)
-  for the pieces its own parameters lie in, and every other reader of the weights for all.
+  for the chunks its own parameters lie in, and every other reader of the weights for all.
 
-Both give the engine the same surface: ``params`` (what the model reads), ``master``
-(what the optimizer updates), ``grads`` (what the model writes into), ``working``; for the
-gradient sync ``bucket_flat`` and :meth:`start_reduce`; for the boundary :meth:`reduce`
-(the exchange and the norm pass, a :class:`~arraytrain.stages.Verdict`), :meth:`update`,
-:meth:`drop_window`; and :meth:`refresh_working`, :meth:`weights_moved`, the mask
-(:meth:`keep_mask`, :meth:`apply_mask`), :meth:`gather_params` and :meth:`memory`.
+Both implement :class:`Placement`, the contract the engine, the gradient syncs and the bindings
+call (where a method does not apply to one of them, it is a no-op there): the placement lays out
+its own parameters (:meth:`Placement.lay_out`), and gives ``params`` (what the model reads),
+``master`` (what the optimizer updates), ``grads`` (what the model writes into), ``working``; for
+the gradient sync ``bucket_flat`` and :meth:`~Placement.start_reduce`; for the boundary
+:meth:`~Placement.reduce` (the exchange and the norm pass, a :class:`~arraytrain.stages.Verdict`),
+:meth:`~Placement.norm_pass`, :meth:`~Placement.update`, :meth:`~Placement.drop_window`; the
+publish (:meth:`~Placement.publish`, :meth:`~Placement.settle`, :meth:`~Placement.chunk_needed`);
+and :meth:`~Placement.refresh_working`, :meth:`~Placement.weights_moved`, the mask
+(:meth:`~Placement.keep_mask`, :meth:`~Placement.apply_mask`), :meth:`~Placement.gather_params`
+and :meth:`~Placement.memory`. A third placement (parameters sharded too) implements the same.
 """
 
 from __future__ import annotations
 
 import math
+from abc import ABC, abstractmethod
 
 import numpy as np
 
@@ -39,24 +45,90 @@ from ..layout import REDUCE_CHUNK
 from ..ops import NormPass
 from ..param_steps import pieces_of
 from .communicator import agree_on_setup, window_sums
-from .shard import ShardBuffer, gather, padded_buffer, partition
+from .shard import ShardBuffer, aligned_to, gather, interleaved, padded_buffer, partition
 
-#: A deferred publish all-gathers each partition in about this many pieces (each at least
-#: :data:`~arraytrain.layout.REDUCE_CHUNK` elements): the first modules wait for the first piece only.
-PUBLISH_PIECES = 8
+#: A deferred publish all-gathers each partition in about this many chunks (each at least
+#: :data:`~arraytrain.layout.REDUCE_CHUNK` elements): the first modules wait for the first chunk only.
+PUBLISH_CHUNKS = 8
 
 
-class Placement:
-    """What both placements share: the working copy's rebuild and the mask the kernels apply."""
+class Placement(ABC):
+    """The contract of a placement (see the module docstring); the working copy's rebuild is shared."""
 
     comm = None
+    params = master = grads = None
     working = None
     working_kind = 0
     kernel_mask = None  # the mask the update kernels apply (sharded: this rank's part)
-    defer_publish = False  # only sharded weights are ever published
+    defer_publish = False  # the publish after an update left in flight (bind(..., gather_in_forward=True))
+
+    @classmethod
+    def lay_out(cls, params: FlatBuffer, comm, optimizer, bucket_bytes: int | None) -> tuple[FlatBuffer, list | None]:
+        """``(params as this placement lays them out, the buckets' names where it chose them)``: the
+        parameters as given, and the gradient sync cuts its own buckets."""
+        return params, None
+
+    @abstractmethod
+    def working_bits(self):
+        """The working copy as the kernels write it (uint16 bits; sharded: this rank's part), or None."""
+
+    @property
+    @abstractmethod
+    def bucket_flat(self):
+        """The array the gradient sync cuts into buckets."""
+
+    @abstractmethod
+    def start_reduce(self, lo: int, hi: int) -> list:
+        """A bucket's collectives over ``[lo, hi)`` of :attr:`bucket_flat`, started (nonblocking)."""
+
+    @abstractmethod
+    def reduce(self, wsum: float, judge, *, reduced: bool = False):
+        """The boundary's exchange (unless the buckets ``reduced`` the gradient) and norm pass: a Verdict."""
+
+    @abstractmethod
+    def norm_pass(self, unscale: float, judge):
+        """The norm pass over a gradient already exchanged (a compressor's): a Verdict."""
+
+    @abstractmethod
+    def update(self, optimizer, kernels, state, gscale, lrs, zero_grad: bool, groups=None, grads_at=None) -> None:
+        """The optimizer's fused update of what this rank owns, then the publish."""
+
+    @abstractmethod
+    def drop_window(self) -> None:
+        """A skipped boundary: the window's gradient is dropped."""
+
+    @abstractmethod
+    def publish(self) -> None:
+        """The updated weights into every rank's copy (nothing where every rank updated every weight)."""
 
     def settle(self, need: int | None = None) -> None:
-        """Nothing is ever in flight: the weights are whole."""
+        """Complete a deferred publish's chunks ``0..need`` (None: all); nothing where none is in flight."""
+
+    @property
+    def in_flight(self) -> int:
+        """How many chunks of a deferred publish are not yet complete."""
+        return 0
+
+    def chunk_needed(self, spans) -> int:
+        """The last chunk of a deferred publish to wait for before reading the flat elements ``spans``
+        (``[(start, stop), ...]``); -1: none."""
+        return -1
+
+    @abstractmethod
+    def keep_mask(self, mask) -> None:
+        """The pruning mask (a :class:`~arraytrain.prune.MaskBuffer` or None) the kernels apply."""
+
+    @abstractmethod
+    def apply_mask(self, mask) -> None:
+        """:meth:`keep_mask`, and zero the pruned weights now."""
+
+    @abstractmethod
+    def gather_params(self) -> FlatBuffer:
+        """The full parameters as a new buffer (sharded masters: a collective)."""
+
+    @abstractmethod
+    def memory(self) -> dict:
+        """Bytes of the buffers held here, by kind (see :meth:`arraytrain.Engine.memory`)."""
 
     @property
     def layout(self):
@@ -170,6 +242,14 @@ class Sharded(Placement):
     are its head.
     """
 
+    @classmethod
+    def lay_out(cls, params: FlatBuffer, comm, optimizer, bucket_bytes: int | None) -> tuple[FlatBuffer, list]:
+        """Every offset on the optimizer's :attr:`~arraytrain.optim.Optimizer.shard_align` (8-bit state: a
+        block, so that no partition boundary cuts one), and the buckets dealt to the ranks in turn
+        (:func:`~arraytrain.parallel.shard.interleaved`, blocking or overlapped alike: the same layout
+        either way, so the overlapped exchange equals the blocking one bitwise)."""
+        return interleaved(aligned_to(params, optimizer.shard_align), comm.size, bucket_bytes)
+
     def __init__(self, comm, params: FlatBuffer, working_spec=None):
         layout = params.layout
         part = partition(layout, comm.size, comm.rank)
@@ -190,8 +270,8 @@ class Sharded(Placement):
             self.working_kind = working_spec[1]
         self._own_weights = self._weights[own]
         self._grad_part = None  # this rank's partition of the reduced gradient, from reduce() to update()
-        # a deferred publish: pieces of piece_length elements of every partition, gathered in order
-        self.piece_length = max(1, -(-part.length // (PUBLISH_PIECES * REDUCE_CHUNK))) * REDUCE_CHUNK
+        # a deferred publish: chunks of chunk_length elements of every partition, gathered in order
+        self.chunk_length = max(1, -(-part.length // (PUBLISH_CHUNKS * REDUCE_CHUNK))) * REDUCE_CHUNK
         self._gathers: list = []
         self._settled = 0
 
@@ -210,7 +290,7 @@ class Sharded(Placement):
         return self._grads
 
     def start_reduce(self, lo: int, hi: int) -> list:
-        """A bucket's collectives: each partition's piece of ``[lo, hi)`` reduced to its owner."""
+        """A bucket's collectives: each partition's slice of ``[lo, hi)`` reduced to its owner."""
         length = self.part.length
         return [self.comm.ireduce(self._grads[max(lo, r * length) : min(hi, (r + 1) * length)], r)
                 for r in range(lo // length, (hi - 1) // length + 1)]
@@ -222,29 +302,43 @@ class Sharded(Placement):
         same norms and a NaN/Inf in any partition makes every rank's total non-finite. A float64 total
         that is not finite takes the norm pass's overflow path (:func:`arraytrain.ops.norm_pass`) with
         two more small all-reduces. The partition waits for :meth:`update`."""
-        comm, part, kernels = self.comm, self.part, judge.kernels
+        part = self.part
         own = slice(part.lo, part.hi)
-        g = ShardBuffer(part, self._grads[own] if reduced else comm.reduce_scatter(self._grads))
-        self._grad_part = g
+        self._grad_part = ShardBuffer(part, self._grads[own] if reduced else self.comm.reduce_scatter(self._grads))
+        found, wsum = self._partition_norm(judge.kernels, wsum)
+        return judge.found(found, wsum)
+
+    def norm_pass(self, unscale: float, judge):
+        """The norm pass over this rank's partition of a gradient already reduced to it, completed over
+        the ranks (one small all-reduce of the partitions' sums)."""
+        found, _ = self._partition_norm(judge.kernels, None)
+        return judge.verdict(found, unscale)
+
+    def _partition_norm(self, kernels, wsum: float | None) -> tuple[NormPass, float | None]:
+        """The partition's float64 sums of squares (total and per parameter), with ``wsum`` (when given)
+        in the same small all-reduce: ``(the global finding, the global weight sum)``."""
+        comm, part, g = self.comm, self.part, self._grad_part
         nseg = len(part.layout)
         total, per_seg = kernels.sumsq(g.flat, part.pieces, nseg=nseg)
-        sums = np.concatenate(([total], per_seg, [wsum]))
+        sums = np.concatenate(([total], per_seg, [] if wsum is None else [wsum]))
         comm.allreduce(sums, "sum")
-        wsum, total = float(sums[-1]), float(sums[0])
+        if wsum is not None:
+            wsum, sums = float(sums[-1]), sums[:-1]
+        total = float(sums[0])
         if math.isfinite(total):
-            return judge.found(NormPass.of_sums(math.sqrt(total), sums[1:-1]), wsum)
-        nonfinite = judge.found(NormPass(math.nan, np.full(nseg, np.nan), True), wsum)
+            return NormPass.of_sums(math.sqrt(total), sums[1:]), wsum
+        nonfinite = NormPass(math.nan, np.full(nseg, np.nan), True)
         if g.flat.dtype.itemsize < 8:
-            return nonfinite
+            return nonfinite, wsum
         flags = np.array([0.0 if kernels.all_finite(g.flat) else 1.0, kernels.max_abs(g.flat, part.pieces)])
         comm.allreduce(flags, "max")
         if flags[0]:
-            return nonfinite
+            return nonfinite, wsum
         peak = float(flags[1])
         total, per_seg = kernels.sumsq_scaled(g.flat, part.pieces, nseg=nseg, inv=1.0 / peak)
         sums = np.concatenate(([total], per_seg))
         comm.allreduce(sums, "sum")
-        return judge.found(NormPass.of_sums(peak * math.sqrt(sums[0]), sums[1:], peak), wsum)
+        return NormPass.of_sums(peak * math.sqrt(sums[0]), sums[1:], peak), wsum
 
     def update(self, optimizer, kernels, state, gscale, lrs, zero_grad: bool, groups=None, grads_at=None) -> None:
         """The own partition's update, then every rank's into every rank's weights; the gradient
@@ -268,17 +362,17 @@ class Sharded(Placement):
 
     def publish(self, deferred: bool = False) -> None:
         """Every rank's updated part of the weights (or working copy) into every rank's full copy: one
-        all-gather, or with ``deferred`` its pieces started in order and left in flight (:meth:`settle`)."""
+        all-gather, or with ``deferred`` its chunks started in order and left in flight (:meth:`settle`)."""
         self.settle()
         flat = self._weights.view(np.uint8)
         if not deferred:
             self.comm.allgather_blocks(flat)
             return
-        step, n = self.piece_length * self._weights.itemsize, self.part.length * self._weights.itemsize
+        step, n = self.chunk_length * self._weights.itemsize, self.part.length * self._weights.itemsize
         self._gathers = [self.comm.iallgather_blocks(flat, lo, min(lo + step, n)) for lo in range(0, n, step)]
 
     def settle(self, need: int | None = None) -> None:
-        """Complete the deferred publish's pieces ``0..need`` (None: all of them), in order."""
+        """Complete the deferred publish's chunks ``0..need`` (None: all of them), in order."""
         gathers = self._gathers
         if not gathers:
             return
@@ -291,18 +385,18 @@ class Sharded(Placement):
 
     @property
     def in_flight(self) -> int:
-        """How many pieces of a deferred publish are not yet complete."""
+        """How many chunks of a deferred publish are not yet complete."""
         return len(self._gathers) - self._settled
 
-    def piece_needed(self, spans) -> int:
-        """The last piece of a deferred publish to wait for before reading the flat elements ``spans``
-        (``[(start, stop), ...]``): the piece of each one's last element in every other rank's
+    def chunk_needed(self, spans) -> int:
+        """The last chunk of a deferred publish to wait for before reading the flat elements ``spans``
+        (``[(start, stop), ...]``): the chunk of each one's last element in every other rank's
         partition; -1 when they all lie in this rank's."""
         length, own, need = self.part.length, self.part.rank, -1
         for a, b in spans:
             for r in range(a // length, (b - 1) // length + 1) if b > a else ():
                 if r != own:
-                    need = max(need, (min(b, (r + 1) * length) - 1 - r * length) // self.piece_length)
+                    need = max(need, (min(b, (r + 1) * length) - 1 - r * length) // self.chunk_length)
         return need
 
     def keep_mask(self, mask) -> None:
@@ -373,8 +467,13 @@ def join(comm, params: FlatBuffer, optimizer, compressor, *, shard_state: bool, 
         comm.broadcast(params.flat.view(np.uint8), 0)
 
 
-def placement(comm, params: FlatBuffer, working_spec=None, *, shard: bool = False, device_gate: bool = False):
+def placement_class(shard: bool) -> type[Placement]:
     """The engine's placement: :class:`Sharded` with ``shard``, else :class:`Replicated`."""
+    return Sharded if shard else Replicated
+
+
+def placement(comm, params: FlatBuffer, working_spec=None, *, shard: bool = False, device_gate: bool = False):
+    """The engine's placement over ``params`` as :meth:`Placement.lay_out` laid them out."""
     if shard:
         return Sharded(comm, params, working_spec)
     return Replicated(comm, params, working_spec, device_gate=device_gate)
