@@ -496,7 +496,7 @@ class Engine:
         grads_at, self._grads_at = self._grads_at, None
         judge = Judge(self._kernels, self._unscale, self.max_grad_norm, self.clip_eps,
                       check=self.nonfinite == "skip", grads_at=grads_at)
-        verdict, payload = self._sync.reduce(wsum, ascent, judge)
+        verdict, payload = (self._sync.ascent if ascent else self._sync.reduce)(wsum, judge)
         if self._starting:  # the second boundary's exchange completed: every peer is past its first step
             self._starting -= 1
             if not self._starting:

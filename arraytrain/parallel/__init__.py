@@ -88,9 +88,9 @@ One word for each thing, in the code and its prose:
 
 Walk of one boundary, ``Engine.step`` to the optimizer's kernel::
 
-    Engine._boundary -> sync.reduce (BlockingSync | BucketedSync | CompressedSync)
-        -> placement.reduce (Replicated: all-reduce + norm pass | Sharded: reduce-scatter
-           + partial sums) -> Verdict
+    Engine._boundary -> sync.reduce (BucketedSync: its buckets, or blocking | CompressedSync)
+        -> placement.exchange (Replicated: all-reduce | Sharded: reduce-scatter), or the
+           buckets' collectives -> placement.verdict (the norm pass | the partial sums) -> Verdict
     Engine._update_stage -> placement.update -> optimizer.update -> kernels.<optimizer>
         -> placement.publish (Sharded: all-gather)
 """

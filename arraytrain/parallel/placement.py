@@ -23,7 +23,8 @@ call (where a method does not apply to one of them, it is a no-op there): the pl
 its own parameters (:meth:`Placement.lay_out`), and gives ``params`` (what the model reads),
 ``master`` (what the optimizer updates), ``grads`` (what the model writes into), ``working``; for
 the gradient sync ``bucket_flat`` and :meth:`~Placement.start_reduce`; for the boundary
-:meth:`~Placement.reduce` (the exchange and the norm pass, a :class:`~arraytrain.stages.Verdict`),
+:meth:`~Placement.exchange` or :meth:`~Placement.buckets_reduced`, then :meth:`~Placement.verdict` (the norm
+pass, a :class:`~arraytrain.stages.Verdict`),
 :meth:`~Placement.norm_pass`, :meth:`~Placement.update`, :meth:`~Placement.drop_window`; the
 publish (:meth:`~Placement.publish`, :meth:`~Placement.settle`, :meth:`~Placement.chunk_needed`);
 and :meth:`~Placement.refresh_working`, :meth:`~Placement.weights_moved`, the mask
@@ -82,8 +83,16 @@ class Placement(ABC):
         """A bucket's collectives over ``[lo, hi)`` of :attr:`bucket_flat`, started (nonblocking)."""
 
     @abstractmethod
-    def reduce(self, wsum: float, judge, *, reduced: bool = False):
-        """The boundary's exchange (unless the buckets ``reduced`` the gradient) and norm pass: a Verdict."""
+    def exchange(self) -> None:
+        """The window's gradient across the ranks in one blocking collective (the blocking gradient sync)."""
+
+    def buckets_reduced(self) -> None:
+        """Every bucket's collectives (:meth:`start_reduce`) completed: the gradient is exchanged."""
+
+    @abstractmethod
+    def verdict(self, wsum: float, judge):
+        """The norm pass over the exchanged gradient, the window's weight sum ``wsum`` summed over the
+        ranks with it: a :class:`~arraytrain.stages.Verdict`."""
 
     @abstractmethod
     def norm_pass(self, unscale: float, judge):
@@ -184,12 +193,14 @@ class Replicated(Placement):
         """A bucket's collective: the nonblocking in-place all-reduce of ``[lo, hi)``."""
         return [self.comm.iallreduce(self.grads.flat[lo:hi])]
 
-    def reduce(self, wsum: float, judge, *, reduced: bool = False):
-        """The window's gradient summed over ranks (in place, one all-reduce, unless the buckets
-        ``reduced`` it), the weight sum with it, then the norm pass. The buffer is the fusion
-        buffer; a NaN/Inf on any rank reaches every rank through the sum."""
-        if not self.comm.is_local and not reduced:
+    def exchange(self) -> None:
+        """The window's gradient summed over ranks, in place: one all-reduce (the buffer is the fusion
+        buffer; a NaN/Inf on any rank reaches every rank through the sum)."""
+        if not self.comm.is_local:
             self.comm.allreduce(self.grads.flat, "sum")
+
+    def verdict(self, wsum: float, judge):
+        """The weight sum over ranks, then the norm pass."""
         wsum = window_sums(self.comm, wsum, False)[0]
         return self.norm_pass(judge.unscale(wsum), judge)
 
@@ -269,7 +280,7 @@ class Sharded(Placement):
             self.working, self._weights = padded_buffer(layout, working_spec[0], xp, part)
             self.working_kind = working_spec[1]
         self._own_weights = self._weights[own]
-        self._grad_part = None  # this rank's partition of the reduced gradient, from reduce() to update()
+        self._grad_part = None  # this rank's partition of the reduced gradient, from the exchange to update()
         # a deferred publish: chunks of chunk_length elements of every partition, gathered in order
         self.chunk_length = max(1, -(-part.length // (PUBLISH_CHUNKS * REDUCE_CHUNK))) * REDUCE_CHUNK
         self._gathers: list = []
@@ -295,16 +306,20 @@ class Sharded(Placement):
         return [self.comm.ireduce(self._grads[max(lo, r * length) : min(hi, (r + 1) * length)], r)
                 for r in range(lo // length, (hi - 1) // length + 1)]
 
-    def reduce(self, wsum: float, judge, *, reduced: bool = False):
-        """The exchange and the norm pass as one stage: one reduce-scatter of the gradient (unless the
-        buckets ``reduced`` each partition to its owner), the partition's float64 sums of squares
-        (total and per parameter) and the weight sum in one small all-reduce, so every rank finds the
-        same norms and a NaN/Inf in any partition makes every rank's total non-finite. A float64 total
-        that is not finite takes the norm pass's overflow path (:func:`arraytrain.ops.norm_pass`) with
-        two more small all-reduces. The partition waits for :meth:`update`."""
-        part = self.part
-        own = slice(part.lo, part.hi)
-        self._grad_part = ShardBuffer(part, self._grads[own] if reduced else self.comm.reduce_scatter(self._grads))
+    def exchange(self) -> None:
+        """One reduce-scatter of the gradient: this rank's partition of the sum, kept for :meth:`update`."""
+        self._grad_part = ShardBuffer(self.part, self.comm.reduce_scatter(self._grads))
+
+    def buckets_reduced(self) -> None:
+        """The buckets reduced each partition to its owner: this rank's lies in place."""
+        self._grad_part = ShardBuffer(self.part, self._grads[self.part.lo : self.part.hi])
+
+    def verdict(self, wsum: float, judge):
+        """The norm pass as the partitions' float64 sums of squares (total and per parameter) with the
+        weight sum in one small all-reduce, so every rank finds the same norms and a NaN/Inf in any
+        partition makes every rank's total non-finite. A float64 total that is not finite takes the
+        norm pass's overflow path (:func:`arraytrain.ops.norm_pass`) with two more small all-reduces.
+        The partition waits for :meth:`update`."""
         found, wsum = self._partition_norm(judge.kernels, wsum)
         return judge.found(found, wsum)
 

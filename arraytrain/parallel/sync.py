@@ -2,18 +2,20 @@
 
 An engine holds one, picked in ``__init__`` (:func:`gradient_sync`):
 
-- :class:`BlockingSync`: at the boundary the placement reduces the whole buffer in one
-  collective (an all-reduce; sharded, a reduce-scatter). With one process, the identity.
 - :class:`BucketedSync` (``overlap=True``): the buffer cut into buckets that start their
   nonblocking reduces while the backward pass still runs; the boundary starts the rest and
-  waits. Blocking is its degenerate case: no bucket marked, all started at the boundary.
+  waits. The blocking exchange is its degenerate case (:meth:`BucketedSync.blocking`, the
+  default): no bucket, and at the boundary the placement's one collective over the whole
+  buffer (an all-reduce; sharded, a reduce-scatter). With one process, the identity.
 - :class:`CompressedSync` (a compressor): the ranks agree on the weight sum and on
   finiteness, then each compresses its share of the mean and receives the decoded sum.
 
-Each answers :meth:`reduce` (the boundary's exchange and norm pass, through the
-placement: a :class:`~arraytrain.stages.Verdict`, or None to skip), :meth:`mark_ready`,
-``started`` (something is in flight: what ``step(grads)``, ``state_dict()`` and
-``apply_state()`` refuse) and :meth:`drain` (``zero_grad()``: complete what was started).
+Each answers :meth:`~BucketedSync.reduce` (the boundary's exchange and norm pass, through the
+placement: a :class:`~arraytrain.stages.Verdict`, or None to skip), :meth:`~BucketedSync.ascent`
+(SAM's first window: the same, but a compressor's sync keeps the exact local gradient),
+:meth:`~BucketedSync.mark_ready`, ``started`` (something is in flight: what ``step(grads)``,
+``state_dict()`` and ``apply_state()`` refuse) and :meth:`~BucketedSync.drain` (``zero_grad()``:
+complete what was started).
 
 Buckets
 -------
@@ -116,36 +118,12 @@ def buckets_in(layout: Layout, members) -> tuple[Bucket, ...]:
     return tuple(Bucket(*bounds[k], tuple(layout.index(n) for n in names)) for k, names in enumerate(members))
 
 
-class BlockingSync:
-    """The whole window's gradient reduced at the boundary, in one collective of the placement."""
-
-    started = False  # nothing is ever in flight between two calls
-    overlaps = False  # mark_ready starts nothing
-
-    def __init__(self, placement):
-        self.placement = placement
-
-    def reduce(self, wsum: float, ascent: bool, judge):
-        """The boundary's exchange and norm pass: ``(Verdict, None)``."""
-        return self.placement.reduce(wsum, judge), None
-
-    def mark_ready(self, names, last: bool) -> None:
-        """Only checks the names (an unknown one raises)."""
-        layout = self.placement.layout
-        for name in (names,) if isinstance(names, str) else names:
-            layout.index(name)
-
-    def drain(self) -> None:
-        """Nothing was started."""
-
-
 class BucketedSync:
     """The buckets of one engine's gradient and the collectives in flight in the current window
-    (see the module docstring); the placement says what a bucket's collective is."""
+    (see the module docstring); the placement says what a bucket's collective is. Without buckets
+    (:meth:`blocking`) the boundary runs the placement's one collective over the whole buffer."""
 
-    overlaps = True  # mark_ready starts buckets while the backward pass runs
-
-    def __init__(self, placement, bucket_bytes: int | None = None, members=None):
+    def __init__(self, placement, bucket_bytes: int | None = None, members=None, *, blocking: bool = False):
         self.placement = placement
         self.layout = layout = placement.layout
         flat = placement.bucket_flat
@@ -153,13 +131,26 @@ class BucketedSync:
             bucket_bytes = default_bucket_bytes(layout.size * flat.dtype.itemsize)
         self.bucket_bytes = bucket_bytes
         # members: the buckets' parameter names where the layout was interleaved (shard.interleaved)
-        self.buckets = (buckets(layout, bucket_bytes, flat.dtype.itemsize) if members is None
-                        else buckets_in(layout, members))
+        if blocking:
+            self.buckets = ()
+        else:
+            self.buckets = (buckets(layout, bucket_bytes, flat.dtype.itemsize) if members is None
+                            else buckets_in(layout, members))
         self._bucket_of = np.empty(len(layout), np.int64)
         for k, b in enumerate(self.buckets):
             self._bucket_of[list(b.params)] = k
         self._sizes = np.array([len(b.params) for b in self.buckets], np.int64)
         self.reset()
+
+    @classmethod
+    def blocking(cls, placement) -> "BucketedSync":
+        """The degenerate case: no bucket, the whole window's gradient reduced at the boundary."""
+        return cls(placement, blocking=True)
+
+    @property
+    def overlaps(self) -> bool:
+        """:meth:`mark_ready` starts buckets while the backward pass runs."""
+        return bool(self.buckets)
 
     def reset(self) -> None:
         """A new window: nothing marked, nothing in flight."""
@@ -186,9 +177,10 @@ class BucketedSync:
                                     f"got {type(names).__name__}") from None
 
     def mark_ready(self, names, last: bool) -> None:
-        """``names`` are final: during the window's last micro-batch (``last``), :meth:`ready`."""
+        """``names`` are final: during the window's last micro-batch (``last``), :meth:`ready`; without
+        buckets this only checks the names (an unknown one raises)."""
         idx = self.indices(names)
-        if last:
+        if last and self.buckets:
             self.ready(idx)
 
     def ready(self, indices) -> None:
@@ -212,19 +204,30 @@ class BucketedSync:
         self._pending = [p for p in self._pending if not p.test()]
 
     def finish(self) -> None:
-        """Start what is left, in order, and wait for everything: the buffer (under sharded state,
-        this rank's partition of it) then holds the sum over ranks."""
+        """Start what is left, in order, and wait for everything (without buckets: the placement's
+        blocking exchange): the buffer (under sharded state, this rank's partition of it) then holds
+        the sum over ranks."""
+        if not self.buckets:
+            self.placement.exchange()
+            return
         while self._next < len(self.buckets):
             self._start(self.buckets[self._next])
         for p in self._pending:
             p.wait()
         self._pending = []
+        self.placement.buckets_reduced()
 
-    def reduce(self, wsum: float, ascent: bool, judge):
-        """The buckets nobody marked, then every one in flight; the placement's norm pass."""
+    def reduce(self, wsum: float, judge):
+        """The buckets nobody marked, then every one in flight (or the blocking exchange); the placement's
+        norm pass: ``(Verdict, None)``."""
         self.finish()
-        self.reset()
-        return self.placement.reduce(wsum, judge, reduced=True), None
+        if self.buckets:
+            self.reset()
+        return self.placement.verdict(wsum, judge), None
+
+    def ascent(self, wsum: float, judge):
+        """SAM's first window: as :meth:`reduce`."""
+        return self.reduce(wsum, judge)
 
     def drain(self) -> None:
         """Complete the buckets started in this window (every rank's collectives still match), then
@@ -239,24 +242,31 @@ class BucketedSync:
             self._pending.extend(self.placement.start_reduce(b.lo, b.hi))
 
 
-class CompressedSync(BlockingSync):
+class CompressedSync(BucketedSync):
     """A compressor's exchange (replicated placement): the ranks agree on the weight sum and on
     finiteness (a non-finite gradient anywhere: nothing is compressed, the step skips), then each
     compresses its share of the mean and receives the decoded sum (``payload``: what it sent).
-    SAM's ascent window keeps the exact local gradient."""
+    SAM's ascent window keeps the exact local gradient. No buckets: the compressor needs the
+    whole window's gradient."""
 
     def __init__(self, placement, compressor):
-        super().__init__(placement)
+        super().__init__(placement, blocking=True)
         self.compressor = compressor
 
-    def reduce(self, wsum: float, ascent: bool, judge):
+    def reduce(self, wsum: float, judge):
+        return self._compressed(wsum, judge, exact=False)
+
+    def ascent(self, wsum: float, judge):
+        return self._compressed(wsum, judge, exact=True)
+
+    def _compressed(self, wsum: float, judge, exact: bool):
         place = self.placement
         kernels, flat = judge.kernels, place.grads.flat
         wsum, bad = window_sums(place.comm, wsum, not kernels.all_finite(flat))
         if bad:
             return None, None
         unscale = judge.unscale(wsum)
-        if ascent:
+        if exact:
             return place.norm_pass(unscale, judge), None
         if unscale != 1.0:
             kernels.scale(flat, factor=1.0 / unscale)
@@ -269,11 +279,12 @@ class AutoSync(CompressedSync):
     placement's own dense reduce — the exchange without a compressor — counted and timed by
     ``Auto.dense_call``; otherwise the chosen compressor's, as :class:`CompressedSync`."""
 
-    def reduce(self, wsum: float, ascent: bool, judge):
-        if ascent or not self.compressor.dense_next:
-            return super().reduce(wsum, ascent, judge)
+    def reduce(self, wsum: float, judge):
+        if not self.compressor.dense_next:
+            return super().reduce(wsum, judge)
         with self.compressor.dense_call(self.placement.grads.flat) as call:
-            verdict = self.placement.reduce(wsum, judge)
+            self.placement.exchange()
+            verdict = self.placement.verdict(wsum, judge)
         return verdict, call.payload
 
 
@@ -286,4 +297,4 @@ def gradient_sync(placement, *, compressor=None, overlap: bool = False, bucket_b
         return (AutoSync if hasattr(compressor, "dense_call") else CompressedSync)(placement, compressor)
     if overlap and not placement.comm.is_local:
         return BucketedSync(placement, bucket_bytes, members)
-    return BlockingSync(placement)
+    return BucketedSync.blocking(placement)

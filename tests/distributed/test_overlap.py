@@ -244,7 +244,7 @@ def test_the_torch_binding_overlaps_by_default_and_equals_blocking(shard, ranks)
         kw = {} if overlap is None else {"overlap": overlap}
         eng = att.bind(model, at.optim.AdamW(lr=1e-2), comm=comm, shard_state=shard, accumulation_steps=2,
                        bucket_bytes=2048, max_grad_norm=1.0, loss_scaler=at.LossScaler(init_scale=2.0**6), **kw)
-        assert isinstance(eng._sync, BucketedSync) == (overlap is None)
+        assert eng.overlapped == (overlap is None)
         gen = torch.Generator().manual_seed(rank)
         reports = []
         for t in range(4):
