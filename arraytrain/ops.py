@@ -89,8 +89,14 @@ def clip_coef(norm: float, max_norm: float | None, eps: float = CLIP_EPS) -> flo
     scales to exactly ``max_norm`` (optax.clip_by_global_norm's rule: a clipped gradient's norm is
     ``max_norm`` itself, not slightly below it).
     """
-    if max_norm is None:
-        return 1.0
+    return 1.0 if max_norm is None else clip_factor(norm, max_norm, eps)
+
+
+def clip_factor(norm: float, max_norm: float, eps: float) -> float:
+    """:func:`clip_coef` for a ``max_norm`` given: the one clip rule, which the torch drop-ins' one-call
+    step (:data:`arraytrain.kernels.cpu.optimizers.ADAM_CHECKED`) compiles too. A NaN norm gives NaN
+    with ``eps=0`` and 1.0 otherwise, as Python's ``min(1.0, nan)`` does."""
     if eps == 0.0:
         return 1.0 if norm <= max_norm else max_norm / norm
-    return min(1.0, max_norm / (norm + eps))
+    coef = max_norm / (norm + eps)
+    return coef if coef < 1.0 else 1.0

@@ -14,6 +14,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from .. import newton_schulz
+from ...ops import clip_factor
 from ..interface import LP_NONE
 from ._jit import EXACT_DIVISION, JIT, pick, twins
 from .codecs import (QBLOCK, clear_grad, grad_fill, grad_slice, load_state, piece_mask, state_close, state_open,
@@ -209,13 +210,7 @@ def _adam_checked(p, g, m, v, vmax, pieces, upieces, bounds, bases, offsets, ite
     if check and not finite:
         return total, per_seg, False
     norm = np.sqrt(total) / unscale if finite else np.nan
-    coef = 1.0
-    if max_norm >= 0.0:  # (Python's min(1.0, x): x where x < 1.0, else 1.0, NaN included)
-        if clip_eps == 0.0:
-            coef = 1.0 if norm <= max_norm else max_norm / norm
-        else:
-            coef = max_norm / (norm + clip_eps)
-            coef = coef if coef < 1.0 else 1.0
+    coef = _clip_factor(norm, max_norm, clip_eps) if max_norm >= 0.0 else 1.0
     gscale = np.float32(sign * (coef / unscale))
     for i in range(nseg):
         hp_lr[i], hp_wd[i] = rates[i, 0], rates[i, 1]
@@ -262,7 +257,7 @@ def _calling(fn, suffix: str, **kernels):
 #: ``bases[s]`` (``offsets``: the parameters' first elements, ``itemsize`` bytes each); the sum of
 #: squares over ``pieces`` (the present parameters' rows of the layout's table) gives the norm
 #: ``sqrt(total) / unscale`` and the clip factor of ``max_norm`` (< 0: none) and ``clip_eps``
-#: (:func:`arraytrain.ops.clip_coef`; without ``check`` and ``max_norm`` no norm pass, and a non-finite
+#: (:func:`arraytrain.ops.clip_factor`, compiled; without ``check`` and ``max_norm`` no norm pass, and a non-finite
 #: gradient is applied, its norm NaN, as ``nonfinite="apply"`` takes it); ``rates`` (a row per
 #: parameter: lr, weight decay) is written into ``hp_lr``/``hp_wd`` (``OptState.hp``); then one update
 #: per step count among the present parameters (:func:`arraytrain.param_steps.groups`): rows
@@ -270,6 +265,7 @@ def _calling(fn, suffix: str, **kernels):
 #: ``inv_bc2_sqrts[k]``, the rates :func:`arraytrain.optim._rates.step_rates` would give, and ``gscale =
 #: sign * coef / unscale``. Not finite with ``check``: ``applied`` False, nothing written.
 #: The gradient is read, not zeroed (it is the caller's). float32 parameters and state only.
+_clip_factor = njit(error_model="numpy", cache=True)(clip_factor)  # (the judge's rule, compiled: arraytrain.ops)
 ADAM_CHECKED = (_calling(_adam_checked, "_parallel", _sumsq_twin=SUMSQ_TWINS[0], _adam_twin=_ADAM[0]),
                 _calling(_adam_checked, "_serial", _sumsq_twin=SUMSQ_TWINS[1], _adam_twin=_ADAM[1]))
 
