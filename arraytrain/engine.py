@@ -513,6 +513,61 @@ class Engine:
             return self._skip(step, lr)
         return self._bookkeeping(verdict, lr, payload)
 
+    @classmethod
+    def step_together(cls, engines: list, absent: list | None = None) -> list[StepReport]:
+        """One boundary of several engines judged as one gradient: each engine's norm pass over its own
+        buffer, one global norm, one NaN/Inf verdict (a skip skips every engine) and one clip factor, then
+        each engine's update, so that the engines step as one engine over all their parameters would
+        (the torch drop-ins' parameters in several engines, by dtype or optimizer). Each engine: one
+        process, windows of one micro-batch whose gradient is in its ``grads``; they take
+        ``max_grad_norm``, ``clip_eps`` and ``nonfinite`` from the first. ``absent``: per engine, as
+        :meth:`step`'s. Returns each engine's report."""
+        absent = [None] * len(engines) if absent is None else list(absent)
+        if len(absent) != len(engines):
+            raise ArgumentTypeError(f"absent: expected one entry per engine ({len(engines)}), got {len(absent)}")
+        for e in engines:
+            if not e.comm.is_local or e.accumulation_steps != 1 or e._two_windows or e.compressor is not None:
+                raise ArgumentTypeError("engines: step_together takes engines of one process with windows of one "
+                                        "micro-batch, no compressor and no SAM")
+        lead = engines[0]
+        held = []
+        try:
+            for e in engines:
+                e._enter("step()")
+                held.append(e)
+            checked = [e.check_absent(a) for e, a in zip(engines, absent)]
+            return lead._noticed(cls._together, engines, checked, lead.max_grad_norm, lead.clip_eps,
+                                 lead.nonfinite == "skip")
+        finally:
+            for e in held:
+                e._guard.release()
+
+    @staticmethod
+    def _together(engines, absent, max_norm, eps, check) -> list[StepReport]:
+        windows, verdicts = [], []
+        for e, a in zip(engines, absent):  # each engine's boundary up to its norm pass (see _boundary)
+            lr, lrs = e._scheduled(True)
+            e._intake_stage(None, 1.0, a)
+            wsum = e.counters.close_window()
+            missing, e.counters.absent = e.counters.absent, None
+            grads_at, e._grads_at = e._grads_at, None
+            judge = Judge(e._kernels, e._unscale, max_norm, eps, check=check, grads_at=grads_at)
+            verdicts.append(e._sync.reduce(wsum, judge)[0])
+            windows.append((lr, lrs, missing if e.missing == "skip" else None, grads_at))
+        nonfinite, verdicts = Verdict.joint(verdicts, max_norm, eps)
+        reports, refused = [], None
+        for e, v, (lr, lrs, missing, grads_at) in zip(engines, verdicts, windows):
+            if nonfinite or not e._update_stage(v, lrs, missing, grads_at):
+                try:  # every engine skips (the first past max_consecutive_skips raises after all have)
+                    reports.append(e._skip(e.state.step, lr))
+                except NonFiniteError as err:
+                    refused = refused or err
+            else:
+                reports.append(e._bookkeeping(v, lr, None))
+        if refused is not None:
+            raise refused
+        return reports
+
     def read_in_place(self, bases) -> None:
         """This micro-batch's gradients lie at ``bases`` (int64, by segment: the address of each
         parameter's gradient, contiguous, of the buffer's dtype; a parameter whose gradient is in

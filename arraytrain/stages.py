@@ -100,6 +100,21 @@ class Verdict:
     def __init__(self, found: NormPass | None, *, unscale: float, max_norm, eps: float, device=None):
         self.found, self.unscale, self._max_norm, self._eps = found, unscale, max_norm, eps
         self._device = device  # (kernels, sums, gate, flat, layout) while the finding is on the device
+        self._joint = None  # (norm, coef) of the gradient this buffer is part of (see joint)
+
+    @staticmethod
+    def joint(verdicts: list, max_norm, eps: float) -> tuple[bool, list]:
+        """Several buffers' verdicts judged as one gradient (one model's parameters in several engines):
+        ``(non-finite anywhere, the verdicts)``, each with the global norm and one clip factor, and its
+        own buffer's scale and per-parameter norms. A finding on the device is read back first."""
+        for v in verdicts:
+            v.settle()
+        nonfinite = any(v.nonfinite for v in verdicts)
+        norm = math.sqrt(sum(v.norm ** 2 for v in verdicts))
+        coef = clip_coef(norm, max_norm, eps)
+        for v in verdicts:
+            v._joint = (norm, coef)
+        return nonfinite, verdicts
 
     @classmethod
     def on_device(cls, kernels, flat, layout, *, unscale, max_norm, eps) -> Verdict:
@@ -121,6 +136,8 @@ class Verdict:
     @property
     def norm(self) -> float:
         """The global L2 norm of the true gradient (before clipping)."""
+        if self._joint is not None:
+            return self._joint[0]
         return self.found.norm / self.unscale
 
     @property
@@ -131,6 +148,8 @@ class Verdict:
     @property
     def coef(self) -> float:
         """The clip factor ``min(1, max_norm / (norm + eps))`` (1 without clipping)."""
+        if self._joint is not None:
+            return self._joint[1]
         return clip_coef(self.norm, self._max_norm, self._eps)
 
     def gscale(self):
