@@ -32,7 +32,7 @@ The Engine's parallel arguments
     ``engine.gather_params()`` assembles them). A boundary is one reduce-scatter, the norm
     from the partitions' sums, the own partition's update and one all-gather. Muon,
     Adafactor, Sophia, SAM and a compressor are refused on every rank; 8-bit state lays
-    every offset on a 256-element block. The placement lays the parameters out with the
+    every offset on a 256-element quantization block. The placement lays the parameters out with the
     exchange's buckets dealt to the ranks in turn
     (:func:`~arraytrain.parallel.shard.interleaved`), so the engine's ``layout`` may order
     them otherwise than ``params``: read and write them by name. State dicts and
@@ -65,9 +65,12 @@ Glossary
 One word for each thing, in the code and its prose:
 
 - **partition**: the contiguous range of the flat buffer that one rank owns under sharded
-  state (:class:`~arraytrain.parallel.shard.Partition`: ``lo``, ``hi``, ``length``);
-  *sharded* names the placement that gives each rank one. Not "part", "block", "shard" or
-  "window".
+  state (:class:`~arraytrain.parallel.shard.Partition`: ``lo``, ``hi``, ``length``; a
+  placement's ``partition``); *sharded* names the placement that gives each rank one. Not
+  "part", "shard" or "window". At the communicator's level, the equal slices of an array
+  that the block collectives (``reduce_scatter``, ``allgather_blocks``) move are **blocks**:
+  under sharded state block ``r`` holds rank ``r``'s partition. One-byte optimizer state is
+  quantized in 256-element **quantization blocks** (:data:`arraytrain.state8.BLOCK`).
 - **window**: the accumulation window, the micro-batches of one optimizer step.
 - **boundary**: the micro-batch that closes a window, where the gradient sync, the norm
   pass and the update run.

@@ -60,7 +60,7 @@ class Placement(ABC):
     params = master = grads = None
     working = None
     working_kind = 0
-    kernel_mask = None  # the mask the update kernels apply (sharded: this rank's part)
+    kernel_mask = None  # the mask the update kernels apply (sharded: this rank's partition)
     defer_publish = False  # the publish after an update left in flight (bind(..., gather_in_forward=True))
 
     @classmethod
@@ -71,7 +71,7 @@ class Placement(ABC):
 
     @abstractmethod
     def working_bits(self):
-        """The working copy as the kernels write it (uint16 bits; sharded: this rank's part), or None."""
+        """The working copy as the kernels write it (uint16 bits; sharded: this rank's partition), or None."""
 
     @property
     @abstractmethod
@@ -145,7 +145,7 @@ class Placement(ABC):
         return self.grads.layout
 
     def working_args(self):
-        """The kernels' working copy ``(uint16 bits, kind)`` (sharded: this rank's part), or None."""
+        """The kernels' working copy ``(uint16 bits, kind)`` (sharded: this rank's partition), or None."""
         bits = self.working_bits()
         return None if bits is None else (bits, self.working_kind)
 
@@ -265,13 +265,13 @@ class Sharded(Placement):
         layout = params.layout
         part = partition(layout, comm.size, comm.rank)
         xp = array_module(params.flat)
-        self.comm, self.part = comm, part
+        self.comm, self.partition = comm, part
         self.grads, self._grads = padded_buffer(layout, params.dtype, xp, part)
         own = slice(part.lo, part.hi)
         if working_spec is None:
             self.params, self._weights = padded_buffer(layout, params.dtype, xp, part)
             self.params.flat[...] = params.flat
-            self.master = ShardBuffer(part, self._weights[own])  # a view: the rank's part of the weights
+            self.master = ShardBuffer(part, self._weights[own])  # a view: the rank's partition of the weights
         else:
             masters = aligned_zeros(part.length, params.dtype, xp)
             n = max(0, min(part.hi, layout.size) - part.lo)
@@ -292,7 +292,7 @@ class Sharded(Placement):
         return self.working is not None
 
     def working_bits(self):
-        """This rank's part of the working copy, as the kernels write it (uint16 bits), or None."""
+        """This rank's partition of the working copy, as the kernels write it (uint16 bits), or None."""
         return None if self.working is None else self._own_weights.view(np.uint16)
 
     @property
@@ -302,17 +302,17 @@ class Sharded(Placement):
 
     def start_reduce(self, lo: int, hi: int) -> list:
         """A bucket's collectives: each partition's slice of ``[lo, hi)`` reduced to its owner."""
-        length = self.part.length
+        length = self.partition.length
         return [self.comm.ireduce(self._grads[max(lo, r * length) : min(hi, (r + 1) * length)], r)
                 for r in range(lo // length, (hi - 1) // length + 1)]
 
     def exchange(self) -> None:
         """One reduce-scatter of the gradient: this rank's partition of the sum, kept for :meth:`update`."""
-        self._grad_part = ShardBuffer(self.part, self.comm.reduce_scatter(self._grads))
+        self._grad_part = ShardBuffer(self.partition, self.comm.reduce_scatter(self._grads))
 
     def buckets_reduced(self) -> None:
         """The buckets reduced each partition to its owner: this rank's lies in place."""
-        self._grad_part = ShardBuffer(self.part, self._grads[self.part.lo : self.part.hi])
+        self._grad_part = ShardBuffer(self.partition, self._grads[self.partition.lo : self.partition.hi])
 
     def verdict(self, wsum: float, judge):
         """The norm pass as the partitions' float64 sums of squares (total and per parameter) with the
@@ -332,7 +332,7 @@ class Sharded(Placement):
     def _partition_norm(self, kernels, wsum: float | None) -> tuple[NormPass, float | None]:
         """The partition's float64 sums of squares (total and per parameter), with ``wsum`` (when given)
         in the same small all-reduce: ``(the global finding, the global weight sum)``."""
-        comm, part, g = self.comm, self.part, self._grad_part
+        comm, part, g = self.comm, self.partition, self._grad_part
         nseg = len(part.layout)
         total, per_seg = kernels.sumsq(g.flat, part.pieces, nseg=nseg)
         sums = np.concatenate(([total], per_seg, [] if wsum is None else [wsum]))
@@ -376,14 +376,14 @@ class Sharded(Placement):
         self._grads.fill(0)
 
     def publish(self, deferred: bool = False) -> None:
-        """Every rank's updated part of the weights (or working copy) into every rank's full copy: one
+        """Every rank's updated partition of the weights (or working copy) into every rank's full copy: one
         all-gather, or with ``deferred`` its chunks started in order and left in flight (:meth:`settle`)."""
         self.settle()
         flat = self._weights.view(np.uint8)
         if not deferred:
             self.comm.allgather_blocks(flat)
             return
-        step, n = self.chunk_length * self._weights.itemsize, self.part.length * self._weights.itemsize
+        step, n = self.chunk_length * self._weights.itemsize, self.partition.length * self._weights.itemsize
         self._gathers = [self.comm.iallgather_blocks(flat, lo, min(lo + step, n)) for lo in range(0, n, step)]
 
     def settle(self, need: int | None = None) -> None:
@@ -407,7 +407,7 @@ class Sharded(Placement):
         """The last chunk of a deferred publish to wait for before reading the flat elements ``spans``
         (``[(start, stop), ...]``): the chunk of each one's last element in every other rank's
         partition; -1 when they all lie in this rank's."""
-        length, own, need = self.part.length, self.part.rank, -1
+        length, own, need = self.partition.length, self.partition.rank, -1
         for a, b in spans:
             for r in range(a // length, (b - 1) // length + 1) if b > a else ():
                 if r != own:
@@ -415,18 +415,18 @@ class Sharded(Placement):
         return need
 
     def keep_mask(self, mask) -> None:
-        """This rank's part of a pruning mask, padded to the partition's length, for the kernels."""
+        """This rank's partition of a pruning mask, padded to the partition's length, for the kernels."""
         if mask is None:
             self.kernel_mask = None
             return
-        part = self.part
+        part = self.partition
         out = array_module(mask.flat).zeros(part.length, np.uint8)
         n = max(0, min(part.hi, part.layout.size) - part.lo)
         out[:n] = mask.flat[part.lo : part.lo + n]
         self.kernel_mask = out
 
     def apply_mask(self, mask) -> None:
-        """:meth:`keep_mask`, and zero the pruned weights now (the sharded masters' part, or every
+        """:meth:`keep_mask`, and zero the pruned weights now (the sharded masters' partition, or every
         rank's full weights)."""
         self.keep_mask(mask)
         xp = array_module(self.params.flat)

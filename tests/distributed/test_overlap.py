@@ -307,7 +307,7 @@ def test_weights_gathered_in_the_next_forward_pass_equal_the_publish_at_the_step
         eng = att.bind(model, at.optim.AdamW(lr=1e-2), comm=comm, shard_state=True, max_grad_norm=1.0,
                        gather_in_forward=gif)
         place = eng._placement
-        assert place.defer_publish == gif and place.part.length // place.chunk_length == 2
+        assert place.defer_publish == gif and place.partition.length // place.chunk_length == 2
         gen = torch.Generator().manual_seed(rank)
         outs, firsts = [], []
         for t in range(4):
