@@ -22,6 +22,7 @@ from arraytrain import ArgumentTypeError, Engine, StateDictError, checkpoint
 from arraytrain.checkpoint import FORMAT, FORMAT_VERSION, CheckpointError, load, save
 from arraytrain.optim import SGD, Adam, AdamW
 from arraytrain.optim import Adadelta, Adamax, NAdam, RAdam
+from builders import random_params
 from conftest import engine_snapshot
 
 # Names that a separator-joined key would confuse: dots, slashes, spaces, unicode, a tag
@@ -49,11 +50,12 @@ RESUME = [pytest.param(opt, dtype, id=f"{opt}-{np.dtype(dtype).name}")
 TOTAL = 11  # micro-batch calls of a full run
 
 
-def _engine(opt="adam-amsgrad", shapes=SHAPES, dtype=np.float64, zeros=False, optimizer=None, **kw):
+def _table_engine(opt="adam-amsgrad", shapes=SHAPES, dtype=np.float64, zeros=False, optimizer=None, **kw):
+    """An Engine in ``dtype`` of a row of OPTIMIZERS (or ``optimizer``) over random float64 parameters of
+    ``shapes`` (seed 1), or zeros (a resume's target), accumulating 3 micro-batches and clipping at 2 by default."""
     kw.setdefault("accumulation_steps", 3)
     kw.setdefault("max_grad_norm", 2.0)
-    rng = np.random.default_rng(1)
-    params = {n: np.zeros(s) if zeros else rng.standard_normal(s) for n, s in shapes.items()}
+    params = {n: np.zeros(s) for n, s in shapes.items()} if zeros else random_params(shapes, seed=1)
     return Engine(params, optimizer or OPTIMIZERS[opt][0](), dtype=dtype, **kw)
 
 
@@ -76,13 +78,13 @@ def ck(tmp_path):
 @pytest.mark.parametrize("split", [4, 6, 8], ids=lambda k: f"after-{k}-micro")
 @pytest.mark.parametrize("opt, dtype", RESUME)
 def test_resume_from_file_is_bitwise(ck, opt, split, dtype):
-    full = _engine(opt, dtype=dtype)
+    full = _table_engine(opt, dtype=dtype)
     _run(full, range(TOTAL))
-    first = _engine(opt, dtype=dtype)
+    first = _table_engine(opt, dtype=dtype)
     _run(first, range(split))
     assert first.micro_batches == split % 3
     save(ck, first, extra={"epoch": split})
-    resumed = _engine(opt, dtype=dtype, zeros=True)
+    resumed = _table_engine(opt, dtype=dtype, zeros=True)
     assert load(ck, resumed) == {"epoch": split}
     assert engine_snapshot(resumed) == engine_snapshot(first)
     for e in (first, resumed):
@@ -92,10 +94,10 @@ def test_resume_from_file_is_bitwise(ck, opt, split, dtype):
 
 
 def test_load_keeps_the_engines_hyperparameters(ck):
-    src = _engine("adamw")
+    src = _table_engine("adamw")
     _run(src, range(4))
     save(ck, src)
-    dst = _engine(optimizer=AdamW(lr=0.5, betas=(0.8, 0.9), weight_decay=0.0))
+    dst = _table_engine(optimizer=AdamW(lr=0.5, betas=(0.8, 0.9), weight_decay=0.0))
     load(ck, dst)
     assert dst.optimizer.lr == 0.5 and dst.optimizer.betas == (0.8, 0.9)
     assert engine_snapshot(dst)["params"] == engine_snapshot(src)["params"]
@@ -103,10 +105,11 @@ def test_load_keeps_the_engines_hyperparameters(ck):
 
 def test_other_hyperparameter_values_and_overrides_are_accepted(ck):
     """Array-free subtrees are values: a resumed run may change lr or its per-parameter overrides."""
-    src = _engine(optimizer=SGD(lr=0.05, momentum=0.9, overrides={"fc*": {"lr": 0.1}, "emb*": {"weight_decay": 0.0}}))
+    src = _table_engine(optimizer=SGD(lr=0.05, momentum=0.9,
+                                      overrides={"fc*": {"lr": 0.1}, "emb*": {"weight_decay": 0.0}}))
     _run(src, range(5))
     save(ck, src)
-    dst = _engine(zeros=True, optimizer=SGD(lr=0.01, momentum=0.9, overrides={"*.w": {"lr": 0.2}}))
+    dst = _table_engine(zeros=True, optimizer=SGD(lr=0.01, momentum=0.9, overrides={"*.w": {"lr": 0.2}}))
     load(ck, dst)
     assert dst.optimizer.overrides == {"*.w": {"lr": 0.2}}
     assert engine_snapshot(dst) == engine_snapshot(src)
@@ -114,7 +117,7 @@ def test_other_hyperparameter_values_and_overrides_are_accepted(ck):
 
 def test_betas_as_a_json_list_are_accepted(ck, tmp_path):
     """Another writer may store a tuple as a plain JSON list; the engine's template has a tuple."""
-    src = _engine()
+    src = _table_engine()
     _run(src, range(5))
     save(ck, src)
 
@@ -123,13 +126,13 @@ def test_betas_as_a_json_list_are_accepted(ck, tmp_path):
         hp["betas"] = hp["betas"]["$tuple"]
 
     path = _rewrite(ck, tmp_path / "list.safetensors", tree=listify)
-    dst = _engine(zeros=True)
+    dst = _table_engine(zeros=True)
     load(path, dst)
     assert engine_snapshot(dst) == engine_snapshot(src)
 
 
 def test_metadata_format_version_and_summary(ck):
-    e = _engine("adam-amsgrad")
+    e = _table_engine("adam-amsgrad")
     _run(e, range(7))
     save(ck, e)
     with safe_open(str(ck), framework="numpy") as f:
@@ -148,12 +151,12 @@ def test_metadata_format_version_and_summary(ck):
 
 
 def test_overwrite_leaves_no_stray_files_and_new_files_follow_the_umask(ck, tmp_path):
-    e = _engine()
+    e = _table_engine()
     save(ck, e)
     _run(e, range(3))
     save(ck, e, extra={"n": 2})
     assert os.listdir(tmp_path) == [ck.name]
-    assert load(ck, _engine(zeros=True)) == {"n": 2}
+    assert load(ck, _table_engine(zeros=True)) == {"n": 2}
     umask = os.umask(0)
     os.umask(umask)
     assert ck.stat().st_mode & 0o777 == 0o666 & ~umask
@@ -273,7 +276,7 @@ def test_unstorable_state_is_refused_before_writing(ck, case):
 @pytest.mark.parametrize("extra", [{"w": np.zeros(2)}, {"s": {1}}, {2: "x"}, [1, 2], "epoch"],
                          ids=["array", "set", "int-key", "list", "str"])
 def test_bad_extra_is_refused_before_writing(ck, extra):
-    e = _engine()
+    e = _table_engine()
     save(ck, e)
     old = ck.read_bytes()
     with pytest.raises(ArgumentTypeError, match="extra"):
@@ -282,7 +285,7 @@ def test_bad_extra_is_refused_before_writing(ck, extra):
 
 
 def test_bad_arguments():
-    e = _engine()
+    e = _table_engine()
     with pytest.raises(ArgumentTypeError, match="path"):
         save(3, e)
     with pytest.raises(ArgumentTypeError, match="engine"):
@@ -312,7 +315,7 @@ def _rewrite(src, dst, *, meta=None, tree=None, tensors=None):
 
 
 def _saved(tmp_path, name="src", calls=7, **engine_kw):
-    e = _engine(**engine_kw)
+    e = _table_engine(**engine_kw)
     _run(e, range(calls))
     path = tmp_path / f"{name}.safetensors"
     save(path, e)
@@ -400,7 +403,7 @@ FAULTS = {
        for at in ("1", "7", "8", "header-mid", "header-end", "data-1", "data-mid", "last-byte")},
     "trailing-bytes": (_bytes(lambda good: good.read_bytes() + b"\0\0\0"), "not a valid safetensors file"),
     "empty-file": (_bytes(lambda good: b""), "empty file"),
-    "pickle-file": (_bytes(lambda good: pickle.dumps(_engine().state_dict())), "pickle"),
+    "pickle-file": (_bytes(lambda good: pickle.dumps(_table_engine().state_dict())), "pickle"),
     "random-bytes": (_bytes(lambda good: np.random.default_rng(3).bytes(4096)), "not a valid safetensors file"),
     "random-header": (_bytes(lambda good: struct.pack("<Q", 200) + np.random.default_rng(4).bytes(300)),
                       "not a valid safetensors file"),
@@ -444,7 +447,7 @@ def test_refused_file_changes_nothing(tmp_path, case):
     make, message = FAULTS[case]
     good = _saved(tmp_path)
     path = make(tmp_path, good)
-    target = _engine()
+    target = _table_engine()
     _run(target, range(4))  # a state unlike the file's in every buffer
     before = engine_snapshot(target)
     with pytest.raises(CheckpointError, match=message) as info:
@@ -466,7 +469,7 @@ def test_cuts_across_the_header_are_refused(tmp_path):
     small = {"w.0": (2,)}
     good = _saved(tmp_path, opt="sgd-momentum", shapes=small)
     data = good.read_bytes()
-    target = _engine("sgd-momentum", shapes=small)
+    target = _table_engine("sgd-momentum", shapes=small)
     before = engine_snapshot(target)
     path = tmp_path / "cut.safetensors"
     end = 8 + _header_len(good)
@@ -478,7 +481,7 @@ def test_cuts_across_the_header_are_refused(tmp_path):
 
 
 def test_missing_file_and_directory(tmp_path):
-    e = _engine()
+    e = _table_engine()
     with pytest.raises(FileNotFoundError):
         load(tmp_path / "absent.safetensors", e)
     with pytest.raises(CheckpointError, match="not a regular file"):
@@ -558,7 +561,7 @@ WRITE_FAILURES = {
 @pytest.mark.parametrize("case", list(WRITE_FAILURES))
 @pytest.mark.parametrize("existing", [True, False], ids=["over-old", "new"])
 def test_exception_while_writing_leaves_no_temp_file(ck, tmp_path, monkeypatch, case, existing):
-    e = _engine()
+    e = _table_engine()
     _run(e, range(2))
     if existing:
         save(ck, e, extra={"which": "old"})
@@ -572,13 +575,13 @@ def test_exception_while_writing_leaves_no_temp_file(ck, tmp_path, monkeypatch, 
     if existing:
         assert os.listdir(tmp_path) == [ck.name]
         assert ck.read_bytes() == old
-        assert load(ck, _engine(zeros=True)) == {"which": "old"}
+        assert load(ck, _table_engine(zeros=True)) == {"which": "old"}
     else:
         assert os.listdir(tmp_path) == []
 
 
 def test_short_write_is_caught_before_the_rename(ck, tmp_path, monkeypatch):
-    e = _engine()
+    e = _table_engine()
     save(ck, e)
     old = ck.read_bytes()
     real = checkpoint._st_numpy.save_file
@@ -596,7 +599,7 @@ def test_short_write_is_caught_before_the_rename(ck, tmp_path, monkeypatch):
 
 def test_missing_directory_leaves_nothing(tmp_path):
     with pytest.raises(FileNotFoundError):
-        save(tmp_path / "absent" / "ck.safetensors", _engine())
+        save(tmp_path / "absent" / "ck.safetensors", _table_engine())
     assert os.listdir(tmp_path) == []
 
 
@@ -612,7 +615,7 @@ def _no_pickle(monkeypatch):
 
 
 def test_no_pickle_written_or_read(ck, monkeypatch):
-    e = _engine()
+    e = _table_engine()
     _run(e, range(5))
     with monkeypatch.context() as m:
         _no_pickle(m)
@@ -624,7 +627,7 @@ def test_no_pickle_written_or_read(ck, monkeypatch):
     assert header["__metadata__"]["format"] == FORMAT
     assert len(data) == 8 + n + sum(v["data_offsets"][1] - v["data_offsets"][0]
                                     for k, v in header.items() if k != "__metadata__")
-    resumed = _engine(zeros=True)
+    resumed = _table_engine(zeros=True)
     with monkeypatch.context() as m:
         _no_pickle(m)
         assert load(ck, resumed) == {"epoch": 1}

@@ -369,7 +369,9 @@ def _run_calls(e: Engine, calls: range, X, Y):
         e.step(_grad(e.params, Xc, Yc), weight=1 + i % 3)
 
 
-def _engine(opt, **kw):
+def _regression_engine(opt, **kw):
+    """An engine of ``OPTIMIZERS[opt]`` over the regression's initial weights, accumulating 2 and clipping at 0.5
+    by default."""
     kw.setdefault("accumulation_steps", 2)
     kw.setdefault("max_grad_norm", 0.5)
     return Engine(_init(), OPTIMIZERS[opt](), **kw)
@@ -380,10 +382,10 @@ def _engine(opt, **kw):
 def test_resume_is_bitwise(opt, split):
     X, Y = _data()
     total = 10
-    full = _engine(opt)
+    full = _regression_engine(opt)
     _run_calls(full, range(total), X, Y)
 
-    first = _engine(opt)
+    first = _regression_engine(opt)
     _run_calls(first, range(split), X, Y)
     sd = pickle.loads(pickle.dumps(first.state_dict()))
     assert sd["accumulation"]["micro_batches"] == split % 2
@@ -398,7 +400,7 @@ def test_resume_is_bitwise(opt, split):
 
 def test_state_dict_is_a_copy():
     X, Y = _data()
-    e = _engine("adam-amsgrad")
+    e = _regression_engine("adam-amsgrad")
     _run_calls(e, range(3), X, Y)
     sd = e.state_dict()
     frozen = copy.deepcopy(sd)
@@ -417,7 +419,7 @@ def test_state_dict_is_a_copy():
 
 def test_load_keeps_current_hyperparameters():
     X, Y = _data()
-    e = _engine("adamw")
+    e = _regression_engine("adamw")
     _run_calls(e, range(2), X, Y)
     other = Engine(_init(), AdamW(lr=0.5, weight_decay=0.1), accumulation_steps=2)
     other.load_state_dict(e.state_dict())
@@ -484,11 +486,11 @@ BAD_STATE = {
 @pytest.mark.parametrize("case", list(BAD_STATE))
 def test_bad_state_dict_changes_nothing(case):
     X, Y = _data()
-    source = _engine("adam-amsgrad")
+    source = _regression_engine("adam-amsgrad")
     _run_calls(source, range(5), X, Y)  # differs from target in every buffer
     sd = source.state_dict()
     BAD_STATE[case](sd)
-    target = _engine("adam-amsgrad")
+    target = _regression_engine("adam-amsgrad")
     _run_calls(target, range(3), X, Y)
     before = engine_snapshot(target)
     with pytest.raises(StateDictError):
@@ -498,7 +500,7 @@ def test_bad_state_dict_changes_nothing(case):
 
 @pytest.mark.parametrize("state", [[], "state", None, {}], ids=["list", "str", "none", "empty"])
 def test_non_dict_state(state):
-    e = _engine("sgd-momentum")
+    e = _regression_engine("sgd-momentum")
     before = engine_snapshot(e)
     with pytest.raises(StateDictError):
         e.load_state_dict(state)
@@ -509,9 +511,9 @@ def test_non_dict_state(state):
                                       ("adam-amsgrad", "sgd-momentum")])
 def test_state_from_another_optimizer_refused(src, dst):
     X, Y = _data()
-    a = _engine(src)
+    a = _regression_engine(src)
     _run_calls(a, range(2), X, Y)
-    b = _engine(dst)
+    b = _regression_engine(dst)
     before = engine_snapshot(b)
     with pytest.raises(StateDictError, match="optimizer"):
         b.load_state_dict(a.state_dict())
@@ -519,7 +521,7 @@ def test_state_from_another_optimizer_refused(src, dst):
 
 
 def test_amsgrad_state_refused_without_amsgrad():
-    a = _engine("adam-amsgrad")
+    a = _regression_engine("adam-amsgrad")
     b = Engine(_init(), Adam(lr=0.02), accumulation_steps=2, max_grad_norm=0.5)
     before = engine_snapshot(b)
     with pytest.raises(StateDictError, match="slots"):
@@ -532,7 +534,7 @@ def test_two_identical_runs_are_bitwise_equal(opt):
     X, Y = _data()
     runs = []
     for _ in range(2):
-        e = _engine(opt, accumulation_steps=3)
+        e = _regression_engine(opt, accumulation_steps=3)
         _run_calls(e, range(9), X, Y)
         runs.append(engine_snapshot(e))
     assert runs[0] == runs[1]

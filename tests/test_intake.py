@@ -81,7 +81,7 @@ SOURCES = {
 }
 
 
-def _engine(**kw):
+def _accumulating_engine(**kw):
     # accumulation_steps=2 keeps the first micro-batch visible in engine.grads
     return Engine({"w": np.zeros(SHAPE), "b": np.zeros(4)}, SGD(lr=0.1), accumulation_steps=2, **kw)
 
@@ -89,7 +89,7 @@ def _engine(**kw):
 @pytest.mark.parametrize("source", list(SOURCES))
 def test_engine_accepts(source):
     grad = SOURCES[source](G)
-    engine = _engine()
+    engine = _accumulating_engine()
     report = engine.step({"w": grad, "b": np.ones(4)})
     assert report.accumulated and engine.micro_batches == 1
     expected = G.astype(np.float32).astype(np.float64) if source == "numpy-float32" else G
@@ -151,7 +151,7 @@ def test_non_contiguous_accepted_and_copied(make):
     view = as_array(grad, "w")
     assert not view.flags.c_contiguous
     before = view.copy()
-    engine = _engine()
+    engine = _accumulating_engine()
     engine.step({"w": grad, "b": np.zeros(4)})
     np.testing.assert_array_equal(engine.grads["w"], G)
     # the source was read, never written, and the engine keeps no reference to it
@@ -169,7 +169,7 @@ def test_non_contiguous_into_flatbuffer():
 
 
 def test_cuda_dlpack_refused_and_nothing_changes():
-    engine = _engine()
+    engine = _accumulating_engine()
     engine.step({"w": G, "b": np.ones(4)})
     snap = engine_snapshot(engine)
     fake = CudaDLPack()
@@ -214,7 +214,7 @@ class OddDevice(CudaDLPack):
                                         (object(), "'w'"), ({"a": 1}, "'w'")],
                          ids=["broken-device", "odd-device", "object", "dict"])
 def test_unreadable_objects_are_backend_errors(obj, match):
-    engine = _engine()
+    engine = _accumulating_engine()
     snap = engine_snapshot(engine)
     with pytest.raises(BackendError, match=match):
         engine.step({"w": obj, "b": np.ones(4)})
@@ -223,7 +223,7 @@ def test_unreadable_objects_are_backend_errors(obj, match):
 
 def test_torch_tensor_requiring_grad_refused():
     torch = pytest.importorskip("torch")
-    engine = _engine()
+    engine = _accumulating_engine()
     engine.step({"w": G, "b": np.ones(4)})
     snap = engine_snapshot(engine)
     t = torch.ones(4, dtype=torch.float64, requires_grad=True)
@@ -240,7 +240,7 @@ def test_torch_tensor_requiring_grad_refused():
 def test_torch_non_float_tensor_refused(dtype):
     torch = pytest.importorskip("torch")
     t = torch.zeros(4, dtype=getattr(torch, dtype))
-    engine = _engine()
+    engine = _accumulating_engine()
     snap = engine_snapshot(engine)
     with pytest.raises((DTypeError, BackendError), match="'b'"):
         engine.step({"w": G, "b": t})

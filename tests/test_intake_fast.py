@@ -21,6 +21,7 @@ from arraytrain.errors import (
 )
 from arraytrain.kernels import reference as ref
 from arraytrain.layout import Layout
+from builders import random_engine
 from conftest import engine_snapshot
 
 # sizes on both sides of the staging threshold, zero-size first, in the middle and last
@@ -35,10 +36,9 @@ def _grads(shapes, rng, dtype=np.float32, scale=1.0) -> dict:
     return {n: (rng.standard_normal(s) * scale).astype(dtype) for n, s in shapes.items()}
 
 
-def _engine(shapes, *, fast=True, dtype=np.float32, **kw):
-    rng = np.random.default_rng(7)
-    params = {n: rng.standard_normal(s).astype(dtype) for n, s in shapes.items()}
-    e = at.Engine(params, at.optim.AdamW(lr=1e-2, weight_decay=0.1), **kw)
+def _intake_engine(shapes, *, fast=True, dtype=np.float32, **kw):
+    """An AdamW engine over random parameters (seed 7); its dict path the reused one (``fast``) or the general one."""
+    e = random_engine(shapes, at.optim.AdamW(lr=1e-2, weight_decay=0.1), seed=7, param_dtype=dtype, **kw)
     e.intake.fast = fast
     return e
 
@@ -48,8 +48,8 @@ def _engine(shapes, *, fast=True, dtype=np.float32, **kw):
 @pytest.mark.parametrize("pdtype", [np.float32, np.float64])
 def test_fast_path_equals_general_path_bitwise(gdtype, kernels, pdtype):
     shapes = _shapes()
-    fast = _engine(shapes, fast=True, dtype=pdtype, accumulation_steps=3, kernels=kernels, max_grad_norm=1.0)
-    slow = _engine(shapes, fast=False, dtype=pdtype, accumulation_steps=3, kernels=kernels, max_grad_norm=1.0)
+    fast = _intake_engine(shapes, fast=True, dtype=pdtype, accumulation_steps=3, kernels=kernels, max_grad_norm=1.0)
+    slow = _intake_engine(shapes, fast=False, dtype=pdtype, accumulation_steps=3, kernels=kernels, max_grad_norm=1.0)
     rng = np.random.default_rng(0)
     used = 0
     for i in range(9):
@@ -67,7 +67,7 @@ def test_fast_path_equals_general_path_bitwise(gdtype, kernels, pdtype):
 
 def test_many_tensors_span_several_staging_groups():
     shapes = {f"t{i}": (3000,) for i in range(60)}  # 180000 staged elements
-    fast, slow = _engine(shapes, accumulation_steps=2), _engine(shapes, fast=False, accumulation_steps=2)
+    fast, slow = _intake_engine(shapes, accumulation_steps=2), _intake_engine(shapes, fast=False, accumulation_steps=2)
     rng = np.random.default_rng(1)
     for _ in range(4):
         g = _grads(shapes, rng)
@@ -92,7 +92,7 @@ def test_accumulate_packed_matches_reference(family, n):
 
 def test_plan_follows_structure_changes():
     shapes = {"a": (4, 3), "b": (5,)}
-    e = _engine(shapes, accumulation_steps=100, missing="zero")
+    e = _intake_engine(shapes, accumulation_steps=100, missing="zero")
     rng = np.random.default_rng(2)
     e.step(_grads(shapes, rng))
     plan = e.intake._plan
@@ -116,7 +116,7 @@ def test_plan_follows_structure_changes():
 
 def test_missing_zero_policy_zeroes_absent_names_through_the_plan():
     shapes = {"a": (3,), "b": (2,)}
-    e = _engine(shapes, accumulation_steps=2, missing="zero", zero_grad_on_step=False)
+    e = _intake_engine(shapes, accumulation_steps=2, missing="zero", zero_grad_on_step=False)
     for _ in range(3):
         e.step({"a": np.ones(3, np.float32)})
         e.grads["b"][...] = 5  # left over: the next window's first micro-batch zeroes it
@@ -154,7 +154,7 @@ def _refused(shapes, rng):
 
 def test_refused_micro_batches_change_nothing_after_a_plan_exists():
     shapes = {"a": (4, 3), "b": (5,), "c": (5000,)}
-    e = _engine(shapes, accumulation_steps=3)
+    e = _intake_engine(shapes, accumulation_steps=3)
     rng = np.random.default_rng(3)
     e.step(_grads(shapes, rng))
     plan = e.intake._plan
@@ -181,7 +181,7 @@ def test_refused_micro_batches_change_nothing_after_a_plan_exists():
 
 def test_non_contiguous_and_fortran_gradients_are_read_in_c_order():
     shapes = {"a": (40, 30), "b": (100, 60)}
-    fast, slow = _engine(shapes, accumulation_steps=2), _engine(shapes, fast=False, accumulation_steps=2)
+    fast, slow = _intake_engine(shapes, accumulation_steps=2), _intake_engine(shapes, fast=False, accumulation_steps=2)
     rng = np.random.default_rng(4)
     for _ in range(2):
         g = _grads(shapes, rng)

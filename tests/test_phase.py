@@ -32,6 +32,7 @@ from arraytrain.errors import (
 )
 from arraytrain.parallel.communicator import LocalComm
 from arraytrain.phase import Phase, PhaseController, PhaseOrderError, PhaseStats, load, save
+from builders import mlp_engine
 
 CFG = dict(full_steps=2, predict_steps=4, correct_every=2, history=3)   # F F P P C P C | F F ...
 ADAPTIVE = dict(CFG, adaptive=True, loss_threshold=0.0, full_bounds=(1, 6), predict_bounds=(2, 12))
@@ -559,14 +560,9 @@ def test_calls_out_of_order_change_nothing(error, match, steps, begun, call):
         assert ctl.step == steps + 1
 
 
-def _engine(**kw):
-    model = nn.MLP([8, 16, 3])
-    return at.Engine(model.init(seed=0), at.optim.AdamW(), **kw)
-
-
 @pytest.mark.parametrize("name,call", [
-    ("accumulation_steps", lambda: PhaseController(_engine(accumulation_steps=2))),
-    ("loss_scaler", lambda: PhaseController(_engine(loss_scaler=at.LossScaler()))),
+    ("accumulation_steps", lambda: PhaseController(mlp_engine(accumulation_steps=2)[1])),
+    ("loss_scaler", lambda: PhaseController(mlp_engine(loss_scaler=at.LossScaler())[1])),
     ("optimizer", lambda: PhaseController(at.Engine({"w": np.zeros(3, np.float32)},
                                                     at.optim.SAM(at.optim.SGD(lr=0.1))))),
     ("correct_every", lambda: PhaseController(at.Layout({"w": (3,)}), correct_every=0)),

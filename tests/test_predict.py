@@ -6,6 +6,7 @@ import time
 
 import numpy as np
 import pytest
+from builders import mlp_engine
 from conftest import assert_close, padded_layout, random_flat
 
 import arraytrain as at
@@ -313,13 +314,8 @@ def _pred(**kw):
     return GradientPredictor(LAYOUT, **kw)
 
 
-def _engine(**kw):
-    model = nn.MLP([8, 16, 3])
-    return model, at.Engine(model.init(seed=0), at.optim.AdamW(), **kw)
-
-
 def _trainer(engine_kw=None, **kw):
-    model, engine = _engine(**(engine_kw or {}))
+    model, engine = mlp_engine(**(engine_kw or {}))
     return nn.PhaseTrainer(model, engine, **kw)
 
 

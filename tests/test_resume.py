@@ -42,7 +42,8 @@ def test_every_exported_optimizer_is_in_the_table():
     assert exported == used
 
 
-def _engine(make):
+def _scheduled_engine(make):
+    """An engine of ``make()`` accumulating 2 micro-batches, clipped, warmed up then cosine-annealed, loss-scaled."""
     init = {k: np.random.default_rng(0).standard_normal(s).astype(np.float32) for k, s in SHAPES.items()}
     return at.Engine(init, make(), accumulation_steps=2, max_grad_norm=2.0,
                      schedule=at.schedules.Warmup(2, then=at.schedules.CosineAnnealingLR(30)),
@@ -76,13 +77,13 @@ def _bits(engine):
 @pytest.mark.parametrize("cut", [7, 12])  # mid accumulation window / after the skipped window
 def test_resume_from_a_file_is_bitwise_equal(name, cut, tmp_path):
     grads = _micro_batches(24)
-    straight = _engine(OPTIMIZERS[name])
+    straight = _scheduled_engine(OPTIMIZERS[name])
     _feed(straight, grads)
-    first = _engine(OPTIMIZERS[name])
+    first = _scheduled_engine(OPTIMIZERS[name])
     _feed(first, grads[:cut])
     path = tmp_path / "ckpt.safetensors"
     at.save(path, first, extra={"cut": cut})
-    resumed = _engine(OPTIMIZERS[name])
+    resumed = _scheduled_engine(OPTIMIZERS[name])
     assert at.load(path, resumed) == {"cut": cut}
     _feed(resumed, grads[cut:], cut)
     assert straight.state.step > 0

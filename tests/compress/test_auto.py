@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from builders import random_engine
 from thread_group import ThreadGroup
 
 import arraytrain as at
@@ -29,10 +30,10 @@ def _grads(steps, ranks, seed=0):
             for _ in range(steps)]
 
 
-def _engine(comm=None, compressor=None):
-    rng = np.random.default_rng(1)
-    params = {n: rng.standard_normal(s).astype(np.float32) for n, s in SHAPES.items()}
-    return at.Engine(params, at.optim.AdamW(lr=1e-3), comm=comm, compressor=compressor, max_grad_norm=1.0)
+def _rank_engine(comm=None, compressor=None):
+    """A rank's (or one process's) engine: AdamW over random float32 parameters (seed 1), clipped at 1."""
+    return random_engine(SHAPES, at.optim.AdamW(lr=1e-3), seed=1, param_dtype=np.float32, comm=comm,
+                         compressor=compressor, max_grad_norm=1.0)
 
 
 def _costed(candidates, clock):
@@ -63,7 +64,7 @@ def _run(group, steps, make, change=None):
 
     def rank_run(rank, comm):
         clock = None if group.clocks is None else group.clocks[rank]
-        eng = _engine(comm, make(clock))
+        eng = _rank_engine(comm, make(clock))
         reports = []
         for t in range(steps):
             if change is not None and rank == 0 and t == change[0]:
@@ -77,7 +78,7 @@ def _run(group, steps, make, change=None):
 
 
 def test_one_process_is_dense_and_says_so():
-    eng, plain = _engine(compressor="auto"), _engine()
+    eng, plain = _rank_engine(compressor="auto"), _rank_engine()
     for g in _grads(3, 1):
         rep = eng.step(g[0])
         plain.step(g[0])
@@ -153,7 +154,7 @@ def test_the_choice_and_candidates_resume_from_a_checkpoint(tmp_path):
 
     def first(rank, comm):
         clock = group.clocks[rank]
-        eng = _engine(comm, _auto(clock, probe=3, reprobe=0))
+        eng = _rank_engine(comm, _auto(clock, probe=3, reprobe=0))
         for t in range(5):
             clock.advance(COMPUTE)
             eng.step(grads[t][rank])
@@ -163,7 +164,7 @@ def test_the_choice_and_candidates_resume_from_a_checkpoint(tmp_path):
         return eng
 
     def resumed(rank, comm):
-        eng = _engine(comm, _auto(group.clocks[rank], probe=3, reprobe=0))
+        eng = _rank_engine(comm, _auto(group.clocks[rank], probe=3, reprobe=0))
         at.load(path, eng)
         assert eng.compressor.step == 5 and eng.compressor.choice == "powersgd"
         for t in range(5, 8):
@@ -177,7 +178,7 @@ def test_the_choice_and_candidates_resume_from_a_checkpoint(tmp_path):
 
 
 def test_a_bad_state_is_refused_and_changes_nothing():
-    eng = _engine(compressor=C.Auto())
+    eng = _rank_engine(compressor=C.Auto())
     eng.step(_grads(1, 1)[0][0])
     good = eng.compressor.state_dict()
     for bad in ({**good, "choice": "zip"}, {**good, "dense_seconds": -1.0}, {**good, "dense_seconds": float("nan")},
@@ -197,7 +198,7 @@ def test_a_bad_state_is_refused_and_changes_nothing():
     (lambda: C.Auto(drift=1.0), HyperparameterError, "drift"),
     (lambda: C.Auto(reprobe=-1), HyperparameterError, "reprobe"),
     (lambda: C.Auto(clock=3.0), ArgumentTypeError, "clock"),
-    (lambda: _engine(compressor="autoo"), ArgumentTypeError, "compressor"),
+    (lambda: _rank_engine(compressor="autoo"), ArgumentTypeError, "compressor"),
 ])
 def test_bad_arguments(make, error, match):
     with pytest.raises(error, match=match):

@@ -16,6 +16,7 @@ from arraytrain.errors import (
 )
 from arraytrain.kernels import cpu
 from arraytrain.ops import clip_coef, norm_pass
+from builders import random_engine
 from conftest import engine_snapshot
 
 SHAPES = {"fc1.weight": (24, 16), "fc1.bias": (24,), "fc2.weight": (5, 24), "fc2.bias": (5,)}
@@ -31,18 +32,14 @@ FACTORIES = {
 }
 
 
-def _params(rng, dtype=np.float64):
-    return {n: rng.standard_normal(s).astype(dtype) for n, s in SHAPES.items()}
-
-
 def _grads(rng, dtype=np.float64, scale=1.0):
     return {n: (scale * rng.standard_normal(s)).astype(dtype) for n, s in SHAPES.items()}
 
 
-def _engine(compressor, dtype=np.float64, seed=0, **kw):
-    rng = np.random.default_rng(seed)
-    opt = kw.pop("optimizer", None) or at.optim.AdamW(lr=1e-2, weight_decay=0.01)
-    return at.Engine(_params(rng, dtype), opt, compressor=compressor, **kw)
+def _compressed_engine(compressor, dtype=np.float64, seed=0, optimizer=None, **kw):
+    """An engine of ``optimizer`` (default: AdamW) over random parameters of SHAPES with ``compressor`` (None: none)."""
+    return random_engine(SHAPES, optimizer or at.optim.AdamW(lr=1e-2, weight_decay=0.01), seed=seed, param_dtype=dtype,
+                         compressor=compressor, **kw)
 
 
 def _stream(steps, dtype=np.float64, seed=7):
@@ -57,8 +54,8 @@ def test_the_optimizer_steps_with_the_decoded_gradient(name, ef):
     make = FACTORIES[name]
     comp = C.ErrorFeedback(make(ef)) if ef else make()
     twin = C.ErrorFeedback(make(ef)) if ef else make()
-    a = _engine(comp, max_grad_norm=3.0, accumulation_steps=2)
-    b = _engine(None, max_grad_norm=3.0)
+    a = _compressed_engine(comp, max_grad_norm=3.0, accumulation_steps=2)
+    b = _compressed_engine(None, max_grad_norm=3.0)
     twin.bind(b.layout, b.params.dtype)
     stream = _stream(12)
     for k in range(0, 12, 2):
@@ -83,7 +80,7 @@ def test_the_optimizer_steps_with_the_decoded_gradient(name, ef):
 
 
 def test_payload_bytes_are_smaller_and_reported():
-    eng = _engine(C.ErrorFeedback(C.TopK(ratio=0.05, ramp=0)), dtype=np.float32)
+    eng = _compressed_engine(C.ErrorFeedback(C.TopK(ratio=0.05, ramp=0)), dtype=np.float32)
     rep = eng.step(_stream(1, np.float32)[0])
     k = int(np.ceil(0.05 * eng.layout.num_elements))
     assert rep.payload_bytes == k * (4 + 4) and rep.compression == "compressed"  # uint32 index + float32 value
@@ -92,8 +89,8 @@ def test_payload_bytes_are_smaller_and_reported():
 
 def test_a_nonfinite_boundary_keeps_residuals_and_call_count():
     comp = C.ErrorFeedback(C.Int8Block(block=32, stochastic_rounding=True, seed=9))
-    eng = _engine(comp, loss_scaler=None)
-    ref = _engine(C.ErrorFeedback(C.Int8Block(block=32, stochastic_rounding=True, seed=9)))
+    eng = _compressed_engine(comp, loss_scaler=None)
+    ref = _compressed_engine(C.ErrorFeedback(C.Int8Block(block=32, stochastic_rounding=True, seed=9)))
     stream = _stream(6)
     bad = {n: g.copy() for n, g in stream[2].items()}
     bad["fc2.weight"][1, 1] = np.nan
@@ -113,15 +110,15 @@ def test_a_nonfinite_boundary_keeps_residuals_and_call_count():
 def test_resume_through_a_checkpoint_restores_residuals_bitwise(name, tmp_path):
     make = FACTORIES[name]
     stream = _stream(10)
-    full = _engine(C.ErrorFeedback(make(True)), schedule=at.schedules.CosineAnnealingLR(10))
+    full = _compressed_engine(C.ErrorFeedback(make(True)), schedule=at.schedules.CosineAnnealingLR(10))
     for g in stream:
         full.step(g)
-    first = _engine(C.ErrorFeedback(make(True)), schedule=at.schedules.CosineAnnealingLR(10))
+    first = _compressed_engine(C.ErrorFeedback(make(True)), schedule=at.schedules.CosineAnnealingLR(10))
     for g in stream[:5]:
         first.step(g)
     assert np.abs(first.compressor.residual.flat).max() > 0  # something to lose
     at.save(tmp_path / "ck.safetensors", first)
-    second = _engine(C.ErrorFeedback(make(True)), seed=1, schedule=at.schedules.CosineAnnealingLR(10))
+    second = _compressed_engine(C.ErrorFeedback(make(True)), seed=1, schedule=at.schedules.CosineAnnealingLR(10))
     at.load(tmp_path / "ck.safetensors", second)
     np.testing.assert_array_equal(second.compressor.residual.flat, first.compressor.residual.flat)
     assert second.compressor.step == 5
@@ -134,14 +131,14 @@ def test_resume_through_a_checkpoint_restores_residuals_bitwise(name, tmp_path):
 
 
 def test_mismatched_compression_state_is_refused_and_changes_nothing():
-    src = _engine(C.ErrorFeedback(C.TopK(ratio=0.1)))
+    src = _compressed_engine(C.ErrorFeedback(C.TopK(ratio=0.1)))
     src.step(_stream(1)[0])
     state = src.state_dict()
     for target, match in [
-        (_engine(None), "compression"),
-        (_engine(C.TopK(ratio=0.1)), "error-feedback"),
-        (_engine(C.ErrorFeedback(C.TopK(ratio=0.2))), "TopK"),
-        (_engine(C.ErrorFeedback(C.Sign())), "Sign"),
+        (_compressed_engine(None), "compression"),
+        (_compressed_engine(C.TopK(ratio=0.1)), "error-feedback"),
+        (_compressed_engine(C.ErrorFeedback(C.TopK(ratio=0.2))), "TopK"),
+        (_compressed_engine(C.ErrorFeedback(C.Sign())), "Sign"),
     ]:
         before = engine_snapshot(target)
         with pytest.raises(StateDictError, match=match):
@@ -152,28 +149,28 @@ def test_mismatched_compression_state_is_refused_and_changes_nothing():
 
 
 def test_checkpoint_of_a_compressed_run_refuses_an_engine_without_one(tmp_path):
-    src = _engine(C.ErrorFeedback(C.Sign()))
+    src = _compressed_engine(C.ErrorFeedback(C.Sign()))
     src.step(_stream(1)[0])
     at.save(tmp_path / "ck.safetensors", src)
     with pytest.raises(CheckpointError, match="compression"):
-        at.load(tmp_path / "ck.safetensors", _engine(None))
+        at.load(tmp_path / "ck.safetensors", _compressed_engine(None))
 
 
 def test_bad_compressor_arguments():
     with pytest.raises(ArgumentTypeError, match="compressor"):
-        _engine("topk")
+        _compressed_engine("topk")
     with pytest.raises(ArgumentTypeError, match="compressor"):
         C.ErrorFeedback(object())
     used = C.TopK(ratio=0.1)
-    _engine(used)
+    _compressed_engine(used)
     with pytest.raises(LayoutError, match="already bound"):
         at.Engine({"w": np.zeros(3)}, at.optim.SGD(lr=0.1), compressor=used)
 
 
 def test_warmup_sends_everything_and_leaves_no_residual():
     comp = C.ErrorFeedback(C.Sign(warmup=3))
-    eng = _engine(comp)
-    plain = _engine(None)
+    eng = _compressed_engine(comp)
+    plain = _compressed_engine(None)
     for i, g in enumerate(_stream(5)):
         rep = eng.step(g)
         plain.step(g)
@@ -189,7 +186,7 @@ def test_warmup_sends_everything_and_leaves_no_residual():
 
 
 def test_set_mask_zeroes_now_and_keeps_pruned_weights_zero(tmp_path):
-    eng = _engine(None, optimizer=at.optim.AdamW(lr=1e-2, weight_decay=0.1))
+    eng = _compressed_engine(None, optimizer=at.optim.AdamW(lr=1e-2, weight_decay=0.1))
     mask = at.prune.magnitude_mask(eng.params, ratio=0.5)
     eng.set_mask(mask)
     pruned = mask.flat == 0
@@ -202,7 +199,7 @@ def test_set_mask_zeroes_now_and_keeps_pruned_weights_zero(tmp_path):
     assert not eng.params.flat[pruned & live].any()
     assert eng.params.flat[~pruned & live].all()
     at.save(tmp_path / "m.safetensors", eng)
-    other = _engine(None, seed=3, optimizer=at.optim.AdamW(lr=1e-2, weight_decay=0.1))
+    other = _compressed_engine(None, seed=3, optimizer=at.optim.AdamW(lr=1e-2, weight_decay=0.1))
     with pytest.raises(CheckpointError, match="mask"):
         at.load(tmp_path / "m.safetensors", other)
     other.set_mask({"fc1.weight": np.ones((24, 16), bool)})
@@ -211,7 +208,7 @@ def test_set_mask_zeroes_now_and_keeps_pruned_weights_zero(tmp_path):
 
 
 def test_mask_mapping_and_bad_masks_change_nothing():
-    eng = _engine(None)
+    eng = _compressed_engine(None)
     m = np.ones((5, 24), np.int64)
     m[:, :3] = 0
     eng.set_mask({"fc2.weight": m})

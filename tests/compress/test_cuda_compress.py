@@ -32,6 +32,7 @@ from arraytrain.kernels.reference import compression as compress_reference
 from arraytrain.kernels.reference import projection as project_reference
 from arraytrain.kernels.counter_rng import step_key, uniform_np
 from arraytrain.predict import GradientPredictor
+from builders import random_params
 from conftest import assert_close, padded_layout, random_flat
 from cuda_family import OnDevice, require_cuda
 
@@ -351,8 +352,9 @@ def test_predictor_on_the_device(rng):
 SHAPES = {"empty": (0,), "fc1.weight": (128, 65), "fc1.bias": (128,), "fc2.weight": (10, 128), "fc2.bias": (10,)}
 
 
-def _engines(rng, make_compressor, **kw):
-    p0 = {k: (rng.standard_normal(s) * 0.5).astype(np.float32) for k, s in SHAPES.items()}
+def _cpu_and_cuda_engines(rng, make_compressor, **kw):
+    """Twin Adam engines from the same random parameters (drawn from ``rng``), on the CPU and on the GPU."""
+    p0 = random_params(SHAPES, rng, np.float32, scale=0.5)
     cpu = at.Engine(p0, at.optim.Adam(lr=1e-2), compressor=make_compressor(), **kw)
     gpu = at.Engine(p0, at.optim.Adam(lr=1e-2), compressor=make_compressor(), device="cuda", **kw)
     return cpu, gpu
@@ -368,7 +370,7 @@ def _close(actual, desired, what):
 @pytest.mark.parametrize("accumulation", [1, 2])
 def test_cuda_engine_with_error_feedback_topk_equals_cpu(accumulation, rng):
     cp = _cp()
-    cpu, gpu = _engines(rng, lambda: ErrorFeedback(TopK(0.01)), accumulation_steps=accumulation)
+    cpu, gpu = _cpu_and_cuda_engines(rng, lambda: ErrorFeedback(TopK(0.01)), accumulation_steps=accumulation)
     for i in range(20 * accumulation):
         g = {k: rng.standard_normal(s).astype(np.float32) for k, s in SHAPES.items()}
         rc = cpu.step(g)
@@ -397,11 +399,11 @@ def test_cuda_engine_resumes_from_its_state_dict(name, rng):
             "ternary": lambda: C.Ternary(seed=3), "powersgd": lambda: C.PowerSGD(rank=2, seed=4),
             "vsa": lambda: C.VSA(0.25, seed=5, unbiased=False)}[name]
     grads = [{k: cp.asarray(rng.standard_normal(s).astype(np.float32)) for k, s in SHAPES.items()} for _ in range(8)]
-    _, a = _engines(rng, lambda: ErrorFeedback(make()))
+    _, a = _cpu_and_cuda_engines(rng, lambda: ErrorFeedback(make()))
     for g in grads[:4]:
         a.step(g)
     state = a.state_dict(copy=True)
-    _, b = _engines(np.random.default_rng(0), lambda: ErrorFeedback(make()))
+    _, b = _cpu_and_cuda_engines(np.random.default_rng(0), lambda: ErrorFeedback(make()))
     b.load_state_dict(state)
     assert b.compressor.compressor.backend == "cupy"
     for g in grads[4:]:

@@ -14,6 +14,7 @@ import arraytrain as at
 from arraytrain import compress as C
 from arraytrain.errors import ArgumentTypeError, HyperparameterError, LayoutError
 from arraytrain.parallel.communicator import LocalComm, check_comm
+from builders import random_engine, random_params
 from thread_group import ThreadGroup
 
 SHAPES = {"w1": (12, 9), "b1": (12,), "w2": (4, 12), "b2": (4,)}
@@ -30,11 +31,6 @@ OPTIMIZERS = {
 }
 
 
-def _params(seed=0):
-    rng = np.random.default_rng(seed)
-    return {n: rng.standard_normal(s) for n, s in SHAPES.items()}
-
-
 def _windows(steps, ranks, micro, seed=1, nan_at=None):
     """grads[step][rank][micro] and weights, with a NaN on rank ranks-1 at step ``nan_at``."""
     rng = np.random.default_rng(seed)
@@ -46,15 +42,11 @@ def _windows(steps, ranks, micro, seed=1, nan_at=None):
     return grads, weights
 
 
-def _engine(opt, comm=None, seed=0, **kw):
-    return at.Engine(_params(seed), opt, comm=comm, **kw)
-
-
 def test_the_local_exchange_is_the_default_and_others_are_refused():
-    eng = _engine(at.optim.SGD(lr=0.1))
+    eng = random_engine(SHAPES, at.optim.SGD(lr=0.1))
     assert isinstance(eng.comm, LocalComm) and eng.comm.is_local
     with pytest.raises(ArgumentTypeError, match="comm"):
-        _engine(at.optim.SGD(lr=0.1), comm=object())
+        random_engine(SHAPES, at.optim.SGD(lr=0.1), comm=object())
     assert isinstance(check_comm(None), LocalComm)
 
 
@@ -67,8 +59,8 @@ def test_dense_data_parallel_equals_one_process_with_the_global_batch(name, rank
     settings = dict(max_grad_norm=2.0, schedule=at.schedules.CosineAnnealingLR(10))
 
     def rank_run(rank, comm):
-        eng = _engine(OPTIMIZERS[name](), comm, seed=rank,  # rank 0's weights are broadcast
-                      accumulation_steps=micro, loss_scaler=at.LossScaler(init_scale=64.0), **settings)
+        eng = random_engine(SHAPES, OPTIMIZERS[name](), comm=comm, seed=rank,  # rank 0's weights are broadcast
+                            accumulation_steps=micro, loss_scaler=at.LossScaler(init_scale=64.0), **settings)
         reports = []
         for t in range(steps):
             for m in range(micro):
@@ -78,8 +70,8 @@ def test_dense_data_parallel_equals_one_process_with_the_global_batch(name, rank
         return eng, reports
 
     results = ThreadGroup(ranks).run(rank_run)
-    one = _engine(OPTIMIZERS[name](), accumulation_steps=micro * ranks,
-                  loss_scaler=at.LossScaler(init_scale=64.0), **settings)
+    one = random_engine(SHAPES, OPTIMIZERS[name](), accumulation_steps=micro * ranks,
+                        loss_scaler=at.LossScaler(init_scale=64.0), **settings)
     for t in range(steps):
         for r in range(ranks):
             for m in range(micro):
@@ -101,10 +93,10 @@ def test_dense_data_parallel_equals_one_process_with_the_global_batch(name, rank
 
 def test_rank_zero_weights_and_state_are_broadcast_at_start():
     def rank_run(rank, comm):
-        return _engine(at.optim.AdamW(lr=0.1), comm, seed=rank + 5)
+        return random_engine(SHAPES, at.optim.AdamW(lr=0.1), comm=comm, seed=rank + 5)
 
     engines = ThreadGroup(3).run(rank_run)
-    ref = _params(5)
+    ref = random_params(SHAPES, 5)
     for eng in engines:
         for n in SHAPES:
             np.testing.assert_array_equal(eng.params[n], ref[n])
@@ -113,7 +105,7 @@ def test_rank_zero_weights_and_state_are_broadcast_at_start():
 @pytest.mark.parametrize("what", ["layout", "dtype", "optimizer", "accumulation"])
 def test_a_mismatched_setup_raises_the_same_error_on_every_rank(what):
     def rank_run(rank, comm):
-        params, opt, kw = _params(), at.optim.AdamW(lr=0.1), {}
+        params, opt, kw = random_params(SHAPES), at.optim.AdamW(lr=0.1), {}
         odd = rank == 1
         if what == "layout" and odd:
             params["b2"] = np.zeros(5)
@@ -216,8 +208,8 @@ def test_compressed_data_parallel_keeps_the_ranks_identical(name):
     grads, _ = _windows(steps, ranks, 1, seed=4)
 
     def rank_run(rank, comm):
-        eng = _engine(at.optim.AdamW(lr=1e-2), comm, compressor=C.ErrorFeedback(GATHERED[name]()),
-                      max_grad_norm=1.0)
+        eng = random_engine(SHAPES, at.optim.AdamW(lr=1e-2), comm=comm, compressor=C.ErrorFeedback(GATHERED[name]()),
+                            max_grad_norm=1.0)
         reps = [eng.step(grads[t][rank][0]) for t in range(steps)]
         return eng, reps
 
@@ -234,8 +226,8 @@ def _run_group(ranks, steps, grads, make_comp, path=None, save_at=None, load=Non
     """Each rank steps through ``grads``; resuming ``load[0]``, after the micro-batch ``load[1]`` = (t, m)."""
 
     def rank_run(rank, comm):
-        eng = _engine(at.optim.AdamW(lr=1e-2), comm, compressor=make_comp(), accumulation_steps=micro,
-                      schedule=at.schedules.CosineAnnealingLR(20))
+        eng = random_engine(SHAPES, at.optim.AdamW(lr=1e-2), comm=comm, compressor=make_comp(),
+                            accumulation_steps=micro, schedule=at.schedules.CosineAnnealingLR(20))
         done = (-1, micro - 1)
         if load is not None:
             at.load(load[0], eng)
@@ -272,7 +264,8 @@ def test_residuals_refuse_another_number_of_ranks_everywhere_and_change_nothing(
     _run_group(3, 4, grads, make, path=path, save_at=(2, 0))
 
     def rank_run(rank, comm):
-        eng = _engine(at.optim.AdamW(lr=1e-2), comm, compressor=make(), schedule=at.schedules.CosineAnnealingLR(20))
+        eng = random_engine(SHAPES, at.optim.AdamW(lr=1e-2), comm=comm, compressor=make(),
+                            schedule=at.schedules.CosineAnnealingLR(20))
         before = eng.params.flat.copy()
         with pytest.raises(at.CheckpointError, match="saved by 3 processes, this group has 2"):
             at.load(path, eng)
@@ -280,7 +273,7 @@ def test_residuals_refuse_another_number_of_ranks_everywhere_and_change_nothing(
         return True
 
     assert ThreadGroup(2).run(rank_run) == [True, True]
-    one = _engine(at.optim.AdamW(lr=1e-2), compressor=make(), schedule=at.schedules.CosineAnnealingLR(20))
+    one = random_engine(SHAPES, at.optim.AdamW(lr=1e-2), compressor=make(), schedule=at.schedules.CosineAnnealingLR(20))
     with pytest.raises(at.CheckpointError, match="error-feedback residuals are per rank"):
         at.load(path, one)
 
@@ -290,7 +283,7 @@ def test_a_dense_boundary_checkpoint_resumes_on_any_number_of_ranks(tmp_path):
     path = tmp_path / "d.safetensors"
     saved = _run_group(3, 6, grads, lambda: None, path=path, save_at=(2, 0))[0]
     two = _run_group(2, 3, grads, lambda: None, load=(path, (2, 0)))  # nothing left to run: just the load
-    one = _engine(at.optim.AdamW(lr=1e-2), schedule=at.schedules.CosineAnnealingLR(20))
+    one = random_engine(SHAPES, at.optim.AdamW(lr=1e-2), schedule=at.schedules.CosineAnnealingLR(20))
     at.load(path, one)
     for eng in [*two, one]:
         assert eng.state.step == 3
@@ -301,7 +294,8 @@ def test_a_mid_window_checkpoint_refuses_another_number_of_ranks(tmp_path):
     grads, _ = _windows(4, 2, 2, seed=6)
     path = tmp_path / "m.safetensors"
     _run_group(2, 4, grads, lambda: None, path=path, save_at=(1, 0), micro=2)
-    one = _engine(at.optim.AdamW(lr=1e-2), accumulation_steps=2, schedule=at.schedules.CosineAnnealingLR(20))
+    one = random_engine(SHAPES, at.optim.AdamW(lr=1e-2), accumulation_steps=2,
+                        schedule=at.schedules.CosineAnnealingLR(20))
     with pytest.raises(at.CheckpointError, match="accumulated part-way"):
         at.load(path, one)
 

@@ -23,12 +23,14 @@ deadline, :mod:`arraytrain.parallel.deadline`).
 from __future__ import annotations
 
 import sys
-import traceback
 from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE), str(HERE.parent)]  # the checks' modules, and check_runner.py (torchrun's too)
+
+from check_runner import run as run_checks  # noqa: E402
 
 from arraytrain.distributed import MPIComm, abort_on_error  # noqa: E402
 
@@ -36,32 +38,8 @@ GROUPS = {"comm": "comm_checks", "compress": "compress_checks", "engine": "engin
           "overlap": "overlap_checks"}
 
 
-def checks_of(module: str) -> list:
-    """The module's ``check_*`` functions ``fn(comm) -> number of cases``, in the order they are defined."""
-    mod = __import__(module)
-    return [fn for name, fn in vars(mod).items() if name.startswith("check_") and callable(fn)]
-
-
 def run(comm: MPIComm, groups) -> int:
-    failed, checks, cases = [], 0, 0
-    for group in groups:
-        for fn in checks_of(GROUPS[group]):
-            name = f"{group}.{fn.__name__[6:]}"
-            if comm.rank == 0:
-                print(name, flush=True)
-            try:
-                n, err = int(fn(comm) or 1), None
-            except Exception:
-                n, err = 0, traceback.format_exc()
-            errs = comm.gather_objects(err)
-            checks, cases = checks + 1, cases + n
-            failed += [(name, r, e) for r, e in enumerate(errs) if e is not None]
-    if comm.rank == 0:
-        for name, r, e in failed:
-            print(f"FAILED {name} on rank {r}:\n{e}", flush=True)
-        if not failed:
-            print(f"all {checks} checks passed on {comm.size} ranks ({cases} cases)", flush=True)
-    return 1 if failed else 0
+    return run_checks(comm, [(group, GROUPS[group]) for group in groups])
 
 
 def crash(comm: MPIComm) -> None:

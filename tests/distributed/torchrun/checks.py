@@ -27,47 +27,23 @@ from __future__ import annotations
 import faulthandler
 import os
 import sys
-import traceback
 from pathlib import Path
 
 import numpy as np
 
 HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE), str(HERE.parent / "mpi")]  # the MPI checks run over TorchComm too
+# the MPI checks run over TorchComm too; the loop over the checks is the MPI script's (check_runner.py)
+sys.path[:0] = [str(HERE), str(HERE.parent / "mpi"), str(HERE.parent)]
+
+from check_runner import run as run_checks  # noqa: E402
 
 GROUPS = {"comm": ("torch_comm_checks",), "engine": ("engine_checks", "compress_checks"),
           "shard": ("shard_checks",), "bindings": ("binding_checks",), "nccl": ("nccl_checks",)}
 
 
-def checks_of(module: str) -> list:
-    """The module's ``check_*`` functions ``fn(comm) -> number of cases``, in the order they are defined."""
-    mod = __import__(module)
-    return [fn for name, fn in vars(mod).items() if name.startswith("check_") and callable(fn)]
-
-
 def run(comm, groups) -> int:
-    failed, checks, cases = [], 0, 0
-    for group in groups:
-        for module in GROUPS[group]:
-            for fn in checks_of(module):
-                name = f"{group}.{fn.__name__[6:]}"
-                if comm.rank == 0:
-                    print(name, flush=True)
-                try:
-                    n, err = int(fn(comm) or 1), None
-                except Exception:
-                    n, err = 0, traceback.format_exc()
-                    # at once too: a rank that failed between collectives leaves the others waiting
-                    print(f"rank {comm.rank}: {name} failed:\n{err}", file=sys.stderr, flush=True)
-                errs = comm.gather_objects(err)
-                checks, cases = checks + 1, cases + n
-                failed += [(name, r, e) for r, e in enumerate(errs) if e is not None]
-    if comm.rank == 0:
-        for name, r, e in failed:
-            print(f"FAILED {name} on rank {r}:\n{e}", flush=True)
-        if not failed:
-            print(f"all {checks} checks passed on {comm.size} ranks ({cases} cases)", flush=True)
-    return 1 if failed else 0
+    # each failure printed at once too: a rank that failed between collectives leaves the others waiting
+    return run_checks(comm, [(group, module) for group in groups for module in GROUPS[group]], echo=True)
 
 
 def crash(comm) -> None:
