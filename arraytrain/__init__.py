@@ -48,7 +48,7 @@ _LAZY = {
     "Engine": "engine",
     "StepReport": "engine",
     "Layout": "layout",
-    "GradientPredictor": "predict",
+    "GradientPredictor": "phase.predict",
     "magnitude_mask": "prune",
     "sparsity": "prune",
     "QuantizedTensor": "quantize",

@@ -396,7 +396,7 @@ def numba_family(request, monkeypatch):
     """What ``kernels="numba"`` runs on NumPy arrays inside a compressor or a GradientPredictor.
 
     "cpu": the numba family, as always. "cuda": the CUDA family behind NumPy arguments, by
-    patching the family lookup of :mod:`arraytrain.compress` and :mod:`arraytrain.predict`,
+    patching the family lookup of :mod:`arraytrain.compress` and :mod:`arraytrain.phase.predict`,
     so their tests run the CUDA kernels unchanged; skipped without a usable GPU. Returns the
     family in use.
     """
@@ -411,7 +411,7 @@ def numba_family(request, monkeypatch):
     def on_device(backend, impl="numba", domain=None):
         return ON_DEVICE if (backend, impl) == ("numpy", "numba") else lookup(backend, impl, domain)
 
-    for where in ("arraytrain.compress._base.family", "arraytrain.predict.family"):
+    for where in ("arraytrain.compress._base.family", "arraytrain.phase.predict.family"):
         monkeypatch.setattr(where, on_device)
     return ON_DEVICE
 

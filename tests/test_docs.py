@@ -60,7 +60,7 @@ MODULES = (
     "arraytrain.parallel.sync",
     "arraytrain.parallel.torch_dist",
     "arraytrain.phase",
-    "arraytrain.predict",
+    "arraytrain.phase.predict",
     "arraytrain.prune",
     "arraytrain.quantize",
     "arraytrain.schedules",

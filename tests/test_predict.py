@@ -23,7 +23,7 @@ from arraytrain.errors import (
 )
 from arraytrain.kernels.reference import trend as trend_reference
 from arraytrain.nn.phase import Phase, PhaseSchedule
-from arraytrain.predict import GradientPredictor, trend_weights
+from arraytrain.phase.predict import GradientPredictor, trend_weights
 
 KERNEL_SIZES = (0, 1, 7, 1037, 70000)  # 70000 > SERIAL_BELOW: the parallel twin
 DTYPES = (np.float32, np.float64)

@@ -13,7 +13,8 @@ import time
 
 from ..engine import Engine
 from ..errors import ArgumentTypeError, HyperparameterError
-from ..phase import LOSS_MEAN, LOSS_MIN, LOSS_WINDOW, Phase, PhaseController, PhaseSchedule, PhaseStats, save
+from ..phase import Phase, PhaseController, PhaseSchedule, PhaseStats, save
+from ..phase.schedule import LOSS_MEAN, LOSS_MIN, LOSS_WINDOW
 from ._array import checked_numerics
 from .callbacks import Checkpoint
 from .trainer import Trainer
@@ -28,7 +29,7 @@ class PhaseTrainer(Trainer):
     Same ``fit`` / ``evaluate`` / callbacks API and arguments as the Trainer,
     plus the phase lengths (see :class:`~arraytrain.phase.PhaseSchedule`),
     ``history`` and ``correction_beta`` of the
-    :class:`~arraytrain.predict.GradientPredictor` and its ``kernels``: those
+    :class:`~arraytrain.phase.predict.GradientPredictor` and its ``kernels``: those
     of the :class:`~arraytrain.phase.PhaseController` in ``controller``, which
     runs the phases (``schedule``, ``predictor`` and ``stats`` are its). Every
     step, whatever its phase, takes the next batch slot, so an epoch has as
@@ -81,7 +82,7 @@ class PhaseTrainer(Trainer):
 
     @property
     def predictor(self):
-        """The controller's :class:`~arraytrain.predict.GradientPredictor`."""
+        """The controller's :class:`~arraytrain.phase.predict.GradientPredictor`."""
         return self.controller.predictor
 
     @property

@@ -31,7 +31,7 @@ from arraytrain.kernels.cpu import projection as project
 from arraytrain.kernels.reference import compression as compress_reference
 from arraytrain.kernels.reference import projection as project_reference
 from arraytrain.kernels.counter_rng import step_key, uniform_np
-from arraytrain.predict import GradientPredictor
+from arraytrain.phase.predict import GradientPredictor
 from builders import random_params
 from conftest import assert_close, padded_layout, random_flat
 from cuda_family import OnDevice, require_cuda

@@ -7,7 +7,7 @@ import inspect
 import numpy as np
 import pytest
 
-from arraytrain import predict
+from arraytrain.phase import predict
 from arraytrain.backend import check_kernel_dtype
 from arraytrain.errors import BackendUnavailableError, DTypeError, HyperparameterError
 from arraytrain.kernels import cpu, cuda, interface, reference

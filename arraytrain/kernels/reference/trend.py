@@ -3,7 +3,7 @@ r"""Reference trend kernels: slow, obviously correct NumPy, the oracle of :mod:`
 Same names and signatures as :mod:`arraytrain.kernels.cpu.trend`. The history is an
 ``(H, n)`` ring of recorded gradients; the host computes the weights ``c`` of
 the least-squares line through the recorded steps evaluated at the step to
-predict (:func:`arraytrain.predict.trend_weights`), so a prediction is the
+predict (:func:`arraytrain.phase.predict.trend_weights`), so a prediction is the
 weighted sum
 
 .. math::  \hat g_i = \sum_k c_k\, h_{k,i} + r_i

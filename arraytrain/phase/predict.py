@@ -47,11 +47,11 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from ._checks import check_count, check_int, check_number
-from ._intake import ready_to_assign
-from .backend import CUPY, NUMPY, backend_of, module_of_backend, require_cuda
-from .buffer import FlatBuffer
-from .errors import (
+from .._checks import check_count, check_int, check_number
+from .._intake import ready_to_assign
+from ..backend import CUPY, NUMPY, backend_of, module_of_backend, require_cuda
+from ..buffer import FlatBuffer
+from ..errors import (
     AliasingError,
     ArgumentTypeError,
     BackendError,
@@ -62,8 +62,8 @@ from .errors import (
     ReadOnlyError,
     StateDictError,
 )
-from .kernels.interface import IMPLS, family
-from .layout import Layout
+from ..kernels.interface import IMPLS, family
+from ..layout import Layout
 
 #: The values of ``kernels``: the fast kernels of the buffers' backend, or the reference twins.
 KERNELS = IMPLS
