@@ -16,7 +16,9 @@ import torch
 
 from .. import optim
 from ..errors import ConcurrentUseError, HyperparameterError, LayoutError
-from ._torch_optim import OPTIONS, TorchOptimizer, flag
+from ._torch_groups import flag
+from ._torch_optim import TorchOptimizer
+from ._torch_options import OPTIONS
 from ._torch_views import DROP_INS
 
 __all__ = list(DROP_INS)

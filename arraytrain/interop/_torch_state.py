@@ -1,11 +1,14 @@
-"""The drop-in optimizers' state: torch's ``state_dict`` structure checked against the engines, and
-written into them; what ``state[p]`` shows of a slot (8-bit slots as ``{"codes", "absmax", "map"}``).
+"""The drop-in optimizers' state in torch's format: ``state[p]`` as live views of the engines' slots
+(:func:`published`; 8-bit slots as ``{"codes", "absmax", "map"}``), the ``state_dict`` structure
+(:func:`torch_state_dict`), and a saved one checked against the engines (:func:`check_state`) and
+written into them (:func:`load_entries`).
 """
 
 from __future__ import annotations
 
 import math
 import numbers
+from collections import defaultdict
 from collections.abc import Mapping
 
 import numpy as np
@@ -17,6 +20,60 @@ from .._checks import check_number
 from ..errors import HyperparameterError, StateDictError
 from ._torch_engine import group_name
 from ._torch_views import host_array, tensor_view
+
+
+def published(cohorts, param_groups, sharded: bool) -> defaultdict:
+    """``state[p]``: torch's per-parameter state, as live views of the engines' slots (``sharded``: the
+    slots are spread over the ranks, and ``state[p]`` holds ``"step"`` and the scalar states only)."""
+    state = defaultdict(dict)
+    for c in cohorts:
+        e = c.engine
+        # sharded state: the slots are spread over the ranks (state_dict() gathers them)
+        views = {} if sharded else {slot: slot_views(buf, e.layout.names) for slot, buf in e.state.slots.items()}
+        for k, ((gi, j), name) in enumerate(zip(c.index, e.layout.names)):
+            p = param_groups[gi]["params"][j]
+            entry = {"step": c.step_tensors[k]}
+            for slot, by_name in views.items():
+                entry[slot] = by_name[name]
+            for key, tensors in c.scalar_tensors.items():
+                entry[key] = tensors[k]
+            if e.lowp:
+                entry["master"] = tensor_view(e.params[name], torch)
+            state[p] = entry
+    return state
+
+
+def gathered_state(cohorts, param_groups) -> dict:
+    """Sharded state: every parameter's entry with its whole slots, gathered from the ranks (a
+    collective), as copies."""
+    out = {}
+    for c in cohorts:
+        e = c.engine
+        slots = e.state_dict(copy=True)["optimizer"]["slots"]
+        for k, ((gi, j), name) in enumerate(zip(c.index, e.layout.names)):
+            entry = {"step": c.step_tensors[k].clone()}
+            for slot, arrays in slots.items():
+                entry[slot] = tensor_view(np.ascontiguousarray(arrays[name]), torch)
+            entry.update({key: tensors[k].clone() for key, tensors in c.scalar_tensors.items()})
+            out[param_groups[gi]["params"][j]] = entry
+    return out
+
+
+def torch_state_dict(param_groups, entries: Mapping) -> dict:
+    """torch's structure, ``{"state": {index: {"step", slots...}}, "param_groups": [...]}``, of the
+    per-parameter ``entries`` (``state[p]``, or :func:`gathered_state`): groups with their values and
+    ``params`` as indices, each entry's 8-bit slots as new dicts of the same views."""
+    ids, groups, start = {}, [], 0
+    for group in param_groups:
+        packed = {k: v for k, v in group.items() if k != "params"}
+        packed["params"] = list(range(start, start + len(group["params"])))
+        for i, p in zip(packed["params"], group["params"]):
+            ids[id(p)] = i
+        start += len(group["params"])
+        groups.append(packed)
+    state = {ids[id(p)]: {k: dict(v) if isinstance(v, dict) else v for k, v in entry.items()}
+             for p, entry in entries.items() if id(p) in ids}
+    return {"state": state, "param_groups": groups}
 
 
 def check_state(sd, param_groups, cohorts, check_group_values) -> dict:
