@@ -517,18 +517,19 @@ class Engine:
     def step_together(cls, engines: list, absent: list | None = None) -> list[StepReport]:
         """One boundary of several engines judged as one gradient: each engine's norm pass over its own
         buffer, one global norm, one NaN/Inf verdict (a skip skips every engine) and one clip factor, then
-        each engine's update, so that the engines step as one engine over all their parameters would
-        (the torch drop-ins' parameters in several engines, by dtype or optimizer). Each engine: one
-        process, windows of one micro-batch whose gradient is in its ``grads``; they take
+        each engine's update (SAM's first window: its ascent, by the global norm), so that the engines
+        step as one engine over all their parameters would (the torch drop-ins' parameters in several
+        engines, by dtype or optimizer). Each engine: one process, windows of one micro-batch whose
+        gradient is in its ``grads`` (or read in place), no compressor; they take
         ``max_grad_norm``, ``clip_eps`` and ``nonfinite`` from the first. ``absent``: per engine, as
         :meth:`step`'s. Returns each engine's report."""
         absent = [None] * len(engines) if absent is None else list(absent)
         if len(absent) != len(engines):
             raise ArgumentTypeError(f"absent: expected one entry per engine ({len(engines)}), got {len(absent)}")
         for e in engines:
-            if not e.comm.is_local or e.accumulation_steps != 1 or e._two_windows or e.compressor is not None:
+            if not e.comm.is_local or e.accumulation_steps != 1 or e.compressor is not None:
                 raise ArgumentTypeError("engines: step_together takes engines of one process with windows of one "
-                                        "micro-batch, no compressor and no SAM")
+                                        "micro-batch and no compressor")
         lead = engines[0]
         held = []
         try:
@@ -552,12 +553,15 @@ class Engine:
             missing, e.counters.absent = e.counters.absent, None
             grads_at, e._grads_at = e._grads_at, None
             judge = Judge(e._kernels, e._unscale, max_norm, eps, check=check, grads_at=grads_at)
-            verdicts.append(e._sync.reduce(wsum, judge)[0])
-            windows.append((lr, lrs, missing if e.missing == "skip" else None, grads_at))
+            ascent = e._two_windows and not e.counters.perturbed  # SAM's first window
+            verdicts.append((e._sync.ascent if ascent else e._sync.reduce)(wsum, judge)[0])
+            windows.append((lr, lrs, missing if e.missing == "skip" else None, grads_at, ascent))
         nonfinite, verdicts = Verdict.joint(verdicts, max_norm, eps)
         reports, refused = [], None
-        for e, v, (lr, lrs, missing, grads_at) in zip(engines, verdicts, windows):
-            if nonfinite or not e._update_stage(v, lrs, missing, grads_at):
+        for e, v, (lr, lrs, missing, grads_at, ascent) in zip(engines, verdicts, windows):
+            if ascent and not nonfinite:
+                reports.append(e._ascent_stage(v, e.state.step, lr))
+            elif nonfinite or not e._update_stage(v, lrs, missing, grads_at):
                 try:  # every engine skips (the first past max_consecutive_skips raises after all have)
                     reports.append(e._skip(e.state.step, lr))
                 except NonFiniteError as err:

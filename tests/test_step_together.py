@@ -96,3 +96,23 @@ def test_bad_calls_are_refused():
     with pytest.raises(at.UnknownParameterError):
         Engine.step_together(parts, absent=[["nothere"], None])
     assert all(e.state.step == 0 and e.micro_batches == 0 for e in parts)
+
+
+def test_sam_engines_take_the_ascent_by_the_global_norm():
+    """SAM's first window moves each engine's weights by rho / (global norm); the second updates."""
+    p = _params()
+    make = lambda: optim.SAM(optim.SGD(lr=0.1, momentum=0.9), rho=0.05)  # noqa: E731
+    whole = Engine(p, make(), max_grad_norm=1.0)
+    parts = [Engine({k: p[k] for k in names}, make(), max_grad_norm=1.0) for names in SPLIT]
+    rng = np.random.default_rng(2)
+    for _ in range(3):
+        for _window in range(2):  # the ascent window, then the update window
+            grads = {k: rng.standard_normal(s) for k, s in SHAPES.items()}
+            _feed(whole, parts, grads)
+            want = whole.step()
+            got = Engine.step_together(parts)
+            assert [r.perturbed for r in got] == [want.perturbed] * 2
+            assert [r.applied for r in got] == [want.applied] * 2
+            for e in parts:
+                for k in e.layout.names:
+                    np.testing.assert_allclose(e.params[k], whole.params[k], rtol=1e-12, atol=1e-14)

@@ -2,7 +2,7 @@
 
 A :class:`GroupEngine` re-points its tensors' ``.data`` (and ``.grad``) into its flat buffers; a
 :class:`Cohort` is one engine and where its parameters sit in the param groups
-(:mod:`arraytrain.interop._torch_optim` explains when parameters share an engine).
+(:mod:`arraytrain.interop._torch_cohorts` explains when parameters share an engine).
 """
 
 from __future__ import annotations
@@ -48,8 +48,8 @@ def group_name(gi: int, key: str | None = None) -> str:
 
 class Divisor(LossScaler):
     """The factor a step's gradients carry, which the engine divides out in its norm pass and kernel:
-    torch.amp.GradScaler's scale, times the clip factor of a norm taken across engines. The optimizer
-    sets :attr:`scale` before every step; unlike a loss scaler it never adjusts itself."""
+    torch.amp.GradScaler's scale (1.0 without one). The optimizer sets :attr:`scale` before every step;
+    unlike a loss scaler it never adjusts itself (GradScaler does)."""
 
     adjusts = False  # set by the optimizer before every step, never adapted
 

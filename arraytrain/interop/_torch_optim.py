@@ -27,16 +27,15 @@ rebuilt once, their state carried over by parameter name.
 from __future__ import annotations
 
 import inspect
-import math
 from collections.abc import Mapping
 
 import torch
 
 from .._checks import check_bool
-from ..errors import ArgumentTypeError, ConcurrentUseError, LayoutError, NonFiniteError, StateDictError
-from ..ops import clip_coef, norm_pass
+from ..engine import Engine
+from ..errors import ArgumentTypeError, ConcurrentUseError, LayoutError, StateDictError
 from ._torch_cohorts import Cohorts
-from ._torch_engine import Cohort, group_name
+from ._torch_engine import group_name
 from ._torch_groups import GroupReader, group_params
 from ._torch_hooks import GLOBAL_HOOKS, hooked
 from ._torch_options import OPTIONS, check_options
@@ -175,7 +174,6 @@ class TorchOptimizer(torch.optim.Optimizer):
         self._groups = GroupReader(defaults, self.TUNABLE, self.arraytrain_optimizer)
         self._cohorts = Cohorts(checked, self.two_windows)
         self._built = False
-        self._skips = 0
         self._evaluating = None
         self.reports = ()
         self._groups.check_values(defaults, None)
@@ -334,44 +332,25 @@ class TorchOptimizer(torch.optim.Optimizer):
                     hp["lr"][hold] = 0.0
                     hp["weight_decay"][hold] = 0.0
             c.held = bool(hold)
+        for c in self._cohorts:
+            e = c.engine
+            e.loss_scaler.scale = divisor  # the engine's Divisor: GradScaler's scale, which the gradients carry
+            e.max_grad_norm = self.max_grad_norm
         if len(self._cohorts) == 1:
-            c = self._cohorts[0]
-            c.engine.max_grad_norm = self.max_grad_norm
-            return [self._engine_step(c, divisor, plans[0][2])]
-        return self._take_across(divisor, plans)
-
-    def _engine_step(self, c: Cohort, divisor: float, held):
-        e = c.engine
-        e.loss_scaler.scale = divisor  # the engine's Divisor: what the gradients carry this step
-        report = e.step(absent=[e.bound[i][0] for i in held] if held and e.missing == "skip" else None)
-        e.clean = set(held)
-        c.sync_tensors()
-        return report
-
-    def _take_across(self, divisor: float, plans) -> list:
-        """Several engines: one global norm (and NaN/Inf verdict) over all of them, then each steps."""
-        total, bad = 0.0, False
-        if self.max_grad_norm is not None or self.nonfinite == "skip":
-            for c in self._cohorts:
-                found = norm_pass(c.engine.kernels, c.engine.grads.flat, c.engine.layout)
-                bad = bad or found.nonfinite
-                total += found.norm ** 2
-        if bad and self.nonfinite == "skip":
-            for c in self._cohorts:
-                c.engine.zero_grad()
-                c.engine.clean.clear()
-            self._skips += 1
-            if self.max_consecutive_skips is not None and self._skips >= self.max_consecutive_skips:
-                raise NonFiniteError(f"{self._skips} consecutive steps had NaN/Inf gradients and were skipped "
-                                     f"(max_consecutive_skips={self.max_consecutive_skips})")
-            return []
-        self._skips = 0
-        coef = clip_coef(math.sqrt(total) / divisor, self.max_grad_norm, self.clip_eps)
-        out = []
+            e, held = self._cohorts[0].engine, plans[0][2]
+            reports = [e.step(absent=self._absent(e, held))]
+        else:  # several engines: one norm, one NaN/Inf verdict and one clip factor over all of them
+            reports = Engine.step_together([c.engine for c in self._cohorts],
+                                           [self._absent(c.engine, plan[2]) for c, plan in zip(self._cohorts, plans)])
         for c, plan in zip(self._cohorts, plans):
-            c.engine.max_grad_norm = None
-            out.append(self._engine_step(c, divisor / coef, plan[2]))
-        return out
+            c.engine.clean = set(plan[2])
+            c.sync_tensors()
+        return reports
+
+    @staticmethod
+    def _absent(engine, held):
+        """The parameters whose ``.grad`` is None, by name, where the engine leaves them out of the step."""
+        return [engine.bound[i][0] for i in held] if held and engine.missing == "skip" else None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """torch's ``zero_grad``: ``.grad`` set to None, or (``set_to_none=False``) the gradient buffers zeroed.

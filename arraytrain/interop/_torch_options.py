@@ -8,10 +8,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from .. import optim, state8
-from .._checks import check_int, check_number
+from .._checks import check_int
 from ..errors import HyperparameterError
 from ..ops import CLIP_EPS
 from ..parallel.communicator import check_parallel
+from ..stages import check_judging
 
 # torch.optim's implementation switches: foreach and fused choose among torch's own kernels (the
 # step here is always one fused kernel: accepted, kept in the groups as torch keeps them, and
@@ -57,8 +58,9 @@ def check_options(options: Mapping, owner: str, takes_state_dtype: bool) -> Opti
     max_grad_norm, clip_eps, state_dtype = options["max_grad_norm"], options["clip_eps"], options["state_dtype"]
     min_8bit_size, kernels = options["min_8bit_size"], options["kernels"]
     max_consecutive_skips = options["max_consecutive_skips"]
-    max_grad_norm = None if max_grad_norm is None else check_number("max_grad_norm", max_grad_norm, 0.0, lo_open=True)
-    clip_eps = check_number("clip_eps", clip_eps, 0.0)
+    # the judge's settings, as the Engine checks them
+    max_grad_norm, clip_eps, nonfinite, max_consecutive_skips = check_judging(max_grad_norm, clip_eps,
+                                                                              options["nonfinite"], max_consecutive_skips)
     if state_dtype is not None and not takes_state_dtype:
         raise HyperparameterError(f"state_dtype: {owner} keeps its state in the parameters' "
                                   "dtype (its arraytrain optimizer takes no state_dtype), got "
@@ -75,10 +77,6 @@ def check_options(options: Mapping, owner: str, takes_state_dtype: bool) -> Opti
     min_8bit_size = check_int("min_8bit_size", min_8bit_size, 0)
     if kernels not in ("numba", "reference"):
         raise HyperparameterError(f"kernels: expected 'numba' or 'reference', got {kernels!r}")
-    if max_consecutive_skips is not None:
-        max_consecutive_skips = check_int("max_consecutive_skips", max_consecutive_skips, 1)
-    if options["nonfinite"] not in ("skip", "apply"):
-        raise HyperparameterError(f"nonfinite: expected 'skip' or 'apply', got {options['nonfinite']!r}")
     overlap = options["overlap"]
     comm, shard_state, _, bucket_bytes = check_parallel(
         options["comm"], options["shard_state"], False if overlap is None else overlap, options["bucket_bytes"])
@@ -90,5 +88,5 @@ def check_options(options: Mapping, owner: str, takes_state_dtype: bool) -> Opti
         raise HyperparameterError("overlap: the overlapped exchange needs a group of processes (comm=...)")
     return Options(max_grad_norm=max_grad_norm, clip_eps=clip_eps, state_dtype=state_dtype,
                    min_8bit_size=min_8bit_size, kernels=kernels, max_consecutive_skips=max_consecutive_skips,
-                   nonfinite=options["nonfinite"], overlap=overlap,
+                   nonfinite=nonfinite, overlap=overlap,
                    parallel={"comm": comm, "bucket_bytes": bucket_bytes, "shard_state": shard_state})
