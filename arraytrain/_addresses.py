@@ -1,6 +1,6 @@
 """The data addresses of many NumPy arrays in one call, for a step that reads gradients where they lie.
 
-The dict path (:meth:`arraytrain._intake.Intake.place`) needs the address of every gradient of a
+The dict path (:meth:`arraytrain.engine.intake.Intake.place`) needs the address of every gradient of a
 micro-batch. Read one array at a time from Python, through ``__array_interface__`` or ``.ctypes``,
 an address costs about a microsecond (each builds an object), more than copying an array of
 2,000 float32 elements into a staging array. Here every address comes from one compiled loop:

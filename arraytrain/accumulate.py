@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import _intake
+from .engine import intake
 from ._checks import check_int, check_number, check_positive
 from .backend import backend_of, check_kernel_dtype
 from .buffer import FlatBuffer
@@ -139,7 +139,7 @@ class GradientAccumulator:
 
     def _add(self, items: dict, w: float) -> None:
         idx = self._check_room(items)
-        _intake.write_grads(self._kernels, self._buf, items, w, overwrite=False)
+        intake.write_grads(self._kernels, self._buf, items, w, overwrite=False)
         self._counts[idx] += 1
         self._weights[idx] += w
 
@@ -148,7 +148,7 @@ class GradientAccumulator:
         if name not in self._buf:
             raise UnknownParameterError(f"{name!r}: not registered; call register(name, shape) first")
         w = 1.0 if weight is None else check_positive("weight", weight)
-        self._add(_intake.check_grads({name: grad}, self._buf, protect=(self._buf.flat,)), w)
+        self._add(intake.check_grads({name: grad}, self._buf, protect=(self._buf.flat,)), w)
 
     def step(self, gradients, weight: float | None = None) -> bool:
         """Accumulate a whole micro-batch; returns whether an update is due.
@@ -157,7 +157,7 @@ class GradientAccumulator:
         any is added, so a refused micro-batch changes nothing.
         """
         w = 1.0 if weight is None else check_positive("weight", weight)
-        items = _intake.check_grads(gradients, self._buf, protect=(self._buf.flat,))
+        items = intake.check_grads(gradients, self._buf, protect=(self._buf.flat,))
         self._add(items, w)
         self.total_micro_batches += 1
         return self.should_update()

@@ -769,15 +769,17 @@ def _from_state_dict(d, path: str, depth: int = 1) -> Schedule:
         raise StateDictError(f"{path}: schedules nest at most {MAX_NESTING} deep")
     if not isinstance(d, Mapping):
         raise StateDictError(f"{path}: expected a dict, got {type(d).__name__}")
+    typ = d.get("type")
+    if not isinstance(typ, str) or (typ not in _REGISTRY and typ not in _FORMAT_1_TYPES):
+        raise StateDictError(f"{path}.type: expected one of {sorted(_REGISTRY)}, got {shown(typ)}")
     fmt = d.get("format")
     if isinstance(fmt, bool) or fmt not in (1, SCHEDULE_FORMAT):
         raise StateDictError(f"{path}.format: expected 1 or {SCHEDULE_FORMAT}, got {shown(fmt)}")
-    typ = d.get("type")
-    if fmt == 1 and isinstance(typ, str):
+    if fmt == 1:
         d = _from_format_1(d)
         typ = d["type"]
-    cls = _REGISTRY.get(typ) if isinstance(typ, str) else None
-    if cls is None:
+    cls = _REGISTRY.get(typ)
+    if cls is None:  # a format-1 name in today's format
         raise StateDictError(f"{path}.type: expected one of {sorted(_REGISTRY)}, got {shown(typ)}")
     keys, expected = set(d), cls._keys()
     if keys != expected:

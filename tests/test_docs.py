@@ -43,7 +43,7 @@ MODULES = (
     "arraytrain.checkpoint.format",
     "arraytrain.compress",
     "arraytrain.distributed",
-    "arraytrain.engine_state",
+    "arraytrain.engine.protocol",
     "arraytrain.errors",
     "arraytrain.interop.jax",
     "arraytrain.interop.torch",
@@ -64,7 +64,7 @@ MODULES = (
     "arraytrain.prune",
     "arraytrain.quantize",
     "arraytrain.schedules",
-    "arraytrain.stages",
+    "arraytrain.engine.stages",
     "arraytrain.threads",
 )
 

@@ -155,7 +155,7 @@ LOAD_CASES = [
     LoadCase("schedule-missing-key", _drop("schedule", "last_epoch"), "last_epoch"),
     LoadCase("schedule-best-not-number", _set("schedule", "best", "low"), "best"),
     LoadCase("schedule-not-a-mapping", _set("schedule", [1, 2]), "schedule"),
-    LoadCase("schedule-format", _set("schedule", "format", 2), "format"),
+    LoadCase("schedule-format", _set("schedule", "format", 3), "format"),
     # the loss scaler
     LoadCase("scaler-scale-zero", _set("loss_scaler", "scale", 0.0), "scale"),
     LoadCase("scaler-scale-inf", _set("loss_scaler", "scale", math.inf), "scale"),
@@ -272,7 +272,7 @@ def test_every_part_is_checked_before_the_first_write(monkeypatch):
     for cls in (schedules.Schedule, LossScaler, ErrorFeedback):
         spy(cls, "check_state", "check")
         spy(cls, "apply_state", "write")
-    from arraytrain import engine_state
+    from arraytrain.engine import protocol as engine_state
 
     for name, kind in (("_check_mask_state", "check"), ("_set_counters", "write")):  # the protocol's functions
         real_fn = getattr(engine_state, name)
@@ -493,7 +493,7 @@ def _nested_schedule(depth):
 def _deep_schedule_state(depth):
     state = schedules.Constant().state_dict()
     for _ in range(depth - 1):
-        state = {"type": "Warmup", "format": 1, "steps": 1, "then": state, "start_factor": 0.0}
+        state = {"type": "Warmup", "format": 2, "steps": 1, "then": state, "start_factor": 0.0}
     return state
 
 

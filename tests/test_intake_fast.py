@@ -1,4 +1,4 @@
-"""The dict path's reused structure (arraytrain._intake.Intake): same bits as the general path, same refusals."""
+"""The dict path's reused structure (arraytrain.engine.intake.Intake): same bits as the general path, same refusals."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import arraytrain as at
-from arraytrain import _intake
+from arraytrain.engine import intake as _intake
 from arraytrain.buffer import ALIGN_BYTES, FlatBuffer, address
 from arraytrain.errors import (
     AliasingError,

@@ -40,7 +40,7 @@ except ImportError:  # not POSIX: no stale-file cleanup (see _clean_stale)
 
 import numpy as np
 
-from ..engine_state import checked_everywhere
+from ..engine.protocol import checked_everywhere
 from ..errors import ArgumentTypeError, CheckpointError, StateDictError
 from ..owned import Owned, OwnedPart
 from . import format as _format

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .._checks import check_count, check_int, shown
-from .._intake import ready_to_assign
+from ..engine.intake import ready_to_assign
 from ..backend import NUMPY, backend_of, module_of_backend
 from ..buffer import FlatBuffer
 from ..parallel.communicator import check_comm

@@ -20,7 +20,7 @@ from ..engine import Engine
 from ..errors import BackendError
 from ..ops import NormPass
 from ..optim import Adam, AdamW
-from ..stages import StepReport, Verdict
+from ..engine.stages import StepReport, Verdict
 from ._torch_views import check_kind, fresh_addresses, tensor_view
 
 # who holds the tensors, and when a model must be converted or moved (check_kind's messages)

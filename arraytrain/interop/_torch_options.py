@@ -12,7 +12,7 @@ from .._checks import check_int
 from ..errors import HyperparameterError
 from ..ops import CLIP_EPS
 from ..parallel.communicator import check_parallel
-from ..stages import check_judging
+from ..engine.stages import check_judging
 
 # torch.optim's implementation switches: foreach and fused choose among torch's own kernels (the
 # step here is always one fused kernel: accepted, kept in the groups as torch keeps them, and

@@ -36,7 +36,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from ..backend import KERNEL_DTYPES, as_array, backend_of
-from .._guard import guarded
+from ..engine.guard import guarded
 from ..engine import Engine
 from ..errors import (
     AliasingError,

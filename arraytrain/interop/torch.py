@@ -104,7 +104,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from .._checks import check_bool
-from .._guard import guarded
+from ..engine.guard import guarded
 from ..amp import LossScaler
 from ..engine import Engine
 from ..errors import (

@@ -83,7 +83,7 @@ class Sophia(Optimizer):
         r""":math:`h \leftarrow \beta_2 h + (1-\beta_2)\hat h` for each ``{name: estimate}`` in ``items``.
 
         ``items`` holds validated 1-D float arrays (as from
-        :func:`arraytrain._intake.check_grads`); parameters absent from it keep their
+        :func:`arraytrain.engine.intake.check_grads`); parameters absent from it keep their
         ``h``. Two passes per parameter with the existing kernels (``scale`` by beta2,
         then ``accumulate`` of ``(1 - beta2) * estimate``), math in the state's dtype;
         estimates come every k steps, so a fused kernel would save little.

@@ -24,7 +24,7 @@ its own parameters (:meth:`Placement.lay_out`), and gives ``params`` (what the m
 ``master`` (what the optimizer updates), ``grads`` (what the model writes into), ``working``; for
 the gradient sync ``bucket_flat`` and :meth:`~Placement.start_reduce`; for the boundary
 :meth:`~Placement.exchange` or :meth:`~Placement.buckets_reduced`, then :meth:`~Placement.verdict` (the norm
-pass, a :class:`~arraytrain.stages.Verdict`),
+pass, a :class:`~arraytrain.engine.stages.Verdict`),
 :meth:`~Placement.norm_pass`, :meth:`~Placement.update`, :meth:`~Placement.drop_window`; the
 publish (:meth:`~Placement.publish`, :meth:`~Placement.settle`, :meth:`~Placement.chunk_needed`);
 and :meth:`~Placement.refresh_working`, :meth:`~Placement.weights_moved`, the mask
@@ -92,7 +92,7 @@ class Placement(ABC):
     @abstractmethod
     def verdict(self, wsum: float, judge):
         """The norm pass over the exchanged gradient, the window's weight sum ``wsum`` summed over the
-        ranks with it: a :class:`~arraytrain.stages.Verdict`."""
+        ranks with it: a :class:`~arraytrain.engine.stages.Verdict`."""
 
     @abstractmethod
     def norm_pass(self, unscale: float, judge):

@@ -11,7 +11,7 @@ An engine holds one, picked in ``__init__`` (:func:`gradient_sync`):
   finiteness, then each compresses its share of the mean and receives the decoded sum.
 
 Each answers :meth:`~BucketedSync.reduce` (the boundary's exchange and norm pass, through the
-placement: a :class:`~arraytrain.stages.Verdict`, or None to skip), :meth:`~BucketedSync.ascent`
+placement: a :class:`~arraytrain.engine.stages.Verdict`, or None to skip), :meth:`~BucketedSync.ascent`
 (SAM's first window: the same, but a compressor's sync keeps the exact local gradient),
 :meth:`~BucketedSync.mark_ready`, ``started`` (something is in flight: what ``step(grads)``,
 ``state_dict()`` and ``apply_state()`` refuse) and :meth:`~BucketedSync.drain` (``zero_grad()``:

@@ -66,7 +66,10 @@ from __future__ import annotations
 
 from ..errors import PhaseOrderError
 from .controller import PhaseController, load, save
-from .schedule import LOSS_WINDOW, Phase, PhaseSchedule, PhaseStats
+from . import schedule
+from .schedule import Phase, PhaseSchedule, PhaseStats
+
+LOSS_WINDOW = schedule.LOSS_WINDOW  #: FULL/CORRECT losses kept for the adaptive rule
 
 __all__ = ["LOSS_WINDOW", "Phase", "PhaseController", "PhaseOrderError", "PhaseSchedule", "PhaseStats", "load",
            "save"]

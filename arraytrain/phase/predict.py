@@ -48,7 +48,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from .._checks import check_count, check_int, check_number
-from .._intake import ready_to_assign
+from ..engine.intake import ready_to_assign
 from ..backend import CUPY, NUMPY, backend_of, module_of_backend, require_cuda
 from ..buffer import FlatBuffer
 from ..errors import (

@@ -21,12 +21,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import _intake, param_steps, state8
-from .parallel import shard
-from ._checks import check_count, check_int, check_number, shown
-from .buffer import FlatBuffer
-from .errors import LayoutError, StateDictError
-from .parallel.communicator import PerRank
+from .. import param_steps
+from .. import state8
+from . import intake
+from ..parallel import shard
+from .._checks import check_count, check_int, check_number, shown
+from ..buffer import FlatBuffer
+from ..errors import LayoutError, StateDictError
+from ..parallel.communicator import PerRank
 
 #: The version of the state dict's structure (``state["format"]``).
 STATE_FORMAT = 3
@@ -246,7 +248,7 @@ def check_state(parts: StateParts, state: Mapping) -> list:
             if own is not None:
                 writes.append(own)
                 continue
-            checked = _intake.ready_to_assign(buf, buf.check(arrays), protect)
+            checked = intake.ready_to_assign(buf, buf.check(arrays), protect)
             writes.append(functools.partial(buf.assign, checked))
     except (LayoutError, KeyError, ValueError, TypeError) as exc:
         raise StateDictError(f"state dict does not match the engine: {exc}") from exc

@@ -18,10 +18,10 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from .backend import KERNEL_DTYPES, NUMPY, array_module, as_array, backend_of
-from .buffer import FlatBuffer, segment_addresses
-from ._checks import check_positive
-from .errors import (AliasingError, ArgumentTypeError, HyperparameterError, ShapeMismatchError,
+from ..backend import KERNEL_DTYPES, NUMPY, array_module, as_array, backend_of
+from ..buffer import FlatBuffer, segment_addresses
+from .._checks import check_positive
+from ..errors import (AliasingError, ArgumentTypeError, HyperparameterError, ShapeMismatchError,
                      UnknownParameterError)
 
 # Gradients of fewer elements than this go through the staging array and the one scatter call
@@ -305,7 +305,7 @@ class Intake:
         plan = checked.plan
         if plan is None or plan.dtype is not self.buf.flat.dtype or not self.in_place or not checked.contiguous:
             return None
-        from ._addresses import data_addresses  # (numba, which a NumPy engine has loaded already)
+        from .._addresses import data_addresses  # (numba, which a NumPy engine has loaded already)
 
         where, bases = plan.in_place(self.buf)
         bases = bases.copy()

@@ -23,9 +23,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ._checks import check_int, check_number, check_positive
-from .errors import HyperparameterError
-from .ops import NormPass, clip_coef, norm_pass
+from .._checks import check_int, check_number, check_positive
+from ..errors import HyperparameterError
+from ..ops import NormPass, clip_coef, norm_pass
 
 #: The values of ``nonfinite``: skip a boundary whose gradient holds NaN/Inf, or apply it as torch.optim does.
 NONFINITE = ("skip", "apply")

@@ -8,33 +8,34 @@ from contextlib import contextmanager
 
 import numpy as np
 
-from . import _compile_notice, _intake, engine_state, param_steps
-from ._checks import check_int
-from ._guard import CallGuard, guarded
-from .accumulate import REDUCTIONS
-from .amp import LossScaler, working_spec
-from .backend import NUMPY, array_module, backend_of, check_kernel_dtype
-from .buffer import FlatBuffer, GradsAt, as_flat_buffer, segment_addresses
-from .compress import check_compressor
-from .engine_state import CheckedState, Counters, StateParts, checked_everywhere
-from .kernels.interface import family
-from .errors import (
+from .. import _compile_notice, param_steps
+from . import intake, protocol
+from .._checks import check_int
+from .guard import CallGuard, guarded
+from ..accumulate import REDUCTIONS
+from ..amp import LossScaler, working_spec
+from ..backend import NUMPY, array_module, backend_of, check_kernel_dtype
+from ..buffer import FlatBuffer, GradsAt, as_flat_buffer, segment_addresses
+from ..compress import check_compressor
+from .protocol import CheckedState, Counters, StateParts, checked_everywhere
+from ..kernels.interface import family
+from ..errors import (
     ArgumentTypeError,
     ConcurrentUseError,
     HyperparameterError,
     MissingGradientError,
     NonFiniteError,
 )
-from .ops import CLIP_EPS
-from .optim import Optimizer, check_optimizer
-from .prune import MaskBuffer
-from .schedules import Schedule
-from .parallel.communicator import check_parallel
-from .parallel.placement import join, placement, placement_class
-from .parallel.sync import gradient_sync
+from ..ops import CLIP_EPS
+from ..optim import Optimizer, check_optimizer
+from ..prune import MaskBuffer
+from ..schedules import Schedule
+from ..parallel.communicator import check_parallel
+from ..parallel.placement import join, placement, placement_class
+from ..parallel.sync import gradient_sync
 from .stages import Judge, StepReport, Verdict, check_judging
 
-STATE_FORMAT = engine_state.STATE_FORMAT
+STATE_FORMAT = protocol.STATE_FORMAT
 MISSING = ("error", "zero", "skip")
 # calls that touch the gradient buffer only: they do not wait for a deferred publish of the weights
 _GRADIENTS_ONLY = ("mark_ready()", "zero_grad()")
@@ -217,7 +218,7 @@ class Engine:
         self._grads_at = None  # this window's gradient, where it lies (None: in engine.grads)
         self._grad_offsets = GradsAt.offsets_of(self.grads)
         self._grad_addresses = segment_addresses(self.grads) if self._in_place_ok else None
-        self._intake = _intake.Intake(self.grads, (self.params.flat, self.grads.flat), self._kernels, kernels)
+        self._intake = intake.Intake(self.grads, (self.params.flat, self.grads.flat), self._kernels, kernels)
         self.schedule = schedule
         self.loss_scaler = loss_scaler
         self.max_consecutive_skips = max_consecutive_skips
@@ -378,7 +379,7 @@ class Engine:
 
         The stages: intake (validate, then accumulate into ``engine.grads``); at a
         boundary exchange -> norm pass and non-finite check -> skip or clip ->
-        update -> bookkeeping (see :mod:`arraytrain.stages`).
+        update -> bookkeeping (see :mod:`arraytrain.engine.stages`).
 
         A step whose kernels numba has to compile first (not in its on-disk cache) for more
         than a second says so on stderr, the first time in a process naming the ``arraytrain
@@ -419,7 +420,7 @@ class Engine:
         For a binding that writes a micro-batch into ``engine.grads`` itself and then
         calls ``step()`` with no gradients: it checks the weight before it writes.
         """
-        return _intake.check_weight(weight, self.params.dtype, self.reduction == "mean", self.counters.weight_sum,
+        return intake.check_weight(weight, self.params.dtype, self.reduction == "mean", self.counters.weight_sum,
                                     self.loss_scale)
 
     def _scheduled(self, boundary: bool):
@@ -466,7 +467,7 @@ class Engine:
         if grads is not None:
             self._nothing_in_flight("step(grads)")
             # validated against the last structure seen when names, shapes and dtype repeat
-            # (see _intake.Intake); nothing is written before this returns
+            # (see intake.Intake); nothing is written before this returns
             checked = self._intake.check(grads)
             absent = checked.absent
             self._missing(absent)
@@ -683,7 +684,7 @@ class Engine:
         feed = getattr(self.optimizer, "update_hessian", None)
         if feed is None:
             raise ArgumentTypeError(f"update_hessian: {type(self.optimizer).__name__} takes no Hessian estimates")
-        items = _intake.check_grads(hessian, self.grads, protect=(self.params.flat, self.grads.flat))
+        items = intake.check_grads(hessian, self.grads, protect=(self.params.flat, self.grads.flat))
         absent = [n for n in self.layout.names if n not in items and self.layout.shape(n) != (0,)]
         if absent:
             raise MissingGradientError(f"update_hessian: no estimate for {absent}")
@@ -744,7 +745,7 @@ class Engine:
             raise ConcurrentUseError(f"{what}: the gradients marked ready are being exchanged; call it before the "
                                      "window's last micro-batch or after its step()")
 
-    # -- state: the protocol of arraytrain.engine_state, on this engine's data ---------------
+    # -- state: the protocol of arraytrain.engine.protocol, on this engine's data ---------------
     def _parts(self) -> StateParts:
         return StateParts(params=self.params, grads=self.grads, optimizer=self.optimizer, opt_state=self.state,
                           counters=self.counters, accumulation_steps=self.accumulation_steps,
@@ -793,14 +794,14 @@ class Engine:
         self._nothing_in_flight("state_dict()")
         if root is not None:
             root = check_int("root", root, 0, self.comm.size - 1, error=ArgumentTypeError)
-        return engine_state.state_dict(self._parts(), copy, gather=True, root=root)
+        return protocol.state_dict(self._parts(), copy, gather=True, root=root)
 
     @guarded
     def state_template(self) -> dict:
         """This rank's own state as views, the per-rank parts marked
         (:class:`~arraytrain.parallel.PerRank`): what a reader matches a saved state
         against, whatever number of ranks saved it (not a collective)."""
-        return engine_state.state_dict(self._parts(), copy=False, gather=False)
+        return protocol.state_dict(self._parts(), copy=False, gather=False)
 
     @guarded
     def check_state(self, state: Mapping) -> CheckedState:
@@ -810,7 +811,7 @@ class Engine:
         :class:`~arraytrain.errors.StateDictError`. Local to this process: with a group,
         :meth:`load_state_dict` makes every rank refuse when one does.
         """
-        return CheckedState(engine_state.check_state(self._parts(), state), self)
+        return CheckedState(protocol.check_state(self._parts(), state), self)
 
     @guarded
     def apply_state(self, checked: CheckedState) -> None:

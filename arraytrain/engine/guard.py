@@ -6,7 +6,7 @@ import functools
 import threading
 from contextlib import contextmanager
 
-from .errors import ConcurrentUseError
+from ..errors import ConcurrentUseError
 
 
 class CallGuard:
