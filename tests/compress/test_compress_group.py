@@ -1,4 +1,5 @@
-"""Pieces of the compressors' group exchange that need no MPI (the exchange itself: tests/distributed/mpi/).
+"""Pieces of the compressors' group exchange that need no MPI (the exchange itself: in threads in
+tests/parallel/test_sync.py, under mpiexec in tests/parallel/mpi/).
 
 The all-reduce of summable payload arrays (one collective per dtype) over the thread-backed
 group of tests/thread_group.py, and int8's wire type for the sums of codes.

@@ -405,7 +405,7 @@ def test_refusals_change_nothing():
         optim.AdamW(state_dtype="int8")
     with pytest.raises(HyperparameterError, match="float32"):
         Engine({k: v.astype(np.float64) for k, v in p0.items()}, optim.AdamW(state_dtype="8bit"))
-    assert optim.AdamW(state_dtype="8bit").shard_refusal is None  # shards on blocks (tests/distributed)
+    assert optim.AdamW(state_dtype="8bit").shard_refusal is None  # shards on blocks (tests/parallel/test_shard.py)
     assert optim.AdamW(state_dtype="8bit").shard_align == state8.BLOCK
     assert optim.AdamW(state_dtype="bfloat16").shard_align == 1
     e = Engine(p0, optim.AdamW(state_dtype="8bit"))

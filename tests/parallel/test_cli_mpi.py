@@ -78,7 +78,7 @@ def test_cuda_under_torchrun_is_refused_before_any_group_starts(capsys, monkeypa
     assert "--device cuda under torchrun: not built" in capsys.readouterr().err
 
 
-@pytest.mark.slow  # the slow tier: the compressors under mpiexec are checked in test_distributed
+@pytest.mark.slow  # the slow tier: the compressors under mpiexec are checked in test_mpi
 def test_compressed_data_parallel_training(tmp_path):
     data = small_npz(tmp_path / "d.npz", n=120)
     proc, many = _train(tmp_path, 2, "--data", str(data), "--epochs", "4", "--batch-size", "16",
@@ -132,7 +132,7 @@ def test_several_gpus_from_the_command_line(tmp_path):
 
 
 
-@pytest.mark.slow  # the slow tier: three CLI runs under mpiexec (sharding: tests/distributed/test_shard.py)
+@pytest.mark.slow  # the slow tier: three CLI runs under mpiexec (sharding: tests/parallel/test_shard.py)
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "8bit"])
 def test_sharded_state_follows_the_replicated_run(tmp_path, precision):
     """--shard-state: each process holds part of the optimizer state (and of the masters under bf16;

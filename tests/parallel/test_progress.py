@@ -1,6 +1,6 @@
 """MPIComm's progress thread (arraytrain.parallel.progress) on stand-in requests: it tests what is in
 flight until it completes, never while the owner waits on it, and forgets what either completed.
-The real MPI requests run under mpiexec in tests/distributed/mpi/overlap_checks.py."""
+The real MPI requests run under mpiexec in tests/parallel/mpi/overlap_checks.py."""
 
 from __future__ import annotations
 

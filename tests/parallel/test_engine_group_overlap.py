@@ -1,9 +1,10 @@
-"""The exchange overlapped with the backward pass (``Engine(overlap=True)``) over in-process rank groups.
+"""The Engine over a group of ranks (threads) with its exchanges overlapped: the backward pass's buckets
+(``Engine(overlap=True)``, :class:`~arraytrain.parallel.sync.BucketedSync`) and the next forward pass's gathers
+(``bind(..., gather_in_forward=True)``, :class:`~arraytrain.parallel.placement.Sharded`'s deferred publish).
 
-Buckets cut from the end of the flat buffer start as ``mark_ready`` completes them, in
-order; the result equals the blocking exchange's bit for bit with 2 ranks, replicated and
-sharded, whatever order the ranks mark in and whether a parameter is never marked. The
-real nonblocking collectives run under mpiexec in ``tests/distributed/test_distributed.py``.
+The overlapped result equals the blocking exchange's bit for bit with 2 ranks, replicated and sharded,
+whatever order the ranks mark in and whether a parameter is never marked. The gradient syncs on their own:
+``test_sync.py``; the real nonblocking collectives run under mpiexec in ``test_mpi.py``.
 """
 
 from __future__ import annotations
@@ -14,9 +15,6 @@ import pytest
 import arraytrain as at
 from arraytrain import nn
 from arraytrain.errors import ConcurrentUseError, HyperparameterError, UnknownParameterError
-from arraytrain.parallel.communicator import DONE
-from arraytrain.parallel.placement import Replicated, Sharded
-from arraytrain.parallel.sync import BucketedSync, buckets, default_bucket_bytes
 from thread_group import ThreadGroup
 
 SIZES = [20, 64, 48, 32, 10]
@@ -62,20 +60,6 @@ def _train(ranks, overlap, *, shard=False, micro=2, steps=3, bucket_bytes=4096, 
     return ThreadGroup(ranks).run(rank_run)
 
 
-def test_buckets_cover_the_buffer_from_its_end_in_whole_parameters():
-    lay = at.Layout({"a": (100,), "b": (7, 9), "c": (3000,), "d": (5,), "e": (0,), "f": (200,)})
-    for nbytes in (1, 64, 1000, 4096, 10**9):
-        bs = buckets(lay, nbytes, 4)
-        assert bs[0].hi == lay.size and bs[-1].lo == 0
-        assert all(a.lo == b.hi for a, b in zip(bs, bs[1:]))  # contiguous, from the end
-        assert sorted(i for b in bs for i in b.params) == list(range(len(lay)))
-        assert all(list(b.params) == sorted(b.params, reverse=True) for b in bs)
-        for b in bs[:-1]:
-            assert (b.hi - b.lo) * 4 >= nbytes  # full before it closes (the first bucket takes the rest)
-    # one bucket per non-empty parameter at the smallest size (the empty "e" joins the bucket before it)
-    assert len(buckets(lay, 10**9, 4)) == 1 and len(buckets(lay, 1, 4)) == len(lay) - 1
-
-
 @pytest.mark.parametrize("shard", [False, True])
 @pytest.mark.parametrize("bucket_bytes", [1, 4096, 2**30])
 def test_overlapped_equals_blocking_bitwise(shard, bucket_bytes):
@@ -104,76 +88,6 @@ def test_three_ranks_follow_the_blocking_exchange():
     got = _train(3, True, shard=True)
     for r in range(3):
         np.testing.assert_allclose(got[r], want[r], rtol=1e-13)
-
-
-class _Recording:
-    """A communicator that records which slices each nonblocking call got (a group of 2, rank 0)."""
-
-    rank, size = 0, 2
-
-    def __init__(self):
-        self.calls = []
-
-    def iallreduce(self, x, op="sum"):
-        self.calls.append(("allreduce", x.size))
-        return DONE
-
-    def ireduce(self, x, root=0):
-        self.calls.append(("reduce", x.size, root))
-        return DONE
-
-
-def _bucketed(comm, lay, bucket_bytes, shard=False):
-    params = at.FlatBuffer(lay, np.zeros(lay.size))
-    return BucketedSync(Sharded(comm, params) if shard else Replicated(comm, params), bucket_bytes)
-
-
-def test_default_buckets_are_an_eighth_of_the_gradient_within_1_and_25_mib():
-    mib = 2**20
-    assert [default_bucket_bytes(n) for n in (0, 8 * mib - 1, 8 * mib, 80 * mib, 200 * mib, 10**12)] == \
-        [mib, mib, mib, 10 * mib, 25 * mib, 25 * mib]
-    # the 16.8M-parameter MLP of docs/cluster.md (4 x [2048 x 2048] + bias, float32): one bucket a layer
-    # (25 MiB made two buckets of two layers each: the second waited for the first layer's gradient)
-    lay = at.Layout({f"{n}{i}": (2048, 2048) if n == "w" else (2048,) for i in range(4) for n in "wb"})
-    assert len(buckets(lay, default_bucket_bytes(lay.size * 4), 4)) == 4 and len(buckets(lay, 25 * mib, 4)) == 2
-    sync = BucketedSync(Replicated(_Recording(), at.FlatBuffer.zeros(lay, np.float32)), None)
-    assert sync.bucket_bytes == default_bucket_bytes(lay.size * 4) and len(sync.buckets) == 4
-
-
-def test_buckets_start_in_order_and_only_when_complete():
-    lay = at.Layout({"a": (10,), "b": (10,), "c": (10,), "d": (10,)})
-    comm = _Recording()
-    ex = _bucketed(comm, lay, 8 * 16)  # one parameter per bucket
-    ex.ready([0])  # "a" is bucket 3: nothing may start before buckets 0..2
-    assert comm.calls == [] and not ex.started
-    ex.ready([3, 2])  # buckets 0 ("d") and 1 ("c")
-    assert len(comm.calls) == 2 and ex.started
-    ex.finish()  # "b" (bucket 2) was never marked: started here, then "a"
-    assert len(comm.calls) == 4
-    ex.reset()
-    assert not ex.started
-
-
-def test_a_gradient_marked_again_while_its_bucket_is_in_flight_is_refused():
-    lay = at.Layout({"a": (10,), "b": (10,)})
-    ex = _bucketed(_Recording(), lay, 8 * 16)
-    ex.ready([0])  # "a" is bucket 1: not started yet, so marking it again is harmless
-    ex.ready([0])
-    ex.ready([1])  # both buckets start
-    with pytest.raises(ConcurrentUseError, match="'b'.*second backward"):
-        ex.ready([1])
-
-
-def test_sharded_buckets_reduce_each_partition_to_its_owner():
-    lay = at.Layout({"a": (30000,), "b": (5000,)})
-    from arraytrain.parallel.shard import partition
-
-    part = partition(lay, 2, 0)
-    comm = _Recording()
-    ex = _bucketed(comm, lay, 2**30, shard=True)
-    ex.finish()
-    # one bucket [0, 35008): its first 16384 elements to rank 0, the rest to rank 1
-    assert comm.calls == [("reduce", part.length, 0), ("reduce", lay.size - part.length, 1)]
 
 
 def test_mark_ready_checks_names_acts_in_the_last_micro_batch_only_and_guards_the_buffer():
@@ -354,33 +268,3 @@ def test_gather_in_forward_needs_sharded_state_and_a_bool():
         return True
 
     assert ThreadGroup(2).run(rank_run) == [True, True]
-
-
-def test_a_sharded_layout_deals_the_buckets_to_the_ranks_in_turn():
-    """``shard.interleaved``: consecutive buckets of the backward pass lie in different halves (2 ranks) or
-    thirds (3 ranks) of the buffer, each bucket whole and contiguous, the buckets tiling the buffer; the
-    values move with their names; one bucket (or one rank) keeps the layout as it is."""
-    from arraytrain.parallel.shard import interleaved
-    from arraytrain.parallel.sync import buckets_in
-
-    shapes = {f"p{i}": (1000 + 10 * i,) for i in range(12)}
-    flat = at.FlatBuffer.from_arrays({n: np.full(s, float(i)) for i, (n, s) in enumerate(shapes.items())})
-    for ranks in (2, 3):
-        out, members = interleaved(flat, ranks, 8000 * 3)  # three parameters a bucket
-        lay = out.layout
-        assert members == [[f"p{i}", f"p{i + 1}", f"p{i + 2}"] for i in (9, 6, 3, 0)]
-        for n in shapes:
-            np.testing.assert_array_equal(out[n], flat[n])
-        bs = buckets_in(lay, members)
-        assert sorted((b.lo, b.hi) for b in bs)[0][0] == 0 and max(b.hi for b in bs) == lay.size
-        spans = sorted((b.lo, b.hi) for b in bs)
-        assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))  # they tile the buffer
-        for b, names in zip(bs, members):
-            assert [lay.names[i] for i in b.params] == names
-            assert b.lo <= min(lay.offsets[i] for i in b.params) and b.hi >= max(lay.offsets[i] + lay.sizes[i]
-                                                                                  for i in b.params)
-        owner = [min(ranks - 1, b.lo * ranks // lay.size) for b in bs]  # the partition each bucket starts in
-        assert all(a != b for a, b in zip(owner, owner[1:])), owner
-    same, members = interleaved(flat, 2, 10**9)
-    assert same is flat and len(members) == 1
-    assert interleaved(flat, 1, 8000 * 3)[0] is flat

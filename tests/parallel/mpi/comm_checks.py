@@ -200,7 +200,7 @@ def check_nccl_set_up_fails_on_every_rank_without_a_gpu(comm: MPIComm) -> int:
     except BackendUnavailableError:
         pass
     else:
-        return 0  # a GPU: the NCCL test of test_distributed.py runs instead (one rank per GPU)
+        return 0  # a GPU: the NCCL test of test_mpi.py runs instead (one rank per GPU)
     try:
         NCCLComm()
     except BackendUnavailableError as exc:

@@ -1,6 +1,6 @@
-"""Processes over MPI: the multi-rank checks of ``tests/distributed/mpi/`` under mpiexec, each launch bounded.
+"""Processes over MPI: the multi-rank checks of ``tests/parallel/mpi/`` under mpiexec, each launch bounded.
 
-Every multi-rank test launches ``mpiexec -n K python tests/distributed/mpi/checks.py GROUP...``
+Every multi-rank test launches ``mpiexec -n K python tests/parallel/mpi/checks.py GROUP...``
 through :func:`arraytrain.distributed.launch` with a timeout (a distributed bug is a
 hang until proven otherwise) and is skipped when mpi4py or mpiexec is missing
 (``pip install "arraytrain[mpi]"``). Many checks share one launch: start-up is the cost.

@@ -1,7 +1,7 @@
 """Checks that run on every rank under torchrun:
-``torchrun --standalone --nproc-per-node K tests/distributed/torchrun/checks.py GROUP...``.
+``torchrun --standalone --nproc-per-node K tests/parallel/torchrun/checks.py GROUP...``.
 
-``tests/distributed/test_torchrun.py`` launches this with a timeout; run it by hand to
+``tests/parallel/test_torch_dist.py`` launches this with a timeout; run it by hand to
 debug a failure. Each rank joins a gloo process group and builds one
 :class:`~arraytrain.parallel.torch_dist.TorchComm`; one launch runs many checks (process start-up and
 the imports of torch, numba and JAX are the cost). After each check every rank reports its

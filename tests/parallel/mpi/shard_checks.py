@@ -3,7 +3,7 @@
 The sharded engine follows the replicated data-parallel engine through MPI's
 reduce-scatter and all-gather; a checkpoint written by one number of ranks resumes on
 another; bad set-ups raise the same typed error on every rank. The thread-backed
-groups of ``tests/distributed/test_shard.py`` cover the same in depth.
+groups of ``tests/parallel/test_shard.py`` cover the same in depth.
 
 ``ARRAYTRAIN_SHARD_DIR``: a folder shared by successive launches. Each launch resumes
 every checkpoint an earlier launch with another number of ranks left there, checks
@@ -26,7 +26,7 @@ SHAPES = {"emb": (130, 101), "b": (7,), "mid": (41000,), "tiny": (3, 5), "head":
 # What runs over MPI: one optimizer per kind of sharded step (momentum alone, Adam's moments with
 # amsgrad's maximum, LAMB's per-parameter sums across ranks, schedule-free's averaged weights).
 # Every element-wise optimizer, in every state dtype, is checked sharded against replicated on
-# groups of threads (tests/distributed/test_shard.py); here the transport is what differs, and
+# groups of threads (tests/parallel/test_shard.py); here the transport is what differs, and
 # each optimizer's kernels cost a CI compile (11 optimizers in float64, 4 in low precision and 4
 # in 8 bits took 3 minutes of one core).
 ELEMENTWISE = {

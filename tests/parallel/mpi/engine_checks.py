@@ -3,7 +3,7 @@
 Data parallel equals one process with the same global batch (a NaN on one rank
 skips the step on all); with every compressor the ranks stay identical; a group
 checkpoint resumes bitwise on the same number of ranks. The thread-backed group of
-``tests/test_exchange.py`` covers the engine's stages in depth; these run them
+``tests/parallel/test_engine_group.py`` covers the engine's stages in depth; these run them
 through real MPI collectives.
 """
 

@@ -1,8 +1,11 @@
-"""The engine's exchange stages over a group of ranks (threads here; MPI in tests/distributed/test_distributed.py).
+"""The Engine end to end over a group of ranks: threads standing for ranks (``thread_group.ThreadGroup``); the
+same checks under mpiexec in ``test_mpi.py``.
 
-Dense data parallelism must give what one process gives for the same global batch;
-compressed exchange must decode to the sum of every rank's own decode, with error
-feedback keeping per rank what that rank failed to send.
+Dense data parallelism must give what one process gives for the same global batch, every rank ending
+identical; the ranks start from rank 0's weights, and a mismatched set-up raises the same error on every
+rank; compressed data parallelism keeps the ranks identical, error feedback per rank; a group's checkpoint
+resumes; the trainer shares each batch out. With overlapped exchanges: ``test_engine_group_overlap.py``; with
+sharded state: ``test_shard.py``.
 """
 
 from __future__ import annotations
@@ -12,9 +15,9 @@ import pytest
 
 import arraytrain as at
 from arraytrain import compress as C
-from arraytrain.errors import ArgumentTypeError, HyperparameterError, LayoutError
-from arraytrain.parallel.communicator import LocalComm, check_comm
+from arraytrain.errors import HyperparameterError, LayoutError
 from builders import random_engine, random_params
+from test_sync import GATHERED
 from thread_group import ThreadGroup
 
 SHAPES = {"w1": (12, 9), "b1": (12,), "w2": (4, 12), "b2": (4,)}
@@ -40,14 +43,6 @@ def _windows(steps, ranks, micro, seed=1, nan_at=None):
     if nan_at is not None:
         grads[nan_at][ranks - 1][0]["w2"][1, 2] = np.nan
     return grads, weights
-
-
-def test_the_local_exchange_is_the_default_and_others_are_refused():
-    eng = random_engine(SHAPES, at.optim.SGD(lr=0.1))
-    assert isinstance(eng.comm, LocalComm) and eng.comm.is_local
-    with pytest.raises(ArgumentTypeError, match="comm"):
-        random_engine(SHAPES, at.optim.SGD(lr=0.1), comm=object())
-    assert isinstance(check_comm(None), LocalComm)
 
 
 @pytest.mark.parametrize("ranks", [2, pytest.param(3, marks=pytest.mark.slow)])
@@ -125,81 +120,6 @@ def test_a_mismatched_setup_raises_the_same_error_on_every_rank(what):
     assert all(e is not None for e in errors), errors
     assert len({(type(e), str(e)) for e in errors}) == 1  # the same error everywhere
     assert "rank 1" in str(errors[0])
-
-
-GATHERED = {"topk": lambda: C.TopK(ratio=0.1, min_size=16, ramp=0), "sign": lambda: C.Sign(min_size=16),
-            "topk_ramp": lambda: C.TopK(ratio=0.1, min_size=16, ramp=2),  # 1/4 kept for 2 calls, then 0.1
-            "ternary": lambda: C.Ternary(seed=2)}
-
-
-@pytest.mark.parametrize("name", sorted(GATHERED))
-def test_a_gathered_exchange_sums_every_ranks_decode_and_feedback_stays_per_rank(name):
-    ranks, steps = 3, 4
-    layout = at.Layout(SHAPES)
-    rng = np.random.default_rng(3)
-    xs = np.zeros((steps, ranks, layout.size))
-    for n in layout.names:  # live elements only: the padding of a gradient buffer is zero
-        xs[:, :, layout.slice(n)] = rng.standard_normal((steps, ranks, layout.slice(n).stop - layout.slice(n).start))
-
-    def rank_run(rank, comm):
-        ef = C.ErrorFeedback(GATHERED[name]()).bind(layout, np.float64, comm=comm)
-        twin = C.ErrorFeedback(GATHERED[name]()).bind(layout, np.float64)
-        out = []
-        for t in range(steps):
-            x = xs[t, rank].copy()
-            before = ef.residual.flat.copy()
-            payload = ef.exchange(x)
-            sent = ef.compressor.decompress(payload)  # this rank's own contribution
-            # error feedback keeps what this rank failed to send, whatever the others sent
-            np.testing.assert_allclose(ef.residual.flat, before + xs[t, rank] - sent, rtol=1e-13, atol=1e-13)
-            if not GATHERED[name]().stochastic:  # deterministic: the one-process roundtrip sends the same
-                mine = xs[t, rank].copy()
-                assert twin.roundtrip(mine).nbytes == payload.nbytes
-                np.testing.assert_array_equal(mine, sent)
-                np.testing.assert_array_equal(ef.residual.flat, twin.residual.flat)
-            out.append((x, sent))
-        return out
-
-    results = ThreadGroup(ranks).run(rank_run)
-    for t in range(steps):
-        total = sum(results[r][t][1] for r in range(ranks))
-        for r in range(ranks):
-            np.testing.assert_allclose(results[r][t][0], total, rtol=1e-13, atol=1e-13)
-    if GATHERED[name]().stochastic:  # each rank rounds with its own draws
-        assert not np.array_equal(results[0][0][1], results[1][0][1])
-
-
-def test_a_gathered_exchange_all_reduces_its_dense_part():
-    """Top-k's warm-up (the whole gradient raw) and its small parameters travel by all-reduce: a
-    process receives them once, not once per process; the sum equals the one-process decode's."""
-    ranks = 3
-    layout = at.Layout(SHAPES)
-    rng = np.random.default_rng(5)
-    live = np.zeros(layout.size, bool)
-    for n in layout.names:
-        live[layout.slice(n)] = True
-    xs = [np.where(live, rng.standard_normal(layout.size), 0.0) for _ in range(ranks)]  # zero padding
-    group = ThreadGroup(ranks)
-
-    def rank_run(rank, comm):
-        c = C.TopK(ratio=0.1, min_size=16, warmup=1, ramp=0).bind(layout, np.float64, comm=comm)
-        out = []
-        for _ in range(2):  # the warm-up call, then a compressed one
-            x = xs[rank].copy()
-            c.exchange(x)
-            out.append(x)
-        return out
-
-    results = group.run(rank_run)
-    np.testing.assert_allclose(results[0][0], sum(xs), rtol=1e-13, atol=1e-13)  # warm-up: the dense sum
-    for rank in range(ranks):
-        gathers = [call[1] for call in group.calls[rank] if call[0] == "allgather"]
-        assert all(int(np.prod(shape)) < layout.size // 2 for shape in gathers), gathers
-        np.testing.assert_array_equal(results[rank][1], results[0][1])
-    small = [n for n in layout.names if int(np.prod(layout.shape(n))) < 16]
-    assert small
-    for n in small:  # the small parameters travel raw: the exact sum
-        np.testing.assert_allclose(results[0][1][layout.slice(n)], sum(xs)[layout.slice(n)], rtol=1e-13, atol=1e-13)
 
 
 @pytest.mark.parametrize("name", ["topk", "sign"])
@@ -341,27 +261,3 @@ def test_a_batch_smaller_than_the_group_is_refused_before_training():
         return engine.state.step
 
     assert ThreadGroup(3).run(fit) == [0, 0, 0]
-
-
-def test_pieces_of_every_block_are_gathered_and_a_bad_range_is_refused():
-    """``iallgather_blocks``: the default (an all-gather of the own piece, copied into place) in a thread
-    group, and a group of one; ``lo``/``hi`` outside a block refused by name before anything moves."""
-    def rank_run(rank, comm):
-        x = np.full(3 * 10, -1.0)
-        x[rank * 10 : (rank + 1) * 10] = rank * 100 + np.arange(10)
-        assert comm.iallgather_blocks(x, 2, 5).test()
-        for r in range(3):
-            want = np.full(10, -1.0) if r != rank else r * 100 + np.arange(10.0)
-            want[2:5] = r * 100 + np.arange(2, 5)
-            np.testing.assert_array_equal(x[r * 10 : (r + 1) * 10], want)
-        for lo, hi, name in ((-1, 3, "lo"), (4, 3, "hi"), (0, 11, "hi"), (11, 11, "lo")):
-            with pytest.raises(ArgumentTypeError, match=name):
-                comm.iallgather_blocks(x, lo, hi)
-        return True
-
-    assert ThreadGroup(3).run(rank_run) == [True] * 3
-    one = np.arange(4.0)
-    LocalComm().iallgather_blocks(one, 0, 4).wait()
-    np.testing.assert_array_equal(one, np.arange(4.0))
-    with pytest.raises(ArgumentTypeError, match="hi"):
-        LocalComm().iallgather_blocks(one, 0, 5)

@@ -1,7 +1,7 @@
 """torch.distributed as the transport: TorchComm's checks under ``torchrun``, each launch bounded.
 
 Every multi-rank test launches ``torchrun --standalone --nproc-per-node K`` (the torchrun beside
-this interpreter) on ``tests/distributed/torchrun/checks.py GROUP...`` or on the example, with a
+this interpreter) on ``tests/parallel/torchrun/checks.py GROUP...`` or on the example, with a
 timeout (a distributed bug is a hang until proven otherwise): past it torchrun is sent SIGTERM,
 on which it ends its ranks, then SIGKILL; each rank also ends itself, printing its stacks, a
 little before (``ARRAYTRAIN_RANK_TIMEOUT``). Skipped without torch or torchrun. One launch runs
@@ -66,7 +66,7 @@ def torchrun(n: int, *argv, timeout: float = TIMEOUT, **env) -> subprocess.Compl
 
 
 def helpers(name: str):
-    """A checks module of tests/distributed/torchrun (or ../mpi) imported in this process."""
+    """A checks module of tests/parallel/torchrun (or ../mpi) imported in this process."""
     for folder in (HERE / "torchrun", HERE / "mpi"):
         sys.path.insert(0, str(folder))
     try:
@@ -125,7 +125,7 @@ def test_every_gloo_engine_check_on_2_ranks_and_their_checkpoints_in_one_process
     np.testing.assert_allclose(bc.flat_params(m), bc.flat_params(want), rtol=1e-10, atol=1e-12)
 
 
-@pytest.mark.slow  # the slow tier: a crash under torchrun (test_distributed checks one under mpiexec)
+@pytest.mark.slow  # the slow tier: a crash under torchrun (test_mpi checks one under mpiexec)
 def test_a_crashing_rank_ends_the_job_with_its_error():
     """The last rank fails before a collective the other waits in: torchrun ends both, non-zero."""
     t0 = time.monotonic()

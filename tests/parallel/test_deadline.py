@@ -1,6 +1,6 @@
 """The deadline on collectives' waits (:mod:`arraytrain.parallel.deadline`): its limits, its line, its exit,
 and the engine telling the communicator when the job is steady. The multi-process case (a rank that stops
-answering under mpiexec) is ``test_distributed.py``'s; a link taken down, ``tests/bench/test_bench_cluster.py``'s."""
+answering under mpiexec) is ``test_mpi.py``'s; a link taken down, ``tests/bench/test_bench_cluster.py``'s."""
 
 from __future__ import annotations
 

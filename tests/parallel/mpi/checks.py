@@ -1,6 +1,6 @@
-"""Checks that run on every rank under mpiexec: ``mpiexec -n K python tests/mpi/checks.py GROUP...``.
+"""Checks that run on every rank under mpiexec: ``mpiexec -n K python tests/parallel/mpi/checks.py GROUP...``.
 
-``tests/test_distributed.py`` launches this with a timeout; run it by hand to
+``tests/parallel/test_mpi.py`` launches this with a timeout; run it by hand to
 debug a failure. One launch runs many checks (process start-up and numba's
 import are the cost). After each check every rank reports its outcome in one
 collective, so the ranks stay in step and rank 0 prints every rank's failures;

@@ -4,7 +4,7 @@ The sharded engine must follow the replicated data-parallel engine step for step
 element-wise optimizer, with clipping, accumulation, weighted micro-batches, a NaN
 micro-batch, loss scaling, bfloat16 state, working copies, a pruning mask and a schedule.
 The rank groups here are threads whose reduce-scatter puts a rank's sum where MPI's
-in-place form does (the first block, not the own one); ``tests/distributed/test_distributed.py``
+in-place form does (the first block, not the own one); ``tests/parallel/test_mpi.py``
 runs the same under ``mpiexec``.
 """
 
@@ -791,3 +791,33 @@ def test_a_mask_built_on_the_users_layout_prunes_a_sharded_8bit_engine():
     with pytest.raises(LayoutError, match="layout"):
         eng.set_mask(at.prune.MaskBuffer.ones(at.Layout({"w": (3,)})))
     assert eng.mask is None
+
+
+def test_a_sharded_layout_deals_the_buckets_to_the_ranks_in_turn():
+    """``shard.interleaved``: consecutive buckets of the backward pass lie in different halves (2 ranks) or
+    thirds (3 ranks) of the buffer, each bucket whole and contiguous, the buckets tiling the buffer; the
+    values move with their names; one bucket (or one rank) keeps the layout as it is."""
+    from arraytrain.parallel.shard import interleaved
+    from arraytrain.parallel.sync import buckets_in
+
+    shapes = {f"p{i}": (1000 + 10 * i,) for i in range(12)}
+    flat = at.FlatBuffer.from_arrays({n: np.full(s, float(i)) for i, (n, s) in enumerate(shapes.items())})
+    for ranks in (2, 3):
+        out, members = interleaved(flat, ranks, 8000 * 3)  # three parameters a bucket
+        lay = out.layout
+        assert members == [[f"p{i}", f"p{i + 1}", f"p{i + 2}"] for i in (9, 6, 3, 0)]
+        for n in shapes:
+            np.testing.assert_array_equal(out[n], flat[n])
+        bs = buckets_in(lay, members)
+        assert sorted((b.lo, b.hi) for b in bs)[0][0] == 0 and max(b.hi for b in bs) == lay.size
+        spans = sorted((b.lo, b.hi) for b in bs)
+        assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))  # they tile the buffer
+        for b, names in zip(bs, members):
+            assert [lay.names[i] for i in b.params] == names
+            assert b.lo <= min(lay.offsets[i] for i in b.params) and b.hi >= max(lay.offsets[i] + lay.sizes[i]
+                                                                                  for i in b.params)
+        owner = [min(ranks - 1, b.lo * ranks // lay.size) for b in bs]  # the partition each bucket starts in
+        assert all(a != b for a, b in zip(owner, owner[1:])), owner
+    same, members = interleaved(flat, 2, 10**9)
+    assert same is flat and len(members) == 1
+    assert interleaved(flat, 1, 8000 * 3)[0] is flat
