@@ -45,3 +45,16 @@ def assert_close_to_scale(got: Mapping, want: Mapping, *, rtol: float = 1e-5, at
     for n, w in want.items():
         w = np.asarray(w)
         np.testing.assert_allclose(got[n], w, rtol=rtol, atol=atol_scale * np.abs(w).max(), err_msg=n)
+
+
+def rank_windows(shapes, steps: int, ranks: int, micro: int, *, seed=1, nan_at=None, nan_in=None):
+    """Gradients ``grads[step][rank][micro]`` (name -> 3 x standard normal) and micro-batch weights
+    (uniform in [0.5, 2)) for a group of ``ranks``, drawn in that order from ``default_rng(seed)``; with
+    ``nan_at`` a NaN in parameter ``nan_in`` at ``[1, 2]`` of the last rank's first micro-batch at that step."""
+    rng = np.random.default_rng(seed)
+    grads = [[[{n: 3 * rng.standard_normal(s) for n, s in shapes.items()} for _ in range(micro)]
+              for _ in range(ranks)] for _ in range(steps)]
+    weights = rng.uniform(0.5, 2.0, size=(steps, ranks, micro))
+    if nan_at is not None:
+        grads[nan_at][ranks - 1][0][nan_in][1, 2] = np.nan
+    return grads, weights

@@ -16,7 +16,7 @@ import pytest
 import arraytrain as at
 from arraytrain import compress as C
 from arraytrain.errors import HyperparameterError, LayoutError
-from builders import random_engine, random_params
+from builders import random_engine, random_params, rank_windows
 from test_sync import GATHERED
 from thread_group import ThreadGroup
 
@@ -35,14 +35,8 @@ OPTIMIZERS = {
 
 
 def _windows(steps, ranks, micro, seed=1, nan_at=None):
-    """grads[step][rank][micro] and weights, with a NaN on rank ranks-1 at step ``nan_at``."""
-    rng = np.random.default_rng(seed)
-    grads = [[[{n: 3 * rng.standard_normal(s) for n, s in SHAPES.items()} for _ in range(micro)]
-              for _ in range(ranks)] for _ in range(steps)]
-    weights = rng.uniform(0.5, 2.0, size=(steps, ranks, micro))
-    if nan_at is not None:
-        grads[nan_at][ranks - 1][0]["w2"][1, 2] = np.nan
-    return grads, weights
+    """grads[step][rank][micro] and weights, with a NaN in 'w2' on rank ranks-1 at step ``nan_at``."""
+    return rank_windows(SHAPES, steps, ranks, micro, seed=seed, nan_at=nan_at, nan_in='w2')
 
 
 @pytest.mark.parametrize("ranks", [2, pytest.param(3, marks=pytest.mark.slow)])

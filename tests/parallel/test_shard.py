@@ -19,6 +19,7 @@ from arraytrain import schedules
 from arraytrain.errors import HyperparameterError, LayoutError, StateDictError
 from arraytrain.layout import REDUCE_CHUNK
 from arraytrain.parallel.shard import ShardBuffer, partition
+from builders import rank_windows
 from conftest import tiered
 from thread_group import ThreadGroup
 
@@ -47,13 +48,8 @@ def _params(dtype=np.float64, seed=0):
 
 
 def _windows(steps, ranks, micro, seed=1, nan_at=None):
-    rng = np.random.default_rng(seed)
-    grads = [[[{n: 3 * rng.standard_normal(s) for n, s in SHAPES.items()} for _ in range(micro)]
-              for _ in range(ranks)] for _ in range(steps)]
-    weights = rng.uniform(0.5, 2.0, size=(steps, ranks, micro))
-    if nan_at is not None:
-        grads[nan_at][ranks - 1][0]["head"][1, 2] = np.nan
-    return grads, weights
+    """grads[step][rank][micro] and weights, with a NaN in 'head' on rank ranks-1 at step ``nan_at``."""
+    return rank_windows(SHAPES, steps, ranks, micro, seed=seed, nan_at=nan_at, nan_in='head')
 
 
 def _train(ranks, shard, make_opt, *, steps=4, micro=2, dtype=np.float64, nan_at=None, mask=False, **kw):
