@@ -125,18 +125,18 @@ class GroupEngine(Engine):
         self.hooks = []
 
     def check(self) -> tuple[list, list, list, np.ndarray | None]:
-        """Find what a step must repair, changing nothing: ``(data_fixes, grad_fixes, held, addresses)``.
+        """Find what a step must repair, changing nothing: ``(data_fixes, grad_fixes, absent, addresses)``.
 
         ``.data`` replaced by a tensor of the same dtype, device and shape: its values are taken
         into the engine; ``.grad`` allocated by torch (after ``zero_grad(set_to_none=True)``): its
         values are copied into the buffer, or read where they lie; ``.grad`` None: the parameter is
-        held this step. ``addresses``: the gradients' addresses by segment for
+        absent this step. ``addresses``: the gradients' addresses by segment for
         :meth:`~arraytrain.Engine.read_in_place` when the step can read them where they lie (the
         engine can, not a bfloat16/float16 model, and every ``.grad`` is a contiguous tensor torch
         allocated, or None), else None (:meth:`connect` copies them into the buffer). Anything else
         raises before a write.
         """
-        data_fixes, grad_fixes, held, found = [], [], [], []
+        data_fixes, grad_fixes, absent, found = [], [], [], []
         on_cpu, strided = self.on_cpu, torch.strided
         fresh = not self.lowp  # every .grad a tensor torch allocated, or None: read where they lie
         for i, (n, p, data, grad, ptr, dtype, shape) in enumerate(self.bound):
@@ -148,7 +148,7 @@ class GroupEngine(Engine):
                 fresh = False  # a gradient in the buffer: the step reads the buffer (and zeroes it)
                 continue
             if g is None:
-                held.append(i)
+                absent.append(i)
                 continue
             # the common case in a few attribute reads: a dense CPU gradient of the parameter's kind
             if not (on_cpu and g.dtype is dtype and g.layout is strided and g.is_cpu and g.shape == shape):
@@ -161,11 +161,11 @@ class GroupEngine(Engine):
         addrs = None
         if fresh and found:
             addrs = fresh_addresses(self, found)
-        return data_fixes, grad_fixes, held, addrs
+        return data_fixes, grad_fixes, absent, addrs
 
-    def connect(self, data_fixes, grad_fixes, held) -> None:
+    def connect(self, data_fixes, grad_fixes, absent) -> None:
         """Apply what :meth:`check` found: every ``.grad`` that is not None then points into the buffer."""
-        if not (data_fixes or grad_fixes or held or self.lowp):
+        if not (data_fixes or grad_fixes or absent or self.lowp):
             return  # (the common step: gradients read where they lie, nothing to repair)
         with torch.no_grad():
             for i in data_fixes:
@@ -176,19 +176,19 @@ class GroupEngine(Engine):
                 _, p, _, grad, *_ = self.bound[i]
                 grad.copy_(p.grad)
                 p.grad = grad
-            if self.missing != "skip":  # a held parameter's gradient must read 0: the moments see it
-                for i in held:            # (with "skip" the engine zeroes it and the step leaves it alone)
+            if self.missing != "skip":  # an absent parameter's gradient must read 0: the moments see it
+                for i in absent:            # (with "skip" the engine zeroes it and the step leaves it alone)
                     if i not in self.clean:
                         self.bound[i][3].zero_()
             if self.lowp:
                 self.grads_tensor.copy_(self.lp_grads)
                 self.lp_grads.zero_()
 
-    def lean_step(self, bases: np.ndarray, max_grad_norm, rates: np.ndarray, held=()) -> StepReport | None:
+    def lean_step(self, bases: np.ndarray, max_grad_norm, rates: np.ndarray, absent=()) -> StepReport | None:
         """The step in one compiled call (:data:`arraytrain.kernels.cpu.optimizers.ADAM_CHECKED`),
         bitwise the staged :meth:`~arraytrain.Engine.step`'s, where it applies: Adam or AdamW with
         float32 state and no mask, every gradient a ``.grad`` read where it lies (``bases``, by segment,
-        as :meth:`~arraytrain.Engine.read_in_place` takes them) but the parameters ``held`` (segments
+        as :meth:`~arraytrain.Engine.read_in_place` takes them) but the parameters ``absent`` (segments
         whose ``.grad`` is None: left out, torch's rule, with ``missing="skip"``), no divisor
         (GradScaler); ``nonfinite`` either way; parameters at different step counts each with its own
         bias corrections (:mod:`arraytrain.param_steps`). ``rates``: the groups' lr and weight decay per
@@ -197,9 +197,9 @@ class GroupEngine(Engine):
         then nothing changed (the staged step takes it, and skips it)."""
         opt = self.optimizer
         if (not self.lean or type(opt) not in (Adam, AdamW) or opt.state_dtype is not None or self.counters.micro
-                or self._placement.kernel_mask is not None or (held and self.missing != "skip")):
+                or self._placement.kernel_mask is not None or (absent and self.missing != "skip")):
             return None
-        return self._noticed(self._lean_step, bases, max_grad_norm, rates, held)
+        return self._noticed(self._lean_step, bases, max_grad_norm, rates, absent)
 
     def _tables(self, absent):
         """``(pieces, upieces, bounds, lags)``: the norm pass's rows (the present parameters'), the
@@ -225,7 +225,7 @@ class GroupEngine(Engine):
             self._lean_tables[key] = cached
         return cached
 
-    def _lean_step(self, bases, max_grad_norm, rates, held):
+    def _lean_step(self, bases, max_grad_norm, rates, absent):
         if self._lean is None:  # (numba, imported at the first step that needs it)
             from ..kernels.cpu import SERIAL_BELOW
             from ..kernels.cpu.optimizers import ADAM_CHECKED
@@ -235,11 +235,11 @@ class GroupEngine(Engine):
         self._enter("step()")
         try:
             step = state.step
-            absent = None
-            if held:
-                absent = np.zeros(len(self.layout), dtype=bool)
-                absent[list(held)] = True
-            pieces, upieces, bounds, lags = self._tables(absent)
+            absent_mask = None
+            if absent:
+                absent_mask = np.zeros(len(self.layout), dtype=bool)
+                absent_mask[list(absent)] = True
+            pieces, upieces, bounds, lags = self._tables(absent_mask)
             b1, b2 = opt.betas
             ts = [step + 1 + int(lag) for lag in lags]  # (each group's t: its count before the step, plus one)
             flat = self.params.flat
@@ -260,8 +260,8 @@ class GroupEngine(Engine):
             if not applied:
                 return None
             state.step = step + 1
-            if absent is not None or state.counts is not None:
-                state.counts = param_steps.advanced(absent, state.counts, step, len(self.layout))
+            if absent_mask is not None or state.counts is not None:
+                state.counts = param_steps.advanced(absent_mask, state.counts, step, len(self.layout))
             # the staged step's finding: the sums' norms, or NaN where there was no pass or a NaN/Inf applied
             found = NormPass.of_sums(math.sqrt(total), per_seg) if math.isfinite(total) else \
                 NormPass.lazy(math.nan, lambda: np.full(len(per_seg), math.nan))
@@ -302,7 +302,7 @@ def _ready(engine_ref, i: int, p) -> None:
 class Cohort:
     """One engine and where its parameters sit in the param groups."""
 
-    __slots__ = ("engine", "flat_rates", "group_of", "groups", "held", "index", "lrs", "pairs", "rates",
+    __slots__ = ("engine", "flat_rates", "group_of", "groups", "index", "lrs", "pairs", "rates", "rates_zeroed",
                  "scalar_tensors", "scalars", "signature", "steps", "step_tensors", "wds")
 
     def __init__(self, engine: GroupEngine, index: list, signature):
@@ -321,7 +321,7 @@ class Cohort:
         n = len(index)
         # each parameter's group's lr and weight_decay (columns), set by the first read of the groups, taken
         # from the groups' (lr, weight_decay) pairs, flat, at ``pairs``
-        self.rates, self.held = np.zeros((n, 2)), False
+        self.rates, self.rates_zeroed = np.zeros((n, 2)), False
         self.lrs, self.wds, self.flat_rates = self.rates[:, 0], self.rates[:, 1], self.rates.reshape(-1)
         self.pairs = np.stack([2 * self.group_of, 2 * self.group_of + 1], axis=1).reshape(-1)
         self.sync_tensors()

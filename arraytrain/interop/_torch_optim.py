@@ -306,39 +306,39 @@ class TorchOptimizer(torch.optim.Optimizer):
             return []  # no gradient anywhere: torch's optimizers do nothing either
         one = len(self._cohorts) == 1
         if one and divisor == 1.0:
-            data_fixes, _, held, bases = plans[0]
+            data_fixes, _, absent, bases = plans[0]
             c = self._cohorts[0]
             if bases is not None and not data_fixes:  # the common step: in one compiled call
-                report = c.engine.lean_step(bases, self.max_grad_norm, c.rates, held)
+                report = c.engine.lean_step(bases, self.max_grad_norm, c.rates, absent)
                 if report is not None:
-                    c.held = False
+                    c.rates_zeroed = False
                     c.engine.clean = set()
                     c.sync_tensors()
                     return [report]
-        for c, (data_fixes, grad_fixes, held, bases) in zip(self._cohorts, plans):
+        for c, (data_fixes, grad_fixes, absent, bases) in zip(self._cohorts, plans):
             if one and bases is not None:  # every gradient is a fresh .grad: read where it lies, nothing copied
-                c.engine.connect(data_fixes, [], held)
+                c.engine.connect(data_fixes, [], absent)
                 c.engine.read_in_place(bases)
             else:
-                c.engine.connect(data_fixes, grad_fixes, held)
+                c.engine.connect(data_fixes, grad_fixes, absent)
             # a parameter without a gradient: the engine leaves it out of the step (torch's rule); where
             # its optimizer cannot step parameters alone, a zero lr and decay keep its weights
-            hold = held if c.engine.missing != "skip" else []
-            if rates or hold or c.held:
+            zeroed = absent if c.engine.missing != "skip" else []
+            if rates or zeroed or c.rates_zeroed:
                 hp = c.engine.state.hp
                 hp["lr"][...] = c.lrs
                 hp["weight_decay"][...] = c.wds
-                if hold:
-                    hp["lr"][hold] = 0.0
-                    hp["weight_decay"][hold] = 0.0
-            c.held = bool(hold)
+                if zeroed:
+                    hp["lr"][zeroed] = 0.0
+                    hp["weight_decay"][zeroed] = 0.0
+            c.rates_zeroed = bool(zeroed)
         for c in self._cohorts:
             e = c.engine
             e.loss_scaler.scale = divisor  # the engine's Divisor: GradScaler's scale, which the gradients carry
             e.max_grad_norm = self.max_grad_norm
         if len(self._cohorts) == 1:
-            e, held = self._cohorts[0].engine, plans[0][2]
-            reports = [e.step(absent=self._absent(e, held))]
+            e, absent = self._cohorts[0].engine, plans[0][2]
+            reports = [e.step(absent=self._absent(e, absent))]
         else:  # several engines: one norm, one NaN/Inf verdict and one clip factor over all of them
             reports = Engine.step_together([c.engine for c in self._cohorts],
                                            [self._absent(c.engine, plan[2]) for c, plan in zip(self._cohorts, plans)])
@@ -348,9 +348,9 @@ class TorchOptimizer(torch.optim.Optimizer):
         return reports
 
     @staticmethod
-    def _absent(engine, held):
+    def _absent(engine, absent):
         """The parameters whose ``.grad`` is None, by name, where the engine leaves them out of the step."""
-        return [engine.bound[i][0] for i in held] if held and engine.missing == "skip" else None
+        return [engine.bound[i][0] for i in absent] if absent and engine.missing == "skip" else None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """torch's ``zero_grad``: ``.grad`` set to None, or (``set_to_none=False``) the gradient buffers zeroed.
