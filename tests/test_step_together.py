@@ -95,7 +95,24 @@ def test_bad_calls_are_refused():
         Engine.step_together([acc])
     with pytest.raises(at.UnknownParameterError):
         Engine.step_together(parts, absent=[["nothere"], None])
+    for bad, match in (([], "non-empty"), ([parts[0], "x"], "non-empty"), ([parts[0], parts[0]], "twice"),
+                       (3, "list of engines")):
+        with pytest.raises(ArgumentTypeError, match=match):
+            Engine.step_together(bad)
     assert all(e.state.step == 0 and e.micro_batches == 0 for e in parts)
+
+
+def test_a_schedule_that_fails_changes_no_engine():
+    """Every engine's schedule is evaluated before any engine takes its window."""
+    p = _params()
+    ok = Engine({k: p[k] for k in SPLIT[0]}, optim.SGD(lr=0.1))
+    bad = Engine({k: p[k] for k in SPLIT[1]}, optim.SGD(lr=0.1), schedule=at.schedules.ExponentialLR(1e300))
+    bad.state.step = 3  # 1e300 ** 3 overflows: a non-finite lr
+    before = ok.params.flat.copy()
+    with pytest.raises(at.HyperparameterError, match="lr"):
+        Engine.step_together([ok, bad])
+    np.testing.assert_array_equal(ok.params.flat, before)
+    assert ok.micro_batches == 0 and bad.micro_batches == 0 and ok.state.step == 0
 
 
 def test_sam_engines_take_the_ascent_by_the_global_norm():

@@ -524,6 +524,14 @@ class Engine:
         gradient is in its ``grads`` (or read in place), no compressor; they take
         ``max_grad_norm``, ``clip_eps`` and ``nonfinite`` from the first. ``absent``: per engine, as
         :meth:`step`'s. Returns each engine's report."""
+        try:
+            engines = list(engines)
+        except TypeError:
+            raise ArgumentTypeError(f"engines: expected a list of engines, got {type(engines).__name__}") from None
+        if not engines or not all(isinstance(e, Engine) for e in engines):
+            raise ArgumentTypeError("engines: expected a non-empty list of arraytrain.Engine")
+        if len({id(e) for e in engines}) != len(engines):
+            raise ArgumentTypeError("engines: an engine is listed twice")
         absent = [None] * len(engines) if absent is None else list(absent)
         if len(absent) != len(engines):
             raise ArgumentTypeError(f"absent: expected one entry per engine ({len(engines)}), got {len(absent)}")
@@ -547,8 +555,8 @@ class Engine:
     @staticmethod
     def _together(engines, absent, max_norm, eps, check) -> list[StepReport]:
         windows, verdicts = [], []
-        for e, a in zip(engines, absent):  # each engine's boundary up to its norm pass (see _boundary)
-            lr, lrs = e._scheduled(True)
+        rates = [e._scheduled(True) for e in engines]  # every schedule checked before any engine changes
+        for e, a, (lr, lrs) in zip(engines, absent, rates):  # each boundary up to its norm pass (see _boundary)
             e._intake_stage(None, 1.0, a)
             wsum = e.counters.close_window()
             missing, e.counters.absent = e.counters.absent, None
