@@ -52,6 +52,7 @@ from ..errors import (
 from ..kernels.counter_rng import step_key
 from ..kernels.interface import IMPLS, family
 from ..layout import Layout
+from ._gather import Gather
 
 FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 
@@ -130,76 +131,6 @@ def check_wire(arrays: Mapping, name: str, shape: tuple, dtype, like) -> object:
                                           f"({array_backend(a) or type(a).__name__})")
         raise ArgumentTypeError(f"payload {name!r}: expected shape {shape} {np.dtype(dtype)} ({want}), got {got}")
     return a
-
-
-def _runs(layout: Layout, names) -> list[tuple[int, int]]:
-    """Live ``[lo, hi)`` ranges of ``names`` in the flat buffer, adjacent ranges merged."""
-    runs: list[list[int]] = []
-    for name in names:
-        s = layout.slice(name)
-        if s.stop == s.start:
-            continue
-        if runs and runs[-1][1] == s.start:
-            runs[-1][1] = s.stop
-        else:
-            runs.append([s.start, s.stop])
-    return [(lo, hi) for lo, hi in runs]
-
-
-class _Gather:
-    """Pack a set of live ranges of a flat buffer into a dense vector and back (a view when one range)."""
-
-    def __init__(self, runs, size: int, dtype):
-        self.runs = runs
-        self.size = size
-        self.dtype = dtype
-        self.view = len(runs) == 1
-        self._scratch = None  # allocated on first use, on the backend of the arrays packed
-
-    def _buffer(self, like):
-        s = self._scratch
-        if s is None or type(s) is not type(like):
-            s = self._scratch = module_of_backend(backend_of(like)).empty(self.size, self.dtype)
-        return s
-
-    def pack(self, x: np.ndarray) -> np.ndarray:
-        """The dense vector of ``x``'s ranges: a view of ``x`` or the (reused) scratch."""
-        if self.size == 0:
-            return x[:0]
-        if self.view:
-            lo, hi = self.runs[0]
-            return x[lo:hi]
-        out, k = self._buffer(x), 0
-        for lo, hi in self.runs:
-            out[k:k + hi - lo] = x[lo:hi]
-            k += hi - lo
-        return out
-
-    def target(self, out: np.ndarray) -> np.ndarray:
-        """Where to decode so that :meth:`finish` lands it in ``out`` (a view of ``out`` when one range)."""
-        if self.size == 0:
-            return out[:0]
-        if self.view:
-            lo, hi = self.runs[0]
-            return out[lo:hi]
-        return self._buffer(out)
-
-    def finish(self, dense: np.ndarray, out: np.ndarray) -> None:
-        """Scatter :meth:`target`'s contents into ``out`` (nothing to do for a view)."""
-        if not self.view:
-            self.put(dense, out)
-
-    def add(self, x: np.ndarray, out: np.ndarray) -> None:
-        """``out += x`` over the live ranges (padding is left as is)."""
-        for lo, hi in self.runs:
-            out[lo:hi] += x[lo:hi]
-
-    def put(self, dense: np.ndarray, out: np.ndarray) -> None:
-        """Scatter the dense vector ``dense`` into ``out``'s ranges."""
-        k = 0
-        for lo, hi in self.runs:
-            out[lo:hi] = dense[k:k + hi - lo]
-            k += hi - lo
 
 
 class Compressor(ABC):
@@ -314,9 +245,9 @@ class Compressor(ABC):
         live = sum(int(np.prod(s, dtype=np.int64)) for s in layout.shapes)
         self._bind(domain)  # may raise (e.g. a shape the method cannot take): nothing is kept yet
         self.layout, self._dtype, self.domain, self.comm = layout, dtype, domain, comm
-        self._big = _Gather(_runs(layout, big), k, dtype)
-        self._small = _Gather(_runs(layout, small), live - k, dtype)
-        self._all = _Gather(_runs(layout, layout.names), live, dtype)
+        self._big = Gather(layout, big, k, dtype)
+        self._small = Gather(layout, small, live - k, dtype)
+        self._all = Gather(layout, layout.names, live, dtype)
         self._dense_nbytes = live * dtype.itemsize
         return self
 
