@@ -226,8 +226,8 @@ class FlatBuffer(Mapping):
         for name, a in arrays.items():
             if name not in self._views:
                 raise UnknownParameterError(f"{name!r}: no such parameter; known: {list(self.layout.names)}")
-            if isinstance(a, Mapping):  # 8-bit optimizer state (arraytrain.state8): decoded, onto this device
-                from .state8 import decode_entry, is_q8_entry
+            if isinstance(a, Mapping):  # 8-bit optimizer state (arraytrain.lowbit): decoded, onto this device
+                from .lowbit import decode_entry, is_q8_entry
 
                 if is_q8_entry(a):
                     a = array_module(self.flat).asarray(decode_entry(name, a, self.layout.shape(name)))

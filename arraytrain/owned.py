@@ -4,7 +4,7 @@ Under sharded state (:mod:`arraytrain.parallel.shard`) a rank holds a contiguous
 parameter's optimizer state. :func:`arraytrain.load` reads only that range of each saved
 array: the engine's template names it with :class:`Owned`, and the reader hands back an
 :class:`OwnedPart`. The state buffers that take such parts (:class:`arraytrain.parallel.shard.ShardBuffer`,
-a partition's :class:`arraytrain.state8.Quant8Buffer`) check its range against their own.
+a partition's :class:`arraytrain.optim.state8.Quant8Buffer`) check its range against their own.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ copies, masks) to the GPU, runs the CUDA kernel, and copies each one back into t
 array it came from; host-side tables and per-parameter hyperparameters (``pieces``,
 ``lr``, ...) stay NumPy, as the optimizers pass them. Arguments that are the same
 NumPy array share one device copy, so aliasing behaves as on the CPU. An 8-bit slot
-(:class:`arraytrain.state8.Q8` of NumPy arrays) goes over as a ``Q8`` of device copies, and its
+(:class:`arraytrain.kernels.interface.Q8` of NumPy arrays) goes over as a ``Q8`` of device copies, and its
 codes and side array come back.
 
 :func:`cuda_usable` probes by running a tiny kernel (CuPy imports fine without a GPU).
@@ -69,7 +69,7 @@ class OnDevice:
         def call(*args, **kwargs):
             import cupy as cp
 
-            from arraytrain.state8 import Q8
+            from arraytrain.kernels.interface import Q8
 
             bound = sig.bind(*args, **kwargs)
             copies, q8s = {}, {}

@@ -297,7 +297,7 @@ def _8bit(name):
 
 def _decoded(buf):
     """An 8-bit slot's values on the host (float32 per name), or a float slot's arrays."""
-    from arraytrain import state8
+    from arraytrain.optim import state8
 
     if isinstance(buf, state8.Quant8Buffer):
         return {k: (v.get() if hasattr(v, "get") else v) for k, v in ((k, buf.values(k)) for k in buf.names)}
@@ -308,7 +308,7 @@ def _decoded(buf):
 def test_cuda_engine_with_8bit_state_follows_the_cpu_engine(name):
     """30 clipped steps on both devices from the same start: the slots' values and the parameters
     stay together (a code one off at a rounding boundary moves a value by one code, so not bitwise)."""
-    from arraytrain import state8
+    from arraytrain.optim import state8
 
     rng = np.random.default_rng(21)
     p0 = _params(rng)
@@ -407,11 +407,11 @@ def test_8bit_state_dict_round_trip_on_the_device():
     np.testing.assert_array_equal(f32.state.slots["exp_avg"]["fc1.weight"].get(),
                                   a.state.slots["exp_avg"].values("fc1.weight").get())
     c = at.Engine(_params(rng), _8bit("adamw"), device="cuda")
-    c.load_state_dict(f32.state_dict(copy=True))  # and back: encoded as state8.quantize encodes
-    from arraytrain import state8
+    c.load_state_dict(f32.state_dict(copy=True))  # and back: encoded as lowbit.quantize encodes
+    from arraytrain import lowbit
 
     entry = c.state_dict()["optimizer"]["slots"]["exp_avg"]["fc1.weight"]
-    codes, absmax = state8.quantize(f32.state.slots["exp_avg"]["fc1.weight"].get(), True)
+    codes, absmax = lowbit.quantize(f32.state.slots["exp_avg"]["fc1.weight"].get(), True)
     np.testing.assert_array_equal(entry["codes"].get().ravel(), codes)
     np.testing.assert_array_equal(entry["absmax"].get(), absmax)
 

@@ -487,9 +487,9 @@ def match(where: str, path: tuple, got, want, specs: dict, checks: list) -> None
 
 def _q8_conversion(got, want) -> bool:
     """A slot saved in 8 bits where the engine keeps floats (or the other way, or in the other
-    codec's map: 8-bit and float8): the engine's ``load_state_dict`` converts (arraytrain.state8);
+    codec's map: 8-bit and float8): the engine's ``load_state_dict`` converts (arraytrain.optim.state8);
     the file's own form is matched here."""
-    from ..state8 import is_q8_entry
+    from ..lowbit import is_q8_entry
 
     if (isinstance(want, (np.ndarray, Owned)) or is_cupy(want)) and isinstance(got, dict) and is_q8_entry(got):
         return True  # read whole: the engine decodes it
@@ -501,7 +501,7 @@ def _q8_conversion(got, want) -> bool:
 def _q8_template(got, want, specs: dict):
     """The form the file holds, as a template: an 8-bit entry for a float parameter's shape, or
     the float array (its own float dtype) for an 8-bit entry's, or the other codec's entry."""
-    from ..state8 import BLOCK, scale_key
+    from ..lowbit import BLOCK, scale_key
 
     if isinstance(want, Mapping) and isinstance(got, dict):  # an entry of another map: the same arrays
         key = scale_key(got["map"]) if isinstance(got["map"], str) else "absmax"

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .. import param_steps
-from .. import state8
+from ..optim import state8
 from . import intake
 from ..parallel import shard
 from .._checks import check_count, check_int, check_number, shown

@@ -23,7 +23,7 @@ import numpy as np
 from .. import param_steps
 from ..errors import BackendUnavailableError, HyperparameterError
 from ..parallel.shard import ShardBuffer
-from ..state8 import Quant8Buffer
+from ..optim.state8 import Quant8Buffer
 from ._torch_engine import LOWP, Cohort, GroupEngine, group_name
 from ._torch_options import Options
 from ._torch_views import check_cuda_device

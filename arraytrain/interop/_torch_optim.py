@@ -61,7 +61,7 @@ class TorchOptimizer(torch.optim.Optimizer):
         for a bfloat16/float16 model's master weights); "bfloat16" stores it in bfloat16, math in
         float32; "8bit" stores it as ``bnb.optim.AdamW8bit`` and its siblings do (bitsandbytes'
         blockwise dynamic quantization: a uint8 code per element and a float32 ``absmax`` per
-        256-element block, see :mod:`arraytrain.state8`), math in float32, for float32 parameters
+        256-element block, see :mod:`arraytrain.lowbit`), math in float32, for float32 parameters
         or a bfloat16/float16 model's float32 master weights (float64 parameters are refused at
         construction), on the CPU or CUDA as the engine runs it. A parameter with fewer than ``min_8bit_size``
         elements keeps float32 state. An 8-bit slot shows in ``state[p]`` and ``state_dict()`` as
@@ -387,11 +387,11 @@ class TorchOptimizer(torch.optim.Optimizer):
         ``{"codes": uint8 tensor of the parameter's shape, "absmax": float32 tensor (one per
         256-element block), "map": "signed" or "unsigned"}`` (bitsandbytes' ``state1``/``absmax1``
         and the dynamic map its ``qmap1`` holds; value = ``map[code] * absmax``, decoded by
-        :func:`arraytrain.state8.dequantize`), the same form as the engine's checkpoints; the
+        :func:`arraytrain.lowbit.dequantize`), the same form as the engine's checkpoints; the
         codes and scales are live views, and ``torch.save`` / ``torch.load(weights_only=True)``
         keep them bitwise. A smaller parameter's slot is a float32 tensor. With ``state_dtype="float8"``
         the same, as ``{"codes", "scale", "map": "e4m3" or "e5m2"}`` (value ``map[code] * scale``,
-        :func:`arraytrain.state8.decode`). No decoded float copy
+        :func:`arraytrain.lowbit.decode`). No decoded float copy
         is offered in ``state[p]``: writes into it would be lost.
         """
         for hook in self._optimizer_state_dict_pre_hooks.values():
@@ -415,7 +415,7 @@ class TorchOptimizer(torch.optim.Optimizer):
         it from the model's current weights. Anything refused raises
         :class:`~arraytrain.errors.StateDictError` before any write.
 
-        Slots convert as the engine's ``load_state_dict`` converts them (:mod:`arraytrain.state8`):
+        Slots convert as the engine's ``load_state_dict`` converts them (:mod:`arraytrain.optim.state8`):
         an 8-bit entry into an 8-bit slot is kept bitwise, into a float32/bfloat16 slot decoded;
         a float tensor (float32, bfloat16, torch.optim's own) into an 8-bit slot is encoded.
         """

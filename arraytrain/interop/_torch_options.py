@@ -7,7 +7,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from .. import optim, state8
+from .. import optim
+from ..optim import state8
 from .._checks import check_int
 from ..errors import HyperparameterError
 from ..ops import CLIP_EPS

@@ -14,7 +14,8 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
-from .. import param_steps, state8
+from .. import lowbit, param_steps
+from ..optim import state8
 from ..parallel.shard import ShardBuffer
 from .._checks import check_number
 from ..errors import HyperparameterError, StateDictError
@@ -263,8 +264,8 @@ def slot_views(buf, names) -> dict:
         return {name: tensor_view(buf[name], torch) for name in names}
     out = {}
     for name, v in buf.as_dict().items():
-        if state8.is_q8_entry(v):
-            key = state8.scale_key(v["map"])
+        if lowbit.is_q8_entry(v):
+            key = lowbit.scale_key(v["map"])
             out[name] = {"codes": tensor_view(v["codes"], torch), key: tensor_view(v[key], torch), "map": v["map"]}
         else:  # a parameter under min_8bit_size: its float32 state
             out[name] = tensor_view(v, torch)
@@ -290,10 +291,10 @@ def zero_slot(buf, name: str) -> None:
 
 def saved_8bit(label: str, name: str, buf, v: Mapping, shape):
     """A saved quantized entry ``{"codes", "absmax", "map"}`` (8-bit; float8: ``"scale"``) for a slot:
-    checked, and converted the engine's way (:mod:`arraytrain.state8`): kept bitwise by a
+    checked, and converted the engine's way (:mod:`arraytrain.optim.state8`): kept bitwise by a
     quantized slot of its map (re-encoded if the map differs), decoded to float32 for a
     float32/bfloat16 slot."""
-    key = state8.scale_key(v.get("map")) if isinstance(v.get("map"), str) else "absmax"
+    key = lowbit.scale_key(v.get("map")) if isinstance(v.get("map"), str) else "absmax"
     if set(v) != {"codes", key, "map"}:
         raise StateDictError(f"{label}: a quantized slot is {{'codes', 'absmax', 'map'}} (8-bit) or "
                              f"{{'codes', 'scale', 'map'}} (float8), got the keys {sorted(map(str, v))}")
@@ -305,6 +306,6 @@ def saved_8bit(label: str, name: str, buf, v: Mapping, shape):
     try:
         if isinstance(buf, state8.Quant8Buffer):
             return Encoded(buf.check({name: entry}, strict=False)[name])
-        return torch.from_numpy(state8.decode_entry(name, entry, shape))
+        return torch.from_numpy(lowbit.decode_entry(name, entry, shape))
     except (ValueError, TypeError, KeyError) as exc:
         raise StateDictError(f"{label}: {exc}") from None

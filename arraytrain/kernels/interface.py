@@ -48,12 +48,12 @@ import numpy as np
 
 #: Kinds of low-precision working copies (uint16 bits), as the kernels take them (``kind``).
 LP_NONE, LP_BF16, LP_F16 = 0, 1, 2
-#: Elements per block of 8-bit state (:mod:`arraytrain.state8`): one float32 absmax each.
+#: Elements per block of 8-bit state (:mod:`arraytrain.lowbit`): one float32 absmax each.
 Q8_BLOCK = 256
 
 
 class Q8(NamedTuple):
-    """An 8-bit slot (:mod:`arraytrain.state8`) as the kernels take it (every family): arrays
+    """An 8-bit slot (:mod:`arraytrain.optim.state8`) as the kernels take it (every family): arrays
     and integers only.
 
     ``codes``: uint8, one per element of the flat buffer (at the parameters' offsets);
@@ -75,18 +75,18 @@ class Q8(NamedTuple):
 
 
 class F8(NamedTuple):
-    """A float8 slot (:mod:`arraytrain.state8`, ``state_dtype="float8"``) as the kernels take it
+    """A float8 slot (:mod:`arraytrain.optim.state8`, ``state_dtype="float8"``) as the kernels take it
     (every family): :class:`Q8`'s layout (``codes``, ``aux``, ``base``, ``quant``, ``offset``,
     value ``qmap[code] * aux[block]``), with float8 codes and the scale ``absmax / top`` per
     block in place of the dynamic map and its absmax: ``wide`` 0, e4m3 codes (``top`` 448),
     ``wide`` 1 (a slot that is never negative), e5m2 codes (``top`` 57344); ``qmap`` the
     format's 256 values. Encoding a block is integer work (no table): see
-    :func:`arraytrain.state8.float8_encode`, which every family's encoder equals bit for bit.
-    A ``wide`` slot is re-encoded with stochastic rounding (:func:`arraytrain.state8.sr_codes`):
+    :func:`arraytrain.lowbit.float8_encode`, which every family's encoder equals bit for bit.
+    A ``wide`` slot is re-encoded with stochastic rounding (:func:`arraytrain.lowbit.sr_codes`):
     ``start`` (int64 per segment) is the position in its parameter of the segment's first element
     held here (0 but in a partition's window), so element ``i`` of segment ``seg`` sits at position
     ``i - offset[seg] + start[seg]``; ``salt`` (uint32) is the step's key
-    (:func:`arraytrain.state8.sr_salt`, set by the optimizer for each step).
+    (:func:`arraytrain.lowbit.sr_salt`, set by the optimizer for each step).
     """
 
     codes: np.ndarray

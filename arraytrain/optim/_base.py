@@ -16,7 +16,8 @@ from ..backend import array_module, dtype_named
 from ..buffer import FlatBuffer, kernel_view
 from ..errors import ArgumentTypeError, DTypeError, HyperparameterError, LayoutError
 from ..layout import REDUCE_CHUNK, Layout
-from .. import state8
+from .. import lowbit
+from . import state8
 
 
 @dataclass
@@ -91,7 +92,7 @@ class Optimizer(ABC):
     ``state_dtype="8bit"`` (bitsandbytes' blockwise dynamic maps) or ``"float8"`` (e4m3 codes
     for signed slots, e5m2 for slots that are never negative, with a float32 scale per block of 256):
     one byte per element of parameters of ``min_8bit_size`` elements or more
-    (:mod:`arraytrain.state8`).
+    (:mod:`arraytrain.optim.state8`).
     """
 
     PER_PARAM = ("lr", "weight_decay")
@@ -170,11 +171,11 @@ class Optimizer(ABC):
     @staticmethod
     def _slot(state: OptState, name: str):
         """A slot as the kernels take it: the flat array, its uint16 bits for bfloat16 storage, or
-        the :class:`arraytrain.state8.Q8` of an 8-bit slot (a float8 e5m2 slot with the stochastic
+        the :class:`arraytrain.kernels.interface.Q8` of an 8-bit slot (a float8 e5m2 slot with the stochastic
         rounding's key of the step that takes ``state.step`` to ``state.step + 1``)."""
         arg = slot_arg(state.slots[name])
         if isinstance(arg, state8.F8) and arg.wide:
-            return state8.F8(*arg[:-1], state8.sr_salt(state.step + 1, name))  # (salt: the last field)
+            return state8.F8(*arg[:-1], lowbit.sr_salt(state.step + 1, name))  # (salt: the last field)
         return arg
 
     def _pieces(self, params) -> np.ndarray:
@@ -182,7 +183,7 @@ class Optimizer(ABC):
         are not on 256-element blocks the same parameters cut at multiples of 16384 elements from
         each parameter's start, so no block is split."""
         pieces = params.layout.pieces
-        if self.state_dtype not in QUANTIZED_STATE or params.layout.align % state8.BLOCK == 0:
+        if self.state_dtype not in QUANTIZED_STATE or params.layout.align % lowbit.BLOCK == 0:
             return pieces  # offsets on blocks: the layout's chunks cut no block
         return _block_pieces(params.layout, np.ascontiguousarray(pieces[:, 2]).tobytes())
 
@@ -316,7 +317,7 @@ class Optimizer(ABC):
         """Elements every parameter's offset must be a multiple of for this state to shard: 8-bit
         state's block (a partition boundary then never cuts a block), else 1. The sharded engine
         lays the parameters out so (:func:`arraytrain.parallel.shard.aligned_to`)."""
-        return state8.BLOCK if self.state_dtype in QUANTIZED_STATE else 1
+        return lowbit.BLOCK if self.state_dtype in QUANTIZED_STATE else 1
 
     def eval_params(self, params: FlatBuffer, state: OptState, out: FlatBuffer | None = None) -> FlatBuffer:
         """The weights to evaluate the model at: ``params`` themselves here (a copy into ``out`` if given)."""
@@ -368,7 +369,7 @@ def decoupled_decay(lr, weight_decay):
     return 1.0 - lr * weight_decay
 
 
-#: The state dtypes kept block-quantized in one byte per element (:class:`arraytrain.state8.Quant8Buffer`),
+#: The state dtypes kept block-quantized in one byte per element (:class:`arraytrain.optim.state8.Quant8Buffer`),
 #: and their codecs: bitsandbytes' dynamic maps ("8bit"), float8 e4m3 with a float32 scale per block.
 QUANTIZED_STATE = {"8bit": "dynamic", "float8": "float8"}
 

@@ -70,7 +70,7 @@ One word for each thing, in the code and its prose:
   "part", "shard" or "window". At the communicator's level, the equal slices of an array
   that the block collectives (``reduce_scatter``, ``allgather_blocks``) move are **blocks**:
   under sharded state block ``r`` holds rank ``r``'s partition. One-byte optimizer state is
-  quantized in 256-element **quantization blocks** (:data:`arraytrain.state8.BLOCK`).
+  quantized in 256-element **quantization blocks** (:data:`arraytrain.lowbit.BLOCK`).
 - **window**: the accumulation window, the micro-batches of one optimizer step.
 - **boundary**: the micro-batch that closes a window, where the gradient sync, the norm
   pass and the update run.

@@ -35,7 +35,7 @@ from ..errors import (ArgumentTypeError, LayoutError, ShapeMismatchError,
                      UnknownParameterError)
 from ..layout import REDUCE_CHUNK, Layout
 from ..owned import Owned, OwnedPart
-from ..state8 import decode_entry, is_q8_entry
+from ..lowbit import decode_entry, is_q8_entry
 
 
 @dataclass(frozen=True)

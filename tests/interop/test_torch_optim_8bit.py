@@ -24,7 +24,8 @@ import warnings
 import numpy as np
 import pytest
 
-from arraytrain import Engine, errors, optim, state8
+from arraytrain import Engine, errors, lowbit, optim
+from arraytrain.optim import state8
 
 torch = pytest.importorskip("torch")
 from arraytrain.interop import torch as at_torch  # noqa: E402
@@ -114,7 +115,7 @@ def _assert_state_equals_engine(opt, model, engine):
         theirs = buf.as_dict() if isinstance(buf, state8.Quant8Buffer) else {n: buf[n] for n in named}
         for n, p in named.items():
             mine, ref = opt.state[p][slot], theirs[n]
-            if state8.is_q8_entry(ref):
+            if lowbit.is_q8_entry(ref):
                 assert mine["map"] == ref["map"]
                 np.testing.assert_array_equal(mine["codes"].numpy(), ref["codes"], err_msg=f"{n} {slot} codes")
                 np.testing.assert_array_equal(mine["absmax"].numpy(), ref["absmax"], err_msg=f"{n} {slot} absmax")
@@ -279,7 +280,7 @@ def test_loads_a_bfloat16_state_and_a_torch_optim_state():
     mine = at_torch.AdamW(a.parameters(), lr=1e-2, state_dtype="8bit", min_8bit_size=THRESHOLD)
     mine.load_state_dict(theirs.state_dict())
     m = theirs.state[a.fc.weight]["exp_avg"].numpy().ravel()
-    codes, absmax = state8.quantize(m, signed=True)
+    codes, absmax = lowbit.quantize(m, signed=True)
     np.testing.assert_array_equal(mine.state[a.fc.weight]["exp_avg"]["codes"].numpy().ravel(), codes)
     np.testing.assert_array_equal(mine.state[a.fc.weight]["exp_avg"]["absmax"].numpy(), absmax)
 
@@ -288,11 +289,11 @@ def test_loads_a_bfloat16_state_and_a_torch_optim_state():
     mine.load_state_dict(bf.state_dict())
     v = bf.state[a.fc.weight]["exp_avg_sq"].float().numpy().ravel()
     np.testing.assert_array_equal(mine.state[a.fc.weight]["exp_avg_sq"]["codes"].numpy().ravel(),
-                                  state8.quantize(v, signed=False)[0])
+                                  lowbit.quantize(v, signed=False)[0])
     # and 8 bits into bfloat16 state: decoded, then rounded to bfloat16
     bf.load_state_dict(mine.state_dict())
     e = mine.state[a.fc.weight]["exp_avg"]
-    want = state8.dequantize(e["codes"].numpy().ravel(), e["absmax"].numpy(), signed=True)
+    want = lowbit.dequantize(e["codes"].numpy().ravel(), e["absmax"].numpy(), signed=True)
     np.testing.assert_array_equal(bf.state[a.fc.weight]["exp_avg"].float().numpy().ravel(),
                                   torch.from_numpy(want).to(torch.bfloat16).float().numpy())
 

@@ -355,7 +355,7 @@ def test_bfloat16_state_matches_reference(family, n, variant, rng):
             assert not np.any(states["fast"]["slots"][name][~live_mask(layout)]), f"{name}: padding"
 
 
-# -- 8-bit state (arraytrain.state8) ---------------------------------------------------------------
+# -- 8-bit state (arraytrain.optim.state8) ---------------------------------------------------------
 #
 # Every variant with its slots in 8 bits (Q8 arguments), the pieces cut at multiples of 16384
 # from each parameter's start (as the optimizers cut them), "a" (n elements) in 8 bits with a
@@ -372,7 +372,7 @@ Q8_THRESHOLD = 16
 
 
 def _q8_slots(layout, slots, variant):
-    from arraytrain import state8
+    from arraytrain.optim import state8
     from arraytrain.optim._base import UNSIGNED_SLOTS
 
     out = {name: state8.Quant8Buffer(layout, signed=name not in UNSIGNED_SLOTS, threshold=Q8_THRESHOLD)
@@ -384,7 +384,7 @@ def _q8_slots(layout, slots, variant):
 
 def _q8_codes_compared(buf):
     """Elements whose codes are compared: 8-bit segments, in blocks with a finite absmax."""
-    from arraytrain.state8 import BLOCK
+    from arraytrain.lowbit import BLOCK
 
     keep = np.zeros(buf.codes.size, bool)
     for seg, (off, n) in enumerate(zip(buf.layout.offsets, buf.layout.sizes)):
@@ -417,7 +417,7 @@ def test_8bit_state_matches_reference(family, n, variant, rng):
     and the CUDA family against the numba one too."""
     from types import SimpleNamespace
 
-    from arraytrain import state8
+    from arraytrain.optim import state8
     from arraytrain.layout import REDUCE_CHUNK
 
     layout = padded_layout(n)

@@ -3,12 +3,12 @@
 (8-bit state too: every optimizer's kernel with 8-bit slots must hold the packed float loop and
 the encoder's vector loop: the 8-lane ``vpgatherdd`` on AVX2, the arithmetic encoder's
 exponent permute (``vpermi2d``/``vpermt2d``) and the decoder's two-table permutes (``vpermi2ps``/``vpermt2ps``) on
-AVX-512; and the encoder's codes equal state8.nearest_codes on both. Float8 state: the packed
+AVX-512; and the encoder's codes equal lowbit.nearest_codes on both. Float8 state: the packed
 float loop, the decoder's packed float16 convert (``vcvtph2ps``: each code widened to a float16)
 and the encoder's packed byte narrowing (``vpmovdb`` on AVX-512; on AVX2 a byte shuffle,
-``vpshufb``, or ``vpackuswb``), and the codec equal to state8.float8_encode and the maps bit for
+``vpshufb``, or ``vpackuswb``), and the codec equal to lowbit.float8_encode and the maps bit for
 bit on both targets; the step's stochastic rounding of e5m2 slots packed too (its hash's
-``vpmulld``, the narrowing) and equal to state8.sr_codes.)
+``vpmulld``, the narrowing) and equal to lowbit.sr_codes.)
 
 Each kernel with bfloat16 state, each optimizer's working-copy writer (bfloat16 and float16)
 and the cast that rebuilds a working copy is compiled in a subprocess for an AVX2 target
@@ -95,14 +95,16 @@ def _kernels(state, working, kind, n=64):
     w = dict(working=working, kind=kind)
     common = dict(gscale=1.0, **w)
     if state == "8bit":  # an 8-bit slot: every element in 8 bits (threshold 0)
-        from arraytrain import Layout, state8
+        from arraytrain import Layout
+        from arraytrain.optim import state8
 
         s = lambda: state8.Quant8Buffer(Layout({"w": (n,)}), True, 0).kernel_arg()  # noqa: E731
         e = np.zeros(0, f32)
     elif state == "float8":  # float8 slots, both formats in turn (e4m3, e5m2), every element
         from itertools import count
 
-        from arraytrain import Layout, state8
+        from arraytrain import Layout
+        from arraytrain.optim import state8
 
         turn = count()
         s = lambda: state8.Quant8Buffer(Layout({"w": (n,)}), next(turn) % 2 == 0, 0,  # noqa: E731
@@ -265,11 +267,11 @@ _sr_encode = None
 
 
 def _f8_checks():
-    """The float8 block encoder and decoder, compiled for this target, against state8 (both formats)."""
+    """The float8 block encoder and decoder, compiled for this target, against lowbit (both formats)."""
     import numpy as np
     from numba import njit
 
-    from arraytrain import state8
+    from arraytrain import lowbit
     from arraytrain.kernels.cpu.codecs import f8_decode_block, f8_encode_block
 
     @njit
@@ -292,18 +294,18 @@ def _f8_checks():
         codes, scales = np.zeros(x.size, np.uint8), np.zeros(-(-x.size // 256), np.float32)
         vals = np.zeros(x.size, np.float32)
         roundtrip(x, codes, scales, vals, fmt == "e5m2")
-        want_codes, want_scales = state8.float8_encode(x, fmt)
-        want = state8.decode(want_codes, want_scales, fmt)
+        want_codes, want_scales = lowbit.float8_encode(x, fmt)
+        want = lowbit.decode(want_codes, want_scales, fmt)
         out[f"f8-encode/{fmt}"] = int(np.count_nonzero(codes != want_codes)
                                       + np.count_nonzero(scales.view(np.uint32) != want_scales.view(np.uint32)))
         out[f"f8-decode/{fmt}"] = int(np.count_nonzero(vals.view(np.uint32) != want.view(np.uint32)))
-    # the step's stochastic rounding of e5m2 slots against state8.sr_codes
+    # the step's stochastic rounding of e5m2 slots against lowbit.sr_codes
     x = np.abs(np.concatenate(blocks)).astype(np.float32)
     codes, scales = np.zeros(x.size, np.uint8), np.zeros(-(-x.size // 256), np.float32)
     _sr_encode(x, codes, scales, 2**32 + 5, 0x9E3779B9)
     bad = 0
     for k in range(0, x.size, 256):
-        want_codes, want_scale = state8.sr_codes(x[k : k + 256], 2**32 + 5 + k + np.arange(x[k : k + 256].size),
+        want_codes, want_scale = lowbit.sr_codes(x[k : k + 256], 2**32 + 5 + k + np.arange(x[k : k + 256].size),
                                                  0x9E3779B9)
         bad += int(np.count_nonzero(codes[k : k + 256] != want_codes) + (scales.view(np.uint32)[k // 256]
                                                                         != want_scale.view(np.uint32)[0]))
@@ -312,12 +314,12 @@ def _f8_checks():
 
 
 def _q8_checks():
-    """The 8-bit encoder (vector lanes and scalar tail) against state8.nearest_codes, and the
+    """The 8-bit encoder (vector lanes and scalar tail) against lowbit.nearest_codes, and the
     decoder bit for bit, both maps."""
     import numpy as np
     from numba import njit
 
-    from arraytrain import state8
+    from arraytrain import lowbit
     from arraytrain.kernels.cpu.codecs import q8_decode_block, q8_encode_block
 
     @njit
@@ -333,7 +335,7 @@ def _q8_checks():
     out = {}
     rng = np.random.default_rng(0)
     for signed in (True, False):
-        book = state8.codebook(signed)
+        book = lowbit.codebook(signed)
         m = book.qmap
         # blocks of 256 holding 1.0 (absmax 1: q = x), then the map's values, every decision bound
         # with its 64 float32 neighbours on each side, both signs (the arithmetic encoder's
@@ -347,7 +349,7 @@ def _q8_checks():
         q[::256] = 1.0
         codes = np.zeros(q.size, np.uint8)
         encode(q, codes, book.table, book.shift, book.bias, book.nb, signed)
-        out[f"q8/{'signed' if signed else 'unsigned'}"] = int(np.count_nonzero(codes != state8.nearest_codes(q, m)))
+        out[f"q8/{'signed' if signed else 'unsigned'}"] = int(np.count_nonzero(codes != lowbit.nearest_codes(q, m)))
         # the decoder (two-table permutes on this AVX-512 target, the numba loop on AVX2): every
         # code, scales with NaN, 0 and inf among them, a last block shorter than the lanes
         codes = np.concatenate([np.arange(256), rng.integers(0, 256, 256 * 5 + 77)]).astype(np.uint8)

@@ -1,4 +1,4 @@
-"""8-bit and float8 optimizer state (``state_dtype="8bit"`` / ``"float8"``, arraytrain.state8).
+"""8-bit and float8 optimizer state (``state_dtype="8bit"`` / ``"float8"``, arraytrain.optim.state8, arraytrain.lowbit).
 
 The float8 codec's own checks (against ml_dtypes) are in test_state_float8.py; the kernel,
 engine and CUDA matrices here run both codecs.
@@ -21,7 +21,8 @@ import numpy as np
 import pytest
 
 import arraytrain as at
-from arraytrain import Engine, FlatBuffer, optim, state8
+from arraytrain import Engine, FlatBuffer, lowbit, optim
+from arraytrain.optim import state8
 from arraytrain.buffer import GradsAt, segment_addresses
 from arraytrain.errors import HyperparameterError, StateDictError
 from arraytrain.kernels import cpu
@@ -81,7 +82,7 @@ def _table_codes(q, book):
 
 @pytest.mark.parametrize("signed", [True, False])
 def test_bucket_table_gives_the_nearest_code(signed):
-    book = state8.codebook(signed)
+    book = lowbit.codebook(signed)
     rng = np.random.default_rng(0)
     m = book.qmap
     q = np.concatenate([
@@ -92,7 +93,7 @@ def test_bucket_table_gives_the_nearest_code(signed):
     ]).astype(np.float32)
     if not signed:
         q = np.abs(q)
-    np.testing.assert_array_equal(_table_codes(q, book), state8.nearest_codes(q, m))
+    np.testing.assert_array_equal(_table_codes(q, book), lowbit.nearest_codes(q, m))
     # and the jitted encoder gives the table's codes
     got = np.empty(q.size, np.uint8)
     _encode_jitted(q, got, book)
@@ -114,7 +115,7 @@ def test_block_encoder_gives_the_nearest_code_across_every_exponent(signed):
         for k in range(0, x.size, 256):
             q8_encode_block(x[k : k + 256], codes[k : k + 256], table, shift, bias, nb, signed)
 
-    book = state8.codebook(signed)
+    book = lowbit.codebook(signed)
     u = np.arange(0, 0x3F800001, 61, dtype=np.uint32)
     q = np.concatenate([u, u | np.uint32(0x80000000)]).view(np.float32)
     q = np.concatenate([q, np.zeros(-q.size % 255, np.float32)])
@@ -124,7 +125,7 @@ def test_block_encoder_gives_the_nearest_code_across_every_exponent(signed):
     encode(x.reshape(-1), codes, book.table, book.shift, book.bias, book.nb, signed)
     got = codes.reshape(-1, 256)
     assert np.all(got[:, 0] == 255)
-    np.testing.assert_array_equal(got[:, 1:].reshape(-1), state8.nearest_codes(q, book.qmap))
+    np.testing.assert_array_equal(got[:, 1:].reshape(-1), lowbit.nearest_codes(q, book.qmap))
 
 
 @pytest.mark.parametrize("signed", [True, False])
@@ -141,7 +142,7 @@ def test_block_decoder_is_the_map_times_the_scale(signed):
         for k in range(0, codes.size, 256):
             q8_decode_block(codes[k : k + 256], scales[k // 256], qmap, out[k : k + 256], signed)
 
-    qmap = state8.codebook(signed).qmap
+    qmap = lowbit.codebook(signed).qmap
     rng = np.random.default_rng(0)
     codes = np.concatenate([np.arange(256), rng.integers(0, 256, 256 * 7 + 77)]).astype(np.uint8)
     scales = np.concatenate([[1.0, np.nan, 0.0, np.inf, 1e-40], rng.random(4)]).astype(np.float32)
@@ -169,7 +170,7 @@ def test_maps_and_codes_equal_bitsandbytes():
     F = pytest.importorskip("bitsandbytes.functional")
     for signed in (True, False):
         theirs = F.create_dynamic_map(signed=signed).numpy()
-        np.testing.assert_array_equal(theirs.view(np.uint32), state8.codebook(signed).qmap.view(np.uint32))
+        np.testing.assert_array_equal(theirs.view(np.uint32), lowbit.codebook(signed).qmap.view(np.uint32))
         rng = np.random.default_rng(1)
         x = (rng.standard_normal(256 * 40) * np.exp(rng.uniform(-12, 2, 256 * 40))).astype(np.float32)
         if not signed:
@@ -178,7 +179,7 @@ def test_maps_and_codes_equal_bitsandbytes():
         # then torch.bucketize on the map's midpoints. Whole blocks only: its last partial block
         # divides by absmax where every other multiplies by the reciprocal (here: every block does).
         out, absmax_b = _bnb_default_quantize(torch, x, theirs)
-        codes, absmax = state8.quantize(x, signed)
+        codes, absmax = lowbit.quantize(x, signed)
         np.testing.assert_array_equal(absmax_b.numpy(), absmax)
         np.testing.assert_array_equal(out.numpy(), codes)
         assert np.unique(codes).size > 100  # the values span most of the map
@@ -287,10 +288,10 @@ def test_blocks_start_at_each_parameters_start():
     for name in ("mid", "mat", "big"):
         values = m.values(name).ravel()
         entry = m.as_dict()[name]
-        codes, absmax = state8.quantize(values, True)
+        codes, absmax = lowbit.quantize(values, True)
         # decoding then encoding again is the identity on codes whose block max is a map value
         assert entry["absmax"].shape == (-(-values.size // 256),)
-        np.testing.assert_array_equal(state8.dequantize(entry["codes"], entry["absmax"], True), values)
+        np.testing.assert_array_equal(lowbit.dequantize(entry["codes"], entry["absmax"], True), values)
         assert codes.shape == entry["codes"].ravel().shape
 
 
@@ -406,7 +407,7 @@ def test_refusals_change_nothing():
     with pytest.raises(HyperparameterError, match="float32"):
         Engine({k: v.astype(np.float64) for k, v in p0.items()}, optim.AdamW(state_dtype="8bit"))
     assert optim.AdamW(state_dtype="8bit").shard_refusal is None  # shards on blocks (tests/parallel/test_shard.py)
-    assert optim.AdamW(state_dtype="8bit").shard_align == state8.BLOCK
+    assert optim.AdamW(state_dtype="8bit").shard_align == lowbit.BLOCK
     assert optim.AdamW(state_dtype="bfloat16").shard_align == 1
     e = Engine(p0, optim.AdamW(state_dtype="8bit"))
     e.step({k: curv[k] * e.params[k] for k in shapes})

@@ -1,4 +1,4 @@
-"""float8 optimizer state (``state_dtype="float8"``, arraytrain.state8): the codec.
+"""float8 optimizer state (``state_dtype="float8"``, arraytrain.lowbit): the codec.
 
 * The maps are ml_dtypes' ``float8_e4m3fn`` and ``float8_e5m2``; the reference encoder scales each
   block's largest magnitude to the format's largest value (its codes ml_dtypes' cast of the scaled
@@ -12,7 +12,7 @@
   code's value times scales at both ends of the range.
 * The fast block encoder equals the reference on blocks of every kind: NaN, infinity, zeros,
   blocks near and below the smallest scaled one, mixed magnitudes.
-* The step's stochastic rounding of e5m2 slots (``state8.sr_codes``): each code one of the two
+* The step's stochastic rounding of e5m2 slots (``lowbit.sr_codes``): each code one of the two
   neighbours of the scaled value, unbiased over the noise, below e5m2's normal range too; the CPU
   family's block encoder equals it bit for bit.
 * Through the engine: the memory per parameter, conversions to and from float32, bfloat16 and
@@ -30,7 +30,8 @@ import pytest
 from numba import njit
 
 import arraytrain as at
-from arraytrain import Engine, optim, state8
+from arraytrain import Engine, lowbit, optim
+from arraytrain.optim import state8
 from arraytrain.kernels.cpu.codecs import f8_code, f8_encode_block, f8_encode_block_sr, f8_value
 
 FORMATS = {"e4m3": ml_dtypes.float8_e4m3fn, "e5m2": ml_dtypes.float8_e5m2}
@@ -41,17 +42,17 @@ OVERFLOW = {"e4m3": 464.0, "e5m2": 61440.0}  # the midpoints above the largest v
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_the_maps_are_ml_dtypes(fmt):
     want = np.arange(256, dtype=np.uint8).view(FORMATS[fmt]).astype(np.float32)
-    np.testing.assert_array_equal(state8.MAPS[fmt].view(np.uint32), want.view(np.uint32))  # NaNs bit for bit
-    assert state8.MAPS[fmt][state8.F8_NAN_CODE] != state8.MAPS[fmt][state8.F8_NAN_CODE]  # NaN
-    assert np.nanmax(state8.MAPS[fmt][np.isfinite(state8.MAPS[fmt])]) == TOP[fmt] == state8.F8_TOP[fmt]
+    np.testing.assert_array_equal(lowbit.MAPS[fmt].view(np.uint32), want.view(np.uint32))  # NaNs bit for bit
+    assert lowbit.MAPS[fmt][lowbit.F8_NAN_CODE] != lowbit.MAPS[fmt][lowbit.F8_NAN_CODE]  # NaN
+    assert np.nanmax(lowbit.MAPS[fmt][np.isfinite(lowbit.MAPS[fmt])]) == TOP[fmt] == lowbit.F8_TOP[fmt]
 
 
 def _independent(x, fmt):
     """float8 blocks computed another way: the largest magnitude from float64, ml_dtypes' cast."""
     y = np.asarray(x, np.float32)
     codes, scales = [], []
-    for a in range(0, y.size, state8.BLOCK):
-        b = y[a : a + state8.BLOCK]
+    for a in range(0, y.size, lowbit.BLOCK):
+        b = y[a : a + lowbit.BLOCK]
         m = np.float32(np.abs(b.astype(np.float64)).max())
         if not np.isfinite(m):
             codes.append(np.full(b.size, 0x7F, np.uint8))
@@ -70,7 +71,7 @@ def _independent(x, fmt):
 def _blocks():
     """Blocks of every kind (each BLOCK elements but the last)."""
     rng = np.random.default_rng(0)
-    n = state8.BLOCK
+    n = lowbit.BLOCK
     out = [
         rng.standard_normal(n),
         rng.standard_normal(n) * np.exp(rng.uniform(-40, 40, n)),  # magnitudes across 35 decades
@@ -87,18 +88,18 @@ def _blocks():
 def test_reference_encoder_is_the_scaled_cast(fmt):
     for b in _blocks():
         x = np.abs(b) if fmt == "e5m2" else b
-        codes, scales = state8.float8_encode(x, fmt)
+        codes, scales = lowbit.float8_encode(x, fmt)
         want_codes, want_scales = _independent(x, fmt)
         np.testing.assert_array_equal(codes, want_codes)
         np.testing.assert_array_equal(scales, want_scales)
         if np.isfinite(scales).all() and np.abs(x).max() > 1e-30:  # the largest element decodes to itself
-            top = state8.decode(codes, scales, fmt)
+            top = lowbit.decode(codes, scales, fmt)
             for a in range(0, x.size, 256):
                 np.testing.assert_allclose(np.abs(top[a : a + 256]).max(), np.abs(x[a : a + 256]).max(), rtol=4e-7)
             rtol = 2.0 ** -3 if fmt == "e5m2" else 2.0 ** -4
             np.testing.assert_allclose(top, x, rtol=rtol, atol=np.abs(x).max() * (2e-5 if fmt == "e4m3" else 3e-10))
             # decoded values encode to the same codes again (the scale within an ulp)
-            again = state8.float8_encode(top, fmt)
+            again = lowbit.float8_encode(top, fmt)
             np.testing.assert_array_equal(again[0], codes)
             np.testing.assert_allclose(again[1], scales, rtol=3e-7)
 
@@ -181,7 +182,7 @@ def test_cpu_values_equal_the_map_times_the_scale(fmt, constant):
     for scale in (1.0, 0.5, 2.0 ** -126, 2.0 ** -119, 2.0 ** 100, 2.0 ** 119, 3e38, 3.0, 0.0):
         _values(codes, np.float32(scale), fmt == "e5m2", constant, out)
         with np.errstate(over="ignore", invalid="ignore"):
-            want = (state8.MAPS[fmt] * np.float32(scale)).astype(np.float32)
+            want = (lowbit.MAPS[fmt] * np.float32(scale)).astype(np.float32)
         np.testing.assert_array_equal(out.view(np.uint32), want.view(np.uint32), err_msg=f"scale {scale}")
 
 
@@ -190,7 +191,7 @@ def test_cpu_block_encoder_equals_the_reference(fmt):
     for b in _blocks():
         codes, scales = np.empty(b.size, np.uint8), np.empty(-(-b.size // 256), np.float32)
         _encode_blocks(b, codes, scales, fmt == "e5m2")
-        want_codes, want_scales = state8.float8_encode(b, fmt)
+        want_codes, want_scales = lowbit.float8_encode(b, fmt)
         np.testing.assert_array_equal(codes, want_codes)
         np.testing.assert_array_equal(scales.view(np.uint32), want_scales.view(np.uint32))
 
@@ -205,7 +206,7 @@ def _sr_blocks():
     out = [np.abs(rng.standard_normal(256)) * np.exp(rng.normal(0, s, 256)) for s in (0.5, 3, 8)]
     out.append(np.r_[np.zeros(100), np.abs(rng.standard_normal(156))])
     out.append(np.r_[57344.0, 2.0 ** -14 * np.arange(1, 100), 2.0 ** -16 * np.arange(50)])  # subnormal range
-    out.append(state8.MAPS["e5m2"][:0x7C].copy())  # every finite non-negative value: exact
+    out.append(lowbit.MAPS["e5m2"][:0x7C].copy())  # every finite non-negative value: exact
     out.append(np.r_[1.0, np.nan, 2.0])
     out.append(np.full(7, 2.0 ** -120))
     return [np.asarray(b, np.float32) for b in out]
@@ -219,22 +220,22 @@ def _encode_sr(x, pos, key):
 
 
 def test_stochastic_rounding_brackets_the_value_and_is_unbiased():
-    finite = state8.MAPS["e5m2"][: state8.E5M2_TOP_CODE + 1]  # the non-negative finite values, increasing
+    finite = lowbit.MAPS["e5m2"][: lowbit.E5M2_TOP_CODE + 1]  # the non-negative finite values, increasing
     for b in _sr_blocks():
-        near, scale = state8.float8_encode(b, "e5m2")
+        near, scale = lowbit.float8_encode(b, "e5m2")
         normal = np.isfinite(scale[0]) and scale[0] > 0
         with np.errstate(over="ignore", invalid="ignore"):  # (the NaN and the all-tiny blocks: not used)
             q = (b * np.float32(np.float32(57344.0) / np.float32(np.nanmax(np.abs(b))))).astype(np.float32)
-        k = np.clip(np.searchsorted(finite, q, "right") - 1, 0, state8.E5M2_TOP_CODE) if normal else None
+        k = np.clip(np.searchsorted(finite, q, "right") - 1, 0, lowbit.E5M2_TOP_CODE) if normal else None
         seen = np.zeros((b.size, 0), np.uint8)
         for key in range(64):
-            codes, sc = state8.sr_codes(b, np.arange(b.size) + 7, key)
+            codes, sc = lowbit.sr_codes(b, np.arange(b.size) + 7, key)
             assert sc.view(np.uint32)[0] == scale.view(np.uint32)[0]
             if not normal:  # a NaN block, an all-tiny block: float8_encode's codes
                 np.testing.assert_array_equal(codes, near)
                 continue
             # the code below the value, or the one above it (subnormal range included)
-            assert np.all((codes == k) | (codes == np.minimum(k + 1, state8.E5M2_TOP_CODE))), key
+            assert np.all((codes == k) | (codes == np.minimum(k + 1, lowbit.E5M2_TOP_CODE))), key
             seen = np.c_[seen, codes]
         if normal:
             exact = finite[k] == q
@@ -242,7 +243,7 @@ def test_stochastic_rounding_brackets_the_value_and_is_unbiased():
     # unbiased: the mean over keys of the values is the value (2.5% of a step's width at 4096 draws),
     # in the normal range and below it (3e-5: e5m2's subnormal step is 2**-16)
     x = np.array([57344.0, 1.3, 0.7, 123.4, 5e-4, 40000.0, 3e-5], np.float32)
-    draws = np.array([state8.MAPS["e5m2"][state8.sr_codes(x, np.arange(7), k)[0]] for k in range(4096)])
+    draws = np.array([lowbit.MAPS["e5m2"][lowbit.sr_codes(x, np.arange(7), k)[0]] for k in range(4096)])
     step = np.array([8192.0, 0.25, 0.125, 16.0, 2.0 ** -13, 8192.0, 2.0 ** -16])  # e5m2's spacing at each value
     np.testing.assert_array_less(np.abs(draws.mean(0) - x), 0.025 * step + 1e-12)
     assert np.all(draws.std(0)[1:] > 0.1 * step[1:])  # (and the draws do differ)
@@ -253,7 +254,7 @@ def test_cpu_stochastic_rounding_equals_the_reference():
     for b in _sr_blocks():
         for pos, key in ((0, 0), (5, 12345), (2**33 + 17, 0xFFFFFFFF), (int(rng.integers(2**40)), int(rng.integers(2**32)))):
             codes, scale = _encode_sr(b, pos, key)
-            want, want_scale = state8.sr_codes(b, pos + np.arange(b.size), key)
+            want, want_scale = lowbit.sr_codes(b, pos + np.arange(b.size), key)
             np.testing.assert_array_equal(codes, want, err_msg=f"pos {pos} key {key}")
             assert np.float32(scale).view(np.uint32) == want_scale.view(np.uint32)[0]
 
@@ -261,13 +262,13 @@ def test_cpu_stochastic_rounding_equals_the_reference():
 def test_stochastic_rounding_refuses_positions_of_another_shape():
     x = np.ones(5, np.float32)
     with pytest.raises(at.errors.LayoutError, match="pos"):
-        state8.sr_codes(x, np.arange(4), 7)
+        lowbit.sr_codes(x, np.arange(4), 7)
 
 
 def test_salts_differ_by_step_and_slot():
-    salts = {state8.sr_salt(t, n) for t in range(1, 200) for n in ("exp_avg_sq", "max_exp_avg_sq", "sum")}
+    salts = {lowbit.sr_salt(t, n) for t in range(1, 200) for n in ("exp_avg_sq", "max_exp_avg_sq", "sum")}
     assert len(salts) == 3 * 199 and all(0 <= s < 2**32 for s in salts)
-    assert state8.sr_salt(5, "exp_avg_sq") == state8.sr_salt(5, "exp_avg_sq")
+    assert lowbit.sr_salt(5, "exp_avg_sq") == lowbit.sr_salt(5, "exp_avg_sq")
 
 
 def test_a_float8_second_moment_follows_its_float32_twin():
@@ -285,10 +286,10 @@ def test_a_float8_second_moment_follows_its_float32_twin():
         for e in engines:
             e.step({"w": g})
         near = np.float32(0.999) * near + np.float32(0.001) * g * g
-        near = state8.decode(*state8.float8_encode(near, "e5m2"), "e5m2")
+        near = lowbit.decode(*lowbit.float8_encode(near, "e5m2"), "e5m2")
     v32 = engines[0].state_dict()["optimizer"]["slots"]["exp_avg_sq"]["w"]
     entry = engines[1].state_dict()["optimizer"]["slots"]["exp_avg_sq"]["w"]
-    v8 = state8.decode(entry["codes"].ravel(), entry["scale"], "e5m2")
+    v8 = lowbit.decode(entry["codes"].ravel(), entry["scale"], "e5m2")
     # the update's factor against float32 state's, sqrt(v32 / v): measured 1.0035 and 1.055
     assert abs(np.median(np.sqrt(v32 / v8)) - 1) < 0.015
     assert np.median(np.sqrt(v32 / near)) > 1.03

@@ -542,7 +542,7 @@ def _same_state(got, want):
         if isinstance(w, dict):
             assert g["map"] == w["map"], n
             np.testing.assert_array_equal(g["codes"], w["codes"], err_msg=n)
-            key = at.state8.scale_key(w["map"])
+            key = at.lowbit.scale_key(w["map"])
             np.testing.assert_array_equal(g[key], w[key], err_msg=n)
         else:
             np.testing.assert_array_equal(g, w, err_msg=n)
@@ -563,7 +563,7 @@ def test_sharded_8bit_state_follows_replicated_bitwise(name, sd, ranks):
     make = (lambda f: lambda: f(state_dtype=sd))(ELEMENTWISE[name])
     rep = _train8(ranks, False, make)
     sha = _train8(ranks, True, make)
-    q8 = [k for k, b in sha[0][2].state.slots.items() if isinstance(b, at.state8.Quant8Buffer)]
+    q8 = [k for k, b in sha[0][2].state.slots.items() if isinstance(b, at.optim.state8.Quant8Buffer)]
     assert q8 and all(sha[0][2].state.slots[k].window is not None for k in q8)  # schedule-free: z stays float32
     assert any(isinstance(e, dict) for e in sha[0][1]["optimizer"]["slots"][q8[0]].values())
     for r in range(ranks):
@@ -678,7 +678,7 @@ def test_a_sharded_8bit_checkpoint_loads_on_any_number_of_ranks_and_converts(tmp
     decoded = ThreadGroup(2).run(as_float)[0]["optimizer"]["slots"]
     for k, v in saved["optimizer"]["slots"].items():
         for n, e in v.items():
-            want = at.state8.dequantize(e["codes"], e["absmax"], e["map"] == "signed").reshape(SHAPES[n]) \
+            want = at.lowbit.dequantize(e["codes"], e["absmax"], e["map"] == "signed").reshape(SHAPES[n]) \
                 if isinstance(e, dict) else e
             np.testing.assert_array_equal(decoded[k][n], want, err_msg=f"{k} {n}")
     fpath = tmp_path / "f32.safetensors"
@@ -695,8 +695,8 @@ def test_a_sharded_8bit_checkpoint_loads_on_any_number_of_ranks_and_converts(tmp
     for k, v in f32.state_dict()["optimizer"]["slots"].items():
         for n, a in v.items():
             e = encoded[k][n]
-            if a.size >= at.state8.DEFAULT_THRESHOLD:
-                codes, absmax = at.state8.quantize(a, signed=k == "exp_avg")
+            if a.size >= at.optim.state8.DEFAULT_THRESHOLD:
+                codes, absmax = at.lowbit.quantize(a, signed=k == "exp_avg")
                 np.testing.assert_array_equal(e["codes"].reshape(-1), codes, err_msg=f"{k} {n}")
                 np.testing.assert_array_equal(e["absmax"], absmax, err_msg=f"{k} {n}")
             else:

@@ -86,7 +86,7 @@ def _with_twin(chosen, other):
 
 def pick(pair, n, *slots):
     """The twin for ``n`` elements; ``slots``: the kernel's state slots. A kernel with an 8-bit
-    slot (arraytrain.state8.Q8, a tuple) runs its parallel twin at every size: in the serial one
+    slot (arraytrain.kernels.interface.Q8, a tuple) runs its parallel twin at every size: in the serial one
     numba increfs and decrefs the slot's arrays at every block of 256 elements (the parfor
     function does not), and AdamW's serial twin took 1.8 ns per element against 0.76 for the
     parallel one on one thread; with two threads the parallel twin was the faster from 5,000

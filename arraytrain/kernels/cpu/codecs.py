@@ -314,9 +314,9 @@ def _store_state(a, i, x):
     return impl
 
 
-# -- 8-bit state (arraytrain.state8) -----------------------------------------------------------
+# -- 8-bit state (arraytrain.lowbit) -----------------------------------------------------------
 #
-# An 8-bit slot reaches a kernel as arraytrain.state8.Q8 (a named tuple of arrays and ints);
+# An 8-bit slot reaches a kernel as arraytrain.kernels.interface.Q8 (a named tuple of arrays and ints);
 # every other slot as an array. A kernel walks each piece in steps of ``state_step`` elements:
 # the whole piece for an array (one step, the loop as before) and for a parameter whose 8-bit
 # slot is kept in float32, one block of 256 for an 8-bit parameter. Per step,
@@ -524,7 +524,7 @@ _ARITH = {}
 
 def _arith(signed: bool) -> dict:
     if signed not in _ARITH:
-        from ...state8 import SIGNED_MAP, UNSIGNED_MAP
+        from ...lowbit import SIGNED_MAP, UNSIGNED_MAP
 
         _ARITH[signed] = _arith_constants(SIGNED_MAP if signed else UNSIGNED_MAP)
     return _ARITH[signed]
@@ -690,7 +690,7 @@ def q8_decode_lanes(typingctx, cb, am, qmap, tmp, signed):
         qa = context.make_array(signature.args[2])(context, builder, args[2])
         ta = context.make_array(signature.args[3])(context, builder, args[3])
         if has_vbmi(context):
-            from ...state8 import SIGNED_MAP, UNSIGNED_MAP
+            from ...lowbit import SIGNED_MAP, UNSIGNED_MAP
 
             vf = ir.VectorType(ir.FloatType(), 16)
             am = _splat(builder, args[1], vf)
@@ -743,7 +743,7 @@ def q8_encode_block(vals, cb, table, shift, bias, nb, signed):
     return am
 
 
-# -- float8 state (arraytrain.state8, codec "float8") -------------------------------------------
+# -- float8 state (arraytrain.lowbit, codec "float8") -------------------------------------------
 #
 # A float8 slot reaches a kernel as arraytrain.kernels.interface.F8 (Q8's layout, its own tuple
 # type, so a kernel compiles the float8 codec only where a slot is float8). Both directions are
@@ -802,11 +802,11 @@ def _f8_signed(builder, u, code):
 @intrinsic
 def f8_code_sr(typingctx, y, inv, pos, i, key):
     """The e5m2 code of the float32 product ``y * inv`` stochastically rounded, as
-    :func:`arraytrain.state8.sr_codes`: the bits of ``|q|`` (below e5m2's normal range those of
+    :func:`arraytrain.lowbit.sr_codes`: the bits of ``|q|`` (below e5m2's normal range those of
     ``|q| + 2**-14``, a float32 addition, where the step is 2**-16 on both sides) plus 21 bits of noise
     (``((pos + i) ^ key) * 0x85EBCA77 >> 11``, 32-bit arithmetic; ``pos + i`` the element's position
     in its parameter, ``i`` the loop's index, so that the vector loop counts in 32 bits; ``key``
-    :func:`arraytrain.state8.sr_key`'s), shifted by 21 and rebiased (4 codes less for the shifted
+    :func:`arraytrain.lowbit.sr_key`'s), shifted by 21 and rebiased (4 codes less for the shifted
     ones), at most the largest finite code."""
     def codegen(context, builder, signature, args):
         i32, f = ir.IntType(32), ir.FloatType()
@@ -908,7 +908,7 @@ def f8_decode_block(cb, scale, tmp, wide):
 
 @njit(inline="always", **JIT)
 def _f8_block_scale(vals, cb, wide):
-    """A block's ``(inv, scale)`` as :func:`arraytrain.state8.float8_encode` forms them: ``inv`` the
+    """A block's ``(inv, scale)`` as :func:`arraytrain.lowbit.float8_encode` forms them: ``inv`` the
     factor to the format's largest value and ``scale`` its inverse; a block holding a NaN or an
     infinity (scale NaN, codes 0x7F) or only magnitudes below ``F8_TINY`` (scale 0, zeros) gets its
     codes here, and ``inv`` 0."""
@@ -920,18 +920,18 @@ def _f8_block_scale(vals, cb, wide):
             cb[i] = np.uint8(0x7F)
         return np.float32(0.0), bits_as_f32(np.uint32(0x7FC00000))
     am = bits_as_f32(m)
-    if am < np.float32(2.0 ** -111):  # (state8.F8_TINY) stored as zeros
+    if am < np.float32(2.0 ** -111):  # (lowbit.F8_TINY) stored as zeros
         for i in range(vals.size):
             cb[i] = f8_code(vals[i], np.float32(0.0), wide)
         return np.float32(0.0), np.float32(0.0)
-    top = np.float32(57344.0) if wide else np.float32(448.0)  # (state8.F8_TOP)
+    top = np.float32(57344.0) if wide else np.float32(448.0)  # (lowbit.F8_TOP)
     return exact_div(top, am), exact_div(am, top)
 
 
 @njit(inline="always", **JIT)
 def f8_encode_block(vals, cb, wide):
     """Encode a block's float32 ``vals`` into float8 codes ``cb`` (e4m3, or e5m2 with ``wide``) as
-    :func:`arraytrain.state8.float8_encode`; returns the block's scale."""
+    :func:`arraytrain.lowbit.float8_encode`; returns the block's scale."""
     inv, scale = _f8_block_scale(vals, cb, wide)
     if inv != 0.0:
         for i in range(vals.size):
@@ -942,7 +942,7 @@ def f8_encode_block(vals, cb, wide):
 @njit(inline="always", **JIT)
 def f8_encode_block_sr(vals, cb, pos, key):
     """:func:`f8_encode_block` in e5m2 with stochastic rounding (:func:`f8_code_sr`; ``pos`` the
-    position of ``vals[0]`` in its parameter), as :func:`arraytrain.state8.sr_codes`."""
+    position of ``vals[0]`` in its parameter), as :func:`arraytrain.lowbit.sr_codes`."""
     inv, scale = _f8_block_scale(vals, cb, True)
     if inv != 0.0:
         for i in range(vals.size):

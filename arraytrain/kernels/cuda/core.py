@@ -69,9 +69,9 @@ template <> struct state<u16> {
     }
 };
 
-// -- 8-bit state (arraytrain.state8): bitsandbytes' blockwise dynamic quantization ---------
+// -- 8-bit state (arraytrain.lowbit): bitsandbytes' blockwise dynamic quantization ---------
 // An 8-bit slot reaches a kernel as a pointer to its descriptor `q8` in device memory (built
-// from arraytrain.state8.Q8 by the launchers: 8 pointers, 4 ints and a salt, 88 bytes). Per segment:
+// from arraytrain.kernels.interface.Q8 by the launchers: 8 pointers, 4 ints and a salt, 88 bytes). Per segment:
 // quant[seg] != 0: one uint8 code per element (codes[i], at the flat offsets) and one float32
 // absmax per block of Q8_BLOCK elements counted from the parameter's first element
 // (aux[base[seg] + (i - offset[seg]) / Q8_BLOCK]), value = qmap[code] * absmax; else the
@@ -80,7 +80,7 @@ template <> struct state<u16> {
 // per block (arraytrain.kernels.interface.F8; qmap the e4m3 values, no table), 2 the same in
 // e5m2 (slots never negative): decoding is qmap[code] * scale alike. An e5m2 slot is encoded with
 // stochastic rounding (f8_code_sr): `start[seg]` the position in its parameter of the segment's
-// first element held here, `salt` the step's key (arraytrain.state8.sr_salt); null and 0 otherwise.
+// first element held here, `salt` the step's key (arraytrain.lowbit.sr_salt); null and 0 otherwise.
 #define Q8_BLOCK 256
 struct q8 {
     unsigned char* codes; float* aux; const i64* base; const unsigned char* quant; const i64* offset;
@@ -107,7 +107,7 @@ __device__ __forceinline__ u32 block_umax(u32 u) {
     return u;
 }
 
-// The code of float32 q from the codebook's bucket table (arraytrain.state8.Codebook): the
+// The code of float32 q from the codebook's bucket table (arraytrain.lowbit.Codebook): the
 // bucket of q's bits (sign, exponent, top mantissa bits) holds `threshold << 8 | code`; the
 // code moves one towards larger magnitude where q's low `shift` bits reach the threshold.
 // The same integer steps as the CPU family's q8_bucket/q8_pick, so the same codes for the
@@ -137,7 +137,7 @@ __device__ __forceinline__ unsigned char f8_code(float y, float inv, bool wide) 
     return (unsigned char)((t - c + (c >> sh) - (wide ? (134u << 2) : (141u << 3))) | ((u >> 24) & 0x80u));
 }
 
-// The e5m2 code of y * inv stochastically rounded (arraytrain.state8.sr_codes; the CPU family's
+// The e5m2 code of y * inv stochastically rounded (arraytrain.lowbit.sr_codes; the CPU family's
 // f8_code_sr): the bits of |q| (below e5m2's normal range those of |q| + 2^-14, where the step is
 // 2^-16 on both sides) plus 21 bits of noise, the top bits of (pos ^ key) * 0x85EBCA77
 // (pos the element's position in its parameter, key the slot's salt mixed with the segment),
@@ -181,7 +181,7 @@ template <> struct slot<q8> {
         aux = d->aux + d->base[seg];
         off = d->offset[seg];
         quant = d->quant[seg] != 0;
-        if (codec == 2) {  // e5m2: the stochastic rounding's place and key (arraytrain.state8.sr_key)
+        if (codec == 2) {  // e5m2: the stochastic rounding's place and key (arraytrain.lowbit.sr_key)
             first = d->start[seg] - off;
             key = (u32)d->salt ^ ((u32)seg * 0x27D4EB2Fu);
         }
@@ -203,7 +203,7 @@ template <> struct slot<q8> {
         if (threadIdx.x == 0) aux[(i - off) >> 8] = am;  // thread 0's element starts the block
         x = 0.0f;
     }
-    // float8 (arraytrain.state8.float8_encode; codec 1 e4m3, 2 e5m2): the largest |x| as bits; not
+    // float8 (arraytrain.lowbit.float8_encode; codec 1 e4m3, 2 e5m2): the largest |x| as bits; not
     // finite: a NaN block (scale NaN, codes 0x7F); below 2^-111: zeros (scale 0); else the codes of
     // x * (top / largest) and the scale largest / top (top 448 | 57344).
     __device__ __forceinline__ void close_float8(i64 i, bool live) {

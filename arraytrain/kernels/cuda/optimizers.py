@@ -520,7 +520,7 @@ def _run(name, p, state, pieces, arrays, scalars, w, wkind, zero_grad, mask):
            (*(_arg(a) for a in arrays), ch.table, *scalars, ptr(w), np.int32(bool(zero_grad)), ptr(mask)))
 
 
-# -- 8-bit state (arraytrain.state8.Q8 of CuPy arrays) ----------------------------------------
+# -- 8-bit state (arraytrain.kernels.interface.Q8 of CuPy arrays) -----------------------------
 
 
 def _storage(state, t: str) -> str:

@@ -7,7 +7,7 @@ import ctypes
 import ml_dtypes
 import numpy as np
 
-from ..interface import LP_BF16, LP_F16
+from ..interface import F8, LP_BF16, LP_F16
 
 LP_DTYPES = {LP_BF16: np.dtype(ml_dtypes.bfloat16), LP_F16: np.dtype(np.float16)}
 
@@ -51,7 +51,7 @@ def apply_mask(p, mask, i):
     p[i] = np.where(mask[i] != 0, p[i], p.dtype.type(0))
 
 
-# -- 8-bit state (arraytrain.state8) -----------------------------------------------------------
+# -- 8-bit state (arraytrain.lowbit) -----------------------------------------------------------
 #
 # The reference runs an 8-bit slot as bitsandbytes' CPU optimizers do, in three whole passes:
 # decode every slot into a float32 array at the parameters' offsets, run the float update
@@ -61,7 +61,7 @@ def apply_mask(p, mask, i):
 
 def q8_expand(slot) -> np.ndarray:
     """An 8-bit slot's values, decoded, as a float32 array at the flat buffer's offsets."""
-    from ...state8 import BLOCK
+    from ...lowbit import BLOCK
 
     out = np.zeros(slot.codes.size, np.float32)
     for seg in range(slot.offset.size):
@@ -77,7 +77,7 @@ def q8_expand(slot) -> np.ndarray:
 
 def _seg_size(slot, seg) -> int:
     """Segment ``seg``'s element count, from the side array's layout (absmax blocks or values)."""
-    from ...state8 import BLOCK
+    from ...lowbit import BLOCK
 
     nxt = slot.base[seg + 1] if seg + 1 < slot.base.size else slot.aux.size
     if not slot.quant[seg]:
@@ -91,9 +91,9 @@ def q8_commit(slot, values, pieces) -> None:
     """Write float32 ``values`` (flat) into an 8-bit slot over ``pieces``: float32 segments as
     they are, 8-bit ones encoded block by block (every block a piece covers; a piece must not
     split one). A float8 slot (:class:`~arraytrain.kernels.interface.F8`): each block by
-    :func:`arraytrain.state8.float8_encode`, an e5m2 one by :func:`arraytrain.state8.sr_codes`
+    :func:`arraytrain.lowbit.float8_encode`, an e5m2 one by :func:`arraytrain.lowbit.sr_codes`
     (stochastic rounding: the elements' positions in their parameter and the slot's salt)."""
-    from ...state8 import BLOCK, F8, float8_encode, nearest_codes, sr_codes, sr_key
+    from ...lowbit import BLOCK, float8_encode, nearest_codes, sr_codes, sr_key
 
     for lo, hi, seg in np.asarray(pieces).tolist():
         off, b = int(slot.offset[seg]), int(slot.base[seg])
@@ -121,7 +121,7 @@ def q8_commit(slot, values, pieces) -> None:
 
 
 def with_q8(fn):
-    """Run reference kernel ``fn`` with its 8-bit slots (:class:`arraytrain.state8.Q8` arguments)
+    """Run reference kernel ``fn`` with its 8-bit slots (:class:`arraytrain.kernels.interface.Q8` arguments)
     decoded into float32 arrays, then encoded back over the pieces."""
     import functools
     import inspect

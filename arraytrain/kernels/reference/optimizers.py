@@ -167,7 +167,7 @@ def lamb_step(p, g, m, v, pieces, *, gscale, lr, weight_decay, beta1, beta2, eps
     """
     g = gathered(g, pieces, grad_ptrs)
     nseg = len(np.asarray(lr))
-    q8 = not isinstance(m, np.ndarray)  # 8-bit moments (arraytrain.state8.Q8)
+    q8 = not isinstance(m, np.ndarray)  # 8-bit moments (arraytrain.kernels.interface.Q8)
     m8, v8 = m, v
     if q8:
         m, v = q8_expand(m8), q8_expand(v8)

@@ -1,16 +1,15 @@
-"""8-bit optimizer state: bitsandbytes' blockwise dynamic quantization, on the flat buffers.
+"""Low-bit optimizer state's codecs: bitsandbytes' blockwise dynamic quantization and float8.
 
-A slot kept in 8 bits (``state_dtype="8bit"``) holds, per parameter of at least
-``threshold`` elements, one uint8 code per element and one float32 ``absmax`` per block of
-:data:`BLOCK` (256) elements; the blocks start at the parameter's first element (as
-bitsandbytes' blocks start at the tensor's), so every block lies inside one parameter. A
+The maps, the reference encoders every kernel family equals bit for bit and the form of a
+quantized state-dict entry, below the buffers, checkpoints and kernels that import them (the
+slots, which the optimizers use: :class:`arraytrain.optim.state8.Quant8Buffer`).
+
+**8-bit** (``state_dtype="8bit"``): one uint8 code per element and one float32 ``absmax`` per
+block of :data:`BLOCK` (256) elements, the blocks starting at the parameter's first element. A
 code indexes one of bitsandbytes' two dynamic maps (Dettmers et al. 2022, "8-bit Optimizers
 via Block-wise Quantization"; ``bitsandbytes.functional.create_dynamic_map``): the signed map
 for signed state (first moments, momentum buffers), the unsigned map for state that is never
-negative (second moments, sums of squares). The value is ``map[code] * absmax``. Smaller
-parameters keep their slot in float32: the decision is made by the parameter's size (so by
-its name), never by where it sits in the flat buffer, and a checkpoint shows it (a
-``{"codes", "absmax"}`` pair or a float32 array per name).
+negative (second moments, sums of squares). The value is ``map[code] * absmax``.
 
 Encoding a block (every family): ``absmax = max |x|`` over the block, ``q = x * (1/absmax)``
 in float32 (``0`` where ``absmax == 0``), and the code of the map value nearest to ``q`` by
@@ -60,16 +59,12 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .errors import DTypeError, LayoutError, ShapeMismatchError, StateDictError, UnknownParameterError
-# Q8, the slot as the kernels take it, is defined with the kernel interface (re-exported here)
-from .kernels.interface import F8, Q8, Q8_BLOCK, QUANTIZED  # noqa: F401
-from .layout import Layout
-from .owned import Owned, OwnedPart
+from .errors import DTypeError, LayoutError, ShapeMismatchError, StateDictError
+from .kernels.interface import Q8_BLOCK
+from .owned import OwnedPart
 
 #: Elements per block: one float32 absmax each (bitsandbytes' blocksize since 0.44).
 BLOCK = Q8_BLOCK
-#: Parameters with fewer elements keep their slots in float32 (bitsandbytes' ``min_8bit_size``).
-DEFAULT_THRESHOLD = 4096
 
 # bitsandbytes' create_dynamic_map(signed=True) and (signed=False) as float32 bits, sorted
 # (bitsandbytes 0.50.2; the test suite compares them with the installed bitsandbytes).
@@ -146,13 +141,12 @@ _UNSIGNED_BITS = (
 def _map(bits) -> np.ndarray:
     out = np.array([int(h, 16) for h in "".join(bits).split()], np.uint32).view(np.float32)
     assert out.size == 256 and np.all(np.diff(out) > 0)
+    out.flags.writeable = False
     return out
 
 
 SIGNED_MAP = _map(_SIGNED_BITS)
 UNSIGNED_MAP = _map(_UNSIGNED_BITS)
-SIGNED_MAP.flags.writeable = False
-UNSIGNED_MAP.flags.writeable = False
 
 # A q below 2**-23 in magnitude is nearest to 0 in both maps (their smallest magnitudes
 # are 3.25e-7 and 5.5e-7), so the bucket table starts at exponent 104 (2**-23).
@@ -238,10 +232,11 @@ def _e4m3_values() -> np.ndarray:
 
 def _quiet_nans(values: np.ndarray) -> np.ndarray:
     """``values`` with every NaN the quiet NaN of its code's sign (0x7FC00000 or 0xFFC00000), as
-    ml_dtypes' casts give them."""
+    ml_dtypes' casts give them; read-only."""
     bits = values.view(np.uint32)
     nan = np.isnan(values)
     bits[nan] = np.uint32(0x7FC00000) | (bits[nan] & np.uint32(0x80000000))
+    values.flags.writeable = False
     return values
 
 
@@ -250,8 +245,6 @@ E4M3_MAP = _quiet_nans(_e4m3_values())
 #: The value of every e5m2 code (``ml_dtypes.float8_e5m2``; 0x7C/0xFC are +-inf, 0x7D-0x7F/0xFD-0xFF NaN):
 #: e5m2 is float16's upper byte.
 E5M2_MAP = _quiet_nans((np.arange(256, dtype=np.uint16) << 8).view(np.float16).astype(np.float32))
-E4M3_MAP.flags.writeable = False
-E5M2_MAP.flags.writeable = False
 #: The maps a quantized slot's codes may index, by the name its entries carry.
 MAPS = {"signed": SIGNED_MAP, "unsigned": UNSIGNED_MAP, "e4m3": E4M3_MAP, "e5m2": E5M2_MAP}
 FLOAT8_MAPS = ("e4m3", "e5m2")
@@ -267,6 +260,14 @@ F8_TINY = 2.0 ** -111
 def scale_key(map_name: str) -> str:
     """The key of a quantized entry's per-block float32: ``"absmax"`` (dynamic maps) or ``"scale"`` (float8)."""
     return "scale" if map_name in FLOAT8_MAPS else "absmax"
+
+
+def _blocks(x) -> tuple[np.ndarray, np.ndarray]:
+    """``x`` as a flat float32 array, and its blocks of :data:`BLOCK` from its start (zero-padded)."""
+    x = np.asarray(x, np.float32).ravel()
+    padded = np.zeros(-(-x.size // BLOCK) * BLOCK, np.float32)
+    padded[: x.size] = x
+    return x, padded.reshape(-1, BLOCK)
 
 
 def float8_encode(x, map_name: str) -> tuple[np.ndarray, np.ndarray]:
@@ -285,12 +286,8 @@ def float8_encode(x, map_name: str) -> tuple[np.ndarray, np.ndarray]:
 
     fmt = ml_dtypes.float8_e5m2 if map_name == "e5m2" else ml_dtypes.float8_e4m3fn
     top = np.float32(F8_TOP[map_name])
-    x = np.asarray(x, np.float32).ravel()
-    nblocks = -(-x.size // BLOCK)
-    padded = np.zeros(nblocks * BLOCK, np.float32)
-    padded[: x.size] = x
-    y = padded.reshape(nblocks, BLOCK)
-    m = (y.view(np.uint32) & np.uint32(0x7FFFFFFF)).max(axis=1) if nblocks else np.zeros(0, np.uint32)
+    x, y = _blocks(x)
+    m = (y.view(np.uint32) & np.uint32(0x7FFFFFFF)).max(axis=1) if y.size else np.zeros(0, np.uint32)
     bad = m >= 0x7F800000
     am = np.where(bad, np.uint32(0), m).view(np.float32)
     tiny = am < np.float32(F8_TINY)
@@ -392,12 +389,8 @@ def decode(codes, scale, map_name: str):
 
 def quantize(x, signed: bool) -> tuple[np.ndarray, np.ndarray]:
     """``(codes, absmax)`` of a 1-D array by blocks of :data:`BLOCK` from its start (reference code)."""
-    x = np.asarray(x, np.float32).ravel()
-    nblocks = -(-x.size // BLOCK)
-    padded = np.zeros(nblocks * BLOCK, np.float32)
-    padded[: x.size] = x
-    blocks = padded.reshape(nblocks, BLOCK)
-    absmax = np.abs(blocks).max(axis=1) if nblocks else np.zeros(0, np.float32)
+    x, blocks = _blocks(x)
+    absmax = np.abs(blocks).max(axis=1) if blocks.size else np.zeros(0, np.float32)
     with np.errstate(divide="ignore"):
         inv = np.where(absmax > 0, np.float32(1) / absmax, np.float32(0)).astype(np.float32)
     with np.errstate(invalid="ignore"):
@@ -416,298 +409,7 @@ def codes_value(codes, signed: bool) -> np.ndarray:
     return codebook(signed).qmap[np.asarray(codes, np.uint8)]
 
 
-# -- slots -----------------------------------------------------------------------------------
-
-
-def quantized_names(layout: Layout, threshold: int) -> tuple[bool, ...]:
-    """Per segment: whether its slot is 8-bit (``size >= threshold`` and not empty)."""
-    return tuple(n >= threshold and n > 0 for n in layout.sizes)
-
-
-def block_pieces(layout: Layout, chunk: int) -> np.ndarray:
-    """Rows ``[start, stop, segment]`` cutting each parameter at multiples of ``chunk`` elements
-    from its own start (``chunk`` a multiple of :data:`BLOCK`): no block is split between rows."""
-    rows = []
-    for seg, (start, size) in enumerate(zip(layout.offsets, layout.sizes)):
-        for a in range(0, size, chunk):
-            rows.append((start + a, start + min(size, a + chunk), seg))
-    out = np.asarray(rows, dtype=np.int64).reshape(-1, 3)
-    out.flags.writeable = False  # as every array of pieces (see Layout.pieces)
-    return out
-
-
-class _Tables(NamedTuple):
-    base: np.ndarray  # per segment: its first side-array entry here
-    quant: np.ndarray  # per segment: 1 where 8-bit
-    offset: np.ndarray  # per segment: where its first element held here sits in the slot's codes
-    spans: tuple  # per segment: ``(start, stop)`` of its elements held here ((0, 0): none)
-    naux: int  # side-array entries
-
-
-def _tables(layout: Layout, threshold: int, lo: int, length: int) -> _Tables:
-    """The per-segment tables of a slot holding the layout's flat elements ``[lo, lo + length)``."""
-    quant = quantized_names(layout, threshold)
-    hi = lo + length
-    base, offset, spans, naux = [], [], [], 0
-    for q, off, n in zip(quant, layout.offsets, layout.sizes):
-        a, b = min(max(off, lo), hi), min(max(off + n, lo), hi)
-        span = (a - off, b - off) if a < b else (0, 0)
-        if q and span[0] % BLOCK:
-            raise LayoutError(f"window [{lo}, {hi}) cuts an 8-bit block of {layout.names[len(base)]!r} "
-                              f"(its offset {off}): 8-bit state needs the window and offsets on multiples of {BLOCK}")
-        base.append(naux)
-        offset.append(a - lo)
-        spans.append(span)
-        naux += _nblocks(*span) if q else span[1] - span[0]
-    return _Tables(np.asarray(base, np.int64), np.asarray(quant, np.uint8), np.asarray(offset, np.int64),
-                   tuple(spans), naux)
-
-
-class Quant8Buffer:
-    """A state slot in 8 bits: codes and block scales for large parameters, float32 for small ones.
-
-    ``xp``: the array module of the slot's memory, NumPy (the default) or CuPy (an engine on the
-    GPU): ``flat`` and its views ``codes`` and ``aux`` live there, and so do the arrays of
-    :meth:`kernel_arg`; the per-segment tables ``base``, ``quant`` and ``offset`` are also kept
-    on the host. On CuPy, :meth:`check` reads its inputs (host or device arrays) on the host,
-    where entries are validated and float arrays encoded, and returns device arrays;
-    :meth:`as_dict` gives device arrays (a checkpoint reads them to the host).
-
-    The engine's state protocol sees what it sees of a :class:`~arraytrain.buffer.FlatBuffer`:
-    ``layout``, ``flat`` (one aligned uint8 allocation holding codes and the float32 side
-    array, so ``flat.nbytes`` is the slot's memory), ``dtype``, ``as_dict``, ``check`` and
-    ``assign``. :meth:`as_dict` gives, per name, ``{"codes": uint8 of the parameter's shape,
-    "absmax": float32 (blocks,)}`` for an 8-bit parameter, a float32 array for a small one;
-    :meth:`check` takes that form bitwise, the other form converted (float arrays of any float
-    dtype are encoded, an 8-bit entry for a parameter kept in float32 here is decoded), so a
-    state saved with float32 or bfloat16 slots loads into 8-bit slots and back.
-
-    ``codec``: ``"dynamic"`` (bitsandbytes' maps, ``state_dtype="8bit"``) or ``"float8"`` (e4m3
-    codes for a signed slot, e5m2 for an unsigned one, a float32 scale per block; see the module
-    docstring): the same layout and protocol, entries ``{"codes", "scale", "map"}`` with map
-    ``"e4m3"`` or ``"e5m2"``. Entries of the other codec (or float arrays) are converted.
-
-    ``window=(lo, length)``: the slot holds only the flat elements ``[lo, lo + length)`` of the
-    layout (one rank's partition under sharded state, :mod:`arraytrain.parallel.shard`): ``codes`` has
-    ``length`` entries, and the side array holds the blocks and small parameters' values of
-    that range. ``lo`` and every 8-bit parameter's offset must be multiples of :data:`BLOCK`
-    (the sharded engine lays the parameters out so), so the window cuts no block. Such a slot
-    has no :meth:`as_dict` (:func:`gather_window` assembles every rank's part into full entries,
-    :func:`window_template` describes this rank's part to a reader); :meth:`check` takes full
-    entries or the parts a reader took (:class:`arraytrain.owned.OwnedPart`) and keeps this
-    window's elements.
-    """
-
-    __slots__ = ("layout", "signed", "codec", "threshold", "flat", "codes", "aux", "base", "quant", "offset", "spans", "xp",
-                 "window", "_arg")
-
-    def __init__(self, layout: Layout, signed: bool, threshold: int = DEFAULT_THRESHOLD, xp=np, window=None,
-                 codec: str = "dynamic"):
-        if codec not in CODECS:
-            raise ValueError(f"codec: expected one of {CODECS}, got {codec!r}")
-        self.layout, self.signed, self.threshold, self.xp = layout, bool(signed), int(threshold), xp
-        self.codec = codec
-        self.window = None if window is None else (int(window[0]), int(window[1]))
-        lo, length = (0, layout.size) if window is None else self.window
-        t = _tables(layout, self.threshold, lo, length)
-        ncodes = -(-length // 16) * 16  # the side array starts 64-byte aligned
-        self.flat = _aligned_bytes(ncodes + 4 * t.naux, xp)
-        self.codes = self.flat[:length]
-        self.aux = self.flat[ncodes:].view(np.float32)
-        self.base, self.quant, self.offset, self.spans = t.base, t.quant, t.offset, t.spans
-        if self.signed and codec == "dynamic":  # value 0 is code 127 in the signed map, 0 elsewhere
-            self.codes.fill(np.uint8(np.searchsorted(SIGNED_MAP, 0.0)))
-        if codec == "float8":
-            start = np.asarray([a for a, _ in self.spans], np.int64)  # (each segment's first held position)
-            tables = (self.base, self.quant, self.offset, MAPS[self.map_name], start)
-            if xp is not np:  # the kernels read every table on the device
-                tables = tuple(xp.asarray(t) for t in tables)
-            self._arg = F8(self.codes, self.aux, *tables[:4], int(not self.signed), tables[4], 0)  # wide: e5m2
-            return
-        book = codebook(self.signed)
-        tables = (self.base, self.quant, self.offset, book.qmap, book.table)
-        if xp is not np:  # the kernels read every table on the device
-            tables = tuple(xp.asarray(t) for t in tables)
-        self._arg = Q8(self.codes, self.aux, *tables[:3], *tables[3:], book.shift, book.bias, book.nb)
-
-    dtype = np.dtype(np.uint8)  # what ready-to-assign arrays (see :meth:`check`) hold
-
-    @property
-    def map_name(self) -> str:
-        """The map the codes index: ``"signed"`` or ``"unsigned"`` (dynamic), ``"e4m3"`` or ``"e5m2"`` (float8)."""
-        if self.codec == "float8":
-            return "e4m3" if self.signed else "e5m2"
-        return "signed" if self.signed else "unsigned"
-
-    @property
-    def names(self) -> tuple[str, ...]:
-        return self.layout.names
-
-    def kernel_arg(self) -> Q8 | F8:
-        """The slot as the kernels take it."""
-        return self._arg
-
-    def is_quantized(self, name: str) -> bool:
-        return bool(self.quant[self.layout.index(name)])
-
-    def _parts(self, seg: int):
-        """Segment ``seg``'s codes (None for a small parameter) and side-array entries held here."""
-        a, b = self.spans[seg]
-        off, k = int(self.offset[seg]), int(self.base[seg])
-        if self.quant[seg]:
-            return self.codes[off : off + b - a], self.aux[k : k + _nblocks(a, b)]
-        return None, self.aux[k : k + b - a]
-
-    def _whole(self, what: str) -> None:
-        if self.window is not None:
-            raise LayoutError(f"{what}: this slot holds one rank's partition [{self.window[0]}, "
-                              f"{self.window[0] + self.window[1]}) of the layout; gather_window assembles every rank's")
-
-    def values(self, name: str):
-        """The float32 values of parameter ``name``'s slot (decoded; a copy), in its shape, on the slot's device."""
-        self._whole("values")
-        seg = self.layout.index(name)
-        codes, aux = self._parts(seg)
-        out = aux.copy() if codes is None else decode(codes, aux, self.map_name)
-        return out.reshape(self.layout.shapes[seg])
-
-    def to_float32(self):
-        """Every value, decoded, as a flat float32 array of the layout (padding 0), on the slot's device."""
-        self._whole("to_float32")
-        out = self.xp.zeros(self.layout.size, np.float32)
-        for seg, name in enumerate(self.layout.names):
-            off, n = self.layout.offsets[seg], self.layout.sizes[seg]
-            out[off : off + n] = self.values(name).ravel()
-        return out
-
-    def as_dict(self, copy: bool = False) -> dict:
-        """Per name: ``{"codes", "absmax"|"scale", "map"}`` (quantized) or a float32 array (small), as views or copies."""
-        self._whole("as_dict")
-        out = {}
-        for seg, name in enumerate(self.layout.names):
-            codes, aux = self._parts(seg)
-            shape = self.layout.shapes[seg]
-            if codes is None:
-                out[name] = (aux.copy() if copy else aux).reshape(shape)
-            else:
-                out[name] = {"codes": (codes.copy() if copy else codes).reshape(shape),
-                             scale_key(self.map_name): aux.copy() if copy else aux, "map": self.map_name}
-        return out
-
-    def check(self, arrays: Mapping, *, strict: bool = True) -> dict:
-        """Validate ``arrays`` (the :meth:`as_dict` form, or float arrays) without writing.
-
-        Returns, per name, a new uint8 array of the bytes :meth:`assign` writes: the codes
-        followed by the block scales' bytes (quantized), or the float32 bytes (small).
-        """
-        if not isinstance(arrays, Mapping):
-            raise StateDictError(f"expected a mapping name -> array, got {type(arrays).__name__}")
-        out = {}
-        for name, a in arrays.items():
-            if name not in self.layout:
-                raise UnknownParameterError(f"{name!r}: no such parameter; known: {list(self.layout.names)}")
-            seg = self.layout.index(name)
-            shape, n, span = self.layout.shapes[seg], self.layout.sizes[seg], self.spans[seg]
-            if is_q8_entry(a):
-                codes, scale, map_name = check_entry(name, a, shape, n, span)
-                if self.quant[seg] and map_name == self.map_name:
-                    out[name] = np.concatenate([codes.ravel(), scale.view(np.uint8)])
-                    continue
-                values = decode(codes, scale, map_name)
-            else:
-                values = _float_values(name, a, shape, span)
-            if self.quant[seg]:  # the span starts on a block: its blocks are the whole parameter's
-                codes, scale = encode(values, self.map_name)
-                out[name] = np.concatenate([codes, scale.view(np.uint8)])
-            else:
-                out[name] = np.ascontiguousarray(values, np.float32).ravel().view(np.uint8).copy()
-        if strict:
-            missing = [k for k in self.layout.names if k not in out]
-            if missing:
-                raise LayoutError(f"missing arrays for {missing}")
-        if self.xp is not np:  # ready to assign on the slot's device (the one move, after every check)
-            out = {k: self.xp.asarray(v) for k, v in out.items()}
-        return out
-
-    def assign(self, checked: dict) -> None:
-        """Write what :meth:`check` returned (bytes: the float32 side array may start unaligned in ``raw``)."""
-        for name, raw in checked.items():
-            seg = self.layout.index(name)
-            codes, aux = self._parts(seg)
-            if codes is None:
-                aux.view(np.uint8)[...] = raw
-            else:
-                codes[...] = raw[: codes.size]
-                aux.view(np.uint8)[...] = raw[codes.size :]
-
-    def load(self, arrays: Mapping, *, strict: bool = True) -> None:
-        self.assign(self.check(arrays, strict=strict))
-
-    def __repr__(self) -> str:
-        nq = int(self.quant.sum())
-        return (f"Quant8Buffer({len(self.layout)} params, {nq} in 8 bits, {self.map_name} "
-                f"map, {self.flat.nbytes} bytes)")
-
-
-def window_template(slot: Quant8Buffer) -> dict:
-    """A reader's template of a windowed slot: per name, :class:`~arraytrain.owned.Owned` ranges of
-    the codes and absmax (8-bit) or of the float32 values (small) this slot holds."""
-    on_device = slot.xp is not np
-    out = {}
-    for seg, name in enumerate(slot.layout.names):
-        shape, (a, b) = slot.layout.shapes[seg], slot.spans[seg]
-        if slot.quant[seg]:
-            nb = -(-slot.layout.sizes[seg] // BLOCK)
-            out[name] = {"codes": Owned(shape, np.dtype(np.uint8), a, b, on_device),
-                         scale_key(slot.map_name): Owned((nb,), np.dtype(np.float32), a // BLOCK, a // BLOCK + _nblocks(a, b),
-                                         on_device),
-                         "map": slot.map_name}
-        else:
-            out[name] = Owned(shape, np.dtype(np.float32), a, b, on_device)
-    return out
-
-
-def gather_window(comm, slot: Quant8Buffer, root: int | None = None) -> dict | None:
-    """Every rank's window of a slot assembled into full :meth:`Quant8Buffer.as_dict` entries (a
-    collective over ``comm``); with ``root``, on that rank only (None on the others)."""
-    xp, lay = slot.xp, slot.layout
-    infos = comm.gather_objects((int(slot.flat.size), *slot.window))
-    mine = xp.zeros(max(size for size, _, _ in infos), np.uint8)
-    mine[: slot.flat.size] = slot.flat
-    got = comm.allgather(mine) if root is None else comm.gather(mine, root)
-    if got is None:
-        return None
-    out = {}
-    for seg, name in enumerate(lay.names):
-        n = lay.sizes[seg]
-        if slot.quant[seg]:
-            out[name] = {"codes": xp.empty(n, np.uint8), scale_key(slot.map_name): xp.empty(-(-n // BLOCK), np.float32),
-                         "map": slot.map_name}
-        else:
-            out[name] = xp.empty(n, np.float32)
-    for raw, (_, lo, length) in zip(got, infos):
-        t = _tables(lay, slot.threshold, lo, length)
-        ncodes = -(-length // 16) * 16
-        aux = raw[ncodes : ncodes + 4 * t.naux].view(np.float32)
-        for seg, name in enumerate(lay.names):
-            a, b = t.spans[seg]
-            off, k = int(t.offset[seg]), int(t.base[seg])
-            if not t.quant[seg]:
-                out[name][a:b] = aux[k : k + b - a]
-            elif b > a:
-                out[name]["codes"][a:b] = raw[off : off + b - a]
-                out[name][scale_key(slot.map_name)][a // BLOCK : a // BLOCK + _nblocks(a, b)] = aux[k : k + _nblocks(a, b)]
-    for seg, name in enumerate(lay.names):
-        shape, entry = lay.shapes[seg], out[name]
-        if slot.quant[seg]:
-            entry["codes"] = entry["codes"].reshape(shape)
-        else:
-            out[name] = entry.reshape(shape)
-    return out
-
-
-#: A quantized slot's codecs: bitsandbytes' dynamic maps (``state_dtype="8bit"``), float8.
-CODECS = ("dynamic", "float8")
+# -- state-dict entries ----------------------------------------------------------------------
 
 
 def _xp(a):
@@ -722,16 +424,6 @@ def _xp(a):
 def _host(a):
     """``a`` on the host: a CuPy array read back (validating and encoding state runs on the host)."""
     return a.get() if _xp(a) is not np else a
-
-
-def _aligned_bytes(n: int, xp=np):
-    """``n`` zero bytes of ``xp`` (NumPy or CuPy) starting on a 64-byte boundary (as every
-    FlatBuffer allocation; written here so that this module stays below arraytrain.buffer,
-    whose backends import the kernels, which import this module)."""
-    raw = xp.zeros(n + 64, xp.uint8)
-    address = raw.__array_interface__["data"][0] if xp is np else raw.data.ptr
-    start = -address % 64
-    return raw[start : start + n]
 
 
 def is_q8_entry(a) -> bool:
@@ -754,9 +446,8 @@ def check_entry(name: str, a: Mapping, shape, n: int, span=None):
     if key not in a:
         raise StateDictError(f"{name!r}: a {map_name!r} entry holds 'codes', {key!r} and 'map', got {sorted(a)}")
     start, stop = (0, n) if span is None else span
-    nb = -(-n // BLOCK)
     codes = _own(name, a["codes"], tuple(shape), (start, stop), "codes")
-    scale = _own(name, a[key], (nb,), (start // BLOCK, start // BLOCK + _nblocks(start, stop)), key)
+    scale = _own(name, a[key], (-(-n // BLOCK),), (start // BLOCK, start // BLOCK + blocks_in(start, stop)), key)
     if codes.dtype != np.uint8 or scale.dtype != np.float32:
         raise DTypeError(f"{name!r}: quantized state expects uint8 codes and float32 {key}, got "
                          f"{codes.dtype} and {scale.dtype}")
@@ -781,7 +472,7 @@ def _own(name: str, a, shape: tuple, want: tuple, what: str):
     return flat if want == (0, flat.size) else flat[want[0] : want[1]]
 
 
-def _nblocks(start: int, stop: int) -> int:
+def blocks_in(start: int, stop: int) -> int:
     """Blocks holding a parameter's elements ``[start, stop)`` (``start`` on a block; 0 if empty)."""
     return -(-stop // BLOCK) - start // BLOCK if stop > start else 0
 
@@ -796,7 +487,7 @@ def decode_entry(name: str, a: Mapping, shape):
     return out if xp is np else xp.asarray(out)
 
 
-def _float_values(name: str, a, shape, span=None) -> np.ndarray:
+def float_entry_values(name: str, a, shape, span=None) -> np.ndarray:
     """A float state entry's float32 values (flat; only the elements ``span`` with one), on the host."""
     from .backend import as_array
 
