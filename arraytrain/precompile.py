@@ -37,7 +37,7 @@ from .errors import HyperparameterError
 #: Parameter dtypes a kernel compiles for.
 DTYPES = ("float32", "float64")
 #: Storage of the optimizer's element-wise state: "float32" is the parameters' own dtype.
-STATE_DTYPES = ("float32", "bfloat16", "8bit", "float8")
+STATE_DTYPES = optim.Optimizer.STATE_DTYPES
 #: Low-precision working copies ("none": without). bfloat16 and float16 copies share one
 #: compiled signature (the kind is an argument of the kernel), so either compiles both.
 WORKING_DTYPES = ("none", "bfloat16", "float16")
@@ -155,20 +155,18 @@ def run(job: Job) -> tuple[float, int]:
 
 
 def _one_call(engine) -> None:
-    """The torch drop-ins' Adam/AdamW step in one compiled call (``kernels.cpu.optimizers.ADAM_CHECKED``), both
+    """The torch drop-ins' Adam/AdamW step in one compiled call (the CPU family's ``adam_checked``), both
     twins, with the argument types the drop-ins pass, on ``engine``'s buffers (its gradient buffer, read
     where it lies)."""
-    from .kernels.cpu.optimizers import ADAM_CHECKED
+    from .kernels.cpu import adam_checked
 
-    state, flat, slots = engine.state, engine.params.flat, engine.state.slots
-    m = slots["exp_avg"].flat
-    for twin in ADAM_CHECKED:
-        pieces = engine.layout.pieces
-        twin(flat, engine.grads.flat, m, slots["exp_avg_sq"].flat, np.zeros(0, flat.dtype), pieces, pieces,
-             np.array([0, len(pieces)], np.int64), engine.grad_addresses.copy(),
-             np.asarray(engine.layout.offsets, np.int64), flat.itemsize, state.hp["lr"].copy(),
-             state.hp["weight_decay"].copy(), np.zeros((len(engine.layout), 2)), np.ones(1), np.ones(1), True, 1.0,
-             1.0, 1e-6, True, 1.0, 0.9, 0.999, 1e-8, False)
+    state, flat, slots, pieces = engine.state, engine.params.flat, engine.state.slots, engine.layout.pieces
+    adam_checked(flat, engine.grads.flat, slots["exp_avg"].flat, slots["exp_avg_sq"].flat, np.zeros(0, flat.dtype),
+                 state.hp["lr"].copy(), state.hp["weight_decay"].copy(), np.zeros((len(engine.layout), 2)),
+                 engine.grad_addresses.copy(), np.asarray(engine.layout.offsets, np.int64), pieces,
+                 np.array([0, len(pieces)], np.int64), pieces, unscale=1.0, max_norm=1.0, clip_eps=1e-6, check=True,
+                 maximize=False, decoupled=True, beta1=0.9, beta2=0.999, eps=1e-8, amsgrad=False, lr_div=[1.0],
+                 inv_bc2_sqrt=[1.0])  # (inside run's both_twins(): the serial and the parallel twin)
 
 
 def _cupy():

@@ -7,8 +7,11 @@
   (unless ``_name`` is a module), no ``x._name`` on an imported arraytrain module, and no
   ``obj._name`` on another object unless ``_name`` is defined in the same module (its own
   classes' attributes). ``self._name`` and ``super()._name`` are a class's business, and a
-  subclass may use its base class's underscore helpers. Names reached through another
-  library's modules (numba's internals, ``os._exit``) are that library's business.
+  subclass may use its base class's underscore helpers where the base is of its own package
+  (``optim._adam`` of ``optim._base``), never across packages (an interop class deriving from the
+  Engine reaches it through its public names). Names reached through another library's modules
+  or classes (numba's internals, ``os._exit``, torch.optim.Optimizer's hooks) are that library's
+  business.
 """
 
 from __future__ import annotations
@@ -138,17 +141,35 @@ def _root_name(node):
     return node.id if isinstance(node, ast.Name) else None
 
 
-def _violations(module: str, tree) -> list[str]:
-    rel = MODULES[module].relative_to(PACKAGE.parent)
-    defined, ours, foreign, found = set(), set(), set(), []
+def _defined(tree) -> set[str]:
+    """The names a module defines: its functions and classes, what it assigns (attributes too)."""
+    out = set()
     for node in ast.walk(tree):
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            defined.add(node.name)
+            out.add(node.name)
         elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
-            defined.add(node.attr)
+            out.add(node.attr)
         elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
-            defined.add(node.id)
-        elif isinstance(node, ast.Import):
+            out.add(node.id)
+    return out
+
+
+def _package(module: str) -> str:
+    return module if MODULES[module].name == "__init__.py" else module.rpartition(".")[0]
+
+
+#: name -> the packages whose modules define it (where an inherited ``self._name`` comes from).
+DEFINED_IN = {}
+for _module, _tree in TREES.items():
+    for _name in _defined(_tree):
+        DEFINED_IN.setdefault(_name, set()).add(_package(_module))
+
+
+def _violations(module: str, tree) -> list[str]:
+    rel = MODULES[module].relative_to(PACKAGE.parent)
+    defined, ours, foreign, found = _defined(tree), set(), set(), []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
             for a in node.names:
                 (ours if a.name.split(".")[0] == "arraytrain" else foreign).add((a.asname or a.name).split(".")[0])
         elif isinstance(node, ast.ImportFrom):
@@ -162,9 +183,11 @@ def _violations(module: str, tree) -> list[str]:
         if not (isinstance(node, ast.Attribute) and _private(node.attr)):
             continue
         value = node.value
-        if isinstance(value, ast.Name) and value.id in ("self", "cls"):
-            continue
-        if isinstance(value, ast.Call) and isinstance(value.func, ast.Name) and value.func.id == "super":
+        if (isinstance(value, ast.Name) and value.id in ("self", "cls")) or (
+                isinstance(value, ast.Call) and isinstance(value.func, ast.Name) and value.func.id == "super"):
+            home = DEFINED_IN.get(node.attr, set())
+            if node.attr not in defined and home and _package(module) not in home:
+                found.append(f"{rel}:{node.lineno}: {ast.unparse(node)} (inherited from {', '.join(sorted(home))})")
             continue
         root = _root_name(value)
         if isinstance(value, ast.Name) and root in ours:
@@ -188,6 +211,15 @@ def test_modules_use_only_public_names_of_other_modules():
     ("def f(engine):\n    return engine._state", 1),
     ("class A:\n    def f(self, other):\n        self._k = 1\n        return other._k", 0),
     ("import os\nos._exit(1)", 0),
+    ("class A:\n    def f(self):\n        return self._guard", 0),  # the engine package's own (guard.py's)
+    ("class A:\n    def f(self):\n        return self._optimizer_step_code", 0),  # a foreign base's (torch's)
 ])
 def test_the_private_name_check_itself(source, expected):
     assert len(_violations("arraytrain.engine.core", ast.parse(source))) == expected
+
+
+def test_an_inherited_private_name_is_refused_across_packages_only():
+    source = ast.parse("from arraytrain.engine import Engine\nclass A(Engine):\n    def f(self):\n"
+                       "        return self._placement")
+    assert len(_violations("arraytrain.interop.torch", source)) == 1
+    assert _violations("arraytrain.engine.guard", source) == []

@@ -9,30 +9,25 @@ from contextlib import contextmanager
 import numpy as np
 
 from .. import _compile_notice, param_steps
-from . import intake, protocol
 from .._checks import check_int
-from .guard import CallGuard, guarded
 from ..accumulate import REDUCTIONS
 from ..amp import LossScaler, working_spec
 from ..backend import NUMPY, array_module, backend_of, check_kernel_dtype
-from ..buffer import FlatBuffer, GradsAt, as_flat_buffer, segment_addresses
+from ..buffer import GradsAt, as_flat_buffer, segment_addresses
 from ..compress import check_compressor
-from .protocol import CheckedState, Counters, StateParts, checked_everywhere
+from ..errors import ArgumentTypeError, ConcurrentUseError, HyperparameterError, MissingGradientError, NonFiniteError
 from ..kernels.interface import family
-from ..errors import (
-    ArgumentTypeError,
-    ConcurrentUseError,
-    HyperparameterError,
-    MissingGradientError,
-    NonFiniteError,
-)
 from ..ops import CLIP_EPS
 from ..optim import Optimizer, check_optimizer
-from ..prune import MaskBuffer
-from ..schedules import Schedule
 from ..parallel.communicator import check_parallel
 from ..parallel.placement import join, placement, placement_class
 from ..parallel.sync import gradient_sync
+from ..prune import MaskBuffer
+from ..schedules import Schedule
+from . import intake, protocol
+from .guard import CallGuard, guarded
+from .intake import IntakeStage
+from .protocol import Counters, Stateful
 from .stages import Judge, StepReport, Verdict, check_judging
 
 STATE_FORMAT = protocol.STATE_FORMAT
@@ -41,7 +36,7 @@ MISSING = ("error", "zero", "skip")
 _GRADIENTS_ONLY = ("mark_ready()", "zero_grad()")
 
 
-class Engine:
+class Engine(IntakeStage, Stateful):
     """Training step on flat buffers: ``engine.step(grads) -> StepReport``.
 
     Parameters
@@ -123,6 +118,9 @@ class Engine:
 
     Notes
     -----
+    The intake and the calls on the gradient buffer are :class:`~arraytrain.engine.intake.IntakeStage`'s,
+    the state protocol :class:`~arraytrain.engine.protocol.Stateful`'s (the Engine's base classes).
+
     On a CUDA device every stage is a CuPy raw kernel, one launch over the whole buffer,
     and a step synchronises with the host once: the norm pass leaves its verdict (the clip
     factor, or a skip) on the device for the update kernels, and the step reads the norms
@@ -239,14 +237,6 @@ class Engine:
     def kernels(self):
         """The kernel family this engine runs (:mod:`arraytrain.kernels`; numba, CUDA or the reference)."""
         return self._kernels
-
-    @property
-    def intake(self):
-        """The dict path's validator: ``engine.intake.fast = False`` validates every micro-batch
-        from scratch instead of reusing the last one's structure, ``engine.intake.in_place = False``
-        copies every micro-batch into ``engine.grads`` instead of reading it where it lies
-        (benchmarks compare them)."""
-        return self._intake
 
     @property
     def placement(self):
@@ -385,10 +375,11 @@ class Engine:
         than a second says so on stderr, the first time in a process naming the ``arraytrain
         compile`` command that compiles them ahead (:mod:`arraytrain.precompile`).
         """
-        return self._noticed(self._step, grads, weight, absent)
+        return self.with_compile_notice(self._step, grads, weight, absent)
 
-    def _noticed(self, step, *args):
-        """``step(*args)``, and the notice when it compiled kernels for more than a second."""
+    def with_compile_notice(self, step, *args):
+        """``step(*args)``, and the notice when it compiled kernels for more than a second (:meth:`step`'s;
+        for a binding that steps the engine by a kernel of its own)."""
         clock = self._compile_clock
         if clock is None:
             return step(*args)
@@ -414,15 +405,6 @@ class Engine:
                               lr=lr, loss_scale=self.loss_scale)
         return self._boundary(lr, lrs)
 
-    def check_weight(self, weight) -> float:
-        """``weight`` (None: 1.0) as :meth:`step` takes it, or the error step() would raise.
-
-        For a binding that writes a micro-batch into ``engine.grads`` itself and then
-        calls ``step()`` with no gradients: it checks the weight before it writes.
-        """
-        return intake.check_weight(weight, self.params.dtype, self.reduction == "mean", self.counters.weight_sum,
-                                    self.loss_scale)
-
     def _scheduled(self, boundary: bool):
         """``(lr, lrs)``: the scheduled lr of parameters without an override, and at a boundary
         the per-parameter rates (None without a schedule), from one evaluation of the schedule."""
@@ -434,32 +416,7 @@ class Engine:
         rates = self.schedule(self.state.step, np.concatenate(([base], self.optimizer.per_param(self.state, "lr"))))
         return float(rates[0]), rates[1:]
 
-    def check_absent(self, absent) -> tuple:
-        """``absent`` (None, a name, or an iterable of names) as :meth:`step` takes it, as a tuple, or the
-        error step() would raise: an unknown name, or any name under ``missing="error"``. For a
-        binding that finds parameters without a gradient and checks them before it writes."""
-        if absent is None:
-            return ()
-        if isinstance(absent, str):
-            absent = (absent,)
-        try:
-            absent = tuple(absent)
-        except TypeError:
-            raise ArgumentTypeError(f"absent: expected an iterable of parameter names, got "
-                                    f"{type(absent).__name__}") from None
-        for name in absent:
-            self.layout.index(name)  # UnknownParameterError naming the known ones
-        self._missing(absent)
-        return absent
-
     # -- the stages ---------------------------------------------------------------------------
-
-    def _missing(self, absent) -> None:
-        """The ``missing`` policy on a micro-batch's parameters without a gradient (before any write)."""
-        if absent and self.missing == "error":
-            raise MissingGradientError(
-                f"no gradient for {list(absent)} (policy missing='error'; use missing='zero' to count them as "
-                "zero, or missing='skip' to leave them untouched, as torch.optim does)")
 
     def _intake_stage(self, grads, w: float, absent: tuple) -> None:
         """Intake: validate the whole micro-batch, then accumulate it (the window's first overwrites)."""
@@ -512,7 +469,7 @@ class Engine:
             return self._ascent_stage(verdict, step, lr)
         if not self._update_stage(verdict, lrs, absent, grads_at):
             return self._skip(step, lr)
-        return self._bookkeeping(verdict, lr, payload)
+        return self.finish_applied(verdict, lr, payload)
 
     @classmethod
     def step_together(cls, engines: list, absent: list | None = None) -> list[StepReport]:
@@ -546,7 +503,7 @@ class Engine:
                 e._enter("step()")
                 held.append(e)
             checked = [e.check_absent(a) for e, a in zip(engines, absent)]
-            return lead._noticed(cls._together, engines, checked, lead.max_grad_norm, lead.clip_eps,
+            return lead.with_compile_notice(cls._together, engines, checked, lead.max_grad_norm, lead.clip_eps,
                                  lead.nonfinite == "skip")
         finally:
             for e in held:
@@ -576,41 +533,10 @@ class Engine:
                 except NonFiniteError as err:
                     refused = refused or err
             else:
-                reports.append(e._bookkeeping(v, lr, None))
+                reports.append(e.finish_applied(v, lr, None))
         if refused is not None:
             raise refused
         return reports
-
-    def read_in_place(self, bases) -> None:
-        """This micro-batch's gradients lie at ``bases`` (int64, by segment: the address of each
-        parameter's gradient, contiguous, of the buffer's dtype; a parameter whose gradient is in
-        ``engine.grads`` gives that address), not in ``engine.grads``: the step reads them there.
-
-        For a binding that holds the gradients elsewhere (the torch drop-ins' fresh ``.grad``
-        tensors): start from a copy of :attr:`grad_addresses`. The dict path does it by itself.
-        Only where :attr:`reads_in_place`; the addresses themselves cannot be checked, so the memory
-        must be what they say and stay valid and unchanged until the boundary's :meth:`step` returns."""
-        if not self._in_place_ok:
-            raise ArgumentTypeError("read_in_place: this engine reads its gradient buffer (reads_in_place is False)")
-        if not isinstance(bases, np.ndarray) or bases.dtype != np.int64 or bases.shape != (len(self.layout),):
-            raise ArgumentTypeError(f"bases: expected an int64 array of {len(self.layout)} addresses (one per "
-                                    f"parameter), got {getattr(bases, 'dtype', type(bases).__name__)}"
-                                    f"{getattr(bases, 'shape', '')}")
-        self._grads_at = GradsAt(self.grads, bases, self._grad_offsets)
-
-    @property
-    def grad_addresses(self) -> np.ndarray | None:
-        """Where each parameter's gradient lies in ``engine.grads`` (int64 by segment, read-only): what
-        a binding copies and overwrites for :meth:`read_in_place`; None where the engine does not
-        read in place."""
-        return self._grad_addresses
-
-    @property
-    def reads_in_place(self) -> bool:
-        """Whether a step may read gradients where they lie (:meth:`read_in_place`): one process, the CPU,
-        one micro-batch per window, ``zero_grad_on_step``, an optimizer whose kernels take ``grad_ptrs``,
-        no compressor, no SAM."""
-        return self._in_place_ok
 
     def _unscale(self, wsum: float) -> float:
         # the buffer holds sum(w * g) of the scaled loss: the mean gradient is flat / unscale
@@ -646,8 +572,9 @@ class Engine:
                           clip_coef=verdict.coef, loss_scale=self.loss_scale, perturbed=True,
                           _segment_norms=verdict, _names=self.layout.names)
 
-    def _bookkeeping(self, verdict: Verdict, lr: float, payload) -> StepReport:
-        """An applied step: counters, the loss scaler, the report."""
+    def finish_applied(self, verdict: Verdict, lr: float, payload=None) -> StepReport:
+        """An applied step's bookkeeping: counters, the loss scaler, the report (the last stage; for a
+        binding that applied the update by a kernel of its own, inside :meth:`exclusive`)."""
         self.counters.consecutive_skips = 0
         self.counters.perturbed = False
         if self.loss_scaler is not None:
@@ -719,137 +646,5 @@ class Engine:
         self._placement.apply_mask(new)
         self.refresh_working()
 
-    @guarded
-    def zero_grad(self) -> None:
-        """Zero ``engine.grads`` and drop a partly accumulated window.
-
-        With the overlapped exchange, buckets already started in this window are first
-        completed with the rest (so that every rank's collectives still match: call it on
-        every rank at the same point); before any was started it costs nothing more.
-        """
-        self._sync.drain()
-        self.grads.flat.fill(0)
-        self.counters.close_window()
-        self.counters.absent = None
-        self._grads_at = None
-
-    @guarded
-    def mark_ready(self, names) -> None:
-        """The gradients of ``names`` (a parameter name or an iterable of names) are final for this window.
-
-        The overlapped exchange (``overlap=True`` with a group of processes) then starts every
-        bucket whose gradients are all final, in bucket order (see :mod:`arraytrain.parallel.sync`);
-        it polls what is in flight too. It acts during the last micro-batch of a window (before
-        its :meth:`step`), when the gradients in ``engine.grads`` are the window's sums; at other
-        times, and without the overlapped exchange, it only checks the names (an unknown one
-        raises :class:`~arraytrain.errors.UnknownParameterError`). Until :meth:`step`, nothing
-        may write a marked gradient.
-        """
-        self._sync.mark_ready(names, self.counters.micro == self.accumulation_steps - 1)
-
-    def _nothing_in_flight(self, what: str) -> None:
-        """Refuse ``what`` while the overlapped exchange works on the gradient buffer."""
-        if self._sync.started:
-            raise ConcurrentUseError(f"{what}: the gradients marked ready are being exchanged; call it before the "
-                                     "window's last micro-batch or after its step()")
-
-    # -- state: the protocol of arraytrain.engine.protocol, on this engine's data ---------------
-    def _parts(self) -> StateParts:
-        return StateParts(params=self.params, grads=self.grads, optimizer=self.optimizer, opt_state=self.state,
-                          counters=self.counters, accumulation_steps=self.accumulation_steps,
-                          two_windows=self._two_windows, schedule=self.schedule, loss_scaler=self.loss_scaler,
-                          compressor=self.compressor, mask=self.mask, comm=self.comm)
-
-    @guarded
-    def wait_weights(self) -> None:
-        """Complete the weights' all-gather left in flight by the last update (``bind(...,
-        gather_in_forward=True)``): ``engine.params`` (and the bound model's tensors) then hold every
-        rank's updated weights. The bound model's forward pass and every engine call that reads the
-        weights wait on their own; call this before reading the tensors any other way. Otherwise, nothing."""
-        self._placement.settle()  # (entering the call has settled it already: kept explicit)
-
-    @guarded
-    def gather_params(self) -> FlatBuffer:
-        """The full parameters as a new :class:`FlatBuffer`: a copy of ``engine.params``, or with
-        sharded master weights (``shard_state`` under a working copy) their all-gather, a
-        collective that every rank calls."""
-        return self._placement.gather_params()
-
-    def memory(self) -> dict[str, int]:
-        """Bytes of the buffers this rank holds, by kind: ``params`` (0 where the float32 master
-        weights are sharded), ``grads``, ``state`` (the optimizer's slots), ``master`` (this rank's
-        partition of sharded masters), ``working``, ``mask`` and ``scratch`` (a sharded mask's
-        partition). Sharded buffers include the end padding that makes the partitions equal;
-        host arrays the kernels allocate per call are not counted."""
-        out = dict.fromkeys(("params", "grads", "state", "master", "working", "mask", "scratch"), 0)
-        out.update(self._placement.memory())
-        out["state"] = sum(buf.flat.nbytes for buf in self.state.slots.values())
-        out["mask"] = 0 if self.mask is None else self.mask.flat.nbytes
-        return out
-
-    @guarded
-    def state_dict(self, copy: bool = True, *, root: int | None = None) -> dict | None:
-        """Name-keyed arrays of everything a bitwise-exact resume needs, plus scalars.
-
-        ``copy=False`` returns views into the live buffers (for a writer that serialises them
-        at once, e.g. :func:`arraytrain.save`). With a group of processes (``comm``) this is a
-        collective: what differs between ranks (the partly accumulated window, the
-        compressor's state and residual) is gathered by rank (``state["accumulation"]`` and
-        ``state["compression"]`` are ``{"ranks": [rank 0's, ...]}``), sharded slots and
-        masters into the full arrays. ``root``: the state is assembled on that rank only, the
-        others return None (what :func:`arraytrain.save` passes: ``root=0``).
-        """
-        self._nothing_in_flight("state_dict()")
-        if root is not None:
-            root = check_int("root", root, 0, self.comm.size - 1, error=ArgumentTypeError)
-        return protocol.state_dict(self._parts(), copy, gather=True, root=root)
-
-    @guarded
-    def state_template(self) -> dict:
-        """This rank's own state as views, the per-rank parts marked
-        (:class:`~arraytrain.parallel.PerRank`): what a reader matches a saved state
-        against, whatever number of ranks saved it (not a collective)."""
-        return protocol.state_dict(self._parts(), copy=False, gather=False)
-
-    @guarded
-    def check_state(self, state: Mapping) -> CheckedState:
-        """Validate a whole state dict against this engine; return it checked.
-
-        Changes nothing; :meth:`apply_state` then loads it. A refused state raises
-        :class:`~arraytrain.errors.StateDictError`. Local to this process: with a group,
-        :meth:`load_state_dict` makes every rank refuse when one does.
-        """
-        return CheckedState(protocol.check_state(self._parts(), state), self)
-
-    @guarded
-    def apply_state(self, checked: CheckedState) -> None:
-        """Load what this engine's :meth:`check_state` returned (writes that cannot fail), then
-        rebuild the working copy. Anything else is refused before any write."""
-        if not isinstance(checked, CheckedState) or checked.owner is not self:
-            got = "another engine's" if isinstance(checked, CheckedState) else type(checked).__name__
-            raise ArgumentTypeError(f"checked: expected what this engine's check_state() returned, got {got}")
-        self._nothing_in_flight("apply_state()")
-        for write in checked.writes:
-            write()
-        self._placement.keep_mask(self.mask)
-        self.refresh_working()
-
-    @guarded
-    def load_state_dict(self, state: Mapping) -> None:
-        """Load :meth:`state_dict` output. Everything is validated before any buffer is written.
-
-        The optimizer type and slots must match; the optimizer's current
-        hyperparameters are kept (so a resumed run may change, e.g., its lr).
-        The schedule's, loss scaler's and compressor's states are restored into
-        the engine's own, which must be present exactly when the state has them.
-        Counters are ints in ``[0, 2**53]`` (see ``arraytrain._checks.MAX_COUNT``).
-
-        :meth:`check_state` then :meth:`apply_state`; with a group of processes every
-        rank raises when any rank's check failed. A refused state raises
-        :class:`StateDictError` and changes nothing.
-        """
-        self.apply_state(checked_everywhere(self.comm, lambda: self.check_state(state)))
-
-    def __repr__(self) -> str:
         return (f"Engine({self.params!r}, {self.optimizer!r}, accumulation_steps={self.accumulation_steps}, "
                 f"max_grad_norm={self.max_grad_norm}, backend={backend_of(self.params.flat)})")

@@ -19,10 +19,11 @@ from collections.abc import Mapping
 import numpy as np
 
 from ..backend import KERNEL_DTYPES, NUMPY, array_module, as_array, backend_of
-from ..buffer import FlatBuffer, segment_addresses
+from ..buffer import FlatBuffer, GradsAt, segment_addresses
 from .._checks import check_positive
-from ..errors import (AliasingError, ArgumentTypeError, HyperparameterError, ShapeMismatchError,
-                     UnknownParameterError)
+from ..errors import (AliasingError, ArgumentTypeError, ConcurrentUseError, HyperparameterError, MissingGradientError,
+                     ShapeMismatchError, UnknownParameterError)
+from .guard import guarded
 
 # Gradients of fewer elements than this go through the staging array and the one scatter call
 # of the fast path; larger ones are written directly, one accumulate call each: a call costs
@@ -336,3 +337,117 @@ class Intake:
             if g.dtype not in KERNEL_DTYPES:
                 g = g.astype(flat.dtype)
             self.kernels.accumulate(flat[where], g.reshape(-1), w=weight, overwrite=overwrite)
+
+
+class IntakeStage:
+    """The :class:`~arraytrain.Engine`'s intake checks and its gradient buffer (a base class of the Engine):
+    a micro-batch's weight and parameters without a gradient checked before any write (the ``missing``
+    policy), gradients read where they lie, and the calls that act on the gradient buffer alone
+    (``zero_grad``, ``mark_ready``). The intake stage itself is the Engine's."""
+
+    @property
+    def intake(self):
+        """The dict path's validator: ``engine.intake.fast = False`` validates every micro-batch
+        from scratch instead of reusing the last one's structure, ``engine.intake.in_place = False``
+        copies every micro-batch into ``engine.grads`` instead of reading it where it lies
+        (benchmarks compare them)."""
+        return self._intake
+
+    def check_weight(self, weight) -> float:
+        """``weight`` (None: 1.0) as :meth:`step` takes it, or the error step() would raise.
+
+        For a binding that writes a micro-batch into ``engine.grads`` itself and then
+        calls ``step()`` with no gradients: it checks the weight before it writes.
+        """
+        return check_weight(weight, self.params.dtype, self.reduction == "mean", self.counters.weight_sum,
+                            self.loss_scale)
+
+    def check_absent(self, absent) -> tuple:
+        """``absent`` (None, a name, or an iterable of names) as :meth:`step` takes it, as a tuple, or the
+        error step() would raise: an unknown name, or any name under ``missing="error"``. For a
+        binding that finds parameters without a gradient and checks them before it writes."""
+        if absent is None:
+            return ()
+        if isinstance(absent, str):
+            absent = (absent,)
+        try:
+            absent = tuple(absent)
+        except TypeError:
+            raise ArgumentTypeError(f"absent: expected an iterable of parameter names, got "
+                                    f"{type(absent).__name__}") from None
+        for name in absent:
+            self.layout.index(name)  # UnknownParameterError naming the known ones
+        self._missing(absent)
+        return absent
+
+    def _missing(self, absent) -> None:
+        """The ``missing`` policy on a micro-batch's parameters without a gradient (before any write)."""
+        if absent and self.missing == "error":
+            raise MissingGradientError(
+                f"no gradient for {list(absent)} (policy missing='error'; use missing='zero' to count them as "
+                "zero, or missing='skip' to leave them untouched, as torch.optim does)")
+
+    def read_in_place(self, bases) -> None:
+        """This micro-batch's gradients lie at ``bases`` (int64, by segment: the address of each
+        parameter's gradient, contiguous, of the buffer's dtype; a parameter whose gradient is in
+        ``engine.grads`` gives that address), not in ``engine.grads``: the step reads them there.
+
+        For a binding that holds the gradients elsewhere (the torch drop-ins' fresh ``.grad``
+        tensors): start from a copy of :attr:`grad_addresses`. The dict path does it by itself.
+        Only where :attr:`reads_in_place`; the addresses themselves cannot be checked, so the memory
+        must be what they say and stay valid and unchanged until the boundary's :meth:`step` returns."""
+        if not self._in_place_ok:
+            raise ArgumentTypeError("read_in_place: this engine reads its gradient buffer (reads_in_place is False)")
+        if not isinstance(bases, np.ndarray) or bases.dtype != np.int64 or bases.shape != (len(self.layout),):
+            raise ArgumentTypeError(f"bases: expected an int64 array of {len(self.layout)} addresses (one per "
+                                    f"parameter), got {getattr(bases, 'dtype', type(bases).__name__)}"
+                                    f"{getattr(bases, 'shape', '')}")
+        self._grads_at = GradsAt(self.grads, bases, self._grad_offsets)
+
+    @property
+    def grad_addresses(self) -> np.ndarray | None:
+        """Where each parameter's gradient lies in ``engine.grads`` (int64 by segment, read-only): what
+        a binding copies and overwrites for :meth:`read_in_place`; None where the engine does not
+        read in place."""
+        return self._grad_addresses
+
+    @property
+    def reads_in_place(self) -> bool:
+        """Whether a step may read gradients where they lie (:meth:`read_in_place`): one process, the CPU,
+        one micro-batch per window, ``zero_grad_on_step``, an optimizer whose kernels take ``grad_ptrs``,
+        no compressor, no SAM."""
+        return self._in_place_ok
+
+    @guarded
+    def zero_grad(self) -> None:
+        """Zero ``engine.grads`` and drop a partly accumulated window.
+
+        With the overlapped exchange, buckets already started in this window are first
+        completed with the rest (so that every rank's collectives still match: call it on
+        every rank at the same point); before any was started it costs nothing more.
+        """
+        self._sync.drain()
+        self.grads.flat.fill(0)
+        self.counters.close_window()
+        self.counters.absent = None
+        self._grads_at = None
+
+    @guarded
+    def mark_ready(self, names) -> None:
+        """The gradients of ``names`` (a parameter name or an iterable of names) are final for this window.
+
+        The overlapped exchange (``overlap=True`` with a group of processes) then starts every
+        bucket whose gradients are all final, in bucket order (see :mod:`arraytrain.parallel.sync`);
+        it polls what is in flight too. It acts during the last micro-batch of a window (before
+        its :meth:`step`), when the gradients in ``engine.grads`` are the window's sums; at other
+        times, and without the overlapped exchange, it only checks the names (an unknown one
+        raises :class:`~arraytrain.errors.UnknownParameterError`). Until :meth:`step`, nothing
+        may write a marked gradient.
+        """
+        self._sync.mark_ready(names, self.counters.micro == self.accumulation_steps - 1)
+
+    def _nothing_in_flight(self, what: str) -> None:
+        """Refuse ``what`` while the overlapped exchange works on the gradient buffer."""
+        if self._sync.started:
+            raise ConcurrentUseError(f"{what}: the gradients marked ready are being exchanged; call it before the "
+                                     "window's last micro-batch or after its step()")

@@ -27,7 +27,8 @@ from . import intake
 from ..parallel import shard
 from .._checks import check_count, check_int, check_number, shown
 from ..buffer import FlatBuffer
-from ..errors import LayoutError, StateDictError
+from ..errors import ArgumentTypeError, LayoutError, StateDictError
+from .guard import guarded
 from ..parallel.communicator import PerRank
 
 #: The version of the state dict's structure (``state["format"]``).
@@ -473,3 +474,105 @@ class _Slot:
     """Where an array stood in a tree sent without its arrays (see :func:`_gather_by_rank`)."""
 
     index: int
+
+
+class Stateful:
+    """The state protocol as the :class:`~arraytrain.Engine`'s methods (a base class of the Engine), on
+    the engine's data, and what this rank holds: its memory, the full parameters, the weights'
+    deferred all-gather."""
+
+    def _parts(self) -> StateParts:
+        return StateParts(params=self.params, grads=self.grads, optimizer=self.optimizer, opt_state=self.state,
+                          counters=self.counters, accumulation_steps=self.accumulation_steps,
+                          two_windows=self._two_windows, schedule=self.schedule, loss_scaler=self.loss_scaler,
+                          compressor=self.compressor, mask=self.mask, comm=self.comm)
+
+    @guarded
+    def wait_weights(self) -> None:
+        """Complete the weights' all-gather left in flight by the last update (``bind(...,
+        gather_in_forward=True)``): ``engine.params`` (and the bound model's tensors) then hold every
+        rank's updated weights. The bound model's forward pass and every engine call that reads the
+        weights wait on their own; call this before reading the tensors any other way. Otherwise, nothing."""
+        self._placement.settle()  # (entering the call has settled it already: kept explicit)
+
+    @guarded
+    def gather_params(self) -> FlatBuffer:
+        """The full parameters as a new :class:`FlatBuffer`: a copy of ``engine.params``, or with
+        sharded master weights (``shard_state`` under a working copy) their all-gather, a
+        collective that every rank calls."""
+        return self._placement.gather_params()
+
+    def memory(self) -> dict[str, int]:
+        """Bytes of the buffers this rank holds, by kind: ``params`` (0 where the float32 master
+        weights are sharded), ``grads``, ``state`` (the optimizer's slots), ``master`` (this rank's
+        partition of sharded masters), ``working``, ``mask`` and ``scratch`` (a sharded mask's
+        partition). Sharded buffers include the end padding that makes the partitions equal;
+        host arrays the kernels allocate per call are not counted."""
+        out = dict.fromkeys(("params", "grads", "state", "master", "working", "mask", "scratch"), 0)
+        out.update(self._placement.memory())
+        out["state"] = sum(buf.flat.nbytes for buf in self.state.slots.values())
+        out["mask"] = 0 if self.mask is None else self.mask.flat.nbytes
+        return out
+
+    @guarded
+    def state_dict(self, copy: bool = True, *, root: int | None = None) -> dict | None:
+        """Name-keyed arrays of everything a bitwise-exact resume needs, plus scalars.
+
+        ``copy=False`` returns views into the live buffers (for a writer that serialises them
+        at once, e.g. :func:`arraytrain.save`). With a group of processes (``comm``) this is a
+        collective: what differs between ranks (the partly accumulated window, the
+        compressor's state and residual) is gathered by rank (``state["accumulation"]`` and
+        ``state["compression"]`` are ``{"ranks": [rank 0's, ...]}``), sharded slots and
+        masters into the full arrays. ``root``: the state is assembled on that rank only, the
+        others return None (what :func:`arraytrain.save` passes: ``root=0``).
+        """
+        self._nothing_in_flight("state_dict()")
+        if root is not None:
+            root = check_int("root", root, 0, self.comm.size - 1, error=ArgumentTypeError)
+        return state_dict(self._parts(), copy, gather=True, root=root)
+
+    @guarded
+    def state_template(self) -> dict:
+        """This rank's own state as views, the per-rank parts marked
+        (:class:`~arraytrain.parallel.PerRank`): what a reader matches a saved state
+        against, whatever number of ranks saved it (not a collective)."""
+        return state_dict(self._parts(), copy=False, gather=False)
+
+    @guarded
+    def check_state(self, state: Mapping) -> CheckedState:
+        """Validate a whole state dict against this engine; return it checked.
+
+        Changes nothing; :meth:`apply_state` then loads it. A refused state raises
+        :class:`~arraytrain.errors.StateDictError`. Local to this process: with a group,
+        :meth:`load_state_dict` makes every rank refuse when one does.
+        """
+        return CheckedState(check_state(self._parts(), state), self)
+
+    @guarded
+    def apply_state(self, checked: CheckedState) -> None:
+        """Load what this engine's :meth:`check_state` returned (writes that cannot fail), then
+        rebuild the working copy. Anything else is refused before any write."""
+        if not isinstance(checked, CheckedState) or checked.owner is not self:
+            got = "another engine's" if isinstance(checked, CheckedState) else type(checked).__name__
+            raise ArgumentTypeError(f"checked: expected what this engine's check_state() returned, got {got}")
+        self._nothing_in_flight("apply_state()")
+        for write in checked.writes:
+            write()
+        self._placement.keep_mask(self.mask)
+        self.refresh_working()
+
+    @guarded
+    def load_state_dict(self, state: Mapping) -> None:
+        """Load :meth:`state_dict` output. Everything is validated before any buffer is written.
+
+        The optimizer type and slots must match; the optimizer's current
+        hyperparameters are kept (so a resumed run may change, e.g., its lr).
+        The schedule's, loss scaler's and compressor's states are restored into
+        the engine's own, which must be present exactly when the state has them.
+        Counters are ints in ``[0, 2**53]`` (see ``arraytrain._checks.MAX_COUNT``).
+
+        :meth:`check_state` then :meth:`apply_state`; with a group of processes every
+        rank raises when any rank's check failed. A refused state raises
+        :class:`StateDictError` and changes nothing.
+        """
+        self.apply_state(checked_everywhere(self.comm, lambda: self.check_state(state)))

@@ -14,8 +14,9 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
-from .. import param_steps, threads
+from .. import param_steps
 from ..amp import LossScaler
+from ..buffer import GradsAt
 from ..engine import Engine
 from ..errors import BackendError
 from ..ops import NormPass
@@ -110,7 +111,8 @@ class GroupEngine(Engine):
         # read in place, nothing the staged step has to do (a schedule, a non-finite gradient applied)
         self.lean = (kernels == "numba" and self.reads_in_place and not lowp and self.params.dtype == np.float32
                      and self.schedule is None)
-        self._lean = None  # (the kernel, SERIAL_BELOW, an empty float32 slot), at the first lean step
+        self._offsets = GradsAt.offsets_of(self.grads)[0]  # (the parameters' first elements: the lean step's)
+        self._empty = np.zeros(0, np.float32)  # (the lean step's AMSGrad slot without AMSGrad)
         self._lean_tables = {}  # (_tables: the lean step's pieces by which parameters are present, and their counts)
         self.hooks = []
         if self.overlapped:  # the exchange starts while backward runs (see bind's hooks)
@@ -185,7 +187,7 @@ class GroupEngine(Engine):
                 self.lp_grads.zero_()
 
     def lean_step(self, bases: np.ndarray, max_grad_norm, rates: np.ndarray, absent=()) -> StepReport | None:
-        """The step in one compiled call (:data:`arraytrain.kernels.cpu.optimizers.ADAM_CHECKED`),
+        """The step in one compiled call (the CPU family's ``adam_checked``),
         bitwise the staged :meth:`~arraytrain.Engine.step`'s, where it applies: Adam or AdamW with
         float32 state and no mask, every gradient a ``.grad`` read where it lies (``bases``, by segment,
         as :meth:`~arraytrain.Engine.read_in_place` takes them) but the parameters ``absent`` (segments
@@ -197,9 +199,9 @@ class GroupEngine(Engine):
         then nothing changed (the staged step takes it, and skips it)."""
         opt = self.optimizer
         if (not self.lean or type(opt) not in (Adam, AdamW) or opt.state_dtype is not None or self.counters.micro
-                or self._placement.kernel_mask is not None or (absent and self.missing != "skip")):
+                or self.placement.kernel_mask is not None or (absent and self.missing != "skip")):
             return None
-        return self._noticed(self._lean_step, bases, max_grad_norm, rates, absent)
+        return self.with_compile_notice(self._lean_step, bases, max_grad_norm, rates, absent)
 
     def _tables(self, absent):
         """``(pieces, upieces, bounds, lags)``: the norm pass's rows (the present parameters'), the
@@ -226,14 +228,8 @@ class GroupEngine(Engine):
         return cached
 
     def _lean_step(self, bases, max_grad_norm, rates, absent):
-        if self._lean is None:  # (numba, imported at the first step that needs it)
-            from ..kernels.cpu import SERIAL_BELOW
-            from ..kernels.cpu.optimizers import ADAM_CHECKED
-            self._lean = (ADAM_CHECKED, SERIAL_BELOW, np.zeros(0, np.float32))
-        twins, serial_below, empty = self._lean
         opt, state = self.optimizer, self.state
-        self._enter("step()")
-        try:
+        with self.exclusive("step()"):
             step = state.step
             absent_mask = None
             if absent:
@@ -242,21 +238,16 @@ class GroupEngine(Engine):
             pieces, upieces, bounds, lags = self._tables(absent_mask)
             b1, b2 = opt.betas
             ts = [step + 1 + int(lag) for lag in lags]  # (each group's t: its count before the step, plus one)
-            flat = self.params.flat
-            parallel = flat.size >= serial_below and not threads.forked_omp  # (kernels.cpu._jit.pick's choice)
-            if parallel:
-                threads.start_numba_threads()
             slots = state.slots
             self.max_grad_norm = max_grad_norm
             self.loss_scaler.scale = 1.0
-            total, per_seg, applied = twins[0 if parallel else 1](
-                flat, self.grads.flat, slots["exp_avg"].flat, slots["exp_avg_sq"].flat,
-                slots["max_exp_avg_sq"].flat if opt.amsgrad else empty, pieces, upieces, bounds, bases,
-                self._grad_offsets[0], flat.itemsize, state.hp["lr"], state.hp["weight_decay"], rates,
-                np.array([1.0 - b1**t for t in ts]), np.array([1.0 / math.sqrt(1.0 - b2**t) for t in ts]),
-                isinstance(opt, AdamW), 1.0, -1.0 if max_grad_norm is None else float(max_grad_norm),
-                float(self.clip_eps), self.nonfinite == "skip", -1.0 if opt.maximize else 1.0, float(b1), float(b2),
-                float(opt.eps), bool(opt.amsgrad))  # (floats: one compiled signature)
+            total, per_seg, applied = self.kernels.adam_checked(
+                self.params.flat, self.grads.flat, slots["exp_avg"].flat, slots["exp_avg_sq"].flat,
+                slots["max_exp_avg_sq"].flat if opt.amsgrad else self._empty, state.hp["lr"], state.hp["weight_decay"],
+                rates, bases, self._offsets, upieces, bounds, pieces, unscale=1.0, max_norm=max_grad_norm,
+                clip_eps=self.clip_eps, check=self.nonfinite == "skip", maximize=opt.maximize,
+                decoupled=isinstance(opt, AdamW), beta1=b1, beta2=b2, eps=opt.eps, amsgrad=opt.amsgrad,
+                lr_div=[1.0 - b1**t for t in ts], inv_bc2_sqrt=[1.0 / math.sqrt(1.0 - b2**t) for t in ts])
             if not applied:
                 return None
             state.step = step + 1
@@ -265,10 +256,7 @@ class GroupEngine(Engine):
             # the staged step's finding: the sums' norms, or NaN where there was no pass or a NaN/Inf applied
             found = NormPass.of_sums(math.sqrt(total), per_seg) if math.isfinite(total) else \
                 NormPass.lazy(math.nan, lambda: np.full(len(per_seg), math.nan))
-            return self._bookkeeping(Verdict(found, unscale=1.0, max_norm=max_grad_norm, eps=self.clip_eps), opt.lr,
-                                     None)
-        finally:
-            self._guard.release()
+            return self.finish_applied(Verdict(found, unscale=1.0, max_norm=max_grad_norm, eps=self.clip_eps), opt.lr)
 
     def zero_grad(self) -> None:
         """:meth:`Engine.zero_grad`, and the low-precision gradient buffer of a bf16/fp16 model."""

@@ -263,6 +263,19 @@ DEVICE_KERNELS = {
     "read_sums": ("reductions", "(total, per segment) of sumsq_gate's sums: the one device-to-host read"),
 }
 
+#: Kernels of the CPU family alone, as KERNELS: the torch drop-ins' Adam/AdamW step in one call (the norm
+#: pass, the NaN/Inf verdict, the clip factor and the update by step-count group; bitwise the staged step's).
+HOST_KERNELS = {
+    "adam_checked": ("optimizers", "Adam/AdamW's whole step: norm pass, verdict, clip factor, update by step count"),
+}
+ARGUMENTS.update({
+    "clip_eps": "the clip factor's min(1, max_norm/(norm + clip_eps))",
+    "check": "judge the gradient: a NaN/Inf one is not applied (nothing written)",
+    "maximize": "ascend the objective: the gradient's sign flipped",
+    "decoupled": "Adam: AdamW's decoupled weight decay (else coupled L2)",
+    "lr_div": "per step-count group: the bias correction 1 - beta1^t the lr is divided by",
+})
+
 
 def export(namespace: dict, package: str, kernels: dict = KERNELS) -> list[str]:
     """Put every kernel of ``kernels`` (name -> (domain, what)) into a family package's ``namespace``,

@@ -11,7 +11,7 @@ from arraytrain.phase import predict
 from arraytrain.backend import check_kernel_dtype
 from arraytrain.errors import BackendUnavailableError, DTypeError, HyperparameterError
 from arraytrain.kernels import cpu, cuda, interface, reference
-from arraytrain.kernels.interface import ARGUMENTS, DEVICE_KERNELS, DOMAINS, FAMILIES, IMPLS, KERNELS
+from arraytrain.kernels.interface import ARGUMENTS, DEVICE_KERNELS, DOMAINS, FAMILIES, HOST_KERNELS, IMPLS, KERNELS
 
 PACKAGES = {"reference": reference, "cpu": cpu, "cuda": cuda}
 
@@ -24,7 +24,9 @@ def test_the_table_names_every_public_kernel_of_the_reference_family():
         helpers = {"magnitude_keys", "ternary_scales", "signs", "positions"}  # reference-only building blocks
         assert public - helpers == {n for n, (d, _) in KERNELS.items() if d == domain}, domain
     assert all(d in DOMAINS for d, _ in KERNELS.values()) and FAMILIES == tuple(PACKAGES)
-    assert all(d in DOMAINS and not hasattr(reference, n) for n, (d, _) in DEVICE_KERNELS.items())
+    for own, fam in ((DEVICE_KERNELS, cuda), (HOST_KERNELS, cpu)):  # one family's own kernels
+        assert all(d in DOMAINS and not hasattr(reference, n) and getattr(interface.family(
+            "cupy" if fam is cuda else "numpy", "numba", d), n) is getattr(fam, n) for n, (d, _) in own.items())
 
 
 @pytest.mark.parametrize("fam", FAMILIES)
@@ -40,11 +42,12 @@ def test_every_family_provides_the_kernel_with_the_same_arguments(fam, name):
 
 
 def _signature(name):
-    """The reference's signature of a kernel; the CUDA family's for the device-only ones."""
-    return inspect.signature(getattr(cuda if name in DEVICE_KERNELS else reference, name))
+    """The reference's signature of a kernel; the CUDA family's for the device-only ones, the CPU's for its own."""
+    return inspect.signature(getattr(cuda if name in DEVICE_KERNELS else cpu if name in HOST_KERNELS else reference,
+                                     name))
 
 
-ALL_KERNELS = list(KERNELS) + list(DEVICE_KERNELS)
+ALL_KERNELS = list(KERNELS) + list(DEVICE_KERNELS) + list(HOST_KERNELS)
 # Positional names that are also documented keywords of other kernels: cast_working's first array is
 # the working copy ``w`` it writes (the optimizer kernels' keyword ``working``), not accumulate's weight.
 POSITIONAL_ARRAYS = {("cast_working", "w")}
@@ -62,7 +65,7 @@ def test_kernels_take_scalars_by_keyword_only(name):
     scalars = {p for p in positional if p in ARGUMENTS and (name, p) not in POSITIONAL_ARRAYS}
     assert not scalars, f"{name}: {sorted(scalars)} taken positionally"
     assert set(keywords) <= set(ARGUMENTS), f"{name}: undocumented {sorted(set(keywords) - set(ARGUMENTS))}"
-    if KERNELS.get(name, ("",))[0] == "optimizers":
+    if {**KERNELS, **HOST_KERNELS}.get(name, ("",))[0] == "optimizers":
         assert positional[-1] in ("pieces", "batches")  # the arrays end with the layout's tables
 
 

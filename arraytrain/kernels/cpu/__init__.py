@@ -3,8 +3,9 @@
 Importing it compiles nothing: kernels compile on first call and are cached on disk.
 """
 
-from ..interface import export
+from ..interface import HOST_KERNELS, KERNELS, export
 from ._jit import BLOCK, JIT, SERIAL_BELOW  # noqa: F401
 
-#: Every kernel of :data:`~arraytrain.kernels.interface.KERNELS`, from its domain's module.
-__all__ = export(globals(), __name__)
+#: Every kernel of :data:`~arraytrain.kernels.interface.KERNELS` (and the CPU's own, ``HOST_KERNELS``), from its
+#: domain's module.
+__all__ = export(globals(), __name__, {**KERNELS, **HOST_KERNELS})

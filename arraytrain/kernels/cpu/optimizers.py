@@ -270,6 +270,19 @@ ADAM_CHECKED = (_calling(_adam_checked, "_parallel", _sumsq_twin=SUMSQ_TWINS[0],
                 _calling(_adam_checked, "_serial", _sumsq_twin=SUMSQ_TWINS[1], _adam_twin=_ADAM[1]))
 
 
+def adam_checked(p, g, m, v, vmax, hp_lr, hp_wd, rates, bases, offsets, upieces, bounds, pieces, *, unscale, max_norm,
+                 clip_eps, check, maximize, decoupled, beta1, beta2, eps, amsgrad, lr_div, inv_bc2_sqrt):
+    """A whole Adam/AdamW step in one call (:data:`ADAM_CHECKED`'s twin for ``p.size``): ``(total,
+    per_segment, applied)``. ``lr_div`` and ``inv_bc2_sqrt``: per step-count group (rows
+    ``bounds[k]:bounds[k + 1]`` of ``upieces``), ``1 - beta1**t`` and ``1 / sqrt(1 - beta2**t)``;
+    ``max_norm`` None: no clipping. ``vmax``: an empty array without ``amsgrad``."""
+    return pick(ADAM_CHECKED, p.size)(
+        p, g, m, v, vmax, pieces, upieces, bounds, bases, offsets, p.itemsize, hp_lr, hp_wd, rates,
+        np.asarray(lr_div, np.float64), np.asarray(inv_bc2_sqrt, np.float64), bool(decoupled), float(unscale),
+        -1.0 if max_norm is None else float(max_norm), float(clip_eps), bool(check), -1.0 if maximize else 1.0,
+        float(beta1), float(beta2), float(eps), bool(amsgrad))  # (floats: one compiled signature)
+
+
 # -- adagrad, rmsprop, lion, lamb ---------------------------------------------------------
 
 
