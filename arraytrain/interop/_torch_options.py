@@ -11,6 +11,7 @@ from .. import optim
 from ..optim import state8
 from .._checks import check_int
 from ..errors import HyperparameterError
+from ..kernels.interface import family_name
 from ..ops import CLIP_EPS
 from ..parallel.communicator import check_parallel
 from ..engine.stages import check_judging
@@ -66,9 +67,9 @@ def check_options(options: Mapping, owner: str, takes_state_dtype: bool) -> Opti
         raise HyperparameterError(f"state_dtype: {owner} keeps its state in the parameters' "
                                   "dtype (its arraytrain optimizer takes no state_dtype), got "
                                   f"state_dtype={state_dtype!r}")
-    if state_dtype is not None and state_dtype not in optim.Optimizer.STATE_DTYPES:
-        allowed = ", ".join(repr(d) for d in optim.Optimizer.STATE_DTYPES)
-        raise HyperparameterError(f"state_dtype: expected None or one of {allowed}, got {state_dtype!r}")
+    if state_dtype is not None and state_dtype not in optim.Optimizer.STATE_DTYPES:  # (the optimizers' message)
+        raise HyperparameterError(f"state_dtype: expected None or one of {optim.Optimizer.STATE_DTYPES}, got "
+                                  f"{state_dtype!r}")
     if min_8bit_size is None:
         min_8bit_size = state8.DEFAULT_THRESHOLD
     elif state_dtype not in ("8bit", "float8"):
@@ -76,8 +77,7 @@ def check_options(options: Mapping, owner: str, takes_state_dtype: bool) -> Opti
                                   f"with state_dtype='8bit' or 'float8' only, got min_8bit_size={min_8bit_size!r} with "
                                   f"state_dtype={state_dtype!r}")
     min_8bit_size = check_int("min_8bit_size", min_8bit_size, 0)
-    if kernels not in ("numba", "reference"):
-        raise HyperparameterError(f"kernels: expected 'numba' or 'reference', got {kernels!r}")
+    family_name("numpy", kernels)  # (the engine's check of ``kernels``)
     overlap = options["overlap"]
     comm, shard_state, _, bucket_bytes = check_parallel(
         options["comm"], options["shard_state"], False if overlap is None else overlap, options["bucket_bytes"])
