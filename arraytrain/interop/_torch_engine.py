@@ -18,11 +18,10 @@ from .. import param_steps
 from ..amp import LossScaler
 from ..buffer import GradsAt
 from ..engine import Engine
-from ..errors import BackendError
 from ..ops import NormPass
 from ..optim import Adam, AdamW
 from ..engine.stages import StepReport, Verdict
-from ._torch_views import check_kind, fresh_addresses, tensor_view
+from ._torch_views import TensorBinding
 
 # who holds the tensors, and when a model must be converted or moved (check_kind's messages)
 _HELD = {"holder": "the optimizer", "before": "before building the optimizer"}
@@ -92,19 +91,8 @@ class GroupEngine(Engine):
                 params[n] = t.numpy() if device.type == "cpu" else t
             super().__init__(params, optimizer, **kw)
         self.initial_scalars = dict(self.state.scalars)  # a fresh state's (NAdam's mu_product: 1)
-        self.lowp = lowp
-        self.on_cpu = device.type == "cpu"
-        weights = self.working if lowp else self.params
-        if lowp:  # .grad must have the parameter's dtype: a low-precision buffer, added into the float32 one
-            self.lp_grads = torch.zeros(self.layout.size, dtype=dtype, device=device)
-            self.grads_tensor = tensor_view(self.grads.flat, torch)
-        self.bound = []
-        with torch.no_grad():
-            for n, p in entries:
-                data = tensor_view(weights[n], torch)
-                grad = self.lp_grads[self.layout.slice(n)].view(p.shape) if lowp else tensor_view(self.grads[n], torch)
-                p.data = data
-                self.bound.append((n, p, data, grad, data.data_ptr(), p.dtype, tuple(p.shape)))
+        self.binding = TensorBinding(self, entries, torch, set_grad=False, **_HELD)
+        self.lowp, self.bound = lowp, self.binding.bound
         # parameters whose .grad was None at the last applied step, when the kernel zeroed the buffer
         self.clean: set[int] = set()
         # the whole step as one compiled call where it can be (lean_step): numba's kernels, float32 weights
@@ -127,64 +115,17 @@ class GroupEngine(Engine):
         self.hooks = []
 
     def check(self) -> tuple[list, list, list, np.ndarray | None]:
-        """Find what a step must repair, changing nothing: ``(data_fixes, grad_fixes, absent, addresses)``.
-
-        ``.data`` replaced by a tensor of the same dtype, device and shape: its values are taken
-        into the engine; ``.grad`` allocated by torch (after ``zero_grad(set_to_none=True)``): its
-        values are copied into the buffer, or read where they lie; ``.grad`` None: the parameter is
-        absent this step. ``addresses``: the gradients' addresses by segment for
-        :meth:`~arraytrain.Engine.read_in_place` when the step can read them where they lie (the
-        engine can, not a bfloat16/float16 model, and every ``.grad`` is a contiguous tensor torch
-        allocated, or None), else None (:meth:`connect` copies them into the buffer). Anything else
-        raises before a write.
-        """
-        data_fixes, grad_fixes, absent, found = [], [], [], []
-        on_cpu, strided = self.on_cpu, torch.strided
-        fresh = not self.lowp  # every .grad a tensor torch allocated, or None: read where they lie
-        for i, (n, p, data, grad, ptr, dtype, shape) in enumerate(self.bound):
-            if p.data_ptr() != ptr or p.dtype is not dtype or p.shape != shape:
-                check_kind(n, "parameter", p, data, **_HELD)
-                data_fixes.append(i)
-            g = p.grad
-            if g is grad:
-                fresh = False  # a gradient in the buffer: the step reads the buffer (and zeroes it)
-                continue
-            if g is None:
-                absent.append(i)
-                continue
-            # the common case in a few attribute reads: a dense CPU gradient of the parameter's kind
-            if not (on_cpu and g.dtype is dtype and g.layout is strided and g.is_cpu and g.shape == shape):
-                if g.is_sparse or g.layout != strided:
-                    raise BackendError(f"{n!r}: a {g.layout} gradient; the drop-in optimizers take dense "
-                                       "gradients")
-                check_kind(n, "gradient", g, grad, **_HELD)
-            grad_fixes.append(i)
-            found.append((i, g))  # (a parameter's segment is its place in bound)
-        addrs = None
-        if fresh and found:
-            addrs = fresh_addresses(self, found)
-        return data_fixes, grad_fixes, absent, addrs
+        """What a step must repair (:meth:`TensorBinding.check <._torch_views.TensorBinding.check>`)."""
+        return self.binding.check(self)
 
     def connect(self, data_fixes, grad_fixes, absent) -> None:
         """Apply what :meth:`check` found: every ``.grad`` that is not None then points into the buffer."""
-        if not (data_fixes or grad_fixes or absent or self.lowp):
-            return  # (the common step: gradients read where they lie, nothing to repair)
-        with torch.no_grad():
-            for i in data_fixes:
-                _, p, data, *_ = self.bound[i]
-                data.copy_(p.detach())
-                p.data = data
-            for i in grad_fixes:
-                _, p, _, grad, *_ = self.bound[i]
-                grad.copy_(p.grad)
-                p.grad = grad
-            if self.missing != "skip":  # an absent parameter's gradient must read 0: the moments see it
-                for i in absent:            # (with "skip" the engine zeroes it and the step leaves it alone)
+        if absent and self.missing != "skip":  # an absent parameter's gradient must read 0: the moments see
+            with torch.no_grad():  # it (with "skip" the engine zeroes it and the step leaves it alone)
+                for i in absent:
                     if i not in self.clean:
                         self.bound[i][3].zero_()
-            if self.lowp:
-                self.grads_tensor.copy_(self.lp_grads)
-                self.lp_grads.zero_()
+        self.binding.repair(data_fixes, grad_fixes, overwrite=True)
 
     def lean_step(self, bases: np.ndarray, max_grad_norm, rates: np.ndarray, absent=()) -> StepReport | None:
         """The step in one compiled call (the CPU family's ``adam_checked``),
@@ -261,8 +202,7 @@ class GroupEngine(Engine):
     def zero_grad(self) -> None:
         """:meth:`Engine.zero_grad`, and the low-precision gradient buffer of a bf16/fp16 model."""
         super().zero_grad()
-        if self.lowp:
-            self.lp_grads.zero_()
+        self.binding.zero_lowp()
 
     def refresh(self) -> None:
         """Rewrite the working copy (the model's bf16/fp16 weights) from the master weights."""

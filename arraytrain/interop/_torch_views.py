@@ -1,8 +1,8 @@
 """torch tensors as views of arraytrain's flat buffers, and back: what both torch doors share.
 
 :mod:`arraytrain.interop.torch`'s ``bind`` and its drop-in ``torch.optim.Optimizer`` classes
-make a module's parameters and ``.grad`` tensors views of an engine's buffers with these
-helpers. torch is imported by :func:`torch_module` only, when a caller needs it.
+make a module's parameters and ``.grad`` tensors views of an engine's buffers through one
+:class:`TensorBinding`. torch is imported by :func:`torch_module` only, when a caller needs it.
 """
 
 from __future__ import annotations
@@ -99,3 +99,96 @@ def check_kind(name: str, what: str, got, bound, *, holder: str, before: str) ->
                            f"{before})")
     if tuple(got.shape) != tuple(bound.shape):
         raise ShapeMismatchError(name, tuple(bound.shape), tuple(got.shape), what=what)
+
+
+class TensorBinding:
+    """torch parameters re-pointed into an engine's buffers, as both torch engines hold them (``bind``'s
+    and the drop-ins'): each ``.data`` a view of the engine's weights (of its working copy for a
+    bfloat16/float16 model), each gradient's place a view of ``engine.grads``, or for a bfloat16/float16
+    model of :attr:`lp_grads`, a buffer of the model's dtype that :meth:`repair` adds into the float32 one.
+
+    ``entries``: ``(name, tensor)`` pairs of one dtype and device; ``set_grad``: point every ``.grad`` at
+    its place now (else a step finds it, :meth:`check`). ``bound``: ``(name, param, data, grad, data_ptr,
+    dtype, shape)`` per entry; ``holder`` and ``before`` name who holds the tensors in messages
+    (:func:`check_kind`).
+    """
+
+    def __init__(self, engine, entries, torch, *, set_grad: bool, holder: str, before: str):
+        self.torch, self.held = torch, {"holder": holder, "before": before}
+        dtype, device = entries[0][1].dtype, entries[0][1].device
+        self.lowp = dtype in (torch.bfloat16, torch.float16)
+        self.on_cpu = device.type == "cpu"
+        self.segments = [engine.layout.index(n) for n, _ in entries]  # (each entry's place in the engine's layout)
+        weights = engine.working if self.lowp else engine.params
+        if self.lowp:  # .grad must have the parameter's dtype: a low-precision buffer, added into the float32 one
+            self.lp_grads = torch.zeros(engine.layout.size, dtype=dtype, device=device)
+            self.grads_tensor = tensor_view(engine.grads.flat, torch)
+        self.bound = []
+        with torch.no_grad():
+            for n, p in entries:
+                data = tensor_view(weights[n], torch)
+                grad = (self.lp_grads[engine.layout.slice(n)].view(p.shape) if self.lowp
+                        else tensor_view(engine.grads[n], torch))
+                p.data = data
+                if set_grad:
+                    p.grad = grad
+                self.bound.append((n, p, data, grad, data.data_ptr(), p.dtype, tuple(p.shape)))
+
+    def check(self, engine) -> tuple[list, list, list, np.ndarray | None]:
+        """Find what a step must repair, changing nothing: ``(data_fixes, grad_fixes, absent, addresses)``,
+        the first three indices into :attr:`bound`.
+
+        ``.data`` replaced by a tensor of the same dtype, device and shape: its values are taken into
+        the engine; ``.grad`` allocated by torch (after ``zero_grad(set_to_none=True)``): its values
+        are copied into the buffer, or read where they lie; ``.grad`` None: the parameter is absent
+        this step. ``addresses``: the gradients' addresses by segment for
+        :meth:`~arraytrain.Engine.read_in_place` when the step can read them where they lie (the engine
+        can, not a bfloat16/float16 model, every ``.grad`` a contiguous tensor torch allocated or None),
+        else None (:meth:`repair` copies them in). Anything else raises before a write.
+        """
+        data_fixes, grad_fixes, absent, found = [], [], [], []
+        on_cpu, strided, held, segments = self.on_cpu, self.torch.strided, self.held, self.segments
+        fresh = not self.lowp  # every .grad a tensor torch allocated, or None: read where they lie
+        for i, (n, p, data, grad, ptr, dtype, shape) in enumerate(self.bound):
+            if p.data_ptr() != ptr or p.dtype is not dtype or p.shape != shape:
+                check_kind(n, "parameter", p, data, **held)
+                data_fixes.append(i)
+            g = p.grad
+            if g is grad:
+                fresh = False  # a gradient in the buffer: the step reads the buffer (and zeroes it)
+                continue
+            if g is None:
+                absent.append(i)
+                continue
+            # the common case in a few attribute reads: a dense CPU gradient of the parameter's kind
+            if not (on_cpu and g.dtype is dtype and g.layout is strided and g.is_cpu and g.shape == shape):
+                if g.is_sparse or g.layout != strided:
+                    raise BackendError(f"{n!r}: a {g.layout} gradient; {held['holder']} takes dense gradients")
+                check_kind(n, "gradient", g, grad, **held)
+            grad_fixes.append(i)
+            found.append((segments[i], g))
+        return data_fixes, grad_fixes, absent, fresh_addresses(engine, found) if fresh and found else None
+
+    def repair(self, data_fixes, grad_fixes, overwrite: bool) -> None:
+        """Apply what :meth:`check` found: a replaced ``.data``'s values taken into the engine and the tensor
+        re-pointed, an allocated ``.grad`` copied into its place and re-pointed; then a bfloat16/float16
+        model's gradients added into the float32 buffer (``overwrite``: the window's first) and zeroed."""
+        if not (data_fixes or grad_fixes or self.lowp):
+            return
+        with self.torch.no_grad():
+            for i in data_fixes:
+                _, p, data, *_ = self.bound[i]
+                data.copy_(p.detach())
+                p.data = data
+            for i in grad_fixes:
+                _, p, _, grad, *_ = self.bound[i]
+                grad.copy_(p.grad)
+                p.grad = grad
+            if self.lowp:
+                (self.grads_tensor.copy_ if overwrite else self.grads_tensor.add_)(self.lp_grads)
+                self.lp_grads.zero_()
+
+    def zero_lowp(self) -> None:
+        """Zero the low-precision gradient buffer of a bfloat16/float16 model (else nothing)."""
+        if self.lowp:
+            self.lp_grads.zero_()

@@ -117,16 +117,7 @@ from ..errors import (
     NoGradientsError,
     StateDictError,
 )
-from ._torch_views import (
-    DROP_INS,
-    check_cuda_device,
-    check_kind,
-    fresh_addresses,
-    host_array,
-    numpy_dtype,
-    tensor_view,
-    torch_module,
-)
+from ._torch_views import DROP_INS, TensorBinding, check_cuda_device, host_array, numpy_dtype, torch_module
 
 __all__ = sorted([*DROP_INS, "TorchEngine", "bind"])
 
@@ -243,28 +234,12 @@ class TorchEngine(Engine):
             super().__init__(params, optimizer, **engine_kwargs)
         self.module = module
         self._torch = torch
-        self._lowp = lowp
-        weights = self.working if lowp else self.params
-        if lowp:
-            # .grad must have the parameter's dtype: a low-precision buffer, added into the float32 one
-            self._lp_grads = torch.zeros(self.layout.size, dtype=dtype, device=device)
-            self._grads_view = tensor_view(self.grads.flat, torch)
-        bound = []
-        for name, p in trainable:
-            data = tensor_view(weights[name], torch)
-            if lowp:
-                sl = self.layout.slice(name)
-                grad = self._lp_grads[sl].view(p.shape)
-            else:
-                grad = tensor_view(self.grads[name], torch)
-            p.data = data
-            p.grad = grad
-            bound.append((name, p, data, grad))
-        self._bound = bound
+        self._binding = TensorBinding(self, trainable, torch, set_grad=True, holder="bind", before="before bind")
+        bound = self._binding.bound
         self._hooks = []
         if self.overlapped:
             me = weakref.ref(self)  # the hooks do not keep the engine alive
-            for name, p, _, grad in bound:
+            for name, p, _, grad, *_ in bound:
                 self._hooks.append(p.register_post_accumulate_grad_hook(
                     lambda t, name=name, grad=grad: _mark_ready(me, name, t, grad)))
         if gather_in_forward:
@@ -280,7 +255,7 @@ class TorchEngine(Engine):
         place = self.placement
         place.defer_publish = True
         me = weakref.ref(self)
-        names = {id(p): name for name, p, _, _ in bound}
+        names = {id(p): name for name, p, *_ in bound}
         lay = self.layout
         for mod in module.modules():
             own = [names[id(p)] for p in mod.parameters(recurse=False) if id(p) in names]
@@ -308,58 +283,33 @@ class TorchEngine(Engine):
                 try:
                     return super().step(grads, weight=weight, absent=absent)
                 finally:
-                    for _, p, _, grad in fresh:
+                    for _, p, _, grad, *_ in fresh:
                         p.grad = grad
         return super().step(grads, weight=weight, absent=absent)
 
     def _connect(self, absent) -> tuple:
         """Check every parameter, then repair: nothing is written unless every check passes. Returns
         the names of the parameters whose ``.grad`` is None (they stay None), and the fresh gradients
-        the step reads where they lie (``(name, param, .grad, buffer view)``; empty when copied in)."""
-        data_fixes, grad_fixes, none = [], [], []
-        for name, p, data, grad in self._bound:
+        the step reads where they lie (their :attr:`TensorBinding.bound` entries; empty when copied in)."""
+        bound = self._binding.bound
+        for name, p, *_ in bound:
             if not p.requires_grad:
                 raise LayoutError(f"{name!r}: requires_grad was turned off after bind, but the engine still "
                                   "trains it (and would decay it); bind the module again")
-            if p.data_ptr() != data.data_ptr() or p.shape != data.shape or p.dtype != data.dtype \
-                    or p.device != data.device:
-                check_kind(name, "parameter", p, data, holder="bind", before="before bind")
-                data_fixes.append((p, data))
-            g = p.grad
-            if g is grad:
-                continue
-            if g is None:
-                none.append(name)
-            else:
-                check_kind(name, "gradient", g, grad, holder="bind", before="before bind")
-                grad_fixes.append((name, p, g, grad))
-        if len(none) == len(self._bound):
+        data_fixes, grad_fixes, none, bases = self._binding.check(self)
+        if len(none) == len(bound):
             raise NoGradientsError("no parameter has a gradient (every .grad is None, e.g. after "
                                    "model.zero_grad()): call loss.backward() before engine.step()")
         for name, p in self.frozen.items():
             if p.requires_grad:
                 raise LayoutError(f"{name!r}: frozen at bind and now requires_grad=True; the engine does "
                                   "not hold it, so it would never be trained: bind the module again")
+        none = [bound[i][0] for i in none]
         self.check_absent(none)  # the missing policy's error before any write
-        bases = None
-        if len(grad_fixes) + len(none) == len(self._bound) and not self._lowp:
-            bases = fresh_addresses(self, ((self.layout.index(name), g) for name, _, g, _ in grad_fixes))
         fresh = []
         if bases is not None:  # every gradient a fresh .grad: the step reads them where they lie
-            fresh, grad_fixes = grad_fixes, []
-        with self._torch.no_grad():
-            for p, data in data_fixes:  # p.data replaced by a tensor of the same kind: keep its values
-                data.copy_(p.detach())
-                p.data = data
-            for _, p, g, grad in grad_fixes:  # a gradient torch allocated after zero_grad(set_to_none=True)
-                grad.copy_(g)
-                p.grad = grad
-            if self._lowp:
-                if self.micro_batches == 0:
-                    self._grads_view.copy_(self._lp_grads)
-                else:
-                    self._grads_view.add_(self._lp_grads)
-                self._lp_grads.zero_()
+            fresh, grad_fixes = [bound[i] for i in grad_fixes], []
+        self._binding.repair(data_fixes, grad_fixes, overwrite=self.micro_batches == 0)
         if bases is not None:
             self.read_in_place(bases)
         return none, fresh
@@ -368,8 +318,7 @@ class TorchEngine(Engine):
     def zero_grad(self) -> None:
         """:meth:`Engine.zero_grad`, and the low-precision gradient buffer of a bf16/fp16 module."""
         super().zero_grad()
-        if self._lowp:
-            self._lp_grads.zero_()
+        self._binding.zero_lowp()
 
     # -- state: the engine's, plus the module's frozen parameters and buffers ----------------
     @guarded
