@@ -61,7 +61,7 @@ import numpy as np
 
 from .errors import DTypeError, LayoutError, ShapeMismatchError, StateDictError
 from .kernels.interface import Q8_BLOCK
-from .owned import OwnedPart
+from .owned import OwnedRange
 
 #: Elements per block: one float32 absmax each (bitsandbytes' blocksize since 0.44).
 BLOCK = Q8_BLOCK
@@ -437,7 +437,7 @@ def check_entry(name: str, a: Mapping, shape, n: int, span=None):
 
     ``span=(start, stop)``: only the parameter's flat elements ``[start, stop)`` (``start`` on a
     block) are wanted: the flat codes and the absmax of their blocks are returned, taken from
-    full arrays or from the parts a reader took (:class:`~arraytrain.owned.OwnedPart`).
+    full arrays or from the parts a reader took (:class:`~arraytrain.owned.OwnedRange`).
     """
     map_name = a["map"]
     if not isinstance(map_name, str) or map_name not in MAPS:
@@ -456,8 +456,8 @@ def check_entry(name: str, a: Mapping, shape, n: int, span=None):
 
 def _own(name: str, a, shape: tuple, want: tuple, what: str):
     """The flat elements ``want = (start, stop)`` of an array of ``shape`` (on the host): sliced from
-    the full array, or a reader's :class:`~arraytrain.owned.OwnedPart` of exactly that range."""
-    if isinstance(a, OwnedPart):
+    the full array, or a reader's :class:`~arraytrain.owned.OwnedRange` of exactly that range."""
+    if isinstance(a, OwnedRange):
         data = np.asarray(_host(a.data)).reshape(-1)
         if tuple(a.shape) != shape:
             raise ShapeMismatchError(name, shape, tuple(a.shape), what=what)
@@ -491,10 +491,10 @@ def float_entry_values(name: str, a, shape, span=None) -> np.ndarray:
     """A float state entry's float32 values (flat; only the elements ``span`` with one), on the host."""
     from .backend import as_array
 
-    data = as_array(a.data if isinstance(a, OwnedPart) else a, name)
+    data = as_array(a.data if isinstance(a, OwnedRange) else a, name)
     if data.dtype.kind != "f" and data.dtype.name != "bfloat16":
         raise DTypeError(f"{name!r}: expected a float array or an 8-bit entry, got dtype {data.dtype}")
     n = int(np.prod(shape, dtype=np.int64))
-    part = _own(name, a if isinstance(a, OwnedPart) else data, tuple(shape), span or (0, n), "array")
+    part = _own(name, a if isinstance(a, OwnedRange) else data, tuple(shape), span or (0, n), "array")
     with np.errstate(all="ignore"):
         return np.asarray(part, np.float32)

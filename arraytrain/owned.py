@@ -3,7 +3,7 @@
 Under sharded state (:mod:`arraytrain.parallel.shard`) a rank holds a contiguous range of each
 parameter's optimizer state. :func:`arraytrain.load` reads only that range of each saved
 array: the engine's template names it with :class:`Owned`, and the reader hands back an
-:class:`OwnedPart`. The state buffers that take such parts (:class:`arraytrain.parallel.shard.ShardBuffer`,
+:class:`OwnedRange`. The state buffers that take such ranges (:class:`arraytrain.parallel.shard.ShardBuffer`,
 a partition's :class:`arraytrain.optim.state8.Quant8Buffer`) check its range against their own.
 """
 
@@ -28,7 +28,7 @@ class Owned:
 
 
 @dataclass(frozen=True)
-class OwnedPart:
+class OwnedRange:
     """What a reader took of one saved array: its flat elements ``[start, start + data.size)`` of an
     array of ``shape``."""
 

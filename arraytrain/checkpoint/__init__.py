@@ -42,7 +42,7 @@ import numpy as np
 
 from ..engine.protocol import checked_everywhere
 from ..errors import ArgumentTypeError, CheckpointError, StateDictError
-from ..owned import Owned, OwnedPart
+from ..owned import Owned, OwnedRange
 from . import format as _format
 from .format import (Encoder, check_header_keys, check_optimizer_type,
                      cupy_module, decode_metadata, dumps, fill, guard, is_cupy, match, sniff, summary, tensor_specs)
@@ -370,16 +370,16 @@ def _read(where: str, template) -> tuple:
             import cupy
 
             part = arrays[key]
-            arrays[key] = OwnedPart(cupy.asarray(part.data), part.start, part.shape)
+            arrays[key] = OwnedRange(cupy.asarray(part.data), part.start, part.shape)
     return fill(tree, arrays), extra
 
 
-def _read_owned(where: str, f, key: str, want: Owned) -> OwnedPart:
+def _read_owned(where: str, f, key: str, want: Owned) -> OwnedRange:
     """The flat range ``[want.start, want.stop)`` of tensor ``key``, reading whole rows of its first axis
     (the slices safetensors reads) that cover it, not the tensor."""
     start, stop, shape = want.start, want.stop, want.shape
     if start == stop:
-        return OwnedPart(np.empty(0, want.dtype), start, shape)
+        return OwnedRange(np.empty(0, want.dtype), start, shape)
     if len(shape) == 0:
         block, first = guard(where, f.get_tensor, key).reshape(-1), 0
     else:
@@ -388,7 +388,7 @@ def _read_owned(where: str, f, key: str, want: Owned) -> OwnedPart:
         block, first = guard(where, lambda: f.get_slice(key)[r0:r1]).reshape(-1), r0 * row
     if block.dtype != want.dtype:
         raise CheckpointError(f"{where}: tensor {key!r} reads back as {block.dtype}, expected {want.dtype}")
-    return OwnedPart(block[start - first : stop - first].copy(), start, shape)
+    return OwnedRange(block[start - first : stop - first].copy(), start, shape)
 
 
 def _fspath(path) -> str:

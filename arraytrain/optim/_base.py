@@ -151,11 +151,11 @@ class Optimizer(ABC):
         """A zero element-wise slot ``name`` for ``params`` in ``state_dtype``'s storage."""
         if self.state_dtype in QUANTIZED_STATE:
             check_8bit(params, self.state_dtype)
-            part = getattr(params, "partition", None)  # sharded state: this rank's partition only
-            return state8.Quant8Buffer(params.layout if part is None else part.layout,
+            partition = getattr(params, "partition", None)  # sharded state: this rank's partition only
+            return state8.Quant8Buffer(params.layout if partition is None else partition.layout,
                                        signed=name not in UNSIGNED_SLOTS, threshold=self.min_8bit_size,
                                        xp=array_module(params.flat),  # the parameters' device
-                                       window=None if part is None else (part.lo, part.length),
+                                       window=None if partition is None else (partition.lo, partition.length),
                                        codec=QUANTIZED_STATE[self.state_dtype])
         return params.zeros_like(self._slot_dtype(params))
 

@@ -111,9 +111,9 @@ class Quant8Buffer:
     ``length`` entries, and the side array holds the blocks and small parameters' values of
     that range. ``lo`` and every 8-bit parameter's offset must be multiples of :data:`BLOCK`
     (the sharded engine lays the parameters out so), so the window cuts no block. Such a slot
-    has no :meth:`as_dict` (:func:`gather_window` assembles every rank's part into full entries,
-    :func:`window_template` describes this rank's part to a reader); :meth:`check` takes full
-    entries or the parts a reader took (:class:`arraytrain.owned.OwnedPart`) and keeps this
+    has no :meth:`as_dict` (:func:`gather_window` assembles every rank's partition into full entries,
+    :func:`window_template` describes this rank's partition to a reader); :meth:`check` takes full
+    entries or the parts a reader took (:class:`arraytrain.owned.OwnedRange`) and keeps this
     window's elements.
     """
 

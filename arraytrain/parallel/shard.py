@@ -10,7 +10,7 @@ partition, and a parameter may straddle two. Rank ``r`` owns the elements
 its float32 master weights) hold those elements only.
 
 A :class:`Partition` says which elements a rank owns; a :class:`ShardBuffer` is the
-rank's part of a flat buffer as the optimizers' kernels take it (``flat`` and
+rank's partition of a flat buffer as the optimizers' kernels take it (``flat`` and
 ``layout.pieces``, the partition's pieces shifted to start at 0, each still naming
 its parameter, so per-parameter hyperparameters apply unchanged). The functions at
 the end move name-keyed arrays (a state dict, a checkpoint) in and out of shards.
@@ -34,13 +34,13 @@ from ..buffer import FlatBuffer, aligned_empty, aligned_zeros
 from ..errors import (ArgumentTypeError, LayoutError, ShapeMismatchError,
                      UnknownParameterError)
 from ..layout import REDUCE_CHUNK, Layout
-from ..owned import Owned, OwnedPart
+from ..owned import Owned, OwnedRange
 from ..lowbit import decode_entry, is_q8_entry
 
 
 @dataclass(frozen=True)
 class Partition:
-    """Rank ``rank``'s part of a layout cut into ``ranks`` partitions of ``length`` elements."""
+    """Rank ``rank``'s partition of a layout cut into ``ranks`` partitions of ``length`` elements."""
 
     layout: Layout
     ranks: int
@@ -87,7 +87,7 @@ class Partition:
 
 
 def partition(layout: Layout, ranks: int, rank: int) -> Partition:
-    """Rank ``rank``'s :class:`Partition` of ``layout`` cut into ``ranks`` equal parts."""
+    """Rank ``rank``'s :class:`Partition` of ``layout`` cut into ``ranks`` equal partitions."""
     chunks = -(-layout.size // REDUCE_CHUNK)
     return Partition(layout, ranks, rank, max(1, -(-chunks // ranks)) * REDUCE_CHUNK)
 
@@ -98,8 +98,8 @@ class ShardLayout:
 
     __slots__ = ("_layout", "pieces")
 
-    def __init__(self, part: Partition):
-        self._layout, self.pieces = part.layout, part.pieces
+    def __init__(self, partition: Partition):
+        self._layout, self.pieces = partition.layout, partition.pieces
 
     def __getattr__(self, name):
         return getattr(self._layout, name)
@@ -114,10 +114,10 @@ class ShardBuffer:
 
     __slots__ = ("flat", "layout", "partition")
 
-    def __init__(self, part: Partition, flat):
-        if flat.ndim != 1 or flat.shape[0] != part.length:
-            raise ValueError(f"flat: expected {part.length} elements, got shape {flat.shape}")
-        self.flat, self.partition, self.layout = flat, part, ShardLayout(part)
+    def __init__(self, partition: Partition, flat):
+        if flat.ndim != 1 or flat.shape[0] != partition.length:
+            raise ValueError(f"flat: expected {partition.length} elements, got shape {flat.shape}")
+        self.flat, self.partition, self.layout = flat, partition, ShardLayout(partition)
 
     @property
     def dtype(self):
@@ -180,28 +180,28 @@ def interleaved(params: FlatBuffer, ranks: int, bucket_bytes: int | None) -> tup
     return relaid(params, Layout({n: lay.shape(n) for n in order}, align=lay.align)), members
 
 
-def padded_buffer(layout: Layout, dtype, xp, part: Partition) -> tuple[FlatBuffer, object]:
+def padded_buffer(layout: Layout, dtype, xp, partition: Partition) -> tuple[FlatBuffer, object]:
     """A zero :class:`FlatBuffer` of ``layout`` whose array is the head of a padded one of
-    ``part.padded`` elements; returns ``(buffer, padded array)``."""
-    full = aligned_zeros(part.padded, dtype, xp)
+    ``partition.padded`` elements; returns ``(buffer, padded array)``."""
+    full = aligned_zeros(partition.padded, dtype, xp)
     return FlatBuffer(layout, full[: layout.size]), full
 
 
 def gather(comm, shard: ShardBuffer, root: int | None = None) -> FlatBuffer | None:
     """Every rank's shard into one new full buffer of the layout (a collective, as bytes); with
     ``root``, on that rank only (None on the others, which hold nothing more than their shard)."""
-    part = shard.partition
+    partition = shard.partition
     xp = array_module(shard.flat)
     if root is not None:
         got = comm.gather(shard.flat.view(np.uint8), root)
         if got is None:
             return None
         full = xp.concatenate(got).view(shard.flat.dtype)
-        return FlatBuffer(part.layout, full[: part.layout.size])
-    full = aligned_zeros(part.padded, shard.flat.dtype, xp)
-    full[part.lo : part.hi] = shard.flat
+        return FlatBuffer(partition.layout, full[: partition.layout.size])
+    full = aligned_zeros(partition.padded, shard.flat.dtype, xp)
+    full[partition.lo : partition.hi] = shard.flat
     comm.allgather_blocks(full.view(np.uint8))
-    return FlatBuffer(part.layout, full[: part.layout.size])
+    return FlatBuffer(partition.layout, full[: partition.layout.size])
 
 
 def template(shard: ShardBuffer) -> dict:
@@ -226,7 +226,7 @@ def check_arrays(shard: ShardBuffer, arrays) -> dict:
             raise UnknownParameterError(f"{name!r}: no such parameter; known: {list(lay.names)}")
         if is_q8_entry(a):  # 8-bit state into float slots: decoded (a reader took the whole entry)
             a = array_module(shard.flat).asarray(decode_entry(name, a, lay.shape(name)))
-        if isinstance(a, OwnedPart):  # a reader took this rank's range only (see Owned)
+        if isinstance(a, OwnedRange):  # a reader took this rank's range only (see Owned)
             data = as_array(a.data, name, backend_of(shard.flat))
             if tuple(a.shape) != lay.shape(name):
                 raise ShapeMismatchError(name, lay.shape(name), tuple(a.shape), what="array")
@@ -234,7 +234,7 @@ def check_arrays(shard: ShardBuffer, arrays) -> dict:
             if (a.start, a.start + data.size) != want and want[0] != want[1]:
                 raise LayoutError(f"{name!r}: holds elements [{a.start}, {a.start + data.size}), this rank "
                                   f"owns [{want[0]}, {want[1]})")
-            checked[name] = OwnedPart(data, a.start, tuple(a.shape))
+            checked[name] = OwnedRange(data, a.start, tuple(a.shape))
             continue
         arr = as_array(a, name, backend_of(shard.flat))
         if tuple(arr.shape) != lay.shape(name):
@@ -250,7 +250,7 @@ def own_part(shard: ShardBuffer, checked: dict):
     """The write that copies this rank's elements of full name-keyed arrays (already checked) into ``shard``."""
     def source(name, a, b):
         got = checked[name]
-        return got.data if isinstance(got, OwnedPart) else got.reshape(-1)[a:b]
+        return got.data if isinstance(got, OwnedRange) else got.reshape(-1)[a:b]
 
     moves = [(shard.flat[s0 : s0 + b - a], source(name, a, b)) for name, a, b, s0 in shard.partition.spans()]
 

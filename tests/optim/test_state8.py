@@ -588,7 +588,7 @@ def test_a_working_copy_under_8bit_state_is_the_whole_rounded_parameter(make, wo
 
 def test_a_windowed_slot_takes_its_part_of_full_entries_or_of_a_readers_parts():
     from arraytrain.errors import LayoutError
-    from arraytrain.owned import Owned, OwnedPart
+    from arraytrain.owned import Owned, OwnedRange
 
     lay = at.Layout({"a": (70, 300), "b": (7,), "c": (30000,), "d": (5000,)}, align=256)
     rng = np.random.default_rng(3)
@@ -619,9 +619,9 @@ def test_a_windowed_slot_takes_its_part_of_full_entries_or_of_a_readers_parts():
         for name, t in state8.window_template(win).items():
             src = full[name]
             if isinstance(t, Owned):
-                parts[name] = OwnedPart(src.reshape(-1)[t.start : t.stop].copy(), t.start, t.shape)
+                parts[name] = OwnedRange(src.reshape(-1)[t.start : t.stop].copy(), t.start, t.shape)
                 continue
-            parts[name] = {k: OwnedPart(src[k].reshape(-1)[o.start : o.stop].copy(), o.start, o.shape)
+            parts[name] = {k: OwnedRange(src[k].reshape(-1)[o.start : o.stop].copy(), o.start, o.shape)
                            for k, o in t.items() if k != "map"}
             parts[name]["map"] = t["map"]
         again = state8.Quant8Buffer(lay, signed=True, window=(lo, chunk))
@@ -631,7 +631,7 @@ def test_a_windowed_slot_takes_its_part_of_full_entries_or_of_a_readers_parts():
             win.as_dict()
     # a part of another range, and a window that cuts a block, are refused
     win = state8.Quant8Buffer(lay, signed=True, window=(chunk, chunk))
-    bad = dict(full, c={**full["c"], "codes": OwnedPart(full["c"]["codes"][:10], 0, (30000,))})
+    bad = dict(full, c={**full["c"], "codes": OwnedRange(full["c"]["codes"][:10], 0, (30000,))})
     before = win.flat.copy()
     with pytest.raises(LayoutError, match="holds elements"):
         win.load(bad)
