@@ -54,12 +54,6 @@ def _check_metric(metric) -> float:
         raise ArgumentTypeError(f"metric: expected a real number, got {type(metric).__name__}") from None
 
 
-def check_choice(name: str, value, choices: tuple) -> str:
-    if not isinstance(value, str) or value not in choices:
-        raise HyperparameterError(f"{name}: expected one of {choices}, got {value!r}")
-    return value
-
-
 def check_schedule(name: str, value) -> "Schedule":
     """A schedule to nest inside another: it may itself nest at most ``MAX_NESTING - 1`` deep."""
     if not isinstance(value, Schedule):

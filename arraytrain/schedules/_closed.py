@@ -6,9 +6,9 @@ import math
 from bisect import bisect_right
 from collections.abc import Mapping, Sequence
 
-from .._checks import check_bool, check_count, check_number, check_positive
+from .._checks import check_bool, check_choice, check_count, check_number, check_positive
 from ..errors import HyperparameterError
-from ._base import Schedule, check_choice, register
+from ._base import Schedule, register
 
 ANNEAL = ("cos", "linear")
 

@@ -10,9 +10,9 @@ from itertools import accumulate
 
 import numpy as np
 
-from .._checks import MAX_COUNT, check_count, check_number, shown
+from .._checks import MAX_COUNT, check_choice, check_count, check_number, shown
 from ..errors import HyperparameterError, StateDictError
-from ._base import Schedule, check_choice, check_schedule, construct, rebuild, register
+from ._base import Schedule, check_schedule, construct, rebuild, register
 from ._closed import Constant
 
 MODES = ("min", "max")
