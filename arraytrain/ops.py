@@ -94,7 +94,7 @@ def clip_coef(norm: float, max_norm: float | None, eps: float = CLIP_EPS) -> flo
 
 def clip_factor(norm: float, max_norm: float, eps: float) -> float:
     """:func:`clip_coef` for a ``max_norm`` given: the one clip rule, which the torch drop-ins' one-call
-    step (:data:`arraytrain.kernels.cpu.optimizers.ADAM_CHECKED`) compiles too. A NaN norm gives NaN
+    step (:func:`arraytrain.kernels.cpu.optimizers.adam_checked`) compiles too. A NaN norm gives NaN
     with ``eps=0`` and 1.0 otherwise, as Python's ``min(1.0, nan)`` does."""
     if eps == 0.0:
         return 1.0 if norm <= max_norm else max_norm / norm

@@ -1,5 +1,5 @@
 """The drop-ins' common step in one compiled call (``GroupEngine.lean_step``,
-``arraytrain.kernels.cpu.optimizers.ADAM_CHECKED``) is bitwise the staged step's: parameters, state,
+``arraytrain.kernels.cpu.optimizers.adam_checked``) is bitwise the staged step's: parameters, state,
 step counts, reports and state dicts, for Adam and AdamW (amsgrad, maximize, L2 and decoupled decay),
 clipped or not under both clip rules, two param groups with a scheduler changing lr and betas every
 step, both twins (a model under and over the serial twin's size), parameters without a gradient

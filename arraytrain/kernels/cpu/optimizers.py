@@ -245,38 +245,38 @@ def _calling(fn, suffix: str, **kernels):
     return njit(error_model="numpy", cache=True)(body)
 
 
-#: A whole Adam/AdamW step in one compiled call, ``(parallel, serial)`` as the twins it calls:
-#: ``(total, per_segment, applied)``.
-#:
-#: The staged step (:meth:`arraytrain.Engine.step`) makes a dozen calls around its two kernels (the
-#: norm pass, the clip factor, the per-parameter rates, the update); inside a training loop each kind
-#: of call pays for its first use, a numba dispatch some 40 µs (docs/performance.md, the torch loop).
-#: This is their composition for the torch drop-ins' common step, calling the same compiled twins
-#: (:data:`~arraytrain.kernels.cpu.reductions.SUMSQ_TWINS`' and Adam's) with the arguments the staged
-#: step forms, each by the same float64 operations: the gradient of parameter ``s`` lies at
-#: ``bases[s]`` (``offsets``: the parameters' first elements, ``itemsize`` bytes each); the sum of
-#: squares over ``pieces`` (the present parameters' rows of the layout's table) gives the norm
-#: ``sqrt(total) / unscale`` and the clip factor of ``max_norm`` (< 0: none) and ``clip_eps``
-#: (:func:`arraytrain.ops.clip_factor`, compiled; without ``check`` and ``max_norm`` no norm pass, and a non-finite
-#: gradient is applied, its norm NaN, as ``nonfinite="apply"`` takes it); ``rates`` (a row per
-#: parameter: lr, weight decay) is written into ``hp_lr``/``hp_wd`` (``OptState.hp``); then one update
-#: per step count among the present parameters (:func:`arraytrain.param_steps.groups`): rows
-#: ``bounds[k]:bounds[k + 1]`` of ``upieces`` with Adam's bias corrections ``lr_divs[k]`` and
-#: ``inv_bc2_sqrts[k]``, the rates :func:`arraytrain.optim._rates.step_rates` would give, and ``gscale =
-#: sign * coef / unscale``. Not finite with ``check``: ``applied`` False, nothing written.
-#: The gradient is read, not zeroed (it is the caller's). float32 parameters and state only.
+# A whole Adam/AdamW step in one compiled call, ``(parallel, serial)`` as the twins it calls:
+# ``(total, per_segment, applied)``.
+#
+# The staged step (:meth:`arraytrain.Engine.step`) makes a dozen calls around its two kernels (the
+# norm pass, the clip factor, the per-parameter rates, the update); inside a training loop each kind
+# of call pays for its first use, a numba dispatch some 40 µs (docs/performance.md, the torch loop).
+# This is their composition for the torch drop-ins' common step, calling the same compiled twins
+# (:data:`~arraytrain.kernels.cpu.reductions.SUMSQ_TWINS`' and Adam's) with the arguments the staged
+# step forms, each by the same float64 operations: the gradient of parameter ``s`` lies at
+# ``bases[s]`` (``offsets``: the parameters' first elements, ``itemsize`` bytes each); the sum of
+# squares over ``pieces`` (the present parameters' rows of the layout's table) gives the norm
+# ``sqrt(total) / unscale`` and the clip factor of ``max_norm`` (< 0: none) and ``clip_eps``
+# (:func:`arraytrain.ops.clip_factor`, compiled; without ``check`` and ``max_norm`` no norm pass, and a non-finite
+# gradient is applied, its norm NaN, as ``nonfinite="apply"`` takes it); ``rates`` (a row per
+# parameter: lr, weight decay) is written into ``hp_lr``/``hp_wd`` (``OptState.hp``); then one update
+# per step count among the present parameters (:func:`arraytrain.param_steps.groups`): rows
+# ``bounds[k]:bounds[k + 1]`` of ``upieces`` with Adam's bias corrections ``lr_divs[k]`` and
+# ``inv_bc2_sqrts[k]``, the rates :func:`arraytrain.optim._rates.step_rates` would give, and ``gscale =
+# sign * coef / unscale``. Not finite with ``check``: ``applied`` False, nothing written.
+# The gradient is read, not zeroed (it is the caller's). float32 parameters and state only.
 _clip_factor = njit(error_model="numpy", cache=True)(clip_factor)  # (the judge's rule, compiled: arraytrain.ops)
-ADAM_CHECKED = (_calling(_adam_checked, "_parallel", _sumsq_twin=SUMSQ_TWINS[0], _adam_twin=_ADAM[0]),
+_ADAM_CHECKED = (_calling(_adam_checked, "_parallel", _sumsq_twin=SUMSQ_TWINS[0], _adam_twin=_ADAM[0]),
                 _calling(_adam_checked, "_serial", _sumsq_twin=SUMSQ_TWINS[1], _adam_twin=_ADAM[1]))
 
 
 def adam_checked(p, g, m, v, vmax, hp_lr, hp_wd, rates, bases, offsets, upieces, bounds, pieces, *, unscale, max_norm,
                  clip_eps, check, maximize, decoupled, beta1, beta2, eps, amsgrad, lr_div, inv_bc2_sqrt):
-    """A whole Adam/AdamW step in one call (:data:`ADAM_CHECKED`'s twin for ``p.size``): ``(total,
+    """A whole Adam/AdamW step in one call (the twin for ``p.size`` of the composition above): ``(total,
     per_segment, applied)``. ``lr_div`` and ``inv_bc2_sqrt``: per step-count group (rows
     ``bounds[k]:bounds[k + 1]`` of ``upieces``), ``1 - beta1**t`` and ``1 / sqrt(1 - beta2**t)``;
     ``max_norm`` None: no clipping. ``vmax``: an empty array without ``amsgrad``."""
-    return pick(ADAM_CHECKED, p.size)(
+    return pick(_ADAM_CHECKED, p.size)(
         p, g, m, v, vmax, pieces, upieces, bounds, bases, offsets, p.itemsize, hp_lr, hp_wd, rates,
         np.asarray(lr_div, np.float64), np.asarray(inv_bc2_sqrt, np.float64), bool(decoupled), float(unscale),
         -1.0 if max_norm is None else float(max_norm), float(clip_eps), bool(check), -1.0 if maximize else 1.0,

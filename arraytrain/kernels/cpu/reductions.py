@@ -131,7 +131,7 @@ def _sumsq(x, pieces, gp, nseg):
 
 
 _SUMSQ = twins(_sumsq)
-#: The sum of squares' (parallel, serial) twins, which :data:`~arraytrain.kernels.cpu.optimizers.ADAM_CHECKED`
+#: The sum of squares' (parallel, serial) twins, which :func:`~arraytrain.kernels.cpu.optimizers.adam_checked`
 #: calls inside its one compiled call.
 SUMSQ_TWINS = _SUMSQ
 
