@@ -15,6 +15,7 @@ from .._checks import check_bool, check_number
 from ..backend import array_module, dtype_named
 from ..buffer import FlatBuffer, kernel_view
 from ..errors import ArgumentTypeError, DTypeError, HyperparameterError, LayoutError
+from ..kernels.interface import F8, QUANTIZED
 from ..layout import REDUCE_CHUNK, Layout
 from .. import lowbit
 from . import state8
@@ -174,8 +175,8 @@ class Optimizer(ABC):
         the :class:`arraytrain.kernels.interface.Q8` of an 8-bit slot (a float8 e5m2 slot with the stochastic
         rounding's key of the step that takes ``state.step`` to ``state.step + 1``)."""
         arg = slot_arg(state.slots[name])
-        if isinstance(arg, state8.F8) and arg.wide:
-            return state8.F8(*arg[:-1], lowbit.sr_salt(state.step + 1, name))  # (salt: the last field)
+        if isinstance(arg, F8) and arg.wide:
+            return F8(*arg[:-1], lowbit.sr_salt(state.step + 1, name))  # (salt: the last field)
         return arg
 
     def _pieces(self, params) -> np.ndarray:
@@ -381,7 +382,7 @@ def unused_slot(slot):
     """What the kernels take for a slot a configuration lacks (never read): an empty array of the
     same storage as ``slot``, or ``slot`` itself when it is 8-bit, so that every configuration of
     an optimizer shares one compiled signature per state dtype."""
-    return slot if isinstance(slot, state8.QUANTIZED) else slot[:0]
+    return slot if isinstance(slot, QUANTIZED) else slot[:0]
 
 
 def slot_arg(buf):

@@ -16,7 +16,7 @@ import numpy as np
 
 from ..buffer import aligned_zeros
 from ..errors import LayoutError, StateDictError, UnknownParameterError
-from ..kernels.interface import F8, Q8, QUANTIZED  # noqa: F401 (the slot as the kernels take it: re-exported)
+from ..kernels.interface import F8, Q8
 from ..layout import Layout
 from ..lowbit import (BLOCK, MAPS, SIGNED_MAP, blocks_in, check_entry, codebook, decode, encode, float_entry_values,
                       is_q8_entry, scale_key)
@@ -113,7 +113,7 @@ class Quant8Buffer:
     (the sharded engine lays the parameters out so), so the window cuts no block. Such a slot
     has no :meth:`as_dict` (:func:`gather_window` assembles every rank's partition into full entries,
     :func:`window_template` describes this rank's partition to a reader); :meth:`check` takes full
-    entries or the parts a reader took (:class:`arraytrain.owned.OwnedRange`) and keeps this
+    entries or the ranges a reader took (:class:`arraytrain.owned.OwnedRange`) and keeps this
     window's elements.
     """
 
@@ -298,10 +298,10 @@ def gather_window(comm, slot: Quant8Buffer, root: int | None = None) -> dict | N
         t = _tables(lay, slot.threshold, lo, length)
         aux = raw[t.ncodes : t.ncodes + 4 * t.naux].view(np.float32)
         for seg, name in enumerate(lay.names):  # (written through flat views of the fresh, contiguous arrays)
-            (a, b), (codes, part) = t.spans[seg], _segment(t, raw, aux, seg)
+            (a, b), (codes, side) = t.spans[seg], _segment(t, raw, aux, seg)
             if codes is None:
-                out[name].reshape(-1)[a:b] = part
+                out[name].reshape(-1)[a:b] = side
             elif b > a:
                 out[name]["codes"].reshape(-1)[a:b] = codes
-                out[name][key][a // BLOCK : a // BLOCK + part.size] = part
+                out[name][key][a // BLOCK : a // BLOCK + side.size] = side
     return out
