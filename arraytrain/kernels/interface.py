@@ -100,6 +100,20 @@ class F8(NamedTuple):
     salt: int
 
 
+class F8E5M2(F8):
+    """A wide float8 slot (``wide`` 1, e5m2 codes): :class:`F8` under a type of its own, so that a
+    CPU kernel compiles the one format each slot holds (a slot's format is fixed: e4m3 for a slot
+    that can be negative, e5m2 for one that cannot). Build a float8 slot with :func:`f8_slot`."""
+
+    __slots__ = ()
+
+
+def f8_slot(codes, aux, base, quant, offset, qmap, wide, start, salt) -> F8:
+    """A float8 slot of format ``wide`` (0: e4m3, 1: e5m2) as the kernels take it: :class:`F8E5M2`
+    where ``wide``, else :class:`F8`."""
+    return (F8E5M2 if wide else F8)(codes, aux, base, quant, offset, qmap, int(wide), start, salt)
+
+
 #: The slot types of block-quantized state (8-bit dynamic map, float8): ``isinstance(x, QUANTIZED)``.
 QUANTIZED = (Q8, F8)
 

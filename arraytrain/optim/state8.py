@@ -16,7 +16,7 @@ import numpy as np
 
 from ..buffer import aligned_zeros
 from ..errors import LayoutError, StateDictError, UnknownParameterError
-from ..kernels.interface import F8, Q8
+from ..kernels.interface import F8, Q8, f8_slot
 from ..layout import Layout
 from ..lowbit import (BLOCK, MAPS, SIGNED_MAP, blocks_in, check_entry, codebook, decode, encode, float_entry_values,
                       is_q8_entry, scale_key)
@@ -141,7 +141,7 @@ class Quant8Buffer:
         if xp is not np:  # the kernels read every table on the device
             tables = tuple(xp.asarray(t) for t in tables)
         if book is None:  # (wide: e5m2)
-            self._arg = F8(self.codes, self.aux, *tables[:4], int(not self.signed), tables[4], 0)
+            self._arg = f8_slot(self.codes, self.aux, *tables[:4], int(not self.signed), tables[4], 0)
         else:
             self._arg = Q8(self.codes, self.aux, *tables, book.shift, book.bias, book.nb)
 

@@ -978,7 +978,15 @@ def _is_q8(a):
 def _is_f8(a):
     from ..interface import F8
 
-    return isinstance(a, types.BaseNamedTuple) and a.instance_class is F8
+    return isinstance(a, types.BaseNamedTuple) and issubclass(a.instance_class, F8)
+
+
+def _is_e5m2(a):
+    """A float8 slot's format, from its type (:class:`arraytrain.kernels.interface.F8E5M2`): each
+    slot's codec compiled in its one format."""
+    from ..interface import F8E5M2
+
+    return a.instance_class is F8E5M2
 
 
 @overload(state_step, inline="always", jit_options=JIT)
@@ -1000,15 +1008,13 @@ def _state_scratch(a):
 @overload(state_open, inline="always", jit_options=JIT)
 def _state_open(a, seg, lo, hi, tmp):
     if _is_f8(a):
+        wide = _is_e5m2(a)  # (the format's loop compiled with its constants)
+
         def impl(a, seg, lo, hi, tmp):
             off, b = a.offset[seg], a.base[seg]
             if a.quant[seg]:
                 vals = tmp[: hi - lo]
-                codes, scale = a.codes[lo:hi], a.aux[b + (lo - off) // QBLOCK]
-                if a.wide:  # (each format's loop compiled with its constants)
-                    f8_decode_block(codes, scale, vals, True)
-                else:
-                    f8_decode_block(codes, scale, vals, False)
+                f8_decode_block(a.codes[lo:hi], a.aux[b + (lo - off) // QBLOCK], vals, wide)
                 return vals
             return a.aux[b + lo - off : b + hi - off]
         return impl
@@ -1026,17 +1032,21 @@ def _state_open(a, seg, lo, hi, tmp):
 
 @overload(state_close, inline="always", jit_options=JIT)
 def _state_close(a, seg, lo, hi, vals):
+    if _is_f8(a) and _is_e5m2(a):
+        def impl(a, seg, lo, hi, vals):
+            if a.quant[seg]:  # (stochastic rounding: the element's place and the step's salt)
+                sc = f8_encode_block_sr(vals, a.codes[lo:hi], lo - a.offset[seg] + a.start[seg],
+                                        (a.salt ^ ((seg * 0x27D4EB2F) & 0xFFFFFFFF)) & 0xFFFFFFFF)
+                k = a.base[seg] + (lo - a.offset[seg]) // QBLOCK
+                scale = a.aux[k : k + 1]  # (a one-element view: see the 8-bit close below)
+                scale[0] = sc
+        return impl
     if _is_f8(a):
         def impl(a, seg, lo, hi, vals):
             if a.quant[seg]:
-                codes = a.codes[lo:hi]
-                if a.wide:  # (stochastic rounding: the element's place and the step's salt)
-                    sc = f8_encode_block_sr(vals, codes, lo - a.offset[seg] + a.start[seg],
-                                            (a.salt ^ ((seg * 0x27D4EB2F) & 0xFFFFFFFF)) & 0xFFFFFFFF)
-                else:
-                    sc = f8_encode_block(vals, codes, False)
+                sc = f8_encode_block(vals, a.codes[lo:hi], False)
                 k = a.base[seg] + (lo - a.offset[seg]) // QBLOCK
-                scale = a.aux[k : k + 1]  # (a one-element view: see the 8-bit close below)
+                scale = a.aux[k : k + 1]
                 scale[0] = sc
         return impl
     if _is_q8(a):
