@@ -176,7 +176,7 @@ class Optimizer(ABC):
         rounding's key of the step that takes ``state.step`` to ``state.step + 1``)."""
         arg = slot_arg(state.slots[name])
         if isinstance(arg, F8) and arg.wide:
-            return arg._replace(salt=lowbit.sr_salt(state.step + 1, name))
+            return type(arg)(*arg[:-1], lowbit.sr_salt(state.step + 1, name))  # (salt: the last field)
         return arg
 
     def _pieces(self, params) -> np.ndarray:

@@ -298,6 +298,9 @@ def test_loads_a_bfloat16_state_and_a_torch_optim_state():
                                   torch.from_numpy(want).to(torch.bfloat16).float().numpy())
 
 
+# the slow tier: after the group is added the two cohorts step together from their gradient buffers, an
+# 8-bit kernel signature of its own (8-20 s to compile on a Zen 3) that no default test needs
+@pytest.mark.slow
 def test_add_param_group_mid_training_keeps_the_codes():
     """A group added after the first step rebuilds the engines: the 8-bit state moves bitwise."""
     a = _model()

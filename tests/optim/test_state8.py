@@ -227,13 +227,13 @@ def _setup(name, seed=0):
 FLOAT8_CASES = ("AdamW", "RMSprop-centered-momentum", "LAMB", "Muon")
 
 
-# (the default tier's float8 case reads its gradient where it lies, the kernel signature the engine's dict
-# path and the drop-ins compile: one float8 signature for the default tier, 30 s on a Zen 3; the slow tier
-# reads the flat buffer, AdamW's too)
+# (the default tier's AdamW cases read their gradient where it lies, the kernel signature the engine's
+# dict path and the drop-ins compile: one signature per codec for the default tier, 10-20 s each on a
+# Zen 3; the slow tier reads the flat buffer, AdamW's too)
 @pytest.mark.parametrize("name,sd,in_place", [
-    (n, sd, sd == "float8") if n == "AdamW" else pytest.param(n, sd, False, marks=pytest.mark.slow)
+    (n, sd, True) if n == "AdamW" else pytest.param(n, sd, False, marks=pytest.mark.slow)
     for sd in QDTYPES for n in CASES if sd == "8bit" or n in FLOAT8_CASES
-] + [pytest.param("AdamW", "float8", False, marks=pytest.mark.slow)])
+] + [pytest.param("AdamW", sd, False, marks=pytest.mark.slow) for sd in QDTYPES])
 def test_kernels_equal_reference_every_step(name, sd, in_place):
     rng, pf = _setup(name)
     opt_f, opt_r = _make(name, sd), _make(name, sd)
@@ -283,7 +283,7 @@ def test_blocks_start_at_each_parameters_start():
     st = opt.init(params)
     grads = params.zeros_like()
     grads.flat[...] = np.random.default_rng(3).standard_normal(grads.flat.size).astype(np.float32)
-    opt.update(cpu, params, grads, st)
+    opt.update(cpu, params, _in_place(grads), st)  # (the default tier's one 8-bit AdamW signature)
     m = st.slots["exp_avg"]
     for name in ("mid", "mat", "big"):
         values = m.values(name).ravel()
@@ -538,10 +538,11 @@ def test_cuda_working_copy_and_mask_under_8bit_state(name, sd):
     np.testing.assert_allclose(got, pc.flat, rtol=1e-3, atol=1e-3)
 
 
+# the slow tier: bind's gradients land in the engine's buffer, an 8-bit kernel signature of its own (10-20 s
+# to compile on a Zen 3) that no default test needs; the drop-ins' 8-bit tests run in the default tier
+@pytest.mark.slow
 def test_torch_binding_takes_8bit():
-    """bind(module, optimizer) runs 8-bit state; a drop-in whose optimizer keeps no element-wise
-    state refuses it (a typed error at construction; tests/interop/test_torch_optim_8bit.py
-    covers the drop-ins that take it)."""
+    """bind(module, optimizer) runs 8-bit state."""
     torch = pytest.importorskip("torch")
     from arraytrain.interop import torch as att
 
@@ -558,6 +559,15 @@ def test_torch_binding_takes_8bit():
         b.step()
         losses.append(float(loss))
     assert losses[-1] < 0.1 * losses[0]
+
+
+def test_a_drop_in_without_elementwise_state_refuses_8bit():
+    """A drop-in whose optimizer keeps no element-wise state refuses 8-bit state: a typed error at
+    construction (tests/interop/test_torch_optim_8bit.py covers the drop-ins that take it)."""
+    torch = pytest.importorskip("torch")
+    from arraytrain.interop import torch as att
+
+    m = torch.nn.Linear(64, 128)
     with pytest.raises(HyperparameterError, match="state_dtype"):
         att.Adafactor(m.parameters(), state_dtype="8bit")
 
