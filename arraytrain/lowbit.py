@@ -404,11 +404,6 @@ def dequantize(codes, absmax, signed: bool):
     return decode(codes, absmax, "signed" if signed else "unsigned")
 
 
-def codes_value(codes, signed: bool) -> np.ndarray:
-    """The map values of ``codes`` (float32)."""
-    return codebook(signed).qmap[np.asarray(codes, np.uint8)]
-
-
 # -- state-dict entries ----------------------------------------------------------------------
 
 

@@ -194,6 +194,21 @@ def timeit(fn, reps: int) -> list[float]:
     return out
 
 
+def best_of(fns: dict, calls: int, repeats: int) -> dict:
+    """Each of ``fns``'s best seconds a call: two warm-up calls each (kernels compiled, state and plans
+    made), then ``repeats`` rounds of ``calls`` calls, the contestants alternating round by round."""
+    for fn in fns.values():
+        fn(), fn()
+    best = {k: float("inf") for k in fns}
+    for _ in range(repeats):
+        for k, fn in fns.items():
+            t = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            best[k] = min(best[k], (time.perf_counter() - t) / calls)
+    return best
+
+
 def split(n: int, parts: int | None = None) -> list[int]:
     """``n`` elements in ``parts`` tensors (None: :data:`N_TENSORS`) as even as integers allow."""
     parts = N_TENSORS if parts is None else parts

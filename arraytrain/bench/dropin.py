@@ -77,19 +77,6 @@ def make_model(n: int, seed: int = 0, tensors: int = common.N_TENSORS):
     return params, grads
 
 
-def _best(fns: dict, calls: int, repeats: int) -> dict:
-    for fn in fns.values():  # warm-up: kernels compiled, state allocated
-        fn(), fn()
-    best = {k: float("inf") for k in fns}
-    for _ in range(repeats):
-        for k, fn in fns.items():
-            t = time.perf_counter()
-            for _ in range(calls):
-                fn()
-            best[k] = min(best[k], (time.perf_counter() - t) / calls)
-    return best
-
-
 def contestants(n: int, clipped: bool, tensors: int = common.N_TENSORS) -> dict:
     """``{name: step function}`` for one size; each step function also returns its parameters."""
     import torch
@@ -135,7 +122,7 @@ def measure_step(n: int, calls: int, repeats: int, tensors: int = common.N_TENSO
     row = {"elements": n, "tensors": tensors}
     for clipped in (False, True):
         fns = {k: fn for k, (fn, _) in contestants(n, clipped, tensors).items()}
-        row["clipped" if clipped else "plain"] = _best(fns, calls, repeats)
+        row["clipped" if clipped else "plain"] = common.best_of(fns, calls, repeats)
     return row
 
 
@@ -174,7 +161,7 @@ def measure_groups(groups: int, calls: int = 2000, repeats: int = 7) -> dict:
         fill_tensors()
         topt.read_param_groups()
 
-    best = _best({"unchanged": opt.read_param_groups, "lr set every step": scheduled, "0-d tensor lr": tensor_lr,
+    best = common.best_of({"unchanged": opt.read_param_groups, "lr set every step": scheduled, "0-d tensor lr": tensor_lr,
                   "set": set_floats, "fill": fill_tensors}, calls, repeats)
     # the scheduler's own writes (a float assigned, a tensor's fill_) are timed alone and taken off
     read = {"unchanged": best["unchanged"], "lr set every step": best["lr set every step"] - best["set"],

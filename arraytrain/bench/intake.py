@@ -35,24 +35,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 
 import numpy as np
 
+from . import common
+
 LR, WD, MAX_NORM = 1e-3, 1e-2, 1.0
-
-
-def _best(fns: dict, calls: int, repeats: int) -> dict:
-    for fn in fns.values():  # warm-up: JIT, plans, jit traces
-        fn(), fn()
-    best = {k: float("inf") for k in fns}
-    for _ in range(repeats):
-        for k, fn in fns.items():
-            t = time.perf_counter()
-            for _ in range(calls):
-                fn()
-            best[k] = min(best[k], (time.perf_counter() - t) / calls)
-    return best
 
 
 def measure(n_tensors: int, elements: int, calls: int = 20, repeats: int = 7) -> dict:
@@ -80,7 +68,7 @@ def measure(n_tensors: int, elements: int, calls: int = 20, repeats: int = 7) ->
         fns["jax"] = lambda: jeng.step(jtree)
     except ImportError:
         pass
-    micro_t = _best(fns, calls, repeats)
+    micro_t = common.best_of(fns, calls, repeats)
 
     full = dict(max_grad_norm=MAX_NORM)
     dict_eng = at.Engine(params, at.optim.AdamW(lr=LR, weight_decay=WD), **full)
@@ -101,9 +89,9 @@ def measure(n_tensors: int, elements: int, calls: int = 20, repeats: int = 7) ->
 
     except ImportError:
         torch_step = None
-    step_t = _best(steps, max(1, calls // 2), repeats)
+    step_t = common.best_of(steps, max(1, calls // 2), repeats)
     if torch_step is not None:
-        step_t.update(_best({"torch-fused": torch_step}, max(1, calls // 2), repeats))
+        step_t.update(common.best_of({"torch-fused": torch_step}, max(1, calls // 2), repeats))
     floor = micro_t["floor"]
     out = {"tensors": n_tensors, "elements_per_tensor": size, "micro_batch_s": micro_t, "step_s": step_t,
            "per_tensor_s": {k: (v - floor) / n_tensors for k, v in micro_t.items() if k != "floor"},

@@ -153,11 +153,11 @@ def test_intake_times_torch_in_rounds_of_its_own(monkeypatch):
     """bench intake: every figure, and torch's step timed apart from arraytrain's contestants (its
     spinning OpenMP threads would take the cores from whichever one followed it)."""
     pytest.importorskip("torch")
-    from arraytrain.bench import intake
+    from arraytrain.bench import common, intake
 
     groups = []
-    real = intake._best
-    monkeypatch.setattr(intake, "_best", lambda fns, calls, repeats: (groups.append(set(fns)), real(fns, calls, repeats))[1])
+    real = common.best_of
+    monkeypatch.setattr(common, "best_of", lambda fns, calls, repeats: (groups.append(set(fns)), real(fns, calls, repeats))[1])
     out = intake.measure(10, 10_000, calls=1, repeats=1)
     assert {"dict", "zero-copy", "torch-fused"} <= set(out["step_s"]) and out["tensors"] == 10
     assert {"torch-fused"} in groups and not any("torch-fused" in g and len(g) > 1 for g in groups)
