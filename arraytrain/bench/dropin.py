@@ -162,7 +162,7 @@ def measure_groups(groups: int, calls: int = 2000, repeats: int = 7) -> dict:
         topt.read_param_groups()
 
     best = common.best_of({"unchanged": opt.read_param_groups, "lr set every step": scheduled, "0-d tensor lr": tensor_lr,
-                  "set": set_floats, "fill": fill_tensors}, calls, repeats)
+                           "set": set_floats, "fill": fill_tensors}, calls, repeats)
     # the scheduler's own writes (a float assigned, a tensor's fill_) are timed alone and taken off
     read = {"unchanged": best["unchanged"], "lr set every step": best["lr set every step"] - best["set"],
             "0-d tensor lr": best["0-d tensor lr"] - best["fill"]}

@@ -191,24 +191,30 @@ def _save_load(obj):
     return torch.load(buf, weights_only=True)  # plain tensors, dicts, strings: no pickle needed
 
 
-def test_torch_save_round_trip_and_resume_bitwise():
+ROUND_TRIP = {"AdamW": (dict(lr=1e-2), ("exp_avg", "exp_avg_sq")),
+              "SGD": (dict(lr=1e-2, momentum=0.9), ("momentum_buffer",))}
+
+
+# the default tier: AdamW (its one 8-bit drop-in signature); the slow tier: SGD (momentum's first step on resume)
+@pytest.mark.parametrize("cls", [pytest.param(c, marks=() if c == "AdamW" else pytest.mark.slow) for c in ROUND_TRIP])
+def test_torch_save_round_trip_and_resume_bitwise(cls):
     """With a torch scheduler: the saved slots are the live codes and absmax, and the resumed run
-    equals the uninterrupted one bit for bit (AdamW: the default tier's one 8-bit drop-in signature;
-    SGD's 8-bit kernel is in the slow tier's matrices)."""
+    equals the uninterrupted one bit for bit."""
+    kwargs, slots = ROUND_TRIP[cls]
     batches = _batches(12)
     a = _model()
-    opt = at_torch.AdamW(a.named_parameters(), lr=1e-2, state_dtype="8bit", min_8bit_size=THRESHOLD)
+    opt = getattr(at_torch, cls)(a.named_parameters(), **kwargs, state_dtype="8bit", min_8bit_size=THRESHOLD)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=8)
     _train(a, opt, batches[:6], sched)
     saved = _save_load({"model": a.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict()})
-    entry = saved["opt"]["state"][0]["exp_avg"]
-    live = opt.state[a.emb.weight]["exp_avg"]
+    entry = saved["opt"]["state"][0][slots[0]]
+    live = opt.state[a.emb.weight][slots[0]]
     assert torch.equal(entry["codes"], live["codes"]) and torch.equal(entry["absmax"], live["absmax"])
     _train(a, opt, batches[6:], sched)
 
     b = _model(seed=5)
     b.load_state_dict(saved["model"])
-    opt2 = at_torch.AdamW(b.named_parameters(), lr=1e-2, state_dtype="8bit", min_8bit_size=THRESHOLD)
+    opt2 = getattr(at_torch, cls)(b.named_parameters(), **kwargs, state_dtype="8bit", min_8bit_size=THRESHOLD)
     sched2 = torch.optim.lr_scheduler.CosineAnnealingLR(opt2, T_max=8)
     opt2.load_state_dict(saved["opt"])
     sched2.load_state_dict(saved["sched"])
@@ -216,7 +222,7 @@ def test_torch_save_round_trip_and_resume_bitwise():
     for p, q in zip(a.parameters(), b.parameters()):
         assert torch.equal(p, q)
     for p, q in zip(a.parameters(), b.parameters()):
-        for slot in ("exp_avg", "exp_avg_sq"):
+        for slot in slots:
             x, y = opt.state[p][slot], opt2.state[q][slot]
             if isinstance(x, dict):
                 assert torch.equal(x["codes"], y["codes"]) and torch.equal(x["absmax"], y["absmax"])

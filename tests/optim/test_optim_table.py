@@ -269,19 +269,21 @@ def test_maximize_cases_cover_every_optimizer():
     assert set(MAXIMIZE_CASES) == {n for n in optim.__all__ if n not in ("by_name", "Optimizer", "OptState", "SAM")}
 
 
+# float32 in the default tier (the kernels the suite's warm-up compiled); float64 in the slow tier
+# (its in-place reads are 17 signatures more)
+@pytest.mark.parametrize("dtype", [np.float32, pytest.param(np.float64, marks=pytest.mark.slow)], ids=["float32", "float64"])
 @pytest.mark.parametrize("kernels", ["numba", "reference"])
 @pytest.mark.parametrize("name", list(MAXIMIZE_CASES))
-def test_maximize_equals_the_negated_gradient_bitwise(name, kernels):
-    """``maximize=True`` fed g is the plain optimizer fed -g, bit for bit (a sign flip is exact). In
-    float32: the kernels the suite's warm-up compiled (float64 in place would be 17 signatures more)."""
+def test_maximize_equals_the_negated_gradient_bitwise(name, kernels, dtype):
+    """``maximize=True`` fed g is the plain optimizer fed -g, bit for bit (a sign flip is exact)."""
     rng = np.random.default_rng(3)
     shapes = {"w": (6, 5), "b": (5,), "e": (0,)}
-    p0 = {k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()}
+    p0 = {k: rng.standard_normal(s).astype(dtype) for k, s in shapes.items()}
     up = Engine(p0, getattr(optim, name)(maximize=True, **MAXIMIZE_CASES[name]), kernels=kernels)
     down = Engine(p0, getattr(optim, name)(**MAXIMIZE_CASES[name]), kernels=kernels)
     assert up.optimizer.hyperparameters()["maximize"] is True
     for _ in range(6):
-        g = {k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()}
+        g = {k: rng.standard_normal(s).astype(dtype) for k, s in shapes.items()}
         up.step(g)
         down.step({k: -v for k, v in g.items()})
     assert up.params.flat.tobytes() == down.params.flat.tobytes()
