@@ -14,7 +14,6 @@ the kernels themselves come from :func:`arraytrain.kernels.interface.family`, by
 
 from __future__ import annotations
 
-import importlib
 import sys
 from types import ModuleType
 
@@ -29,12 +28,29 @@ KERNEL_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 _DL_CPU, _DL_CUDA, _DL_CUDA_HOST, _DL_CUDA_MANAGED, _DL_ROCM = 1, 2, 3, 13, 10
 
 
+# The CPU executor's device arrays (ARRAYTRAIN_CUDA=cpu): NumPy arrays that stand for CuPy's.
+_STAND_IN = "arraytrain.kernels.cuda.on_cpu"
+
+
+def is_device_array(x: object) -> bool:
+    """``x`` is a CuPy array, or the CPU executor's stand-in for one; from the type alone."""
+    m = type(x).__module__
+    return m.partition(".")[0] == "cupy" or m == _STAND_IN
+
+
+def cupy():
+    """CuPy (or, with ``ARRAYTRAIN_CUDA=cpu``, the CPU executor standing for it)."""
+    from .kernels.cuda.core import cupy
+
+    return cupy()
+
+
 def backend_of(x: object) -> str:
     """``"numpy"`` or ``"cupy"`` from the type alone; never imports CuPy."""
+    if is_device_array(x):
+        return CUPY
     if isinstance(x, np.ndarray):
         return NUMPY
-    if type(x).__module__.partition(".")[0] == "cupy":
-        return CUPY
     raise BackendError(f"expected a NumPy or CuPy array, got {type(x).__name__}")
 
 
@@ -42,7 +58,7 @@ def array_module(x) -> ModuleType:
     """``numpy`` for a NumPy array, ``cupy`` for a CuPy array (imported only then)."""
     if backend_of(x) == NUMPY:
         return np
-    return importlib.import_module("cupy")
+    return cupy()
 
 
 DEVICES = ("cpu", "cuda")
@@ -64,12 +80,12 @@ def to_device(flat, device: str | None, name: str = "params"):
     if device == "cpu":
         return flat.get()
     require_cuda(name)
-    return importlib.import_module("cupy").asarray(flat)
+    return cupy().asarray(flat)
 
 
 def require_cuda(name: str = "device") -> None:
     """Raise :class:`BackendUnavailableError` unless CuPy is installed and runs a kernel on a GPU."""
-    from .kernels.cuda.core import cupy, probe
+    from .kernels.cuda.core import probe
 
     cupy()  # the install hint when CuPy is missing
     if not probe():
@@ -81,8 +97,8 @@ def require_cuda(name: str = "device") -> None:
 
 def _cupy(name: str) -> ModuleType:
     try:
-        return importlib.import_module("cupy")
-    except ImportError:
+        return cupy()
+    except BackendUnavailableError:
         raise BackendUnavailableError(
             f"{name!r}: a CUDA array was given but CuPy is not installed "
             "(pip install 'arraytrain[cuda12]' or 'arraytrain[cuda13]')"
@@ -112,15 +128,15 @@ def as_array(x: object, name: str = "array", backend: str | None = None):
     (``np.matrix``, whose ``reshape(-1)`` stays 2-D, ``np.memmap``, ...), except a
     masked array, which is refused: the kernels cannot honour its mask.
     """
-    if isinstance(x, np.ndarray):
+    if is_device_array(x):
+        _expect(CUPY, backend, name)
+        arr = x
+    elif isinstance(x, np.ndarray):
         _expect(NUMPY, backend, name)
         if isinstance(x, np.ma.MaskedArray):
             raise BackendError(f"{name!r}: a masked array; its mask cannot be applied by the kernels "
                                "(pass x.filled(0) or x.data)")
         arr = x if type(x) is np.ndarray else x.view(np.ndarray)
-    elif type(x).__module__.partition(".")[0] == "cupy":
-        _expect(CUPY, backend, name)
-        arr = x
     elif _probe(x, "__dlpack_device__", name) and _probe(x, "__dlpack__", name):
         try:
             device = int(x.__dlpack_device__()[0])

@@ -59,6 +59,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from . import backend
 from .errors import DTypeError, LayoutError, ShapeMismatchError, StateDictError
 from .kernels.interface import Q8_BLOCK
 from .owned import OwnedRange
@@ -409,11 +410,7 @@ def dequantize(codes, absmax, signed: bool):
 
 def _xp(a):
     """The array module of ``a``: CuPy for a CuPy array (already imported then), else NumPy."""
-    if type(a).__module__.partition(".")[0] == "cupy":
-        import cupy
-
-        return cupy
-    return np
+    return backend.cupy() if backend.is_device_array(a) else np
 
 
 def _host(a):

@@ -20,7 +20,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from ._checks import check_choice, check_number
-from .backend import backend_of
+from .backend import backend_of, is_device_array
 from .buffer import FlatBuffer
 from .errors import ArgumentTypeError, BackendError, DTypeError, HyperparameterError, LayoutError
 from .layout import Layout
@@ -96,7 +96,7 @@ class MaskBuffer(FlatBuffer):
 
 def _host_array(a) -> np.ndarray:
     """A mask given by the caller, on the host for validation (a CuPy array is read back)."""
-    if type(a).__module__.partition(".")[0] == "cupy":
+    if is_device_array(a):
         return a.get()
     return np.asarray(a)
 

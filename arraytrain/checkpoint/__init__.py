@@ -367,10 +367,8 @@ def _read(where: str, template) -> tuple:
         if is_cupy(want):
             arrays[key] = cupy_module(want).asarray(arrays[key])
         elif isinstance(want, Owned) and want.on_device:
-            import cupy
-
             part = arrays[key]
-            arrays[key] = OwnedRange(cupy.asarray(part.data), part.start, part.shape)
+            arrays[key] = OwnedRange(cupy_module(want).asarray(part.data), part.start, part.shape)
     return fill(tree, arrays), extra
 
 

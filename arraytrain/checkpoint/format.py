@@ -62,6 +62,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from ..backend import is_device_array
 from ..errors import CheckpointError
 from ..owned import Owned
 from ..parallel.communicator import PerRank
@@ -559,11 +560,11 @@ def _show(path: tuple) -> str:
 
 def is_cupy(x) -> bool:
     """``x`` is a CuPy array (a template's: the load moves the array read to the device)."""
-    return type(x).__module__.partition(".")[0] == "cupy"
+    return is_device_array(x)
 
 
 def cupy_module(x):
     """CuPy, imported only with a CuPy array ``x`` in hand."""
-    import cupy  # only reached with a CuPy array in hand
+    from ..backend import cupy
 
-    return cupy
+    return cupy()

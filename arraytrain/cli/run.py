@@ -164,13 +164,11 @@ def _gpu_comm(comm):
     local.Free()
 
     def select():
-        from ..backend import require_cuda
+        from ..backend import cupy, require_cuda
 
         try:
             require_cuda("--device cuda")
-            import cupy
-
-            gpus = cupy.cuda.runtime.getDeviceCount()
+            gpus = cupy().cuda.runtime.getDeviceCount()
         except ArrayTrainError as exc:
             raise usage(f"--device cuda under mpiexec: {exc}") from None
         if here > gpus:
@@ -259,12 +257,10 @@ def _to_cuda(data):
     """The data set's arrays on the current CUDA device (one explicit copy each)."""
     import dataclasses
 
-    from ..backend import require_cuda
+    from ..backend import cupy, require_cuda
 
     require_cuda("--device cuda")
-    import cupy
-
-    arrays = {f.name: cupy.asarray(getattr(data, f.name)) for f in dataclasses.fields(data)
+    arrays = {f.name: cupy().asarray(getattr(data, f.name)) for f in dataclasses.fields(data)
               if f.name.startswith(("x_", "y_"))}
     return dataclasses.replace(data, **arrays)
 

@@ -21,9 +21,9 @@ def array_namespace(*arrays) -> ModuleType:
     if len(kinds) > 1:
         raise BackendError("arrays: NumPy and CuPy arrays mixed in one call; move them to one device first")
     if kinds == {CUPY}:
-        import cupy
+        from ..backend import cupy
 
-        return cupy
+        return cupy()
     return np
 
 

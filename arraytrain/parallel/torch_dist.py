@@ -97,7 +97,7 @@ import weakref
 import numpy as np
 
 from .._checks import check_int
-from ..backend import CUPY, NUMPY, backend_of
+from ..backend import CUPY, NUMPY, backend_of, cupy
 from ..errors import ArgumentTypeError, BackendError, BackendUnavailableError, DTypeError
 from .communicator import DONE, OPS, Communicator, Pending, block_length, block_span, check_buffer
 from .deadline import Deadline, check_timeout
@@ -419,7 +419,7 @@ class TorchComm(Communicator):
     def allgather(self, x) -> list:
         """Every rank's ``x``, in rank order: views of one received ``(size, *x.shape)`` array."""
         kind = self._check(x, "x", False, False)
-        xp = np if kind == NUMPY else __import__("cupy")
+        xp = np if kind == NUMPY else cupy()
         recv = xp.empty((self.size, *x.shape), x.dtype)
         if x.size:
             with self._on_stream(x, kind)(), self.deadline.wait("allgather", recv.nbytes):

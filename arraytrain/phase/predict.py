@@ -49,7 +49,7 @@ import numpy as np
 
 from .._checks import check_count, check_int, check_number
 from ..engine.intake import ready_to_assign
-from ..backend import CUPY, NUMPY, backend_of, module_of_backend, require_cuda
+from ..backend import CUPY, NUMPY, backend_of, is_device_array, module_of_backend, require_cuda
 from ..buffer import FlatBuffer
 from ..errors import (
     AliasingError,
@@ -164,7 +164,7 @@ class GradientPredictor:
         if isinstance(obj, FlatBuffer):
             return obj.layout, obj.dtype, backend_of(obj.flat)
         if isinstance(obj, Mapping):
-            kinds = {type(a).__module__.partition(".")[0] == "cupy" for a in obj.values()}
+            kinds = {is_device_array(a) for a in obj.values()}
             if len(kinds) > 1:
                 raise BackendError("layout_or_params: NumPy and CuPy arrays mixed")
             backend = (CUPY if kinds.pop() else NUMPY) if kinds else None

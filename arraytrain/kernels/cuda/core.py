@@ -17,6 +17,7 @@ fixed tree order, so their bits do not change from run to run.
 
 from __future__ import annotations
 
+import os
 import weakref
 
 import numpy as np
@@ -45,10 +46,15 @@ __device__ __forceinline__ u16 bf16_encode(float x) {
     if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (u16)((u >> 16) | 0x40u);  // NaN stays a quiet NaN
     return (u16)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
+// float16 bits, round to nearest even (cvt.rn.f16.f32's result, in integer steps the CPU executor
+// runs too): a NaN stays a quiet NaN of its sign, from 65520 up infinity, below 2^-14 the
+// subnormals' fixed step 2^-24 (the float adder rounds |x| + 0.5, whose last place it is).
 __device__ __forceinline__ u16 f16_encode(float x) {
-    u16 h;
-    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(x));
-    return h;
+    const u32 u = __float_as_uint(x), sign = (u >> 16) & 0x8000u, a = u & 0x7FFFFFFFu;
+    if (a > 0x7F800000u) return (u16)(sign | 0x7E00u | ((a >> 13) & 0x3FFu));
+    if (a >= 0x477FF000u) return (u16)(sign | 0x7C00u);
+    if (a < 0x38800000u) return (u16)(sign | (__float_as_uint(__fadd_rn(__uint_as_float(a), 0.5f)) - 0x3F000000u));
+    return (u16)(sign | ((a + 0xFFFu + ((a >> 13) & 1u) - 0x38000000u) >> 13));
 }
 
 // -- state accessors: float/double storage as is, u16 storage as bfloat16 bits ----------
@@ -271,9 +277,21 @@ _cupy = None
 
 
 def cupy():
-    """CuPy, imported on first use; a clear error naming the extra when it is missing."""
+    """CuPy, imported on first use; a clear error naming the extra when it is missing.
+
+    With ``ARRAYTRAIN_CUDA=cpu``: :mod:`.on_cpu`, the executor of these sources on the CPU
+    (device arrays are NumPy arrays, every kernel runs on the host), which stands for CuPy.
+    """
     global _cupy
     if _cupy is None:
+        mode = os.environ.get("ARRAYTRAIN_CUDA", "")
+        if mode not in ("", "gpu", "cpu"):
+            raise ValueError(f"ARRAYTRAIN_CUDA={mode!r}: 'cpu' (the CUDA sources executed on the CPU) or unset")
+        if mode == "cpu":
+            from . import on_cpu
+
+            _cupy = on_cpu
+            return _cupy
         try:
             import cupy as cp
         except ImportError:
@@ -283,6 +301,12 @@ def cupy():
             ) from None
         _cupy = cp
     return _cupy
+
+
+def device():
+    """The current device as a cache key: CuPy's device id, or the CPU executor's (never confused)."""
+    cp = cupy()
+    return cp.__name__, cp.cuda.Device().id
 
 
 class Source:
@@ -295,17 +319,24 @@ class Source:
     def __init__(self, code: str, instances):
         self.code = HEADER + code
         self.instances = tuple(instances)
-        self._functions = {}
+        self._functions, self._modules = {}, {}
 
     def function(self, expr: str):
         """The compiled kernel for ``expr`` on the current device (compiled on first use)."""
         if expr not in self.instances:
             raise KeyError(f"{expr!r} is not a declared instance of this source")
-        cp = cupy()
-        key = (expr, cp.cuda.Device().id)
+        key = (expr, device())
         fn = self._functions.get(key)
         if fn is None:
-            mod = cp.RawModule(code=self.code, options=OPTIONS, name_expressions=(expr,))
+            cp = cupy()
+            # NVRTC compiles the instance asked for; the CPU executor every declared instance at once
+            # (one run of the host compiler per source, a tenth of the time of one per instance)
+            whole = getattr(cp, "COMPILES_WHOLE_SOURCES", False)
+            mod = self._modules.get(key[1]) if whole else None
+            if mod is None:
+                mod = cp.RawModule(code=self.code, options=OPTIONS, name_expressions=self.instances if whole else (expr,))
+                if whole:
+                    self._modules[key[1]] = mod
             fn = self._functions[key] = mod.get_function(expr)
         return fn
 
@@ -393,8 +424,7 @@ _chunk_cache: dict = {}
 
 def chunks_for(pieces: np.ndarray, size: int = CHUNK) -> Chunks:
     """The device chunk table of a Layout's ``pieces`` (built once per layout, chunk size and device)."""
-    cp = cupy()
-    key = (id(pieces), cp.cuda.Device().id, size)
+    key = (id(pieces), device(), size)
     hit = _chunk_cache.get(key)
     if hit is not None and hit[0]() is pieces:
         return hit[1]

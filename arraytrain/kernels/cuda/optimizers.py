@@ -22,7 +22,7 @@ import numpy as np
 
 from ..interface import F8, LP_NONE, Q8, Q8_BLOCK, QUANTIZED
 from . import reductions
-from .core import (CHUNK, NULL, THREADS, DeviceScale, Source, chunks_for, ctype, cupy, launch, ptr,
+from .core import (CHUNK, NULL, THREADS, DeviceScale, Source, chunks_for, ctype, cupy, device, launch, ptr,
                    refuse_grad_ptrs, seg_arg, to_host)
 
 # the 8-bit loop gives each thread one element of a block: a block of threads is a block of state
@@ -557,7 +557,7 @@ def q8_descriptor(q: Q8 | F8):
         words = (q.codes.data.ptr, q.aux.data.ptr, q.base.data.ptr, q.quant.data.ptr, q.offset.data.ptr,
                  q.qmap.data.ptr, q.table.data.ptr, (int(q.shift) & 0xFFFFFFFF) | ((int(q.bias) & 0xFFFFFFFF) << 32),
                  int(q.nb) & 0xFFFFFFFF, 0)
-    key = (cp.cuda.Device().id, words)
+    key = (device(), words)
     hit = _descriptors.get(key)
     if hit is None:
         if len(_descriptors) >= 256:
@@ -737,7 +737,7 @@ _af_cache: dict = {}
 def _af_tables(segs, rows, cols, batches) -> _AfTables:
     import weakref
 
-    key = (id(segs), cupy().cuda.Device().id)
+    key = (id(segs), device())
     hit = _af_cache.get(key)
     if hit is not None and hit[0]() is segs:
         return hit[1]
