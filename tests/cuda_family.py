@@ -7,9 +7,12 @@ kernel-vs-reference test (and to the compressors' and the predictor's tests) as 
 copies, masks) to the GPU, runs the CUDA kernel, and copies each one back into the
 array it came from; host-side tables and per-parameter hyperparameters (``pieces``,
 ``lr``, ...) stay NumPy, as the optimizers pass them. Arguments that are the same
-NumPy array share one device copy, so aliasing behaves as on the CPU. An 8-bit slot
-(:class:`arraytrain.kernels.interface.Q8` of NumPy arrays) goes over as a ``Q8`` of device copies, and its
-codes and side array come back.
+NumPy array share one device copy, so aliasing behaves as on the CPU. An 8-bit or float8 slot
+(:class:`arraytrain.kernels.interface.Q8`/``F8`` of NumPy arrays) goes over as one of device copies,
+and its codes and side array come back.
+
+With ``ARRAYTRAIN_CUDA=cpu`` "the GPU" is :mod:`arraytrain.kernels.cuda.on_cpu`: the same CUDA
+sources executed on the CPU, with the same copies to and from its device arrays.
 
 :func:`cuda_usable` probes by running a tiny kernel (CuPy imports fine without a GPU).
 """
@@ -40,9 +43,30 @@ def cuda_usable() -> bool:
     return probe()
 
 
+def device_cupy():
+    """CuPy, or the CPU executor standing for it under ``ARRAYTRAIN_CUDA=cpu``."""
+    from arraytrain.kernels.cuda.core import cupy
+
+    return cupy()
+
+
+def on_device(a) -> bool:
+    """``a`` is a device array (CuPy's, or the CPU executor's)."""
+    from arraytrain.backend import is_device_array
+
+    return is_device_array(a)
+
+
 def require_cuda() -> None:
     if not cuda_usable():
         pytest.skip("no usable CUDA device (CuPy missing, or no GPU ran the probe kernel)")
+
+
+def require_gpu() -> None:
+    """A real GPU: for tests of torch's or JAX's CUDA arrays, which the CPU executor does not stand for."""
+    require_cuda()
+    if device_cupy().__name__ == "arraytrain.kernels.cuda.on_cpu":
+        pytest.skip("needs a GPU: torch's or JAX's CUDA arrays (ARRAYTRAIN_CUDA=cpu stands for CuPy only)")
 
 
 class OnDevice:
@@ -67,9 +91,10 @@ class OnDevice:
         sig = inspect.signature(getattr(self._reference, name))
 
         def call(*args, **kwargs):
-            import cupy as cp
+            from arraytrain.kernels.cuda.core import cupy
+            from arraytrain.kernels.interface import QUANTIZED
 
-            from arraytrain.kernels.interface import Q8
+            cp = cupy()
 
             bound = sig.bind(*args, **kwargs)
             copies, q8s = {}, {}
@@ -78,10 +103,10 @@ class OnDevice:
                     if id(value) not in copies:
                         copies[id(value)] = (value, cp.asarray(value))
                     bound.arguments[key] = copies[id(value)][1]
-                elif isinstance(value, Q8):  # one device copy per slot (Adam's unused vmax is m's own)
+                elif isinstance(value, QUANTIZED):  # one device copy per slot (Adam's unused vmax is m's own)
                     if id(value) not in q8s:
-                        q8s[id(value)] = (value, Q8(*(cp.asarray(f) if isinstance(f, np.ndarray) else f
-                                                      for f in value)))
+                        q8s[id(value)] = (value, type(value)(*(cp.asarray(f) if isinstance(f, np.ndarray) else f
+                                                               for f in value)))
                     bound.arguments[key] = q8s[id(value)][1]
             out = fn(*bound.args, **bound.kwargs)
             for host, dev in copies.values():

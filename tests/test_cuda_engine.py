@@ -11,7 +11,7 @@ import pytest
 import arraytrain as at
 from arraytrain.errors import BackendError
 from conftest import OPTIMIZER_CONFIGS, engine_snapshot
-from cuda_family import require_cuda
+from cuda_family import device_cupy, on_device, require_cuda
 
 pytestmark = pytest.mark.usefixtures("gpu")
 
@@ -25,9 +25,7 @@ def gpu():
 
 
 def _cp():
-    import cupy
-
-    return cupy
+    return device_cupy()
 
 
 def _params(rng, dtype=np.float32):
@@ -51,7 +49,7 @@ def test_cuda_engine_equals_cpu_engine(row, clip):
     p0 = _params(rng)
     cpu = at.Engine(p0, _make(cls_name, kwargs), accumulation_steps=2, max_grad_norm=clip)
     gpu = at.Engine(p0, _make(cls_name, kwargs), accumulation_steps=2, max_grad_norm=clip, device="cuda")
-    assert type(gpu.params.flat).__module__.startswith("cupy")
+    assert on_device(gpu.params.flat)
     for _ in range(100):
         g = {k: (rng.standard_normal(s) * 1e3).astype(np.float32) for k, s in SHAPES.items()}
         rc = cpu.step(g)

@@ -179,7 +179,11 @@ def test_cuda_dlpack_refused_and_nothing_changes():
     assert engine_snapshot(engine) == snap
 
 
-def test_cuda_dlpack_without_cupy_is_backend_unavailable():
+def test_cuda_dlpack_without_cupy_is_backend_unavailable(monkeypatch):
+    from arraytrain.kernels.cuda import core
+
+    monkeypatch.delenv("ARRAYTRAIN_CUDA", raising=False)  # not the CPU executor standing for CuPy
+    monkeypatch.setattr(core, "_cupy", None)
     try:
         import cupy  # noqa: F401
     except ImportError:

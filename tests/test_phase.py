@@ -586,17 +586,17 @@ def test_phase_checkpoint_needs_a_phase_trainer(tmp_path):
 
 
 def test_cuda_controller_resumes_bitwise_and_follows_the_cpu(tmp_path):
-    from cuda_family import require_cuda
+    from cuda_family import device_cupy, on_device, require_cuda
 
     require_cuda()
-    import cupy
+    cupy = device_cupy()
 
     rng = np.random.default_rng(5)
     p0 = {"w": rng.standard_normal((33, 17)).astype(np.float32), "b": rng.standard_normal(17).astype(np.float32)}
     target = {k: rng.standard_normal(v.shape).astype(np.float32) for k, v in p0.items()}
 
     def run(engine, ctl, start, stop):
-        xp = cupy if engine.params.flat.__class__.__module__.startswith("cupy") else np
+        xp = cupy if on_device(engine.params.flat) else np
         goal = {k: xp.asarray(v) for k, v in target.items()}
         for _ in range(start, stop):
             if ctl.begin_step() is Phase.PREDICT:

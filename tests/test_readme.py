@@ -87,10 +87,12 @@ def test_ci_runs_the_readme_commands():
     slow = "python -m pytest -q -n auto --tier slow"
     assert f"`{slow}`" in README  # the README names the slow tier's command, which CI runs last:
     # the README's test command (the default tier), the asv smoke run (the kernels the tests compiled
-    # in numba's cache), the slow tier
+    # in numba's cache), the CUDA tests on the CPU executor (the command the README gives), the slow tier
     steps = [line for line in ci.splitlines() if line.strip() and not line.startswith(("#", "phase "))]
-    assert steps[-3] == test_command and steps[-1] == slow, steps[-3:]
-    assert steps[-2].startswith("ARRAYTRAIN_BENCH_QUICK=1 asv run --quick"), steps[-2]
+    assert steps[-4] == test_command and steps[-1] == slow, steps[-4:]
+    assert steps[-3].startswith("ARRAYTRAIN_BENCH_QUICK=1 asv run --quick"), steps[-3]
+    executor = 'ARRAYTRAIN_CUDA=cpu python -m pytest -q -n auto -k "cuda or cupy" --tier full'
+    assert steps[-2].startswith(executor) and f"`{executor}`" in README, steps[-2]
 
 
 def test_quickstart_example_trains():

@@ -34,7 +34,7 @@ from arraytrain.kernels.counter_rng import step_key, uniform_np
 from arraytrain.phase.predict import GradientPredictor
 from builders import random_params
 from conftest import assert_close, padded_layout, random_flat
-from cuda_family import OnDevice, require_cuda
+from cuda_family import OnDevice, device_cupy, on_device, require_cuda
 
 COMPRESS_ON_DEVICE = OnDevice("arraytrain.kernels.cuda.compression", compress_reference)
 PROJECT_ON_DEVICE = OnDevice("arraytrain.kernels.cuda.projection", project_reference)
@@ -46,13 +46,11 @@ def _cuda():
 
 
 def _cp():
-    import cupy
-
-    return cupy
+    return device_cupy()
 
 
 def _host(a):
-    return a.get() if type(a).__module__.partition(".")[0] == "cupy" else a
+    return a.get() if on_device(a) else a
 
 
 # -- kernels beyond the CPU tests' cases -------------------------------------------------------------
@@ -210,7 +208,7 @@ def _compare_payloads(a, b, cfg, step):
     assert a.meta == b.meta and a.nbytes == b.nbytes, (cfg, a.meta, b.meta, a.nbytes, b.nbytes)
     for name, arr in a.arrays.items():
         host, want = _host(arr), b.arrays[name]
-        assert type(arr).__module__.startswith("cupy"), f"{cfg} {name}: the payload array is not on the device"
+        assert on_device(arr), f"{cfg} {name}: the payload array is not on the device"
         assert host.dtype == want.dtype and host.shape == want.shape, (cfg, name, host.dtype, host.shape)
         msg = f"{cfg} payload[{name!r}] at call {step}"
         if cfg in TOLERANT:
@@ -232,7 +230,7 @@ def test_compressor_on_cupy_equals_numpy(cfg, dtype, rng):
         g = test_compress.flat_for(layout, dtype, rng, scale=10.0 ** (step - 1))
         x_host, x_dev = g.copy(), cp.asarray(g)
         ph, pd = host.roundtrip(x_host), dev.roundtrip(x_dev)
-        assert dev.compressor.backend == "cupy" and type(dev.residual.flat).__module__.startswith("cupy")
+        assert dev.compressor.backend == "cupy" and on_device(dev.residual.flat)
         _compare_payloads(pd, ph, cfg, step)
         if cfg in TOLERANT:
             _close_to_scale(_host(x_dev), x_host, f"{cfg} decode at call {step}")
@@ -273,7 +271,7 @@ def test_payload_crosses_devices(cfg, dtype, rng):
         p = cpu_side.compress(g)
         want = cpu_side.decompress(p)
         got = gpu_side.decompress(_to(p, cp.asarray))
-        assert type(got).__module__.startswith("cupy")
+        assert on_device(got)
         check = assert_close if cfg == "vsa" else np.testing.assert_array_equal
         check(_host(got), want, err_msg=f"{cfg}: CPU payload decoded on the GPU, call {call}")
         # the GPU encodes, the CPU decodes
@@ -315,7 +313,7 @@ def test_powersgd_on_the_device(rng):
     np.testing.assert_allclose(out, x, rtol=1e-9, atol=1e-9 * np.abs(x).max())
     np.testing.assert_allclose(out, host.decompress(host.compress(x)), rtol=1e-9, atol=1e-9 * np.abs(x).max())
     state = dev.state_dict()
-    assert all(type(a).__module__.startswith("cupy") for a in state["arrays"].values())
+    assert all(on_device(a) for a in state["arrays"].values())
     fresh = C.PowerSGD(rank=4, seed=2).bind(layout, np.float64)
     fresh.load_state_dict(state)  # a device state fixes a fresh compressor to the device
     assert fresh.backend == "cupy"

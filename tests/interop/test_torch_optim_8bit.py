@@ -471,9 +471,9 @@ def test_cuda_8bit_drop_in_follows_the_cpu_one():
     """On CUDA the engine's 8-bit kernels run the step: the parameters follow the CPU drop-in's (a code
     one off at a rounding boundary moves a value by one code, so not bitwise), and its state dict loads
     into the CPU drop-in with the codes and scales as they are."""
-    from cuda_family import require_cuda
+    from cuda_family import require_gpu
 
-    require_cuda()
+    require_gpu()
     a = _model()
     b = copy.deepcopy(a)
     a.cuda()

@@ -15,6 +15,7 @@ from arraytrain.kernels.cuda import core
 @pytest.fixture
 def no_cupy(monkeypatch):
     monkeypatch.setitem(sys.modules, "cupy", None)  # import cupy -> ImportError
+    monkeypatch.delenv("ARRAYTRAIN_CUDA", raising=False)  # not the CPU executor standing for CuPy
     monkeypatch.setattr(core, "_cupy", None)
 
 

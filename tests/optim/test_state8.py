@@ -28,6 +28,7 @@ from arraytrain.errors import HyperparameterError, StateDictError
 from arraytrain.kernels import cpu
 from arraytrain.kernels import reference as ref
 from conftest import tiered
+from cuda_family import on_device
 
 SIZES = {"z0": (0,), "one": (1,), "seven": (7,), "small": (999,), "mid": (1037,), "mat": (40, 129),
          "empty2": (3, 0), "big": (278011,), "tiny_mat": (3, 5), "z1": (0,)}
@@ -421,12 +422,10 @@ def test_refusals_change_nothing():
 
 
 def _require_cuda():
-    from cuda_family import require_cuda
+    from cuda_family import device_cupy, require_cuda
 
     require_cuda()
-    import cupy
-
-    return cupy
+    return device_cupy()
 
 
 def test_cuda_8bit_state_lives_on_the_device_and_needs_float32():
@@ -435,8 +434,8 @@ def test_cuda_8bit_state_lives_on_the_device_and_needs_float32():
         Engine({"w": cp.zeros((64, 64), cp.float64)}, optim.AdamW(state_dtype="8bit"))
     e = Engine({"w": cp.zeros((64, 64), cp.float32), "b": cp.zeros(8, cp.float32)}, optim.AdamW(state_dtype="8bit"))
     for b in e.state.slots.values():
-        assert isinstance(b, state8.Quant8Buffer) and type(b.flat).__module__.startswith("cupy")
-        assert all(type(a).__module__.startswith("cupy") for a in b.kernel_arg()[:7])
+        assert isinstance(b, state8.Quant8Buffer) and on_device(b.flat)
+        assert all(on_device(a) for a in b.kernel_arg()[:7])
     assert int(e.state.slots["exp_avg"].codes[0]) == 127  # the signed map's zero
 
 

@@ -98,13 +98,11 @@ def test_usage_error_is_printed_once_under_mpiexec(tmp_path):
 
 
 def _gpus() -> int:
-    from cuda_family import cuda_usable
+    from cuda_family import cuda_usable, device_cupy
 
     if not cuda_usable():
         return 0
-    import cupy
-
-    return cupy.cuda.runtime.getDeviceCount()
+    return device_cupy().cuda.runtime.getDeviceCount()
 
 
 def test_cuda_under_mpiexec_without_a_gpu_per_process_is_refused_once(tmp_path):

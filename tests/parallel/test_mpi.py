@@ -190,9 +190,9 @@ def test_abort_on_error_outside_a_job_lets_the_exception_through():
 
 
 def test_nccl_one_rank_on_one_gpu():
-    from cuda_family import require_cuda
+    from cuda_family import require_gpu
 
-    require_cuda()
+    require_gpu()  # NCCL
     code = textwrap.dedent("""
         import cupy as cp, numpy as np
         from arraytrain.distributed import NCCLComm

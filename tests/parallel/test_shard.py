@@ -364,10 +364,10 @@ def test_the_jax_binding_passes_shard_state_through():
 def test_sharded_state_on_cupy_buffers_follows_the_replicated_engine(state_dtype):
     """The CUDA family with sharded state (thread ranks sharing one GPU; NCCL itself needs a GPU per rank);
     8-bit state: its windows gathered into a state dict that loads back into a sharded engine."""
-    from cuda_family import require_cuda
+    from cuda_family import device_cupy, require_cuda
 
     require_cuda()
-    import cupy
+    cupy = device_cupy()
 
     def rank_run(rank, comm, shard):
         start = at.FlatBuffer.from_arrays(_params(np.float32), align=256)
@@ -390,7 +390,9 @@ def test_sharded_state_on_cupy_buffers_follows_the_replicated_engine(state_dtype
 
 def _host_entry(e):
     """A state-dict entry's arrays on the host (an 8-bit entry's codes and absmax, or the array)."""
-    import cupy
+    from cuda_family import device_cupy
+
+    cupy = device_cupy()
 
     if isinstance(e, dict):
         return {k: cupy.asnumpy(v) if hasattr(v, "get") else v for k, v in e.items()}

@@ -164,9 +164,9 @@ def test_nccl_over_cupy_buffers_one_rank_per_gpu():
 
     if not (torch.cuda.is_available() and dist.is_nccl_available()):
         pytest.skip("needs torch built with CUDA and NCCL, and a GPU")
-    from cuda_family import require_cuda
+    from cuda_family import require_gpu
 
-    require_cuda()
+    require_gpu()
     n = min(2, torch.cuda.device_count())
     proc = torchrun(n, CHECKS, "nccl", timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
