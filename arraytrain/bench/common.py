@@ -69,6 +69,10 @@ OPTIMIZERS = {
 # orthogonalises a matrix's update
 MATRIX_OPTIMIZERS = ("adafactor", "muon")
 
+#: The optimizers DeepSpeed has a fused CPU step for (ZeRO-Offload's: csrc/adam, lion, adagrad).
+DEEPSPEED_OPTIMIZERS = ("adamw", "adam", "lion", "adagrad")
+
+
 # (contestant, optimizer) pairs without an implementation, and why
 NOT_AVAILABLE = {
     **{(c, o): f"torch.optim has no {title}" for c in ("torch-foreach", "torch-fused", "torch-forloop")
@@ -79,6 +83,9 @@ NOT_AVAILABLE = {
     **{("bnb-8bit", o): f"bitsandbytes has no 8-bit {o}" for o in
        ("adafactor", "nadam", "radam", "adamax", "adadelta", "muon", "schedule_free_adamw")},
     ("bnb-8bit", "rmsprop"): "bitsandbytes' RMSprop8bit has no centered variant",
+    **{(c, o): f"DeepSpeed has no fused CPU {o}" for c in ("deepspeed", "deepspeed-working-bf16",
+                                                           "deepspeed-working-f16")
+       for o in OPTIMIZERS if o not in DEEPSPEED_OPTIMIZERS},
     ("bnb-8bit", "lamb"): "bitsandbytes' LAMB8bit is another variant (its trust ratio is not optax's)",
     ("torch-fused", "rmsprop"): "torch.optim.RMSprop has no fused implementation",
     ("torch-fused", "adafactor"): "torch.optim.Adafactor has no fused implementation",
@@ -126,6 +133,31 @@ def bnb_optimizer(opt: str, params):
             "adagrad": lambda: o.Adagrad8bit(params, **ADAGRAD),
             "rmsprop": lambda: o.RMSprop8bit(params, **RMSPROP),
             "lion": lambda: o.Lion8bit(params, **LION)}[opt]()
+
+
+def deepspeed_optimizer(opt: str, params):
+    """DeepSpeed's fused CPU optimizer ``opt`` (``DeepSpeedCPUAdam`` in AdamW or Adam mode,
+    ``DeepSpeedCPULion``, ``DeepSpeedCPUAdagrad``) over CPU torch ``params`` with the benchmark's
+    hyperparameters. A benchmark-only dependency (``DS_BUILD_OPS=0 pip install deepspeed ninja``): its
+    op is built with g++ on first use (minutes; then cached in ``~/.cache/torch_extensions``); an
+    ImportError that says why where it is missing or cannot build."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")  # no GPU: DeepSpeed's CPU accelerator
+    try:
+        from deepspeed.ops.adagrad import DeepSpeedCPUAdagrad
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+        from deepspeed.ops.lion import DeepSpeedCPULion
+    except Exception as exc:  # ImportError, or DeepSpeed's own failure to set up its accelerator
+        raise ImportError(f"deepspeed: {type(exc).__name__}: {exc}") from None
+    make = {"adamw": lambda: DeepSpeedCPUAdam(params, LR, betas=BETAS, eps=EPS, weight_decay=WD, adamw_mode=True),
+            "adam": lambda: DeepSpeedCPUAdam(params, LR, betas=BETAS, eps=EPS, weight_decay=0.0, adamw_mode=False),
+            "lion": lambda: DeepSpeedCPULion(params, LION["lr"], betas=LION["betas"],
+                                             weight_decay=LION["weight_decay"]),
+            "adagrad": lambda: DeepSpeedCPUAdagrad(params, ADAGRAD["lr"], eps=ADAGRAD["eps"],
+                                                   weight_decay=ADAGRAD["weight_decay"])}[opt]
+    try:
+        return make()
+    except Exception as exc:  # the JIT build (g++, ninja) failing
+        raise ImportError(f"deepspeed: its CPU {opt} op did not build: {type(exc).__name__}: {exc}") from None
 
 
 def arraytrain_optimizer(opt: str, state_dtype: str | None = None):

@@ -19,6 +19,14 @@ Newton-Schulz GEMMs) and Schedule-Free AdamW. Contestants:
   torch has fused kernels for AdamW, Adam, SGD and Adagrad only, and no Lion or
   LAMB); ``torch-forloop`` (not in the default set): ``foreach=False``, torch's
   per-tensor path;
+* ``deepspeed`` (not in the default set): DeepSpeed's fused CPU optimizers (``DeepSpeedCPUAdam``
+  for AdamW and Adam, ``DeepSpeedCPULion``, ``DeepSpeedCPUAdagrad``: ZeRO-Offload's step) after
+  ``clip_grad_norm_``; ``deepspeed-working-bf16`` / ``-f16``: that step, then the float32 weights
+  copied into a bfloat16 / float16 copy (``torch._foreach_copy_``), ZeRO-Offload's form, beside
+  ``arraytrain-working-*``, whose step writes the copy. A benchmark-only dependency
+  (``DS_BUILD_OPS=0 pip install deepspeed ninja``; each op builds with g++ on first use, minutes;
+  skipped with the reason where it cannot). Threads: DeepSpeed's OpenMP loops take
+  ``OMP_NUM_THREADS``, arraytrain's ``NUMBA_NUM_THREADS`` (set both to 1 for one thread);
 * ``bnb-8bit`` (not in the default set): bitsandbytes' 8-bit optimizers (AdamW8bit, Adam8bit,
   SGD8bit, Adagrad8bit, Lion8bit) on CPU tensors after ``clip_grad_norm_``;
   bitsandbytes is a benchmark-only dependency;
@@ -142,9 +150,10 @@ def make_arraytrain(opt: str, n: int, zero_grad: bool = False, state_dtype: str 
     return _warm(step, opt)
 
 
-def _torch_step(opt: str, n: int, make_optimizer, zero_grad: bool = False):
+def _torch_step(opt: str, n: int, make_optimizer, zero_grad: bool = False, then=None):
     """A torch optimizer's clipped step on CPU parameters sharing the data's memory:
-    ``make_optimizer(params)`` builds the optimizer, torch's ``clip_grad_norm_`` clips."""
+    ``make_optimizer(params)`` builds the optimizer, torch's ``clip_grad_norm_`` clips;
+    ``then(params)``, if given, returns what runs after each step."""
     import torch
 
     params, grads = make_data(n, opt=opt)
@@ -152,10 +161,13 @@ def _torch_step(opt: str, n: int, make_optimizer, zero_grad: bool = False):
     for p, g in zip(ps, grads):
         p.grad = torch.from_numpy(g)
     optimizer = make_optimizer(ps)
+    after = then(ps) if then is not None else None
 
     def step():
         torch.nn.utils.clip_grad_norm_(ps, MAX_NORM, foreach=True)
         optimizer.step()
+        if after is not None:
+            after()
         if zero_grad:
             optimizer.zero_grad(set_to_none=False)
 
@@ -550,6 +562,38 @@ def make_bnb_8bit(opt: str, n: int, zero_grad: bool = False):
     return _torch_step(opt, n, lambda ps: bnb_optimizer(opt, ps), zero_grad)
 
 
+def _deepspeed_step(name: str, opt: str, n: int, zero_grad: bool, working: str | None):
+    """DeepSpeed's fused CPU step after torch's ``clip_grad_norm_``; with ``working`` ("bfloat16" or
+    "float16") then ZeRO-Offload's copy of the float32 weights into a low-precision copy of them, a
+    separate pass (arraytrain-working-* writes it in the step)."""
+    _check_available(name, opt)
+    from .common import deepspeed_optimizer
+
+    def copy_after(ps):
+        import torch
+
+        fp32 = [p.data for p in ps]
+        copies = [torch.empty_like(p, dtype=getattr(torch, working)) for p in fp32]
+        return lambda: torch._foreach_copy_(copies, fp32)
+
+    return _torch_step(opt, n, lambda ps: deepspeed_optimizer(opt, ps), zero_grad, copy_after if working else None)
+
+
+def make_deepspeed(opt, n, zero_grad=False):
+    """DeepSpeed's fused CPU optimizer (DeepSpeedCPUAdam / CPULion / CPUAdagrad): a benchmark-only dependency."""
+    return _deepspeed_step("deepspeed", opt, n, zero_grad, None)
+
+
+def make_deepspeed_working_bf16(opt, n, zero_grad=False):
+    """DeepSpeed's step, then its float32 weights copied into a bfloat16 copy (ZeRO-Offload's form)."""
+    return _deepspeed_step("deepspeed-working-bf16", opt, n, zero_grad, "bfloat16")
+
+
+def make_deepspeed_working_f16(opt, n, zero_grad=False):
+    """DeepSpeed's step, then its float32 weights copied into a float16 copy."""
+    return _deepspeed_step("deepspeed-working-f16", opt, n, zero_grad, "float16")
+
+
 CONTESTANTS = {
     "arraytrain": make_arraytrain,
     "arraytrain-bf16": make_arraytrain_bf16,
@@ -563,6 +607,9 @@ CONTESTANTS = {
     "numpy": make_numpy,
     "optax": make_optax,
     "torch-forloop": make_torch_forloop,
+    "deepspeed": make_deepspeed,
+    "deepspeed-working-bf16": make_deepspeed_working_bf16,
+    "deepspeed-working-f16": make_deepspeed_working_f16,
 }
 DEFAULT_CONTESTANTS = ("arraytrain", "torch-foreach", "torch-fused", "numpy", "optax")
 

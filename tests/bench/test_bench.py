@@ -15,12 +15,16 @@ PAIRS = [(name, opt) for opt in common.OPTIMIZERS for name in compare.CONTESTANT
          if not name.startswith("arraytrain") and (name, opt) not in common.NOT_AVAILABLE]
 BF16 = [opt for opt in common.OPTIMIZERS if ("arraytrain-bf16", opt) not in common.NOT_AVAILABLE]
 BFLOAT16_NEWTON_SCHULZ = {("torch-forloop", "muon")}
+# DeepSpeed's Adagrad writes its update into the gradient where its SIMD loop leaves a tail (the last
+# n % 16 elements of a tensor: "STORE UPDATE TERM TO GRAD'S MEMORY", csrc/adagrad/cpu_adagrad.cpp),
+# so its second step from the same gradients differs there: compared after the one step it takes
+ONE_STEP = {(c, "adagrad") for c in ("deepspeed", "deepspeed-working-bf16", "deepspeed-working-f16")}
 NOT_MOMENTS = {"z", "max_lr", "weight_sum"}  # schedule-free's iterate and float64 weights stay as they are
 
 
 @pytest.mark.parametrize("name,opt", PAIRS, ids=[f"{n}-{o}" for n, o in PAIRS])
 def test_contestant_matches_arraytrain(name, opt):
-    """4 clipped steps (the factories take one) of 100 tensors: the same parameters.
+    """4 clipped steps (the factories take one; see ONE_STEP) of 100 tensors: the same parameters.
 
     rtol 1e-4 covers float32 rounding and the clip factor's form (torch and the
     others: max_norm / (norm + 1e-6); optax: max_norm / norm).
@@ -31,7 +35,7 @@ def test_contestant_matches_arraytrain(name, opt):
         theirs = compare.CONTESTANTS[name](opt, n)
     except ImportError as exc:
         pytest.skip(f"{name}: {exc}")
-    for _ in range(3):  # the factories took one step already
+    for _ in range(0 if (name, opt) in ONE_STEP else 3):  # the factories took one step already
         ours()
         theirs()
     start, _ = compare.make_data(n, opt=opt)
@@ -72,7 +76,9 @@ def test_every_optimizer_has_an_outside_contestant():
         outside = [c for c in compare.CONTESTANTS
                    if not c.startswith("arraytrain") and (c, opt) not in common.NOT_AVAILABLE]
         assert outside, opt
-    assert len(PAIRS) == 52  # every (contestant, optimizer) pair that the matching test checks (bnb-8bit: 5)
+    # every (contestant, optimizer) pair that the matching test checks (bnb-8bit: 5; the three DeepSpeed
+    # contestants: 4 each, skipped where DeepSpeed is not installed or its op cannot build)
+    assert len(PAIRS) == 64
 
 
 @pytest.mark.parametrize("name,opt", sorted(common.NOT_AVAILABLE))
