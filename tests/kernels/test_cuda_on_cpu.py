@@ -176,6 +176,8 @@ def test_arguments_are_checked_as_the_driver_reads_them(warps):
         fn((1,), (32,), (np.ones(4), np.int64(4), flag))
     with pytest.raises(on_cpu.LaunchError, match="2 arguments for 3 parameters"):
         fn((1,), (32,), (x, np.int64(4)))
+    with pytest.raises(on_cpu.LaunchError, match=r"argument 1 \(str\) is no kernel argument"):
+        fn((1,), (32,), (x, "4", flag))
     fn((1,), (32,), (x, 4, flag))  # a Python int is packed as int64, as CuPy packs it
     assert int(flag.get()[0]) == 0
 

@@ -348,9 +348,9 @@ static void at_call(void (*f)(A...), void** args, std::index_sequence<I...>) {
 }
 template <typename... A> struct at_kernel_of {
     static void invoke(void* f, void** args) { at_call(reinterpret_cast<void (*)(A...)>(f), args, std::index_sequence_for<A...>{}); }
-    static int sizes(long long* out) {
+    static int sizes(long long* out, int cap) {
         const long long s[] = {(long long)sizeof(typename at_unref<A>::type)..., 0LL};
-        for (size_t i = 0; i < sizeof...(A); ++i) out[i] = s[i];
+        for (size_t i = 0; i < sizeof...(A) && (int)i < cap; ++i) out[i] = s[i];
         return (int)sizeof...(A);
     }
 };
@@ -358,8 +358,8 @@ template <typename... A> static at_kernel_of<A...> at_kernel_type(void (*)(A...)
 """
 
 _ENTRY = r"""
-extern "C" __attribute__((visibility("default"))) int at_params_{i}(long long* out) {{
-    return decltype(at_kernel_type(&{expr}))::sizes(out);
+extern "C" __attribute__((visibility("default"))) int at_params_{i}(long long* out, int cap) {{
+    return decltype(at_kernel_type(&{expr}))::sizes(out, cap);
 }}
 extern "C" __attribute__((visibility("default"))) int at_launch_{i}(const unsigned int* dims, void** args, char* stacks, char* err, int n) {{
     return at_launch(reinterpret_cast<void*>(&{expr}), &decltype(at_kernel_type(&{expr}))::invoke, dims, args,
@@ -458,8 +458,10 @@ class Function:
         self.name = name
         self._launch = getattr(lib, f"at_launch_{i}")
         self._launch.restype = ctypes.c_int
-        sizes = (ctypes.c_longlong * 64)()
-        count = getattr(lib, f"at_params_{i}")(sizes)
+        sizes = (ctypes.c_longlong * 256)()  # CUDA's 4 KB of kernel parameters: at most 512 pointers; ours take < 40
+        count = getattr(lib, f"at_params_{i}")(sizes, len(sizes))
+        if count > len(sizes):
+            raise LaunchError(f"{name}: {count} parameters, more than the executor reads ({len(sizes)})")
         self.param_sizes = tuple(sizes[:count])
 
     def __call__(self, grid, block, args, shared_mem: int = 0, stream=None):
@@ -477,10 +479,11 @@ class Function:
             elif isinstance(a, np.ndarray):
                 raise LaunchError(f"{self.name}: argument {k} is a NumPy (host) array; a kernel takes device arrays")
             else:
-                v = np.asarray(a) if isinstance(a, np.generic) else _SCALARS.get(type(a), lambda x: x)(a)
-                v = np.array(v)
-                if v.dtype.kind not in "biuf" or v.ndim:
+                if not isinstance(a, np.generic) and type(a) not in _SCALARS:
                     raise LaunchError(f"{self.name}: argument {k} ({type(a).__name__}) is no kernel argument")
+                v = np.array(a if isinstance(a, np.generic) else _SCALARS[type(a)](a))
+                if v.dtype.kind not in "biuf":
+                    raise LaunchError(f"{self.name}: argument {k} ({v.dtype}) is no kernel argument")
                 if v.itemsize != size:
                     raise LaunchError(f"{self.name}: argument {k} is {v.dtype} ({v.itemsize} bytes), "
                                       f"parameter {k} is {size} bytes")
