@@ -40,12 +40,13 @@ except ImportError:  # not POSIX: no stale-file cleanup (see _clean_stale)
 
 import numpy as np
 
+from ..backend import cupy, is_device_array
 from ..engine.protocol import checked_everywhere
 from ..errors import ArgumentTypeError, CheckpointError, StateDictError
 from ..owned import Owned, OwnedRange
 from . import format as _format
 from .format import (Encoder, check_header_keys, check_optimizer_type,
-                     cupy_module, decode_metadata, dumps, fill, guard, is_cupy, match, sniff, summary, tensor_specs)
+                     decode_metadata, dumps, fill, guard, match, sniff, summary, tensor_specs)
 
 def __getattr__(name: str):
     """``safetensors`` and its NumPy API (``_st_numpy``) as module attributes, imported on first use."""
@@ -364,11 +365,11 @@ def _read(where: str, template) -> tuple:
                                       f"expected {want.dtype}{want.shape}")
     # a CUDA engine: loading is the explicit move to the device, after every check passed
     for key, want in checks:
-        if is_cupy(want):
-            arrays[key] = cupy_module(want).asarray(arrays[key])
+        if is_device_array(want):
+            arrays[key] = cupy().asarray(arrays[key])
         elif isinstance(want, Owned) and want.on_device:
             part = arrays[key]
-            arrays[key] = OwnedRange(cupy_module(want).asarray(part.data), part.start, part.shape)
+            arrays[key] = OwnedRange(cupy().asarray(part.data), part.start, part.shape)
     return fill(tree, arrays), extra
 
 

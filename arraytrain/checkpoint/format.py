@@ -138,7 +138,7 @@ class Encoder:
             return x if math.isfinite(x) else {"$float": _float_text(x)}
         if isinstance(node, np.ndarray):
             return {"$tensor": self._tensor(node, path)}
-        if is_cupy(node):  # a CUDA engine's state: saving is the explicit move to the host
+        if is_device_array(node):  # a CUDA engine's state: saving is the explicit move to the host
             return {"$tensor": self._tensor(node.get(), path)}
         raise self.error(f"{_show(path)}: cannot store a {type(node).__name__} (expected an array, None, bool, "
                          "int, float, str, list, tuple or str-keyed mapping)")
@@ -188,7 +188,7 @@ def summary(tree, tensors: dict) -> str:
         parts.append(f"{opt['type']}({args})" + (f", step {opt['step']}" if "step" in opt else ""))
     params = tree.get("params") if isinstance(tree, Mapping) else None
     if isinstance(params, Mapping):
-        arrays = [a for a in params.values() if isinstance(a, np.ndarray) or is_cupy(a)]
+        arrays = [a for a in params.values() if isinstance(a, np.ndarray) or is_device_array(a)]
         dtypes = ", ".join(sorted({str(a.dtype) for a in arrays}))
         size = f"{len(params)} parameters, {sum(a.size for a in arrays)} elements"
         parts.append(size + (f", {dtypes}" if dtypes else ""))
@@ -412,7 +412,7 @@ def _what(x) -> str:
 
 
 def _has_arrays(node) -> bool:
-    if isinstance(node, (np.ndarray, _Ref, Owned)) or is_cupy(node):
+    if isinstance(node, (np.ndarray, _Ref, Owned)) or is_device_array(node):
         return True
     if isinstance(node, Mapping):
         return any(_has_arrays(v) for v in node.values())
@@ -445,7 +445,7 @@ def match(where: str, path: tuple, got, want, specs: dict, checks: list) -> None
             fail(f"the checkpoint holds arrays where the engine holds {_what(want)}")
     elif _q8_conversion(got, want):  # quantized optimizer state into float slots or another codec's, or floats into it
         match(where, path, got, _q8_template(got, want, specs), specs, checks)
-    elif isinstance(want, (np.ndarray, Owned)) or is_cupy(want):
+    elif isinstance(want, (np.ndarray, Owned)) or is_device_array(want):
         if not isinstance(got, _Ref):
             fail(f"the engine holds an array, the checkpoint {_what(got)}")
         shape, code = specs[got.key]
@@ -492,7 +492,7 @@ def _q8_conversion(got, want) -> bool:
     the file's own form is matched here."""
     from ..lowbit import is_q8_entry
 
-    if (isinstance(want, (np.ndarray, Owned)) or is_cupy(want)) and isinstance(got, dict) and is_q8_entry(got):
+    if (isinstance(want, (np.ndarray, Owned)) or is_device_array(want)) and isinstance(got, dict) and is_q8_entry(got):
         return True  # read whole: the engine decodes it
     if isinstance(got, dict) and is_q8_entry(got) and isinstance(want, Mapping) and is_q8_entry(want):
         return got["map"] != want["map"]  # re-encoded by the engine
@@ -556,15 +556,3 @@ def _show(path: tuple) -> str:
         return "state"
     head, *rest = path
     return (head if isinstance(head, str) else f"[{head}]") + "".join(f"[{p!r}]" for p in rest)
-
-
-def is_cupy(x) -> bool:
-    """``x`` is a CuPy array (a template's: the load moves the array read to the device)."""
-    return is_device_array(x)
-
-
-def cupy_module(x):
-    """CuPy, imported only with a CuPy array ``x`` in hand."""
-    from ..backend import cupy
-
-    return cupy()

@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from arraytrain.errors import HyperparameterError
 from arraytrain.kernels.cuda import core, on_cpu
 from arraytrain.kernels.cuda.on_cpu import runtime
 
@@ -193,8 +194,9 @@ def test_the_environment_variable_selects_it(monkeypatch):
     assert core.cupy() is on_cpu and core.probe()
     monkeypatch.setattr(core, "_cupy", None)
     monkeypatch.setenv("ARRAYTRAIN_CUDA", "yes")
-    with pytest.raises(ValueError, match="ARRAYTRAIN_CUDA='yes'"):
+    with pytest.raises(HyperparameterError, match="ARRAYTRAIN_CUDA='yes'"):
         core.cupy()
+    assert core._cupy is None  # nothing chosen
 
 
 def test_device_arrays_behave_as_cupy_arrays():

@@ -22,7 +22,7 @@ import weakref
 
 import numpy as np
 
-from ...errors import BackendUnavailableError
+from ...errors import BackendUnavailableError, HyperparameterError
 
 THREADS = 256
 # Elements per block in element-wise kernels: 16 per thread, and ~2.4e4 blocks at 1e8
@@ -285,8 +285,9 @@ def cupy():
     global _cupy
     if _cupy is None:
         mode = os.environ.get("ARRAYTRAIN_CUDA", "")
-        if mode not in ("", "gpu", "cpu"):
-            raise ValueError(f"ARRAYTRAIN_CUDA={mode!r}: 'cpu' (the CUDA sources executed on the CPU) or unset")
+        if mode not in ("", "cpu"):
+            raise HyperparameterError(f"ARRAYTRAIN_CUDA={mode!r}: 'cpu' (the CUDA sources executed on the CPU) "
+                                      "or unset")
         if mode == "cpu":
             from . import on_cpu
 

@@ -20,6 +20,7 @@ import types
 
 import numpy as np
 
+from ....backend import GPU_DLPACK_DEVICES
 from ....errors import BackendUnavailableError
 from .runtime import Module as RawModule  # noqa: F401
 from .runtime import CompileError, LaunchError  # noqa: F401
@@ -81,7 +82,7 @@ def _device(a) -> DeviceArray:
 def _host_only(a):
     """Refuse another library's GPU array: there is no GPU memory here to read it from."""
     dl = getattr(a, "__dlpack_device__", None)
-    if hasattr(a, "__cuda_array_interface__") or (dl is not None and int(dl()[0]) in (2, 3, 10, 13)):
+    if hasattr(a, "__cuda_array_interface__") or (dl is not None and int(dl()[0]) in GPU_DLPACK_DEVICES):
         raise BackendUnavailableError(f"a GPU array ({type(a).__name__}): the CPU executor (ARRAYTRAIN_CUDA=cpu) "
                                       "stands for CuPy's own arrays, in host memory")
 
@@ -92,10 +93,6 @@ def asarray(a, dtype=None, order=None) -> DeviceArray:
         return a
     _host_only(a)
     return np.array(np.asarray(a), dtype=dtype, order=order or "K", copy=True).view(DeviceArray)
-
-
-def array(a, dtype=None, copy=True, order="K") -> DeviceArray:
-    return np.array(np.asarray(a), dtype=dtype, copy=True, order=order).view(DeviceArray)
 
 
 def from_dlpack(a) -> DeviceArray:

@@ -382,17 +382,14 @@ def translation_unit(code: str, exprs) -> str:
     return head + PRELUDE + "\n#line 1 \"cuda-source\"\n" + code + "\n" + entries
 
 
-_build_lock = threading.Lock()
-
-
 def build(code: str, options, exprs) -> str:
     """The shared library of ``code`` with entries for ``exprs`` (compiled once, then from the cache)."""
     extra = tuple(o for o in options if o.startswith("-D"))  # -std= etc. are NVRTC's; the host build sets its own
     unit = translation_unit(code, exprs)
     key = hashlib.sha256("\0".join((CXX, *FLAGS, *extra, unit)).encode()).hexdigest()[:32]
     path = os.path.join(_cache_dir(), f"{key}.so")
-    with _build_lock, open(path + ".lock", "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # another process building the same library: wait for it
+    with open(path + ".lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # another process or thread building the same library: wait for it
         if os.path.exists(path):
             return path
         with tempfile.TemporaryDirectory(dir=_cache_dir()) as tmp:
