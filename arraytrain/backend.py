@@ -19,15 +19,12 @@ from types import ModuleType
 
 import numpy as np
 
+from . import _dlpack
 from .errors import BackendError, BackendUnavailableError, DTypeError, HyperparameterError
 
 NUMPY, CUPY = "numpy", "cupy"
 KERNEL_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 
-# DLPack device types (dlpack.h): CPU, CUDA, CUDA host-pinned, CUDA managed, ROCm.
-_DL_CPU, _DL_CUDA, _DL_CUDA_HOST, _DL_CUDA_MANAGED, _DL_ROCM = 1, 2, 3, 13, 10
-#: The DLPack devices whose memory is a GPU's (read through CuPy); CPU and CUDA-pinned host memory NumPy reads.
-GPU_DLPACK_DEVICES = (_DL_CUDA, _DL_CUDA_MANAGED, _DL_ROCM)
 
 
 # The CPU executor's device arrays (ARRAYTRAIN_CUDA=cpu): NumPy arrays that stand for CuPy's.
@@ -144,10 +141,10 @@ def as_array(x: object, name: str = "array", backend: str | None = None):
             device = int(x.__dlpack_device__()[0])
         except Exception as exc:  # a broken exporter
             raise BackendError(f"{name!r}: __dlpack_device__ failed: {exc}") from None
-        if device in (_DL_CPU, _DL_CUDA_HOST):
+        if device in _dlpack.HOST_DEVICES:
             _expect(NUMPY, backend, name)
             reader = np.from_dlpack
-        elif device in GPU_DLPACK_DEVICES:
+        elif device in _dlpack.GPU_DEVICES:
             _expect(CUPY, backend, name)
             reader = _cupy(name).from_dlpack
         else:

@@ -20,7 +20,7 @@ import types
 
 import numpy as np
 
-from ....backend import GPU_DLPACK_DEVICES
+from ...._dlpack import GPU_DEVICES
 from ....errors import BackendUnavailableError
 from .runtime import Module as RawModule  # noqa: F401
 from .runtime import CompileError, LaunchError  # noqa: F401
@@ -82,7 +82,7 @@ def _device(a) -> DeviceArray:
 def _host_only(a):
     """Refuse another library's GPU array: there is no GPU memory here to read it from."""
     dl = getattr(a, "__dlpack_device__", None)
-    if hasattr(a, "__cuda_array_interface__") or (dl is not None and int(dl()[0]) in GPU_DLPACK_DEVICES):
+    if hasattr(a, "__cuda_array_interface__") or (dl is not None and int(dl()[0]) in GPU_DEVICES):
         raise BackendUnavailableError(f"a GPU array ({type(a).__name__}): the CPU executor (ARRAYTRAIN_CUDA=cpu) "
                                       "stands for CuPy's own arrays, in host memory")
 
